@@ -1,0 +1,194 @@
+"""Intervals, boxes and tensor types (section 3.1 of the paper).
+
+A tensor type has a rank, lower and upper bounds, a dtype and a name per
+dimension.  Users build zero-bounded types; projections keep their offsets so a
+sub-tensor always knows where it sits inside the whole.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from relational_tensors.core.dtypes import canonical_dtype, itemsize
+from relational_tensors.errors import GraphError, SpecError
+
+__all__ = ["Interval", "Box", "TensorType", "tensorDesc"]
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Interval:
+    """The half-open integer range ``[lo, hi)``.
+
+    >>> Interval(2, 5).size, Interval(2, 5).intersect(Interval(4, 9))
+    (3, Interval(lo=4, hi=5))
+    """
+
+    lo: int
+    hi: int
+
+    def __post_init__(self) -> None:
+        if self.hi < self.lo:
+            raise SpecError(f"an interval needs lo <= hi; got [{self.lo}, {self.hi}).")
+
+    @property
+    def size(self) -> int:
+        return self.hi - self.lo
+
+    def intersect(self, other: Interval) -> Interval:
+        lo, hi = max(self.lo, other.lo), min(self.hi, other.hi)
+        return Interval(lo, max(lo, hi))
+
+    def shift(self, by: int) -> Interval:
+        return Interval(self.lo + by, self.hi + by)
+
+    def __str__(self) -> str:
+        return f"[{self.lo},{self.hi})"
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """A rectangular index set: the product of one interval per dimension.
+
+    >>> b = Box((0, 4), (2, 8)); b.shape, b.volume
+    ((2, 4), 8)
+    """
+
+    lower: tuple[int, ...]
+    upper: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.lower) != len(self.upper) or any(u < l for l, u in zip(self.lower, self.upper)):
+            raise SpecError(f"a box needs lower <= upper per dimension; got {self.lower} .. {self.upper}.")
+
+    @staticmethod
+    def from_intervals(intervals: Iterable[Interval]) -> Box:
+        ivs = tuple(intervals)
+        return Box(tuple(i.lo for i in ivs), tuple(i.hi for i in ivs))
+
+    @staticmethod
+    def of_shape(shape: Sequence[int]) -> Box:
+        return Box((0,) * len(shape), tuple(int(s) for s in shape))
+
+    @property
+    def rank(self) -> int:
+        return len(self.lower)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(u - l for l, u in zip(self.lower, self.upper))
+
+    @property
+    def volume(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_empty(self) -> bool:
+        return any(u == l for l, u in zip(self.lower, self.upper))
+
+    def interval(self, dim: int) -> Interval:
+        return Interval(self.lower[dim], self.upper[dim])
+
+    def intervals(self) -> tuple[Interval, ...]:
+        return tuple(Interval(l, u) for l, u in zip(self.lower, self.upper))
+
+    def contains(self, other: Box) -> bool:
+        return all(a <= c and d <= b for a, b, c, d in zip(self.lower, self.upper, other.lower, other.upper))
+
+    def intersect(self, other: Box) -> Box:
+        return Box.from_intervals(a.intersect(b) for a, b in zip(self.intervals(), other.intervals()))
+
+    def overlaps(self, other: Box) -> bool:
+        return not self.intersect(other).is_empty
+
+    def slices(self, within: Box | None = None) -> tuple[slice, ...]:
+        """Index of this box inside an array that holds ``within`` (default: origin 0)."""
+        origin = within.lower if within is not None else (0,) * self.rank
+        return tuple(slice(l - o, u - o) for l, u, o in zip(self.lower, self.upper, origin))
+
+    def __str__(self) -> str:
+        return "x".join(str(i) for i in self.intervals())
+
+
+@dataclass(frozen=True, slots=True)
+class TensorType:
+    """Rank, bounds, named indices and dtype of a tensor.
+
+    >>> t = TensorType.zero((4, 6), "float32", ("rows", "cols")); t.shape, t.nbytes
+    ((4, 6), 96)
+    """
+
+    lower: tuple[int, ...]
+    upper: tuple[int, ...]
+    dtype: str
+    names: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not (len(self.lower) == len(self.upper) == len(self.names)):
+            raise GraphError(
+                f"a tensor type needs one lower bound, upper bound and name per dimension; "
+                f"got lower={self.lower}, upper={self.upper}, names={self.names}."
+            )
+        if len(set(self.names)) != len(self.names):
+            raise GraphError(f"the dimension names of a tensor must be distinct; got {self.names}.")
+
+    @staticmethod
+    def zero(shape: Sequence[int], dtype: object = "float32", names: Sequence[str] | None = None) -> TensorType:
+        shape = tuple(shape)
+        for s in shape:
+            if not isinstance(s, int) or isinstance(s, bool) or s <= 0:
+                raise GraphError(
+                    f"tensor dimensions must be positive integers; got shape {shape}. "
+                    "Give every dimension a size of at least 1."
+                )
+        names = tuple(names) if names is not None else tuple(f"d{i}" for i in range(len(shape)))
+        if len(names) != len(shape):
+            raise GraphError(f"give one name per dimension; got shape {shape} and names {names}.")
+        return TensorType((0,) * len(shape), shape, canonical_dtype(dtype), names)
+
+    @property
+    def rank(self) -> int:
+        return len(self.upper)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(u - l for l, u in zip(self.lower, self.upper))
+
+    @property
+    def box(self) -> Box:
+        return Box(self.lower, self.upper)
+
+    @property
+    def volume(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.volume * itemsize(self.dtype)
+
+    def project(self, box: Box) -> TensorType:
+        if not self.box.contains(box):
+            raise SpecError(f"a projection must lie inside its type; got {box} outside {self.box}.")
+        return TensorType(box.lower, box.upper, self.dtype, self.names)
+
+    def with_(self, *, shape: Sequence[int] | None = None, dtype: str | None = None,
+              names: Sequence[str] | None = None) -> TensorType:
+        shape = tuple(shape) if shape is not None else self.shape
+        if names is None:
+            names = self.names if len(shape) == self.rank else None
+        return TensorType.zero(shape, dtype or self.dtype, names)
+
+    def __str__(self) -> str:
+        dims = ", ".join(f"{n}={s}" for n, s in zip(self.names, self.shape))
+        return f"{self.dtype}[{dims}]"
+
+
+def tensorDesc(shape: Sequence[int], dtype: object = "float32", names: Sequence[str] | None = None) -> TensorType:
+    """The paper's spelling of a zero-bounded tensor type.
+
+    >>> tensorDesc([8, 16], "float16").shape
+    (8, 16)
+    """
+    return TensorType.zero(tuple(int(s) if not isinstance(s, bool) and isinstance(s, int) else s for s in shape),
+                           dtype, names)

@@ -1,0 +1,340 @@
+"""The graph users write against, in the paper's spelling and a Pythonic one.
+
+>>> import relational_tensors as rt
+>>> g = rt.Graph()
+>>> x = g.input("x", [4, 8]); w = g.parameter("w", [8, 2])
+>>> y = g.save(g.unary(g.matmul(x, w), "relu"), name="y")
+>>> [n.kind for n in g.nodes]
+['input', 'parameter', 'matmul', 'unary']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Sequence
+
+from relational_tensors.core.types import TensorType, tensorDesc
+from relational_tensors.errors import GraphError
+from relational_tensors.sql_specs import (
+    AttentionOp, BinaryOp, ConcatOp, EinsumOp, EmbeddingOp, LayernormOp, MatmulOp, Operator, PermuteOp,
+    ReduceOp, ReshapeOp, RmsnormOp, RopeOp, SliceOp, SoftmaxOp, SqlJoinOp, SwigluOp, UnaryOp,
+)
+from relational_tensors.sql_specs.common import normalize_axis
+
+__all__ = ["Graph", "Node", "Tensor", "createGraph"]
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One vertex: a graph input (``op`` is None) or an abstract operator applied to earlier nodes."""
+
+    id: int
+    name: str
+    type: TensorType
+    op: Operator | None = None
+    inputs: tuple[int, ...] = ()
+    role: str = "op"  # "input", "parameter" or "op"
+
+    @property
+    def kind(self) -> str:
+        return self.op.kind if self.op is not None else self.role
+
+
+class Tensor:
+    """A handle on a node's output; arithmetic operators add nodes to its graph."""
+
+    __slots__ = ("graph", "id")
+
+    def __init__(self, graph: Graph, node_id: int) -> None:
+        self.graph = graph
+        self.id = node_id
+
+    @property
+    def node(self) -> Node:
+        return self.graph.nodes[self.id]
+
+    @property
+    def type(self) -> TensorType:
+        return self.node.type
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.type.shape
+
+    @property
+    def dtype(self) -> str:
+        return self.type.dtype
+
+    @property
+    def rank(self) -> int:
+        return self.type.rank
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+    def __add__(self, other: Tensor) -> Tensor:
+        return self.graph.add(self, other)
+
+    def __sub__(self, other: Tensor) -> Tensor:
+        return self.graph.sub(self, other)
+
+    def __mul__(self, other: Tensor) -> Tensor:
+        return self.graph.mul(self, other)
+
+    def __truediv__(self, other: Tensor) -> Tensor:
+        return self.graph.div(self, other)
+
+    def __matmul__(self, other: Tensor) -> Tensor:
+        return self.graph.matmul(self, other)
+
+    def __repr__(self) -> str:
+        return f"Tensor({self.name!r}, {self.type})"
+
+
+class Graph:
+    """A DAG of abstract operators over zero-bounded tensors; see the module docstring."""
+
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+        self.outputs: dict[str, int] = {}
+        self._names: set[str] = set()
+
+    # --- inputs and outputs ------------------------------------------------
+    def input(self, name: str, shape: Sequence[int], dtype: object = "float32",
+              dims: Sequence[str] | None = None) -> Tensor:
+        """A graph input (activations, ids) named ``name``."""
+        return self._leaf(name, TensorType.zero(tuple(shape), dtype, dims), "input")
+
+    def parameter(self, name: str, shape: Sequence[int], dtype: object = "float32",
+                  dims: Sequence[str] | None = None) -> Tensor:
+        """A graph input that holds weights; planned like an input, labelled as a parameter."""
+        return self._leaf(name, TensorType.zero(tuple(shape), dtype, dims), "parameter")
+
+    def insertTensor(self, desc: TensorType, name: str | None = None) -> Tensor:
+        """The paper's spelling of ``input``: ``g.insertTensor(rt.tensorDesc(shape, dtype))``."""
+        if not isinstance(desc, TensorType):
+            raise GraphError(f"insertTensor takes an rt.tensorDesc(shape, dtype); got {type(desc).__name__}.")
+        return self._leaf(name or f"input_{len(self.nodes)}", desc, "input")
+
+    def save(self, t: Tensor, name: str | None = None) -> Tensor:
+        """Mark ``t`` as an output that stays available after execution."""
+        self._own(t)
+        name = name or t.name
+        if name in self.outputs and self.outputs[name] != t.id:
+            raise GraphError(f"output names must be unique; {name!r} is already saved.")
+        self.outputs[name] = t.id
+        return t
+
+    # --- contractions --------------------------------------------------------
+    def matmul(self, a: Tensor, b: Tensor, name: str | None = None) -> Tensor:
+        """``a[..., i, j] @ b[j, k]`` or batched ``a[..., i, j] @ b[..., j, k]``."""
+        return self._op(MatmulOp((self._t(a), self._t(b))), (a, b), name)
+
+    def einsum(self, spec: str, *xs: Tensor, name: str | None = None) -> Tensor:
+        """A contraction given by an einsum string, e.g. ``g.einsum("bij,jk->bik", x, w)``."""
+        return self._op(EinsumOp(tuple(self._t(x) for x in xs), spec), xs, name)
+
+    def sql(self, query: str, name: str | None = None, **tensors: Tensor | tuple[Tensor, Sequence[str]]) -> Tensor:
+        """An operator defined by a SQL join-aggregate over tensor relations.
+
+        Each tensor is a relation with one column per dimension (named by the
+        tensor's dimension names, or by the names given as ``A=(t, ("i", "j"))``)
+        and a value column ``v``.
+        """
+        handles, types, columns = [], [], []
+        for rel, value in tensors.items():
+            t, cols = (value if isinstance(value, tuple) else (value, None))
+            handles.append(t)
+            types.append(self._t(t))
+            columns.append((rel, tuple(cols) if cols is not None else t.type.names))
+        return self._op(SqlJoinOp(tuple(types), query, tuple(columns)), handles, name)
+
+    # --- elementwise ---------------------------------------------------------
+    def unary(self, x: Tensor, op: str, arg: float | str = 0.0, name: str | None = None) -> Tensor:
+        """Elementwise ``op`` (relu, gelu, silu, exp, neg, scale by ``arg``, cast to ``arg``, ...)."""
+        return self._op(UnaryOp((self._t(x),), op, arg), (x,), name)
+
+    def cast(self, x: Tensor, dtype: str, name: str | None = None) -> Tensor:
+        return self.unary(x, "cast", dtype, name)
+
+    def binary(self, x: Tensor, y: Tensor, op: str, name: str | None = None) -> Tensor:
+        return self._op(BinaryOp((self._t(x), self._t(y)), op), (x, y), name)
+
+    def add(self, x: Tensor, y: Tensor, name: str | None = None) -> Tensor:
+        return self.binary(x, y, "add", name)
+
+    def sub(self, x: Tensor, y: Tensor, name: str | None = None) -> Tensor:
+        return self.binary(x, y, "sub", name)
+
+    def mul(self, x: Tensor, y: Tensor, name: str | None = None) -> Tensor:
+        return self.binary(x, y, "mul", name)
+
+    def div(self, x: Tensor, y: Tensor, name: str | None = None) -> Tensor:
+        return self.binary(x, y, "div", name)
+
+    def swiglu(self, a: Tensor, b: Tensor, name: str | None = None) -> Tensor:
+        """``silu(a) * b``."""
+        return self._op(SwigluOp((self._t(a), self._t(b))), (a, b), name)
+
+    # --- reductions and row-wise ops ------------------------------------------
+    def _reduce(self, op: str, x: Tensor, axis: int | Sequence[int], keepdims: bool, name: str | None) -> Tensor:
+        axes = (axis,) if isinstance(axis, int) else tuple(axis)
+        return self._op(ReduceOp((self._t(x),), op, axes, keepdims), (x,), name)
+
+    def sum(self, x: Tensor, axis: int | Sequence[int] = -1, keepdims: bool = False, name: str | None = None) -> Tensor:
+        return self._reduce("sum", x, axis, keepdims, name)
+
+    def max(self, x: Tensor, axis: int | Sequence[int] = -1, keepdims: bool = False, name: str | None = None) -> Tensor:
+        return self._reduce("max", x, axis, keepdims, name)
+
+    def min(self, x: Tensor, axis: int | Sequence[int] = -1, keepdims: bool = False, name: str | None = None) -> Tensor:
+        return self._reduce("min", x, axis, keepdims, name)
+
+    def mean(self, x: Tensor, axis: int | Sequence[int] = -1, keepdims: bool = False, name: str | None = None) -> Tensor:
+        return self._reduce("mean", x, axis, keepdims, name)
+
+    def softmax(self, x: Tensor, axis: int = -1, name: str | None = None) -> Tensor:
+        return self._op(SoftmaxOp((self._t(x),), axis), (x,), name)
+
+    def rmsnorm(self, x: Tensor, w: Tensor, eps: float = 1e-6, name: str | None = None) -> Tensor:
+        return self._op(RmsnormOp((self._t(x), self._t(w)), eps), (x, w), name)
+
+    def layernorm(self, x: Tensor, w: Tensor, b: Tensor, eps: float = 1e-5, name: str | None = None) -> Tensor:
+        return self._op(LayernormOp((self._t(x), self._t(w), self._t(b)), eps), (x, w, b), name)
+
+    def rope(self, x: Tensor, base: float = 10000.0, seq_ends: Sequence[int] | None = None,
+             name: str | None = None) -> Tensor:
+        """Rotary embedding of x[batch, seq, heads, d_head] (rotate-half convention)."""
+        ends = tuple(seq_ends) if seq_ends is not None else None
+        return self._op(RopeOp((self._t(x),), float(base), ends), (x,), name)
+
+    # --- layout ---------------------------------------------------------------
+    def reshape(self, x: Tensor, shape: Sequence[int], name: str | None = None,
+                dims: Sequence[str] | None = None) -> Tensor:
+        """Row-major reshape; one dimension may be -1."""
+        shape = list(shape)
+        if shape.count(-1) > 1:
+            raise GraphError(f"reshape takes at most one -1; got {tuple(shape)}.")
+        if -1 in shape:
+            known = 1
+            for s in shape:
+                known *= s if s != -1 else 1
+            if known <= 0 or self._t(x).volume % known:
+                raise GraphError(
+                    f"reshape must preserve the number of elements; got {x.shape} ({self._t(x).volume} elements) "
+                    f"-> {tuple(shape)}."
+                )
+            shape[shape.index(-1)] = self._t(x).volume // known
+        return self._op(ReshapeOp((self._t(x),), tuple(shape), tuple(dims) if dims else None), (x,), name)
+
+    def permute(self, x: Tensor, perm: Sequence[int], name: str | None = None) -> Tensor:
+        perm = tuple(int(p) % x.rank if isinstance(p, int) and -x.rank <= p < x.rank else p for p in perm)
+        return self._op(PermuteOp((self._t(x),), perm), (x,), name)  # type: ignore[arg-type]
+
+    def transpose(self, x: Tensor, a: int = -2, b: int = -1, name: str | None = None) -> Tensor:
+        a, b = normalize_axis("transpose", a, self._t(x)), normalize_axis("transpose", b, self._t(x))
+        perm = list(range(x.rank))
+        perm[a], perm[b] = perm[b], perm[a]
+        return self.permute(x, perm, name)
+
+    def slice(self, x: Tensor, axis: int, start: int, stop: int, name: str | None = None) -> Tensor:
+        return self._op(SliceOp((self._t(x),), axis, start, stop), (x,), name)
+
+    def concat(self, xs: Sequence[Tensor], axis: int = 0, name: str | None = None) -> Tensor:
+        if not xs:
+            raise GraphError("concat needs at least one tensor; got none.")
+        return self._op(ConcatOp(tuple(self._t(x) for x in xs), axis), tuple(xs), name)
+
+    def embedding(self, table: Tensor, ids: Tensor, name: str | None = None) -> Tensor:
+        return self._op(EmbeddingOp((self._t(table), self._t(ids))), (table, ids), name)
+
+    # --- attention --------------------------------------------------------------
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
+                  seq_ends: Sequence[int] | None = None, scale: float | None = None,
+                  name: str | None = None) -> Tensor:
+        """Attention over q[b, s, hq, d], k/v[b, s_kv, hkv, d] (GQA, causal, packed sequences)."""
+        ends = tuple(seq_ends) if seq_ends is not None else None
+        op = AttentionOp((self._t(q), self._t(k), self._t(v)), bool(causal), ends, None if scale is None else float(scale))
+        return self._op(op, (q, k, v), name)
+
+    # --- inspection ---------------------------------------------------------------
+    @property
+    def inputs(self) -> list[Node]:
+        return [n for n in self.nodes if n.op is None]
+
+    @property
+    def operators(self) -> list[Node]:
+        return [n for n in self.nodes if n.op is not None]
+
+    def consumers(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {n.id: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in n.inputs:
+                out[i].append(n.id)
+        return out
+
+    def node(self, name: str) -> Node:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise GraphError(f"no node named {name!r}; nodes are {[n.name for n in self.nodes]}.")
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self.nodes)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __str__(self) -> str:
+        lines = []
+        for n in self.nodes:
+            args = ", ".join(self.nodes[i].name for i in n.inputs)
+            saved = [k for k, v in self.outputs.items() if v == n.id]
+            tail = f"  -> saved as {', '.join(saved)}" if saved else ""
+            lines.append(f"{n.name:<16} = {n.kind}({args}) : {n.type}{tail}")
+        return "\n".join(lines)
+
+    # --- internals ----------------------------------------------------------------
+    def _t(self, t: object) -> TensorType:
+        self._own(t)
+        return t.type  # type: ignore[union-attr]
+
+    def _own(self, t: object) -> None:
+        if not isinstance(t, Tensor) or t.graph is not self:
+            raise GraphError(f"operands must be tensors of this graph; got {t!r}.")
+
+    def _fresh(self, name: str | None, kind: str) -> str:
+        if name is None:
+            n = len(self.nodes)
+            name = f"{kind}_{n}"
+            while name in self._names:
+                n += 1
+                name = f"{kind}_{n}"
+        elif name in self._names:
+            raise GraphError(f"node names must be unique; {name!r} is already used.")
+        self._names.add(name)
+        return name
+
+    def _leaf(self, name: str, t: TensorType, role: str) -> Tensor:
+        if not isinstance(name, str) or not name:
+            raise GraphError(f"inputs need a non-empty name; got {name!r}.")
+        node = Node(len(self.nodes), self._fresh(name, role), t, None, (), role)
+        self.nodes.append(node)
+        return Tensor(self, node.id)
+
+    def _op(self, op: Operator, operands: Sequence[Tensor], name: str | None) -> Tensor:
+        for t in operands:
+            self._own(t)
+        node = Node(len(self.nodes), self._fresh(name, op.kind), op.output_type, op, tuple(t.id for t in operands))
+        self.nodes.append(node)
+        return Tensor(self, node.id)
+
+
+def createGraph() -> Graph:
+    """The paper's spelling of ``Graph()``."""
+    return Graph()
+
+
+# re-exported for the paper's spelling
+tensorDesc = tensorDesc

@@ -1,0 +1,76 @@
+"""Ready-made graphs: the LLaMA-style transformer block of the paper's experiments.
+
+>>> g = llama_block(batch=1, seq=16, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48)
+>>> [n.kind for n in g.operators][:4]
+['rmsnorm', 'matmul', 'reshape', 'rope']
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from relational_tensors.core.dtypes import numpy_dtype
+from relational_tensors.frontend.graph import Graph, Tensor
+
+__all__ = ["llama_block", "add_llama_block", "llama_feeds", "LLAMA3_8B"]
+
+# the paper's LLaMA-3-8B-shaped block
+LLAMA3_8B = dict(d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336)
+
+
+def add_llama_block(g: Graph, x: Tensor, *, n_heads: int, n_kv_heads: int, d_ff: int, prefix: str = "",
+                    seq_ends: Sequence[int] | None = None, eps: float = 1e-5, rope_base: float = 500000.0) -> Tensor:
+    """Append one pre-norm block (RMSNorm, GQA attention with RoPE, SwiGLU FFN, two residuals) to ``g``."""
+    b, s, d = x.shape
+    dh = d // n_heads
+    dtype = x.dtype
+
+    def param(name: str, shape: Sequence[int]) -> Tensor:
+        return g.parameter(prefix + name, shape, dtype)
+
+    h = g.rmsnorm(x, param("attn_norm", [d]), eps, name=prefix + "attn_rmsnorm")
+    q = g.reshape(g.matmul(h, param("wq", [d, n_heads * dh]), name=prefix + "q_proj"), [b, s, n_heads, dh])
+    k = g.reshape(g.matmul(h, param("wk", [d, n_kv_heads * dh]), name=prefix + "k_proj"), [b, s, n_kv_heads, dh])
+    v = g.reshape(g.matmul(h, param("wv", [d, n_kv_heads * dh]), name=prefix + "v_proj"), [b, s, n_kv_heads, dh])
+    q = g.rope(q, rope_base, seq_ends, name=prefix + "q_rope")
+    k = g.rope(k, rope_base, seq_ends, name=prefix + "k_rope")
+    a = g.attention(q, k, v, causal=True, seq_ends=seq_ends, name=prefix + "attention")
+    o = g.matmul(g.reshape(a, [b, s, n_heads * dh]), param("wo", [n_heads * dh, d]), name=prefix + "o_proj")
+    x2 = g.add(x, o, name=prefix + "attn_residual")
+    h2 = g.rmsnorm(x2, param("ffn_norm", [d]), eps, name=prefix + "ffn_rmsnorm")
+    gate = g.matmul(h2, param("w1", [d, d_ff]), name=prefix + "gate_proj")
+    up = g.matmul(h2, param("w3", [d, d_ff]), name=prefix + "up_proj")
+    down = g.matmul(g.swiglu(gate, up, name=prefix + "swiglu"), param("w2", [d_ff, d]), name=prefix + "down_proj")
+    return g.add(x2, down, name=prefix + "ffn_residual")
+
+
+def llama_block(batch: int, seq: int, d_model: int, n_heads: int, n_kv_heads: int, d_ff: int,
+                dtype: str = "float32", seq_ends: Sequence[int] | None = None, layers: int = 1,
+                eps: float = 1e-5, rope_base: float = 500000.0) -> Graph:
+    """A graph of ``layers`` LLaMA-style blocks on x[batch, seq, d_model], saving ``y``."""
+    g = Graph()
+    x = g.input("x", [batch, seq, d_model], dtype, dims=("batch", "seq", "model"))
+    for n in range(layers):
+        prefix = f"l{n}." if layers > 1 else ""
+        x = add_llama_block(g, x, n_heads=n_heads, n_kv_heads=n_kv_heads, d_ff=d_ff, prefix=prefix,
+                            seq_ends=seq_ends, eps=eps, rope_base=rope_base)
+    g.save(x, name="y")
+    return g
+
+
+def llama_feeds(g: Graph, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random inputs for every input of ``g`` (weights scaled by 1/sqrt(fan-in), norms near 1)."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for n in g.inputs:
+        shape, dt = n.type.shape, numpy_dtype(n.type.dtype)
+        if "norm" in n.name:
+            a = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif n.role == "parameter":
+            a = rng.standard_normal(shape) / np.sqrt(shape[0])
+        else:
+            a = rng.standard_normal(shape)
+        feeds[n.name] = a.astype(dt)
+    return feeds

@@ -1,0 +1,189 @@
+"""What every abstract operator provides, and the registry of operators.
+
+An operator *describes*: its named indices, which of them are shardable, its ⊕,
+the join-agg spec for any interval request, its FLOPs, and a NumPy concrete
+kernel that runs on sub-boxes.  It never moves data and never searches; that is
+the optimizer's and the exchange's job.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping, Sequence
+
+import numpy as np
+
+from relational_tensors.core.aggregation import SUM, Aggregation
+from relational_tensors.core.dtypes import compute_dtype, numpy_dtype
+from relational_tensors.core.spec import FunctionSpec, IntervalRequest, JoinAggSpec, ShardableIndex
+from relational_tensors.core.types import Box, Interval, TensorType
+from relational_tensors.errors import SpecError
+
+__all__ = ["Operator", "IndexedOp", "OPERATORS", "register", "Choice"]
+
+Choice = Mapping[str, Interval]  # the interval of each requested index in one function spec
+
+OPERATORS: dict[str, type["Operator"]] = {}
+
+
+def register(cls: type[Operator]) -> type[Operator]:
+    """Class decorator: list an operator kind in ``OPERATORS``."""
+    if cls.kind in OPERATORS:
+        raise ValueError(f"operator kind {cls.kind!r} registered twice")
+    OPERATORS[cls.kind] = cls
+    return cls
+
+
+@dataclass(frozen=True, eq=True)
+class Operator:
+    """An abstract operator over zero-bounded tensors, with one output.
+
+    Subclasses are frozen dataclasses: their fields are the input types and the
+    operator's parameters; ``infer`` validates them (raising GraphError) and
+    returns the output type.
+    """
+
+    kind: ClassVar[str] = "?"
+    aggregation: ClassVar[Aggregation] = SUM
+
+    input_types: tuple[TensorType, ...]
+    output_type: TensorType = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "output_type", self.infer())
+
+    # --- description -------------------------------------------------------
+    def infer(self) -> TensorType:
+        raise NotImplementedError
+
+    def shardable(self) -> tuple[ShardableIndex, ...]:
+        """Shardable indices in declared order (inherited ones included, never requested)."""
+        raise NotImplementedError
+
+    def requestable(self) -> tuple[ShardableIndex, ...]:
+        return tuple(s for s in self.shardable() if s.requestable)
+
+    def signature(self) -> str:
+        """A one-line, einsum-like picture of the operator's indices."""
+        return self.kind
+
+    def params(self) -> dict[str, Any]:
+        return {}
+
+    def interval_candidates(self, index: ShardableIndex, n: int) -> list[tuple[Interval, ...]]:
+        """The interval lists offered for ``n`` intervals of ``index`` (near-equal by default)."""
+        iv = index.near_equal(n)
+        return [iv] if iv is not None else []
+
+    # --- decomposition -----------------------------------------------------
+    def input_box(self, k: int, choice: Choice) -> Box:
+        raise NotImplementedError
+
+    def output_box(self, choice: Choice) -> Box:
+        raise NotImplementedError
+
+    def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
+        return float(output.volume)
+
+    def spec(self, request: IntervalRequest | None = None) -> JoinAggSpec:
+        """The join-agg spec for ``request`` (index name -> intervals); absent indices stay whole."""
+        request = dict(request or {})
+        idx = self.requestable()
+        known = {s.name for s in idx}
+        unknown = sorted(set(request) - known)
+        if unknown:
+            raise SpecError(
+                f"{self.kind} can be split only on {sorted(known) or 'no index'}; got a request for {unknown}."
+            )
+        lists = [s.check(request[s.name]) if s.name in request else (Interval(0, s.extent),) for s in idx]
+        functions = []
+        for coords in itertools.product(*(range(len(ivs)) for ivs in lists)):
+            choice = {s.name: ivs[c] for s, ivs, c in zip(idx, lists, coords)}
+            ins = tuple(self.input_box(k, choice) for k in range(len(self.input_types)))
+            out = self.output_box(choice)
+            functions.append(FunctionSpec(ins, out, coords, self.flops(ins, out)))
+        split = tuple((s.name, len(ivs)) for s, ivs in zip(idx, lists))
+        return JoinAggSpec(self.input_types, self.output_type, tuple(functions), self.aggregation, split)
+
+    # --- concrete kernel ---------------------------------------------------
+    def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> Any:
+        """Run on the projected input blocks of ``f``; return the (partial) output block."""
+        raise NotImplementedError
+
+    # helpers for kernels
+    def _compute(self, a: np.ndarray) -> np.ndarray:
+        return a.astype(compute_dtype(self.output_type.dtype), copy=False)
+
+    def _result(self, a: np.ndarray) -> np.ndarray:
+        return np.asarray(a).astype(numpy_dtype(self.output_type.dtype), copy=False)
+
+
+@dataclass(frozen=True, eq=True)
+class IndexedOp(Operator):
+    """An operator whose every dimension is one named index (or a broadcast unit dimension).
+
+    Subclasses give ``dims_in()`` and ``dims_out()`` (one index name per
+    dimension, None for a broadcast size-1 dimension) and ``unshardable()``;
+    boxes follow from the chosen intervals.  Indices that are not in the output
+    are aggregated with ⊕.
+    """
+
+    def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
+        raise NotImplementedError
+
+    def dims_out(self) -> tuple[str | None, ...]:
+        raise NotImplementedError
+
+    def unshardable(self) -> frozenset[str]:
+        return frozenset()
+
+    def extents(self) -> dict[str, int]:
+        ext: dict[str, int] = {}
+        types = (*self.input_types, self.output_type)
+        for dims, t in zip((*self.dims_in(), self.dims_out()), types):
+            for name, size in zip(dims, t.shape):
+                if name is not None:
+                    ext.setdefault(name, size)
+        return ext
+
+    def index_order(self) -> tuple[str, ...]:
+        """Every index in order of first appearance, inputs first (``i j k`` for a matmul)."""
+        seen: dict[str, None] = {}
+        for name in (*(n for dims in self.dims_in() for n in dims), *self.dims_out()):
+            if name is not None:
+                seen.setdefault(name)
+        return tuple(seen)
+
+    def shardable(self) -> tuple[ShardableIndex, ...]:
+        ext = self.extents()
+        skip = self.unshardable()
+        return tuple(ShardableIndex(n, ext[n]) for n in self.index_order() if n not in skip)
+
+    def signature(self) -> str:
+        def fmt(dims: Sequence[str | None]) -> str:
+            return " ".join(n if n is not None else "1" for n in dims)
+        return ", ".join(fmt(d) for d in self.dims_in()) + " -> " + fmt(self.dims_out())
+
+    @staticmethod
+    def _box(dims: Sequence[str | None], shape: Sequence[int], choice: Choice) -> Box:
+        ivs = [choice[n] if n is not None and n in choice else Interval(0, s) for n, s in zip(dims, shape)]
+        return Box.from_intervals(ivs)
+
+    def input_box(self, k: int, choice: Choice) -> Box:
+        return self._box(self.dims_in()[k], self.input_types[k].shape, choice)
+
+    def output_box(self, choice: Choice) -> Box:
+        return self._box(self.dims_out(), self.output_type.shape, choice)
+
+    def index_sizes(self, inputs: tuple[Box, ...], output: Box) -> dict[str, int]:
+        sizes: dict[str, int] = {}
+        for dims, box in zip((*self.dims_in(), self.dims_out()), (*inputs, output)):
+            for name, size in zip(dims, box.shape):
+                if name is not None:
+                    sizes[name] = size
+        return sizes
+
+    def iteration_volume(self, inputs: tuple[Box, ...], output: Box) -> int:
+        return math.prod(self.index_sizes(inputs, output).values())

@@ -1,0 +1,32 @@
+"""Small validation helpers shared by the operator modules."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from relational_tensors.core.types import TensorType
+from relational_tensors.errors import GraphError
+
+__all__ = ["same_dtype", "names_or_default", "normalize_axis"]
+
+
+def same_dtype(kind: str, types: Sequence[TensorType]) -> str:
+    dtypes = [t.dtype for t in types]
+    if len(set(dtypes)) > 1:
+        raise GraphError(
+            f"{kind} needs inputs of one dtype; got {dtypes} for shapes {[t.shape for t in types]}. "
+            "Insert g.unary(x, 'cast', '<dtype>') to convert one of them."
+        )
+    return dtypes[0]
+
+
+def names_or_default(names: Sequence[str]) -> tuple[str, ...] | None:
+    """``names`` if they are distinct, else None (the type then takes default names)."""
+    names = tuple(names)
+    return names if len(set(names)) == len(names) else None
+
+
+def normalize_axis(kind: str, axis: int, t: TensorType) -> int:
+    if not isinstance(axis, int) or not -t.rank <= axis < t.rank:
+        raise GraphError(f"{kind} axis must lie in [-{t.rank}, {t.rank}); got axis={axis!r} for shape {t.shape}.")
+    return axis % t.rank

@@ -1,0 +1,158 @@
+"""Contractions: ``einsum`` and ``matmul`` (2-D and batched).
+
+Every index may be split anywhere; indices absent from the output are
+contracted, and their partial products are combined by ⊕ = sum.  The 2-D
+matmul names its indices i, j, k as in the paper: ``i j, j k -> i k``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from relational_tensors.core.spec import FunctionSpec
+from relational_tensors.core.types import Box, TensorType
+from relational_tensors.errors import GraphError
+from relational_tensors.sql_specs.base import IndexedOp, register
+from relational_tensors.sql_specs.common import names_or_default, same_dtype
+
+__all__ = ["EinsumOp", "MatmulOp", "parse_einsum"]
+
+
+def parse_einsum(subscripts: str, ranks: Sequence[int]) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
+    """Split ``"ij,jk->ik"`` into per-operand letters; the output defaults to the letters used once, sorted.
+
+    >>> parse_einsum("ij,jk->ik", [2, 2])
+    ((('i', 'j'), ('j', 'k')), ('i', 'k'))
+    """
+    spec = subscripts.replace(" ", "")
+    if "." in spec:
+        raise GraphError(f"einsum ellipses are not supported; got {subscripts!r}. Write every index out.")
+    if not re.fullmatch(r"[A-Za-z]*(,[A-Za-z]*)*(->[A-Za-z]*)?", spec):
+        raise GraphError(f"an einsum spec is letters, commas and one '->'; got {subscripts!r}.")
+    lhs, _, rhs = spec.partition("->")
+    ins = tuple(tuple(part) for part in lhs.split(","))
+    if len(ins) != len(ranks):
+        raise GraphError(f"einsum {subscripts!r} names {len(ins)} operands; got {len(ranks)} tensors.")
+    for k, (letters, rank) in enumerate(zip(ins, ranks)):
+        if len(letters) != rank:
+            raise GraphError(f"einsum {subscripts!r}: operand {k} has {len(letters)} indices but rank {rank}.")
+    if "->" in spec:
+        out = tuple(rhs)
+    else:
+        counts: dict[str, int] = {}
+        for letters in ins:
+            for c in letters:
+                counts[c] = counts.get(c, 0) + 1
+        out = tuple(sorted(c for c, n in counts.items() if n == 1))
+    if len(set(out)) != len(out):
+        raise GraphError(f"einsum output indices must be distinct; got {''.join(out)!r} in {subscripts!r}.")
+    used = {c for letters in ins for c in letters}
+    missing = [c for c in out if c not in used]
+    if missing:
+        raise GraphError(f"einsum output index {missing} appears in no input of {subscripts!r}.")
+    return ins, out
+
+
+@register
+@dataclass(frozen=True, eq=True)
+class EinsumOp(IndexedOp):
+    """A general contraction given by an einsum string.
+
+    >>> from relational_tensors.core.types import TensorType as T
+    >>> op = EinsumOp((T.zero((4, 6)), T.zero((6, 2))), "ij,jk->ik")
+    >>> op.signature(), op.output_type.shape
+    ('i j, j k -> i k', (4, 2))
+    """
+
+    kind = "einsum"
+    subscripts: str = ""
+
+    def _parsed(self) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
+        return parse_einsum(self.subscripts, [t.rank for t in self.input_types])
+
+    def infer(self) -> TensorType:
+        ins, out = self._parsed()
+        dtype = same_dtype(self.kind, self.input_types)
+        sizes: dict[str, int] = {}
+        for k, (letters, t) in enumerate(zip(ins, self.input_types)):
+            for c, n in zip(letters, t.shape):
+                if sizes.setdefault(c, n) != n:
+                    raise GraphError(
+                        f"einsum {self.subscripts!r}: index {c!r} has size {sizes[c]} in one operand and {n} "
+                        f"in operand {k}; got shapes {[t.shape for t in self.input_types]}."
+                    )
+        return TensorType.zero(tuple(sizes[c] for c in out), dtype, names_or_default(out))
+
+    def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
+        return self._parsed()[0]
+
+    def dims_out(self) -> tuple[str | None, ...]:
+        return self._parsed()[1]
+
+    def params(self) -> dict[str, object]:
+        return {"subscripts": self.subscripts}
+
+    def contracted(self) -> tuple[str, ...]:
+        out = set(self.dims_out())
+        return tuple(n for n in self.index_order() if n not in out)
+
+    def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
+        factor = 2.0 if self.contracted() or len(self.input_types) > 1 else 1.0
+        return factor * self.iteration_volume(inputs, output)
+
+    def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
+        ins, out = self._parsed()
+        sub = ",".join("".join(i) for i in ins) + "->" + "".join(out)
+        return self._result(np.einsum(sub, *(self._compute(b) for b in blocks), optimize=len(blocks) > 2))
+
+
+@register
+@dataclass(frozen=True, eq=True)
+class MatmulOp(EinsumOp):
+    """``A[..., i, j] @ B[j, k]`` or batched ``A[..., i, j] @ B[..., j, k]``.
+
+    >>> from relational_tensors.core.types import TensorType as T
+    >>> MatmulOp((T.zero((3, 8, 4)), T.zero((4, 5)))).signature()
+    'b0 i j, j k -> b0 i k'
+    """
+
+    kind = "matmul"
+
+    def _parsed(self) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
+        a, b = self.input_types
+        batch = tuple(f"b{n}" for n in range(a.rank - 2))
+        b_batch = batch if b.rank > 2 else ()
+        return ((*batch, "i", "j"), (*b_batch, "j", "k")), (*batch, "i", "k")
+
+    def infer(self) -> TensorType:
+        if len(self.input_types) != 2:
+            raise GraphError(f"matmul takes two tensors; got {len(self.input_types)}.")
+        a, b = self.input_types
+        if a.rank < 2 or b.rank < 2:
+            raise GraphError(f"matmul needs operands of rank >= 2; got shapes {a.shape} @ {b.shape}. "
+                             "Reshape a vector to [1, n] or [n, 1] first.")
+        if b.rank > 2 and b.shape[:-2] != a.shape[:-2]:
+            raise GraphError(
+                f"batched matmul needs equal batch dimensions; got {a.shape} @ {b.shape} "
+                f"(batch {a.shape[:-2]} vs {b.shape[:-2]}). Give B the batch shape of A, or make B 2-D."
+            )
+        if a.shape[-1] != b.shape[-2]:
+            raise GraphError(
+                f"matmul needs A's last dimension to equal B's second to last (index j); "
+                f"got {a.shape} @ {b.shape}: j = {a.shape[-1]} vs {b.shape[-2]}."
+            )
+        dtype = same_dtype(self.kind, self.input_types)
+        shape = (*a.shape[:-1], b.shape[-1])
+        names = names_or_default((*a.names[:-1], b.names[-1]))
+        return TensorType.zero(shape, dtype, names)
+
+    def params(self) -> dict[str, object]:
+        return {}
+
+    def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
+        a, b = (self._compute(x) for x in blocks)
+        return self._result(np.matmul(a, b))

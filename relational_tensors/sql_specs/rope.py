@@ -1,0 +1,85 @@
+"""Rotary position embedding on x[batch, seq, heads, d_head], rotate-half convention.
+
+out = cat(x1·cos − x2·sin, x2·cos + x1·sin), x1/x2 the halves of d_head and
+angle = position · base^(−2i/d_head).  Positions come from the block's own
+offset in the sequence (restarting at each packed-sequence start), so the
+sequence index splits anywhere; d_head does not split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from relational_tensors.core.dtypes import FLOAT_DTYPES
+from relational_tensors.core.spec import FunctionSpec
+from relational_tensors.core.types import Box, TensorType
+from relational_tensors.errors import GraphError
+from relational_tensors.sql_specs.base import IndexedOp, register
+from relational_tensors.sql_specs.packing import check_seq_ends, sequence_bounds
+
+__all__ = ["RopeOp", "rope_tables"]
+
+
+def rope_tables(positions: np.ndarray, d_head: int, base: float, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of shape [len(positions), d_head // 2]."""
+    inv = base ** (-np.arange(0, d_head, 2, dtype=np.float64) / d_head)
+    ang = positions.astype(np.float64)[:, None] * inv[None, :]
+    return np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
+
+
+@register
+@dataclass(frozen=True, eq=True)
+class RopeOp(IndexedOp):
+    """Rotary embedding; positions restart at each packed-sequence start when ``seq_ends`` is given.
+
+    >>> from relational_tensors.core.types import TensorType as T
+    >>> [s.name for s in RopeOp((T.zero((1, 8, 2, 4)),)).shardable()]
+    ['d0', 'd1', 'd2']
+    """
+
+    kind = "rope"
+    base: float = 10000.0
+    seq_ends: tuple[int, ...] | None = None
+
+    def infer(self) -> TensorType:
+        (x,) = self.input_types
+        if x.rank != 4:
+            raise GraphError(f"rope takes x of shape [batch, seq, heads, d_head]; got rank {x.rank} shape {x.shape}.")
+        if x.shape[3] % 2:
+            raise GraphError(f"rope needs an even d_head to rotate its halves; got d_head={x.shape[3]} in {x.shape}.")
+        if x.dtype not in FLOAT_DTYPES:
+            raise GraphError(f"rope needs a floating tensor; got dtype {x.dtype}.")
+        if not self.base > 0:
+            raise GraphError(f"rope base must be positive; got {self.base!r}.")
+        check_seq_ends(self.kind, self.seq_ends, x.shape[1])
+        return x
+
+    def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
+        return (self.input_types[0].names,)
+
+    def dims_out(self) -> tuple[str | None, ...]:
+        return self.input_types[0].names
+
+    def unshardable(self) -> frozenset[str]:
+        return frozenset({self.input_types[0].names[3]})
+
+    def params(self) -> dict[str, object]:
+        return {"base": self.base, "seq_ends": self.seq_ends}
+
+    def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
+        return 3.0 * output.volume
+
+    def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
+        x = self._compute(blocks[0])
+        box = f.inputs[0]
+        length = self.input_types[0].shape[1]
+        pos = np.arange(box.lower[1], box.upper[1])
+        start, _ = sequence_bounds(pos, self.seq_ends, length)
+        cos, sin = rope_tables(pos - start, x.shape[3], self.base, x.dtype)
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+        half = x.shape[3] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return self._result(np.concatenate((x1 * cos - x2 * sin, x2 * cos + x1 * sin), axis=-1))

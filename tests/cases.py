@@ -1,0 +1,95 @@
+"""Small graphs, one per operator case, with sizes that do not divide device counts evenly."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+import relational_tensors as rt
+
+Case = Callable[[str], tuple[rt.Graph, str]]  # dtype -> (graph, name of the node under test)
+
+MATMUL_SQL = "SELECT A.i, B.k, SUM(A.v * B.v) AS v FROM A JOIN B ON A.j = B.j GROUP BY A.i, B.k"
+MAXPLUS_SQL = "SELECT A.i, B.k, MAX(A.v + B.v) AS v FROM A JOIN B ON A.j = B.j GROUP BY A.i, B.k"
+PACKED_ENDS = (5, 9, 20, 22, 31, 40, 47)  # 7 packed sequences of uneven lengths
+
+
+def _one(build: Callable[[rt.Graph, str], rt.Tensor]) -> Case:
+    def make(dtype: str) -> tuple[rt.Graph, str]:
+        g = rt.Graph()
+        out = build(g, dtype)
+        g.save(out, name="out")
+        return g, out.name
+    return make
+
+
+CASES: dict[str, Case] = {
+    "matmul_1000_tokens": _one(lambda g, d: g.matmul(g.input("x", [1000, 12], d), g.input("w", [12, 10], d))),
+    "matmul_dff_11008": _one(lambda g, d: g.matmul(g.input("x", [5, 8], d), g.input("w", [8, 11008], d))),
+    "matmul_batched_weight": _one(lambda g, d: g.matmul(g.input("x", [3, 9, 7], d), g.input("w", [7, 5], d))),
+    "matmul_batched_both": _one(lambda g, d: g.matmul(g.input("a", [2, 9, 7], d), g.input("b", [2, 7, 5], d))),
+    "einsum_bij_jk": _one(lambda g, d: g.einsum("bij,jk->bik", g.input("x", [3, 10, 6], d), g.input("w", [6, 9], d))),
+    "einsum_three": _one(lambda g, d: g.einsum("ij,jk,kl->il", g.input("a", [5, 6], d), g.input("b", [6, 7], d),
+                                               g.input("c", [7, 9], d))),
+    "einsum_rowdot": _one(lambda g, d: g.einsum("ij,ij->i", g.input("a", [11, 6], d), g.input("b", [11, 6], d))),
+    "sql_matmul": _one(lambda g, d: g.sql(MATMUL_SQL, A=(g.input("a", [10, 7], d), ("i", "j")),
+                                          B=(g.input("b", [7, 9], d), ("j", "k")))),
+    "sql_maxplus": _one(lambda g, d: g.sql(MAXPLUS_SQL, A=(g.input("a", [10, 7], d), ("i", "j")),
+                                           B=(g.input("b", [7, 9], d), ("j", "k")))),
+    "unary_gelu": _one(lambda g, d: g.unary(g.input("x", [10, 7], d), "gelu")),
+    "unary_scale": _one(lambda g, d: g.unary(g.input("x", [10, 7], d), "scale", 0.25)),
+    "unary_cast": _one(lambda g, d: g.unary(g.unary(g.input("x", [10, 7], d), "cast", "float32"), "exp")),
+    "binary_add_broadcast": _one(lambda g, d: g.add(g.input("x", [9, 1, 5], d), g.input("y", [7, 5], d))),
+    "binary_div": _one(lambda g, d: g.div(g.input("x", [9, 7], d), g.unary(g.input("y", [9, 1], d), "add_scalar", 3.0))),
+    "swiglu": _one(lambda g, d: g.swiglu(g.input("a", [10, 13], d), g.input("b", [10, 13], d))),
+    "reduce_sum": _one(lambda g, d: g.sum(g.input("x", [10, 7, 5], d), axis=1)),
+    "reduce_max_two_axes": _one(lambda g, d: g.max(g.input("x", [10, 7, 5], d), axis=(0, 2))),
+    "reduce_min_keepdims": _one(lambda g, d: g.min(g.input("x", [10, 7], d), axis=0, keepdims=True)),
+    "reduce_mean": _one(lambda g, d: g.mean(g.input("x", [10, 7, 5], d), axis=-1)),
+    "softmax_last": _one(lambda g, d: g.softmax(g.input("x", [10, 7, 5], d))),
+    "softmax_axis0": _one(lambda g, d: g.softmax(g.input("x", [10, 7], d), axis=0)),
+    "rmsnorm": _one(lambda g, d: g.rmsnorm(g.input("x", [3, 10, 16], d), g.input("w", [16], d), 1e-5)),
+    "layernorm": _one(lambda g, d: g.layernorm(g.input("x", [10, 16], d), g.input("w", [16], d),
+                                               g.input("b", [16], d))),
+    "rope": _one(lambda g, d: g.rope(g.input("x", [2, 19, 3, 8], d))),
+    "rope_packed": _one(lambda g, d: g.rope(g.input("x", [1, 47, 2, 8], d), 500.0, PACKED_ENDS)),
+    "reshape_split_heads": _one(lambda g, d: g.reshape(g.input("x", [2, 10, 12], d), [2, 10, 3, 4])),
+    "reshape_merge_heads": _one(lambda g, d: g.reshape(g.input("x", [2, 10, 3, 4], d), [2, 10, 12])),
+    "reshape_many_to_many": _one(lambda g, d: g.reshape(g.input("x", [6, 4, 5], d), [4, 6, 5])),
+    "permute": _one(lambda g, d: g.permute(g.input("x", [3, 10, 7], d), [2, 0, 1])),
+    "slice": _one(lambda g, d: g.slice(g.input("x", [10, 17], d), 1, 3, 14)),
+    "concat": _one(lambda g, d: g.concat([g.input("a", [5, 3], d), g.input("b", [5, 7], d), g.input("c", [5, 2], d)], 1)),
+    "embedding": _one(lambda g, d: g.embedding(g.input("table", [23, 6], d), g.input("ids", [3, 7], "int64"))),
+    "attention_plain": _one(lambda g, d: g.attention(g.input("q", [2, 11, 4, 8], d), g.input("k", [2, 13, 2, 8], d),
+                                                     g.input("v", [2, 13, 2, 8], d))),
+    "attention_causal_gqa_8kv": _one(lambda g, d: g.attention(g.input("q", [1, 12, 16, 4], d),
+                                                              g.input("k", [1, 12, 8, 4], d),
+                                                              g.input("v", [1, 12, 8, 4], d), causal=True)),
+    "attention_packed_7": _one(lambda g, d: g.attention(g.input("q", [1, 47, 4, 4], d), g.input("k", [1, 47, 2, 4], d),
+                                                        g.input("v", [1, 47, 2, 4], d), causal=True,
+                                                        seq_ends=PACKED_ENDS)),
+}
+
+
+def feeds_for(g: rt.Graph, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for n in g.inputs:
+        if n.type.dtype.startswith("int"):
+            hi = next(c.type.shape[0] for c in g.operators if c.op is not None and c.inputs[0] != n.id and
+                      n.id in c.inputs)
+            feeds[n.name] = rng.integers(0, hi, size=n.type.shape)
+        else:
+            feeds[n.name] = rng.standard_normal(n.type.shape).astype(rt.core.dtypes.numpy_dtype(n.type.dtype))
+    return feeds
+
+
+def operand_values(g: rt.Graph, node_name: str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """The values of the inputs of ``node_name``, computed by the reference."""
+    node = g.node(node_name)
+    probe = rt.Graph()
+    probe.nodes, probe._names = list(g.nodes), set(g._names)
+    probe.outputs = {f"in{k}": i for k, i in enumerate(node.inputs)}
+    vals = rt.reference(probe, feeds)
+    return [vals[f"in{k}"] for k in range(len(node.inputs))]
