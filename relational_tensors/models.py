@@ -2,7 +2,7 @@
 
 >>> g = llama_block(batch=1, seq=16, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48)
 >>> [n.kind for n in g.operators][:4]
-['rmsnorm', 'matmul', 'reshape', 'rope']
+['rmsnorm', 'matmul', 'reshape', 'matmul']
 """
 
 from __future__ import annotations

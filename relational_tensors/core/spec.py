@@ -68,7 +68,8 @@ class ShardableIndex:
         if n < 1 or n > self.max_intervals():
             return None
         if self.positions == ANY:
-            cuts = [(k * self.extent) // n for k in range(n + 1)]
+            base, extra = divmod(self.extent, n)  # like numpy.array_split: the first `extra` get one more
+            cuts = [k * base + min(k, extra) for k in range(n + 1)]
             return tuple(Interval(a, b) for a, b in zip(cuts, cuts[1:]))
         legal = list(self.legal_cuts())
         chosen: list[int] = []

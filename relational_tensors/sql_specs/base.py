@@ -30,7 +30,8 @@ OPERATORS: dict[str, type["Operator"]] = {}
 
 def register(cls: type[Operator]) -> type[Operator]:
     """Class decorator: list an operator kind in ``OPERATORS``."""
-    if cls.kind in OPERATORS:
+    old = OPERATORS.get(cls.kind)
+    if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
         raise ValueError(f"operator kind {cls.kind!r} registered twice")
     OPERATORS[cls.kind] = cls
     return cls

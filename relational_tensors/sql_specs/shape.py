@@ -182,7 +182,7 @@ class SliceOp(Operator):
     >>> from relational_tensors.core.types import TensorType as T
     >>> op = SliceOp((T.zero((4, 10)),), 1, 2, 7)
     >>> str(op.input_box(0, {"d1": op.shardable()[1].near_equal(2)[1]}))
-    '[0,4)x[4,7)'
+    '[0,4)x[5,7)'
     """
 
     kind = "slice"
