@@ -24,3 +24,7 @@ __all__ = [
     "RelationalTensorsError", "GraphError", "SpecError", "PlanError", "OutOfMemoryPlanError",
     "ExchangeError", "ExecError",
 ]
+
+from relational_tensors.compiler import CompiledGraph, compile, compileGraph  # noqa: E402
+
+__all__ += ["compileGraph", "compile", "CompiledGraph"]

@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 from relational_tensors.core.types import Box, Interval
 from relational_tensors.errors import SpecError
 
-__all__ = ["Tiling", "check_tiles"]
+__all__ = ["Tiling", "check_tiles", "as_grid"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +46,12 @@ class Tiling:
     @staticmethod
     def from_boxes(boxes: Iterable[Box], space: Box) -> Tiling:
         """The grid formed by ``boxes``; raises SpecError unless they tile ``space`` as a grid."""
-        distinct = sorted(set(boxes), key=lambda b: (b.lower, b.upper))
-        check_tiles(distinct, space)
+        distinct = set(boxes)
+        grid = as_grid(distinct, space)
+        if grid is not None:
+            return grid
+        distinct_sorted = sorted(distinct, key=lambda b: (b.lower, b.upper))
+        check_tiles(distinct_sorted, space)
         breaks = tuple(tuple(sorted({b.lower[d] for b in distinct} | {space.upper[d]}))
                        for d in range(space.rank))
         tiling = Tiling(breaks)
@@ -113,3 +117,30 @@ def check_tiles(boxes: Sequence[Box], space: Box) -> None:
         raise SpecError(
             f"the blocks of a tiling must cover the tensor; got {covered} of {space.volume} elements of {space} covered."
         )
+
+
+def as_grid(boxes: Iterable[Box], space: Box) -> Tiling | None:
+    """The grid tiling whose cells are exactly ``boxes``, or None if they are not one.
+
+    Linear in the number of boxes: distinct boxes that each span one cell of the
+    grid of their own breakpoints, as many as the grid has cells, are that grid.
+
+    >>> str(as_grid([Box((0,), (2,)), Box((2,), (5,))], Box((0,), (5,))))
+    '[0,2,5]'
+    """
+    distinct = set(boxes)
+    rank = space.rank
+    breaks = []
+    for d in range(rank):
+        pts = sorted({b.lower[d] for b in distinct} | {b.upper[d] for b in distinct})
+        if not pts or pts[0] != space.lower[d] or pts[-1] != space.upper[d] or len(pts) < 2:
+            return None
+        breaks.append(pts)
+    if len(distinct) != math.prod(len(b) - 1 for b in breaks):
+        return None
+    pos = [{x: n for n, x in enumerate(b)} for b in breaks]
+    for box in distinct:
+        for d in range(rank):
+            if pos[d][box.upper[d]] != pos[d][box.lower[d]] + 1:
+                return None
+    return Tiling(tuple(tuple(b) for b in breaks))

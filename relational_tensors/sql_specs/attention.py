@@ -127,11 +127,39 @@ class AttentionOp(Operator):
         lo, hi = self._key_limits(np.array([rows.lo, rows.hi - 1]))
         return Interval(int(lo[0]), int(hi[1]))
 
+    def _segments(self, rows: Interval) -> list[tuple[int, int, int, int]]:
+        """The rows split by packed sequence: (r0, r1, seq_start, seq_end) per piece."""
+        length = self.input_types[1].shape[1]
+        if self.seq_ends is None:
+            return [(rows.lo, rows.hi, 0, length)]
+        out, start = [], 0
+        for end in self.seq_ends:
+            lo, hi = max(rows.lo, start), min(rows.hi, end)
+            if lo < hi:
+                out.append((lo, hi, start, end))
+            start = end
+        return out
+
     def row_work(self, rows: Interval, keys: Interval) -> int:
-        """Visible (query, key) pairs between a query block and a key block."""
-        r = np.arange(rows.lo, rows.hi)
-        lo, hi = self._key_limits(r)
-        return int(np.clip(np.minimum(hi, keys.hi) - np.maximum(lo, keys.lo), 0, None).sum())
+        """Visible (query, key) pairs between a query block and a key block, in closed form."""
+        total = 0
+        for r0, r1, a, b in self._segments(rows):
+            lo = max(a, keys.lo)
+            if not self.causal:
+                total += (r1 - r0) * max(0, min(b, keys.hi) - lo)
+                continue
+            # row r sees keys [lo, min(r + 1, keys.hi)): none, then r + 1 - lo, then keys.hi - lo
+            c1 = min(keys.hi, b)
+            if c1 <= lo:
+                continue
+            ramp_lo, ramp_hi = max(r0, lo), min(r1, c1)
+            if ramp_lo < ramp_hi:
+                n = ramp_hi - ramp_lo
+                total += n * (ramp_lo + 1 - lo) + n * (n - 1) // 2
+            flat_lo = max(r0, c1)
+            if flat_lo < r1:
+                total += (r1 - flat_lo) * (c1 - lo)
+        return total
 
     def interval_candidates(self, index: ShardableIndex, n: int) -> list[tuple[Interval, ...]]:
         cands = super().interval_candidates(index, n)
@@ -139,15 +167,18 @@ class AttentionOp(Operator):
             return cands
         # equal causal work: cut where the running count of visible keys reaches k/n of the total
         length = index.extent
-        lo, hi = self._key_limits(np.arange(length))
-        cum = np.concatenate(([0], np.cumsum(hi - lo)))
-        legal = np.array(list(index.legal_cuts()))
+        keys = Interval(0, length)
+        legal = np.array(list(index.legal_cuts()), dtype=np.int64)
+        if self.seq_ends is None:
+            cum = legal * (legal + 1) // 2  # work of rows [0, cut)
+            total = length * (length + 1) // 2
+        else:  # legal cuts are the few sequence ends
+            cum = np.array([self.row_work(Interval(0, int(c)), keys) for c in legal], dtype=np.int64)
+            total = self.row_work(Interval(0, length), keys)
         cuts, start = [0], 0
         for k in range(1, n):
-            target = cum[-1] * k / n
             stop = len(legal) - (n - 1 - k)
-            seg = legal[start:stop]
-            best = start + int(np.argmin(np.abs(cum[seg] - target)))
+            best = start + int(np.argmin(np.abs(cum[start:stop] - total * k / n)))
             cuts.append(int(legal[best]))
             start = best + 1
         cuts.append(length)

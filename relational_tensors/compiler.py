@@ -1,0 +1,237 @@
+"""Compilation: an ordered, literal list of passes from a graph to a plan.
+
+>>> import relational_tensors as rt
+>>> g = rt.Graph(); a = g.input("a", [64, 64]); b = g.input("b", [64, 64])
+>>> _ = g.save(g.matmul(a, b), name="c")
+>>> rt.compileGraph(g, device="cpu:8").plan.split("matmul_2")
+'i=2,j=2,k=2'
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import pyarrow as pa
+
+from relational_tensors.catalog import Catalog
+from relational_tensors.devices import DeviceSet, parse_devices
+from relational_tensors.dp_optimizer.candidates import Candidates, build_candidates
+from relational_tensors.dp_optimizer.costs import cost_model as get_cost_model
+from relational_tensors.dp_optimizer.plan import LogicalPlan, edge_repartition
+from relational_tensors.dp_optimizer.select import SELECTORS, select_dp, select_greedy, select_random
+from relational_tensors.dp_optimizer.trees import TACTICS, Piece, cut_pieces
+from relational_tensors.errors import GraphError, PlanError
+from relational_tensors.frontend.graph import Graph
+
+__all__ = ["compileGraph", "compile", "CompiledGraph", "PASSES"]
+
+
+@dataclass
+class _State:
+    graph: Graph
+    options: dict[str, Any]
+    catalog: Catalog
+    devices: DeviceSet | None = None
+    cid: int = -1
+    candidates: Candidates | None = None
+    pieces: list[Piece] = field(default_factory=list)
+    cut: dict[tuple[int, int], bool] = field(default_factory=dict)
+    choice: dict[int, int] = field(default_factory=dict)
+    plan: LogicalPlan | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def _pass_devices(s: _State) -> None:
+    s.devices = parse_devices(s.options["device"])
+    o = s.options
+    s.cid = s.catalog.new_compilation(label=o["label"] or ",".join(s.graph.outputs), devices=s.devices.p,
+                                      device=str(s.devices), selector=o["selector"], seed=o["seed"],
+                                      cost_model=o["cost_model"], memory_per_device=o["memory_per_device"])
+
+
+def _pass_candidates(s: _State) -> None:
+    assert s.devices is not None
+    s.candidates = build_candidates(s.graph, s.devices.p, get_cost_model(s.options["cost_model"]),
+                                    s.options["memory_per_device"])
+
+
+def _pass_pieces(s: _State) -> None:
+    s.pieces, s.cut = cut_pieces(s.graph, s.options["tactic"])
+
+
+def _pass_catalog(s: _State) -> None:
+    g, cat, cid = s.graph, s.catalog, s.cid
+    assert s.candidates is not None
+    consumers = g.consumers()
+    saved = set(g.outputs.values())
+    cat.insert("tensors", pa.table({
+        "tensor_id": pa.array([n.id for n in g.nodes], pa.int32()),
+        "name": [n.name for n in g.nodes],
+        "role": [n.role for n in g.nodes],
+        "dtype": [n.type.dtype for n in g.nodes],
+        "shape": ["x".join(map(str, n.type.shape)) for n in g.nodes],
+        "dims": [",".join(n.type.names) for n in g.nodes],
+        "elements": pa.array([n.type.volume for n in g.nodes], pa.int64()),
+        "bytes": pa.array([n.type.nbytes for n in g.nodes], pa.int64()),
+        "consumers": pa.array([len(consumers[n.id]) for n in g.nodes], pa.int32()),
+        "saved": [n.id in saved for n in g.nodes],
+    }), cid)
+    piece_of = {v: pc.piece_id for pc in s.pieces for v in pc.members}
+    ops = g.operators
+    cat.insert("operators", pa.table({
+        "op_id": pa.array([n.id for n in ops], pa.int32()),
+        "op_name": [n.name for n in ops],
+        "op_kind": [n.kind for n in ops],
+        "signature": [n.op.signature() for n in ops],  # type: ignore[union-attr]
+        "params": [json.dumps(n.op.params(), default=str) for n in ops],  # type: ignore[union-attr]
+        "shardable": [",".join(f"{x.name}={x.extent}" for x in n.op.requestable()) for n in ops],  # type: ignore[union-attr]
+        "aggregation": [str(n.op.aggregation) for n in ops],  # type: ignore[union-attr]
+        "tree_id": pa.array([piece_of[n.id] for n in ops], pa.int32()),
+        "tree_rank": pa.array([piece_of[n.id] for n in ops], pa.int32()),
+    }), cid)
+    edges = [(n.id, k, i, i if g.nodes[i].op is not None else None, s.cut[(n.id, k)])
+             for n in ops for k, i in enumerate(n.inputs)]
+    cat.insert("edges", pa.table({
+        "op_id": pa.array([e[0] for e in edges], pa.int32()),
+        "input_pos": pa.array([e[1] for e in edges], pa.int32()),
+        "tensor_id": pa.array([e[2] for e in edges], pa.int32()),
+        "producer_op": pa.array([e[3] for e in edges], pa.int32()),
+        "cut": [e[4] for e in edges],
+    }), cid)
+    cat.insert("tilings", s.candidates.tilings.arrow(), cid)
+    cat.insert("candidate_specs", s.candidates.arrow_specs(), cid)
+    cat.insert("spec_inputs", s.candidates.arrow_inputs(g, piece_of), cid)
+
+
+def _pass_select(s: _State) -> None:
+    assert s.candidates is not None
+    sel = s.options["selector"]
+    if sel == "dp":
+        s.choice = select_dp(s.catalog, s.cid, s.graph, s.candidates, s.pieces)
+    elif sel == "greedy":
+        s.choice = select_greedy(s.catalog, s.cid)
+    else:
+        s.choice = select_random(s.catalog, s.cid, s.candidates, s.options["seed"])
+    s.plan = LogicalPlan(s.graph, s.candidates, s.choice, sel, s.options["cost_model"])
+
+
+def _pass_check(s: _State) -> None:
+    """Changes nothing: every operator has one spec of p function specs whose outputs tile its output."""
+    assert s.plan is not None and s.devices is not None
+    for n in s.graph.operators:
+        if n.id not in s.choice:
+            raise PlanError(f"check after 'select': operator {n.name!r} has no spec.")
+        spec = s.plan.spec(n.id)
+        if spec.p != s.devices.p:
+            raise PlanError(f"check after 'select': {n.name!r} has {spec.p} function specs, not p={s.devices.p}.")
+        if spec.output_type != n.type or spec.output_tiling.space != n.type.box:
+            raise PlanError(f"check after 'select': the spec of {n.name!r} changed its output type.")
+
+
+# The pipeline, in order, each with the reason it exists.
+PASSES: tuple[tuple[str, Callable[[_State], None], str], ...] = (
+    ("devices", _pass_devices, "resolve the device argument to p logical devices and open a compilation"),
+    ("candidates", _pass_candidates, "enumerate and cost every operator's join-agg specs for p"),
+    ("pieces", _pass_pieces, "cut the graph at multi-consumer tensors into pieces the DP solves exactly"),
+    ("catalog", _pass_catalog, "write tensors, operators, edges, tilings and costed specs as Arrow tables"),
+    ("select", _pass_select, "choose one spec per operator (dp, greedy or random)"),
+    ("check", _pass_check, "verify the plan without changing it"),
+)
+
+
+class CompiledGraph:
+    """A graph with its plan, and the catalog that explains it."""
+
+    def __init__(self, state: _State) -> None:
+        assert state.plan is not None and state.devices is not None
+        self.graph = state.graph
+        self.devices = state.devices
+        self.plan = state.plan
+        self.catalog = state.catalog
+        self.compilation_id = state.cid
+        self.options = state.options
+        self.timings = state.timings
+        self.pieces = state.pieces
+
+    @property
+    def p(self) -> int:
+        return self.devices.p
+
+    def sql(self, query: str) -> pa.Table:
+        """Run SQL over the catalog; ``plan``, ``specs`` and ``plan_inputs`` show this compilation."""
+        self.catalog.narrow(self.compilation_id)
+        return self.catalog.sql(query)
+
+    def spec(self, op: str) -> Any:
+        return self.plan.spec(op)
+
+    def explain(self, file: Any = None, width: int = 160) -> str:
+        """Print (and return) the plan as a table: op, split, output tiling, costs, repartitions."""
+        from rich.console import Console
+        from rich.table import Table
+
+        rows = self.sql(
+            "SELECT op_name, op_kind, split, output_tiling, repartitioned_inputs, repartition_cost, join_cost, "
+            "aggregation_cost, total_cost FROM plan ORDER BY op_id"
+        ).to_pylist()
+        unit = "elements" if self.plan.cost_model == "paper" else "bytes"
+        table = Table(title=f"plan for p={self.p} ({self.devices}), selector={self.plan.selector}, "
+                            f"cost model={self.plan.cost_model} ({unit})",
+                      caption=f"total cost {self.plan.cost:,.0f}; planned in {sum(self.timings.values()):.3f}s")
+        for col in ("op", "kind", "split", "out tiling", "repartitions", "repartition", "join", "aggregation", "total"):
+            table.add_column(col, justify="right" if col in ("repartition", "join", "aggregation", "total") else "left")
+        for r in rows:
+            table.add_row(r["op_name"], r["op_kind"], r["split"], r["output_tiling"], r["repartitioned_inputs"] or "",
+                          f"{r['repartition_cost']:,.0f}", f"{r['join_cost']:,.0f}", f"{r['aggregation_cost']:,.0f}",
+                          f"{r['total_cost']:,.0f}")
+        buf = io.StringIO()
+        Console(file=buf, width=width, force_terminal=False).print(table)
+        text = buf.getvalue()
+        if file is not None or file is None:
+            print(text, end="", file=file)
+        return text
+
+
+def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed: int = 0,
+                 cost_model: str = "paper", memory_per_device: int | None = None,
+                 catalog: str | Path | Catalog | None = None, tactic: str = "tree",
+                 label: str | None = None) -> CompiledGraph:
+    """Plan ``graph`` for the devices named by ``device`` (see ``relational_tensors.devices``).
+
+    ``selector`` is ``dp`` (Algorithm 1), ``greedy`` or ``random`` (with ``seed``);
+    ``cost_model`` is ``paper`` (elements) or ``bytes``; ``memory_per_device`` (bytes)
+    excludes specs whose per-device working set does not fit; ``catalog`` is a
+    path to persist the catalog (default: in memory); ``tactic`` is ``tree``
+    (exact on each tree) or ``linear`` (the paper's linear-path tactic).
+    """
+    if not isinstance(graph, Graph):
+        raise GraphError(f"compileGraph takes an rt.Graph; got {type(graph).__name__}.")
+    if selector not in SELECTORS:
+        raise PlanError(f"unknown selector {selector!r}; choose one of {SELECTORS}.")
+    get_cost_model(cost_model)
+    if tactic not in TACTICS:
+        raise PlanError(f"unknown DP tactic {tactic!r}; choose one of {TACTICS}.")
+    if memory_per_device is not None and (not isinstance(memory_per_device, int) or memory_per_device <= 0):
+        raise PlanError(f"memory_per_device must be a positive number of bytes; got {memory_per_device!r}.")
+    if not graph.operators:
+        raise PlanError("the graph has no operators to plan; add some and save an output.")
+    cat = catalog if isinstance(catalog, Catalog) else Catalog(catalog)
+    state = _State(graph, dict(device=device, selector=selector, seed=seed, cost_model=cost_model,
+                               memory_per_device=memory_per_device, tactic=tactic, label=label), cat)
+    for name, run, _reason in PASSES:
+        t0 = time.perf_counter()
+        run(state)
+        state.timings[name] = time.perf_counter() - t0
+    assert state.plan is not None
+    cat.update_compilation(state.cid, plan_cost=state.plan.cost, planning_seconds=sum(state.timings.values()))
+    return CompiledGraph(state)
+
+
+def compile(graph: Graph, devices: object = None, **options: Any) -> CompiledGraph:
+    """``compileGraph`` with the Pythonic keyword ``devices``."""
+    return compileGraph(graph, device=devices, **options)

@@ -1,0 +1,87 @@
+"""What the ``device`` argument names: p logical devices, on CPUs or GPUs.
+
+* ``"cpu:N"``       N virtual CPU devices (NumPy executor);
+* ``N`` (int)       N GPUs (0..N-1), which may be absent when only planning;
+* ``[0, 1, ...]``   those GPUs;
+* ``"cuda:0,0,0,0"`` logical devices on the named GPUs (several may share one);
+* ``None``          every visible GPU, or the CPU cores when there is none.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+from relational_tensors.errors import PlanError
+
+__all__ = ["DeviceSet", "parse_devices", "visible_gpus"]
+
+
+@dataclass(frozen=True)
+class DeviceSet:
+    """p logical devices: their kind and the physical id behind each."""
+
+    kind: str                 # "cpu" or "cuda"
+    physical: tuple[int, ...]  # one entry per logical device
+
+    @property
+    def p(self) -> int:
+        return len(self.physical)
+
+    def __str__(self) -> str:
+        if self.kind == "cpu":
+            return f"cpu:{self.p}"
+        return "cuda:" + ",".join(map(str, self.physical))
+
+
+def visible_gpus() -> int:
+    """How many CUDA GPUs CuPy sees (0 without CuPy or a driver)."""
+    try:
+        import cupy  # type: ignore[import-not-found]
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+def parse_devices(device: object) -> DeviceSet:
+    """Resolve ``device`` (see the module docstring).
+
+    >>> parse_devices("cpu:8").p, str(parse_devices("cuda:0,0,1"))
+    (8, 'cuda:0,0,1')
+    """
+    bad = PlanError(
+        f"device must be None, an int count, a list of GPU ids, 'cpu:N' or 'cuda:i,j,...'; got {device!r}."
+    )
+    if device is None:
+        n = visible_gpus()
+        return DeviceSet("cuda", tuple(range(n))) if n else DeviceSet("cpu", tuple(range(os.cpu_count() or 1)))
+    if isinstance(device, bool):
+        raise bad
+    if isinstance(device, int):
+        if device < 1:
+            raise PlanError(f"device count must be at least 1; got {device}.")
+        return DeviceSet("cuda", tuple(range(device)))
+    if isinstance(device, str):
+        kind, _, rest = device.partition(":")
+        if kind == "cpu":
+            if rest == "":
+                return DeviceSet("cpu", (0,))
+            if not rest.isdigit() or int(rest) < 1:
+                raise bad
+            return DeviceSet("cpu", tuple(range(int(rest))))
+        if kind in ("cuda", "gpu"):
+            if rest == "":
+                return parse_devices(None) if visible_gpus() else DeviceSet("cuda", (0,))
+            parts = rest.split(",")
+            if not all(x.strip().isdigit() for x in parts):
+                raise bad
+            return DeviceSet("cuda", tuple(int(x) for x in parts))
+        raise bad
+    if isinstance(device, Sequence):
+        ids = list(device)
+        if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise bad
+        return DeviceSet("cuda", tuple(ids))
+    raise bad

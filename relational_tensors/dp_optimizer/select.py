@@ -1,0 +1,91 @@
+"""The selectors: ``dp`` (Algorithm 1 over the pieces), ``greedy`` and ``random``.
+
+``dp`` runs the inner minimization in SQL over the catalog's costed spec
+tables, one statement per wave of a piece, and traces the choices back in
+Python.  Each selector writes its choice into the catalog's ``chosen`` table.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+
+from relational_tensors.catalog import Catalog, load_sql
+from relational_tensors.dp_optimizer.candidates import Candidates
+from relational_tensors.dp_optimizer.trees import Piece
+from relational_tensors.errors import PlanError
+from relational_tensors.frontend.graph import Graph
+
+__all__ = ["SELECTORS", "select_dp", "select_greedy", "select_random"]
+
+SELECTORS = ("dp", "greedy", "random")
+
+
+def _write_chosen(catalog: Catalog, cid: int, cands: Candidates, choice: dict[int, int]) -> None:
+    ops = sorted(choice)
+    rows = pa.table({
+        "op_id": pa.array(ops, pa.int32()),
+        "spec_id": pa.array([choice[o] for o in ops], pa.int32()),
+        "output_tiling": pa.array([cands.by_op[o][choice[o]].output_tiling for o in ops], pa.int32()),
+    })
+    catalog.insert("chosen", rows, cid)
+
+
+def select_dp(catalog: Catalog, cid: int, graph: Graph, cands: Candidates, pieces: list[Piece]) -> dict[int, int]:
+    """Algorithm 1 on each piece in turn, each subject to the pieces fixed before it."""
+    wave_sql, root_sql = load_sql("dp_wave.sql"), load_sql("dp_root.sql")
+    piece_of = {v: pc.piece_id for pc in pieces for v in pc.members}
+    nodes = graph.nodes
+    choice: dict[int, int] = {}
+    for piece in pieces:
+        for wave in piece.waves:
+            catalog.execute(wave_sql, {"cid": cid, "piece": piece.piece_id, "ops": list(wave)})  # type: ignore[arg-type]
+        root = catalog.execute(root_sql, {"cid": cid, "root": piece.root}).fetchone()  # type: ignore[arg-type]
+        if root is None or not math.isfinite(root[2]):
+            raise PlanError(f"no eligible spec combination for the piece rooted at {nodes[piece.root].name!r}.")
+        table: dict[int, dict[int, tuple[float, int]]] = {v: {} for v in piece.members}
+        for op_id, tiling, cost, spec in catalog.execute(
+            "SELECT op_id, tiling_id, cost, spec_id FROM dp_table WHERE compilation_id = ? AND op_id IN "
+            "(SELECT unnest(?::INTEGER[]))", [cid, list(piece.members)]
+        ).fetchall():
+            table[op_id][tiling] = (cost, spec)
+        picked = {piece.root: int(root[1])}
+        stack = [piece.root]
+        while stack:  # trace back the minimizing choices, top-down
+            v = stack.pop()
+            cand = cands.by_op[v][picked[v]]
+            for k, i in enumerate(nodes[v].inputs):
+                if nodes[i].op is None or piece_of.get(i) != piece.piece_id or i in choice or i in picked:
+                    continue
+                entries = table[i]
+                best_tiling = min(entries, key=lambda t: (entries[t][0], t))
+                want = cand.required[k]
+                keep = want in entries and entries[want][0] <= entries[best_tiling][0] + cands.repartition[(v, k)]
+                picked[i] = entries[want if keep else best_tiling][1]
+                stack.append(i)
+        missing = set(piece.members) - set(picked)
+        if missing:
+            raise PlanError(f"DP traceback left operators without a spec: {sorted(nodes[m].name for m in missing)}.")
+        _write_chosen(catalog, cid, cands, picked)
+        choice.update(picked)
+    return choice
+
+
+def select_greedy(catalog: Catalog, cid: int) -> dict[int, int]:
+    """Each operator takes its cheapest eligible spec, ignoring repartitions."""
+    catalog.execute(load_sql("greedy.sql"), {"cid": cid})  # type: ignore[arg-type]
+    rows = catalog.execute("SELECT op_id, spec_id FROM chosen WHERE compilation_id = ?", [cid]).fetchall()
+    return {int(o): int(s) for o, s in rows}
+
+
+def select_random(catalog: Catalog, cid: int, cands: Candidates, seed: int) -> dict[int, int]:
+    """Each operator takes an eligible spec uniformly at random (deterministic for ``seed``)."""
+    rng = np.random.default_rng(seed)
+    choice = {}
+    for op_id in sorted(cands.by_op):
+        options = cands.eligible(op_id)
+        choice[op_id] = options[int(rng.integers(len(options)))].spec_id
+    _write_chosen(catalog, cid, cands, choice)
+    return choice

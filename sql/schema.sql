@@ -1,0 +1,107 @@
+-- The catalog: one row set per compilation, so one persisted file can hold many
+-- compilations and compare them with plain SQL.  Element counts are the paper's
+-- unit; *_bytes columns weigh them by dtype width.
+
+CREATE SEQUENCE IF NOT EXISTS compilation_seq START 1;
+
+CREATE TABLE IF NOT EXISTS compilations (
+    compilation_id     INTEGER PRIMARY KEY,
+    created            TIMESTAMP,
+    label              VARCHAR,     -- a name the user gave, or the graph's output names
+    devices            INTEGER,     -- p, the number of function specs per join-agg spec
+    device             VARCHAR,     -- what the device argument named (cpu:8, cuda:0,1, ...)
+    selector           VARCHAR,     -- dp | greedy | random
+    seed               INTEGER,
+    cost_model         VARCHAR,     -- paper | bytes
+    memory_per_device  BIGINT,
+    plan_cost          DOUBLE,
+    planning_seconds   DOUBLE
+);
+
+CREATE TABLE IF NOT EXISTS tensors (
+    compilation_id  INTEGER,
+    tensor_id       INTEGER,        -- the id of the node that produces it
+    name            VARCHAR,
+    role            VARCHAR,        -- input | parameter | op
+    dtype           VARCHAR,
+    shape           VARCHAR,
+    dims            VARCHAR,
+    elements        BIGINT,
+    bytes           BIGINT,
+    consumers       INTEGER,
+    saved           BOOLEAN
+);
+
+CREATE TABLE IF NOT EXISTS operators (
+    compilation_id  INTEGER,
+    op_id           INTEGER,        -- = tensor_id of its output
+    op_name         VARCHAR,
+    op_kind         VARCHAR,
+    signature       VARCHAR,        -- einsum-like picture of its indices
+    params          VARCHAR,        -- JSON
+    shardable       VARCHAR,        -- requestable indices in declared order, name=extent
+    aggregation     VARCHAR,        -- the operator's ⊕
+    tree_id         INTEGER,        -- the tree of the DP (cut at multi-consumer tensors)
+    tree_rank       INTEGER         -- order in which trees were optimized (0 = first)
+);
+
+CREATE TABLE IF NOT EXISTS edges (
+    compilation_id  INTEGER,
+    op_id           INTEGER,        -- consumer
+    input_pos       INTEGER,
+    tensor_id       INTEGER,
+    producer_op     INTEGER,        -- NULL for graph inputs
+    cut             BOOLEAN         -- the edge leaves a multi-consumer tensor (or joins two DP pieces)
+);
+
+CREATE TABLE IF NOT EXISTS tilings (
+    compilation_id  INTEGER,
+    tiling_id       INTEGER,
+    tensor_id       INTEGER,
+    is_grid         BOOLEAN,        -- false for overlapping block sets (causal key prefixes)
+    grid            VARCHAR,        -- per-dimension breakpoints, or the list of blocks
+    counts          VARCHAR,        -- blocks per dimension, e.g. 1x8x1
+    blocks          INTEGER
+);
+
+CREATE TABLE IF NOT EXISTS candidate_specs (
+    compilation_id    INTEGER,
+    op_id             INTEGER,
+    spec_id           INTEGER,
+    split             VARCHAR,      -- idx=n,... over every requestable index, declared order
+    intervals         VARCHAR,      -- the interval lists requested, per split index
+    output_tiling     INTEGER,
+    join_cost         DOUBLE,
+    aggregation_cost  DOUBLE,
+    flops             DOUBLE,
+    imbalance         DOUBLE,       -- max/min FLOPs over function specs, minus one
+    balanced          BOOLEAN,
+    memory_bytes      BIGINT,       -- largest per-device working set (input blocks + output block)
+    eligible          BOOLEAN       -- offered to the selectors (balance and memory rules)
+);
+
+CREATE TABLE IF NOT EXISTS spec_inputs (
+    compilation_id    INTEGER,
+    op_id             INTEGER,
+    spec_id           INTEGER,
+    input_pos         INTEGER,
+    required_tiling   INTEGER,      -- in_k(J): the distinct blocks of input k the spec reads
+    producer_op       INTEGER,      -- NULL for graph inputs (materialized as required: no repartition)
+    producer_tree     INTEGER,
+    repartition       DOUBLE        -- cost charged if the producer's tiling differs
+);
+
+CREATE TABLE IF NOT EXISTS dp_table (
+    compilation_id  INTEGER,
+    op_id           INTEGER,
+    tiling_id       INTEGER,        -- an output tiling some spec of the op produces
+    cost            DOUBLE,         -- Opt(op, tiling)
+    spec_id         INTEGER         -- the cheapest spec inducing it
+);
+
+CREATE TABLE IF NOT EXISTS chosen (
+    compilation_id  INTEGER,
+    op_id           INTEGER,
+    spec_id         INTEGER,
+    output_tiling   INTEGER
+);
