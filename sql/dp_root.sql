@@ -1,16 +1,25 @@
--- The output tiling of a piece's root: Opt(root, T) plus the repartitions that
--- consumers fixed by earlier pieces would pay if T differs from what they read.
--- Parameters: $cid, $root.
-WITH fixed_readers AS (
-    SELECT si.required_tiling, si.repartition
+-- The output tiling of each piece's root: Opt(root, T) plus the repartitions that
+-- consumers fixed by earlier pieces would pay if T differs from what they read;
+-- the cheapest per root, ties to the lowest tiling id.
+-- Parameters: $cid, $roots.
+WITH roots AS (SELECT unnest($roots::INTEGER[]) AS op_id),
+fixed_readers AS (
+    SELECT si.producer_op AS op_id, si.required_tiling, si.repartition
     FROM spec_inputs si
+    JOIN roots r ON r.op_id = si.producer_op
     JOIN chosen c ON c.compilation_id = si.compilation_id AND c.op_id = si.op_id AND c.spec_id = si.spec_id
-    WHERE si.compilation_id = $cid AND si.producer_op = $root
+    WHERE si.compilation_id = $cid
+),
+totals AS (
+    SELECT d.op_id, d.tiling_id, d.spec_id,
+           d.cost + coalesce(sum(CASE WHEN f.required_tiling = d.tiling_id THEN 0.0 ELSE f.repartition END), 0.0)
+               AS total
+    FROM dp_table d
+    JOIN roots USING (op_id)
+    LEFT JOIN fixed_readers f ON f.op_id = d.op_id
+    WHERE d.compilation_id = $cid
+    GROUP BY d.op_id, d.tiling_id, d.spec_id, d.cost
 )
-SELECT d.tiling_id, d.spec_id,
-       d.cost + coalesce((SELECT sum(CASE WHEN r.required_tiling = d.tiling_id THEN 0.0 ELSE r.repartition END)
-                          FROM fixed_readers r), 0.0) AS total
-FROM dp_table d
-WHERE d.compilation_id = $cid AND d.op_id = $root
-ORDER BY total, d.tiling_id
-LIMIT 1;
+SELECT op_id, first(tiling_id ORDER BY total, tiling_id), first(spec_id ORDER BY total, tiling_id), min(total)
+FROM totals
+GROUP BY op_id;

@@ -1,12 +1,13 @@
 -- One wave of Algorithm 1: for every operator of the wave (their in-piece producers
--- are already in dp_table) and every eligible spec J,
+-- are already in dp_table; the wave may span several pieces with no edge between
+-- them, which is the same as solving them one after another) and every eligible spec J,
 --   B(J) = join(J) + aggregation(J) + sum over inputs k of
 --            0                                   graph input (materialized as J needs)
 --            [fixed tiling != in_k(J)]·|input|  producer fixed by an earlier piece
 --            min(Opt(P, in_k(J)), min_T Opt(P, T) + |input|)   producer in this piece
 --            0                                   producer in a later piece (it pays)
 -- and Opt(op, T) = min over specs J with out(J) = T of B(J), ties to the lowest spec id.
--- Parameters: $cid, $piece, $ops.
+-- Parameters: $cid, $ops.
 INSERT INTO dp_table (compilation_id, op_id, tiling_id, cost, spec_id)
 WITH wave AS (SELECT unnest($ops::INTEGER[]) AS op_id),
 best AS (
@@ -18,7 +19,7 @@ input_costs AS (
             WHEN si.producer_op IS NULL THEN 0.0
             WHEN f.output_tiling IS NOT NULL THEN
                 CASE WHEN f.output_tiling = si.required_tiling THEN 0.0 ELSE si.repartition END
-            WHEN si.producer_tree = $piece THEN
+            WHEN si.producer_tree = si.op_tree THEN
                 least(coalesce(d.cost, 'inf'::DOUBLE), b.cost + si.repartition)
             ELSE 0.0
         END) AS cost

@@ -87,7 +87,8 @@ CREATE TABLE IF NOT EXISTS spec_inputs (
     input_pos         INTEGER,
     required_tiling   INTEGER,      -- in_k(J): the distinct blocks of input k the spec reads
     producer_op       INTEGER,      -- NULL for graph inputs (materialized as required: no repartition)
-    producer_tree     INTEGER,
+    op_tree           INTEGER,      -- the DP piece of the consumer
+    producer_tree     INTEGER,      -- the DP piece of the producer
     repartition       DOUBLE        -- cost charged if the producer's tiling differs
 );
 

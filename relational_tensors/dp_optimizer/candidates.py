@@ -86,7 +86,7 @@ class Candidates:
 
     def arrow_inputs(self, graph: Graph, tree_of: Mapping[int, int]) -> pa.Table:
         rows: dict[str, list] = {k: [] for k in ("op_id", "spec_id", "input_pos", "required_tiling", "producer_op",
-                                                 "producer_tree", "repartition")}
+                                                 "op_tree", "producer_tree", "repartition")}
         for op_id, cands in self.by_op.items():
             node = graph.nodes[op_id]
             for k, i in enumerate(node.inputs):
@@ -97,11 +97,12 @@ class Candidates:
                     rows["input_pos"].append(k)
                     rows["required_tiling"].append(c.required[k])
                     rows["producer_op"].append(producer)
+                    rows["op_tree"].append(tree_of[op_id])
                     rows["producer_tree"].append(tree_of.get(producer) if producer is not None else None)
                     rows["repartition"].append(self.repartition[(op_id, k)])
         schema = pa.schema([("op_id", pa.int32()), ("spec_id", pa.int32()), ("input_pos", pa.int32()),
                             ("required_tiling", pa.int32()), ("producer_op", pa.int32()),
-                            ("producer_tree", pa.int32()), ("repartition", pa.float64())])
+                            ("op_tree", pa.int32()), ("producer_tree", pa.int32()), ("repartition", pa.float64())])
         return pa.table(rows, schema=schema)
 
 

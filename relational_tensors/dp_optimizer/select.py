@@ -33,31 +33,54 @@ def _write_chosen(catalog: Catalog, cid: int, cands: Candidates, choice: dict[in
     catalog.insert("chosen", rows, cid)
 
 
+def independent_groups(graph: Graph, pieces: list[Piece]) -> list[list[Piece]]:
+    """Consecutive pieces with no edge between any two of them: solving them together equals solving
+    them one after another, and costs one SQL statement per wave instead of one per piece and wave."""
+    consumers = graph.consumers()
+    groups: list[list[Piece]] = []
+    members: set[int] = set()
+    for piece in pieces:
+        touches = {i for v in piece.members for i in graph.nodes[v].inputs} | {
+            c for v in piece.members for c in consumers[v]}
+        if groups and not (touches & members):
+            groups[-1].append(piece)
+        else:
+            groups.append([piece])
+            members = set()
+        members |= set(piece.members)
+    return groups
+
+
 def select_dp(catalog: Catalog, cid: int, graph: Graph, cands: Candidates, pieces: list[Piece]) -> dict[int, int]:
     """Algorithm 1 on each piece in turn, each subject to the pieces fixed before it."""
     wave_sql, root_sql = load_sql("dp_wave.sql"), load_sql("dp_root.sql")
     piece_of = {v: pc.piece_id for pc in pieces for v in pc.members}
     nodes = graph.nodes
     choice: dict[int, int] = {}
-    for piece in pieces:
-        for wave in piece.waves:
-            catalog.execute(wave_sql, {"cid": cid, "piece": piece.piece_id, "ops": list(wave)})  # type: ignore[arg-type]
-        root = catalog.execute(root_sql, {"cid": cid, "root": piece.root}).fetchone()  # type: ignore[arg-type]
-        if root is None or not math.isfinite(root[2]):
-            raise PlanError(f"no eligible spec combination for the piece rooted at {nodes[piece.root].name!r}.")
-        table: dict[int, dict[int, tuple[float, int]]] = {v: {} for v in piece.members}
+    for group in independent_groups(graph, pieces):
+        for h in range(max(len(pc.waves) for pc in group)):
+            wave = [v for pc in group if h < len(pc.waves) for v in pc.waves[h]]
+            catalog.execute(wave_sql, {"cid": cid, "ops": wave})  # type: ignore[arg-type]
+        roots = {int(r[0]): (int(r[2]), float(r[3])) for r in catalog.execute(
+            root_sql, {"cid": cid, "roots": [pc.root for pc in group]}).fetchall()}  # type: ignore[arg-type]
+        members = [v for pc in group for v in pc.members]
+        table: dict[int, dict[int, tuple[float, int]]] = {v: {} for v in members}
         for op_id, tiling, cost, spec in catalog.execute(
             "SELECT op_id, tiling_id, cost, spec_id FROM dp_table WHERE compilation_id = ? AND op_id IN "
-            "(SELECT unnest(?::INTEGER[]))", [cid, list(piece.members)]
+            "(SELECT unnest(?::INTEGER[]))", [cid, members]
         ).fetchall():
             table[op_id][tiling] = (cost, spec)
-        picked = {piece.root: int(root[1])}
-        stack = [piece.root]
+        picked: dict[int, int] = {}
+        for pc in group:
+            if pc.root not in roots or not math.isfinite(roots[pc.root][1]):
+                raise PlanError(f"no eligible spec combination for the piece rooted at {nodes[pc.root].name!r}.")
+            picked[pc.root] = roots[pc.root][0]
+        stack = [pc.root for pc in group]
         while stack:  # trace back the minimizing choices, top-down
             v = stack.pop()
             cand = cands.by_op[v][picked[v]]
             for k, i in enumerate(nodes[v].inputs):
-                if nodes[i].op is None or piece_of.get(i) != piece.piece_id or i in choice or i in picked:
+                if nodes[i].op is None or piece_of.get(i) != piece_of[v] or i in picked:
                     continue
                 entries = table[i]
                 best_tiling = min(entries, key=lambda t: (entries[t][0], t))
@@ -65,7 +88,7 @@ def select_dp(catalog: Catalog, cid: int, graph: Graph, cands: Candidates, piece
                 keep = want in entries and entries[want][0] <= entries[best_tiling][0] + cands.repartition[(v, k)]
                 picked[i] = entries[want if keep else best_tiling][1]
                 stack.append(i)
-        missing = set(piece.members) - set(picked)
+        missing = set(members) - set(picked)
         if missing:
             raise PlanError(f"DP traceback left operators without a spec: {sorted(nodes[m].name for m in missing)}.")
         _write_chosen(catalog, cid, cands, picked)

@@ -1,0 +1,70 @@
+"""Planning time of the logical optimizer (issue: catalog and DP).
+
+Compiles the LLaMA-3-8B-shaped block (d_model 4096, 32/8 heads, head dim 128,
+FFN 14336, float16) at p = 8 for the paper's five token workloads, and a
+32-layer stack of such blocks, with 2 warm-ups and 10 timed rounds each
+(the warm-ups also fill the per-operator spec cache, as repeated compilation
+in one process does; the cold first compile is reported separately).
+
+    python bench/compile_time.py [--rounds 10] [--layers 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import relational_tensors as rt
+from relational_tensors.dp_optimizer.candidates import specs_for
+from relational_tensors.models import LLAMA3_8B, llama_block
+
+WORKLOADS = {"1K": (1, 1024), "8K": (1, 8192), "8x1K": (8, 1024), "128x1K": (128, 1024), "128K": (1, 131072)}
+
+
+def timed(build, rounds: int, warmups: int = 2) -> dict[str, float]:
+    specs_for.cache_clear()
+    g = build()
+    t0 = time.perf_counter()
+    cg = rt.compileGraph(g, device="cpu:8")
+    cold = time.perf_counter() - t0
+    for _ in range(warmups - 1):
+        rt.compileGraph(g, device="cpu:8")
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        rt.compileGraph(g, device="cpu:8")
+        times.append(time.perf_counter() - t0)
+    return {"cold_s": cold, "mean_s": statistics.mean(times), "min_s": min(times), "max_s": max(times),
+            "ops": len(g.operators), "passes": {k: round(v, 4) for k, v in cg.timings.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--layers", type=int, default=32)
+    args = ap.parse_args()
+    results = {}
+    for name, (b, s) in WORKLOADS.items():
+        results[f"block {name}"] = timed(lambda: llama_block(b, s, dtype="float16", **LLAMA3_8B), args.rounds)
+        print(name, results[f"block {name}"])
+    stack = f"{args.layers} layers 8K"
+    results[stack] = timed(lambda: llama_block(1, 8192, dtype="float16", layers=args.layers, **LLAMA3_8B),
+                           max(2, args.rounds // 5), warmups=1)
+    print(stack, results[stack])
+    out = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}",
+           "python": platform.python_version(), "p": 8, "results": results}
+    Path("bench/results").mkdir(parents=True, exist_ok=True)
+    Path("bench/results/compile_time.json").write_text(json.dumps(out, indent=2))
+    lines = ["| graph | ops | cold (s) | warm mean (s) | warm min (s) |", "|---|---|---|---|---|"]
+    for k, r in results.items():
+        lines.append(f"| {k} | {r['ops']} | {r['cold_s']:.3f} | {r['mean_s']:.3f} | {r['min_s']:.3f} |")
+    Path("bench/results/compile_time.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
