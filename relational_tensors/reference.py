@@ -26,7 +26,8 @@ def coerce_feed(name: str, value: Any, t: TensorType) -> np.ndarray:
         raise ExecError(f"input {name!r} must have shape {t.shape}; got {a.shape}.")
     want = numpy_dtype(t.dtype)
     is_int = want.kind in "iu"
-    if (a.dtype.kind in "iu") != is_int or a.dtype.kind not in "iuf" and a.dtype != want:
+    known = a.dtype.kind in "iuf" or a.dtype == numpy_dtype("bfloat16")  # bfloat16 is a float, of kind "V"
+    if (a.dtype.kind in "iu") != is_int or not known:
         raise ExecError(f"input {name!r} must be {t.dtype}; got an array of dtype {a.dtype}. Convert it first.")
     return a.astype(want, copy=False)
 

@@ -130,6 +130,8 @@ def as_grid(boxes: Iterable[Box], space: Box) -> Tiling | None:
     """
     distinct = set(boxes)
     rank = space.rank
+    if any(b.rank != rank for b in distinct):
+        return None
     breaks = []
     for d in range(rank):
         pts = sorted({b.lower[d] for b in distinct} | {b.upper[d] for b in distinct})

@@ -149,6 +149,9 @@ class BinaryOp(IndexedOp):
         if self.op not in BINARY_FUNCTIONS:
             raise GraphError(f"unknown binary op {self.op!r}; supported: {sorted(BINARY_FUNCTIONS)}.")
         dtype = same_dtype(self.op, self.input_types)
+        if self.op == "div" and dtype not in FLOAT_DTYPES:
+            raise GraphError(f"div needs floating tensors (integer division would truncate); got dtype {dtype}. "
+                             "Cast the operands to a float dtype first.")
         shape, _, names = broadcast_dims(self.op, self.input_types)
         return TensorType.zero(shape, dtype, names)
 
@@ -182,7 +185,8 @@ class SwigluOp(IndexedOp):
         a, b = self.input_types
         if a.shape != b.shape:
             raise GraphError(f"swiglu needs a and b of one shape; got {a.shape} and {b.shape}.")
-        same_dtype(self.kind, self.input_types)
+        if same_dtype(self.kind, self.input_types) not in FLOAT_DTYPES:
+            raise GraphError(f"swiglu needs floating tensors; got dtype {a.dtype}. Cast them first.")
         return a
 
     def dims_in(self) -> tuple[tuple[str | None, ...], ...]:

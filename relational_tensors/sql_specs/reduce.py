@@ -47,7 +47,7 @@ class ReduceOp(IndexedOp):
 
     def _axes(self) -> tuple[int, ...]:
         (x,) = self.input_types
-        axes = tuple(sorted({normalize_axis(f"{self.op} over axis", a, x) for a in self.axes}))
+        axes = tuple(sorted({normalize_axis(self.op, a, x) for a in self.axes}))
         if not axes:
             raise GraphError(f"{self.op} needs at least one axis; got axes={self.axes!r}.")
         return axes
