@@ -25,7 +25,9 @@ from relational_tensors.dp_optimizer.costs import cost_model as get_cost_model
 from relational_tensors.dp_optimizer.plan import LogicalPlan, edge_repartition
 from relational_tensors.dp_optimizer.select import SELECTORS, select_dp, select_greedy, select_random
 from relational_tensors.dp_optimizer.trees import TACTICS, Piece, cut_pieces
-from relational_tensors.errors import GraphError, PlanError
+from relational_tensors.errors import ExecError, GraphError, OutOfMemoryPlanError, PlanError
+from relational_tensors.exchange.lower import SCHEDULES, Lowered, lower
+from relational_tensors.exchange.tasks import Liveness, liveness
 from relational_tensors.frontend.graph import Graph
 
 __all__ = ["compileGraph", "compile", "CompiledGraph", "PASSES"]
@@ -43,6 +45,8 @@ class _State:
     cut: dict[tuple[int, int], bool] = field(default_factory=dict)
     choice: dict[int, int] = field(default_factory=dict)
     plan: LogicalPlan | None = None
+    lowered: Lowered | None = None
+    live: Liveness | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -133,6 +137,40 @@ def _pass_check(s: _State) -> None:
             raise PlanError(f"check after 'select': the spec of {n.name!r} changed its output type.")
 
 
+def _pass_lower(s: _State) -> None:
+    assert s.plan is not None
+    s.lowered = lower(s.plan, s.options["schedule_mode"])
+
+
+def _device_memory(s: _State) -> dict[int, int] | None:
+    """Bytes each logical device may use: memory_per_device, else its GPU's share, else no limit (CPU)."""
+    assert s.devices is not None
+    if s.options["memory_per_device"] is not None:
+        return {d: s.options["memory_per_device"] for d in range(s.devices.p)}
+    if s.devices.kind != "cuda":
+        return None
+    from relational_tensors.exchange.topology import get_topology
+
+    topo = get_topology(s.options["topology"], gpus=s.devices.p)
+    sharing = {phys: s.devices.physical.count(phys) for phys in s.devices.physical}
+    return {d: topo.memory_bytes // sharing[phys] for d, phys in enumerate(s.devices.physical)}
+
+
+def _pass_liveness(s: _State) -> None:
+    assert s.lowered is not None
+    s.live = liveness(s.lowered.dag)
+    limits = _device_memory(s)
+    if limits is None:
+        return
+    for d, need in sorted(s.live.peak.items()):
+        if need > limits[d]:
+            raise OutOfMemoryPlanError(
+                f"device {d} needs {need:,} bytes at its peak under this plan ({s.live.resident[d]:,} of them "
+                f"loaded inputs), but has {limits[d]:,}. Use more devices, a larger memory_per_device, or a "
+                f"memory_per_device limit at planning time so the optimizer picks leaner specs."
+            )
+
+
 # The pipeline, in order, each with the reason it exists.
 PASSES: tuple[tuple[str, Callable[[_State], None], str], ...] = (
     ("devices", _pass_devices, "resolve the device argument to p logical devices and open a compilation"),
@@ -141,6 +179,8 @@ PASSES: tuple[tuple[str, Callable[[_State], None], str], ...] = (
     ("catalog", _pass_catalog, "write tensors, operators, edges, tilings and costed specs as Arrow tables"),
     ("select", _pass_select, "choose one spec per operator (dp, greedy or random)"),
     ("check", _pass_check, "verify the plan without changing it"),
+    ("lower", _pass_lower, "place function specs, synthesize exchange programs, build the task DAG"),
+    ("liveness", _pass_liveness, "free buffers after last use; refuse a plan that exceeds device memory"),
 )
 
 
@@ -157,6 +197,11 @@ class CompiledGraph:
         self.options = state.options
         self.timings = state.timings
         self.pieces = state.pieces
+        assert state.lowered is not None and state.live is not None
+        self.lowered = state.lowered
+        self.dag = state.lowered.dag
+        self.live = state.live
+        self._executor: Any = None
 
     @property
     def p(self) -> int:
@@ -169,6 +214,49 @@ class CompiledGraph:
 
     def spec(self, op: str) -> Any:
         return self.plan.spec(op)
+
+    # --- execution -----------------------------------------------------------------
+    def _exec(self) -> Any:
+        if self._executor is None:
+            if self.devices.kind == "cpu":
+                from relational_tensors.gpu_exec.numpy_backend import NumpyExecutor
+
+                self._executor = NumpyExecutor(self.graph, self.dag, self.live)
+            else:
+                raise ExecError(
+                    f"this program was compiled for {self.devices} ({self.options['topology']}), and no GPU "
+                    "backend can run it here. Compile with device='cpu:N' to run on N virtual CPU devices; "
+                    "simulate() and trace() work for any device."
+                )
+        return self._executor
+
+    def load(self, feeds: dict[str, Any]) -> None:
+        """Place every graph input straight into the blocks the plan needs, on their devices."""
+        self._exec().load(feeds)
+
+    def execute(self) -> None:
+        """Run the task DAG once (inputs stay loaded; run it again after loading new ones)."""
+        self._exec().execute()
+
+    def offload(self, name: str, like: str = "numpy") -> Any:
+        """The saved output ``name`` as one array."""
+        return self._exec().offload(name)
+
+    def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        """load, execute and offload every saved output."""
+        self.load(feeds)
+        self.execute()
+        return {name: self.offload(name) for name in self.graph.outputs}
+
+    def memory(self) -> dict[int, int]:
+        """Peak bytes per device under this plan (loaded inputs included)."""
+        return dict(self.live.peak)
+
+    def exchange_programs(self) -> dict[str, str]:
+        """Each operator's exchange program (and each saved output's), as ExProg text."""
+        from relational_tensors.exchange.text import to_text
+
+        return {name: to_text(prog) for name, prog in self.lowered.programs.items()}
 
     def explain(self, file: Any = None, width: int = 160) -> str:
         """Print (and return) the plan as a table: op, split, output tiling, costs, repartitions."""
@@ -200,14 +288,17 @@ class CompiledGraph:
 def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed: int = 0,
                  cost_model: str = "paper", memory_per_device: int | None = None,
                  catalog: str | Path | Catalog | None = None, tactic: str = "tree",
-                 label: str | None = None) -> CompiledGraph:
+                 label: str | None = None, schedule_mode: str = "naive",
+                 topology: str = "hgx-h200") -> CompiledGraph:
     """Plan ``graph`` for the devices named by ``device`` (see ``relational_tensors.devices``).
 
     ``selector`` is ``dp`` (Algorithm 1), ``greedy`` or ``random`` (with ``seed``);
     ``cost_model`` is ``paper`` (elements) or ``bytes``; ``memory_per_device`` (bytes)
     excludes specs whose per-device working set does not fit; ``catalog`` is a
     path to persist the catalog (default: in memory); ``tactic`` is ``tree``
-    (exact on each tree) or ``linear`` (the paper's linear-path tactic).
+    (exact on each tree) or ``linear`` (the paper's linear-path tactic);
+    ``schedule_mode`` picks how exchange programs are synthesized; ``topology``
+    names the machine simulated (and whose memory bounds GPU plans).
     """
     if not isinstance(graph, Graph):
         raise GraphError(f"compileGraph takes an rt.Graph; got {type(graph).__name__}.")
@@ -216,13 +307,16 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
     get_cost_model(cost_model)
     if tactic not in TACTICS:
         raise PlanError(f"unknown DP tactic {tactic!r}; choose one of {TACTICS}.")
+    if schedule_mode not in SCHEDULES:
+        raise PlanError(f"unknown schedule_mode {schedule_mode!r}; choose one of {SCHEDULES}.")
     if memory_per_device is not None and (not isinstance(memory_per_device, int) or memory_per_device <= 0):
         raise PlanError(f"memory_per_device must be a positive number of bytes; got {memory_per_device!r}.")
     if not graph.operators:
         raise PlanError("the graph has no operators to plan; add some and save an output.")
     cat = catalog if isinstance(catalog, Catalog) else Catalog(catalog)
     state = _State(graph, dict(device=device, selector=selector, seed=seed, cost_model=cost_model,
-                               memory_per_device=memory_per_device, tactic=tactic, label=label), cat)
+                               memory_per_device=memory_per_device, tactic=tactic, label=label,
+                               schedule_mode=schedule_mode, topology=topology), cat)
     for name, run, _reason in PASSES:
         t0 = time.perf_counter()
         run(state)

@@ -48,7 +48,7 @@ CASES: dict[str, Case] = {
     "reduce_min_keepdims": _one(lambda g, d: g.min(g.input("x", [10, 7], d), axis=0, keepdims=True)),
     "reduce_mean": _one(lambda g, d: g.mean(g.input("x", [10, 7, 5], d), axis=-1)),
     "softmax_last": _one(lambda g, d: g.softmax(g.input("x", [10, 7, 5], d))),
-    "softmax_axis0": _one(lambda g, d: g.softmax(g.input("x", [10, 7], d), axis=0)),
+    "softmax_axis0": _one(lambda g, d: g.softmax(g.input("x", [7, 12], d), axis=0)),
     "rmsnorm": _one(lambda g, d: g.rmsnorm(g.input("x", [3, 10, 16], d), g.input("w", [16], d), 1e-5)),
     "layernorm": _one(lambda g, d: g.layernorm(g.input("x", [10, 16], d), g.input("w", [16], d),
                                                g.input("b", [16], d))),

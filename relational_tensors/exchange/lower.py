@@ -1,0 +1,321 @@
+"""From the logical plan to the task DAG (section 5.3).
+
+Per operator, in topological order:
+
+1. placement: each function spec goes to a device, greedily matching the
+   specs to the devices that already hold most of the bytes they read;
+2. the ExProg preamble: atoms are the cells of the overlay of the producer's
+   output blocks and the blocks the operator reads (one atom per cell and
+   producing copy, unaggregated); IN puts each at the device of its copy, OUT
+   asks for the ⊕-aggregate of each cell at every function spec reading it,
+   one size-1 partition per function spec;
+3. the body: ``naive`` gathers every required aggregate at each reading
+   device and aggregates there;
+4. tasks: decompose producer blocks into atoms, run the program (aggregate and
+   copy tasks, in firing order), recompose atoms into kernel inputs, run the
+   kernel.  Graph inputs are loaded straight into the blocks a spec reads.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable
+
+from relational_tensors.core.dtypes import itemsize
+from relational_tensors.core.types import Box, Interval
+from relational_tensors.dp_optimizer.plan import LogicalPlan
+from relational_tensors.errors import ExchangeError
+from relational_tensors.exchange.ast import Action, ExProg, InAtom, Partition, Requirement, aggregate_text, exact_cover
+from relational_tensors.exchange.tasks import TaskDAG
+from relational_tensors.frontend.graph import Graph
+
+__all__ = ["Lowered", "lower", "place", "naive_body", "SCHEDULES"]
+
+SCHEDULES = ("naive",)
+
+
+@dataclass
+class _Atom:
+    buffer: int      # the producer copy holding it
+    cell: Box
+    tensor: int
+
+
+@dataclass
+class Lowered:
+    """The task DAG, the placement of every operator's function specs, and its exchange programs."""
+
+    dag: TaskDAG
+    placement: dict[int, tuple[int, ...]]      # op id -> device of each function spec
+    programs: dict[str, ExProg] = field(default_factory=dict)  # op name (or "save:<name>") -> program
+
+
+def place(plan: LogicalPlan, op_id: int, placement: dict[int, tuple[int, ...]]) -> tuple[int, ...]:
+    """Devices for the function specs of ``op_id``: most co-resident input bytes first, identity on ties."""
+    graph = plan.graph
+    node = graph.nodes[op_id]
+    spec = plan.spec(op_id)
+    p = spec.p
+    score = [[0] * p for _ in range(p)]
+    for k, i in enumerate(node.inputs):
+        if graph.nodes[i].op is None:
+            continue
+        width = itemsize(graph.nodes[i].type.dtype)
+        producer = plan.spec(i)
+        where = placement[i]
+        for g, fg in enumerate(spec.functions):
+            need = fg.inputs[k]
+            if need.is_empty:
+                continue
+            for f, ff in enumerate(producer.functions):
+                score[g][where[f]] += need.intersect(ff.output).volume * width
+    pairs = sorted(((g, d) for g in range(p) for d in range(p)), key=lambda gd: (-score[gd[0]][gd[1]], gd[0] != gd[1], gd))
+    out: dict[int, int] = {}
+    used: set[int] = set()
+    for g, d in pairs:
+        if g not in out and d not in used:
+            out[g] = d
+            used.add(d)
+    return tuple(out[g] for g in range(p))
+
+
+def _cells(box: Box, breaks: list[list[int]]) -> list[Box]:
+    """The overlay cells inside ``box``, row-major."""
+    per_dim = []
+    for d in range(box.rank):
+        pts = [x for x in breaks[d] if box.lower[d] <= x <= box.upper[d]]
+        per_dim.append([Interval(a, b) for a, b in zip(pts, pts[1:])])
+    return [Box.from_intervals(c) for c in itertools.product(*per_dim)]
+
+
+def naive_body(prog: ExProg) -> frozenset[Action]:
+    """Gather each required aggregate's atoms at each reading site and aggregate there."""
+    where: dict[str, list[int]] = {}
+    for a in prog.inputs:
+        where.setdefault(a.atom, []).append(a.site)
+    actions: set[Action] = set()
+    for req in prog.outputs:
+        for target in req.targets:
+            for t in prog.sites_of(target):
+                for atom in sorted(req.aggregate):
+                    sites = where[atom]
+                    if t not in sites:
+                        actions.add(Action(frozenset({atom}), sites[0], (t,)))
+                if len(req.aggregate) > 1:
+                    actions.add(Action(req.aggregate, t))
+    return frozenset(actions)
+
+
+class _Lowering:
+    def __init__(self, plan: LogicalPlan, schedule: str, synthesize: Callable[[ExProg], frozenset[Action]]):
+        self.plan = plan
+        self.graph: Graph = plan.graph
+        self.p = plan.p
+        self.dag = TaskDAG(self.p)
+        self.placement: dict[int, tuple[int, ...]] = {}
+        self.programs: dict[str, ExProg] = {}
+        self.kernel_out: dict[int, list[int]] = {}   # op id -> output buffer of each function spec
+        self.loaded: dict[tuple[int, Box, int], int] = {}
+        self.schedule = schedule
+        self.synthesize = synthesize
+
+    # --- graph inputs ----------------------------------------------------------
+    def load(self, tensor: int, box: Box, device: int) -> int:
+        key = (tensor, box, device)
+        if key not in self.loaded:
+            node = self.graph.nodes[tensor]
+            b = self.dag.buffer(device, box, node.type.dtype, tensor)
+            self.dag.add("load", device, (), (b,), payload={"input": node.name, "box": box, "label": f"load {node.name}"})
+            self.dag.inputs.setdefault(node.name, []).append((box, b))
+            self.loaded[key] = b
+        return self.loaded[key]
+
+    # --- one exchange ------------------------------------------------------------
+    def exchange(self, name: str, wants: list[tuple[int, int, Box, int]], op: int | None) -> dict[tuple[int, int], list[tuple[Box, int]]]:
+        """Deliver blocks of op-produced tensors.  ``wants`` holds (key, tensor, block, device); returns,
+        per (key, tensor), the aggregated atoms of the block at its device (cell, buffer)."""
+        atoms: dict[str, _Atom] = {}
+        ins: list[InAtom] = []
+        reqs: dict[frozenset[str], list[int | str]] = {}
+        parts: dict[int, str] = {}
+        cells_of: dict[tuple[int, int], list[tuple[Box, frozenset[str], int]]] = {}
+        by_tensor: dict[int, list[tuple[int, Box, int]]] = {}
+        for key, tensor, block, device in wants:
+            by_tensor.setdefault(tensor, []).append((key, block, device))
+        for n, (tensor, reads) in enumerate(sorted(by_tensor.items())):
+            spec = self.plan.spec(tensor)
+            width = itemsize(self.graph.nodes[tensor].type.dtype)
+            lse = spec.aggregation.name == "lse"
+            rank = self.graph.nodes[tensor].type.rank
+            breaks = [sorted({b for f in spec.functions for b in (f.output.lower[d], f.output.upper[d])} |
+                             {b for _, blk, _ in reads if not blk.is_empty for b in (blk.lower[d], blk.upper[d])})
+                      for d in range(rank)]
+            names: dict[tuple[Box, int], str] = {}
+            for key, block, device in reads:
+                entry = cells_of.setdefault((key, tensor), [])
+                if block.is_empty:
+                    continue
+                part = parts.setdefault(device, f"F{device}")
+                for cell in _cells(block, breaks):
+                    copies = []
+                    for f, ff in enumerate(spec.functions):
+                        if ff.output.contains(cell):
+                            atom = names.get((cell, f))
+                            if atom is None:
+                                atom = f"t{n}.{len(names)}"
+                                names[(cell, f)] = atom
+                                src = self.kernel_out[tensor][f]
+                                atoms[atom] = _Atom(src, cell, tensor)
+                                size = cell.volume * width + (cell.volume // cell.shape[-1] * 4 if lse else 0)
+                                ins.append(InAtom(atom, self.dag.buffers[src].device, size))
+                            copies.append(atom)
+                    agg = frozenset(copies)
+                    targets = reqs.setdefault(agg, [])
+                    if part not in targets:
+                        targets.append(part)
+                    entry.append((cell, agg, device))
+        if not ins:
+            return {k: [] for k in cells_of}
+        prog = ExProg(tuple(range(self.p)),
+                      tuple(Partition(parts[d], 1, (d,)) for d in sorted(parts)),
+                      tuple(ins),
+                      tuple(Requirement(agg, tuple(sorted(t, key=str))) for agg, t in reqs.items()))
+        prog = prog.with_body(self.synthesize(prog))
+        self.programs[name] = prog
+        state = self.run_program(prog, atoms, op)
+        out: dict[tuple[int, int], list[tuple[Box, int]]] = {}
+        for k, entries in cells_of.items():
+            blocks = []
+            for cell, agg, device in entries:
+                if (agg, device) not in state:
+                    raise ExchangeError(f"exchange program of {name} does not deliver "
+                                        f"{aggregate_text(agg)} @ {device}.")
+                blocks.append((cell, state[(agg, device)]))
+            out[k] = blocks
+        return out
+
+    def run_program(self, prog: ExProg, atoms: dict[str, _Atom], op: int | None) -> dict[tuple[frozenset[str], int], int]:
+        """Tasks for a valid program: decompose, then fire actions in dataflow order."""
+        dag = self.dag
+        state: dict[tuple[frozenset[str], int], int] = {}
+        by_buffer: dict[int, list[str]] = {}
+        for name in sorted(atoms):
+            by_buffer.setdefault(atoms[name].buffer, []).append(name)
+        for src, names in by_buffer.items():
+            buf = dag.buffers[src]
+            if len(names) == 1 and atoms[names[0]].cell == buf.box:
+                state[(frozenset(names), buf.device)] = src  # the block is one atom: no slicing
+                continue
+            outs = tuple(dag.buffer(buf.device, atoms[a].cell, buf.dtype, buf.tensor, buf.partial) for a in names)
+            dag.add("decompose", buf.device, (src,), outs, op=op,
+                    payload={"cells": [atoms[a].cell for a in names], "label": "decompose"})
+            for a, b in zip(names, outs):
+                state[(frozenset({a}), buf.device)] = b
+        pending = sorted(prog.body, key=lambda a: (aggregate_text(a.aggregate), str(a.source), [str(d) for d in a.dests]))
+        while pending:
+            fired = []
+            for act in pending:
+                sources = prog.sites_of(act.source)
+                covers = {s: exact_cover(act.aggregate, [x for (x, site) in state if site == s]) for s in sources}
+                if not sources or any(c is None for c in covers.values()):
+                    continue
+                for s in sources:
+                    cover = covers[s]
+                    assert cover is not None
+                    if (act.aggregate, s) not in state:
+                        first = dag.buffers[state[(cover[0], s)]]
+                        b = dag.buffer(s, first.box, first.dtype, first.tensor, first.partial)
+                        dag.add("aggregate", s, tuple(state[(c, s)] for c in cover), (b,), op=op,
+                                payload={"aggregation": self.plan.spec(first.tensor).aggregation,
+                                         "label": f"⊕ {aggregate_text(act.aggregate)}"})
+                        state[(act.aggregate, s)] = b
+                    for dest in act.dests:
+                        for d in prog.sites_of(dest):
+                            if (act.aggregate, d) in state:
+                                continue
+                            src = dag.buffers[state[(act.aggregate, s)]]
+                            b = dag.buffer(d, src.box, src.dtype, src.tensor, src.partial)
+                            dag.add("copy", d, (src.id,), (b,), op=op, src_device=s,
+                                    payload={"label": f"{aggregate_text(act.aggregate)} {s}->{d}"})
+                            state[(act.aggregate, d)] = b
+                fired.append(act)
+            if not fired:
+                raise ExchangeError(f"exchange program is not well-formed: {len(pending)} actions never fire, "
+                                    f"e.g. {aggregate_text(pending[0].aggregate)} @ {pending[0].source}.")
+            pending = [a for a in pending if a not in fired]
+        return state
+
+    def recompose(self, block: Box, pieces: list[tuple[Box, int]], device: int, tensor: int, op: int | None) -> int:
+        node = self.graph.nodes[tensor]
+        if len(pieces) == 1 and pieces[0][0] == block and self.dag.buffers[pieces[0][1]].partial != "lse":
+            return pieces[0][1]
+        out = self.dag.buffer(device, block, node.type.dtype, tensor)
+        agg = self.plan.spec(tensor).aggregation if node.op is not None else None
+        finalize = [self.dag.buffers[b].partial == "lse" for _, b in pieces]  # lse partials carry their lse rows
+        self.dag.add("recompose", device, tuple(b for _, b in pieces), (out,), op=op,
+                     payload={"cells": [c for c, _ in pieces], "aggregation": agg, "finalize": finalize,
+                              "label": "recompose"})
+        return out
+
+    # --- operators ---------------------------------------------------------------
+    def lower_op(self, op_id: int) -> None:
+        node = self.graph.nodes[op_id]
+        assert node.op is not None
+        spec = self.plan.spec(op_id)
+        where = place(self.plan, op_id, self.placement)
+        self.placement[op_id] = where
+        wants = []
+        for g, f in enumerate(spec.functions):
+            for k, i in enumerate(node.inputs):
+                if self.graph.nodes[i].op is not None:
+                    wants.append(((g, k), i, f.inputs[k], where[g]))
+        delivered = self.exchange(node.name, wants, op_id)
+        outs = []
+        multiplicity = spec.output_multiplicity()
+        for g, f in enumerate(spec.functions):
+            blocks = []
+            for k, i in enumerate(node.inputs):
+                if self.graph.nodes[i].op is None:
+                    blocks.append(self.load(i, f.inputs[k], where[g]))
+                else:
+                    blocks.append(self.recompose(f.inputs[k], delivered[((g, k), i)], where[g], i, op_id))
+            alone = multiplicity[f.output] == 1  # nothing to combine: the kernel writes the final block
+            partial = None if alone else spec.aggregation.name
+            out = self.dag.buffer(where[g], f.output, node.type.dtype, op_id, partial)
+            self.dag.add("kernel", where[g], tuple(blocks), (out,), op=op_id,
+                         payload={"function": f, "index": g, "final": alone, "aggregation": spec.aggregation,
+                                  "label": f"{node.name}[{g}]"})
+            outs.append(out)
+        self.kernel_out[op_id] = outs
+
+    def lower_outputs(self) -> None:
+        for name, tensor in self.graph.outputs.items():
+            node = self.graph.nodes[tensor]
+            if node.op is None:
+                b = self.load(tensor, node.type.box, 0)
+                self.dag.outputs[name] = [(node.type.box, b)]
+                continue
+            spec = self.plan.spec(tensor)
+            first: dict[Box, int] = {}
+            for f, ff in enumerate(spec.functions):
+                first.setdefault(ff.output, self.dag.buffers[self.kernel_out[tensor][f]].device)
+            wants = [((n, 0), tensor, box, dev) for n, (box, dev) in enumerate(first.items())]
+            delivered = self.exchange(f"save:{name}", wants, None)
+            blocks = []
+            for n, (box, dev) in enumerate(first.items()):
+                pieces = delivered[((n, 0), tensor)]
+                blocks.append((box, self.recompose(box, pieces, dev, tensor, None)))
+            self.dag.outputs[name] = blocks
+
+
+def lower(plan: LogicalPlan, schedule: str = "naive",
+          synthesize: Callable[[ExProg], frozenset[Action]] | None = None) -> Lowered:
+    """Lower ``plan`` to one task DAG, synthesizing each exchange program with ``schedule``."""
+    if schedule not in SCHEDULES and synthesize is None:
+        raise ExchangeError(f"unknown schedule mode {schedule!r}; choose one of {SCHEDULES}.")
+    low = _Lowering(plan, schedule, synthesize or naive_body)
+    for node in plan.graph.operators:
+        low.lower_op(node.id)
+    low.lower_outputs()
+    return Lowered(low.dag, low.placement, low.programs)

@@ -1,0 +1,155 @@
+"""The physical plan: one task DAG for the whole graph, with explicit buffers.
+
+Task kinds: ``load`` (a graph input block, materialized where it is needed),
+``decompose`` (slice a producer's block into atoms), ``aggregate`` (⊕ of
+aggregates at one device), ``copy`` (a transfer between devices), ``recompose``
+(assemble atoms into the block a kernel reads, finalizing ⊕ partials),
+``kernel`` (a concrete operator on one function spec).  Emission order is a
+topological order and the order each device runs its tasks in.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from relational_tensors.core.aggregation import Aggregation
+from relational_tensors.core.dtypes import itemsize
+from relational_tensors.core.types import Box
+
+__all__ = ["Buffer", "Task", "TaskDAG", "Liveness", "liveness"]
+
+TASK_KINDS = ("load", "decompose", "aggregate", "copy", "recompose", "kernel")
+
+
+@dataclass(frozen=True, slots=True)
+class Buffer:
+    """A block of a tensor on one device.  ``partial`` names the ⊕ whose partial it holds, if any."""
+
+    id: int
+    device: int
+    box: Box
+    dtype: str
+    tensor: int                # node id of the tensor it belongs to
+    partial: str | None = None  # "sum", "max", "min", "lse" (an lse partial also holds a float32 row per output row)
+
+    @property
+    def nbytes(self) -> int:
+        n = self.box.volume * itemsize(self.dtype)
+        if self.partial == "lse" and self.box.rank:
+            n += self.box.volume // max(self.box.shape[-1], 1) * 4
+        return n
+
+
+@dataclass(slots=True)
+class Task:
+    id: int
+    kind: str
+    device: int                   # where it runs (a copy runs on its destination's queue)
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    op: int | None = None         # node id of the operator it serves
+    src_device: int | None = None  # copies: the source device
+    payload: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return self.payload.get("label", self.kind)
+
+
+@dataclass
+class TaskDAG:
+    """Tasks in emission order, the buffers they use, and where inputs and outputs live."""
+
+    p: int
+    tasks: list[Task] = field(default_factory=list)
+    buffers: dict[int, Buffer] = field(default_factory=dict)
+    inputs: dict[str, list[tuple[Box, int]]] = field(default_factory=dict)        # input name -> (box, buffer)
+    outputs: dict[str, list[tuple[Box, int]]] = field(default_factory=dict)       # saved name -> aggregated blocks
+    output_aggregation: dict[str, Aggregation] = field(default_factory=dict)
+
+    def buffer(self, device: int, box: Box, dtype: str, tensor: int, partial: str | None = None) -> int:
+        bid = len(self.buffers)
+        self.buffers[bid] = Buffer(bid, device, box, dtype, tensor, partial)
+        return bid
+
+    def add(self, kind: str, device: int, inputs: tuple[int, ...], outputs: tuple[int, ...], **kw: Any) -> Task:
+        task = Task(len(self.tasks), kind, device, inputs, outputs, **kw)
+        self.tasks.append(task)
+        return task
+
+    def counts(self) -> Counter[str]:
+        return Counter(t.kind for t in self.tasks)
+
+    def transfers(self) -> list[Task]:
+        """Copies between different devices (a copy to itself never happens)."""
+        return [t for t in self.tasks if t.kind == "copy"]
+
+    def summary(self) -> str:
+        c = self.counts()
+        moved = sum(self.buffers[t.outputs[0]].nbytes for t in self.transfers())
+        return (f"{len(self.tasks)} tasks ({', '.join(f'{k} {c[k]}' for k in TASK_KINDS if c[k])}), "
+                f"{len(self.buffers)} buffers, {moved:,} bytes between devices")
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """When each buffer dies, and the memory each device needs."""
+
+    last_use: dict[int, int]           # buffer -> index of the last task reading it (persistent: len(tasks))
+    persistent: frozenset[int]         # loaded inputs and saved outputs
+    peak: dict[int, int]               # device -> peak bytes
+    resident: dict[int, int]           # device -> bytes of persistent buffers
+
+    def frees_after(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = defaultdict(list)
+        for b, t in self.last_use.items():
+            if b not in self.persistent:
+                out[t].append(b)
+        return out
+
+
+def liveness(dag: TaskDAG) -> Liveness:
+    """Free each buffer after its last use; report per-device peak bytes.
+
+    Loaded inputs stay resident (a program executes many times on one load) and
+    saved outputs stay until they are offloaded.
+    """
+    persistent = {b for blocks in dag.inputs.values() for _, b in blocks}
+    persistent |= {b for blocks in dag.outputs.values() for _, b in blocks}
+    end = len(dag.tasks)
+    last_use: dict[int, int] = {}
+    born: dict[int, int] = {}
+    for t in dag.tasks:
+        for b in t.inputs:
+            last_use[b] = t.id
+        for b in t.outputs:
+            born.setdefault(b, t.id)
+            last_use.setdefault(b, t.id)  # written but never read: dies right away
+    for b in persistent:
+        last_use[b] = end
+    resident: dict[int, int] = defaultdict(int)
+    for b in persistent:
+        if b in dag.buffers and born.get(b) is not None and dag.tasks[born[b]].kind == "load":
+            resident[dag.buffers[b].device] += dag.buffers[b].nbytes
+    live: dict[int, int] = defaultdict(int, resident)
+    peak: dict[int, int] = defaultdict(int, resident)
+    dies: dict[int, list[int]] = defaultdict(list)
+    for b, t in last_use.items():
+        if b not in persistent:
+            dies[t].append(b)
+    for t in dag.tasks:
+        if t.kind == "load":
+            continue
+        for b in t.outputs:
+            buf = dag.buffers[b]
+            live[buf.device] += buf.nbytes
+            peak[buf.device] = max(peak[buf.device], live[buf.device])
+        for b in dies.get(t.id, ()):
+            buf = dag.buffers[b]
+            live[buf.device] -= buf.nbytes
+    for d in range(dag.p):
+        peak.setdefault(d, 0)
+        resident.setdefault(d, 0)
+    return Liveness(last_use, frozenset(persistent), dict(peak), dict(resident))

@@ -1,0 +1,135 @@
+"""The NumPy executor: the task DAG on virtual devices ``cpu:0..p-1``.
+
+Each device has its own buffer pool (a dict of arrays); a copy task copies an
+array from one pool into another, so nothing is shared between devices that
+the DAG does not move.  Buffers are freed after their last use, as the
+liveness pass planned; the executor checks its own peak against the plan's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from relational_tensors.core.dtypes import numpy_dtype
+from relational_tensors.errors import ExecError
+from relational_tensors.exchange.tasks import Liveness, TaskDAG
+from relational_tensors.frontend.graph import Graph
+from relational_tensors.reference import coerce_feed
+
+__all__ = ["NumpyExecutor"]
+
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, tuple):
+        return sum(_nbytes(a) for a in x)
+    return int(x.nbytes)
+
+
+class NumpyExecutor:
+    """Runs one TaskDAG; ``load`` once, ``execute`` as often as wanted, ``offload`` results."""
+
+    def __init__(self, graph: Graph, dag: TaskDAG, live: Liveness) -> None:
+        self.graph = graph
+        self.dag = dag
+        self.live = live
+        self.pools: list[dict[int, Any]] = [dict() for _ in range(dag.p)]
+        self.frees = live.frees_after()
+        self.loaded = False
+        self.executed = False
+        self.peak = [0] * dag.p
+
+    def _put(self, buf: int, value: Any) -> None:
+        self.pools[self.dag.buffers[buf].device][buf] = value
+
+    def _get(self, buf: int) -> Any:
+        pool = self.pools[self.dag.buffers[buf].device]
+        if buf not in pool:
+            raise ExecError(f"buffer {buf} is not resident on device {self.dag.buffers[buf].device}; "
+                            "the task DAG read it after it was freed.")
+        return pool[buf]
+
+    def load(self, feeds: Mapping[str, Any]) -> None:
+        """Materialize every graph input straight into the blocks the plan reads, on their devices."""
+        names = {n.name: n for n in self.graph.inputs}
+        unknown = sorted(set(feeds) - set(names))
+        if unknown:
+            raise ExecError(f"feeds name no graph input: {unknown}; inputs are {sorted(names)}.")
+        for name, blocks in self.dag.inputs.items():
+            if name not in feeds:
+                node = names[name]
+                raise ExecError(f"missing a value for input {name!r} of shape {node.type.shape} ({node.type.dtype}).")
+            whole = coerce_feed(name, feeds[name], names[name].type)
+            for box, buf in blocks:
+                self._put(buf, np.array(whole[box.slices()], copy=True))
+        self.loaded = True
+
+    def execute(self) -> None:
+        if not self.loaded:
+            raise ExecError("load the inputs first: cg.load({name: array, ...}).")
+        dag = self.dag
+        live = [sum(_nbytes(v) for v in pool.values()) for pool in self.pools]
+        self.peak = list(live)
+        for task in dag.tasks:
+            if task.kind == "load":
+                continue
+            ins = [self._get(b) for b in task.inputs]
+            outs = self._run(task, ins)
+            for b, value in zip(task.outputs, outs):
+                self._put(b, value)
+                d = dag.buffers[b].device
+                live[d] += _nbytes(value)
+                self.peak[d] = max(self.peak[d], live[d])
+            for b in self.frees.get(task.id, ()):
+                d = dag.buffers[b].device
+                value = self.pools[d].pop(b, None)
+                if value is not None:
+                    live[d] -= _nbytes(value)
+        self.executed = True
+
+    def _run(self, task: Any, ins: list[Any]) -> list[Any]:
+        kind = task.kind
+        if kind == "kernel":
+            node = self.graph.nodes[task.op]
+            out = node.op.kernel(ins, task.payload["function"])
+            if task.payload["final"]:
+                out = np.asarray(task.payload["aggregation"].finalize(out)).astype(
+                    numpy_dtype(node.type.dtype), copy=False)
+            return [out]
+        if kind == "copy":
+            return [tuple(np.array(a, copy=True) for a in ins[0]) if isinstance(ins[0], tuple)
+                    else np.array(ins[0], copy=True)]
+        if kind == "aggregate":
+            return [task.payload["aggregation"].combine(ins)]
+        if kind == "decompose":
+            src = self.dag.buffers[task.inputs[0]].box
+            return [_slice(ins[0], cell.slices(src)) for cell in task.payload["cells"]]
+        if kind == "recompose":
+            out_buf = self.dag.buffers[task.outputs[0]]
+            out = np.empty(out_buf.box.shape, dtype=numpy_dtype(out_buf.dtype))
+            agg = task.payload["aggregation"]
+            for cell, value, final in zip(task.payload["cells"], ins, task.payload["finalize"]):
+                out[cell.slices(out_buf.box)] = agg.finalize(value) if final else value
+            return [out]
+        raise ExecError(f"the numpy executor cannot run task kind {kind!r}.")
+
+    def offload(self, name: str) -> np.ndarray:
+        """The saved tensor ``name``, assembled from its blocks."""
+        if name not in self.dag.outputs:
+            raise ExecError(f"no saved output named {name!r}; saved: {sorted(self.dag.outputs)}.")
+        if not self.executed:
+            raise ExecError("execute the program before offloading results: cg.execute().")
+        node = self.graph.nodes[self.graph.outputs[name]]
+        out = np.empty(node.type.shape, dtype=numpy_dtype(node.type.dtype))
+        for box, buf in self.dag.outputs[name]:
+            value = self._get(buf)
+            out[box.slices()] = value[0] if isinstance(value, tuple) else value
+        return out
+
+
+def _slice(value: Any, index: tuple[slice, ...]) -> Any:
+    if isinstance(value, tuple):  # an lse partial: (out [..., d], lse [...])
+        out, lse = value
+        return np.ascontiguousarray(out[index]), np.ascontiguousarray(lse[index[:-1]])
+    return np.ascontiguousarray(value[index])
