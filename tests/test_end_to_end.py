@@ -121,3 +121,18 @@ def test_execution_errors_are_clear() -> None:
     cg.execute()
     with pytest.raises(rt.ExecError, match="no saved output named 'z'"):
         cg.offload("z")
+
+
+def test_every_lowered_exchange_program_is_valid_and_prints() -> None:
+    from relational_tensors.exchange.closure import check
+    from relational_tensors.exchange.text import parse
+
+    g = llama_block(2, 48, 32, 8, 2, 88, dtype="float32", seq_ends=[5, 17, 20, 33, 48])
+    cg = rt.compileGraph(g, device="cpu:6", catalog=CATALOG)
+    texts = cg.exchange_programs()
+    assert texts, "a 6-way plan of the block moves data somewhere"
+    for name, text in texts.items():
+        prog = parse(text)
+        assert prog == cg.lowered.programs[name]
+        check(prog)  # every action fires and OUT holds
+        assert "PARTITIONS:" in text and "IN:" in text and "OUT:" in text
