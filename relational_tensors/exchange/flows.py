@@ -1,0 +1,194 @@
+"""An event-driven fluid model of data moving through shared resources.
+
+Each *flow* moves a number of bytes and, while it moves, draws bandwidth from a
+tuple of *resources* (a link direction, a switch port, a bridge, a GPU's HBM),
+each with a capacity in bytes/s.  Rates follow max-min fairness, computed by
+progressive filling: every unfrozen flow's rate rises at the same pace until a
+resource it uses is full or the flow reaches its own cap; then it is frozen and
+the rest keep rising.  Rates are recomputed whenever a flow begins drawing
+bandwidth or finishes, so between two such events every rate is constant and
+completion times are exact.
+
+A flow may wait a start latency before it draws anything; a zero-byte flow
+completes when its latency is over.  Times are in seconds, sizes in bytes.
+
+The engine knows nothing about exchange programs: the ExProg simulator and the
+whole-plan simulator both drive it with the same five calls.
+
+>>> net = FlowNetwork({"link": 10.0})
+>>> net.start("a", ("link",), 10.0, now=0.0)
+>>> net.start("b", ("link",), 30.0, now=0.0)
+>>> net.active()
+{'a': 5.0, 'b': 5.0}
+>>> t = net.next_completion(); t, net.advance_to(t)
+(2.0, ['a'])
+>>> t = net.next_completion(); t, net.advance_to(t)
+(4.0, ['b'])
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Hashable, Iterable, Mapping
+
+from relational_tensors.errors import ExchangeError
+
+__all__ = ["FlowNetwork"]
+
+_REL = 1e-12  # relative slack when comparing event times and residual capacities
+
+
+@dataclass(slots=True)
+class _Flow:
+    resources: tuple[str, ...]
+    remaining: float
+    cap: float
+    ready_at: float  # start time plus latency: when the flow begins drawing bandwidth
+    rate: float = 0.0
+
+
+class FlowNetwork:
+    """Resources with capacities, and the flows currently crossing them.
+
+    ``now`` is the network's clock; it only moves forward, through
+    :meth:`advance_to`.
+    """
+
+    def __init__(self, capacities: Mapping[str, float], now: float = 0.0) -> None:
+        bad = {r: c for r, c in capacities.items() if not (c > 0)}
+        if bad:
+            raise ExchangeError(f"every resource needs a positive capacity in bytes/s; got {bad}.")
+        self.capacities: dict[str, float] = dict(capacities)
+        self.now = float(now)
+        self._flows: dict[Hashable, _Flow] = {}
+
+    # ---------------------------------------------------------------- public calls
+
+    def start(self, key: Hashable, resources: Iterable[str], nbytes: float, now: float,
+              latency: float = 0.0, cap: float = math.inf) -> None:
+        """Add a flow of ``nbytes`` over ``resources`` at time ``now`` (the network's clock).
+
+        It draws nothing for ``latency`` seconds, then at most ``cap`` bytes/s.  A
+        resource listed twice is used once.
+        """
+        if key in self._flows:
+            raise ExchangeError(f"a flow keyed {key!r} is already in the network; give each flow its own key.")
+        if not math.isclose(now, self.now, rel_tol=_REL, abs_tol=1e-15):
+            raise ExchangeError(
+                f"flows start at the network's clock; got now={now!r} while the clock is {self.now!r}. "
+                "Call advance_to(now) first and handle the flows it completes.")
+        res = tuple(dict.fromkeys(resources))
+        unknown = [r for r in res if r not in self.capacities]
+        if unknown:
+            raise ExchangeError(f"flow {key!r} uses unknown resources {unknown}; known: {sorted(self.capacities)}.")
+        if nbytes < 0 or latency < 0 or not (cap > 0):
+            raise ExchangeError(
+                f"flow {key!r} needs nbytes >= 0, latency >= 0 and cap > 0; got {nbytes!r}, {latency!r}, {cap!r}.")
+        self._flows[key] = _Flow(res, float(nbytes), float(cap), self.now + float(latency))
+        self._allocate()
+
+    def next_completion(self) -> float | None:
+        """When the next flow will finish if no other flow starts; None when the network is empty."""
+        if not self._flows:
+            return None
+        probe = self._clone()
+        while True:
+            t = probe._next_event()
+            assert t is not None
+            if probe._step(t):
+                return t
+
+    def advance_to(self, t: float) -> list[Hashable]:
+        """Move the clock to ``t``; the keys of the flows that finished by then, in finishing order."""
+        if t < self.now - _REL * max(1.0, abs(self.now)):
+            raise ExchangeError(f"the clock only moves forward; got t={t!r} while it is at {self.now!r}.")
+        done: list[Hashable] = []
+        while True:
+            te = self._next_event()
+            if te is None or te > t + _REL * max(1.0, abs(t)):
+                break
+            done.extend(self._step(te))
+        self._drain(max(t, self.now))
+        return done
+
+    def active(self) -> dict[Hashable, float]:
+        """Every unfinished flow and its current rate in bytes/s (0.0 while it waits out its latency)."""
+        return {k: f.rate for k, f in self._flows.items()}
+
+    def rate(self, key: Hashable) -> float:
+        """The current rate of one unfinished flow."""
+        if key not in self._flows:
+            raise ExchangeError(f"no unfinished flow is keyed {key!r}.")
+        return self._flows[key].rate
+
+    def __len__(self) -> int:
+        return len(self._flows)
+
+    # ---------------------------------------------------------------- internals
+
+    def _clone(self) -> FlowNetwork:
+        other = FlowNetwork.__new__(FlowNetwork)
+        other.capacities = self.capacities
+        other.now = self.now
+        other._flows = {k: _Flow(f.resources, f.remaining, f.cap, f.ready_at, f.rate) for k, f in self._flows.items()}
+        return other
+
+    def _finish_time(self, f: _Flow) -> float:
+        if f.ready_at > self.now:
+            return f.ready_at if f.remaining == 0 else math.inf
+        if f.remaining == 0 or f.rate == math.inf:
+            return self.now
+        return self.now + f.remaining / f.rate if f.rate > 0 else math.inf
+
+    def _next_event(self) -> float | None:
+        """The next time a flow starts drawing bandwidth or finishes."""
+        times = [f.ready_at for f in self._flows.values() if f.ready_at > self.now]
+        times += [self._finish_time(f) for f in self._flows.values()]
+        t = min(times, default=math.inf)
+        return None if t == math.inf else t
+
+    def _drain(self, t: float) -> None:
+        dt = t - self.now
+        if dt > 0:
+            for f in self._flows.values():
+                if f.ready_at <= self.now and f.rate > 0:
+                    f.remaining = max(0.0, f.remaining - f.rate * dt)
+            self.now = t
+
+    def _step(self, t: float) -> list[Hashable]:
+        """Advance to the event time ``t``: finish what ends there, then reallocate."""
+        slack = _REL * max(1.0, abs(t))
+        ending = [k for k, f in self._flows.items() if self._finish_time(f) <= t + slack]
+        self._drain(max(t, self.now))
+        for k in ending:
+            del self._flows[k]
+        self._allocate()
+        return ending
+
+    def _allocate(self) -> None:
+        """Max-min fair rates by progressive filling over the flows that are drawing bandwidth."""
+        live = {k: f for k, f in self._flows.items() if f.ready_at <= self.now and f.remaining > 0}
+        for f in self._flows.values():
+            f.rate = 0.0
+        residual = {r: self.capacities[r] for f in live.values() for r in f.resources}
+        unfrozen = set(live)
+        while unfrozen:
+            users: dict[str, int] = {}
+            for k in unfrozen:
+                for r in live[k].resources:
+                    users[r] = users.get(r, 0) + 1
+            step = min([residual[r] / n for r, n in users.items()] +
+                       [live[k].cap - live[k].rate for k in unfrozen])
+            if step == math.inf:  # no resource and no cap: the flow is instantaneous
+                for k in unfrozen:
+                    live[k].rate = math.inf
+                break
+            for k in unfrozen:
+                live[k].rate += step
+            for r, n in users.items():
+                residual[r] -= step * n
+            full = {r for r in users if residual[r] <= _REL * 1e3 * self.capacities[r]}
+            unfrozen = {k for k in unfrozen
+                        if not (full.intersection(live[k].resources)
+                                or live[k].rate >= live[k].cap * (1 - _REL * 1e3))}
