@@ -202,6 +202,7 @@ class CompiledGraph:
         self.dag = state.lowered.dag
         self.live = state.live
         self._executor: Any = None
+        self._simulations: dict[Any, Any] = {}
 
     @property
     def p(self) -> int:
@@ -247,6 +248,27 @@ class CompiledGraph:
         self.load(feeds)
         self.execute()
         return {name: self.offload(name) for name in self.graph.outputs}
+
+    def simulate(self, topology: str | None = None, calibration: str | None = None) -> float:
+        """Predicted seconds for one execution on ``topology`` (default: the one compiled for)."""
+        return self._simulation(topology, calibration).time
+
+    def trace(self, path: str, topology: str | None = None, calibration: str | None = None) -> str:
+        """Write a Chrome/Perfetto trace of the simulated timeline; returns the path."""
+        from relational_tensors.exchange.plan_sim import write_trace
+
+        return str(write_trace(self._simulation(topology, calibration), path))
+
+    def _simulation(self, topology: str | None, calibration: str | None) -> Any:
+        from relational_tensors.exchange.plan_sim import KernelModel, simulate_plan
+        from relational_tensors.exchange.topology import get_topology
+
+        topo = get_topology(topology or self.options["topology"], gpus=self.p)
+        key = (topo.name, calibration)
+        if key not in self._simulations:
+            self._simulations[key] = simulate_plan(self.dag, self.graph, topo,
+                                                   KernelModel.from_calibration(topo, calibration))
+        return self._simulations[key]
 
     def memory(self) -> dict[int, int]:
         """Peak bytes per device under this plan (loaded inputs included)."""
