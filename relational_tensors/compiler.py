@@ -156,19 +156,39 @@ def _device_memory(s: _State) -> dict[int, int] | None:
     return {d: topo.memory_bytes // sharing[phys] for d, phys in enumerate(s.devices.physical)}
 
 
+def _over_limit(s: _State, limits: dict[int, int]) -> list[int]:
+    assert s.live is not None
+    return [d for d, need in sorted(s.live.peak.items()) if need > limits[d]]
+
+
 def _pass_liveness(s: _State) -> None:
-    assert s.lowered is not None
+    """Free buffers after last use.  With a memory limit, a DP plan that does not fit is re-chosen with a
+    growing price on the graph-input bytes each spec keeps resident (a Lagrangian relaxation of the
+    memory constraint), up to eight times; a plan that still does not fit is refused."""
+    assert s.lowered is not None and s.plan is not None and s.candidates is not None
     s.live = liveness(s.lowered.dag)
     limits = _device_memory(s)
-    if limits is None:
+    if limits is None or not _over_limit(s, limits):
         return
-    for d, need in sorted(s.live.peak.items()):
-        if need > limits[d]:
-            raise OutOfMemoryPlanError(
-                f"device {d} needs {need:,} bytes at its peak under this plan ({s.live.resident[d]:,} of them "
-                f"loaded inputs), but has {limits[d]:,}. Use more devices, a larger memory_per_device, or a "
-                f"memory_per_device limit at planning time so the optimizer picks leaner specs."
-            )
+    if s.options["selector"] == "dp":
+        resident = sum(s.plan.candidate(o).resident_bytes for o in s.choice) or 1
+        price = max(s.plan.cost, 1.0) / resident
+        for _ in range(8):
+            choice = select_dp(s.catalog, s.cid, s.graph, s.candidates, s.pieces, memory_price=price)
+            plan = LogicalPlan(s.graph, s.candidates, choice, "dp", s.options["cost_model"])
+            lowered = lower(plan, s.options["schedule_mode"])
+            live = liveness(lowered.dag)
+            if all(live.peak[d] <= limits[d] for d in live.peak):
+                s.choice, s.plan, s.lowered, s.live = choice, plan, lowered, live
+                return
+            price *= 4
+        s.live = live
+    worst = max(s.live.peak, key=lambda d: s.live.peak[d] - limits[d])  # type: ignore[union-attr]
+    need = s.live.peak[worst]
+    raise OutOfMemoryPlanError(
+        f"device {worst} needs {need:,} bytes at its peak under this plan ({s.live.resident[worst]:,} of them "
+        f"loaded inputs), but has {limits[worst]:,}. Use more devices or a larger memory_per_device."
+    )
 
 
 # The pipeline, in order, each with the reason it exists.

@@ -7,7 +7,9 @@
 --            min(Opt(P, in_k(J)), min_T Opt(P, T) + |input|)   producer in this piece
 --            0                                   producer in a later piece (it pays)
 -- and Opt(op, T) = min over specs J with out(J) = T of B(J), ties to the lowest spec id.
--- Parameters: $cid, $ops.
+-- $memory_price prices the bytes of graph inputs a spec keeps resident per device (0 unless a
+-- memory limit must be met: a Lagrangian relaxation of the whole plan's memory).
+-- Parameters: $cid, $ops, $memory_price.
 INSERT INTO dp_table (compilation_id, op_id, tiling_id, cost, spec_id)
 WITH wave AS (SELECT unnest($ops::INTEGER[]) AS op_id),
 best AS (
@@ -34,7 +36,7 @@ input_costs AS (
 ),
 costed AS (
     SELECT s.op_id, s.spec_id, s.output_tiling,
-           s.join_cost + s.aggregation_cost + coalesce(ic.cost, 0.0) AS cost
+           s.join_cost + s.aggregation_cost + $memory_price * s.resident_bytes + coalesce(ic.cost, 0.0) AS cost
     FROM candidate_specs s
     JOIN wave USING (op_id)
     LEFT JOIN input_costs ic USING (op_id, spec_id)

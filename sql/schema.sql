@@ -77,6 +77,7 @@ CREATE TABLE IF NOT EXISTS candidate_specs (
     imbalance         DOUBLE,       -- max/min FLOPs over function specs, minus one
     balanced          BOOLEAN,
     memory_bytes      BIGINT,       -- largest per-device working set (input blocks + output block)
+    resident_bytes    BIGINT,       -- largest per-device bytes of graph-input blocks (they stay loaded)
     eligible          BOOLEAN       -- offered to the selectors (balance and memory rules)
 );
 

@@ -36,7 +36,7 @@ def test_every_operator_end_to_end(case: str, p: int) -> None:
     _check(g, feeds_for(g), p)
 
 
-@pytest.mark.parametrize("p", [3, 8])
+@pytest.mark.parametrize("p", P_VALUES)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_every_operator_under_other_selectors(case: str, p: int) -> None:
     g, _ = CASES[case]("float32")

@@ -245,19 +245,25 @@ def test_bytes_cost_model_weighs_by_dtype_width() -> None:
 
 
 def test_memory_limit_steers_the_plan() -> None:
-    g = rt.Graph()  # a chain where the cheapest plan is not the leanest one
-    h = g.unary(g.matmul(g.input("x", [64, 256]), g.input("w1", [256, 256]), name="a"), "relu")
-    g.save(g.matmul(h, g.input("w2", [256, 256]), name="b"), name="y")
+    g = rt.Graph()  # a chain whose cheapest plan keeps more weight bytes resident than a limit allows
+    x = g.input("x", [64, 256])
+    h = g.unary(g.matmul(x, g.input("w1", [256, 1024]), name="a"), "relu")
+    g.save(g.matmul(h, g.input("w2", [1024, 256]), name="b"), name="y")
     free = rt.compileGraph(g, device="cpu:4")
-    worst = max(free.plan.candidate(o).memory_bytes for o in ("a", "b"))
-    limit = int(worst * 0.9)
+    peak = max(free.memory().values())
+    limit = int(peak * 0.98)
     tight = rt.compileGraph(g, device="cpu:4", memory_per_device=limit)
+    assert max(tight.memory().values()) <= limit < peak
     assert all(tight.plan.candidate(n.id).memory_bytes <= limit for n in g.operators)
-    assert tight.plan.cost >= free.plan.cost
-    assert tight.plan.split("a") != free.plan.split("a")
+    assert tight.plan.cost > free.plan.cost  # fitting costs communication
+    assert (tight.plan.split("a"), tight.plan.split("b")) != (free.plan.split("a"), free.plan.split("b"))
     with pytest.raises(rt.OutOfMemoryPlanError,
                        match=r"needs at least [\d,]+ bytes per device .* memory_per_device is 1,000 bytes"):
         rt.compileGraph(g, device="cpu:4", memory_per_device=1000)
+    # every operator fits on its own, but no plan fits as a whole (its weights stay loaded)
+    leanest = max(min(c.memory_bytes for c in free.plan.candidates.by_op[n.id]) for n in g.operators)
+    with pytest.raises(rt.OutOfMemoryPlanError, match=r"device \d needs [\d,]+ bytes at its peak .* but has"):
+        rt.compileGraph(g, device="cpu:4", memory_per_device=leanest)
 
 
 def test_planning_errors_are_clear() -> None:

@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from relational_tensors.core.spec import JoinAggSpec
 from relational_tensors.core.types import Interval
-from relational_tensors.dp_optimizer.costs import CostModel, TilingTable, spec_memory
+from relational_tensors.dp_optimizer.costs import CostModel, TilingTable, spec_memory, spec_resident
 from relational_tensors.dp_optimizer.enumerate import interval_requests
 from relational_tensors.errors import OutOfMemoryPlanError, PlanError
 from relational_tensors.frontend.graph import Graph
@@ -40,6 +40,7 @@ class Candidate:
     join_cost: float
     aggregation_cost: float
     memory_bytes: int
+    resident_bytes: int
     eligible: bool = True
 
     @property
@@ -62,7 +63,7 @@ class Candidates:
     def arrow_specs(self) -> pa.Table:
         rows: dict[str, list] = {k: [] for k in ("op_id", "spec_id", "split", "intervals", "output_tiling", "join_cost",
                                                  "aggregation_cost", "flops", "imbalance", "balanced",
-                                                 "memory_bytes", "eligible")}
+                                                 "memory_bytes", "resident_bytes", "eligible")}
         for op_id, cands in self.by_op.items():
             for c in cands:
                 rows["op_id"].append(op_id)
@@ -77,11 +78,13 @@ class Candidates:
                 rows["imbalance"].append(imb if imb != float("inf") else None)
                 rows["balanced"].append(c.spec.balanced)
                 rows["memory_bytes"].append(c.memory_bytes)
+                rows["resident_bytes"].append(c.resident_bytes)
                 rows["eligible"].append(c.eligible)
         schema = pa.schema([("op_id", pa.int32()), ("spec_id", pa.int32()), ("split", pa.string()),
                             ("intervals", pa.string()), ("output_tiling", pa.int32()), ("join_cost", pa.float64()),
                             ("aggregation_cost", pa.float64()), ("flops", pa.float64()), ("imbalance", pa.float64()),
-                            ("balanced", pa.bool_()), ("memory_bytes", pa.int64()), ("eligible", pa.bool_())])
+                            ("balanced", pa.bool_()), ("memory_bytes", pa.int64()),
+                            ("resident_bytes", pa.int64()), ("eligible", pa.bool_())])
         return pa.table(rows, schema=schema)
 
     def arrow_inputs(self, graph: Graph, tree_of: Mapping[int, int]) -> pa.Table:
@@ -121,12 +124,13 @@ def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: 
                 f"combinations. Use fewer devices, or a device count that factors over these extents."
             )
         cands = []
+        graph_inputs = tuple(graph.nodes[i].op is None for i in node.inputs)
         for sid, (request, spec) in enumerate(pairs):
             out_t = out.tilings.intern(node.id, spec.output_tiling, op.output_type.box)
             required = tuple(out.tilings.intern(i, spec.input_blocks(k), op.input_types[k].box)
                              for k, i in enumerate(node.inputs))
             cands.append(Candidate(sid, request, spec, out_t, required, model.join(spec), model.aggregation(spec),
-                                   spec_memory(spec)))
+                                   spec_memory(spec), spec_resident(spec, graph_inputs)))
         if memory_per_device is not None:
             fitting = [c for c in cands if c.memory_bytes <= memory_per_device]
             if not fitting:

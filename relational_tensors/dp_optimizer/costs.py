@@ -26,7 +26,7 @@ from relational_tensors.core.tiling import Tiling, as_grid
 from relational_tensors.core.types import Box, TensorType
 from relational_tensors.errors import PlanError
 
-__all__ = ["CostModel", "COST_MODELS", "TilingTable", "spec_memory"]
+__all__ = ["CostModel", "COST_MODELS", "TilingTable", "spec_memory", "spec_resident"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,12 @@ def spec_memory(spec: JoinAggSpec) -> int:
         need = sum(b.volume * w for b, w in zip(f.inputs, widths)) + f.output.volume * out_width
         best = max(best, need)
     return best
+
+
+def spec_resident(spec: JoinAggSpec, graph_inputs: tuple[bool, ...]) -> int:
+    """The largest per-device bytes of graph-input blocks ``spec`` reads: they stay loaded for every run."""
+    widths = [itemsize(t.dtype) for t in spec.input_types]
+    return max(sum(b.volume * w for b, w, g in zip(f.inputs, widths, graph_inputs) if g) for f in spec.functions)
 
 
 @dataclass

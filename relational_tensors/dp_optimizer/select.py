@@ -51,8 +51,13 @@ def independent_groups(graph: Graph, pieces: list[Piece]) -> list[list[Piece]]:
     return groups
 
 
-def select_dp(catalog: Catalog, cid: int, graph: Graph, cands: Candidates, pieces: list[Piece]) -> dict[int, int]:
-    """Algorithm 1 on each piece in turn, each subject to the pieces fixed before it."""
+def select_dp(catalog: Catalog, cid: int, graph: Graph, cands: Candidates, pieces: list[Piece],
+              memory_price: float = 0.0) -> dict[int, int]:
+    """Algorithm 1 on each piece in turn, each subject to the pieces fixed before it.
+
+    ``memory_price`` adds that cost per byte of graph input a spec keeps resident on a device."""
+    catalog.execute("DELETE FROM dp_table WHERE compilation_id = ?", [cid])
+    catalog.execute("DELETE FROM chosen WHERE compilation_id = ?", [cid])
     wave_sql, root_sql = load_sql("dp_wave.sql"), load_sql("dp_root.sql")
     piece_of = {v: pc.piece_id for pc in pieces for v in pc.members}
     nodes = graph.nodes
@@ -60,7 +65,7 @@ def select_dp(catalog: Catalog, cid: int, graph: Graph, cands: Candidates, piece
     for group in independent_groups(graph, pieces):
         for h in range(max(len(pc.waves) for pc in group)):
             wave = [v for pc in group if h < len(pc.waves) for v in pc.waves[h]]
-            catalog.execute(wave_sql, {"cid": cid, "ops": wave})  # type: ignore[arg-type]
+            catalog.execute(wave_sql, {"cid": cid, "ops": wave, "memory_price": memory_price})  # type: ignore[arg-type]
         roots = {int(r[0]): (int(r[2]), float(r[3])) for r in catalog.execute(
             root_sql, {"cid": cid, "roots": [pc.root for pc in group]}).fetchall()}  # type: ignore[arg-type]
         members = [v for pc in group for v in pc.members]
