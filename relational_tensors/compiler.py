@@ -233,6 +233,11 @@ class CompiledGraph:
         self.catalog.narrow(self.compilation_id)
         return self.catalog.sql(query)
 
+    def query(self, name: str, **params: Any) -> pa.Table:
+        """A named query from ``sql/queries`` (repartitions, cheapest_candidates, plan_cost, compilations)."""
+        self.catalog.narrow(self.compilation_id)
+        return self.catalog.query(name, **params)
+
     def spec(self, op: str) -> Any:
         return self.plan.spec(op)
 

@@ -209,6 +209,18 @@ def test_sql_answers_the_usual_questions(block: rt.CompiledGraph) -> None:
     assert contract <= specs_cols and contract <= plan_cols
 
 
+def test_named_queries(block: rt.CompiledGraph) -> None:
+    reparts = block.query("repartitions")
+    assert set(reparts.column("op_name").to_pylist()) == {c for c, _ in block.plan.repartitions()}
+    cheapest = block.query("cheapest_candidates", kind="attention")
+    assert 1 <= cheapest.num_rows <= 10 and cheapest.column("total_cost").to_pylist() == sorted(
+        cheapest.column("total_cost").to_pylist())
+    assert block.query("plan_cost").column("total").to_pylist()[0] == pytest.approx(block.plan.cost)
+    assert block.query("compilations").num_rows >= 1
+    with pytest.raises(rt.PlanError, match="no named query 'nope'"):
+        block.query("nope")
+
+
 def test_split_text_lists_every_index_in_declared_order(block: rt.CompiledGraph) -> None:
     for n in block.graph.operators:
         names = [s.name for s in n.op.requestable()]

@@ -19,15 +19,11 @@ from relational_tensors.errors import PlanError
 
 __all__ = ["Catalog", "load_sql"]
 
-_SQL_DIR = Path(__file__).resolve().parents[2] / "sql"
 _counter = itertools.count()
 
 
 def load_sql(name: str) -> str:
-    """The text of ``sql/<name>`` (the repository's folder, or the installed copy)."""
-    path = _SQL_DIR / name
-    if path.exists():
-        return path.read_text()
+    """The text of ``sql/<name>``, shipped inside the package."""
     return resources.files("relational_tensors").joinpath("sql", name).read_text()
 
 
@@ -99,6 +95,20 @@ class Catalog:
             return rel.to_arrow_table() if rel is not None else pa.table({})
         except duckdb.Error as e:
             raise PlanError(f"catalog query failed: {str(e).splitlines()[0]}; got {query!r}.") from None
+
+    def query(self, name: str, **params: Any) -> pa.Table:
+        """Run the named query ``sql/queries/<name>.sql`` with ``$param`` values."""
+        try:
+            text = load_sql(f"queries/{name}.sql")
+        except FileNotFoundError:
+            known = sorted(p.name[:-4] for p in resources.files("relational_tensors").joinpath("sql", "queries").iterdir()
+                           if p.name.endswith(".sql"))
+            raise PlanError(f"no named query {name!r}; known: {known}.") from None
+        try:
+            rel = self.con.sql(text, params=params) if params else self.con.sql(text)
+        except duckdb.Error as e:
+            raise PlanError(f"named query {name!r} failed: {str(e).splitlines()[0]}") from None
+        return rel.to_arrow_table()
 
     def close(self) -> None:
         self.con.close()

@@ -1,0 +1,1 @@
+relational_tensors/sql
