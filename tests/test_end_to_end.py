@@ -134,5 +134,5 @@ def test_every_lowered_exchange_program_is_valid_and_prints() -> None:
     for name, text in texts.items():
         prog = parse(text)
         assert prog == cg.lowered.programs[name]
-        check(prog)  # every action fires and OUT holds
-        assert "PARTITIONS:" in text and "IN:" in text and "OUT:" in text
+        check(prog, cg.lowered.memberships[name])  # every action fires and OUT holds
+        assert "{size 1}" in text and "IN:" in text and "OUT:" in text

@@ -8,7 +8,8 @@ Per operator, in topological order:
    output blocks and the blocks the operator reads (one atom per cell and
    producing copy, unaggregated); IN puts each at the device of its copy, OUT
    asks for the ⊕-aggregate of each cell at every function spec reading it,
-   one size-1 partition per function spec;
+   each function spec a partition declared by size 1 whose device the
+   synthesizer may choose (starting from the greedy placement);
 3. the body: ``naive`` gathers every required aggregate at each reading
    device and aggregates there;
 4. tasks: decompose producer blocks into atoms, run the program (aggregate and
@@ -30,7 +31,7 @@ from relational_tensors.exchange.ast import Action, ExProg, InAtom, Partition, R
 from relational_tensors.exchange.tasks import TaskDAG
 from relational_tensors.frontend.graph import Graph
 
-__all__ = ["Lowered", "lower", "place", "naive_body", "SCHEDULES"]
+__all__ = ["Lowered", "lower", "place", "naive", "naive_body", "Synthesizer", "Membership", "SCHEDULES"]
 
 SCHEDULES = ("naive",)
 
@@ -49,6 +50,7 @@ class Lowered:
     dag: TaskDAG
     placement: dict[int, tuple[int, ...]]      # op id -> device of each function spec
     programs: dict[str, ExProg] = field(default_factory=dict)  # op name (or "save:<name>") -> program
+    memberships: dict[str, Membership] = field(default_factory=dict)  # the partitions' chosen devices
 
 
 def place(plan: LogicalPlan, op_id: int, placement: dict[int, tuple[int, ...]]) -> tuple[int, ...]:
@@ -89,7 +91,16 @@ def _cells(box: Box, breaks: list[list[int]]) -> list[Box]:
     return [Box.from_intervals(c) for c in itertools.product(*per_dim)]
 
 
-def naive_body(prog: ExProg) -> frozenset[Action]:
+Membership = dict[str, tuple[int, ...]]
+Synthesizer = Callable[[ExProg, Membership], tuple[frozenset[Action], Membership]]
+
+
+def naive(prog: ExProg, membership: Membership) -> tuple[frozenset[Action], Membership]:
+    """The naive synthesizer: keep the placement, gather and aggregate at each reader."""
+    return naive_body(prog, membership), membership
+
+
+def naive_body(prog: ExProg, membership: Membership | None = None) -> frozenset[Action]:
     """Gather each required aggregate's atoms at each reading site and aggregate there."""
     where: dict[str, list[int]] = {}
     for a in prog.inputs:
@@ -97,7 +108,7 @@ def naive_body(prog: ExProg) -> frozenset[Action]:
     actions: set[Action] = set()
     for req in prog.outputs:
         for target in req.targets:
-            for t in prog.sites_of(target):
+            for t in prog.sites_of(target, membership):
                 for atom in sorted(req.aggregate):
                     sites = where[atom]
                     if t not in sites:
@@ -108,13 +119,14 @@ def naive_body(prog: ExProg) -> frozenset[Action]:
 
 
 class _Lowering:
-    def __init__(self, plan: LogicalPlan, schedule: str, synthesize: Callable[[ExProg], frozenset[Action]]):
+    def __init__(self, plan: LogicalPlan, schedule: str, synthesize: Synthesizer):
         self.plan = plan
         self.graph: Graph = plan.graph
         self.p = plan.p
         self.dag = TaskDAG(self.p)
         self.placement: dict[int, tuple[int, ...]] = {}
         self.programs: dict[str, ExProg] = {}
+        self.memberships: dict[str, Membership] = {}
         self.kernel_out: dict[int, list[int]] = {}   # op id -> output buffer of each function spec
         self.loaded: dict[tuple[int, Box, int], int] = {}
         self.schedule = schedule
@@ -132,31 +144,35 @@ class _Lowering:
         return self.loaded[key]
 
     # --- one exchange ------------------------------------------------------------
-    def exchange(self, name: str, wants: list[tuple[int, int, Box, int]], op: int | None) -> dict[tuple[int, int], list[tuple[Box, int]]]:
-        """Deliver blocks of op-produced tensors.  ``wants`` holds (key, tensor, block, device); returns,
-        per (key, tensor), the aggregated atoms of the block at its device (cell, buffer)."""
+    def exchange(self, name: str, wants: list[tuple[object, int, Box, int]], guess: dict[int, int],
+                 op: int | None) -> tuple[dict[tuple[object, int], list[tuple[Box, int]]], dict[int, int]]:
+        """Deliver blocks of op-produced tensors to their readers.
+
+        ``wants`` holds (key, tensor, block, reader); each reader (a function spec) is a partition of
+        size 1 whose device the synthesizer may choose, starting from ``guess``.  Returns, per
+        (key, tensor), the aggregated atoms of the block (cell, buffer), and the reader placement."""
         atoms: dict[str, _Atom] = {}
         ins: list[InAtom] = []
         reqs: dict[frozenset[str], list[int | str]] = {}
-        parts: dict[int, str] = {}
-        cells_of: dict[tuple[int, int], list[tuple[Box, frozenset[str], int]]] = {}
-        by_tensor: dict[int, list[tuple[int, Box, int]]] = {}
-        for key, tensor, block, device in wants:
-            by_tensor.setdefault(tensor, []).append((key, block, device))
+        readers: dict[int, str] = {}
+        cells_of: dict[tuple[object, int], list[tuple[Box, frozenset[str], int]]] = {}
+        by_tensor: dict[int, list[tuple[object, Box, int]]] = {}
+        for key, tensor, block, reader in wants:
+            by_tensor.setdefault(tensor, []).append((key, block, reader))
         for n, (tensor, reads) in enumerate(sorted(by_tensor.items())):
             spec = self.plan.spec(tensor)
             width = itemsize(self.graph.nodes[tensor].type.dtype)
-            lse = spec.aggregation.name == "lse"
             rank = self.graph.nodes[tensor].type.rank
+            multiplicity = spec.output_multiplicity()
             breaks = [sorted({b for f in spec.functions for b in (f.output.lower[d], f.output.upper[d])} |
                              {b for _, blk, _ in reads if not blk.is_empty for b in (blk.lower[d], blk.upper[d])})
                       for d in range(rank)]
             names: dict[tuple[Box, int], str] = {}
-            for key, block, device in reads:
+            for key, block, reader in reads:
                 entry = cells_of.setdefault((key, tensor), [])
                 if block.is_empty:
                     continue
-                part = parts.setdefault(device, f"F{device}")
+                part = readers.setdefault(reader, f"F{reader}")
                 for cell in _cells(block, breaks):
                     copies = []
                     for f, ff in enumerate(spec.functions):
@@ -167,6 +183,7 @@ class _Lowering:
                                 names[(cell, f)] = atom
                                 src = self.kernel_out[tensor][f]
                                 atoms[atom] = _Atom(src, cell, tensor)
+                                lse = spec.aggregation.name == "lse" and multiplicity[ff.output] > 1
                                 size = cell.volume * width + (cell.volume // cell.shape[-1] * 4 if lse else 0)
                                 ins.append(InAtom(atom, self.dag.buffers[src].device, size))
                             copies.append(atom)
@@ -174,28 +191,35 @@ class _Lowering:
                     targets = reqs.setdefault(agg, [])
                     if part not in targets:
                         targets.append(part)
-                    entry.append((cell, agg, device))
+                    entry.append((cell, agg, reader))
         if not ins:
-            return {k: [] for k in cells_of}
+            return {k: [] for k in cells_of}, dict(guess)
         prog = ExProg(tuple(range(self.p)),
-                      tuple(Partition(parts[d], 1, (d,)) for d in sorted(parts)),
+                      tuple(Partition(readers[r], 1) for r in sorted(readers)),
                       tuple(ins),
                       tuple(Requirement(agg, tuple(sorted(t, key=str))) for agg, t in reqs.items()))
-        prog = prog.with_body(self.synthesize(prog))
+        membership = {readers[r]: (guess[r],) for r in readers}
+        body, membership = self.synthesize(prog, membership)
+        prog = prog.with_body(body)
         self.programs[name] = prog
-        state = self.run_program(prog, atoms, op)
-        out: dict[tuple[int, int], list[tuple[Box, int]]] = {}
+        self.memberships[name] = dict(membership)
+        placed = dict(guess)
+        placed.update({r: membership[readers[r]][0] for r in readers})
+        state = self.run_program(prog, atoms, membership, op)
+        out: dict[tuple[object, int], list[tuple[Box, int]]] = {}
         for k, entries in cells_of.items():
             blocks = []
-            for cell, agg, device in entries:
+            for cell, agg, reader in entries:
+                device = placed[reader]
                 if (agg, device) not in state:
                     raise ExchangeError(f"exchange program of {name} does not deliver "
                                         f"{aggregate_text(agg)} @ {device}.")
                 blocks.append((cell, state[(agg, device)]))
             out[k] = blocks
-        return out
+        return out, placed
 
-    def run_program(self, prog: ExProg, atoms: dict[str, _Atom], op: int | None) -> dict[tuple[frozenset[str], int], int]:
+    def run_program(self, prog: ExProg, atoms: dict[str, _Atom], membership: Membership,
+                    op: int | None) -> dict[tuple[frozenset[str], int], int]:
         """Tasks for a valid program: decompose, then fire actions in dataflow order."""
         dag = self.dag
         state: dict[tuple[frozenset[str], int], int] = {}
@@ -216,7 +240,7 @@ class _Lowering:
         while pending:
             fired = []
             for act in pending:
-                sources = prog.sites_of(act.source)
+                sources = prog.sites_of(act.source, membership)
                 covers = {s: exact_cover(act.aggregate, [x for (x, site) in state if site == s]) for s in sources}
                 if not sources or any(c is None for c in covers.values()):
                     continue
@@ -231,7 +255,7 @@ class _Lowering:
                                          "label": f"⊕ {aggregate_text(act.aggregate)}"})
                         state[(act.aggregate, s)] = b
                     for dest in act.dests:
-                        for d in prog.sites_of(dest):
+                        for d in prog.sites_of(dest, membership):
                             if (act.aggregate, d) in state:
                                 continue
                             src = dag.buffers[state[(act.aggregate, s)]]
@@ -263,14 +287,17 @@ class _Lowering:
         node = self.graph.nodes[op_id]
         assert node.op is not None
         spec = self.plan.spec(op_id)
-        where = place(self.plan, op_id, self.placement)
-        self.placement[op_id] = where
+        guess = dict(enumerate(place(self.plan, op_id, self.placement)))
         wants = []
         for g, f in enumerate(spec.functions):
             for k, i in enumerate(node.inputs):
                 if self.graph.nodes[i].op is not None:
-                    wants.append(((g, k), i, f.inputs[k], where[g]))
-        delivered = self.exchange(node.name, wants, op_id)
+                    wants.append(((g, k), i, f.inputs[k], g))
+        delivered, placed = self.exchange(node.name, wants, guess, op_id)
+        where = tuple(placed[g] for g in range(spec.p))
+        if sorted(where) != list(range(self.p)):
+            raise ExchangeError(f"the placement of {node.name!r} must put one function spec on each device; got {where}.")
+        self.placement[op_id] = where
         outs = []
         multiplicity = spec.output_multiplicity()
         for g, f in enumerate(spec.functions):
@@ -300,22 +327,23 @@ class _Lowering:
             first: dict[Box, int] = {}
             for f, ff in enumerate(spec.functions):
                 first.setdefault(ff.output, self.dag.buffers[self.kernel_out[tensor][f]].device)
-            wants = [((n, 0), tensor, box, dev) for n, (box, dev) in enumerate(first.items())]
-            delivered = self.exchange(f"save:{name}", wants, None)
+            boxes = list(first)
+            wants = [((n, 0), tensor, box, n) for n, box in enumerate(boxes)]
+            delivered, placed = self.exchange(f"save:{name}", wants, dict(enumerate(first.values())), None)
             blocks = []
-            for n, (box, dev) in enumerate(first.items()):
+            for n, box in enumerate(boxes):
                 pieces = delivered[((n, 0), tensor)]
-                blocks.append((box, self.recompose(box, pieces, dev, tensor, None)))
+                blocks.append((box, self.recompose(box, pieces, placed[n], tensor, None)))
             self.dag.outputs[name] = blocks
 
 
-def lower(plan: LogicalPlan, schedule: str = "naive",
-          synthesize: Callable[[ExProg], frozenset[Action]] | None = None) -> Lowered:
-    """Lower ``plan`` to one task DAG, synthesizing each exchange program with ``schedule``."""
+def lower(plan: LogicalPlan, schedule: str = "naive", synthesize: Synthesizer | None = None) -> Lowered:
+    """Lower ``plan`` to one task DAG, synthesizing each exchange program with ``schedule``
+    (or the given synthesizer, which returns a body and the devices of the readers' partitions)."""
     if schedule not in SCHEDULES and synthesize is None:
         raise ExchangeError(f"unknown schedule mode {schedule!r}; choose one of {SCHEDULES}.")
-    low = _Lowering(plan, schedule, synthesize or naive_body)
+    low = _Lowering(plan, schedule, synthesize or naive)
     for node in plan.graph.operators:
         low.lower_op(node.id)
     low.lower_outputs()
-    return Lowered(low.dag, low.placement, low.programs)
+    return Lowered(low.dag, low.placement, low.programs, low.memberships)
