@@ -19,7 +19,7 @@ from typing import Any, Callable
 import pyarrow as pa
 
 from relational_tensors.catalog import Catalog
-from relational_tensors.devices import DeviceSet, parse_devices
+from relational_tensors.devices import DeviceSet, parse_devices, visible_gpus
 from relational_tensors.dp_optimizer.candidates import Candidates, build_candidates
 from relational_tensors.dp_optimizer.costs import cost_model as get_cost_model
 from relational_tensors.dp_optimizer.plan import LogicalPlan, edge_repartition
@@ -223,6 +223,8 @@ class CompiledGraph:
         self.live = state.live
         self._executor: Any = None
         self._simulations: dict[Any, Any] = {}
+        if self.devices.kind == "cuda" and visible_gpus() > max(self.devices.physical):
+            self._exec()  # peer access, streams and arenas are set up (and checked) at compile time
 
     @property
     def p(self) -> int:
@@ -248,6 +250,10 @@ class CompiledGraph:
                 from relational_tensors.gpu_exec.numpy_backend import NumpyExecutor
 
                 self._executor = NumpyExecutor(self.graph, self.dag, self.live)
+            elif visible_gpus() > max(self.devices.physical):
+                from relational_tensors.gpu_exec.cupy_backend import CupyExecutor
+
+                self._executor = CupyExecutor(self.graph, self.dag, self.live, self.devices)
             else:
                 raise ExecError(
                     f"this program was compiled for {self.devices} ({self.options['topology']}), and no GPU "
@@ -265,8 +271,15 @@ class CompiledGraph:
         self._exec().execute()
 
     def offload(self, name: str, like: str = "numpy") -> Any:
-        """The saved output ``name`` as one array."""
-        return self._exec().offload(name)
+        """The saved output ``name`` as one array (``like="cupy"`` keeps it on the GPU)."""
+        ex = self._exec()
+        return ex.offload(name, like=like) if self.devices.kind == "cuda" else ex.offload(name)
+
+    def synchronize(self) -> None:
+        """Wait for every device to finish what execute() queued."""
+        ex = self._exec()
+        if hasattr(ex, "synchronize"):
+            ex.synchronize()
 
     def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
         """load, execute and offload every saved output."""

@@ -1,0 +1,165 @@
+"""The LLaMA-3-8B-shaped block on one GPU: ours against PyTorch eager and torch.compile (SDPA),
+and the FLOP roofline at this GPU's measured matmul rate; then ours on 2, 4 and 8 virtual devices
+of the same GPU.  FP16, 2 warm-ups and 10 timed rounds, CUDA events.
+
+    python bench/gpu_block.py [--workloads 1K,8K,8x1K,128x1K,128K] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+import relational_tensors as rt
+from relational_tensors.models import LLAMA3_8B, llama_block, llama_feeds
+
+WORKLOADS = {"1K": (1, 1024), "8K": (1, 8192), "8x1K": (8, 1024), "128x1K": (128, 1024), "128K": (1, 131072)}
+D, HQ, HKV, DFF = LLAMA3_8B["d_model"], LLAMA3_8B["n_heads"], LLAMA3_8B["n_kv_heads"], LLAMA3_8B["d_ff"]
+DH = D // HQ
+EPS, BASE = 1e-5, 500000.0
+
+
+def block_flops(b: int, s: int) -> float:
+    t = b * s
+    mm = 2 * t * (D * D + 2 * D * HKV * DH + D * D + 3 * D * DFF)
+    attn = 4 * b * HQ * DH * (s * (s + 1) // 2)
+    return float(mm + attn)
+
+
+def time_cuda(fn, sync_stream, rounds: int = 10, warmups: int = 2) -> list[float]:
+    import cupy
+
+    for _ in range(warmups):
+        fn()
+    sync_stream.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(sync_stream)
+        fn()
+        end.record(sync_stream)
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return times
+
+
+def matmul_rate() -> float:
+    import cupy
+
+    a = cupy.random.standard_normal((8192, 8192), dtype=cupy.float32).astype(cupy.float16)
+    b = cupy.random.standard_normal((8192, 8192), dtype=cupy.float32).astype(cupy.float16)
+    s = cupy.cuda.get_current_stream()
+    ms = statistics.mean(time_cuda(lambda: cupy.matmul(a, b), s))
+    return 2 * 8192**3 / (ms * 1e-3)
+
+
+def torch_block(torch, feeds: dict, b: int, s: int):
+    import torch.nn.functional as F
+
+    dev = "cuda"
+    p = {k: torch.from_numpy(v).to(dev) for k, v in feeds.items()}
+    pos = torch.arange(s, device=dev, dtype=torch.float64)
+    inv = BASE ** (-torch.arange(0, DH, 2, device=dev, dtype=torch.float64) / DH)
+    ang = pos[:, None] * inv[None, :]
+    cos, sin = ang.cos().half()[None, :, None, :], ang.sin().half()[None, :, None, :]
+
+    def rms(x, w):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).half() * w
+
+    def rope(x):
+        x1, x2 = x[..., : DH // 2], x[..., DH // 2:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def block(x):
+        h = rms(x, p["attn_norm"])
+        q = rope((h @ p["wq"]).view(b, s, HQ, DH))
+        k = rope((h @ p["wk"]).view(b, s, HKV, DH))
+        v = (h @ p["wv"]).view(b, s, HKV, DH)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True, enable_gqa=True)
+        x2 = x + a.transpose(1, 2).reshape(b, s, D) @ p["wo"]
+        h2 = rms(x2, p["ffn_norm"])
+        return x2 + (F.silu(h2 @ p["w1"]) * (h2 @ p["w3"])) @ p["w2"]
+
+    return block, p["x"]
+
+
+def main() -> None:
+    import cupy
+    import torch
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--virtual", default="2,4,8")
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args()
+    rate = matmul_rate()
+    print(f"matmul rate {rate / 1e12:.0f} TFLOP/s (fp16 8192^3)", flush=True)
+    rows = {}
+    for name in args.workloads.split(","):
+        b, s = WORKLOADS[name]
+        g = llama_block(b, s, dtype="float16", **LLAMA3_8B)
+        feeds = llama_feeds(g, seed=1)
+        t0 = time.perf_counter()
+        cg = rt.compileGraph(g, device="cuda:0")
+        compile_s = time.perf_counter() - t0
+        cg.load(feeds)
+        ex = cg._exec()
+        ours = time_cuda(cg.execute, ex.streams[0])
+        y = cg.offload("y", like="cupy")
+        block, x = torch_block(torch, feeds, b, s)
+        with torch.no_grad():
+            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+            eager = time_cuda(lambda: block(x), stream)
+            ref = block(x)
+            compiled = torch.compile(block)
+            comp = time_cuda(lambda: compiled(x), stream)
+        diff = float(cupy.max(cupy.abs(y.astype(cupy.float32) - cupy.asarray(ref.float()))))
+        roof = block_flops(b, s) / rate * 1e3
+        rows[name] = {"ours_ms": statistics.mean(ours), "eager_ms": statistics.mean(eager),
+                      "compile_ms": statistics.mean(comp), "roofline_ms": roof, "compile_s": compile_s,
+                      "max_abs_diff_vs_torch": diff, "ours_all": ours}
+        for p in [int(v) for v in args.virtual.split(",") if v] if s * b >= 8192 else []:
+            cgv = rt.compileGraph(g, device="cuda:" + ",".join(["0"] * p))
+            cgv.load(feeds)
+            exv = cgv._exec()
+            tv = time_cuda(cgv.execute, exv.streams[0])
+            yv = cgv.offload("y", like="cupy")
+            rows[name][f"virtual{p}_ms"] = statistics.mean(tv)
+            rows[name][f"virtual{p}_max_abs_diff"] = float(cupy.max(cupy.abs(yv.astype(cupy.float32) - y.astype(cupy.float32))))
+            del cgv, exv
+        print(name, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[name].items() if k != "ours_all"},
+              flush=True)
+        del cg, ex, y, ref
+        torch.cuda.empty_cache()
+        cupy.get_default_memory_pool().free_all_blocks()
+    geo = lambda key: math.exp(sum(math.log(r[key]) for r in rows.values()) / len(rows))  # noqa: E731
+    summary = {k: geo(k) for k in ("ours_ms", "eager_ms", "compile_ms", "roofline_ms")}
+    out = {"gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), "matmul_tflops": rate / 1e12,
+           "torch": torch.__version__, "python": platform.python_version(), "dtype": "float16",
+           "rounds": "2 warm-ups + 10 timed, CUDA events", "workloads": rows, "geomean": summary}
+    path = Path(args.out)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "gpu_block.json").write_text(json.dumps(out, indent=2))
+    lines = ["| workload | ours (ms) | torch eager (ms) | torch.compile (ms) | roofline (ms) | ours / roofline |"
+             " 2 virt. | 4 virt. | 8 virt. |", "|---|---|---|---|---|---|---|---|---|"]
+    for n, r in rows.items():
+        virt = " | ".join(f"{r[f'virtual{p}_ms']:.2f}" if f"virtual{p}_ms" in r else "-" for p in (2, 4, 8))
+        lines.append(f"| {n} | {r['ours_ms']:.2f} | {r['eager_ms']:.2f} | {r['compile_ms']:.2f} | "
+                     f"{r['roofline_ms']:.2f} | {r['ours_ms'] / r['roofline_ms']:.2f} | {virt} |")
+    lines.append(f"| geomean | {summary['ours_ms']:.2f} | {summary['eager_ms']:.2f} | {summary['compile_ms']:.2f} | "
+                 f"{summary['roofline_ms']:.2f} | {summary['ours_ms'] / summary['roofline_ms']:.2f} | | | |")
+    (path / "gpu_block.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

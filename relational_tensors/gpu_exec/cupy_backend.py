@@ -1,0 +1,448 @@
+"""The CuPy executor: the task DAG on NVIDIA GPUs, one process driving every device.
+
+* a stream per logical device (several logical devices may share one GPU),
+  CUDA events for the dependencies that cross streams;
+* peer access enabled explicitly for every pair of GPUs used; a pair that
+  cannot reach the other is an ExecError before anything runs;
+* copies are cudaMemcpyPeerAsync (cudaMemcpyAsync within one GPU) issued on
+  the destination's stream;
+* one arena per logical device, allocated once and laid out from the liveness
+  pass (first fit over buffer lifetimes); a buffer whose memory is reused waits
+  for every reader of the buffer it replaces;
+* the first execute() runs eagerly (it compiles the Triton kernels); the
+  second captures the whole DAG into one CUDA graph, and every later execute()
+  is a graph launch.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from relational_tensors.core.dtypes import itemsize, numpy_dtype
+from relational_tensors.devices import DeviceSet
+from relational_tensors.errors import ExecError
+from relational_tensors.exchange.tasks import Liveness, Task, TaskDAG
+from relational_tensors.frontend.graph import Graph
+from relational_tensors.gpu_exec.kernels import triton_copy as tc
+from relational_tensors.gpu_exec.kernels.common import DevBuf, bind_triton_to_cupy
+
+__all__ = ["CupyExecutor", "plan_arena"]
+
+ALIGN = 256
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class _Slot:
+    offset: int
+    size: int
+
+
+def plan_arena(sizes: Mapping[int, int], lifetimes: Mapping[int, tuple[int, int]]) -> tuple[dict[int, _Slot], int, dict[int, list[int]]]:
+    """First-fit placement of buffers in one arena: buffers alive at the same time never overlap.
+
+    Returns each buffer's slot, the arena size, and for each buffer the earlier buffers whose
+    memory it reuses."""
+    order = sorted(sizes, key=lambda b: (-sizes[b], lifetimes[b][0], b))
+    placed: list[tuple[int, int, int, int, int]] = []  # (offset, end, born, dies, buffer)
+    slots: dict[int, _Slot] = {}
+    for b in order:
+        size = _align(max(sizes[b], 1))
+        born, dies = lifetimes[b]
+        busy = sorted((o, e) for o, e, bb, dd, _ in placed if not (dd < born or dies < bb))
+        offset = 0
+        for o, e in busy:
+            if offset + size <= o:
+                break
+            offset = max(offset, e)
+        slots[b] = _Slot(offset, size)
+        placed.append((offset, offset + size, born, dies, b))
+    arena = max((s.offset + s.size for s in slots.values()), default=0)
+    reuses: dict[int, list[int]] = defaultdict(list)
+    for o, e, born, dies, b in placed:
+        for o2, e2, born2, dies2, b2 in placed:
+            if b2 != b and dies2 < born and o < e2 and o2 < e:
+                reuses[b].append(b2)
+    return slots, arena, reuses
+
+
+class CupyExecutor:
+    """Runs one TaskDAG on GPUs; ``load`` once, ``execute`` many times (a CUDA graph after the first)."""
+
+    def __init__(self, graph: Graph, dag: TaskDAG, live: Liveness, devices: DeviceSet) -> None:
+        try:
+            import cupy
+        except ImportError as e:
+            raise ExecError(f"the GPU backend needs CuPy: {e}. Install the 'gpu' or 'gpu-cuda13' extra.") from None
+        self.cp = cupy
+        self.graph, self.dag, self.live, self.devices = graph, dag, live, devices
+        self.phys = devices.physical
+        visible = cupy.cuda.runtime.getDeviceCount()
+        missing = sorted({g for g in self.phys if g >= visible})
+        if missing:
+            raise ExecError(f"the plan uses GPUs {missing}, but only {visible} are visible.")
+        self._enable_peers()
+        bind_triton_to_cupy()
+        self.streams = []
+        for d in range(dag.p):
+            with cupy.cuda.Device(self.phys[d]):
+                self.streams.append(cupy.cuda.Stream(non_blocking=True))
+        self._layout()
+        self._constants()
+        self._dependencies()
+        self.loaded = False
+        self.runs = 0
+        self.graph_exec: Any = None
+        self.capturable = not any(t.kind == "kernel" and graph.nodes[t.op].kind in ("einsum", "sql") for t in dag.tasks)
+
+    # --- setup ---------------------------------------------------------------------
+    def _enable_peers(self) -> None:
+        rt = self.cp.cuda.runtime
+        gpus = sorted(set(self.phys))
+        for a in gpus:
+            for b in gpus:
+                if a == b:
+                    continue
+                if not rt.deviceCanAccessPeer(a, b):
+                    raise ExecError(f"GPU {a} cannot access GPU {b} directly (no peer path); this plan copies "
+                                    f"between them. Use GPUs that can reach each other, or one GPU with logical "
+                                    f"devices (device='cuda:{a},{a},...').")
+                with self.cp.cuda.Device(a):
+                    try:
+                        rt.deviceEnablePeerAccess(b)
+                    except rt.CUDARuntimeError as e:  # already enabled is fine
+                        if "PeerAccessAlreadyEnabled" not in str(e) and "already" not in str(e).lower():
+                            raise ExecError(f"enabling peer access from GPU {a} to GPU {b} failed: {e}") from None
+
+    def _buffer_bytes(self, b: int) -> tuple[int, int]:
+        """(bytes of the block, bytes of its lse rows) for buffer ``b``."""
+        buf = self.dag.buffers[b]
+        main = buf.box.volume * itemsize(buf.dtype)
+        rows = buf.box.volume // buf.box.shape[-1] if buf.partial == "lse" and buf.box.rank and buf.box.shape[-1] else 0
+        return main, rows * 4
+
+    def _layout(self) -> None:
+        cp = self.cp
+        dag = self.dag
+        end = len(dag.tasks)
+        born: dict[int, int] = {}
+        for t in dag.tasks:
+            for b in t.outputs:
+                born.setdefault(b, 0 if t.kind == "load" else t.id)
+        self.arenas = []
+        self.views: dict[int, Any] = {}
+        self.reuses: dict[int, list[int]] = {}
+        self.arena_bytes: dict[int, int] = {}
+        for d in range(dag.p):
+            mine = [b for b, buf in dag.buffers.items() if buf.device == d]
+            sizes = {}
+            for b in mine:
+                main, extra = self._buffer_bytes(b)
+                sizes[b] = _align(main) + extra
+            lifetimes = {b: (born.get(b, 0), self.live.last_use.get(b, end)) for b in mine}
+            slots, total, reuses = plan_arena(sizes, lifetimes)
+            self.reuses.update(reuses)
+            self.arena_bytes[d] = total
+            with cp.cuda.Device(self.phys[d]):
+                try:
+                    arena = cp.empty(max(total, ALIGN), dtype=cp.uint8)
+                except cp.cuda.memory.OutOfMemoryError as e:
+                    raise ExecError(f"allocating the {total:,}-byte arena of logical device {d} on GPU "
+                                    f"{self.phys[d]} failed: {e}") from None
+            self.arenas.append(arena)
+            base = arena.data.ptr
+            for b in mine:
+                buf = dag.buffers[b]
+                ptr = base + slots[b].offset
+                main, extra = self._buffer_bytes(b)
+                view = DevBuf(ptr, buf.box.shape, buf.dtype, self.phys[d])
+                if buf.partial == "lse":
+                    lse = DevBuf(ptr + _align(main), buf.box.shape[:-1], "float32", self.phys[d])
+                    self.views[b] = (view, lse)
+                else:
+                    self.views[b] = view
+        self.slot_bytes = {b: self._buffer_bytes(b) for b in dag.buffers}
+
+    def _constants(self) -> None:
+        """Per-operator device constants (attention row limits, rope sequence starts) and per-task scratch."""
+        from relational_tensors.gpu_exec.gpu_ops import op_constants, scratch_shape
+
+        cp = self.cp
+        self.keep: list[Any] = []
+        per_op: dict[tuple[int, int], dict[str, DevBuf]] = {}
+        self.task_consts: dict[int, dict[str, DevBuf]] = {}
+        for t in self.dag.tasks:
+            if t.kind == "aggregate" and t.payload["aggregation"].name == "lse" and len(t.inputs) > 2:
+                out = self.views[t.outputs[0]]
+                with cp.cuda.Device(self.phys[t.device]):
+                    o = cp.empty(out[0].nbytes, dtype=cp.uint8)
+                    l = cp.empty(max(out[1].nbytes, 4), dtype=cp.uint8)
+                self.keep += [o, l]
+                self.task_consts[t.id] = {"ping": (DevBuf(o.data.ptr, out[0].shape, out[0].dtype, out[0].device),
+                                                   DevBuf(l.data.ptr, out[1].shape, "float32", out[1].device))}
+            if t.kind != "kernel":
+                continue
+            node = self.graph.nodes[t.op]
+            key = (t.op, t.device)
+            if key not in per_op:
+                consts = {}
+                with cp.cuda.Device(self.phys[t.device]):
+                    for name, host in op_constants(node.op).items():
+                        arr = cp.asarray(host)
+                        self.keep.append(arr)
+                        consts[name] = DevBuf(arr.data.ptr, host.shape, str(host.dtype), self.phys[t.device])
+                per_op[key] = consts
+            consts = dict(per_op[key])
+            need = scratch_shape(node.op, t.payload["function"])
+            if need is not None:
+                shape, dtype = need
+                with cp.cuda.Device(self.phys[t.device]):
+                    arr = cp.empty(max(int(np.prod(shape)) * itemsize(dtype), 1), dtype=cp.uint8)
+                self.keep.append(arr)
+                consts["scratch"] = DevBuf(arr.data.ptr, tuple(shape), dtype, self.phys[t.device])
+            self.task_consts[t.id] = consts
+
+    def _dependencies(self) -> None:
+        """For each task, the tasks on other streams it must wait for: producers of its inputs, and every
+        toucher of a buffer whose memory its outputs reuse."""
+        dag = self.dag
+        producer: dict[int, int] = {}
+        touchers: dict[int, list[int]] = defaultdict(list)
+        for t in dag.tasks:
+            for b in (*t.inputs, *t.outputs):
+                touchers[b].append(t.id)
+            for b in t.outputs:
+                producer.setdefault(b, t.id)
+        self.waits: dict[int, list[int]] = {}
+        needs_event: set[int] = set()
+        for t in dag.tasks:
+            if t.kind == "load":
+                continue
+            deps = {producer[b] for b in t.inputs if b in producer and dag.tasks[producer[b]].kind != "load"}
+            for b in t.outputs:
+                for old in self.reuses.get(b, ()):
+                    deps.update(x for x in touchers[old] if x < t.id and dag.tasks[x].kind != "load")
+            cross = sorted(d for d in deps if dag.tasks[d].device != t.device)
+            self.waits[t.id] = cross
+            needs_event.update(cross)
+        self.events = {}
+        for tid in needs_event:
+            with self.cp.cuda.Device(self.phys[dag.tasks[tid].device]):
+                self.events[tid] = self.cp.cuda.Event(block=False, disable_timing=True, interprocess=False)
+
+    # --- inputs and outputs ---------------------------------------------------------------
+    def load(self, feeds: Mapping[str, Any]) -> None:
+        """Copy every graph input into the blocks the plan reads: NumPy arrays from the host, CuPy
+        arrays and any ``__dlpack__`` tensor (a torch CUDA tensor) device to device without a host trip."""
+        from relational_tensors.reference import coerce_feed
+
+        cp = self.cp
+        names = {n.name: n for n in self.graph.inputs}
+        unknown = sorted(set(feeds) - set(names))
+        if unknown:
+            raise ExecError(f"feeds name no graph input: {unknown}; inputs are {sorted(names)}.")
+        for name, blocks in self.dag.inputs.items():
+            if name not in feeds:
+                node = names[name]
+                raise ExecError(f"missing a value for input {name!r} of shape {node.type.shape} ({node.type.dtype}).")
+            t = names[name].type
+            value = feeds[name]
+            on_device = _as_device_array(cp, value)
+            if on_device is not None:
+                if tuple(on_device.shape) != t.shape:
+                    raise ExecError(f"input {name!r} must have shape {t.shape}; got {tuple(on_device.shape)}.")
+                for box, b in blocks:
+                    view = self.views[b]
+                    with cp.cuda.Device(view.device):
+                        src = on_device[box.slices()]
+                        dst = _cupy_of(cp, view)
+                        dst[...] = src.astype(dst.dtype, copy=False) if t.dtype != "bfloat16" else src
+            else:
+                whole = coerce_feed(name, value, t)
+                for box, b in blocks:
+                    view = self.views[b]
+                    host = np.ascontiguousarray(whole[box.slices()])
+                    if t.dtype == "bfloat16":
+                        host = host.view(np.uint16)
+                    with cp.cuda.Device(view.device):
+                        _cupy_of(cp, view).set(host)
+        for d in set(self.phys):
+            with cp.cuda.Device(d):
+                cp.cuda.Device(d).synchronize()
+        self.loaded = True
+
+    def offload(self, name: str, like: str = "numpy") -> Any:
+        """The saved tensor ``name``: a NumPy array (bfloat16 through ml_dtypes) or, with like="cupy",
+        a CuPy array on the GPU of its first block (bfloat16 as its uint16 bit pattern)."""
+        cp = self.cp
+        if name not in self.dag.outputs:
+            raise ExecError(f"no saved output named {name!r}; saved: {sorted(self.dag.outputs)}.")
+        if self.runs == 0:
+            raise ExecError("execute the program before offloading results: cg.execute().")
+        self.synchronize()
+        node = self.graph.nodes[self.graph.outputs[name]]
+        t = node.type
+        if like not in ("numpy", "cupy"):
+            raise ExecError(f"offload(like=...) takes 'numpy' or 'cupy'; got {like!r}.")
+        first = self.views[self.dag.outputs[name][0][1]]
+        first = first[0] if isinstance(first, tuple) else first
+        with cp.cuda.Device(first.device):
+            out = cp.empty(t.shape, dtype=np.uint16 if t.dtype == "bfloat16" else numpy_dtype(t.dtype))
+            for box, b in self.dag.outputs[name]:
+                view = self.views[b]
+                view = view[0] if isinstance(view, tuple) else view
+                out[box.slices()] = _cupy_of(cp, view)
+        if like == "cupy":
+            return out
+        host = cp.asnumpy(out)
+        return host.view(numpy_dtype("bfloat16")) if t.dtype == "bfloat16" else host
+
+    # --- execution ---------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        for s in self.streams:
+            s.synchronize()
+
+    def execute(self) -> None:
+        """Run the DAG: eagerly the first time, captured into a CUDA graph the second, replayed after."""
+        if not self.loaded:
+            raise ExecError("load the inputs first: cg.load({name: array, ...}).")
+        if self.graph_exec is not None:
+            self.graph_exec.launch(self.streams[0])
+        elif self.runs >= 1 and self.capturable:
+            self._capture()
+            self.graph_exec.launch(self.streams[0])
+        else:
+            self._issue_all()
+        self.runs += 1
+
+    def _capture(self) -> None:
+        cp = self.cp
+        origin = self.streams[0]
+        self.synchronize()
+        fork = cp.cuda.Event(disable_timing=True)
+        with cp.cuda.Device(self.phys[0]):
+            origin.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)
+        try:
+            fork.record(origin)
+            for s in self.streams[1:]:
+                s.wait_event(fork)
+            self._issue_all()
+            joins = []
+            for d, s in enumerate(self.streams[1:], start=1):
+                with cp.cuda.Device(self.phys[d]):
+                    ev = cp.cuda.Event(disable_timing=True)
+                    ev.record(s)
+                joins.append(ev)
+            for ev in joins:
+                origin.wait_event(ev)
+        finally:
+            with cp.cuda.Device(self.phys[0]):
+                graph = origin.end_capture()
+        self.graph_exec = graph
+
+    def _issue_all(self) -> None:
+        cp = self.cp
+        for t in self.dag.tasks:
+            if t.kind == "load":
+                continue
+            stream = self.streams[t.device]
+            with cp.cuda.Device(self.phys[t.device]), stream:
+                for dep in self.waits[t.id]:
+                    stream.wait_event(self.events[dep])
+                try:
+                    self._run(t, stream)
+                except ExecError:
+                    raise
+                except Exception as e:  # a CUDA, cuBLAS or Triton error: name the task
+                    raise ExecError(f"task {t.id} ({t.label}, {t.kind}) on logical device {t.device} "
+                                    f"(GPU {self.phys[t.device]}) failed: {type(e).__name__}: {e}") from e
+                if t.id in self.events:
+                    self.events[t.id].record(stream)
+
+    def _run(self, t: Task, stream: Any) -> None:
+        dag = self.dag
+        views = self.views
+        if t.kind == "kernel":
+            from relational_tensors.gpu_exec.gpu_ops import LAUNCHERS
+
+            node = self.graph.nodes[t.op]
+            out = views[t.outputs[0]]
+            LAUNCHERS[node.kind](node.op, t.payload["function"], [views[b] for b in t.inputs], out,
+                                 self.task_consts.get(t.id, {}), stream.ptr)
+        elif t.kind == "copy":
+            src, dst = t.inputs[0], t.outputs[0]
+            main, extra = self.slot_bytes[src]
+            nbytes = _align(main) + extra if extra else main
+            sv, dv = views[src], views[dst]
+            sp = (sv[0] if isinstance(sv, tuple) else sv)
+            dp = (dv[0] if isinstance(dv, tuple) else dv)
+            if nbytes == 0:
+                return
+            rt = self.cp.cuda.runtime
+            if sp.device == dp.device:
+                rt.memcpyAsync(dp.ptr, sp.ptr, nbytes, rt.memcpyDeviceToDevice, stream.ptr)
+            else:
+                rt.memcpyPeerAsync(dp.ptr, dp.device, sp.ptr, sp.device, nbytes, stream.ptr)
+        elif t.kind == "decompose":
+            src_buf = dag.buffers[t.inputs[0]]
+            src = views[t.inputs[0]]
+            for cell, b in zip(t.payload["cells"], t.outputs):
+                rel = tuple(c - s for c, s in zip(cell.lower, src_buf.box.lower))
+                if isinstance(src, tuple):
+                    tc.copy_box(src[0].sub(rel, cell.shape), views[b][0])
+                    tc.copy_box(src[1].sub(rel[:-1], cell.shape[:-1]), views[b][1])
+                else:
+                    tc.copy_box(src.sub(rel, cell.shape), views[b])
+        elif t.kind == "recompose":
+            out_buf = dag.buffers[t.outputs[0]]
+            out = views[t.outputs[0]]
+            for cell, b in zip(t.payload["cells"], t.inputs):
+                piece = views[b]
+                piece = piece[0] if isinstance(piece, tuple) else piece
+                rel = tuple(c - s for c, s in zip(cell.lower, out_buf.box.lower))
+                tc.copy_box(piece, out.sub(rel, cell.shape))
+        elif t.kind == "aggregate":
+            agg = t.payload["aggregation"].name
+            ins = [views[b] for b in t.inputs]
+            out = views[t.outputs[0]]
+            if agg == "lse":
+                ping = self.task_consts.get(t.id, {}).get("ping")
+                # alternate between the output and a scratch pair so no launch reads what it writes
+                targets = [out if (len(ins) - 2 - i) % 2 == 0 else ping for i in range(len(ins) - 1)]
+                acc = ins[0]
+                for i, x in enumerate(ins[1:]):
+                    tc.lse_merge(acc, x, targets[i])
+                    acc = targets[i]
+            else:
+                tc.aggregate_pair(ins[0], ins[1], out, agg)
+                for x in ins[2:]:
+                    tc.aggregate_pair(out, x, out, agg)
+        else:
+            raise ExecError(f"the GPU executor cannot run task kind {t.kind!r}.")
+
+
+def _cupy_of(cp: Any, view: DevBuf) -> Any:
+    dtype = np.uint16 if view.dtype == "bfloat16" else numpy_dtype(view.dtype)
+    mem = cp.cuda.UnownedMemory(view.ptr, max(view.nbytes, 1), None, view.device)
+    return cp.ndarray(view.shape, dtype=dtype, memptr=cp.cuda.MemoryPointer(mem, 0))
+
+
+def _as_device_array(cp: Any, value: Any) -> Any:
+    """A CuPy view of a device array (CuPy, or anything with __dlpack__ on a GPU), else None."""
+    if isinstance(value, cp.ndarray):
+        return value
+    if hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray):
+        device = getattr(value, "__dlpack_device__", lambda: (1, 0))()
+        if device[0] != 2:  # kDLCUDA
+            return None
+        if str(getattr(value, "dtype", "")).endswith("bfloat16"):
+            value = value.view(__import__("torch").int16)  # CuPy has no bfloat16: move the bits
+        return cp.from_dlpack(value)
+    return None

@@ -1,0 +1,10 @@
+"""GPU kernels: Triton kernels and cuBLAS calls, each behind a thin wrapper that
+checks its arguments and launches on the caller's stream.
+
+Arguments are :class:`DevBuf` views (device pointer, shape, strides, dtype
+name); no wrapper allocates, so every launch can be captured in a CUDA graph.
+"""
+
+from relational_tensors.gpu_exec.kernels.common import DevBuf
+
+__all__ = ["DevBuf"]

@@ -1,0 +1,119 @@
+"""Device buffer views and the adapter that lets Triton take them as pointers."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from relational_tensors.core.dtypes import itemsize
+
+__all__ = ["DevBuf", "Ptr", "contiguous_strides", "pad4", "merge_dims"]
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True)
+class DevBuf:
+    """A view of device memory: pointer, shape, element strides, dtype name, device."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: str
+    device: int
+    strides: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.strides:
+            object.__setattr__(self, "strides", contiguous_strides(self.shape))
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * itemsize(self.dtype)
+
+    def sub(self, lower: tuple[int, ...], shape: tuple[int, ...]) -> DevBuf:
+        """The view of the box at ``lower`` (relative) with ``shape``."""
+        off = sum(l * s for l, s in zip(lower, self.strides))
+        return DevBuf(self.ptr + off * itemsize(self.dtype), tuple(shape), self.dtype, self.device, self.strides)
+
+    def permuted(self, perm: tuple[int, ...]) -> DevBuf:
+        return DevBuf(self.ptr, tuple(self.shape[p] for p in perm), self.dtype, self.device,
+                      tuple(self.strides[p] for p in perm))
+
+    def as_dtype(self, dtype: str) -> DevBuf:
+        return DevBuf(self.ptr, self.shape, dtype, self.device, self.strides)
+
+    @property
+    def is_contiguous(self) -> bool:
+        return self.strides == contiguous_strides(self.shape)
+
+
+class Ptr:
+    """What Triton needs of a tensor argument: ``data_ptr()`` and a ``dtype`` it can name."""
+
+    __slots__ = ("_ptr", "dtype")
+
+    def __init__(self, buf: DevBuf | int, dtype: str | None = None) -> None:
+        if isinstance(buf, DevBuf):
+            self._ptr, self.dtype = buf.ptr, dtype or buf.dtype
+        else:
+            self._ptr, self.dtype = int(buf), dtype or "float32"
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+def merge_dims(shape: tuple[int, ...], *strides: tuple[int, ...]) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
+    """Drop unit dimensions and merge neighbours that are contiguous in every stride set."""
+    dims = [(n, [s[d] for s in strides]) for d, n in enumerate(shape) if n != 1]
+    if not dims:
+        return (1,), [(1,) for _ in strides]
+    merged = [dims[0]]
+    for n, st in dims[1:]:
+        pn, pst = merged[-1]
+        if all(ps == s * n for ps, s in zip(pst, st)):
+            merged[-1] = (pn * n, st)
+        else:
+            merged.append((n, st))
+    return tuple(n for n, _ in merged), [tuple(st[k] for _, st in merged) for k in range(len(strides))]
+
+
+def pad4(shape: tuple[int, ...], *strides: tuple[int, ...]) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
+    """Merge dims, then left-pad to rank 4 (the rank the strided kernels index)."""
+    shape, strides_l = merge_dims(shape, *strides)
+    if len(shape) > 4:
+        raise ValueError(f"strided kernels handle rank <= 4 after merging; got shape {shape}")
+    pad = 4 - len(shape)
+    return (1,) * pad + shape, [(0,) * pad + s for s in strides_l]
+
+
+_BOUND = False
+
+
+def bind_triton_to_cupy() -> None:
+    """Make Triton launch on CuPy's current stream and device.
+
+    Triton asks its active driver for the current stream and device at every
+    launch (by default through torch, or the legacy default stream, which a
+    CUDA graph cannot capture); answering with CuPy's lets the executor put
+    every kernel on its own per-device streams."""
+    global _BOUND
+    if _BOUND:
+        return
+    import cupy
+    from triton.runtime import driver
+
+    active = driver.active
+    active.get_current_stream = lambda device=None: cupy.cuda.get_current_stream().ptr
+    active.get_current_device = lambda: cupy.cuda.runtime.getDevice()
+    active.set_current_device = lambda device: cupy.cuda.runtime.setDevice(device)
+    _BOUND = True

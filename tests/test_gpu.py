@@ -1,0 +1,102 @@
+"""The CuPy backend on a real GPU: every operator, fp16/bf16, virtual devices, CUDA-graph replay,
+DLPack, faults.  Marked ``gpu``; skipped where no GPU is visible."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import relational_tensors as rt
+from relational_tensors.devices import visible_gpus
+from relational_tensors.models import llama_block, llama_feeds
+
+from cases import CASES, feeds_for
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(visible_gpus() == 0, reason="no CUDA GPU visible (or CuPy not installed)")]
+
+DEVICES = ["cuda:0", "cuda:0,0", "cuda:0,0,0,0"]
+
+
+def _compare(got: np.ndarray, want: np.ndarray, dtype: str, reduction: int = 1) -> None:
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    if dtype == "float32":
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    else:  # 16-bit: the error grows with the length of the reductions
+        eps = {"float16": 1e-3, "bfloat16": 8e-3}[dtype]
+        tol = 4 * eps * max(1.0, np.sqrt(reduction))
+        scale = max(1.0, float(np.max(np.abs(want))))
+        assert np.max(np.abs(got - want)) <= tol * scale, (np.max(np.abs(got - want)), tol * scale)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_operator_on_gpu(case: str, device: str) -> None:
+    g, _ = CASES[case]("float32")
+    feeds = feeds_for(g)
+    cg = rt.compileGraph(g, device=device)
+    got = cg.run(feeds)
+    want = rt.reference(g, feeds)
+    for name in g.outputs:
+        _compare(got[name], want[name], "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("device", ["cuda:0", "cuda:0,0,0,0", "cuda:0,0,0,0,0,0,0,0"])
+def test_llama_block_16_bit(dtype: str, device: str) -> None:
+    g = llama_block(2, 128, 256, 8, 2, 512, dtype=dtype, seq_ends=[40, 97, 128])
+    feeds = llama_feeds(g)
+    want = rt.reference(g, feeds)["y"]
+    cg = rt.compileGraph(g, device=device)
+    got = cg.run(feeds)["y"]
+    _compare(got, want, dtype, reduction=512)
+
+
+def test_replay_is_bit_identical_and_memory_stays_flat() -> None:
+    import cupy
+
+    g = llama_block(1, 256, 256, 8, 2, 512, dtype="float16")
+    cg = rt.compileGraph(g, device="cuda:0,0,0,0")
+    cg.load(llama_feeds(g))
+    cg.execute()
+    cg.execute()  # captured here
+    first = cg.offload("y")
+    free0 = cupy.cuda.runtime.memGetInfo()[0]
+    pool0 = cupy.get_default_memory_pool().used_bytes()
+    for _ in range(1000):
+        cg.execute()
+    cg.synchronize()
+    assert cg._exec().graph_exec is not None
+    assert np.array_equal(cg.offload("y").view(np.uint16), first.view(np.uint16))
+    assert cupy.cuda.runtime.memGetInfo()[0] >= free0 - (1 << 20)
+    assert cupy.get_default_memory_pool().used_bytes() <= pool0 + (1 << 20)
+
+
+def test_dlpack_in_and_out() -> None:
+    import cupy
+
+    torch = pytest.importorskip("torch")
+    g = rt.Graph()
+    x = g.input("x", [64, 32], "float16")
+    w = g.parameter("w", [32, 48], "float16")
+    g.save(g.unary(g.matmul(x, w), "relu"), name="y")
+    cg = rt.compileGraph(g, device="cuda:0,0")
+    xt = torch.randn(64, 32, device="cuda", dtype=torch.float16)
+    wc = cupy.asarray(np.random.default_rng(0).standard_normal((32, 48)).astype(np.float16))
+    cg.load({"x": xt, "w": wc})
+    cg.execute()
+    y = cg.offload("y", like="cupy")
+    assert isinstance(y, cupy.ndarray)
+    want = np.maximum(xt.float().cpu().numpy() @ cupy.asnumpy(wc).astype(np.float32), 0)
+    _compare(cupy.asnumpy(y), want, "float16", reduction=32)
+
+
+def test_gpu_fault_is_an_exec_error_and_the_process_recovers() -> None:
+    g = rt.Graph()
+    g.save(g.unary(g.input("x", [1 << 20, 1 << 17], "float16"), "relu"), name="y")  # 256 GiB: cannot fit
+    with pytest.raises(rt.ExecError, match=r"allocating the [\d,]+-byte arena of logical device 0"):
+        rt.compileGraph(g, device="cuda:0", memory_per_device=1 << 50)
+    small = rt.Graph()
+    small.save(small.unary(small.input("x", [8, 8], "float32"), "relu"), name="y")
+    out = rt.compileGraph(small, device="cuda:0").run({"x": -np.ones((8, 8), np.float32)})["y"]
+    assert np.all(out == 0)
