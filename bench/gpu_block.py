@@ -115,9 +115,14 @@ def main() -> None:
         ex = cg._exec()
         ours = time_cuda(cg.execute, ex.streams[0])
         y = cg.offload("y", like="cupy")
+        prof = cg.profile()
+        kinds: dict[str, float] = {}
+        for t in prof.tasks:
+            key = t.kind if t.kind != "kernel" else "kernel:" + cg.graph.nodes[cg.dag.tasks[t.task].op].kind
+            kinds[key] = kinds.get(key, 0.0) + (t.end - t.start) * 1e3
         block, x = torch_block(torch, feeds, b, s)
         with torch.no_grad():
-            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+            stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream())
             eager = time_cuda(lambda: block(x), stream)
             ref = block(x)
             compiled = torch.compile(block)
@@ -126,7 +131,8 @@ def main() -> None:
         roof = block_flops(b, s) / rate * 1e3
         rows[name] = {"ours_ms": statistics.mean(ours), "eager_ms": statistics.mean(eager),
                       "compile_ms": statistics.mean(comp), "roofline_ms": roof, "compile_s": compile_s,
-                      "max_abs_diff_vs_torch": diff, "ours_all": ours}
+                      "max_abs_diff_vs_torch": diff, "ours_all": ours,
+                      "ours_eager_breakdown_ms": {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}}
         for p in [int(v) for v in args.virtual.split(",") if v] if s * b >= 8192 else []:
             cgv = rt.compileGraph(g, device="cuda:" + ",".join(["0"] * p))
             cgv.load(feeds)

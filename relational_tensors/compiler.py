@@ -291,11 +291,30 @@ class CompiledGraph:
         """Predicted seconds for one execution on ``topology`` (default: the one compiled for)."""
         return self._simulation(topology, calibration).time
 
-    def trace(self, path: str, topology: str | None = None, calibration: str | None = None) -> str:
-        """Write a Chrome/Perfetto trace of the simulated timeline; returns the path."""
+    def trace(self, path: str, topology: str | None = None, calibration: str | None = None,
+              measured: bool | None = None) -> str:
+        """Write a Chrome/Perfetto trace; returns the path.  On GPUs with loaded inputs (or
+        ``measured=True``) the timeline is measured with CUDA events, else simulated."""
         from relational_tensors.exchange.plan_sim import write_trace
 
-        return str(write_trace(self._simulation(topology, calibration), path))
+        if measured is None:
+            measured = self.devices.kind == "cuda" and self._executor is not None and self._executor.loaded
+        result = self.profile() if measured else self._simulation(topology, calibration)
+        return str(write_trace(result, path))
+
+    def profile(self) -> Any:
+        """Run once on the GPUs with a CUDA event around every task; the measured timeline."""
+        from relational_tensors.exchange.plan_sim import PlanSimResult, TaskTime
+
+        ex = self._exec()
+        if not hasattr(ex, "profile"):
+            raise ExecError("profile() measures GPU runs; this program runs on virtual CPU devices.")
+        times = []
+        for tid, start, end in ex.profile():
+            t = self.dag.tasks[tid]
+            times.append(TaskTime(tid, t.kind, t.label, t.device, t.src_device, start * 1e-3, end * 1e-3,
+                                  sum(self.dag.buffers[b].nbytes for b in t.outputs)))
+        return PlanSimResult(max((t.end for t in times), default=0.0), tuple(times), f"measured on {self.devices}")
 
     def _simulation(self, topology: str | None, calibration: str | None) -> Any:
         from relational_tensors.exchange.plan_sim import KernelModel, simulate_plan

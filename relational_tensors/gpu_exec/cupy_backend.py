@@ -128,6 +128,18 @@ class CupyExecutor:
         rows = buf.box.volume // buf.box.shape[-1] if buf.partial == "lse" and buf.box.rank and buf.box.shape[-1] else 0
         return main, rows * 4
 
+    def _aliases(self) -> dict[int, int]:
+        """Reshape outputs that share their input's memory: a row-major reshape of a block keeps its
+        bytes in order (reshape specs split only the leading dimension of each group), so the kernel
+        is a no-op.  Maps each such output buffer to the buffer whose memory it uses."""
+        root: dict[int, int] = {}
+        for t in self.dag.tasks:
+            if t.kind == "kernel" and self.graph.nodes[t.op].kind == "reshape":
+                src, dst = t.inputs[0], t.outputs[0]
+                if self.dag.buffers[src].partial is None and self.dag.buffers[dst].partial is None:
+                    root[dst] = root.get(src, src)
+        return root
+
     def _layout(self) -> None:
         cp = self.cp
         dag = self.dag
@@ -136,17 +148,21 @@ class CupyExecutor:
         for t in dag.tasks:
             for b in t.outputs:
                 born.setdefault(b, 0 if t.kind == "load" else t.id)
+        self.alias = self._aliases()
+        group_end: dict[int, int] = {}
+        for dst, src in self.alias.items():  # the shared memory lives until the last user of either
+            group_end[src] = max(group_end.get(src, self.live.last_use.get(src, end)), self.live.last_use.get(dst, end))
         self.arenas = []
         self.views: dict[int, Any] = {}
         self.reuses: dict[int, list[int]] = {}
         self.arena_bytes: dict[int, int] = {}
         for d in range(dag.p):
-            mine = [b for b, buf in dag.buffers.items() if buf.device == d]
+            mine = [b for b, buf in dag.buffers.items() if buf.device == d and b not in self.alias]
             sizes = {}
             for b in mine:
                 main, extra = self._buffer_bytes(b)
                 sizes[b] = _align(main) + extra
-            lifetimes = {b: (born.get(b, 0), self.live.last_use.get(b, end)) for b in mine}
+            lifetimes = {b: (born.get(b, 0), group_end.get(b, self.live.last_use.get(b, end))) for b in mine}
             slots, total, reuses = plan_arena(sizes, lifetimes)
             self.reuses.update(reuses)
             self.arena_bytes[d] = total
@@ -168,6 +184,9 @@ class CupyExecutor:
                     self.views[b] = (view, lse)
                 else:
                     self.views[b] = view
+        for dst, src in self.alias.items():
+            buf = dag.buffers[dst]
+            self.views[dst] = DevBuf(self.views[src].ptr, buf.box.shape, buf.dtype, self.views[src].device)
         self.slot_bytes = {b: self._buffer_bytes(b) for b in dag.buffers}
 
     def _constants(self) -> None:
@@ -217,7 +236,7 @@ class CupyExecutor:
         touchers: dict[int, list[int]] = defaultdict(list)
         for t in dag.tasks:
             for b in (*t.inputs, *t.outputs):
-                touchers[b].append(t.id)
+                touchers[self.alias.get(b, b)].append(t.id)
             for b in t.outputs:
                 producer.setdefault(b, t.id)
         self.waits: dict[int, list[int]] = {}
@@ -227,7 +246,7 @@ class CupyExecutor:
                 continue
             deps = {producer[b] for b in t.inputs if b in producer and dag.tasks[producer[b]].kind != "load"}
             for b in t.outputs:
-                for old in self.reuses.get(b, ()):
+                for old in self.reuses.get(self.alias.get(b, b), ()):
                     deps.update(x for x in touchers[old] if x < t.id and dag.tasks[x].kind != "load")
             cross = sorted(d for d in deps if dag.tasks[d].device != t.device)
             self.waits[t.id] = cross
@@ -316,11 +335,46 @@ class CupyExecutor:
         if self.graph_exec is not None:
             self.graph_exec.launch(self.streams[0])
         elif self.runs >= 1 and self.capturable:
-            self._capture()
+            try:
+                self._capture()
+            except ExecError:
+                self.capturable = False  # a launch broke capture: run this program eagerly from now on
+                raise
             self.graph_exec.launch(self.streams[0])
         else:
             self._issue_all()
         self.runs += 1
+
+    def profile(self) -> list[tuple[int, float, float]]:
+        """Run the DAG once eagerly with a CUDA event around every task: (task, start ms, end ms)
+        measured from a common start on the first device."""
+        cp = self.cp
+        if not self.loaded:
+            raise ExecError("load the inputs first: cg.load({name: array, ...}).")
+        self.synchronize()
+        t0 = cp.cuda.Event()
+        t0.record(self.streams[0])
+        for s in self.streams[1:]:
+            s.wait_event(t0)
+        marks: dict[int, tuple[Any, Any]] = {}
+        cp_ev = cp.cuda.Event
+        for t in self.dag.tasks:
+            if t.kind == "load":
+                continue
+            stream = self.streams[t.device]
+            with cp.cuda.Device(self.phys[t.device]), stream:
+                for dep in self.waits[t.id]:
+                    stream.wait_event(self.events[dep])
+                a, b = cp_ev(), cp_ev()
+                a.record(stream)
+                self._run(t, stream)
+                b.record(stream)
+                if t.id in self.events:
+                    self.events[t.id].record(stream)
+                marks[t.id] = (a, b)
+        self.synchronize()
+        self.runs += 1
+        return [(tid, cp.cuda.get_elapsed_time(t0, a), cp.cuda.get_elapsed_time(t0, b)) for tid, (a, b) in marks.items()]
 
     def _capture(self) -> None:
         cp = self.cp
@@ -334,18 +388,30 @@ class CupyExecutor:
             for s in self.streams[1:]:
                 s.wait_event(fork)
             self._issue_all()
-            joins = []
-            for d, s in enumerate(self.streams[1:], start=1):
+        except BaseException as e:
+            for d, s in enumerate(self.streams[1:], start=1):  # join what was issued so capture can end
                 with cp.cuda.Device(self.phys[d]):
                     ev = cp.cuda.Event(disable_timing=True)
                     ev.record(s)
-                joins.append(ev)
-            for ev in joins:
                 origin.wait_event(ev)
-        finally:
             with cp.cuda.Device(self.phys[0]):
-                graph = origin.end_capture()
-        self.graph_exec = graph
+                try:
+                    origin.end_capture()
+                except Exception:
+                    pass
+            if isinstance(e, ExecError):
+                raise
+            raise ExecError(f"capturing the program into a CUDA graph failed: {type(e).__name__}: {e}") from e
+        joins = []
+        for d, s in enumerate(self.streams[1:], start=1):
+            with cp.cuda.Device(self.phys[d]):
+                ev = cp.cuda.Event(disable_timing=True)
+                ev.record(s)
+            joins.append(ev)
+        for ev in joins:
+            origin.wait_event(ev)
+        with cp.cuda.Device(self.phys[0]):
+            self.graph_exec = origin.end_capture()
 
     def _issue_all(self) -> None:
         cp = self.cp
@@ -372,6 +438,8 @@ class CupyExecutor:
         if t.kind == "kernel":
             from relational_tensors.gpu_exec.gpu_ops import LAUNCHERS
 
+            if t.outputs[0] in self.alias:
+                return  # a reshape whose output shares its input's memory
             node = self.graph.nodes[t.op]
             out = views[t.outputs[0]]
             LAUNCHERS[node.kind](node.op, t.payload["function"], [views[b] for b in t.inputs], out,

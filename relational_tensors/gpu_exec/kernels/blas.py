@@ -1,7 +1,14 @@
-"""Matrix products through cuBLAS (gemmStridedBatchedEx): fp16, bf16, fp32 and fp64, fp32
-accumulation for the 16-bit types, on the caller's stream, writing into a given buffer."""
+"""Matrix products through cuBLAS (cublasGemmStridedBatchedEx): fp16, bf16, fp32 and fp64, fp32
+accumulation for the 16-bit types, on the caller's stream, writing into a given buffer.
+
+cuBLAS is called through its C API (ctypes) with a handle and a fixed workspace of our own per
+GPU: CuPy's wrappers refuse to run while a stream is being captured, and a preset workspace keeps
+cuBLAS from allocating inside a CUDA graph."""
 
 from __future__ import annotations
+
+import ctypes
+from typing import Any
 
 import numpy as np
 
@@ -15,12 +22,57 @@ _COMPUTE = {"float16": 68, "bfloat16": 68, "float32": 68, "float64": 70}  # CUBL
 _ONE = {68: np.array(1.0, np.float32), 70: np.array(1.0, np.float64)}
 _ZERO = {68: np.array(0.0, np.float32), 70: np.array(0.0, np.float64)}
 _GEMM_DEFAULT = -1
+WORKSPACE_BYTES = 32 << 20
+
+_lib: Any = None
+_handles: dict[int, tuple[int, Any]] = {}  # GPU -> (handle, workspace array)
+
+
+def _cublas() -> Any:
+    global _lib
+    if _lib is None:
+        import cupy  # noqa: F401  (loads libcublas into the process)
+        from cupy_backends.cuda.libs import cublas  # noqa: F401
+
+        for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so.11", "libcublas.so"):
+            try:
+                lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        else:
+            raise OSError("libcublas could not be loaded")
+        lib.cublasCreate_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        lib.cublasSetStream_v2.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.cublasSetWorkspace_v2.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        vp, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+        lib.cublasGemmStridedBatchedEx.argtypes = [vp, i32, i32, i32, i32, i32, vp, vp, i32, i32, i64, vp, i32, i32,
+                                                   i64, vp, vp, i32, i32, i64, i32, i32, i32]
+        _lib = lib
+    return _lib
+
+
+def _handle(device: int) -> int:
+    if device not in _handles:
+        import cupy
+
+        lib = _cublas()
+        with cupy.cuda.Device(device):
+            h = ctypes.c_void_p()
+            _check(lib.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
+            ws = cupy.empty(WORKSPACE_BYTES, dtype=cupy.uint8)
+            _check(lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(ws.data.ptr), WORKSPACE_BYTES), "cublasSetWorkspace")
+        _handles[device] = (h.value, ws)
+    return _handles[device][0]
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what} failed with cuBLAS status {status}")
 
 
 def matmul(a: DevBuf, b: DevBuf, out: DevBuf, stream_ptr: int) -> None:
     """out[..., m, n] = a[..., m, k] @ b[k, n] or batched b[..., k, n]; all contiguous."""
-    from cupy.cuda import cublas, device
-
     m, k = a.shape[-2], a.shape[-1]
     n = b.shape[-1]
     batch = a.size // (m * k) if m * k else 0
@@ -28,17 +80,19 @@ def matmul(a: DevBuf, b: DevBuf, out: DevBuf, stream_ptr: int) -> None:
         return
     if k == 0:
         raise ValueError("matmul with an empty contraction is handled by the caller")
+    lib = _cublas()
+    handle = _handle(out.device)
+    _check(lib.cublasSetStream_v2(ctypes.c_void_p(handle), ctypes.c_void_p(stream_ptr)), "cublasSetStream")
     stride_b = k * n if len(b.shape) > 2 else 0
-    handle = device.get_cublas_handle()
-    cublas.setStream(handle, stream_ptr)
     ctype = _COMPUTE[out.dtype]
     dt = _CUDA_TYPE[a.dtype]
     # row-major C = A @ B is column-major C^T = B^T @ A^T
-    cublas.gemmStridedBatchedEx(
-        handle, 0, 0, n, m, k, _ONE[ctype].ctypes.data,
-        b.ptr, dt, n, stride_b,
-        a.ptr, dt, k, m * k,
-        _ZERO[ctype].ctypes.data,
-        out.ptr, _CUDA_TYPE[out.dtype], n, m * n,
+    status = lib.cublasGemmStridedBatchedEx(
+        ctypes.c_void_p(handle), 0, 0, n, m, k, ctypes.c_void_p(_ONE[ctype].ctypes.data),
+        ctypes.c_void_p(b.ptr), dt, n, stride_b,
+        ctypes.c_void_p(a.ptr), dt, k, m * k,
+        ctypes.c_void_p(_ZERO[ctype].ctypes.data),
+        ctypes.c_void_p(out.ptr), _CUDA_TYPE[out.dtype], n, m * n,
         batch, ctype, _GEMM_DEFAULT,
     )
+    _check(status, f"cublasGemmStridedBatchedEx ({m}x{k} @ {k}x{n}, batch {batch}, {a.dtype})")

@@ -1,0 +1,643 @@
+"""Exchange-program search (section 5.4): rewrite the naive body, keep what the simulator likes.
+
+The search starts from the naive program of :mod:`~relational_tensors.exchange.lower`
+(each reader gathers the atoms of what it needs and aggregates them itself) and
+climbs with the paper's rewrite rules, each applied to one action of the body:
+
+``fission`` / ``fusion``
+    ``X @ s -> D1, D2`` ⇄ ``X @ s -> D1; X @ s -> D2``.
+``relay`` / ``relay-elimination``
+    ``X @ s -> d`` ⇄ ``X @ s -> r; X @ r -> d``: around a slow link or a shared bridge.
+``pushdown`` / ``pullup``
+    ``X @ r -> d; Y @ r -> d`` ⇄ ``X+Y @ r -> d``.  Pushdown also takes the two-hop form
+    ``X @ q -> d; Y @ r -> d`` ⇒ ``X @ q -> r; X+Y @ r -> d``, which grows a reduction
+    tree by one edge.
+``substitution``
+    draw the copy of ``X`` at a site from another site that holds ``X`` or can form it.
+``swap`` / ``move``
+    the membership of partitions declared by size: two trade a site, or one takes a free GPU.
+
+A proposal is tidied before it is judged: actions that never fire are dropped, a
+requirement that a rewrite broke is fetched again from the best-connected site holding
+it (or gathered there, as naive does), and actions whose results nothing uses are
+deleted.  Each round rewrites a few actions drawn by how late they finish in the
+current run, ranks the proposals by a contention bound (the busiest resource's load,
+then the total load), and judges the best few: checked by
+:func:`~relational_tensors.exchange.closure.check` under their membership, costed by
+:func:`~relational_tensors.exchange.simulator.simulate`.  The first that beats the
+current program (faster, or as fast with less summed stage time) replaces it.
+Membership moves are proposed in the first round and after every round that found
+nothing.  The search ends after a few fruitless rounds in a row, after ``max_steps``
+judged proposals, or when ``budget_s`` is spent.  Only improvements are taken, so
+the result is never slower than naive; for one seed it is deterministic unless the
+time budget is what stops it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Mapping
+
+from relational_tensors.errors import ExchangeError
+from relational_tensors.exchange.ast import Action, ExProg, exact_cover
+from relational_tensors.exchange.closure import check, memberships
+from relational_tensors.exchange.lower import Membership, Synthesizer, naive_body
+from relational_tensors.exchange.simulator import SimResult, simulate
+from relational_tensors.exchange.text import action_key
+from relational_tensors.exchange.topology import Topology, get_topology
+
+__all__ = ["SearchResult", "Searcher", "search_program", "make_searcher", "RULES"]
+
+RULES = ("fission", "fusion", "relay", "relay-elimination", "pushdown", "pullup", "substitution", "swap", "move")
+
+_TOL = 1e-9        # relative: simulated times closer than this are ties
+_PER_ROUND = 6     # proposals judged per round, best-ranked first
+_HOT = 5           # actions rewritten per round, drawn by how late they finish
+_PATIENCE = 3      # fruitless rounds in a row before the search stops
+_BRANCH = 3        # relay sites and substitute sources tried per destination
+
+_Pair = tuple[frozenset, int]                 # (aggregate, site)
+_Sites = dict[str, tuple[int, ...]]            # a membership
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The searched body and membership, their simulated time, and naive's.
+
+    ``steps`` counts the proposals judged (tidied and checked), ``evaluated`` the ones
+    simulated; ``accepted`` names the rule of every improving move, in order.
+    """
+
+    body: frozenset[Action]
+    membership: dict[str, tuple[int, ...]]
+    time: float
+    naive_time: float
+    steps: int
+    evaluated: int
+    accepted: tuple[str, ...] = ()
+    elapsed: float = field(default=0.0, compare=False)
+
+    @property
+    def speedup(self) -> float:
+        """``naive_time / time`` (1.0 when both are zero)."""
+        return self.naive_time / self.time if self.time > 0 else 1.0
+
+
+# --- the fixed part of one search ------------------------------------------------------------------------
+
+class _Problem:
+    """The preamble, the topology's tables and the partitions: nothing here changes during a search."""
+
+    def __init__(self, prog: ExProg, top: Topology, free_moves: bool) -> None:
+        self.prog = prog.with_body(())
+        self.top = top
+        self.sizes = prog.atom_sizes()
+        self.sites = tuple(prog.gpus)
+        self.sized = [p for p in prog.partitions if p.members is None]
+        self.explicit = {p.name: tuple(p.members) for p in prog.partitions if p.members is not None}
+        self.free_moves = free_moves
+        caps = top.capacities()
+        self.hbm = {s: (top.hbm(s), 1.0 / caps[top.hbm(s)]) for s in self.sites}
+        self.route: dict[tuple[int, int], tuple[tuple[str, float], ...]] = {}
+        self.bw: dict[tuple[int, int], float] = {}
+        for s in self.sites:
+            for d in self.sites:
+                if s != d:
+                    self.route[(s, d)] = tuple((r, 1.0 / caps[r]) for r in top.route(s, d).resources)
+                    self.bw[(s, d)] = top.bandwidth(s, d)
+        self._keys: dict[Action, tuple] = {}
+
+    def key(self, act: Action) -> tuple:
+        """``action_key``, remembered: bodies are sorted often and share most actions."""
+        k = self._keys.get(act)
+        if k is None:
+            k = self._keys[act] = action_key(act)
+        return k
+
+    def size(self, agg: frozenset) -> int:
+        return self.sizes[next(iter(agg))]
+
+    def out_pairs(self, membership: Mapping[str, tuple[int, ...]]) -> list[_Pair]:
+        pairs: dict[_Pair, None] = {}
+        for r in self.prog.outputs:
+            for t in r.targets:
+                for s in self.prog.sites_of(t, membership):
+                    pairs[(r.aggregate, s)] = None
+        return list(pairs)
+
+    def nearest(self, holders: Iterable[int], target: int) -> int:
+        """The holder with the fastest lone link to ``target`` (lowest site on ties)."""
+        return min(holders, key=lambda h: (-self.bw.get((h, target), float("inf")), h))
+
+    def add_load(self, load: dict[str, float], act: Action, sign: float = 1.0) -> None:
+        """The seconds ``act``'s transfers keep each resource of their routes busy."""
+        nbytes = sign * self.size(act.aggregate)
+        for d in act.dests:
+            for name, inv in self.route[(act.source, d)]:
+                load[name] += nbytes * inv
+
+
+# --- firing with provenance ------------------------------------------------------------------------------
+
+@dataclass
+class _Fired:
+    """The closure of a concrete body, with who first produced each pair and from which parts."""
+
+    actions: list[Action]
+    held: dict[int, set[frozenset]]
+    producer: dict[_Pair, int | None]   # None: the pair is an IN atom
+    covers: dict[int, list[frozenset]]
+    order: list[int]                    # firing order (indices into actions)
+    unmet: list[_Pair]
+
+
+def _cover(agg: frozenset, held: set[frozenset]) -> list[frozenset] | None:
+    if agg in held:
+        return [agg]
+    parts = [p for p in held if p <= agg]
+    if not parts or frozenset().union(*parts) != agg:
+        return None
+    return exact_cover(agg, parts)
+
+
+def _fire(problem: _Problem, actions: list[Action], out_pairs: list[_Pair]) -> _Fired:
+    """The closure by worklist (an action is retried when its source gains something), with provenance."""
+    held: dict[int, set[frozenset]] = defaultdict(set)
+    producer: dict[_Pair, int | None] = {}
+    for a in problem.prog.inputs:
+        agg = frozenset({a.atom})
+        held[a.site].add(agg)
+        producer[(agg, a.site)] = None
+    watchers: dict[int, list[int]] = defaultdict(list)
+    for i, act in enumerate(actions):
+        watchers[act.source].append(i)
+    pending = set(range(len(actions)))
+    covers: dict[int, list[frozenset]] = {}
+    order: list[int] = []
+    changed = set(held)
+    while changed and pending:
+        ready = sorted({i for s in changed for i in watchers.get(s, ()) if i in pending})
+        changed = set()
+        for i in ready:
+            act = actions[i]
+            cover = _cover(act.aggregate, held[act.source])
+            if cover is None:
+                continue
+            pending.discard(i)
+            covers[i] = cover
+            order.append(i)
+            for site in (act.source, *act.dests):
+                if act.aggregate not in held[site]:
+                    held[site].add(act.aggregate)
+                    producer[(act.aggregate, site)] = i
+                    changed.add(site)
+    unmet = [(x, s) for x, s in out_pairs if x not in held.get(s, ())]
+    return _Fired(actions, held, producer, covers, order, unmet)
+
+
+def _canon(act: Action) -> Action:
+    dests = tuple(sorted({d for d in act.dests if d != act.source}))
+    return act if dests == act.dests else Action(act.aggregate, act.source, dests)
+
+
+def _repair(problem: _Problem, fired: _Fired) -> list[Action]:
+    """Actions that deliver every unmet requirement: from the nearest holder, else gathered there."""
+    extra: list[Action] = []
+    held = fired.held
+    for agg, t in fired.unmet:
+        holders = [s for s in problem.sites if agg in held.get(s, ())]
+        if holders:
+            extra.append(Action(agg, problem.nearest(holders, t), (t,)))
+            continue
+        for atom in sorted(agg):
+            one = frozenset({atom})
+            if one not in held.get(t, ()):
+                extra.append(Action(one, problem.nearest([s for s in problem.sites if one in held.get(s, ())], t),
+                                    (t,)))
+        if len(agg) > 1:
+            extra.append(Action(agg, t))
+    return extra
+
+
+def _prune(fired: _Fired, out_pairs: list[_Pair]) -> list[Action]:
+    """Keep only what a requirement needs, walking back from OUT in reverse firing order.
+
+    A pair is needed when OUT asks for it or a kept action aggregates it at its source;
+    an action is kept for the needed pairs it produced first, and loses the destinations
+    nothing needs.  What is kept still fires exactly as before, so it stays valid.
+    """
+    needed = set(out_pairs)
+    kept: list[Action] = []
+    for i in reversed(fired.order):
+        act = fired.actions[i]
+        x, s = act.aggregate, act.source
+        mine = [d for d in (s, *act.dests) if fired.producer.get((x, d)) == i and (x, d) in needed]
+        if not mine:
+            continue
+        needed.update((c, s) for c in fired.covers[i])
+        kept.append(Action(x, s, tuple(d for d in act.dests if d in mine)))
+    return kept
+
+
+def _tidy(problem: _Problem, actions: Iterable[Action], membership: _Sites) -> frozenset[Action] | None:
+    """Drop what never fires, re-deliver what a rewrite broke, delete what nothing needs."""
+    acts = sorted({_canon(a) for a in actions}, key=problem.key)
+    pairs = problem.out_pairs(membership)
+    fired = _fire(problem, acts, pairs)
+    if fired.unmet:
+        acts = sorted(set(acts) | set(_repair(problem, fired)), key=problem.key)
+        fired = _fire(problem, acts, pairs)
+        if fired.unmet:
+            return None
+    return frozenset(_prune(fired, pairs))
+
+
+# --- the current program ---------------------------------------------------------------------------------
+
+class _State:
+    """The current program with its closure, simulated run and resource loads."""
+
+    def __init__(self, problem: _Problem, body: frozenset[Action], membership: _Sites, sim: SimResult) -> None:
+        self.problem = problem
+        self.body = body
+        self.membership = membership
+        self.sim = sim
+        self.actions = sorted(body, key=problem.key)
+        self.index = {a: i for i, a in enumerate(self.actions)}
+        self.fired = _fire(problem, self.actions, problem.out_pairs(membership))
+        self.by_source: dict[tuple[frozenset, int], list[Action]] = defaultdict(list)
+        self.into: dict[int, list[Action]] = defaultdict(list)
+        for a in self.actions:
+            self.by_source[(a.aggregate, a.source)].append(a)
+            for d in a.dests:
+                self.into[d].append(a)
+        # what each site aggregates or must hold: pushdown only pays when X+Y is part of one of these
+        self.wanted: dict[int, list[frozenset]] = defaultdict(list)
+        for x, s in problem.out_pairs(membership):
+            self.wanted[s].append(x)
+        for a in self.actions:
+            self.wanted[a.source].append(a.aggregate)
+        # aggregations: (aggregate, site) -> (HBM resource, seconds of reading the parts and writing X)
+        self.forms: dict[_Pair, tuple[str, float]] = {}
+        self.load: dict[str, float] = defaultdict(float)
+        for i, a in enumerate(self.actions):
+            problem.add_load(self.load, a)
+            cover = self.fired.covers.get(i, ())
+            if len(cover) > 1 and self.fired.producer.get((a.aggregate, a.source)) == i:
+                name, inv = problem.hbm[a.source]
+                self.forms[(a.aggregate, a.source)] = (name, (len(cover) + 1) * problem.size(a.aggregate) * inv)
+                self.load[name] += self.forms[(a.aggregate, a.source)][1]
+
+    def holds(self, agg: frozenset, site: int) -> bool:
+        return agg in self.fired.held.get(site, ())
+
+    def can_form(self, agg: frozenset, site: int) -> bool:
+        return _cover(agg, self.fired.held.get(site, set())) is not None
+
+    def parts(self, agg: frozenset, site: int) -> list[frozenset]:
+        """What ``agg`` was formed from at ``site`` ([] when it arrived whole or is an IN atom)."""
+        i = self.fired.producer.get((agg, site))
+        if i is None or self.fired.actions[i].source != site:
+            return []
+        cover = self.fired.covers[i]
+        return cover if len(cover) > 1 else []
+
+    def finish(self) -> dict[Action, float]:
+        """When each action's last stage ends in the current run."""
+        end: dict[Action, float] = {}
+        for e in self.sim.trace:
+            end[e.action] = max(end.get(e.action, 0.0), e.end)
+        return end
+
+    def bound(self, body: frozenset[Action]) -> tuple[float, float]:
+        """(busiest resource's load, total load) of ``body``, from this program's loads and the difference."""
+        problem = self.problem
+        delta: dict[str, float] = defaultdict(float)
+        gone = self.body - body
+        new = body - self.body
+        for a in gone:
+            problem.add_load(delta, a, -1.0)
+        formed = {(a.aggregate, a.source) for a in new}
+        for a in gone:
+            pair = (a.aggregate, a.source)
+            if pair in self.forms and pair not in formed:
+                name, seconds = self.forms[pair]
+                delta[name] -= seconds
+        for a in new:
+            problem.add_load(delta, a)
+            pair = (a.aggregate, a.source)
+            if len(a.aggregate) > 1 and pair not in self.forms and not self.holds(*pair):
+                name, inv = problem.hbm[a.source]
+                delta[name] += 3 * problem.size(a.aggregate) * inv  # most often two parts
+        peak = max((v + delta.get(r, 0.0) for r, v in self.load.items()), default=0.0)
+        peak = max([peak, *(v for r, v in delta.items() if r not in self.load)])
+        return peak, sum(self.load.values()) + sum(delta.values())
+
+
+# --- proposals -------------------------------------------------------------------------------------------
+
+class _Edit:
+    """A body being rewritten: actions are values, so changing one is removing it and adding another."""
+
+    def __init__(self, problem: _Problem, body: frozenset[Action]) -> None:
+        self.problem = problem
+        self.acts = set(body)
+
+    def drop_dest(self, act: Action, d: int) -> None:
+        self.acts.discard(act)
+        self.acts.add(Action(act.aggregate, act.source, tuple(x for x in act.dests if x != d)))
+
+    def send(self, agg: frozenset, source: int, d: int) -> None:
+        """``agg @ source`` also reaches ``d``, joining an existing multicast when there is one."""
+        same = [a for a in self.acts if a.aggregate == agg and a.source == source]
+        if not same:
+            self.acts.add(Action(agg, source, (d,)))
+            return
+        old = min(same, key=self.problem.key)
+        self.acts.discard(old)
+        self.acts.add(Action(agg, source, tuple(sorted({*old.dests, d}))))
+
+    def body(self) -> frozenset[Action]:
+        return frozenset(self.acts)
+
+
+def _body_moves(problem: _Problem, state: _State, act: Action, rng: random.Random
+                ) -> Iterator[tuple[str, frozenset[Action], bool]]:
+    """Every rule applied to one action: (rule, raw body, whether only tidying shows its gain)."""
+    x, s, body = act.aggregate, act.source, state.body
+    sites = problem.sites
+    parts = state.parts(x, s)
+    # multicast fission and fusion
+    if len(act.dests) > 1:
+        for d in act.dests:
+            e = _Edit(problem, body)
+            e.drop_dest(act, d)
+            e.acts.add(Action(x, s, (d,)))
+            yield "fission", e.body(), False
+    twins = [b for b in state.by_source.get((x, s), ()) if b != act]
+    if twins:
+        e = _Edit(problem, body)
+        e.acts -= {act, *twins}
+        e.acts.add(Action(x, s, tuple(sorted({d for b in (act, *twins) for d in b.dests}))))
+        yield "fusion", e.body(), False
+    # the site X came from, when it arrived at s by a transfer
+    former = state.fired.producer.get((x, s))
+    origin = state.fired.actions[former].source if former is not None else None
+    for d in act.dests:
+        # relay introduction: the fastest two-hop detours first
+        relays = [r for r in sites if r not in (s, d)]
+        relays.sort(key=lambda r: (-min(problem.bw[(s, r)], problem.bw[(r, d)]), rng.random()))
+        for r in relays[:_BRANCH]:
+            e = _Edit(problem, body)
+            e.drop_dest(act, d)
+            if not state.holds(x, r):
+                e.send(x, s, r)
+            e.acts.add(Action(x, r, (d,)))
+            yield "relay", e.body(), False
+        # source substitution; drawing from the site X came from is relay elimination
+        others = [q for q in sites if q not in (s, d) and (state.holds(x, q) or state.can_form(x, q))]
+        others.sort(key=lambda q: (q != origin, -problem.bw[(q, d)], rng.random()))
+        for q in others[:_BRANCH]:
+            e = _Edit(problem, body)
+            e.drop_dest(act, d)
+            e.send(x, q, d)
+            yield ("relay-elimination" if q == origin and origin != s else "substitution"), e.body(), True
+        # aggregation pushdown: one hop when both leave from s, two when Y leaves from elsewhere
+        goal = [w for w in state.wanted.get(d, ()) if x < w]
+        for other in state.into.get(d, ()):
+            y, q = other.aggregate, other.source
+            if other == act or x & y or not any((x | y) <= w for w in goal):
+                continue
+            e = _Edit(problem, body)
+            e.drop_dest(act, d)
+            e.drop_dest(other, d)
+            if q != s:
+                e.send(x, s, q)
+            e.send(x | y, q, d)
+            yield "pushdown", e.body(), False
+        # aggregation pullup: send the parts X was formed from, aggregate at d
+        if parts:
+            e = _Edit(problem, body)
+            e.drop_dest(act, d)
+            e.send(parts[0], s, d)
+            e.send(frozenset().union(*parts[1:]), s, d)
+            e.acts.add(Action(x, d))
+            yield "pullup", e.body(), False
+    # X formed at s, drawn whole from another site holding it instead (the gathering at s goes)
+    if parts and state.fired.actions[state.fired.producer[(x, s)]] == act:
+        holders = [q for q in sites if q != s and state.holds(x, q)]
+        for q in sorted(holders, key=lambda q: (-problem.bw[(q, s)], q))[:_BRANCH]:
+            e = _Edit(problem, body)
+            e.acts.discard(act)
+            for d in (s, *act.dests):
+                e.send(x, q, d)
+            yield "substitution", e.body(), True
+
+
+def _relabel(state: _State, swap: Mapping[int, int]) -> list[Action]:
+    """The body with sites exchanged by ``swap``, except a source that holds its aggregate from IN."""
+    out = []
+    for a in state.actions:
+        pinned = state.fired.producer.get((a.aggregate, a.source), 0) is None
+        source = a.source if pinned else swap.get(a.source, a.source)
+        out.append(Action(a.aggregate, source, tuple(swap.get(d, d) for d in a.dests)))
+    return out
+
+
+def _membership_moves(problem: _Problem, state: _State, hot_sites: set[int]
+                      ) -> Iterator[tuple[str, _Sites, dict[int, int]]]:
+    """Partitions declared by size trade a site (swap), or one takes a free GPU instead (move)."""
+    m = state.membership
+    names = [p.name for p in problem.sized]
+    used = {s for sites in m.values() for s in sites} | {s for sites in problem.explicit.values() for s in sites}
+    free = [g for g in problem.sites if g not in used]
+
+    def moved(name: str, old: int, new: int) -> tuple[int, ...]:
+        return tuple(sorted(new if s == old else s for s in m[name]))
+
+    for i, p in enumerate(names):
+        for q in names[i + 1:]:
+            for a in m[p]:
+                for b in m[q]:
+                    if a in hot_sites or b in hot_sites:
+                        yield "swap", {**m, p: moved(p, a, b), q: moved(q, b, a)}, {a: b, b: a}
+        if problem.free_moves:
+            for a in m[p]:
+                for f in free:
+                    if a in hot_sites or f in hot_sites:
+                        yield "move", {**m, p: moved(p, a, f)}, {a: f, f: a}
+
+
+@dataclass
+class _Proposal:
+    rule: str
+    body: frozenset[Action]
+    membership: _Sites
+    bound: tuple[float, float]
+    tidy: bool   # the body is raw: tidy it before judging
+
+
+def _proposals(problem: _Problem, state: _State, rng: random.Random, placement: bool) -> list[_Proposal]:
+    """This round's proposals, lowest bound first (ties in a seeded random order)."""
+    end = state.finish()
+    makespan = state.sim.time or 1.0
+    movers = [a for a in state.actions if a.dests or state.parts(a.aggregate, a.source)]
+    weights = [(end.get(a, 0.0) / makespan) ** 4 + 1e-3 for a in movers]
+    hot: list[Action] = []
+    while movers and len(hot) < _HOT:
+        i = rng.choices(range(len(movers)), weights)[0]
+        hot.append(movers.pop(i))
+        weights.pop(i)
+    out: dict[frozenset[Action], _Proposal] = {}
+    for act in hot:
+        for rule, body, exact in _body_moves(problem, state, act, rng):
+            if body in out or body == state.body:
+                continue
+            if exact:
+                tidied = _tidy(problem, body, state.membership)
+                if tidied is not None and tidied != state.body:
+                    out[body] = _Proposal(rule, tidied, state.membership, state.bound(tidied), False)
+            else:
+                out[body] = _Proposal(rule, body, state.membership, state.bound(body), True)
+    found = list(out.values())
+    if placement:
+        hot_sites = {s for a in hot for s in (a.source, *a.dests)}
+        for rule, membership, swap in _membership_moves(problem, state, hot_sites):
+            tidied = _tidy(problem, _relabel(state, swap), membership)
+            if tidied is not None:
+                found.append(_Proposal(rule, tidied, membership, state.bound(tidied), False))
+    ties = [rng.random() for _ in found]
+    order = sorted(range(len(found)), key=lambda i: (found[i].bound, ties[i]))
+    return [found[i] for i in order]
+
+
+# --- the search ------------------------------------------------------------------------------------------
+
+def _better(a: SimResult, b: SimResult) -> bool:
+    """Whether run ``b`` beats run ``a``: faster, or as fast with less summed stage time."""
+    if b.time < a.time * (1 - _TOL):
+        return True
+    return b.time <= a.time * (1 + _TOL) and b.busy < a.busy * (1 - 1e-6)
+
+
+def search_program(prog: ExProg, topology: Topology | str, membership: Membership | None = None, *,
+                   seed: int = 0, budget_s: float = 0.5, max_steps: int | None = None,
+                   free_moves: bool = True) -> SearchResult:
+    """Search bodies (and the sites of partitions declared by size) for the fastest simulated program.
+
+    ``prog`` is a preamble (its body is ignored), ``membership`` the starting sites of its
+    partitions declared by size (None: the first choice).  The search starts from
+    ``naive_body`` and never returns anything slower.  ``free_moves=False`` keeps the set
+    of sites the sized partitions use (swaps only), as lowering needs when other readers
+    sit outside the program.
+
+    >>> from relational_tensors.exchange.text import parse
+    >>> prog = parse('''GPUS: 0, 1, 4, 5
+    ... PARTITIONS: FA {size 1}, FB {size 1}
+    ... IN: A @ 0 (size: 100 MB), B @ 1 (size: 100 MB)
+    ... OUT: A @ FA, B @ FB''')
+    >>> r = search_program(prog, "dgx-v100", {"FA": (5,), "FB": (4,)}, max_steps=50)
+    >>> r.membership, round(r.naive_time * 1e3, 2), r.time  # the readers move to their data
+    ({'FA': (0,), 'FB': (1,)}, 12.7, 0.0)
+    >>> r = search_program(prog, "dgx-v100", {"FA": (5,), "FB": (4,)}, max_steps=50, free_moves=False)
+    >>> r.membership, round(r.time * 1e3, 2)  # swapped: 0->4 and 1->5 are double NVLinks, not the bridge
+    ({'FA': (4,), 'FB': (5,)}, 2.0)
+    """
+    t0 = time.perf_counter()
+    top = get_topology(topology) if isinstance(topology, str) else topology
+    problem = _Problem(prog, top, free_moves)
+    given = dict(membership) if membership is not None else next(memberships(prog), {})
+    start = {p.name: tuple(given[p.name]) for p in problem.sized}
+    body = naive_body(problem.prog, start)
+    base = simulate(problem.prog.with_body(body), top, start)
+    if not base.valid:
+        raise ExchangeError(f"the naive program is not valid with membership {start}: unmet requirements "
+                            f"{base.unmet[:3]}; every atom a requirement names must be in IN")
+    rng = random.Random(seed)
+    state = _State(problem, body, start, base)
+    seen: set[tuple[frozenset[Action], tuple]] = {(body, tuple(sorted(start.items())))}
+    steps = evaluated = 0
+    accepted: list[str] = []
+    idle = 0
+
+    def spent() -> bool:
+        return time.perf_counter() - t0 > budget_s or (max_steps is not None and steps >= max_steps)
+
+    while state.sim.time > 0 and idle < _PATIENCE and not spent():
+        placement = bool(problem.sized) and (idle > 0 or not accepted)
+        improved = False
+        tried = 0
+        for prop in _proposals(problem, state, rng, placement):
+            if tried >= _PER_ROUND or spent():
+                break
+            body = _tidy(problem, prop.body, prop.membership) if prop.tidy else prop.body
+            key = (body, tuple(sorted(prop.membership.items())))
+            if body is None or key in seen:
+                continue
+            seen.add(key)
+            steps += 1
+            tried += 1
+            full = problem.prog.with_body(body)
+            try:
+                check(full, prop.membership)
+            except ExchangeError:
+                continue  # tidying keeps proposals valid; the check keeps the search honest regardless
+            sim = simulate(full, top, prop.membership)
+            evaluated += 1
+            if sim.valid and _better(state.sim, sim):
+                state = _State(problem, body, prop.membership, sim)
+                accepted.append(prop.rule)
+                improved = True
+                break
+        idle = 0 if improved else idle + 1
+    return SearchResult(state.body, dict(state.membership), state.sim.time, base.time, steps, evaluated,
+                        tuple(accepted), time.perf_counter() - t0)
+
+
+# --- lowering --------------------------------------------------------------------------------------------
+
+class Searcher:
+    """A synthesizer for :func:`~relational_tensors.exchange.lower.lower` that searches every program.
+
+    ``results`` keeps one :class:`SearchResult` per program synthesized, in lowering order.
+    """
+
+    def __init__(self, topology: Topology | str, seed: int = 0, budget_s: float = 0.5,
+                 max_steps: int | None = None) -> None:
+        self.topology = get_topology(topology) if isinstance(topology, str) else topology
+        self.seed = seed
+        self.budget_s = budget_s
+        self.max_steps = max_steps
+        self.results: list[SearchResult] = []
+
+    def __call__(self, prog: ExProg, membership: Membership) -> tuple[frozenset[Action], Membership]:
+        missing = sorted(set(prog.gpus) - set(self.topology.sites))
+        if missing:
+            raise ExchangeError(f"devices {missing} of the program are not sites of topology "
+                                f"{self.topology.name!r} (sites {self.topology.sites}); search with a topology "
+                                f"of at least {len(prog.gpus)} GPUs")
+        # swaps only: a reader outside this program may sit on the device a move would take
+        r = search_program(prog, self.topology, membership, seed=self.seed, budget_s=self.budget_s,
+                           max_steps=self.max_steps, free_moves=False)
+        self.results.append(r)
+        return r.body, r.membership
+
+    def accepted(self) -> Counter:
+        """How often each rule improved a program, over every program searched."""
+        return Counter(rule for r in self.results for rule in r.accepted)
+
+
+def make_searcher(topology: Topology | str, seed: int = 0, budget_s: float = 0.5,
+                  max_steps: int | None = None) -> Synthesizer:
+    """A synthesizer running :func:`search_program` on each program it is given (``budget_s`` each).
+
+    >>> from relational_tensors.exchange.text import parse
+    >>> prog = parse("GPUS: 0, 1\\nPARTITIONS: F0 {size 1}\\nIN: A @ 0, B @ 1\\nOUT: A+B @ F0")
+    >>> body, m = make_searcher("dgx-a100")(prog, {"F0": (0,)})
+    >>> sorted(len(a.aggregate) for a in body), m
+    ([1, 2], {'F0': (0,)})
+    """
+    return Searcher(topology, seed, budget_s, max_steps)
