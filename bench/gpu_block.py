@@ -140,6 +140,12 @@ def main() -> None:
             tv = time_cuda(cgv.execute, exv.streams[0])
             yv = cgv.offload("y", like="cupy")
             rows[name][f"virtual{p}_ms"] = statistics.mean(tv)
+            vk: dict[str, float] = {}
+            for t in cgv.profile().tasks:
+                key = t.kind if t.kind != "kernel" else "kernel:" + cgv.graph.nodes[cgv.dag.tasks[t.task].op].kind
+                vk[key] = vk.get(key, 0.0) + (t.end - t.start) * 1e3
+            rows[name][f"virtual{p}_busy_ms_all_streams"] = {k: round(v, 3) for k, v in
+                                                             sorted(vk.items(), key=lambda kv: -kv[1])}
             rows[name][f"virtual{p}_max_abs_diff"] = float(cupy.max(cupy.abs(yv.astype(cupy.float32) - y.astype(cupy.float32))))
             del cgv, exv
         print(name, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[name].items() if k != "ours_all"},

@@ -39,14 +39,13 @@ import random
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Mapping, NamedTuple
 
 from relational_tensors.errors import ExchangeError
-from relational_tensors.exchange.ast import Action, ExProg, exact_cover
+from relational_tensors.exchange.ast import Action, ExProg, aggregate_text, exact_cover
 from relational_tensors.exchange.closure import check, memberships
 from relational_tensors.exchange.lower import Membership, Synthesizer, naive_body
 from relational_tensors.exchange.simulator import SimResult, simulate
-from relational_tensors.exchange.text import action_key
 from relational_tensors.exchange.topology import Topology, get_topology
 
 __all__ = ["SearchResult", "Searcher", "search_program", "make_searcher", "RULES"]
@@ -61,6 +60,33 @@ _BRANCH = 3        # relay sites and substitute sources tried per destination
 
 _Pair = tuple[frozenset, int]                 # (aggregate, site)
 _Sites = dict[str, tuple[int, ...]]            # a membership
+
+
+class _Step(NamedTuple):
+    """An action whose places are all sites: what the search rewrites (naive writes only sites)."""
+
+    aggregate: frozenset
+    source: int
+    dests: tuple[int, ...] = ()
+
+    def action(self) -> Action:
+        return Action(self.aggregate, self.source, self.dests)
+
+
+def _step(a: Action) -> _Step:
+    places = (a.source, *a.dests)
+    if not all(isinstance(p, int) for p in places):
+        raise ExchangeError(f"the search rewrites actions between sites; got partition places in {places}")
+    return _Step(a.aggregate, *places[:1], tuple(places[1:]))  # type: ignore[arg-type]
+
+
+def _key(step: _Step) -> tuple:
+    """The printing order of actions (``text.action_key``) for actions between sites."""
+    return (len(step.aggregate), aggregate_text(step.aggregate), step.source, step.dests)
+
+
+def _actions(body: Iterable[_Step]) -> frozenset[Action]:
+    return frozenset(s.action() for s in body)
 
 
 @dataclass(frozen=True)
@@ -108,13 +134,13 @@ class _Problem:
                 if s != d:
                     self.route[(s, d)] = tuple((r, 1.0 / caps[r]) for r in top.route(s, d).resources)
                     self.bw[(s, d)] = top.bandwidth(s, d)
-        self._keys: dict[Action, tuple] = {}
+        self._keys: dict[_Step, tuple] = {}
 
-    def key(self, act: Action) -> tuple:
-        """``action_key``, remembered: bodies are sorted often and share most actions."""
-        k = self._keys.get(act)
+    def key(self, step: _Step) -> tuple:
+        """``_key``, remembered: bodies are sorted often and share most actions."""
+        k = self._keys.get(step)
         if k is None:
-            k = self._keys[act] = action_key(act)
+            k = self._keys[step] = _key(step)
         return k
 
     def size(self, agg: frozenset) -> int:
@@ -132,7 +158,7 @@ class _Problem:
         """The holder with the fastest lone link to ``target`` (lowest site on ties)."""
         return min(holders, key=lambda h: (-self.bw.get((h, target), float("inf")), h))
 
-    def add_load(self, load: dict[str, float], act: Action, sign: float = 1.0) -> None:
+    def add_load(self, load: dict[str, float], act: _Step, sign: float = 1.0) -> None:
         """The seconds ``act``'s transfers keep each resource of their routes busy."""
         nbytes = sign * self.size(act.aggregate)
         for d in act.dests:
@@ -146,7 +172,7 @@ class _Problem:
 class _Fired:
     """The closure of a concrete body, with who first produced each pair and from which parts."""
 
-    actions: list[Action]
+    actions: list[_Step]
     held: dict[int, set[frozenset]]
     producer: dict[_Pair, int | None]   # None: the pair is an IN atom
     covers: dict[int, list[frozenset]]
@@ -163,7 +189,7 @@ def _cover(agg: frozenset, held: set[frozenset]) -> list[frozenset] | None:
     return exact_cover(agg, parts)
 
 
-def _fire(problem: _Problem, actions: list[Action], out_pairs: list[_Pair]) -> _Fired:
+def _fire(problem: _Problem, actions: list[_Step], out_pairs: list[_Pair]) -> _Fired:
     """The closure by worklist (an action is retried when its source gains something), with provenance."""
     held: dict[int, set[frozenset]] = defaultdict(set)
     producer: dict[_Pair, int | None] = {}
@@ -198,31 +224,31 @@ def _fire(problem: _Problem, actions: list[Action], out_pairs: list[_Pair]) -> _
     return _Fired(actions, held, producer, covers, order, unmet)
 
 
-def _canon(act: Action) -> Action:
+def _canon(act: _Step) -> _Step:
     dests = tuple(sorted({d for d in act.dests if d != act.source}))
-    return act if dests == act.dests else Action(act.aggregate, act.source, dests)
+    return act if dests == act.dests else _Step(act.aggregate, act.source, dests)
 
 
-def _repair(problem: _Problem, fired: _Fired) -> list[Action]:
+def _repair(problem: _Problem, fired: _Fired) -> list[_Step]:
     """Actions that deliver every unmet requirement: from the nearest holder, else gathered there."""
-    extra: list[Action] = []
+    extra: list[_Step] = []
     held = fired.held
     for agg, t in fired.unmet:
         holders = [s for s in problem.sites if agg in held.get(s, ())]
         if holders:
-            extra.append(Action(agg, problem.nearest(holders, t), (t,)))
+            extra.append(_Step(agg, problem.nearest(holders, t), (t,)))
             continue
         for atom in sorted(agg):
             one = frozenset({atom})
             if one not in held.get(t, ()):
-                extra.append(Action(one, problem.nearest([s for s in problem.sites if one in held.get(s, ())], t),
+                extra.append(_Step(one, problem.nearest([s for s in problem.sites if one in held.get(s, ())], t),
                                     (t,)))
         if len(agg) > 1:
-            extra.append(Action(agg, t))
+            extra.append(_Step(agg, t))
     return extra
 
 
-def _prune(fired: _Fired, out_pairs: list[_Pair]) -> list[Action]:
+def _prune(fired: _Fired, out_pairs: list[_Pair]) -> list[_Step]:
     """Keep only what a requirement needs, walking back from OUT in reverse firing order.
 
     A pair is needed when OUT asks for it or a kept action aggregates it at its source;
@@ -230,7 +256,7 @@ def _prune(fired: _Fired, out_pairs: list[_Pair]) -> list[Action]:
     nothing needs.  What is kept still fires exactly as before, so it stays valid.
     """
     needed = set(out_pairs)
-    kept: list[Action] = []
+    kept: list[_Step] = []
     for i in reversed(fired.order):
         act = fired.actions[i]
         x, s = act.aggregate, act.source
@@ -238,11 +264,11 @@ def _prune(fired: _Fired, out_pairs: list[_Pair]) -> list[Action]:
         if not mine:
             continue
         needed.update((c, s) for c in fired.covers[i])
-        kept.append(Action(x, s, tuple(d for d in act.dests if d in mine)))
+        kept.append(_Step(x, s, tuple(d for d in act.dests if d in mine)))
     return kept
 
 
-def _tidy(problem: _Problem, actions: Iterable[Action], membership: _Sites) -> frozenset[Action] | None:
+def _tidy(problem: _Problem, actions: Iterable[_Step], membership: _Sites) -> frozenset[_Step] | None:
     """Drop what never fires, re-deliver what a rewrite broke, delete what nothing needs."""
     acts = sorted({_canon(a) for a in actions}, key=problem.key)
     pairs = problem.out_pairs(membership)
@@ -260,7 +286,7 @@ def _tidy(problem: _Problem, actions: Iterable[Action], membership: _Sites) -> f
 class _State:
     """The current program with its closure, simulated run and resource loads."""
 
-    def __init__(self, problem: _Problem, body: frozenset[Action], membership: _Sites, sim: SimResult) -> None:
+    def __init__(self, problem: _Problem, body: frozenset[_Step], membership: _Sites, sim: SimResult) -> None:
         self.problem = problem
         self.body = body
         self.membership = membership
@@ -268,8 +294,8 @@ class _State:
         self.actions = sorted(body, key=problem.key)
         self.index = {a: i for i, a in enumerate(self.actions)}
         self.fired = _fire(problem, self.actions, problem.out_pairs(membership))
-        self.by_source: dict[tuple[frozenset, int], list[Action]] = defaultdict(list)
-        self.into: dict[int, list[Action]] = defaultdict(list)
+        self.by_source: dict[tuple[frozenset, int], list[_Step]] = defaultdict(list)
+        self.into: dict[int, list[_Step]] = defaultdict(list)
         for a in self.actions:
             self.by_source[(a.aggregate, a.source)].append(a)
             for d in a.dests:
@@ -305,14 +331,14 @@ class _State:
         cover = self.fired.covers[i]
         return cover if len(cover) > 1 else []
 
-    def finish(self) -> dict[Action, float]:
+    def finish(self) -> dict[_Step, float]:
         """When each action's last stage ends in the current run."""
-        end: dict[Action, float] = {}
+        end: dict[_Step, float] = {}
         for e in self.sim.trace:
             end[e.action] = max(end.get(e.action, 0.0), e.end)
         return end
 
-    def bound(self, body: frozenset[Action]) -> tuple[float, float]:
+    def bound(self, body: frozenset[_Step]) -> tuple[float, float]:
         """(busiest resource's load, total load) of ``body``, from this program's loads and the difference."""
         problem = self.problem
         delta: dict[str, float] = defaultdict(float)
@@ -342,30 +368,30 @@ class _State:
 class _Edit:
     """A body being rewritten: actions are values, so changing one is removing it and adding another."""
 
-    def __init__(self, problem: _Problem, body: frozenset[Action]) -> None:
+    def __init__(self, problem: _Problem, body: frozenset[_Step]) -> None:
         self.problem = problem
         self.acts = set(body)
 
-    def drop_dest(self, act: Action, d: int) -> None:
+    def drop_dest(self, act: _Step, d: int) -> None:
         self.acts.discard(act)
-        self.acts.add(Action(act.aggregate, act.source, tuple(x for x in act.dests if x != d)))
+        self.acts.add(_Step(act.aggregate, act.source, tuple(x for x in act.dests if x != d)))
 
     def send(self, agg: frozenset, source: int, d: int) -> None:
         """``agg @ source`` also reaches ``d``, joining an existing multicast when there is one."""
         same = [a for a in self.acts if a.aggregate == agg and a.source == source]
         if not same:
-            self.acts.add(Action(agg, source, (d,)))
+            self.acts.add(_Step(agg, source, (d,)))
             return
         old = min(same, key=self.problem.key)
         self.acts.discard(old)
-        self.acts.add(Action(agg, source, tuple(sorted({*old.dests, d}))))
+        self.acts.add(_Step(agg, source, tuple(sorted({*old.dests, d}))))
 
-    def body(self) -> frozenset[Action]:
+    def body(self) -> frozenset[_Step]:
         return frozenset(self.acts)
 
 
-def _body_moves(problem: _Problem, state: _State, act: Action, rng: random.Random
-                ) -> Iterator[tuple[str, frozenset[Action], bool]]:
+def _body_moves(problem: _Problem, state: _State, act: _Step, rng: random.Random
+                ) -> Iterator[tuple[str, frozenset[_Step], bool]]:
     """Every rule applied to one action: (rule, raw body, whether only tidying shows its gain)."""
     x, s, body = act.aggregate, act.source, state.body
     sites = problem.sites
@@ -375,13 +401,13 @@ def _body_moves(problem: _Problem, state: _State, act: Action, rng: random.Rando
         for d in act.dests:
             e = _Edit(problem, body)
             e.drop_dest(act, d)
-            e.acts.add(Action(x, s, (d,)))
+            e.acts.add(_Step(x, s, (d,)))
             yield "fission", e.body(), False
     twins = [b for b in state.by_source.get((x, s), ()) if b != act]
     if twins:
         e = _Edit(problem, body)
         e.acts -= {act, *twins}
-        e.acts.add(Action(x, s, tuple(sorted({d for b in (act, *twins) for d in b.dests}))))
+        e.acts.add(_Step(x, s, tuple(sorted({d for b in (act, *twins) for d in b.dests}))))
         yield "fusion", e.body(), False
     # the site X came from, when it arrived at s by a transfer
     former = state.fired.producer.get((x, s))
@@ -395,7 +421,7 @@ def _body_moves(problem: _Problem, state: _State, act: Action, rng: random.Rando
             e.drop_dest(act, d)
             if not state.holds(x, r):
                 e.send(x, s, r)
-            e.acts.add(Action(x, r, (d,)))
+            e.acts.add(_Step(x, r, (d,)))
             yield "relay", e.body(), False
         # source substitution; drawing from the site X came from is relay elimination
         others = [q for q in sites if q not in (s, d) and (state.holds(x, q) or state.can_form(x, q))]
@@ -424,7 +450,7 @@ def _body_moves(problem: _Problem, state: _State, act: Action, rng: random.Rando
             e.drop_dest(act, d)
             e.send(parts[0], s, d)
             e.send(frozenset().union(*parts[1:]), s, d)
-            e.acts.add(Action(x, d))
+            e.acts.add(_Step(x, d))
             yield "pullup", e.body(), False
     # X formed at s, drawn whole from another site holding it instead (the gathering at s goes)
     if parts and state.fired.actions[state.fired.producer[(x, s)]] == act:
@@ -437,13 +463,13 @@ def _body_moves(problem: _Problem, state: _State, act: Action, rng: random.Rando
             yield "substitution", e.body(), True
 
 
-def _relabel(state: _State, swap: Mapping[int, int]) -> list[Action]:
+def _relabel(state: _State, swap: Mapping[int, int]) -> list[_Step]:
     """The body with sites exchanged by ``swap``, except a source that holds its aggregate from IN."""
     out = []
     for a in state.actions:
         pinned = state.fired.producer.get((a.aggregate, a.source), 0) is None
         source = a.source if pinned else swap.get(a.source, a.source)
-        out.append(Action(a.aggregate, source, tuple(swap.get(d, d) for d in a.dests)))
+        out.append(_Step(a.aggregate, source, tuple(swap.get(d, d) for d in a.dests)))
     return out
 
 
@@ -474,7 +500,7 @@ def _membership_moves(problem: _Problem, state: _State, hot_sites: set[int]
 @dataclass
 class _Proposal:
     rule: str
-    body: frozenset[Action]
+    body: frozenset[_Step]
     membership: _Sites
     bound: tuple[float, float]
     tidy: bool   # the body is raw: tidy it before judging
@@ -486,12 +512,12 @@ def _proposals(problem: _Problem, state: _State, rng: random.Random, placement: 
     makespan = state.sim.time or 1.0
     movers = [a for a in state.actions if a.dests or state.parts(a.aggregate, a.source)]
     weights = [(end.get(a, 0.0) / makespan) ** 4 + 1e-3 for a in movers]
-    hot: list[Action] = []
+    hot: list[_Step] = []
     while movers and len(hot) < _HOT:
         i = rng.choices(range(len(movers)), weights)[0]
         hot.append(movers.pop(i))
         weights.pop(i)
-    out: dict[frozenset[Action], _Proposal] = {}
+    out: dict[frozenset[_Step], _Proposal] = {}
     for act in hot:
         for rule, body, exact in _body_moves(problem, state, act, rng):
             if body in out or body == state.body:
@@ -520,7 +546,7 @@ def _better(a: SimResult, b: SimResult) -> bool:
     """Whether run ``b`` beats run ``a``: faster, or as fast with less summed stage time."""
     if b.time < a.time * (1 - _TOL):
         return True
-    return b.time <= a.time * (1 + _TOL) and b.busy < a.busy * (1 - 1e-6)
+    return b.time <= a.time and b.busy < a.busy * (1 - 1e-6)  # never a hair slower: time only falls
 
 
 def search_program(prog: ExProg, topology: Topology | str, membership: Membership | None = None, *,
@@ -558,7 +584,7 @@ def search_program(prog: ExProg, topology: Topology | str, membership: Membershi
                             f"{base.unmet[:3]}; every atom a requirement names must be in IN")
     rng = random.Random(seed)
     state = _State(problem, body, start, base)
-    seen: set[tuple[frozenset[Action], tuple]] = {(body, tuple(sorted(start.items())))}
+    seen: set[tuple[frozenset[_Step], tuple]] = {(body, tuple(sorted(start.items())))}
     steps = evaluated = 0
     accepted: list[str] = []
     idle = 0

@@ -177,8 +177,12 @@ def _fail(reason: str) -> _Unsupported:
 
 
 def _op_name(node: Any) -> str:
+    """``aten.add.Tensor``: the operation a node calls, as torch prints it."""
     if node.target is operator.getitem:
         return "getitem"
+    torch = _torch()
+    if isinstance(node.target, torch._ops.OpOverload):
+        return str(node.target)
     name = getattr(node.target, "name", None)
     if callable(name):
         try:
@@ -427,6 +431,10 @@ class _Translator:
                 m = _match_swiglu(node, self.symbolic)
                 if m is not None:
                     self.rewrites[node] = ("swiglu", m)
+            if name == "aten.add.Tensor":
+                m = _match_rope(node, self.symbolic)
+                if m is not None:
+                    self.rewrites[node] = ("rope", m)
             if name == "aten.scaled_dot_product_attention.default":
                 m = _match_repeated_kv(node)
                 if m is not None:
@@ -441,8 +449,6 @@ class _Translator:
             elif node in needed:
                 if node in self.rewrites:
                     needed.update(v for v in self.rewrites[node][1].values() if hasattr(v, "op"))
-                    if self.rewrites[node][0] == "gqa":
-                        needed.update(i for i in node.all_input_nodes if i not in (node.args[1], node.args[2]))
                 else:
                     needed.update(node.all_input_nodes)
         return needed
@@ -474,39 +480,46 @@ class _Translator:
                          "only tensors, parameters, buffers and tensor constants are supported.")
 
     def _call(self, node: Any) -> None:
+        saved = self.prefix, self.current
         path = _module_path(node)
         self.prefix = f"{path}.{node.name}" if path else node.name
-        target = node.target
-        tags = getattr(target, "tags", ())
+        self.current = node
         packet = _packet(node)
-        torch = _torch()
         try:
-            if torch.Tag.nondeterministic_seeded in tags and packet != "dropout":
-                raise _fail("it draws random numbers; from_torch translates deterministic inference graphs "
-                            "(call module.eval() and drop random ops)")
             if node not in self.symbolic:
                 self.env[node] = self._fold(node)
                 return
+            result = None
             if node in self.rewrites:
                 kind, match = self.rewrites[node]
-                result = _PATTERNS[kind](self, node, match)
-            else:
+                result = _PATTERNS[kind](self, node, match)  # None: the pattern declines; translate as written
+            if result is None:
                 rule = _RULES.get(packet) if packet is not None else None
                 if rule is None:
                     raise _fail("no translation rule for this operation")
                 result = rule(self, node, self._bind(node) if packet != "getitem" else {})
             self.env[node] = self._check(node, result)
         except _Unsupported as e:
-            raise GraphError(
+            err = GraphError(
                 f"from_torch cannot translate {_op_name(node)} at {_source(node)}: {e}. "
                 f"Supported operations: {', '.join(SUPPORTED_OPS)}. Rewrite that line with supported operations, "
                 "or compute it outside the module and pass the result as an input."
-            ) from None
+            )
+            err.located = True  # type: ignore[attr-defined]
+            raise err from None
         except GraphError as e:
-            raise GraphError(f"while translating {_op_name(node)} at {_source(node)}: {e}") from e
+            if getattr(e, "located", False):
+                raise
+            err = GraphError(f"while translating {_op_name(node)} at {_source(node)}: {e}")
+            err.located = True  # type: ignore[attr-defined]
+            raise err from e
+        finally:
+            self.prefix, self.current = saved
 
     def _arg(self, v: Any) -> Any:
         if hasattr(v, "op") and hasattr(v, "meta"):  # an fx.Node
+            if v not in self.env:  # skipped for a pattern that then declined: translate it now
+                self._call(v)
             return self.env[v]
         if isinstance(v, (list, tuple)):
             return type(v)(self._arg(x) for x in v)
@@ -538,6 +551,12 @@ class _Translator:
 
         args = unwrap(self._arg(node.args))
         kwargs = {k: unwrap(self._arg(v)) for k, v in node.kwargs.items()}
+        torch = _torch()
+        if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+            a = self._bind(node)
+            if not (a.get("train") is False or a.get("p") == 0 or a.get("dropout_p") == 0):
+                raise _fail("it draws random numbers, and a graph computes the same values on every call; "
+                            "call module.eval(), or pass random tensors as inputs")
         if node.target is operator.getitem:
             value = args[0][args[1]]
         else:
@@ -715,7 +734,8 @@ def _match_repeated_kv(node: Any) -> dict[str, Any] | None:
     rk, rv = _repeat_source(k), _repeat_source(v)
     if rk is None or rv is None or rk[1] != rv[1]:
         return None
-    return {"k": rk[0], "v": rv[0]}
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    return {"q": node.args[0], "k": rk[0], "v": rv[0], "mask": mask}
 
 
 # --- recognized patterns ----------------------------------------------------------------------------------------
@@ -751,10 +771,92 @@ def _emit_gqa(tr: _Translator, node: Any, m: dict[str, Any]) -> Tensor:
     return _sdpa(tr, node, bound)
 
 
+def _match_rope(node: Any, symbolic: set[Any]) -> dict[str, Any] | None:
+    """``x * cos + rotate_half(x) * sin`` with rotate_half(x) = cat(-x[..., h:], x[..., :h]) and constant tables."""
+    if len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
+        return None
+    for m1, m2 in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+        if not (_is(m1, "aten.mul.Tensor") and _is(m2, "aten.mul.Tensor")):
+            continue
+        for x, cos in ((m1.args[0], m1.args[1]), (m1.args[1], m1.args[0])):
+            if x not in symbolic or not hasattr(cos, "op") or cos in symbolic:
+                continue
+            for rot, sin in ((m2.args[0], m2.args[1]), (m2.args[1], m2.args[0])):
+                if hasattr(sin, "op") and sin not in symbolic and _is_rotate_half(rot, x):
+                    return {"x": x, "cos": cos, "sin": sin}
+    return None
+
+
+def _is_rotate_half(node: Any, x: Any) -> bool:
+    shape = _shape(x)
+    if shape is None or not shape or shape[-1] % 2 or not _is(node, "aten.cat.default"):
+        return False
+    parts = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    rank, half = len(shape), shape[-1] // 2
+    if len(parts) != 2 or dim not in (-1, rank - 1) or not _is(parts[0], "aten.neg.default"):
+        return False
+
+    def is_half(s: Any, start: int, stop: int) -> bool:
+        if not _is(s, "aten.slice.Tensor") or s.args[0] is not x:
+            return False
+        args = list(s.args) + [None] * (5 - len(s.args))
+        lo, hi = _bounds(args[2], args[3], shape[-1])
+        return args[1] in (-1, rank - 1) and (args[4] in (None, 1)) and (lo, hi) == (start, stop)
+
+    return is_half(parts[0].args[0], half, shape[-1]) and is_half(parts[1], 0, half)
+
+
+def _rope_base(cos: np.ndarray, sin: np.ndarray, d: int) -> float | None:
+    """The base whose standard tables (positions 0..s-1, rotate-half layout) are ``cos``/``sin`` [s, d]."""
+    from relational_tensors.sql_specs.rope import rope_tables
+
+    s, half = cos.shape[0], d // 2
+    base = 10000.0
+    if half > 1 and s > 1:
+        step = math.atan2(float(sin[1, 1]), float(cos[1, 1]))  # position 1, frequency base^(-2/d)
+        if not 0 < step < 1:
+            return None
+        base = step ** (-d / 2)
+    want_cos, want_sin = rope_tables(np.arange(s), d, base, np.dtype(np.float64))
+    tol = 4 * float(np.finfo(np.float32).eps) * max(s, 8) if cos.dtype.itemsize >= 4 else 2e-2
+    for got, want in ((cos, want_cos), (sin, want_sin)):
+        full = np.concatenate([want, want], axis=1)
+        if not np.allclose(got.astype(np.float64), full, rtol=0, atol=tol):
+            return None
+    return base
+
+
+def _emit_rope(tr: _Translator, node: Any, m: dict[str, Any]) -> Tensor | None:
+    """Use the rope operator when the tables are the standard ones for positions 0..s-1; else decline."""
+    x, cos, sin = tr.env[m["x"]], tr.env[m["cos"]], tr.env[m["sin"]]
+    if not isinstance(x, Tensor) or not isinstance(cos, _Const) or not isinstance(sin, _Const) or x.rank != 4:
+        return None
+    if _out_shape(node) != x.shape:
+        return None
+    for seq_axis, head_axis in ((2, 1), (1, 2)):
+        perm = (0, seq_axis, head_axis, 3)
+        try:
+            c = cos.value.broadcast_to(x.shape).permute(perm)
+            s = sin.value.broadcast_to(x.shape).permute(perm)
+        except RuntimeError:
+            return None
+        tc, ts = c[0, :, 0, :], s[0, :, 0, :]
+        if not (bool((c == tc[None, :, None, :]).all()) and bool((s == ts[None, :, None, :]).all())):
+            continue
+        base = _rope_base(torch_to_numpy(tc.float()), torch_to_numpy(ts.float()), x.shape[3])
+        if base is None:
+            continue
+        y = tr.g.rope(tr.permute(x, perm), base, name=tr.name("rope"))
+        return tr.permute(y, perm)
+    return None
+
+
 _PATTERNS: dict[str, Callable[[_Translator, Any, dict[str, Any]], Any]] = {
     "rmsnorm": _emit_rmsnorm,
     "swiglu": _emit_swiglu,
     "gqa": _emit_gqa,
+    "rope": _emit_rope,
 }
 
 

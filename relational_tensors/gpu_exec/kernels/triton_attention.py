@@ -4,9 +4,10 @@ q [b, sq, hq, d], k/v [b, skv, hkv, d] (GQA: query head h reads kv head h // g),
 absolute query rows start at ``q_offset`` and keys at ``k_offset``.  Each query
 row r may see the keys in [row_lo[r], row_hi[r]) (causal prefixes and packed
 sequences are both encoded there), so a causal query block that starts at row r
-and a key block of a seq_kv split need no special case.  Tiles skip the key
-range no row of theirs can see.  With ``lse`` the log-sum-exp of every row is
-written too, for the ⊕ that merges key blocks.
+and a key block of a seq_kv split need no special case.  A tile of rows visits
+only the keys some row of it can see; key tiles that every row sees entirely
+run without masks.  With ``lse`` the log-sum-exp of every row is written too,
+for the ⊕ that merges key blocks.
 """
 
 from __future__ import annotations
@@ -20,7 +21,45 @@ from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr
 
 __all__ = ["attention"]
 
-LOG2E = 1.4426950408889634
+
+@triton.jit
+def _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, hi, k_offset, qk_scale,
+          dq, dv, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+          BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+    cols = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        cmask = cols < end
+        kt = tl.load(k_base + cols[None, :].to(tl.int64) * stride_ks + dq[:, None],
+                     mask=cmask[None, :] & (dq[:, None] < D), other=0.0)
+    elif BLOCK_D == D:
+        kt = tl.load(k_base + cols[None, :].to(tl.int64) * stride_ks + dq[:, None])
+    else:
+        kt = tl.load(k_base + cols[None, :].to(tl.int64) * stride_ks + dq[:, None], mask=dq[:, None] < D, other=0.0)
+    if IEEE:
+        s = tl.dot(q, kt, input_precision="ieee") * qk_scale
+    else:
+        s = tl.dot(q, kt) * qk_scale
+    if MASKED:
+        abs_cols = k_offset + cols
+        visible = (abs_cols[None, :] >= lo[:, None]) & (abs_cols[None, :] < hi[:, None]) & cmask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASKED:
+        v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vs + dv[None, :],
+                    mask=cmask[:, None] & (dv[None, :] < DV), other=0.0)
+    elif BLOCK_DV == DV:
+        v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vs + dv[None, :])
+    else:
+        v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vs + dv[None, :], mask=dv[None, :] < DV, other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, l_i, m_new
 
 
 @triton.jit
@@ -29,7 +68,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, hi_ptr,
                       stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs,
                       stride_ob, stride_os,
                       D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_LSE: tl.constexpr, IEEE: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      WRITE_LSE: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // hq
@@ -43,37 +83,31 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, hi_ptr,
                 mask=rmask[:, None] & (dq[None, :] < D), other=0.0)
     abs_rows = q_offset + rows
     lo = tl.load(lo_ptr + abs_rows, mask=rmask, other=2147483647)
-    hi = tl.load(hi_ptr + abs_rows, mask=rmask, other=0)
-    start = tl.maximum(tl.min(lo, axis=0) - k_offset, 0)
-    end = tl.minimum(tl.max(hi, axis=0) - k_offset, skv)
+    hi = tl.load(hi_ptr + abs_rows, mask=rmask, other=-2147483647)
+    lo_min = tl.min(tl.where(rmask, lo, 2147483647), axis=0) - k_offset
+    lo_max = tl.max(tl.where(rmask, lo, -2147483647), axis=0) - k_offset
+    hi_min = tl.min(tl.where(rmask, hi, 2147483647), axis=0) - k_offset
+    hi_max = tl.max(tl.where(rmask, hi, -2147483647), axis=0) - k_offset
+    start = (tl.maximum(lo_min, 0) // BLOCK_N) * BLOCK_N
+    end = tl.minimum(hi_max, skv)
+    # tiles every row sees whole: no masks there
+    full_lo = tl.maximum(((tl.maximum(lo_max, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, start)
+    full_hi = tl.maximum((tl.minimum(hi_min, skv) // BLOCK_N) * BLOCK_N, full_lo)
+    full_hi = tl.minimum(full_hi, tl.maximum(end, full_lo))
+    k_base = k_ptr + b * stride_kb + hk * D
+    v_base = v_ptr + b * stride_vb + hk * DV
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        cmask = cols < end
-        kt = tl.load(k_ptr + b * stride_kb + cols[None, :].to(tl.int64) * stride_ks + hk * D + dq[:, None],
-                     mask=cmask[None, :] & (dq[:, None] < D), other=0.0)
-        if IEEE:
-            s = tl.dot(q, kt, input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
-        s = s * qk_scale
-        abs_cols = k_offset + cols
-        visible = (abs_cols[None, :] >= lo[:, None]) & (abs_cols[None, :] < hi[:, None]) & cmask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + b * stride_vb + cols[:, None].to(tl.int64) * stride_vs + hk * DV + dv[None, :],
-                    mask=cmask[:, None] & (dv[None, :] < DV), other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    for n0 in range(start, tl.minimum(full_lo, end), BLOCK_N):
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, hi, k_offset,
+                              qk_scale, dq, dv, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, IEEE)
+    for n0 in range(full_lo, full_hi, BLOCK_N):
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, hi, k_offset,
+                              qk_scale, dq, dv, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, IEEE)
+    for n0 in range(tl.maximum(full_hi, tl.minimum(full_lo, end)), end, BLOCK_N):
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, hi, k_offset,
+                              qk_scale, dq, dv, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, IEEE)
     denom = tl.where(l_i > 0, l_i, 1.0)
     out = acc / denom[:, None]
     tl.store(o_ptr + b * stride_ob + rows[:, None].to(tl.int64) * stride_os + h * DV + dv[None, :],
@@ -82,6 +116,51 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, hi_ptr,
         m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
         lse = tl.where(l_i > 0, (m_fin + tl.log2(denom)) / 1.4426950408889634, float("-inf"))
         tl.store(lse_ptr + (b * sq + rows) * hq + h, lse, mask=rmask)
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) tried on the first launch of each shape class
+CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4)]
+IEEE_CONFIGS = [(64, 32, 4, 2), (32, 32, 4, 2)]
+_chosen: dict[tuple, tuple[int, int, int, int]] = {}
+
+
+def _launch(cfg: tuple[int, int, int, int], args: tuple, consts: dict, sq: int, nbh: int) -> None:
+    bm, bn, warps, stages = cfg
+    _attention_kernel[(triton.cdiv(sq, bm), nbh)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+                                                  num_stages=stages)
+
+
+def _pick(key: tuple, args: tuple, consts: dict, sq: int, nbh: int) -> tuple[int, int, int, int]:
+    """Time every config once on the current stream (CUDA events) and keep the fastest; a config
+    that does not fit the GPU's resources is skipped."""
+    import cupy
+
+    if key in _chosen:
+        return _chosen[key]
+    if cupy.cuda.runtime.streamIsCapturing(cupy.cuda.get_current_stream().ptr):
+        raise RuntimeError("attention configs are chosen in the first (eager) run, not during graph capture")
+    stream = cupy.cuda.get_current_stream()
+    best, best_t = None, float("inf")
+    for cfg in IEEE_CONFIGS if consts["IEEE"] else CONFIGS:
+        try:
+            _launch(cfg, args, consts, sq, nbh)  # compile and warm up
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(stream)
+            for _ in range(3):
+                _launch(cfg, args, consts, sq, nbh)
+            end.record(stream)
+            end.synchronize()
+            t = cupy.cuda.get_elapsed_time(start, end)
+        except Exception as e:  # out of shared memory or registers for this config
+            if "OutOfResources" not in type(e).__name__ and "out of resource" not in str(e).lower():
+                raise
+            continue
+        if t < best_t:
+            best, best_t = cfg, t
+    if best is None:
+        raise RuntimeError("no attention kernel configuration fits this GPU")
+    _chosen[key] = best
+    return best
 
 
 def attention(q: DevBuf, k: DevBuf, v: DevBuf, out: DevBuf, lse: DevBuf | None, row_lo: DevBuf, row_hi: DevBuf,
@@ -95,15 +174,10 @@ def attention(q: DevBuf, k: DevBuf, v: DevBuf, out: DevBuf, lse: DevBuf | None, 
         raise ValueError("attention with no keys is handled by the caller (zero output, -inf lse)")
     ieee = q.dtype == "float32"
     block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dvn))
-    big = block_d >= 128
-    block_m = 64 if ieee else 128
-    block_n = 32 if ieee else (64 if big else 64)
-    grid = (triton.cdiv(sq, block_m), nb * hq)
-    _attention_kernel[grid](
-        Ptr(q), Ptr(k), Ptr(v), Ptr(out), Ptr(lse) if lse is not None else Ptr(out), Ptr(row_lo), Ptr(row_hi),
-        sq, skv, hq, hq // hkv, q_offset, k_offset, scale * math.log2(math.e),
-        q.strides[0], q.strides[1], k.strides[0], k.strides[1], v.strides[0], v.strides[1],
-        out.strides[0], out.strides[1],
-        D=d, DV=dvn, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=block_m, BLOCK_N=block_n,
-        WRITE_LSE=lse is not None, IEEE=ieee, num_warps=8 if big else 4, num_stages=3 if not ieee else 2,
-    )
+    args = (Ptr(q), Ptr(k), Ptr(v), Ptr(out), Ptr(lse) if lse is not None else Ptr(out), Ptr(row_lo), Ptr(row_hi),
+            sq, skv, hq, hq // hkv, q_offset, k_offset, scale * math.log2(math.e),
+            q.strides[0], q.strides[1], k.strides[0], k.strides[1], v.strides[0], v.strides[1],
+            out.strides[0], out.strides[1])
+    consts = dict(D=d, DV=dvn, BLOCK_D=block_d, BLOCK_DV=block_dv, WRITE_LSE=lse is not None, IEEE=ieee)
+    key = (d, dvn, q.dtype, lse is not None, triton.next_power_of_2(sq), triton.next_power_of_2(skv), nb * hq)
+    _launch(_pick(key, args, consts, sq, nb * hq), args, consts, sq, nb * hq)

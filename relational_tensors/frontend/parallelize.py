@@ -1,0 +1,106 @@
+"""A PyTorch module, traced, planned over every device and called like the module.
+
+>>> import pytest; torch = pytest.importorskip("torch")
+>>> from relational_tensors.frontend.parallelize import parallelize
+>>> layer = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)).eval()
+>>> x = torch.randn(8, 16)
+>>> fast = parallelize(layer, (x,), device="cpu:4")
+>>> bool(torch.allclose(fast(x), layer(x), atol=1e-5)), [n.kind for n in fast.graph.operators][:3]
+(True, ['matmul', 'binary', 'unary'])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from relational_tensors.errors import ExecError
+from relational_tensors.frontend.torch_fx import TorchGraph, _torch, from_torch, numpy_to_torch, torch_to_numpy
+
+__all__ = ["parallelize", "ParallelModule"]
+
+
+class ParallelModule:
+    """The compiled form of a module: ``__call__(*tensors)`` returns what the module's forward returns.
+
+    Parameters are loaded onto the devices once, at the first call; each call then
+    loads its inputs, executes the plan and offloads the outputs as torch tensors
+    (sharing memory with the offloaded arrays: ``torch.from_numpy`` on CPU devices,
+    DLPack on GPUs).  ``graph`` is the traced :class:`TorchGraph`, ``compiled`` the
+    ``CompiledGraph`` (``plan``, ``catalog``, ``explain()``, ``sql()``).
+    """
+
+    def __init__(self, graph: TorchGraph, compiled: Any) -> None:
+        self.graph = graph
+        self.compiled = compiled
+        self._parameters_loaded = False
+        self._partial_loads = True  # whether the executor keeps inputs that a load does not name
+
+    def explain(self, file: Any = None, width: int = 160) -> str:
+        """Print (and return) the plan table of the compiled graph."""
+        return self.compiled.explain(file=file, width=width)
+
+    def _check(self, inputs: tuple[Any, ...]) -> None:
+        torch = _torch()
+        want = self.graph.input_types
+        if len(inputs) != len(want):
+            raise ExecError(f"this module was traced with {len(want)} inputs; got {len(inputs)}.")
+        for k, (x, (shape, dtype)) in enumerate(zip(inputs, want)):
+            if not isinstance(x, torch.Tensor):
+                raise ExecError(f"input {k} must be a torch tensor; got {type(x).__name__}.")
+            if tuple(x.shape) != shape or str(x.dtype).removeprefix("torch.") != dtype:
+                raise ExecError(
+                    f"input {k} must have the traced shape {shape} and dtype {dtype}; got {tuple(x.shape)} "
+                    f"{str(x.dtype).removeprefix('torch.')}. Shapes are static: parallelize the module again with "
+                    "example inputs of the new shape."
+                )
+
+    def _feed(self, x: Any) -> Any:
+        # on GPUs the executor copies any __dlpack__ tensor device to device; on CPUs NumPy views it
+        return x.detach() if self.compiled.devices.kind == "cuda" else torch_to_numpy(x)
+
+    def _load(self, inputs: tuple[Any, ...]) -> None:
+        user = {name: self._feed(x) for name, x in zip(self.graph.input_names, inputs) if name is not None}
+        if self._parameters_loaded and self._partial_loads:
+            try:
+                self.compiled.load(user)
+                return
+            except ExecError as e:
+                if "missing a value" not in str(e):
+                    raise
+                # this executor wants every input on each load: feed the parameters again from now on
+                self._partial_loads = False
+        self.compiled.load({**self.graph.parameters, **user})
+        self._parameters_loaded = True
+
+    def _offload(self, name: str) -> Any:
+        if self.compiled.devices.kind == "cuda":
+            return numpy_to_torch(self.compiled.offload(name, like="cupy"))
+        return numpy_to_torch(self.compiled.offload(name))
+
+    def __call__(self, *inputs: Any) -> Any:
+        torch = _torch()
+        self._check(inputs)
+        self._load(inputs)
+        self.compiled.execute()
+        leaves = []
+        for kind, value in self.graph.output_leaves:
+            leaves.append(self._offload(value) if kind == "saved" else value)
+        return torch.utils._pytree.tree_unflatten(leaves, self.graph.out_spec)
+
+    forward = __call__
+
+    def __repr__(self) -> str:
+        ops = len(self.graph.operators)
+        return f"ParallelModule({ops} operators on {self.compiled.devices}, plan cost {self.compiled.plan.cost:,.0f})"
+
+
+def parallelize(module: Any, example_inputs: Any, device: Any = None, **compile_options: Any) -> ParallelModule:
+    """Trace ``module`` on ``example_inputs``, plan it for ``device`` and return a callable like the module.
+
+    ``device`` and ``compile_options`` are those of ``rt.compileGraph`` (``"cpu:N"``,
+    a GPU count or list, ``selector=``, ``cost_model=``, ``memory_per_device=``, ...).
+    """
+    from relational_tensors.compiler import compileGraph
+
+    graph = from_torch(module, example_inputs)
+    return ParallelModule(graph, compileGraph(graph, device=device, **compile_options))
