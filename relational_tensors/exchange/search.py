@@ -44,7 +44,7 @@ from typing import Iterable, Iterator, Mapping, NamedTuple
 from relational_tensors.errors import ExchangeError
 from relational_tensors.exchange.ast import Action, ExProg, aggregate_text, exact_cover
 from relational_tensors.exchange.closure import check, memberships
-from relational_tensors.exchange.lower import Membership, Synthesizer, naive_body
+from relational_tensors.exchange.lower import Membership, naive_body
 from relational_tensors.exchange.simulator import SimResult, simulate
 from relational_tensors.exchange.topology import Topology, get_topology
 
@@ -74,10 +74,10 @@ class _Step(NamedTuple):
 
 
 def _step(a: Action) -> _Step:
-    places = (a.source, *a.dests)
-    if not all(isinstance(p, int) for p in places):
-        raise ExchangeError(f"the search rewrites actions between sites; got partition places in {places}")
-    return _Step(a.aggregate, *places[:1], tuple(places[1:]))  # type: ignore[arg-type]
+    dests = tuple(d for d in a.dests if isinstance(d, int))
+    if not isinstance(a.source, int) or len(dests) != len(a.dests):
+        raise ExchangeError(f"the search rewrites actions between sites; got {a} with a partition as a place")
+    return _Step(a.aggregate, a.source, dests)
 
 
 def _key(step: _Step) -> tuple:
@@ -292,7 +292,6 @@ class _State:
         self.membership = membership
         self.sim = sim
         self.actions = sorted(body, key=problem.key)
-        self.index = {a: i for i, a in enumerate(self.actions)}
         self.fired = _fire(problem, self.actions, problem.out_pairs(membership))
         self.by_source: dict[tuple[frozenset, int], list[_Step]] = defaultdict(list)
         self.into: dict[int, list[_Step]] = defaultdict(list)
@@ -335,7 +334,8 @@ class _State:
         """When each action's last stage ends in the current run."""
         end: dict[_Step, float] = {}
         for e in self.sim.trace:
-            end[e.action] = max(end.get(e.action, 0.0), e.end)
+            step = _step(e.action)
+            end[step] = max(end.get(step, 0.0), e.end)
         return end
 
     def bound(self, body: frozenset[_Step]) -> tuple[float, float]:
@@ -453,7 +453,7 @@ def _body_moves(problem: _Problem, state: _State, act: _Step, rng: random.Random
             e.acts.add(_Step(x, d))
             yield "pullup", e.body(), False
     # X formed at s, drawn whole from another site holding it instead (the gathering at s goes)
-    if parts and state.fired.actions[state.fired.producer[(x, s)]] == act:
+    if parts and former is not None and state.fired.actions[former] == act:
         holders = [q for q in sites if q != s and state.holds(x, q)]
         for q in sorted(holders, key=lambda q: (-problem.bw[(q, s)], q))[:_BRANCH]:
             e = _Edit(problem, body)
@@ -576,12 +576,17 @@ def search_program(prog: ExProg, topology: Topology | str, membership: Membershi
     top = get_topology(topology) if isinstance(topology, str) else topology
     problem = _Problem(prog, top, free_moves)
     given = dict(membership) if membership is not None else next(memberships(prog), {})
+    missing = [p.name for p in problem.sized if p.name not in given]
+    if missing:
+        raise ExchangeError(f"the membership gives no sites to the partitions declared by size {missing}; got "
+                            f"{given}; pass a starting membership for every one (or None for the first choice)")
     start = {p.name: tuple(given[p.name]) for p in problem.sized}
-    body = naive_body(problem.prog, start)
-    base = simulate(problem.prog.with_body(body), top, start)
+    naive = naive_body(problem.prog, start)
+    base = simulate(problem.prog.with_body(naive), top, start)
     if not base.valid:
         raise ExchangeError(f"the naive program is not valid with membership {start}: unmet requirements "
                             f"{base.unmet[:3]}; every atom a requirement names must be in IN")
+    body = frozenset(map(_step, naive))
     rng = random.Random(seed)
     state = _State(problem, body, start, base)
     seen: set[tuple[frozenset[_Step], tuple]] = {(body, tuple(sorted(start.items())))}
@@ -599,14 +604,16 @@ def search_program(prog: ExProg, topology: Topology | str, membership: Membershi
         for prop in _proposals(problem, state, rng, placement):
             if tried >= _PER_ROUND or spent():
                 break
-            body = _tidy(problem, prop.body, prop.membership) if prop.tidy else prop.body
-            key = (body, tuple(sorted(prop.membership.items())))
-            if body is None or key in seen:
+            tidied = _tidy(problem, prop.body, prop.membership) if prop.tidy else prop.body
+            if tidied is None:
+                continue
+            key = (tidied, tuple(sorted(prop.membership.items())))
+            if key in seen:
                 continue
             seen.add(key)
             steps += 1
             tried += 1
-            full = problem.prog.with_body(body)
+            full = problem.prog.with_body(_actions(tidied))
             try:
                 check(full, prop.membership)
             except ExchangeError:
@@ -614,12 +621,12 @@ def search_program(prog: ExProg, topology: Topology | str, membership: Membershi
             sim = simulate(full, top, prop.membership)
             evaluated += 1
             if sim.valid and _better(state.sim, sim):
-                state = _State(problem, body, prop.membership, sim)
+                state = _State(problem, tidied, prop.membership, sim)
                 accepted.append(prop.rule)
                 improved = True
                 break
         idle = 0 if improved else idle + 1
-    return SearchResult(state.body, dict(state.membership), state.sim.time, base.time, steps, evaluated,
+    return SearchResult(_actions(state.body), dict(state.membership), state.sim.time, base.time, steps, evaluated,
                         tuple(accepted), time.perf_counter() - t0)
 
 
@@ -657,8 +664,9 @@ class Searcher:
 
 
 def make_searcher(topology: Topology | str, seed: int = 0, budget_s: float = 0.5,
-                  max_steps: int | None = None) -> Synthesizer:
-    """A synthesizer running :func:`search_program` on each program it is given (``budget_s`` each).
+                  max_steps: int | None = None) -> Searcher:
+    """A :data:`~relational_tensors.exchange.lower.Synthesizer` running :func:`search_program` on each
+    program it is given (``budget_s`` each); it keeps the results for inspection.
 
     >>> from relational_tensors.exchange.text import parse
     >>> prog = parse("GPUS: 0, 1\\nPARTITIONS: F0 {size 1}\\nIN: A @ 0, B @ 1\\nOUT: A+B @ F0")

@@ -428,9 +428,9 @@ class _Translator:
                     self.rewrites[node] = ("rmsnorm", m)
                     continue
             if name == "aten.mul.Tensor":
-                m = _match_swiglu(node, self.symbolic)
+                m = _match_swiglu(node, self.symbolic) or _match_gelu_tanh(node, self.symbolic)
                 if m is not None:
-                    self.rewrites[node] = ("swiglu", m)
+                    self.rewrites[node] = ("swiglu" if "b" in m else "gelu_tanh", m)
             if name == "aten.add.Tensor":
                 m = _match_rope(node, self.symbolic)
                 if m is not None:
@@ -500,8 +500,10 @@ class _Translator:
                 result = rule(self, node, self._bind(node) if packet != "getitem" else {})
             self.env[node] = self._check(node, result)
         except _Unsupported as e:
+            called = node.meta.get("torch_fn")
+            what = f"{_op_name(node)} (from `{called[1].rsplit('.', 1)[-1]}`)" if called else _op_name(node)
             err = GraphError(
-                f"from_torch cannot translate {_op_name(node)} at {_source(node)}: {e}. "
+                f"from_torch cannot translate {what} at {_source(node)}: {e}. "
                 f"Supported operations: {', '.join(SUPPORTED_OPS)}. Rewrite that line with supported operations, "
                 "or compute it outside the module and pass the result as an input."
             )
@@ -706,6 +708,40 @@ def _match_swiglu(node: Any, symbolic: set[Any]) -> dict[str, Any] | None:
     return None
 
 
+def _number_operand(node: Any, *names: str) -> tuple[Any, float] | None:
+    """(tensor, number) for ``tensor op number`` in either order."""
+    if not _is(node, *names) or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
+        return None
+    a, b = node.args
+    if isinstance(b, (int, float)) and not isinstance(b, bool) and hasattr(a, "op"):
+        return a, float(b)
+    if isinstance(a, (int, float)) and not isinstance(a, bool) and hasattr(b, "op"):
+        return b, float(a)
+    return None
+
+
+def _match_gelu_tanh(node: Any, symbolic: set[Any]) -> dict[str, Any] | None:
+    """``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))`` (GPT-2's gelu_new) -> gelu_tanh(x)."""
+    for half, one_plus in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+        h = _number_operand(half, "aten.mul.Tensor")
+        o = _number_operand(one_plus, "aten.add.Tensor")
+        if h is None or o is None or h[1] != 0.5 or o[1] != 1.0 or not _is(o[0], "aten.tanh.default"):
+            continue
+        x = h[0]
+        inner = _number_operand(o[0].args[0], "aten.mul.Tensor")
+        if inner is None or not math.isclose(inner[1], math.sqrt(2 / math.pi), rel_tol=1e-6):
+            continue
+        total = inner[0]
+        if not _is(total, "aten.add.Tensor") or x not in total.args or len(total.args) != 2:
+            continue
+        cube = _number_operand(total.args[1] if total.args[0] is x else total.args[0], "aten.mul.Tensor")
+        if cube is None or not math.isclose(cube[1], 0.044715, rel_tol=1e-6):
+            continue
+        if _is(cube[0], "aten.pow.Tensor_Scalar") and cube[0].args[0] is x and cube[0].args[1] == 3 and x in symbolic:
+            return {"x": x}
+    return None
+
+
 def _repeat_source(node: Any) -> tuple[Any, int] | None:
     """k or v whose heads were repeated for grouped-query attention -> (unrepeated, repeats)."""
     shape = _shape(node)
@@ -753,6 +789,10 @@ def _emit_swiglu(tr: _Translator, node: Any, m: dict[str, Any]) -> Tensor:
     dtype = _dtype_name(node.meta["val"].dtype)
     a, b = tr.sym(tr.env[m["a"]], dtype), tr.sym(tr.env[m["b"]], dtype)
     return tr.g.swiglu(a, b, name=tr.name("swiglu"))
+
+
+def _emit_gelu_tanh(tr: _Translator, node: Any, m: dict[str, Any]) -> Tensor:
+    return tr.unary(tr.sym(tr.env[m["x"]], _out_dtype(node)), "gelu_tanh")
 
 
 def _emit_gqa(tr: _Translator, node: Any, m: dict[str, Any]) -> Tensor:
@@ -857,6 +897,7 @@ _PATTERNS: dict[str, Callable[[_Translator, Any, dict[str, Any]], Any]] = {
     "swiglu": _emit_swiglu,
     "gqa": _emit_gqa,
     "rope": _emit_rope,
+    "gelu_tanh": _emit_gelu_tanh,
 }
 
 
@@ -975,10 +1016,12 @@ def _identity(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     return tr.sym(a["self"])
 
 
-@_rule("dropout")
+@_rule("dropout", "native_dropout")
 def _dropout(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
-    if a["train"] and a["p"] > 0:
+    if a["train"] is not False and a["p"] > 0:
         raise _fail(f"dropout in training mode (p={a['p']}) draws random numbers; call module.eval() first")
+    if _packet(node) == "native_dropout":
+        raise _fail("native_dropout returns a random mask; call module.eval() first")
     return tr.sym(a["input"])
 
 
@@ -1154,8 +1197,8 @@ def _layer_norm(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
 def _rms_norm(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     x, (w,) = _norm_operands(tr, node, a, ("weight",))
     eps = a["eps"]
-    if eps is None:
-        eps = float(_torch().finfo(_torch_dtype(x.dtype)).eps)
+    if eps is None:  # torch's default: the machine epsilon of the dtype it computes in (float32 for 16-bit)
+        eps = float(_torch().finfo(_torch_dtype("float32" if x.dtype in ("float16", "bfloat16") else x.dtype)).eps)
     y = tr.g.rmsnorm(x, w, float(eps), name=tr.name("rmsnorm"))
     return tr.reshape(y, _out_shape(node))
 
