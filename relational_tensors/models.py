@@ -74,3 +74,39 @@ def llama_feeds(g: Graph, seed: int = 0) -> dict[str, np.ndarray]:
             a = rng.standard_normal(shape)
         feeds[n.name] = a.astype(dt)
     return feeds
+
+
+# The matrix chains A-E of the paper's section 6: dimensions and the fixed parenthesization
+# (nested pairs of matrix indices, 1-based as in the paper).
+CHAINS: dict[str, tuple[tuple[int, ...], object]] = {
+    "A": ((10240, 16384, 6144, 16384, 6144, 16384, 6144, 16384, 6144, 10240),
+          ((1, 2), (((3, 4), ((5, 6), (7, 8))), 9))),
+    "B": ((9216, 20480, 5120, 20480, 5120, 9216), ((1, 2), ((3, 4), 5))),
+    "C": ((10240, 12288, 32768, 2048), (1, (2, 3))),
+    "D": ((24576, 1536, 20480, 20480, 20480, 20480, 20480, 20480, 1536, 24576),
+          (1, ((2, (3, (4, (5, (6, (7, 8)))))), 9))),
+    "E": ((49152, 1024, *([20480] * 10), 1024, 49152),
+          (1, ((2, (3, (4, (5, (6, (7, (8, (9, (10, (11, 12)))))))))), 13))),
+}
+
+
+def matrix_chain(name: str, dtype: str = "float16", scale: int = 1) -> Graph:
+    """The paper's chain ``name`` (A-E) as a graph of matmuls in its fixed order, saving ``y``;
+    ``scale`` divides every dimension (for tests at small sizes).
+
+    >>> [n.kind for n in matrix_chain("C", scale=1024).operators]
+    ['matmul', 'matmul']
+    """
+    dims, order = CHAINS[name]
+    dims = tuple(max(1, d // scale) for d in dims)
+    g = Graph()
+    mats = {i: g.input(f"M{i}", [dims[i - 1], dims[i]], dtype) for i in range(1, len(dims))}
+
+    def build(node: object) -> Tensor:
+        if isinstance(node, int):
+            return mats[node]
+        left, right = node  # type: ignore[misc]
+        return g.matmul(build(left), build(right))
+
+    g.save(build(order), name="y")
+    return g
