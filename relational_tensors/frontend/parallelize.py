@@ -74,7 +74,11 @@ class ParallelModule:
 
     def _offload(self, name: str) -> Any:
         if self.compiled.devices.kind == "cuda":
-            return numpy_to_torch(self.compiled.offload(name, like="cupy"))
+            out = numpy_to_torch(self.compiled.offload(name, like="cupy"))  # DLPack: stays on the GPU
+            node = self.graph.nodes[self.graph.outputs[name]]
+            if node.type.dtype == "bfloat16" and out.dtype != _torch().bfloat16:  # CuPy holds bfloat16 as bits
+                out = out.view(_torch().bfloat16)
+            return out
         return numpy_to_torch(self.compiled.offload(name))
 
     def __call__(self, *inputs: Any) -> Any:

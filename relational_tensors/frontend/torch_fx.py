@@ -12,13 +12,16 @@ carries the values of its parameters.
 * Whatever does not depend on a user input (rotary cos/sin tables, masks,
   ``arange``) is computed once with torch at trace time and enters the graph as
   one more parameter, named after the module and node that produced it.
-* Recognized patterns, each replaced by one operator: hand-written RMSNorm
+* Recognized patterns, each replaced by one operator (and declined, so lowered
+  op by op, when a check fails): hand-written RMSNorm
   (``x * rsqrt(mean(x**2, -1, keepdim=True) + eps) * w``) -> ``rmsnorm``;
-  ``silu(a) * b`` -> ``swiglu``; k/v heads repeated by ``repeat_interleave`` or
-  ``unsqueeze/expand/reshape`` before attention -> grouped-query ``attention``;
-  a constant causal or block-diagonal attention mask -> ``causal``/``seq_ends``.
-* Everything else is lowered op by op, rotary embeddings included (slices,
-  ``neg``, ``concat``, products with the cos/sin tables).
+  ``silu(a) * b`` -> ``swiglu``; GPT-2's tanh GELU written out -> ``gelu_tanh``;
+  rotary embedding ``x * cos + rotate_half(x) * sin`` -> ``rope`` when the
+  tables are the standard ones for positions 0..s-1 (the base is read from
+  them), else slices, ``neg``, ``concat`` and products with the tables; k/v
+  heads repeated by ``repeat_interleave`` or ``unsqueeze/expand/reshape`` before
+  attention -> grouped-query ``attention``; a constant causal or block-diagonal
+  attention mask -> ``causal``/``seq_ends``.
 * Every translated node is checked against the shape torch recorded for it; a
   dtype that differs is cast to torch's.
 
@@ -28,10 +31,10 @@ source line of the module that called it and the supported set.
 >>> import pytest; torch = pytest.importorskip("torch")
 >>> from relational_tensors.frontend.torch_fx import from_torch
 >>> g = from_torch(torch.nn.Linear(8, 4), (torch.randn(2, 8),))
->>> [(n.name, n.kind, n.type.shape) for n in g.nodes]
-[('input', 'input', (2, 8)), ('weight', 'parameter', (8, 4)), ('bias', 'parameter', (4,)), ('linear:matmul', 'matmul', (2, 4)), ('linear:add', 'binary', (2, 4))]
->>> g.parameters["weight"].shape, g.output_names
-((8, 4), ('output',))
+>>> [n.name for n in g.nodes]
+['input', 'weight', 'linear:matmul', 'bias', 'linear:add']
+>>> g.node("weight").role, g.parameters["weight"].shape, g.output_names
+('parameter', (8, 4), ('output',))
 """
 
 from __future__ import annotations
@@ -41,15 +44,14 @@ import operator
 import re
 import string
 import warnings
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
+# Graph, Tensor and GraphError are taken from the package root, the objects rt.compileGraph checks against
+# even where a test runner re-executes relational_tensors.frontend.graph (doctest collection does).
+from relational_tensors import Graph, GraphError, Tensor
 from relational_tensors.core.dtypes import numpy_dtype
-from relational_tensors.errors import GraphError
-from relational_tensors.frontend.graph import Graph, Tensor
-from relational_tensors.sql_specs import PermuteOp, ReshapeOp, UnaryOp
 
 __all__ = ["from_torch", "TorchGraph", "SUPPORTED_OPS", "torch_to_numpy", "numpy_to_torch"]
 
@@ -144,6 +146,14 @@ def numpy_to_torch(a: Any) -> Any:
 
 
 # --- what the translator works with ---------------------------------------------------------------------
+
+# operations whose result depends only on the (static) shape and dtype of their tensor argument
+_SHAPE_ONLY = frozenset({"zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full"})
+
+# (narrow, wide): every value of the narrow dtype is exact in the wide one, so narrow -> wide -> narrow is the identity
+_EXACT_WIDENINGS = frozenset({("float16", "float32"), ("float16", "float64"), ("bfloat16", "float32"),
+                              ("bfloat16", "float64"), ("float32", "float64"), ("int32", "int64")})
+
 
 class _Const:
     """A value known at trace time: a parameter, buffer or constant (``name`` is its module path),
@@ -308,15 +318,17 @@ class _Translator:
         if dtype is None or x.dtype == dtype:
             return x
         op = x.node.op
-        if isinstance(op, UnaryOp) and op.op == "cast" and self.g.nodes[x.node.inputs[0]].type.dtype == dtype:
-            return Tensor(self.g, x.node.inputs[0])
+        if op is not None and op.kind == "unary" and getattr(op, "op", None) == "cast":
+            source = Tensor(self.g, x.node.inputs[0])
+            if source.dtype == dtype and (dtype, x.dtype) in _EXACT_WIDENINGS:  # a round trip through a wider type
+                return source
         return self.g.cast(x, dtype, name=self.name("cast"))
 
     def reshape(self, x: Tensor, shape: Sequence[int]) -> Tensor:
         shape = tuple(int(s) for s in shape)
         if x.shape == shape:
             return x
-        if isinstance(x.node.op, ReshapeOp):
+        if x.node.op is not None and x.node.op.kind == "reshape":
             x = Tensor(self.g, x.node.inputs[0])
             if x.shape == shape:
                 return x
@@ -327,8 +339,9 @@ class _Translator:
         if perm == tuple(range(x.rank)):
             return x
         op = x.node.op
-        if isinstance(op, PermuteOp):
-            perm = tuple(op.perm[p] for p in perm)
+        if op is not None and op.kind == "permute":
+            inner: tuple[int, ...] = getattr(op, "perm")
+            perm = tuple(inner[p] for p in perm)
             x = Tensor(self.g, x.node.inputs[0])
             if perm == tuple(range(x.rank)):
                 return x
@@ -398,6 +411,9 @@ class _Translator:
             elif node.op == "call_function":
                 if node in needed:
                     self._call(node)
+            elif node.op == "get_attr":  # a subgraph or tensor held by the exported module
+                value = getattr(self.ep.graph_module, node.target)
+                self.env[node] = _Const(value, None, node.name) if _is_torch_tensor(value) else value
             elif node.op == "output":
                 self._output(node)
         self.current = None
@@ -414,6 +430,8 @@ class _Translator:
             if node.op == "placeholder":
                 if node.name in users:
                     self.symbolic.add(node)
+            elif node.op == "call_function" and _packet(node) in _SHAPE_ONLY:
+                continue  # reads only the shape and dtype of its tensor argument, which are static
             elif any(i in self.symbolic for i in node.all_input_nodes):
                 self.symbolic.add(node)
 
@@ -446,7 +464,7 @@ class _Translator:
         for node in reversed(list(self.fx.nodes)):
             if node.op == "output":
                 needed.update(node.all_input_nodes)
-            elif node in needed:
+            elif node in needed and _packet(node) not in _SHAPE_ONLY:
                 if node in self.rewrites:
                     needed.update(v for v in self.rewrites[node][1].values() if hasattr(v, "op"))
                 else:
@@ -544,16 +562,22 @@ class _Translator:
 
     def _fold(self, node: Any) -> Any:
         """Run a node that depends on no user input with torch, once, at trace time."""
+        torch = _torch()
+        shape_only = _packet(node) in _SHAPE_ONLY
+
         def unwrap(v: Any) -> Any:
+            if hasattr(v, "op") and hasattr(v, "meta"):  # an fx.Node
+                if shape_only and v in self.symbolic:  # only its static shape and dtype are read
+                    return torch.zeros(v.meta["val"].shape, dtype=v.meta["val"].dtype)
+                v = self._arg(v)
             if isinstance(v, _Const):
                 return v.value
             if isinstance(v, (list, tuple)):
                 return type(v)(unwrap(x) for x in v)
             return v
 
-        args = unwrap(self._arg(node.args))
-        kwargs = {k: unwrap(self._arg(v)) for k, v in node.kwargs.items()}
-        torch = _torch()
+        args = unwrap(node.args)
+        kwargs = {k: unwrap(v) for k, v in node.kwargs.items()}
         if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
             a = self._bind(node)
             if not (a.get("train") is False or a.get("p") == 0 or a.get("dropout_p") == 0):
@@ -562,9 +586,12 @@ class _Translator:
         if node.target is operator.getitem:
             value = args[0][args[1]]
         else:
-            torch = _torch()
-            with torch.no_grad():
-                value = node.target(*args, **kwargs)
+            try:
+                with torch.no_grad():
+                    value = node.target(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - reported with the node's source line
+                raise _fail(f"it depends on no input, and computing it once at trace time failed: "
+                            f"{type(e).__name__}: {e}") from e
         return self._wrap(value, self.prefix)
 
     def _wrap(self, value: Any, origin: str) -> Any:
@@ -634,7 +661,7 @@ def _is(node: Any, *names: str) -> bool:
 
 
 def _shape(node: Any) -> tuple[int, ...] | None:
-    val = getattr(node, "meta", {}).get("val")
+    val: Any = getattr(node, "meta", {}).get("val")
     return tuple(val.shape) if _is_torch_tensor(val) else None
 
 
@@ -847,24 +874,30 @@ def _is_rotate_half(node: Any, x: Any) -> bool:
     return is_half(parts[0].args[0], half, shape[-1]) and is_half(parts[1], 0, half)
 
 
-def _rope_base(cos: np.ndarray, sin: np.ndarray, d: int) -> float | None:
-    """The base whose standard tables (positions 0..s-1, rotate-half layout) are ``cos``/``sin`` [s, d]."""
+def _rope_tables(cos: np.ndarray, sin: np.ndarray, d: int) -> tuple[float, tuple[int, ...] | None] | None:
+    """(base, seq_ends) when ``cos``/``sin`` [s, d] are the standard rotate-half tables of positions 0..s-1,
+    or of positions that restart at 0 at each packed sequence (rows equal to position 0's start one)."""
     from relational_tensors.sql_specs.rope import rope_tables
 
     s, half = cos.shape[0], d // 2
-    base = 10000.0
-    if half > 1 and s > 1:
-        step = math.atan2(float(sin[1, 1]), float(cos[1, 1]))  # position 1, frequency base^(-2/d)
+    tol = 4 * float(np.finfo(np.float32).eps) * max(s, 8) if cos.dtype.itemsize >= 4 else 2e-2
+    starts = [r for r in range(s) if np.allclose(cos[r], 1, atol=tol) and np.allclose(sin[r], 0, atol=tol)]
+    if not starts or starts[0] != 0:
+        return None
+    positions = np.arange(s) - np.array(starts)[np.searchsorted(starts, np.arange(s), side="right") - 1]
+    base = 10000.0  # irrelevant when every position is 0 or d = 2
+    ones = np.flatnonzero(positions == 1)
+    if half > 1 and ones.size:
+        step = math.atan2(float(sin[ones[0], 1]), float(cos[ones[0], 1]))  # position 1, frequency base^(-2/d)
         if not 0 < step < 1:
             return None
         base = step ** (-d / 2)
-    want_cos, want_sin = rope_tables(np.arange(s), d, base, np.dtype(np.float64))
-    tol = 4 * float(np.finfo(np.float32).eps) * max(s, 8) if cos.dtype.itemsize >= 4 else 2e-2
+    want_cos, want_sin = rope_tables(positions, d, base, np.dtype(np.float64))
     for got, want in ((cos, want_cos), (sin, want_sin)):
         full = np.concatenate([want, want], axis=1)
         if not np.allclose(got.astype(np.float64), full, rtol=0, atol=tol):
             return None
-    return base
+    return base, (tuple(starts[1:]) + (s,) if len(starts) > 1 else None)
 
 
 def _emit_rope(tr: _Translator, node: Any, m: dict[str, Any]) -> Tensor | None:
@@ -884,10 +917,11 @@ def _emit_rope(tr: _Translator, node: Any, m: dict[str, Any]) -> Tensor | None:
         tc, ts = c[0, :, 0, :], s[0, :, 0, :]
         if not (bool((c == tc[None, :, None, :]).all()) and bool((s == ts[None, :, None, :]).all())):
             continue
-        base = _rope_base(torch_to_numpy(tc.float()), torch_to_numpy(ts.float()), x.shape[3])
-        if base is None:
+        found = _rope_tables(torch_to_numpy(tc.float()), torch_to_numpy(ts.float()), x.shape[3])
+        if found is None:
             continue
-        y = tr.g.rope(tr.permute(x, perm), base, name=tr.name("rope"))
+        xs = tr.cast(tr.permute(x, perm), _out_dtype(node))  # tables of a wider dtype promote x, as in torch
+        y = tr.g.rope(xs, found[0], seq_ends=found[1], name=tr.name("rope"))
         return tr.permute(y, perm)
     return None
 
@@ -1069,7 +1103,8 @@ def _alpha(tr: _Translator, node: Any, y: Any, alpha: Any) -> Any:
 
 @_rule("add", "sub")
 def _add_sub(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
-    return _broadcast_binary(tr, node, a["self"], _alpha(tr, node, a["other"], a.get("alpha")), _packet(node))  # type: ignore[arg-type]
+    other = _alpha(tr, node, a["other"], a.get("alpha"))
+    return _broadcast_binary(tr, node, a["self"], other, "add" if _packet(node) == "add" else "sub")
 
 
 @_rule("rsub")

@@ -70,8 +70,10 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, hi_ptr,
                       D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       WRITE_LSE: tl.constexpr, IEEE: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
+    m_blocks = tl.cdiv(sq, BLOCK_M)  # a 1-D grid: (row block, batch·head) never overflows a grid dimension
+    pid = tl.program_id(0).to(tl.int64)
+    pid_m = pid % m_blocks
+    pid_bh = pid // m_blocks
     b = pid_bh // hq
     h = pid_bh % hq
     hk = h // group
@@ -126,7 +128,7 @@ _chosen: dict[tuple, tuple[int, int, int, int]] = {}
 
 def _launch(cfg: tuple[int, int, int, int], args: tuple, consts: dict, sq: int, nbh: int) -> None:
     bm, bn, warps, stages = cfg
-    _attention_kernel[(triton.cdiv(sq, bm), nbh)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+    _attention_kernel[(triton.cdiv(sq, bm) * nbh,)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
                                                   num_stages=stages)
 
 

@@ -37,12 +37,14 @@ def _copy4_kernel(src_ptr, dst_ptr, n,
 
 
 @triton.jit
-def _copy_rows_kernel(src_ptr, dst_ptr, rows, cols, size_1, size_2,
+def _copy_rows_kernel(src_ptr, dst_ptr, rows, cols, col_blocks, size_1, size_2,
                       stride_s0, stride_s1, stride_s2, stride_d0, stride_d1, stride_d2,
                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    # rows of a contiguous innermost dimension: index arithmetic once per row, vector loads along it
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    # rows of a contiguous innermost dimension: index arithmetic once per row, vector loads along it;
+    # a 1-D grid (row block, column block) so no grid dimension overflows on huge copies
+    pid = tl.program_id(0).to(tl.int64)
+    r = (pid // col_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = (pid % col_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
     i2 = r % size_2
     rest = r // size_2
     i1 = rest % size_1
@@ -66,9 +68,10 @@ def copy_box(src: DevBuf, dst: DevBuf) -> None:
         rows = shape[0] * shape[1] * shape[2]
         block_c = min(1024, triton.next_power_of_2(shape[3]))
         block_r = max(1, 4096 // block_c)
-        grid = (triton.cdiv(rows, block_r), triton.cdiv(shape[3], block_c))
-        _copy_rows_kernel[grid](Ptr(src), Ptr(dst), rows, shape[3], shape[1], shape[2], ss[0], ss[1], ss[2],
-                                ds[0], ds[1], ds[2], BLOCK_R=block_r, BLOCK_C=block_c)
+        col_blocks = triton.cdiv(shape[3], block_c)
+        grid = (triton.cdiv(rows, block_r) * col_blocks,)
+        _copy_rows_kernel[grid](Ptr(src), Ptr(dst), rows, shape[3], col_blocks, shape[1], shape[2], ss[0], ss[1],
+                                ss[2], ds[0], ds[1], ds[2], BLOCK_R=block_r, BLOCK_C=block_c)
         return
     grid = (triton.cdiv(n, BLOCK),)
     _copy4_kernel[grid](Ptr(src), Ptr(dst), n, shape[1], shape[2], shape[3], *ss, *ds, BLOCK_SIZE=BLOCK)
