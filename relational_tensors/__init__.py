@@ -28,3 +28,8 @@ __all__ = [
 from relational_tensors.compiler import CompiledGraph, compile, compileGraph  # noqa: E402
 
 __all__ += ["compileGraph", "compile", "CompiledGraph"]
+
+from relational_tensors.frontend.parallelize import ParallelModule, parallelize  # noqa: E402
+from relational_tensors.frontend.torch_fx import TorchGraph, from_torch  # noqa: E402
+
+__all__ += ["from_torch", "parallelize", "TorchGraph", "ParallelModule"]

@@ -137,9 +137,21 @@ def _pass_check(s: _State) -> None:
             raise PlanError(f"check after 'select': the spec of {n.name!r} changed its output type.")
 
 
+def _synthesizer(s: _State) -> Any:
+    """The exchange-program synthesizer the schedule mode names (None: naive)."""
+    if s.options["schedule_mode"] in ("search", "ai"):
+        from relational_tensors.exchange.search import make_searcher
+        from relational_tensors.exchange.topology import get_topology
+
+        assert s.devices is not None
+        topo = get_topology(s.options["topology"], gpus=s.devices.p)
+        return make_searcher(topo, seed=s.options["seed"], budget_s=s.options["search_budget_s"])
+    return None
+
+
 def _pass_lower(s: _State) -> None:
     assert s.plan is not None
-    s.lowered = lower(s.plan, s.options["schedule_mode"])
+    s.lowered = lower(s.plan, "naive", _synthesizer(s))
 
 
 def _device_memory(s: _State) -> dict[int, int] | None:
@@ -176,7 +188,7 @@ def _pass_liveness(s: _State) -> None:
         for _ in range(8):
             choice = select_dp(s.catalog, s.cid, s.graph, s.candidates, s.pieces, memory_price=price)
             plan = LogicalPlan(s.graph, s.candidates, choice, "dp", s.options["cost_model"])
-            lowered = lower(plan, s.options["schedule_mode"])
+            lowered = lower(plan, "naive", _synthesizer(s))
             live = liveness(lowered.dag)
             if all(live.peak[d] <= limits[d] for d in live.peak):
                 s.choice, s.plan, s.lowered, s.live = choice, plan, lowered, live
@@ -368,7 +380,7 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
                  cost_model: str = "paper", memory_per_device: int | None = None,
                  catalog: str | Path | Catalog | None = None, tactic: str = "tree",
                  label: str | None = None, schedule_mode: str = "naive",
-                 topology: str = "hgx-h200") -> CompiledGraph:
+                 topology: str = "hgx-h200", search_budget_s: float = 0.5) -> CompiledGraph:
     """Plan ``graph`` for the devices named by ``device`` (see ``relational_tensors.devices``).
 
     ``selector`` is ``dp`` (Algorithm 1), ``greedy`` or ``random`` (with ``seed``);
@@ -376,7 +388,9 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
     excludes specs whose per-device working set does not fit; ``catalog`` is a
     path to persist the catalog (default: in memory); ``tactic`` is ``tree``
     (exact on each tree) or ``linear`` (the paper's linear-path tactic);
-    ``schedule_mode`` picks how exchange programs are synthesized; ``topology``
+    ``schedule_mode`` picks how exchange programs are synthesized: ``naive``, or
+    ``search`` (alias ``ai``: a local search over the paper's rewrite rules costed by
+    the simulator of ``topology``, ``search_budget_s`` per program); ``topology``
     names the machine simulated (and whose memory bounds GPU plans).
     """
     if not isinstance(graph, Graph):
@@ -386,8 +400,8 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
     get_cost_model(cost_model)
     if tactic not in TACTICS:
         raise PlanError(f"unknown DP tactic {tactic!r}; choose one of {TACTICS}.")
-    if schedule_mode not in SCHEDULES:
-        raise PlanError(f"unknown schedule_mode {schedule_mode!r}; choose one of {SCHEDULES}.")
+    if schedule_mode not in (*SCHEDULES, "search", "ai"):
+        raise PlanError(f"unknown schedule_mode {schedule_mode!r}; choose one of {(*SCHEDULES, 'search', 'ai')}.")
     if memory_per_device is not None and (not isinstance(memory_per_device, int) or memory_per_device <= 0):
         raise PlanError(f"memory_per_device must be a positive number of bytes; got {memory_per_device!r}.")
     if not graph.operators:
@@ -395,7 +409,8 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
     cat = catalog if isinstance(catalog, Catalog) else Catalog(catalog)
     state = _State(graph, dict(device=device, selector=selector, seed=seed, cost_model=cost_model,
                                memory_per_device=memory_per_device, tactic=tactic, label=label,
-                               schedule_mode=schedule_mode, topology=topology), cat)
+                               schedule_mode=schedule_mode, topology=topology,
+                               search_budget_s=search_budget_s), cat)
     for name, run, _reason in PASSES:
         t0 = time.perf_counter()
         run(state)

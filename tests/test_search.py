@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import relational_tensors as rt
-from relational_tensors.exchange.ast import Action, ExProg, InAtom, Partition, Requirement
+from relational_tensors.exchange import search
+from relational_tensors.exchange.ast import ExProg, InAtom, Partition, Requirement
 from relational_tensors.exchange.closure import check
 from relational_tensors.exchange.lower import lower, naive_body
 from relational_tensors.exchange.plan_sim import simulate_plan
-from relational_tensors.exchange import search
 from relational_tensors.exchange.search import SearchResult, make_searcher, search_program
 from relational_tensors.exchange.simulator import simulate
 from relational_tensors.exchange.tasks import liveness
@@ -282,3 +282,18 @@ def test_searched_lowering_executes_to_the_reference(machine: str) -> None:
     ex.load(feeds)
     ex.execute()
     np.testing.assert_allclose(ex.offload("y"), rt.reference(g, feeds)["y"], rtol=1e-4, atol=1e-4)
+
+
+def test_compile_with_schedule_search_runs_end_to_end() -> None:
+    import numpy as np
+
+    import relational_tensors as rt
+    from relational_tensors.models import llama_block, llama_feeds
+
+    g = llama_block(1, 48, 32, 8, 2, 64, dtype="float32")
+    naive = rt.compileGraph(g, device="cpu:4", topology="dgx-v100")
+    for mode in ("search", "ai"):
+        cg = rt.compileGraph(g, device="cpu:4", topology="dgx-v100", schedule_mode=mode, search_budget_s=0.2)
+        feeds = llama_feeds(g)
+        np.testing.assert_allclose(cg.run(feeds)["y"], rt.reference(g, feeds)["y"], rtol=1e-4, atol=1e-5)
+        assert cg.simulate() <= naive.simulate() * 1.0001

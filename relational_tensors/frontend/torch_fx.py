@@ -1513,8 +1513,9 @@ def from_torch(module: Any, example_inputs: Any) -> TorchGraph:
         if not isinstance(x, torch.Tensor):
             raise GraphError(f"from_torch takes tensor example inputs; input {k} is {type(x).__name__}. Bind "
                              "other arguments in the module (a small wrapper module, or functools.partial).")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings():  # torch.export's own deprecation chatter, not the user's
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
         try:
             ep = torch.export.export(module, args, strict=False)
             ep = ep.run_decompositions({})  # functionalize (in-place ops become pure) without decomposing
