@@ -21,6 +21,7 @@ import pyarrow as pa
 from relational_tensors.catalog import Catalog
 from relational_tensors.devices import DeviceSet, parse_devices, visible_gpus
 from relational_tensors.dp_optimizer.candidates import Candidates, build_candidates
+from relational_tensors.dp_optimizer.costs import COST_MODEL_NAMES
 from relational_tensors.dp_optimizer.costs import cost_model as get_cost_model
 from relational_tensors.dp_optimizer.plan import LogicalPlan, edge_repartition
 from relational_tensors.dp_optimizer.select import SELECTORS, select_dp, select_greedy, select_random
@@ -60,8 +61,8 @@ def _pass_devices(s: _State) -> None:
 
 def _pass_candidates(s: _State) -> None:
     assert s.devices is not None
-    s.candidates = build_candidates(s.graph, s.devices.p, get_cost_model(s.options["cost_model"]),
-                                    s.options["memory_per_device"])
+    model = get_cost_model(s.options["cost_model"], s.options["topology"], s.devices.p, s.options["calibration"])
+    s.candidates = build_candidates(s.graph, s.devices.p, model, s.options["memory_per_device"])
 
 
 def _pass_pieces(s: _State) -> None:
@@ -333,6 +334,7 @@ class CompiledGraph:
         from relational_tensors.exchange.topology import get_topology
 
         topo = get_topology(topology or self.options["topology"], gpus=self.p)
+        calibration = calibration or (self.options["calibration"] if topology is None else None)
         key = (topo.name, calibration)
         if key not in self._simulations:
             self._simulations[key] = simulate_plan(self.dag, self.graph, topo,
@@ -380,11 +382,15 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
                  cost_model: str = "paper", memory_per_device: int | None = None,
                  catalog: str | Path | Catalog | None = None, tactic: str = "tree",
                  label: str | None = None, schedule_mode: str = "naive",
-                 topology: str = "hgx-h200", search_budget_s: float = 0.5) -> CompiledGraph:
+                 topology: str = "hgx-h200", search_budget_s: float = 0.5,
+                 calibration: str | None = None) -> CompiledGraph:
     """Plan ``graph`` for the devices named by ``device`` (see ``relational_tensors.devices``).
 
     ``selector`` is ``dp`` (Algorithm 1), ``greedy`` or ``random`` (with ``seed``);
-    ``cost_model`` is ``paper`` (elements) or ``bytes``; ``memory_per_device`` (bytes)
+    ``cost_model`` is ``paper`` (elements), ``bytes``, or ``calibrated`` (seconds: bytes over
+    ``topology``'s links plus kernel time from ``calibration``, a file written by
+    ``relational-tensors calibrate``; by default the one shipped for the topology);
+    ``memory_per_device`` (bytes)
     excludes specs whose per-device working set does not fit; ``catalog`` is a
     path to persist the catalog (default: in memory); ``tactic`` is ``tree``
     (exact on each tree) or ``linear`` (the paper's linear-path tactic);
@@ -397,7 +403,8 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
         raise GraphError(f"compileGraph takes an rt.Graph; got {type(graph).__name__}.")
     if selector not in SELECTORS:
         raise PlanError(f"unknown selector {selector!r}; choose one of {SELECTORS}.")
-    get_cost_model(cost_model)
+    if cost_model not in COST_MODEL_NAMES:
+        raise PlanError(f"unknown cost model {cost_model!r}; choose one of {list(COST_MODEL_NAMES)}.")
     if tactic not in TACTICS:
         raise PlanError(f"unknown DP tactic {tactic!r}; choose one of {TACTICS}.")
     if schedule_mode not in (*SCHEDULES, "search", "ai"):
@@ -410,7 +417,7 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
     state = _State(graph, dict(device=device, selector=selector, seed=seed, cost_model=cost_model,
                                memory_per_device=memory_per_device, tactic=tactic, label=label,
                                schedule_mode=schedule_mode, topology=topology,
-                               search_budget_s=search_budget_s), cat)
+                               search_budget_s=search_budget_s, calibration=calibration), cat)
     for name, run, _reason in PASSES:
         t0 = time.perf_counter()
         run(state)

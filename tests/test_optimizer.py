@@ -184,8 +184,9 @@ def block() -> rt.CompiledGraph:
 
 def test_plan_view_costs_match_the_plan(block: rt.CompiledGraph) -> None:
     rows = block.sql("SELECT sum(repartition_cost) r, sum(join_cost) j, sum(aggregation_cost) a, "
-                     "sum(total_cost) t FROM plan").to_pylist()[0]
+                     "sum(compute_cost) c, sum(total_cost) t FROM plan").to_pylist()[0]
     assert rows["t"] == pytest.approx(block.plan.cost)
+    assert rows["c"] == 0.0  # the paper's model counts no computation
     assert rows["r"] + rows["j"] + rows["a"] == pytest.approx(rows["t"])
 
 
@@ -254,6 +255,28 @@ def test_bytes_cost_model_weighs_by_dtype_width() -> None:
     paper = rt.compileGraph(g, device="cpu:4")
     in_bytes = rt.compileGraph(g, device="cpu:4", cost_model="bytes")
     assert in_bytes.plan.cost == pytest.approx(2 * paper.plan.cost)
+
+
+def test_calibrated_cost_model(tmp_path) -> None:
+    import json
+
+    g = llama_block(1, 1024, dtype="float16", **LLAMA3_8B)
+    cg = rt.compileGraph(g, device="cpu:8", cost_model="calibrated", topology="dgx-a100")
+    costs = cg.sql("SELECT sum(compute_cost) c, sum(total_cost) t FROM plan").to_pylist()[0]
+    assert 0 < costs["c"] < costs["t"] < 1.0  # seconds, and computation is part of them
+    assert cg.plan.cost == pytest.approx(costs["t"])
+    # a calibration file changes the kernel model: a slower measured matmul raises the predicted cost
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps({"curves": {"matmul": [[1e9, 1e12], [1e15, 1e12]]}}))
+    slowed = rt.compileGraph(g, device="cpu:8", cost_model="calibrated", topology="dgx-a100", calibration=str(slow))
+    assert slowed.plan.cost > cg.plan.cost
+    assert slowed.simulate() > cg.simulate()
+    feeds_g = llama_block(1, 64, 64, 8, 2, 128, dtype="float32")
+    small = rt.compileGraph(feeds_g, device="cpu:4", cost_model="calibrated", topology="dgx-a100")
+    from relational_tensors.models import llama_feeds
+
+    feeds = llama_feeds(feeds_g)
+    np.testing.assert_allclose(small.run(feeds)["y"], rt.reference(feeds_g, feeds)["y"], rtol=1e-4, atol=1e-5)
 
 
 def test_memory_limit_steers_the_plan() -> None:

@@ -41,11 +41,12 @@ class Candidate:
     aggregation_cost: float
     memory_bytes: int
     resident_bytes: int
+    compute_cost: float = 0.0
     eligible: bool = True
 
     @property
     def local_cost(self) -> float:
-        return self.join_cost + self.aggregation_cost
+        return self.join_cost + self.aggregation_cost + self.compute_cost
 
 
 @dataclass
@@ -62,7 +63,7 @@ class Candidates:
 
     def arrow_specs(self) -> pa.Table:
         rows: dict[str, list] = {k: [] for k in ("op_id", "spec_id", "split", "intervals", "output_tiling", "join_cost",
-                                                 "aggregation_cost", "flops", "imbalance", "balanced",
+                                                 "aggregation_cost", "compute_cost", "flops", "imbalance", "balanced",
                                                  "memory_bytes", "resident_bytes", "eligible")}
         for op_id, cands in self.by_op.items():
             for c in cands:
@@ -73,6 +74,7 @@ class Candidates:
                 rows["output_tiling"].append(c.output_tiling)
                 rows["join_cost"].append(c.join_cost)
                 rows["aggregation_cost"].append(c.aggregation_cost)
+                rows["compute_cost"].append(c.compute_cost)
                 rows["flops"].append(c.spec.total_flops)
                 imb = c.spec.imbalance
                 rows["imbalance"].append(imb if imb != float("inf") else None)
@@ -82,7 +84,8 @@ class Candidates:
                 rows["eligible"].append(c.eligible)
         schema = pa.schema([("op_id", pa.int32()), ("spec_id", pa.int32()), ("split", pa.string()),
                             ("intervals", pa.string()), ("output_tiling", pa.int32()), ("join_cost", pa.float64()),
-                            ("aggregation_cost", pa.float64()), ("flops", pa.float64()), ("imbalance", pa.float64()),
+                            ("aggregation_cost", pa.float64()), ("compute_cost", pa.float64()),
+                            ("flops", pa.float64()), ("imbalance", pa.float64()),
                             ("balanced", pa.bool_()), ("memory_bytes", pa.int64()),
                             ("resident_bytes", pa.int64()), ("eligible", pa.bool_())])
         return pa.table(rows, schema=schema)
@@ -129,8 +132,9 @@ def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: 
             out_t = out.tilings.intern(node.id, spec.output_tiling, op.output_type.box)
             required = tuple(out.tilings.intern(i, spec.input_blocks(k), op.input_types[k].box)
                              for k, i in enumerate(node.inputs))
-            cands.append(Candidate(sid, request, spec, out_t, required, model.join(spec), model.aggregation(spec),
-                                   spec_memory(spec), spec_resident(spec, graph_inputs)))
+            cands.append(Candidate(sid, request, spec, out_t, required, model.join(spec, graph_inputs),
+                                   model.aggregation(spec), spec_memory(spec), spec_resident(spec, graph_inputs),
+                                   model.compute(spec, op)))
         if memory_per_device is not None:
             fitting = [c for c in cands if c.memory_bytes <= memory_per_device]
             if not fitting:
@@ -149,5 +153,5 @@ def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: 
             c.eligible = c.spec.balanced or c.spec.imbalance <= floor
         out.by_op[node.id] = cands
         for k, i in enumerate(node.inputs):
-            out.repartition[(node.id, k)] = model.repartition(graph.nodes[i].type)
+            out.repartition[(node.id, k)] = model.repartition(graph.nodes[i].type, p)
     return out

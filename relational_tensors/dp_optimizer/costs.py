@@ -26,20 +26,21 @@ from relational_tensors.core.tiling import Tiling, as_grid
 from relational_tensors.core.types import Box, TensorType
 from relational_tensors.errors import PlanError
 
-__all__ = ["CostModel", "COST_MODELS", "TilingTable", "spec_memory", "spec_resident"]
+__all__ = ["CostModel", "CalibratedCostModel", "COST_MODELS", "COST_MODEL_NAMES", "TilingTable", "spec_memory",
+           "spec_resident", "cost_model"]
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Weights turning element counts into costs."""
+    """Weights turning element counts into costs (``paper``: elements; ``bytes``: dtype widths)."""
 
     name: str
     width: Callable[[str], float]  # dtype -> weight of one element
 
-    def repartition(self, t: TensorType) -> float:
+    def repartition(self, t: TensorType, p: int = 1) -> float:
         return float(t.volume) * self.width(t.dtype)
 
-    def join(self, spec: JoinAggSpec) -> float:
+    def join(self, spec: JoinAggSpec, graph_inputs: tuple[bool, ...] = ()) -> float:
         total = 0.0
         for k, t in enumerate(spec.input_types):
             total += sum(f.inputs[k].volume for f in spec.functions) * self.width(t.dtype)
@@ -56,17 +57,81 @@ class CostModel:
                 total += (m - 1) * moved
         return total
 
+    def compute(self, spec: JoinAggSpec, op: object) -> float:
+        return 0.0
+
+
+@dataclass(frozen=True)
+class CalibratedCostModel(CostModel):
+    """Seconds: bytes moved over the topology's links plus kernel time from a calibration.
+
+    Communication: a repartition moves (p-1)/p of the tensor, spread over the p devices' links; a
+    join moves the bytes its function specs read beyond one copy of each op-produced input (graph
+    inputs are loaded where they are read); an aggregation moves m-1 partial copies of a block.
+    Computation: the slowest function spec's kernel under the kernel model (a roofline whose
+    efficiency follows the measured, shape-dependent rates of the calibration file).
+    """
+
+    kernels: object = None      # exchange.plan_sim.KernelModel
+    bandwidth: float = 1.0      # bytes/s of one device's link
+
+    def _seconds(self, nbytes: float, p: int) -> float:
+        return nbytes / (max(p, 1) * self.bandwidth)
+
+    def repartition(self, t: TensorType, p: int = 1) -> float:
+        return self._seconds(t.nbytes * (p - 1) / max(p, 1), p)
+
+    def join(self, spec: JoinAggSpec, graph_inputs: tuple[bool, ...] = ()) -> float:
+        extra = 0.0
+        for k, t in enumerate(spec.input_types):
+            if k < len(graph_inputs) and graph_inputs[k]:
+                continue
+            read = sum(f.inputs[k].volume for f in spec.functions)
+            extra += max(0, read - t.volume) * itemsize(t.dtype)
+        return self._seconds(extra, spec.p)
+
+    def aggregation(self, spec: JoinAggSpec) -> float:
+        moved = 0.0
+        for box, m in spec.output_multiplicity().items():
+            if m > 1:
+                moved += (m - 1) * box.volume * itemsize(spec.output_type.dtype)
+        return self._seconds(moved, spec.p)
+
+    def compute(self, spec: JoinAggSpec, op: object) -> float:
+        model = self.kernels
+        kind = getattr(op, "kind", "compute")
+        out_w = itemsize(spec.output_type.dtype)
+        widths = [itemsize(t.dtype) for t in spec.input_types]
+        worst = 0.0
+        for f in spec.functions:
+            nbytes = sum(b.volume * w for b, w in zip(f.inputs, widths)) + f.output.volume * out_w
+            worst = max(worst, model.time(f.flops, nbytes, spec.output_type.dtype, kind))  # type: ignore[attr-defined]
+        return worst
+
 
 COST_MODELS: dict[str, CostModel] = {
     "paper": CostModel("paper", lambda dtype: 1.0),
     "bytes": CostModel("bytes", lambda dtype: float(itemsize(dtype))),
 }
+COST_MODEL_NAMES = ("paper", "bytes", "calibrated")
 
 
-def cost_model(name: str) -> CostModel:
-    if name not in COST_MODELS:
-        raise PlanError(f"unknown cost model {name!r}; choose one of {sorted(COST_MODELS)}.")
-    return COST_MODELS[name]
+def cost_model(name: str, topology: str | None = None, p: int = 1, calibration: str | None = None) -> CostModel:
+    """The cost model ``name``; ``calibrated`` needs the topology (and takes a calibration file)."""
+    if name not in COST_MODEL_NAMES:
+        raise PlanError(f"unknown cost model {name!r}; choose one of {list(COST_MODEL_NAMES)}.")
+    if name != "calibrated":
+        return COST_MODELS[name]
+    from relational_tensors.exchange.plan_sim import KernelModel
+    from relational_tensors.exchange.topology import get_topology
+
+    base = get_topology(topology or "hgx-h200")
+    topo = get_topology(base, gpus=p) if 1 < p <= len(base.sites) else base
+    sites = topo.sites
+    pairs = [(a, b) for a in sites for b in sites if a != b]
+    bw = sum(topo.bandwidth(a, b) for a, b in pairs) / len(pairs) if pairs else topo.hbm_bandwidth
+    return CalibratedCostModel("calibrated", lambda dtype: float(itemsize(dtype)),
+                               KernelModel.from_calibration(topo, calibration), bw)
 
 
 def spec_memory(spec: JoinAggSpec) -> int:

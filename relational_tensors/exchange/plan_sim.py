@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -30,27 +31,62 @@ DEFAULT_EFFICIENCY = {"matmul": 0.75, "attention": 0.55, "compute": 0.5, "memory
 MATMUL_KINDS = frozenset({"matmul", "einsum", "sql"})
 
 
+CALIBRATIONS = Path(__file__).resolve().parent / "calibrations"
+
+
 @dataclass(frozen=True)
 class KernelModel:
-    """Roofline times for compute tasks on one GPU of a topology."""
+    """Roofline times for compute tasks on one GPU of a topology.
+
+    ``curves`` holds measured rates by size for a kind (``matmul``, ``attention``: FLOP/s against
+    FLOPs; ``memory``: bytes/s against bytes), interpolated in log-size; kinds without a curve
+    use the peak rate times ``efficiency``.
+    """
 
     topology: Topology
     efficiency: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_EFFICIENCY))
+    curves: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    source: str = "defaults"
 
     @staticmethod
-    def from_calibration(topology: Topology, path: str | Path | None) -> KernelModel:
+    def from_calibration(topology: Topology, path: str | Path | None = None) -> KernelModel:
+        """Load a calibration file (``relational-tensors calibrate`` writes one); by default the one
+        shipped for the topology's name, if any."""
+        if path is None:
+            shipped = CALIBRATIONS / f"{topology.name}.json"
+            if not shipped.exists():
+                return KernelModel(topology)
+            path = shipped
+        data = json.loads(Path(path).read_text())
         eff = dict(DEFAULT_EFFICIENCY)
-        if path is not None:
-            data = json.loads(Path(path).read_text())
-            eff.update({k: float(v) for k, v in data.get("efficiency", {}).items()})
-        return KernelModel(topology, eff)
+        eff.update({k: float(v) for k, v in data.get("efficiency", {}).items()})
+        curves = {k: tuple(sorted((float(a), float(b)) for a, b in v)) for k, v in data.get("curves", {}).items()}
+        return KernelModel(topology, eff, curves, str(path))
+
+    def _rate(self, kind: str, size: float) -> float | None:
+        curve = self.curves.get(kind)
+        if not curve or size <= 0:
+            return None
+        xs = [math.log(a) for a, _ in curve]
+        x = math.log(size)
+        if x <= xs[0]:
+            return curve[0][1] * (size / curve[0][0]) if kind != "memory" else curve[0][1]
+        if x >= xs[-1]:
+            return curve[-1][1]
+        for (x0, (a0, r0)), (x1, (a1, r1)) in zip(zip(xs, curve), zip(xs[1:], curve[1:])):
+            if x0 <= x <= x1:
+                t = (x - x0) / (x1 - x0) if x1 > x0 else 0.0
+                return r0 + t * (r1 - r0)
+        return curve[-1][1]
 
     def time(self, flops: float, nbytes: float, dtype: str, kind: str) -> float:
         top = self.topology
         peak = top.peak_flops.get(dtype) or top.peak_flops.get("float32") or max(top.peak_flops.values())
-        eff = self.efficiency["matmul" if kind in MATMUL_KINDS else "attention" if kind == "attention" else "compute"]
-        compute = flops / (peak * eff) if flops else 0.0
-        memory = nbytes / (top.hbm_bandwidth * self.efficiency["memory"])
+        family = "matmul" if kind in MATMUL_KINDS else "attention" if kind == "attention" else "compute"
+        rate = self._rate(family, flops) if flops else None
+        compute = flops / rate if rate else (flops / (peak * self.efficiency[family]) if flops else 0.0)
+        mem_rate = self._rate("memory", nbytes) or top.hbm_bandwidth * self.efficiency["memory"]
+        memory = nbytes / mem_rate
         return top.launch_latency + max(compute, memory)
 
 

@@ -1,7 +1,7 @@
 -- One wave of Algorithm 1: for every operator of the wave (their in-piece producers
 -- are already in dp_table; the wave may span several pieces with no edge between
 -- them, which is the same as solving them one after another) and every eligible spec J,
---   B(J) = join(J) + aggregation(J) + sum over inputs k of
+--   B(J) = join(J) + aggregation(J) + compute(J) + sum over inputs k of
 --            0                                   graph input (materialized as J needs)
 --            [fixed tiling != in_k(J)]·|input|  producer fixed by an earlier piece
 --            min(Opt(P, in_k(J)), min_T Opt(P, T) + |input|)   producer in this piece
@@ -36,7 +36,7 @@ input_costs AS (
 ),
 costed AS (
     SELECT s.op_id, s.spec_id, s.output_tiling,
-           s.join_cost + s.aggregation_cost + $memory_price * s.resident_bytes + coalesce(ic.cost, 0.0) AS cost
+           s.join_cost + s.aggregation_cost + s.compute_cost + $memory_price * s.resident_bytes + coalesce(ic.cost, 0.0) AS cost
     FROM candidate_specs s
     JOIN wave USING (op_id)
     LEFT JOIN input_costs ic USING (op_id, spec_id)

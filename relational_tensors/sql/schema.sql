@@ -73,6 +73,7 @@ CREATE TABLE IF NOT EXISTS candidate_specs (
     output_tiling     INTEGER,
     join_cost         DOUBLE,
     aggregation_cost  DOUBLE,
+    compute_cost      DOUBLE,       -- 0 under the paper's model; kernel seconds under "calibrated"
     flops             DOUBLE,
     imbalance         DOUBLE,       -- max/min FLOPs over function specs, minus one
     balanced          BOOLEAN,
