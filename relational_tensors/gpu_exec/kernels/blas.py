@@ -2,8 +2,9 @@
 accumulation for the 16-bit types, on the caller's stream, writing into a given buffer.
 
 cuBLAS is called through its C API (ctypes) with a handle and a fixed workspace of our own per
-GPU: CuPy's wrappers refuse to run while a stream is being captured, and a preset workspace keeps
-cuBLAS from allocating inside a CUDA graph."""
+stream: CuPy's wrappers refuse to run while a stream is being captured, a preset workspace keeps
+cuBLAS from allocating inside a CUDA graph, and products running at once on different streams (the
+logical devices of one GPU) must not share a workspace."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ _GEMM_DEFAULT = -1
 WORKSPACE_BYTES = 32 << 20
 
 _lib: Any = None
-_handles: dict[int, tuple[int, Any]] = {}  # GPU -> (handle, workspace array)
+_handles: dict[tuple[int, int], tuple[int, Any]] = {}  # (GPU, stream) -> (handle, workspace array)
 
 
 def _cublas() -> Any:
@@ -52,8 +53,9 @@ def _cublas() -> Any:
     return _lib
 
 
-def _handle(device: int) -> int:
-    if device not in _handles:
+def _handle(device: int, stream_ptr: int) -> int:
+    key = (device, stream_ptr)
+    if key not in _handles:
         import cupy
 
         lib = _cublas()
@@ -62,8 +64,9 @@ def _handle(device: int) -> int:
             _check(lib.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
             ws = cupy.empty(WORKSPACE_BYTES, dtype=cupy.uint8)
             _check(lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(ws.data.ptr), WORKSPACE_BYTES), "cublasSetWorkspace")
-        _handles[device] = (h.value, ws)
-    return _handles[device][0]
+            _check(lib.cublasSetStream_v2(h, ctypes.c_void_p(stream_ptr)), "cublasSetStream")
+        _handles[key] = (h.value, ws)
+    return _handles[key][0]
 
 
 def _check(status: int, what: str) -> None:
@@ -81,8 +84,7 @@ def matmul(a: DevBuf, b: DevBuf, out: DevBuf, stream_ptr: int) -> None:
     if k == 0:
         raise ValueError("matmul with an empty contraction is handled by the caller")
     lib = _cublas()
-    handle = _handle(out.device)
-    _check(lib.cublasSetStream_v2(ctypes.c_void_p(handle), ctypes.c_void_p(stream_ptr)), "cublasSetStream")
+    handle = _handle(out.device, stream_ptr)
     stride_b = k * n if len(b.shape) > 2 else 0
     ctype = _COMPUTE[out.dtype]
     dt = _CUDA_TYPE[a.dtype]

@@ -1,0 +1,141 @@
+"""Where every buffer lives in its device's arena, and which cross-stream waits keep that safe.
+
+Pure planning, no GPU: the CuPy executor allocates one arena per logical device and issues the
+waits computed here; tests check the plan for hazards on any DAG.
+
+* reshape outputs alias their input (a row-major reshape of a block keeps its bytes in order);
+* buffers are placed first-fit over their lifetimes, so buffers alive together never overlap;
+* a task waits for the producers of its inputs on other streams (read after write) and for every
+  earlier task on another stream that touched memory its outputs reuse (write after read/write).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from relational_tensors.core.dtypes import itemsize
+from relational_tensors.exchange.tasks import Liveness, TaskDAG
+from relational_tensors.frontend.graph import Graph
+
+__all__ = ["MemoryPlan", "plan_memory", "plan_arena", "ALIGN", "align"]
+
+ALIGN = 256
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class Slot:
+    offset: int
+    size: int
+
+
+def plan_arena(sizes: dict[int, int], lifetimes: dict[int, tuple[int, int]]) -> tuple[dict[int, Slot], int, dict[int, list[int]]]:
+    """First-fit placement of buffers in one arena: buffers alive at the same time never overlap.
+
+    Returns each buffer's slot, the arena size, and for each buffer the earlier buffers whose
+    memory it reuses."""
+    order = sorted(sizes, key=lambda b: (-sizes[b], lifetimes[b][0], b))
+    placed: list[tuple[int, int, int, int, int]] = []  # (offset, end, born, dies, buffer)
+    slots: dict[int, Slot] = {}
+    for b in order:
+        size = align(max(sizes[b], 1))
+        born, dies = lifetimes[b]
+        busy = sorted((o, e) for o, e, bb, dd, _ in placed if not (dd < born or dies < bb))
+        offset = 0
+        for o, e in busy:
+            if offset + size <= o:
+                break
+            offset = max(offset, e)
+        slots[b] = Slot(offset, size)
+        placed.append((offset, offset + size, born, dies, b))
+    arena = max((s.offset + s.size for s in slots.values()), default=0)
+    reuses: dict[int, list[int]] = defaultdict(list)
+    for o, e, born, dies, b in placed:
+        for o2, e2, born2, dies2, b2 in placed:
+            if b2 != b and dies2 < born and o < e2 and o2 < e:
+                reuses[b].append(b2)
+    return slots, arena, dict(reuses)
+
+
+def buffer_bytes(dag: TaskDAG, b: int) -> tuple[int, int]:
+    """(bytes of the block, bytes of its lse rows) of buffer ``b``."""
+    buf = dag.buffers[b]
+    main = buf.box.volume * itemsize(buf.dtype)
+    rows = buf.box.volume // buf.box.shape[-1] if buf.partial == "lse" and buf.box.rank and buf.box.shape[-1] else 0
+    return main, rows * 4
+
+
+@dataclass
+class MemoryPlan:
+    alias: dict[int, int]                  # buffer -> buffer whose memory it shares
+    slots: dict[int, Slot]                 # root buffers -> slot in their device's arena
+    arena_bytes: dict[int, int]            # logical device -> arena size
+    reuses: dict[int, list[int]]           # root buffer -> earlier roots whose memory it reuses
+    waits: dict[int, list[int]]            # task -> tasks on other streams it waits for
+
+    def root(self, b: int) -> int:
+        return self.alias.get(b, b)
+
+    def byte_range(self, dag: TaskDAG, b: int) -> tuple[int, int, int]:
+        """(device, first byte, end byte) of buffer ``b`` in its arena."""
+        r = self.root(b)
+        slot = self.slots[r]
+        main, extra = buffer_bytes(dag, b)
+        return dag.buffers[r].device, slot.offset, slot.offset + (align(main) + extra if extra else main)
+
+
+def _aliases(graph: Graph, dag: TaskDAG) -> dict[int, int]:
+    root: dict[int, int] = {}
+    for t in dag.tasks:
+        if t.kind == "kernel" and graph.nodes[t.op].kind == "reshape":
+            src, dst = t.inputs[0], t.outputs[0]
+            if dag.buffers[src].partial is None and dag.buffers[dst].partial is None:
+                root[dst] = root.get(src, src)
+    return root
+
+
+def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness) -> MemoryPlan:
+    end = len(dag.tasks)
+    born: dict[int, int] = {}
+    for t in dag.tasks:
+        for b in t.outputs:
+            born.setdefault(b, 0 if t.kind == "load" else t.id)
+    alias = _aliases(graph, dag)
+    group_end: dict[int, int] = {}
+    for dst, src in alias.items():  # the shared memory lives until the last user of either
+        group_end[src] = max(group_end.get(src, live.last_use.get(src, end)), live.last_use.get(dst, end))
+    slots: dict[int, Slot] = {}
+    reuses: dict[int, list[int]] = {}
+    arena_bytes: dict[int, int] = {}
+    for d in range(dag.p):
+        mine = [b for b, buf in dag.buffers.items() if buf.device == d and b not in alias]
+        sizes = {}
+        for b in mine:
+            main, extra = buffer_bytes(dag, b)
+            sizes[b] = align(main) + extra
+        lifetimes = {b: (born.get(b, 0), group_end.get(b, live.last_use.get(b, end))) for b in mine}
+        s, total, r = plan_arena(sizes, lifetimes)
+        slots.update(s)
+        reuses.update(r)
+        arena_bytes[d] = total
+    producer: dict[int, int] = {}
+    touchers: dict[int, list[int]] = defaultdict(list)
+    for t in dag.tasks:
+        for b in (*t.inputs, *t.outputs):
+            touchers[alias.get(b, b)].append(t.id)
+        for b in t.outputs:
+            producer.setdefault(b, t.id)
+    waits: dict[int, list[int]] = {}
+    for t in dag.tasks:
+        if t.kind == "load":
+            continue
+        deps = {producer[b] for b in t.inputs if b in producer and dag.tasks[producer[b]].kind != "load"}
+        for b in t.outputs:
+            for old in reuses.get(alias.get(b, b), ()):
+                deps.update(x for x in touchers[old] if x < t.id and dag.tasks[x].kind != "load")
+        waits[t.id] = sorted(x for x in deps if dag.tasks[x].device != t.device)
+    return MemoryPlan(alias, slots, arena_bytes, reuses, waits)
