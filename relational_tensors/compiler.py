@@ -23,7 +23,7 @@ from relational_tensors.devices import DeviceSet, parse_devices, visible_gpus
 from relational_tensors.dp_optimizer.candidates import Candidates, build_candidates
 from relational_tensors.dp_optimizer.costs import COST_MODEL_NAMES
 from relational_tensors.dp_optimizer.costs import cost_model as get_cost_model
-from relational_tensors.dp_optimizer.plan import LogicalPlan, edge_repartition
+from relational_tensors.dp_optimizer.plan import LogicalPlan
 from relational_tensors.dp_optimizer.select import SELECTORS, select_dp, select_greedy, select_random
 from relational_tensors.dp_optimizer.trees import TACTICS, Piece, cut_pieces
 from relational_tensors.errors import ExecError, GraphError, OutOfMemoryPlanError, PlanError

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from relational_tensors.core.dtypes import itemsize
 from relational_tensors.exchange.flows import FlowNetwork
 from relational_tensors.exchange.tasks import TaskDAG
 from relational_tensors.exchange.topology import Topology

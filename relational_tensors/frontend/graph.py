@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Sequence
 
 from relational_tensors.core.types import TensorType, tensorDesc
 from relational_tensors.errors import GraphError

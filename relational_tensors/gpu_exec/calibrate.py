@@ -64,9 +64,9 @@ def measure(quick: bool = False) -> dict:
             a = cupy.random.standard_normal((m, k), dtype=cupy.float32).astype(cupy.float16)
             b = cupy.random.standard_normal((k, n), dtype=cupy.float32).astype(cupy.float16)
             c = cupy.empty((m, n), dtype=cupy.float16)
-            t = _time(lambda: matmul(buf(a), buf(b), buf(c), stream.ptr))
+            args = (buf(a), buf(b), buf(c), stream.ptr)
+            t = _time(lambda: matmul(*args))
             curves["matmul"].append([2.0 * m * n * k, 2.0 * m * n * k / t])
-            del a, b, c
         for seq in ([1024, 8192] if quick else [1024, 4096, 8192, 32768]):
             hq, hkv, d = 32, 8, 128
             q = cupy.random.standard_normal((1, seq, hq, d), dtype=cupy.float32).astype(cupy.float16)
@@ -75,17 +75,16 @@ def measure(quick: bool = False) -> dict:
             rows = np.arange(seq)
             lo = cupy.asarray(np.zeros(seq, np.int32))
             hi = cupy.asarray((rows + 1).astype(np.int32))
-            t = _time(lambda: attention(buf(q), buf(kv), buf(kv), buf(o), None, buf(lo, "int32"), buf(hi, "int32"),
-                                        0, 0, 1 / math.sqrt(d)))
+            args = (buf(q), buf(kv), buf(kv), buf(o), None, buf(lo, "int32"), buf(hi, "int32"), 0, 0, 1 / math.sqrt(d))
+            t = _time(lambda: attention(*args))
             flops = 4.0 * hq * d * seq * (seq + 1) / 2
             curves["attention"].append([flops, flops / t])
-            del q, kv, o
         for n in ([1 << 22, 1 << 28] if quick else [1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28]):
             x = cupy.random.standard_normal(n, dtype=cupy.float32).astype(cupy.float16)
             y = cupy.empty_like(x)
-            t = _time(lambda: te.unary(buf(x), buf(y), "relu"))
+            args = (buf(x), buf(y), "relu")
+            t = _time(lambda: te.unary(*args))
             curves["memory"].append([4.0 * n, 4.0 * n / t])
-            del x, y
     props = cupy.cuda.runtime.getDeviceProperties(0)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     return {"gpu": name, "source": "relational-tensors calibrate: our kernels, CUDA events, median of 10 rounds",

@@ -16,8 +16,6 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
@@ -29,48 +27,9 @@ from relational_tensors.exchange.tasks import Liveness, Task, TaskDAG
 from relational_tensors.frontend.graph import Graph
 from relational_tensors.gpu_exec.kernels import triton_copy as tc
 from relational_tensors.gpu_exec.kernels.common import DevBuf, bind_triton_to_cupy
+from relational_tensors.gpu_exec.memory_plan import ALIGN, align as _align, buffer_bytes, plan_memory
 
-__all__ = ["CupyExecutor", "plan_arena"]
-
-ALIGN = 256
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-@dataclass(frozen=True)
-class _Slot:
-    offset: int
-    size: int
-
-
-def plan_arena(sizes: Mapping[int, int], lifetimes: Mapping[int, tuple[int, int]]) -> tuple[dict[int, _Slot], int, dict[int, list[int]]]:
-    """First-fit placement of buffers in one arena: buffers alive at the same time never overlap.
-
-    Returns each buffer's slot, the arena size, and for each buffer the earlier buffers whose
-    memory it reuses."""
-    order = sorted(sizes, key=lambda b: (-sizes[b], lifetimes[b][0], b))
-    placed: list[tuple[int, int, int, int, int]] = []  # (offset, end, born, dies, buffer)
-    slots: dict[int, _Slot] = {}
-    for b in order:
-        size = _align(max(sizes[b], 1))
-        born, dies = lifetimes[b]
-        busy = sorted((o, e) for o, e, bb, dd, _ in placed if not (dd < born or dies < bb))
-        offset = 0
-        for o, e in busy:
-            if offset + size <= o:
-                break
-            offset = max(offset, e)
-        slots[b] = _Slot(offset, size)
-        placed.append((offset, offset + size, born, dies, b))
-    arena = max((s.offset + s.size for s in slots.values()), default=0)
-    reuses: dict[int, list[int]] = defaultdict(list)
-    for o, e, born, dies, b in placed:
-        for o2, e2, born2, dies2, b2 in placed:
-            if b2 != b and dies2 < born and o < e2 and o2 < e:
-                reuses[b].append(b2)
-    return slots, arena, reuses
+__all__ = ["CupyExecutor"]
 
 
 class CupyExecutor:
@@ -122,50 +81,20 @@ class CupyExecutor:
                             raise ExecError(f"enabling peer access from GPU {a} to GPU {b} failed: {e}") from None
 
     def _buffer_bytes(self, b: int) -> tuple[int, int]:
-        """(bytes of the block, bytes of its lse rows) for buffer ``b``."""
-        buf = self.dag.buffers[b]
-        main = buf.box.volume * itemsize(buf.dtype)
-        rows = buf.box.volume // buf.box.shape[-1] if buf.partial == "lse" and buf.box.rank and buf.box.shape[-1] else 0
-        return main, rows * 4
-
-    def _aliases(self) -> dict[int, int]:
-        """Reshape outputs that share their input's memory: a row-major reshape of a block keeps its
-        bytes in order (reshape specs split only the leading dimension of each group), so the kernel
-        is a no-op.  Maps each such output buffer to the buffer whose memory it uses."""
-        root: dict[int, int] = {}
-        for t in self.dag.tasks:
-            if t.kind == "kernel" and self.graph.nodes[t.op].kind == "reshape":
-                src, dst = t.inputs[0], t.outputs[0]
-                if self.dag.buffers[src].partial is None and self.dag.buffers[dst].partial is None:
-                    root[dst] = root.get(src, src)
-        return root
+        return buffer_bytes(self.dag, b)
 
     def _layout(self) -> None:
+        """One arena per logical device, laid out by the memory plan (no allocation after this)."""
         cp = self.cp
         dag = self.dag
-        end = len(dag.tasks)
-        born: dict[int, int] = {}
-        for t in dag.tasks:
-            for b in t.outputs:
-                born.setdefault(b, 0 if t.kind == "load" else t.id)
-        self.alias = self._aliases()
-        group_end: dict[int, int] = {}
-        for dst, src in self.alias.items():  # the shared memory lives until the last user of either
-            group_end[src] = max(group_end.get(src, self.live.last_use.get(src, end)), self.live.last_use.get(dst, end))
+        plan = plan_memory(self.graph, dag, self.live)
+        self.plan = plan
+        self.alias = plan.alias
+        self.arena_bytes = dict(plan.arena_bytes)
         self.arenas = []
         self.views: dict[int, Any] = {}
-        self.reuses: dict[int, list[int]] = {}
-        self.arena_bytes: dict[int, int] = {}
         for d in range(dag.p):
-            mine = [b for b, buf in dag.buffers.items() if buf.device == d and b not in self.alias]
-            sizes = {}
-            for b in mine:
-                main, extra = self._buffer_bytes(b)
-                sizes[b] = _align(main) + extra
-            lifetimes = {b: (born.get(b, 0), group_end.get(b, self.live.last_use.get(b, end))) for b in mine}
-            slots, total, reuses = plan_arena(sizes, lifetimes)
-            self.reuses.update(reuses)
-            self.arena_bytes[d] = total
+            total = plan.arena_bytes[d]
             with cp.cuda.Device(self.phys[d]):
                 try:
                     arena = cp.empty(max(total, ALIGN), dtype=cp.uint8)
@@ -173,18 +102,17 @@ class CupyExecutor:
                     raise ExecError(f"allocating the {total:,}-byte arena of logical device {d} on GPU "
                                     f"{self.phys[d]} failed: {e}") from None
             self.arenas.append(arena)
-            base = arena.data.ptr
-            for b in mine:
-                buf = dag.buffers[b]
-                ptr = base + slots[b].offset
-                main, extra = self._buffer_bytes(b)
-                view = DevBuf(ptr, buf.box.shape, buf.dtype, self.phys[d])
-                if buf.partial == "lse":
-                    lse = DevBuf(ptr + _align(main), buf.box.shape[:-1], "float32", self.phys[d])
-                    self.views[b] = (view, lse)
-                else:
-                    self.views[b] = view
-        for dst, src in self.alias.items():
+        for b, buf in dag.buffers.items():
+            if b in plan.alias:
+                continue
+            ptr = self.arenas[buf.device].data.ptr + plan.slots[b].offset
+            main, _ = self._buffer_bytes(b)
+            view = DevBuf(ptr, buf.box.shape, buf.dtype, self.phys[buf.device])
+            if buf.partial == "lse":
+                self.views[b] = (view, DevBuf(ptr + _align(main), buf.box.shape[:-1], "float32", self.phys[buf.device]))
+            else:
+                self.views[b] = view
+        for dst, src in plan.alias.items():
             buf = dag.buffers[dst]
             self.views[dst] = DevBuf(self.views[src].ptr, buf.box.shape, buf.dtype, self.views[src].device)
         self.slot_bytes = {b: self._buffer_bytes(b) for b in dag.buffers}
@@ -229,31 +157,11 @@ class CupyExecutor:
             self.task_consts[t.id] = consts
 
     def _dependencies(self) -> None:
-        """For each task, the tasks on other streams it must wait for: producers of its inputs, and every
-        toucher of a buffer whose memory its outputs reuse."""
-        dag = self.dag
-        producer: dict[int, int] = {}
-        touchers: dict[int, list[int]] = defaultdict(list)
-        for t in dag.tasks:
-            for b in (*t.inputs, *t.outputs):
-                touchers[self.alias.get(b, b)].append(t.id)
-            for b in t.outputs:
-                producer.setdefault(b, t.id)
-        self.waits: dict[int, list[int]] = {}
-        needs_event: set[int] = set()
-        for t in dag.tasks:
-            if t.kind == "load":
-                continue
-            deps = {producer[b] for b in t.inputs if b in producer and dag.tasks[producer[b]].kind != "load"}
-            for b in t.outputs:
-                for old in self.reuses.get(self.alias.get(b, b), ()):
-                    deps.update(x for x in touchers[old] if x < t.id and dag.tasks[x].kind != "load")
-            cross = sorted(d for d in deps if dag.tasks[d].device != t.device)
-            self.waits[t.id] = cross
-            needs_event.update(cross)
+        """Events for the tasks that tasks on other streams wait for (the memory plan's waits)."""
+        self.waits = self.plan.waits
         self.events = {}
-        for tid in needs_event:
-            with self.cp.cuda.Device(self.phys[dag.tasks[tid].device]):
+        for tid in sorted({w for ws in self.waits.values() for w in ws}):
+            with self.cp.cuda.Device(self.phys[self.dag.tasks[tid].device]):
                 self.events[tid] = self.cp.cuda.Event(block=False, disable_timing=True, interprocess=False)
 
     # --- inputs and outputs ---------------------------------------------------------------

@@ -33,7 +33,7 @@ def _cublas() -> Any:
     global _lib
     if _lib is None:
         import cupy  # noqa: F401  (loads libcublas into the process)
-        from cupy_backends.cuda.libs import cublas  # noqa: F401
+        from cupy_backends.cuda.libs import cublas  # noqa: F401  (idem)
 
         for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so.11", "libcublas.so"):
             try:

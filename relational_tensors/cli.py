@@ -1,0 +1,596 @@
+"""The command line: plan a graph, look at the plan, simulate and trace it, query catalogs.
+
+    relational-tensors demo                                  # plan, run and check a LLaMA-style block
+    relational-tensors plan model.py --devices cpu:8         # the plan table and the predicted time
+    relational-tensors exchange model.py q_proj              # one operator's exchange program
+    relational-tensors sql plans.duckdb "SELECT * FROM plan" # a catalog written by plan --catalog
+
+A model file is Python defining ``build()`` that returns an ``rt.Graph`` (or a
+``(torch module, example inputs)`` pair, traced with ``rt.from_torch``), or a
+module-level ``graph``.  ``--json`` prints machine-readable results on stdout;
+errors print one line on stderr and exit with status 1 (``--debug`` shows the
+traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import json
+import math
+import re
+import runpy
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+from relational_tensors.errors import RelationalTensorsError
+
+__all__ = ["main", "CommandError", "load_graph", "parse_bytes"]
+
+PROG = "relational-tensors"
+DEMO_TRACE = "relational_tensors_demo_trace.json"
+
+
+class CommandError(RelationalTensorsError):
+    """A command line argument that names nothing usable: a missing file, an unknown operator."""
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+@dataclass
+class _Ui:
+    """Where output goes: rich text for people, JSON for programs, errors on stderr."""
+
+    json: bool
+    quiet: bool
+    debug: bool
+
+    def __post_init__(self) -> None:
+        from rich.console import Console
+
+        # piped output gets a width that fits the plan table instead of rich's default 80 columns
+        self.out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+        self.err = Console(stderr=True, highlight=False)
+
+    @property
+    def people(self) -> bool:
+        """True when decorated, human output is wanted."""
+        return not (self.json or self.quiet)
+
+    def say(self, text: str, markup: bool = True) -> None:
+        if self.people:
+            self.out.print(text, markup=markup)
+
+    def text(self, text: str) -> None:
+        """Already-formatted text (tables), printed unchanged unless --json."""
+        if not self.json:
+            self.out.file.write(text if text.endswith("\n") else text + "\n")
+
+    def result(self, obj: Any) -> None:
+        print(json.dumps(obj, indent=1, default=_jsonable))
+
+    @contextlib.contextmanager
+    def status(self, what: str) -> Iterator[None]:
+        """A spinner on stderr while something runs, for people at a terminal only."""
+        if self.people and self.err.is_terminal:
+            with self.err.status(what):
+                yield
+        else:
+            yield
+
+
+def _jsonable(x: Any) -> Any:
+    if hasattr(x, "isoformat"):
+        return x.isoformat()
+    if hasattr(x, "item"):
+        return x.item()
+    if isinstance(x, (bytes, bytearray)):
+        return x.hex()
+    return str(x)
+
+
+def _seconds(t: float) -> str:
+    """A duration with a unit people read at a glance."""
+    if t < 1e-3:
+        return f"{t * 1e6:.1f} µs"
+    if t < 1.0:
+        return f"{t * 1e3:.3f} ms"
+    return f"{t:.3f} s"
+
+
+def _escape(s: object) -> str:
+    from rich.markup import escape
+
+    return escape(str(s))
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count with an optional unit (decimal ``GB``, binary ``GiB``).
+
+    >>> parse_bytes("80GiB"), parse_bytes("1.5e9"), parse_bytes("512 MB")
+    (85899345920, 1500000000, 512000000)
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"expected a byte count such as 80GiB, 512MB or 1e9; got {text!r}")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"memory per device must be at least one byte; got {text!r}")
+    return int(value)
+
+
+def _device_arg(text: str | None) -> object:
+    """The --devices text as compileGraph's device argument; default: every GPU, else 8 virtual CPUs."""
+    if text is None:
+        from relational_tensors.devices import visible_gpus
+
+        return None if visible_gpus() else "cpu:8"
+    text = text.strip()
+    if text.isdigit():
+        return int(text)
+    if re.fullmatch(r"\d+(\s*,\s*\d+)+", text):
+        return "cuda:" + text.replace(" ", "")
+    return text
+
+
+def _topology_arg(name: str) -> Any:
+    """A registered topology name, or the path of a topology JSON file (loaded)."""
+    from relational_tensors.exchange.topology import Topology, get_topology
+
+    if name.endswith(".json") or Path(name).is_file():
+        if not Path(name).is_file():
+            raise CommandError(f"no topology file {name!r}; give a registered name or an existing JSON file.")
+        return Topology.from_json(Path(name))
+    get_topology(name)  # raises ExchangeError naming the known topologies
+    return name
+
+
+def _topology_name(topology: Any) -> str:
+    return topology if isinstance(topology, str) else topology.name
+
+
+def load_graph(path: str) -> Any:
+    """The graph a model file defines: ``build()`` (a Graph, or a torch module and example inputs) or ``graph``."""
+    from relational_tensors.frontend.graph import Graph
+
+    file = Path(path)
+    if not file.is_file():
+        raise CommandError(f"no such file {path!r}; give a Python file that defines build() returning an "
+                           "rt.Graph, or a module-level graph.")
+    sys.path.insert(0, str(file.resolve().parent))  # so the file can import its neighbours
+    try:
+        try:
+            ns = runpy.run_path(str(file), run_name="__relational_tensors_model__")
+        except RelationalTensorsError:
+            raise
+        except Exception as e:
+            raise CommandError(f"running {path} failed with {type(e).__name__}: {e}") from e
+        build = ns.get("build")
+        if callable(build):
+            try:
+                made, source = build(), "build()"
+            except RelationalTensorsError:
+                raise
+            except Exception as e:
+                raise CommandError(f"{path}: build() failed with {type(e).__name__}: {e}") from e
+        elif "graph" in ns:
+            made, source = ns["graph"], "graph"
+        else:
+            raise CommandError(f"{path} defines neither build() nor a module-level graph; define build() "
+                               "returning an rt.Graph (or a (torch module, example inputs) pair).")
+    finally:
+        sys.path.remove(str(file.resolve().parent))
+    if isinstance(made, Graph):
+        return made
+    if isinstance(made, (tuple, list)) and len(made) == 2 and _is_torch_module(made[0]):
+        import relational_tensors as rt
+
+        return rt.from_torch(made[0], made[1])
+    raise CommandError(f"{path}: {source} must be an rt.Graph or a (torch.nn.Module, example inputs) pair; "
+                       f"got {type(made).__name__}.")
+
+
+def _is_torch_module(x: Any) -> bool:
+    torch = sys.modules.get("torch")  # a file that made a torch module has imported torch
+    return torch is not None and isinstance(x, torch.nn.Module)
+
+
+# ---------------------------------------------------------------------------------------------- compiling
+
+
+def _compile(args: argparse.Namespace, ui: _Ui, graph: Any) -> Any:
+    import relational_tensors as rt
+
+    device = _device_arg(args.devices)
+    with ui.status(f"planning {len(graph.operators)} operators for {device or 'every GPU'}"):
+        return rt.compileGraph(graph, device=device, selector=args.selector, seed=args.seed,
+                               cost_model=args.cost_model, memory_per_device=args.memory_per_device,
+                               catalog=args.catalog, tactic=args.tactic, schedule_mode=args.schedule,
+                               topology=args.topology_value)
+
+
+def _load_and_compile(args: argparse.Namespace, ui: _Ui) -> Any:
+    args.topology_value = _topology_arg(args.topology)  # an unknown topology fails before any work
+    with ui.status(f"loading {args.file}"):
+        graph = load_graph(args.file)
+    return _compile(args, ui, graph)
+
+
+def _summary(cg: Any, args: argparse.Namespace) -> dict[str, Any]:
+    return {"file": getattr(args, "file", None), "devices": str(cg.devices), "p": cg.p,
+            "selector": cg.plan.selector, "cost_model": cg.plan.cost_model, "plan_cost": cg.plan.cost,
+            "planning_s": sum(cg.timings.values())}
+
+
+def _width(ui: _Ui) -> int:
+    return max(ui.out.width, 100)
+
+
+# ---------------------------------------------------------------------------------------------- commands
+
+
+def cmd_plan(args: argparse.Namespace, ui: _Ui) -> int:
+    from relational_tensors.visualize import plan_rows, plan_table
+
+    cg = _load_and_compile(args, ui)
+    rows = plan_rows(cg)
+    topo = _topology_name(args.topology_value)
+    try:
+        with ui.status(f"simulating on {topo}"):
+            predicted: float | None = cg.simulate(args.topology_value, args.calibration)
+        why = None
+    except RelationalTensorsError as e:  # the plan stands even where this topology cannot hold it
+        predicted, why = None, str(e)
+    if ui.json:
+        ui.result({**_summary(cg, args), "topology": topo, "predicted_s": predicted,
+                   **({"simulation_error": why} if why else {}), "rows": rows})
+        return 0
+    ui.text(plan_table(cg, rows, width=_width(ui), titled=ui.people))
+    if predicted is not None:
+        ui.text(f"predicted time of one execution on {topo}: {_seconds(predicted)}" if ui.people
+                else f"predicted_s {predicted!r}")
+    else:
+        ui.text(f"not simulated on {topo}: {why}")
+    if args.catalog and ui.people:
+        ui.say(f"catalog written to {_escape(args.catalog)} (query it with: {PROG} sql {_escape(args.catalog)})")
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace, ui: _Ui) -> int:
+    from relational_tensors.visualize import plan_rows, plan_table
+
+    cg = _load_and_compile(args, ui)
+    rows = plan_rows(cg)
+    if ui.json:
+        ui.result({**_summary(cg, args), "rows": rows})
+    else:
+        ui.text(plan_table(cg, rows, width=_width(ui), titled=ui.people))
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace, ui: _Ui) -> int:
+    cg = _load_and_compile(args, ui)
+    topo = _topology_name(args.topology_value)
+    with ui.status(f"simulating on {topo}"):
+        t = cg.simulate(args.topology_value, args.calibration)
+    if ui.json:
+        ui.result({**_summary(cg, args), "topology": topo, "predicted_s": t})
+    elif ui.quiet:
+        print(repr(t))
+    else:
+        ui.say(f"predicted time of one execution of {_escape(args.file)} planned for {cg.devices} on {topo}: "
+               f"[bold]{_seconds(t)}[/] ({cg.dag.summary()})")
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace, ui: _Ui) -> int:
+    cg = _load_and_compile(args, ui)
+    topo = _topology_name(args.topology_value)
+    with ui.status(f"simulating on {topo}"):
+        path = cg.trace(args.out, args.topology_value, args.calibration)
+        t = cg.simulate(args.topology_value, args.calibration)
+    events = len(json.loads(Path(path).read_text())["traceEvents"])
+    if ui.json:
+        ui.result({**_summary(cg, args), "topology": topo, "path": path, "events": events, "predicted_s": t})
+    elif ui.quiet:
+        print(path)
+    else:
+        ui.say(f"wrote {events} trace events ({_seconds(t)} predicted on {topo}) to [bold]{_escape(path)}[/]; "
+               "open it in https://ui.perfetto.dev or chrome://tracing")
+    return 0
+
+
+def cmd_exchange(args: argparse.Namespace, ui: _Ui) -> int:
+    cg = _load_and_compile(args, ui)
+    programs = cg.exchange_programs()
+    name = args.op
+    if name not in programs and f"save:{name}" in programs:
+        name = f"save:{name}"
+    if name not in programs:
+        ops = {n.name for n in cg.graph.operators}
+        if name in ops:  # a real operator that reads only graph inputs: nothing moves
+            text = None
+        else:
+            raise CommandError(f"no operator named {args.op!r} in {args.file}; operators with exchange programs: "
+                               f"{', '.join(programs)}.")
+    else:
+        text = programs[name]
+    if ui.json:
+        ui.result({"op": name, "devices": str(cg.devices), "program": text})
+    elif text is None:
+        ui.text(f"{name} reads only graph inputs, which are loaded straight into the blocks it reads; "
+                "it has no exchange program.")
+    else:
+        ui.say(f"[bold]exchange program of {_escape(name)}[/] (p={cg.p}, {cg.devices}, split "
+               f"{_escape(cg.plan.split(name) if not name.startswith('save:') else 'saved output')})")
+        ui.text(text)
+    return 0
+
+
+def _render_table(table: Any, ui: _Ui, caption: str | None) -> str:
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    out = Table(caption=caption if ui.people else None)
+    for col in table.column_names:
+        out.add_column(col, overflow="fold")
+    for row in table.to_pylist():
+        out.add_row(*(_cell(v) for v in row.values()))
+    buf = io.StringIO()
+    Console(file=buf, width=_width(ui), force_terminal=False, color_system=None).print(out)
+    return buf.getvalue()
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "NULL"
+    if isinstance(v, float):
+        if math.isfinite(v) and v.is_integer() and abs(v) < 1e15:
+            return f"{v:,.0f}"
+        return f"{v:.6g}"
+    return str(v)
+
+
+def cmd_sql(args: argparse.Namespace, ui: _Ui) -> int:
+    from relational_tensors.catalog import Catalog
+
+    if not Path(args.catalog_file).is_file():
+        raise CommandError(f"no catalog file {args.catalog_file!r}; write one with "
+                           f"`{PROG} plan MODEL.py --catalog {args.catalog_file}`.")
+    cat = Catalog(args.catalog_file)
+    try:
+        if args.query is not None:
+            _run_query(cat, args.query, ui)
+            return 0
+        return _prompt(cat, ui)
+    finally:
+        cat.close()
+
+
+def _run_query(cat: Any, query: str, ui: _Ui) -> None:
+    t0 = time.perf_counter()
+    table = cat.sql(query)
+    took = time.perf_counter() - t0
+    if ui.json:
+        ui.result(table.to_pylist())
+    else:
+        ui.text(_render_table(table, ui, f"{table.num_rows} rows in {_seconds(took)}"))
+
+
+def _prompt(cat: Any, ui: _Ui) -> int:
+    """Read queries line by line until EOF or ``.quit``; errors are reported and reading goes on."""
+    interactive = sys.stdin.isatty()
+    if interactive and ui.people:
+        ui.say(f"catalog {_escape(cat.path)}: one SQL query per line; views plan, specs, plan_inputs; "
+               ".tables lists tables, .quit ends.")
+    failed = 0
+    while True:
+        if interactive:
+            sys.stdout.write("sql> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        query = line.strip().rstrip(";").strip()
+        if not query or query.startswith("--"):
+            continue
+        if query in (".quit", ".exit", "\\q"):
+            break
+        if query == ".tables":
+            query = "SELECT table_name, table_type FROM information_schema.tables ORDER BY table_name"
+        try:
+            _run_query(cat, query, ui)
+        except RelationalTensorsError as e:
+            failed += 1
+            _error_line(e)
+    return 1 if failed and not interactive else 0
+
+
+def cmd_calibrate(args: argparse.Namespace, ui: _Ui) -> int:
+    name = "relational_tensors.gpu_exec.calibrate"
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except ImportError:
+        found = False
+    if not found:
+        raise CommandError(f"calibration measures kernels and transfers on a GPU and needs the module {name}, "
+                           "which this installation does not have; run it on a GPU machine with the gpu extras.")
+    rc = importlib.import_module(name).main(list(args.rest))
+    return int(rc or 0)
+
+
+def cmd_demo(args: argparse.Namespace, ui: _Ui) -> int:
+    import numpy as np
+
+    import relational_tensors as rt
+    from relational_tensors.models import llama_block, llama_feeds
+    from relational_tensors.visualize import plan_rows, plan_table, show_tiling
+
+    topology = _topology_arg(args.topology)
+    topo = _topology_name(topology)
+    device = _device_arg(args.devices)
+    g = llama_block(batch=2, seq=256, d_model=256, n_heads=8, n_kv_heads=2, d_ff=704, dtype="float32",
+                    seq_ends=[64, 100, 256])
+    ui.say("[bold]LLaMA-style block[/]: batch 2 x 256 tokens (packed: 3 sequences), d_model 256, "
+           "8 query / 2 kv heads, d_ff 704, float32")
+    t0 = time.perf_counter()
+    with ui.status("planning"):
+        cg = rt.compileGraph(g, device=device, topology=topology)
+    planned = time.perf_counter() - t0
+    rows = plan_rows(cg)
+    if ui.people:
+        ui.text(plan_table(cg, rows, width=_width(ui)))
+        ui.text(show_tiling(cg, "y", width=_width(ui)))
+    ui.say(f"planned for {cg.devices} in {planned:.3f}s; task DAG: {cg.dag.summary()}")
+    feeds = llama_feeds(g)
+    t0 = time.perf_counter()
+    with ui.status(f"running on {cg.p} devices"):
+        out = cg.run(feeds)["y"]
+    ran = time.perf_counter() - t0
+    ref = rt.reference(g, feeds)["y"]
+    err = float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+    ok = err < 1e-4
+    peak = max(cg.memory().values())
+    predicted = cg.simulate(topology)
+    trace = cg.trace(args.trace, topology)
+    verdict = "[green]OK[/]" if ok else "[red]MISMATCH[/]"
+    if ui.json:
+        ui.result({**_summary(cg, args), "ok": ok, "max_relative_difference": err, "planned_s": planned,
+                   "ran_s": ran, "peak_bytes_per_device": peak, "topology": topo, "predicted_s": predicted,
+                   "trace": trace, "rows": rows})
+    elif ui.quiet:
+        print(f"{'OK' if ok else 'MISMATCH'} max relative difference {err:.1e}; predicted {_seconds(predicted)} "
+              f"on {topo}; trace {trace}")
+    else:
+        ui.say(f"ran on {cg.p} devices in {ran:.2f}s; peak memory per device {peak / 2**20:.1f} MiB; "
+               f"max relative difference from the single-device reference: {err:.1e} {verdict}")
+        ui.say(f"predicted time of one execution on {topo}: [bold]{_seconds(predicted)}[/]; "
+               f"trace written to [bold]{_escape(trace)}[/] (open in https://ui.perfetto.dev)")
+    return 0 if ok else 1
+
+
+# ---------------------------------------------------------------------------------------------- parser
+
+
+def _global_flags(parser: argparse.ArgumentParser, here: bool) -> None:
+    """--json/--quiet/--debug, accepted before or after the subcommand.  In a subparser the default is
+    SUPPRESS, so a flag given before the subcommand is not reset by the subparser's default."""
+    default: Any = False if here else argparse.SUPPRESS
+    parser.add_argument("--json", action="store_true", default=default,
+                        help="machine-readable output: results as JSON on stdout")
+    parser.add_argument("--quiet", "-q", action="store_true", default=default, help="print only the result")
+    parser.add_argument("--debug", action="store_true", default=default, help="show tracebacks on errors")
+
+
+def _plan_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", metavar="FILE", help="Python file defining build() -> rt.Graph, or graph")
+    o = parser.add_argument_group("planning")
+    o.add_argument("--devices", "--device", dest="devices", metavar="DEV",
+                   help="cpu:N (virtual CPUs), N or 0,1,.. (GPUs, may be absent when only planning), "
+                        "cuda:0,0 (devices sharing a GPU); default: every GPU, else cpu:8")
+    o.add_argument("--topology", default="hgx-h200",
+                   help="machine simulated: a registered name or a topology JSON file (default: hgx-h200)")
+    o.add_argument("--selector", default="dp", choices=("dp", "greedy", "random"), help="spec selector")
+    o.add_argument("--cost-model", default="paper", choices=("paper", "bytes"), help="cost model")
+    o.add_argument("--schedule", default="naive", choices=("naive", "search", "ai"),
+                   help="exchange-program synthesis")
+    o.add_argument("--tactic", default="tree", choices=("tree", "linear"), help="DP tactic")
+    o.add_argument("--seed", type=int, default=0, help="seed of the random selector and the search")
+    o.add_argument("--memory-per-device", type=parse_bytes, default=None, metavar="BYTES",
+                   help="memory limit per device, e.g. 80GiB")
+    o.add_argument("--catalog", default=None, metavar="PATH", help="persist the catalog in this DuckDB file")
+    o.add_argument("--calibration", default=None, metavar="PATH", help="kernel calibration file for simulation")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from relational_tensors import __version__
+    from relational_tensors.exchange.topology import TOPOLOGIES
+
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Plan AI computations over many devices as joins followed by aggregations.",
+        epilog=f"topologies: {', '.join(TOPOLOGIES)}. Run `{PROG} COMMAND --help` for a command's options.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    _global_flags(parser, here=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, func: Callable[[argparse.Namespace, _Ui], int], help: str,
+            **kw: Any) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help, **kw)
+        _global_flags(p, here=False)
+        p.set_defaults(func=func)
+        return p
+
+    d = add("demo", cmd_demo, "plan, run and check a LLaMA-style block on every GPU (or 8 virtual CPUs)")
+    d.add_argument("--devices", "--device", dest="devices", metavar="DEV",
+                   help="cpu:N, cuda:0,1,... (default: every GPU, else cpu:8)")
+    d.add_argument("--topology", default="hgx-h200", help="the machine the plan is simulated on")
+    d.add_argument("--trace", default=f"./{DEMO_TRACE}", metavar="PATH", help="where to write the Chrome trace")
+
+    _plan_options(add("plan", cmd_plan, "print the plan table (with placements) and the predicted time"))
+    _plan_options(add("explain", cmd_explain, "print the plan table only"))
+    _plan_options(add("simulate", cmd_simulate, "print the predicted seconds of one execution on --topology"))
+    t = add("trace", cmd_trace, "write a Chrome/Perfetto trace of the simulated execution")
+    _plan_options(t)
+    t.add_argument("out", metavar="OUT.json", help="the trace file to write")
+    e = add("exchange", cmd_exchange, "print one operator's exchange program (ExProg text)")
+    _plan_options(e)
+    e.add_argument("op", metavar="OP_NAME", help="an operator name (or a saved output's name)")
+    s = add("sql", cmd_sql, "run SQL on a catalog file; without a query, read queries from stdin")
+    s.add_argument("catalog_file", metavar="CATALOG.duckdb")
+    s.add_argument("query", nargs="?", default=None, metavar="QUERY")
+    c = add("calibrate", cmd_calibrate, "measure this GPU's kernels for the simulator (needs a GPU); "
+            "arguments after it go to the calibration module", add_help=False)
+    c.set_defaults(rest=[])
+    return parser
+
+
+def _error_line(e: BaseException) -> None:
+    msg = " ".join(str(e).split()) or type(e).__name__
+    if not isinstance(e, (RelationalTensorsError, OSError)):
+        msg = f"{type(e).__name__}: {msg} (run with --debug for the traceback)"
+    print(f"{PROG}: error: {msg}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 success, 1 failure, 2 bad usage)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    # only flags without values come before the command; everything after `calibrate` is its module's
+    command = next((i for i, tok in enumerate(argv) if not tok.startswith("-")), None)
+    if command is not None and argv[command] == "calibrate":
+        args = parser.parse_args(argv[:command + 1])
+        args.rest = argv[command + 1:]
+    else:
+        args = parser.parse_args(argv)
+    ui = _Ui(json=args.json, quiet=args.quiet, debug=args.debug)
+    try:
+        return int(args.func(args, ui))
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - every failure becomes one line unless --debug
+        if args.debug:
+            raise
+        _error_line(e)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
