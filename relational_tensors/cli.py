@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import importlib.util
 import json
 import math
 import re
@@ -55,7 +54,7 @@ class _Ui:
         from rich.console import Console
 
         # piped output gets a width that fits the plan table instead of rich's default 80 columns
-        self.out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+        self.out = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
         self.err = Console(stderr=True, highlight=False)
 
     @property
@@ -226,7 +225,8 @@ def _compile(args: argparse.Namespace, ui: _Ui, graph: Any) -> Any:
 
 def _load_and_compile(args: argparse.Namespace, ui: _Ui) -> Any:
     args.topology_value = _topology_arg(args.topology)  # an unknown topology fails before any work
-    with ui.status(f"loading {args.file}"):
+    # whatever the model file prints goes to stderr, so that --json output stays parseable
+    with ui.status(f"loading {args.file}"), contextlib.redirect_stdout(sys.stderr if ui.json else sys.stdout):
         graph = load_graph(args.file)
     return _compile(args, ui, graph)
 
@@ -326,8 +326,9 @@ def cmd_exchange(args: argparse.Namespace, ui: _Ui) -> int:
         if name in ops:  # a real operator that reads only graph inputs: nothing moves
             text = None
         else:
-            raise CommandError(f"no operator named {args.op!r} in {args.file}; operators with exchange programs: "
-                               f"{', '.join(programs)}.")
+            saved = ", ".join(cg.graph.outputs)
+            raise CommandError(f"no operator or saved output named {args.op!r} in {args.file}; operators: "
+                               f"{', '.join(n.name for n in cg.graph.operators)}; saved outputs: {saved}.")
     else:
         text = programs[name]
     if ui.json:
@@ -348,14 +349,14 @@ def _render_table(table: Any, ui: _Ui, caption: str | None) -> str:
     from rich.console import Console
     from rich.table import Table
 
-    out = Table(caption=caption if ui.people else None)
+    out = Table()
     for col in table.column_names:
         out.add_column(col, overflow="fold")
     for row in table.to_pylist():
         out.add_row(*(_cell(v) for v in row.values()))
     buf = io.StringIO()
     Console(file=buf, width=_width(ui), force_terminal=False, color_system=None).print(out)
-    return buf.getvalue()
+    return buf.getvalue() + (f"{caption}\n" if caption and ui.people else "")
 
 
 def _cell(v: Any) -> str:
@@ -391,7 +392,8 @@ def _run_query(cat: Any, query: str, ui: _Ui) -> None:
     if ui.json:
         ui.result(table.to_pylist())
     else:
-        ui.text(_render_table(table, ui, f"{table.num_rows} rows in {_seconds(took)}"))
+        rows = f"{table.num_rows} row{'' if table.num_rows == 1 else 's'}"
+        ui.text(_render_table(table, ui, f"{rows} in {_seconds(took)}"))
 
 
 def _prompt(cat: Any, ui: _Ui) -> int:
@@ -426,14 +428,12 @@ def _prompt(cat: Any, ui: _Ui) -> int:
 def cmd_calibrate(args: argparse.Namespace, ui: _Ui) -> int:
     name = "relational_tensors.gpu_exec.calibrate"
     try:
-        found = importlib.util.find_spec(name) is not None
-    except ImportError:
-        found = False
-    if not found:
-        raise CommandError(f"calibration measures kernels and transfers on a GPU and needs the module {name}, "
-                           "which this installation does not have; run it on a GPU machine with the gpu extras.")
-    rc = importlib.import_module(name).main(list(args.rest))
-    return int(rc or 0)
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        need = name if e.name == name else e.name
+        raise CommandError(f"calibration measures kernels and transfers on a GPU and needs the module {need}, "
+                           "which this installation does not have; run it on a GPU machine with the gpu extras.") from e
+    return int(module.main(list(args.rest)) or 0)
 
 
 def cmd_demo(args: argparse.Namespace, ui: _Ui) -> int:

@@ -352,30 +352,21 @@ class CompiledGraph:
         return {name: to_text(prog) for name, prog in self.lowered.programs.items()}
 
     def explain(self, file: Any = None, width: int = 160) -> str:
-        """Print (and return) the plan as a table: op, split, output tiling, costs, repartitions."""
-        from rich.console import Console
-        from rich.table import Table
+        """Print (and return) the plan as a table: op, split, output tiling, placement, costs, repartitions."""
+        from relational_tensors.visualize import plan_table
 
-        rows = self.sql(
-            "SELECT op_name, op_kind, split, output_tiling, repartitioned_inputs, repartition_cost, join_cost, "
-            "aggregation_cost, total_cost FROM plan ORDER BY op_id"
-        ).to_pylist()
-        unit = "elements" if self.plan.cost_model == "paper" else "bytes"
-        table = Table(title=f"plan for p={self.p} ({self.devices}), selector={self.plan.selector}, "
-                            f"cost model={self.plan.cost_model} ({unit})",
-                      caption=f"total cost {self.plan.cost:,.0f}; planned in {sum(self.timings.values()):.3f}s")
-        for col in ("op", "kind", "split", "out tiling", "repartitions", "repartition", "join", "aggregation", "total"):
-            table.add_column(col, justify="right" if col in ("repartition", "join", "aggregation", "total") else "left")
-        for r in rows:
-            table.add_row(r["op_name"], r["op_kind"], r["split"], r["output_tiling"], r["repartitioned_inputs"] or "",
-                          f"{r['repartition_cost']:,.0f}", f"{r['join_cost']:,.0f}", f"{r['aggregation_cost']:,.0f}",
-                          f"{r['total_cost']:,.0f}")
-        buf = io.StringIO()
-        Console(file=buf, width=width, force_terminal=False).print(table)
-        text = buf.getvalue()
-        if file is not None or file is None:
-            print(text, end="", file=file)
+        text = plan_table(self, width=width)
+        print(text, end="", file=file)
         return text
+
+    def show_tiling(self, tensor: str, width: int = 120, file: Any = None) -> str:
+        """Print (and return) which device holds which block of ``tensor`` (an operator, input or saved name)."""
+        from relational_tensors.visualize import show_tiling
+
+        text = show_tiling(self, tensor, width)
+        print(text, end="", file=file)
+        return text
+
 
 
 def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed: int = 0,

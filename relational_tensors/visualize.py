@@ -105,7 +105,8 @@ def layouts(cg: CompiledGraph, tensor_name: str) -> list[Layout]:
         for g, f in enumerate(spec.functions):
             blocks[f.output].append(where[g])
         partial = str(spec.aggregation) if any(len(v) > 1 for v in blocks.values()) else None
-        source = f"output of {node.name} ({node.kind}, {spec.split_text})"
+        saved = [k for k, v in cg.graph.outputs.items() if v == node.id]
+        source = f"{node.kind} output, split {spec.split_text}" + (f", saved as {', '.join(saved)}" if saved else "")
         return [Layout(node.name, space, names, {b: tuple(v) for b, v in blocks.items()}, partial, source)]
     out = []
     for c in cg.graph.consumers()[node.id]:
@@ -119,7 +120,7 @@ def layouts(cg: CompiledGraph, tensor_name: str) -> list[Layout]:
             for g, f in enumerate(spec.functions):
                 if not f.inputs[k].is_empty:
                     reads.setdefault(f.inputs[k], []).append(where[g])
-            source = f"read by {consumer.name} (input {k}, {spec.split_text})"
+            source = f"read by {consumer.name} as input {k} (split {spec.split_text})"
             out.append(Layout(node.name, space, names, {b: tuple(v) for b, v in reads.items()}, None, source,
                               consumer.name))
     return out
@@ -205,7 +206,6 @@ def _draw(lay: Layout, width: int) -> str:
     shown, panels = _shown_dims(grid)
     buf = io.StringIO()
     console = Console(file=buf, width=width, force_terminal=False, color_system=None)
-    what = f"⊕={lay.partial} partials" if lay.partial else "copies"
     console.print(f"{lay.tensor} {list(lay.space.shape)}: {lay.source}  [{lay.notation()}]", markup=False,
                   highlight=False)
 
@@ -222,7 +222,7 @@ def _draw(lay: Layout, width: int) -> str:
         cols_dim = shown[-1] if shown else None
         row_ivs = grid.intervals(rows_dim) if rows_dim is not None else (None,)
         col_ivs = grid.intervals(cols_dim) if cols_dim is not None else (None,)
-        corner = f"{name(rows_dim)} \\ {name(cols_dim)}" if rows_dim is not None else name(cols_dim)
+        corner = f"{name(rows_dim)} \\ {name(cols_dim)}" if rows_dim is not None else ""
         table = Table(show_lines=True, box=box.SQUARE)
         table.add_column(corner)
         for iv in col_ivs:
@@ -230,18 +230,23 @@ def _draw(lay: Layout, width: int) -> str:
         for riv in row_ivs:
             cells = []
             for civ in col_ivs:
-                lower, upper = list(grid.space.lower), list(grid.space.upper)
-                # a cell of the grid: the chosen intervals on the shown/panel dims, the first block elsewhere
-                for d in range(grid.rank):
-                    iv = fixed[d] if d in fixed else riv if d == rows_dim else civ if d == cols_dim else \
-                        grid.intervals(d)[0]
-                    lower[d], upper[d] = iv.lo, iv.hi
-                cells.append(_devices_text(lay.holders(Box(tuple(lower), tuple(upper))), lay.partial is not None))
-            table.add_row(str(riv) if riv is not None else "", *cells)
+                # one cell: the chosen interval on each shown or panel dimension, the whole extent elsewhere
+                chosen = dict(fixed)
+                if rows_dim is not None and riv is not None:
+                    chosen[rows_dim] = riv
+                if cols_dim is not None and civ is not None:
+                    chosen[cols_dim] = civ
+                cell = Box.from_intervals([chosen.get(d, grid.intervals(d)[0]) for d in range(grid.rank)])
+                cells.append(_devices_text(lay.holders(cell), lay.partial is not None))
+            table.add_row(str(riv) if riv is not None else name(cols_dim), *cells)
         console.print(table)
     unsplit = [d for d in range(grid.rank) if grid.counts[d] == 1 and d not in shown]
-    note = f"cells: the devices holding the block ({what}"
-    note += "; a+b: combined with ⊕)" if lay.partial else ")"
+    if lay.reader is not None:
+        note = "cells: the devices reading the block (a,b: copies; · not read)"
+    elif lay.partial is not None:
+        note = f"cells: the devices computing the block (a+b: partials combined with ⊕={lay.partial})"
+    else:
+        note = "cells: the device computing the block"
     if unsplit:
         note += "; whole along " + ", ".join(name(d) for d in unsplit)
     console.print(note, markup=False, highlight=False)

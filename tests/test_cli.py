@@ -1,0 +1,340 @@
+"""The command line, end to end in subprocesses, and the plan views it prints (placements, tiling grids)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import relational_tensors as rt
+from relational_tensors import cli
+from relational_tensors.core.types import Box
+from relational_tensors.devices import visible_gpus
+from relational_tensors.models import llama_block
+from relational_tensors.visualize import Layout, placement_notation, plan_rows, show_tiling
+
+MLP = '''
+import relational_tensors as rt
+
+def build():
+    g = rt.Graph()
+    x = g.input("x", [64, 32]); w1 = g.parameter("w1", [32, 64]); w2 = g.parameter("w2", [64, 32])
+    h = g.unary(g.matmul(x, w1, name="up"), "relu", name="act")
+    g.save(g.matmul(h, w2, name="down"), name="y")
+    return g
+'''
+
+# a module-level graph whose [2, 3] output splits into at most 6 blocks
+SMALL = '''
+import relational_tensors as rt
+
+graph = rt.Graph()
+a = graph.input("a", [2, 3])
+graph.save(graph.unary(a, "relu", name="r"), name="y")
+'''
+
+TORCH_MLP = '''
+import torch
+
+def build():
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    return module, (torch.randn(4, 8),)
+'''
+
+FILES = {"mlp.py": MLP, "small.py": SMALL, "torch_mlp.py": TORCH_MLP, "nobuild.py": "x = 1\n",
+         "broken.py": "def build():\n    raise RuntimeError('no weights here')\n"}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("models")
+    for name, text in FILES.items():
+        (d / name).write_text(text)
+    return d
+
+
+def run_cli(*args: object, cwd: Path | None = None, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "relational_tensors", *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd, input=stdin, timeout=120)
+
+
+def ok(r: subprocess.CompletedProcess[str]) -> str:
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def one_line_error(r: subprocess.CompletedProcess[str], *words: str) -> str:
+    """The failure contract: nonzero status, one stderr line with the program's prefix, no traceback."""
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("relational-tensors: error: ")
+    assert "Traceback" not in r.stderr
+    for w in words:
+        assert w in lines[0]
+    return lines[0]
+
+
+def check_chrome_trace(path: Path) -> list[dict[str, Any]]:
+    events = json.loads(path.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert spans
+    for e in spans:
+        assert isinstance(e["name"], str) and e["name"]
+        assert isinstance(e["pid"], int) and isinstance(e["tid"], int)
+        assert e["ts"] >= 0 and e["dur"] > 0
+    assert all(e["ph"] in ("X", "M") for e in events)
+    return events
+
+
+# ---------------------------------------------------------------------------------------------- commands
+
+
+def test_help_lists_every_command() -> None:
+    out = ok(run_cli("--help"))
+    for command in ("demo", "plan", "explain", "simulate", "trace", "exchange", "sql", "calibrate"):
+        assert command in out
+
+
+def test_plan_prints_the_table_with_placements_and_the_predicted_time(models: Path) -> None:
+    out = ok(run_cli("plan", models / "mlp.py", "--devices", "cpu:4"))
+    assert "placement" in out and "up" in out and "down" in out
+    assert "predicted time of one execution on hgx-h200" in out
+
+
+def test_plan_json_carries_rows_and_prediction(models: Path) -> None:
+    r = run_cli("--json", "plan", models / "mlp.py", "--devices", "4", "--topology", "dgx-a100",
+                "--selector", "greedy", "--cost-model", "bytes", "--seed", "1")
+    doc = json.loads(ok(r))
+    assert (doc["p"], doc["devices"], doc["topology"]) == (4, "cuda:0,1,2,3", "dgx-a100")
+    assert (doc["selector"], doc["cost_model"]) == ("greedy", "bytes")
+    assert doc["predicted_s"] > 0
+    assert [row["op_name"] for row in doc["rows"]] == ["up", "act", "down"]
+    assert all(row["placement"] for row in doc["rows"])
+
+
+def test_module_level_graph_with_a_memory_limit(models: Path) -> None:
+    out = ok(run_cli("plan", models / "small.py", "--devices", "cpu:2", "--memory-per-device", "1MiB", "--quiet"))
+    assert " r " in out and "predicted_s" in out
+
+
+def test_torch_module_factory_is_traced(models: Path) -> None:
+    pytest.importorskip("torch")
+    doc = json.loads(ok(run_cli("plan", models / "torch_mlp.py", "--devices", "cpu:2", "--json")))
+    assert doc["p"] == 2 and any(row["op_kind"] == "matmul" for row in doc["rows"])
+
+
+def test_explain_prints_the_table_only(models: Path) -> None:
+    out = ok(run_cli("explain", models / "mlp.py", "--devices", "cpu:2"))
+    assert "placement" in out and "total cost" in out and "predicted" not in out
+
+
+def test_simulate_prints_seconds(models: Path) -> None:
+    quiet = float(ok(run_cli("simulate", models / "mlp.py", "--topology", "pcie", "-q")))
+    doc = json.loads(ok(run_cli("simulate", models / "mlp.py", "--topology", "pcie", "--json")))
+    assert quiet > 0 and doc["predicted_s"] == pytest.approx(quiet) and doc["topology"] == "pcie"
+
+
+def test_topology_from_a_json_file(models: Path, tmp_path: Path) -> None:
+    from relational_tensors.exchange.topology import get_topology
+
+    (tmp_path / "a100.json").write_text(get_topology("dgx-a100").to_json())
+    by_file = json.loads(ok(run_cli("simulate", models / "mlp.py", "--topology", tmp_path / "a100.json", "--json")))
+    assert by_file["topology"] == "dgx-a100"
+    by_name = rt.compileGraph(cli.load_graph(str(models / "mlp.py")), device="cpu:8").simulate("dgx-a100")
+    assert by_file["predicted_s"] == pytest.approx(by_name)
+
+
+def test_trace_writes_a_chrome_trace(models: Path, tmp_path: Path) -> None:
+    out = ok(run_cli("trace", models / "mlp.py", tmp_path / "plan.json", "--devices", "cpu:4"))
+    assert str(tmp_path / "plan.json") in out
+    check_chrome_trace(tmp_path / "plan.json")
+
+
+def test_exchange_prints_one_program(models: Path) -> None:
+    out = ok(run_cli("exchange", models / "mlp.py", "down", "--devices", "cpu:4"))
+    assert "GPUS: 0, 1, 2, 3" in out and "IN:" in out and "OUT:" in out
+    doc = json.loads(ok(run_cli("--json", "exchange", models / "mlp.py", "y", "--devices", "cpu:4")))
+    assert doc["op"] == "save:y" and "PARTITIONS:" in doc["program"]
+
+
+def test_exchange_of_an_unknown_operator_names_the_known_ones(models: Path) -> None:
+    one_line_error(run_cli("exchange", models / "mlp.py", "nope"), "'nope'", "up, act, down")
+
+
+@pytest.mark.parametrize("args, words", [
+    (("plan", "missing.py"), ("no such file", "missing.py")),
+    (("plan", "nobuild.py"), ("neither build() nor a module-level graph",)),
+    (("simulate", "broken.py"), ("build() failed", "no weights here")),
+    (("plan", "mlp.py", "--topology", "nope"), ("unknown topology 'nope'", "hgx-h200")),
+    (("explain", "small.py", "--devices", "cpu:7"), ("p=7", "d0=2, d1=3")),
+    (("plan", "mlp.py", "--devices", "tpu:3"), ("'tpu:3'",)),
+], ids=["missing-file", "no-build", "build-raises", "unknown-topology", "too-many-devices", "bad-device"])
+def test_bad_input_is_one_line_on_stderr(models: Path, args: tuple[str, ...], words: tuple[str, ...]) -> None:
+    one_line_error(run_cli(*args, cwd=models), *words)
+
+
+def test_debug_shows_the_traceback(models: Path) -> None:
+    r = run_cli("--debug", "plan", "missing.py", cwd=models)
+    assert r.returncode != 0 and "Traceback" in r.stderr and "CommandError" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def catalog(models: Path) -> Path:
+    path = models / "plans.duckdb"
+    for devices in ("cpu:2", "cpu:4"):
+        ok(run_cli("plan", models / "mlp.py", "--devices", devices, "--catalog", path, "-q"))
+    return path
+
+
+def test_sql_queries_a_catalog_written_by_plan(catalog: Path) -> None:
+    q = "SELECT device, plan_cost FROM compilations ORDER BY compilation_id"
+    assert [row["device"] for row in json.loads(ok(run_cli("sql", catalog, q, "--json")))] == ["cpu:2", "cpu:4"]
+    out = ok(run_cli("sql", catalog, "SELECT op_name, split FROM plan WHERE compilation_id = 2 ORDER BY op_id"))
+    assert "op_name" in out and "down" in out and "3 rows" in out
+
+
+def test_sql_errors(catalog: Path, tmp_path: Path) -> None:
+    one_line_error(run_cli("sql", catalog, "SELEC nonsense"), "syntax error")
+    one_line_error(run_cli("sql", tmp_path / "none.duckdb", "SELECT 1"), "no catalog file")
+
+
+def test_sql_prompt_reads_queries_until_quit(catalog: Path) -> None:
+    r = run_cli("sql", catalog, stdin="SELECT count(*) AS n_ops FROM plan;\n\nbad query\n"
+                                      "SELECT 41 + 1 AS answer\n.quit\nSELECT 'never' AS unreached\n")
+    assert "n_ops" in r.stdout and "42" in r.stdout and "unreached" not in r.stdout
+    one_line_error(r, "syntax error")  # the bad line is reported and the prompt goes on; the status says so
+
+
+def test_calibrate_without_a_gpu_is_a_clear_error() -> None:
+    if visible_gpus():
+        pytest.skip("a GPU is visible: calibrate would measure it")
+    one_line_error(run_cli("calibrate", "--quick"), "GPU")
+
+
+def test_calibrate_hands_its_arguments_to_the_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[list[str]] = []
+    fake = types.ModuleType("relational_tensors.gpu_exec.calibrate")
+    fake.main = lambda argv: seen.append(argv) or 3  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "relational_tensors.gpu_exec.calibrate", fake)
+    assert cli.main(["--quiet", "calibrate", "--out", "c.json", "--quick"]) == 3
+    assert seen == [["--out", "c.json", "--quick"]]
+
+
+def test_demo_runs_checks_and_writes_a_trace(tmp_path: Path) -> None:
+    t0 = time.perf_counter()
+    r = run_cli("demo", "--trace", tmp_path / "demo.json", "--topology", "dgx-h100", cwd=tmp_path)
+    took = time.perf_counter() - t0
+    out = ok(r)
+    assert took < 30, f"the demo took {took:.1f}s"
+    assert "OK" in out and "MISMATCH" not in out
+    assert "predicted time of one execution on dgx-h100" in out
+    assert str(tmp_path / "demo.json") in out.replace("\n", "")
+    check_chrome_trace(tmp_path / "demo.json")
+
+
+def test_parse_bytes() -> None:
+    assert cli.parse_bytes("2KiB") == 2048 and cli.parse_bytes("3 GB") == 3 * 10**9
+    with pytest.raises(Exception, match="byte count"):
+        cli.parse_bytes("lots")
+
+
+# ---------------------------------------------------------------------------------------------- plan views
+
+
+def matmul_plan(m: int, k: int, n: int, p: int) -> Any:
+    g = rt.Graph()
+    a = g.input("a", [m, k])
+    w = g.parameter("w", [k, n])
+    g.save(g.matmul(a, w, name="mm"), name="y")
+    return rt.compileGraph(g, device=f"cpu:{p}")
+
+
+def test_rows_split_is_S0_and_the_weight_is_replicated() -> None:
+    cg = matmul_plan(64, 4, 4, 2)
+    assert cg.plan.split("mm") == "i=2,j=1,k=1"
+    assert (placement_notation(cg, "mm"), placement_notation(cg, "a"), placement_notation(cg, "w")) == \
+        ("S(0)", "S(0)", "R")
+    grid = show_tiling(cg, "mm")
+    assert "[S(0)]" in grid and "[0,32)" in grid and "[32,64)" in grid
+    assert "0,1" in show_tiling(cg, "w")  # both devices read the whole weight
+
+
+def test_contraction_split_is_a_partial_sum() -> None:
+    cg = matmul_plan(4, 64, 4, 2)
+    assert cg.plan.split("mm") == "i=1,j=2,k=1"  # j is the contracted index here
+    assert placement_notation(cg, "mm") == "P(sum)"
+    assert (placement_notation(cg, "a"), placement_notation(cg, "w")) == ("S(1)", "S(0)")
+    assert "0+1" in show_tiling(cg, "mm")
+
+
+def test_column_and_two_dimensional_splits() -> None:
+    cg = matmul_plan(4, 4, 64, 2)
+    assert cg.plan.split("mm") == "i=1,j=1,k=2" and placement_notation(cg, "mm") == "S(1)"
+    cg = matmul_plan(64, 64, 64, 8)
+    assert cg.plan.split("mm") == "i=2,j=2,k=2"
+    assert placement_notation(cg, "mm") == "S(0)S(1)P(sum)"
+    assert placement_notation(cg, "w") == "S(0)S(1)R"
+
+
+def test_data_parallel_llama_block_is_S0_throughout() -> None:
+    g = llama_block(batch=4, seq=64, d_model=64, n_heads=4, n_kv_heads=2, d_ff=48)
+    cg = rt.compileGraph(g, device="cpu:4")
+    assert all(cg.plan.split(n.id).split(",")[0] in ("batch=4", "b0=4") for n in g.operators)
+    assert placement_notation(cg, "y") == placement_notation(cg, "ffn_residual") == "S(0)"
+    assert placement_notation(cg, "x") == "S(0)" and placement_notation(cg, "wq") == "R"
+    rows = plan_rows(cg)
+    assert {r["placement"] for r in rows} == {"S(0)"}
+    assert list(rows[0])[:5] == ["op_name", "op_kind", "split", "output_tiling", "placement"]
+
+
+def test_three_split_dimensions_draw_one_grid_per_block_of_the_first() -> None:
+    g = rt.Graph()
+    a = g.input("a", [2, 2, 2])
+    g.save(g.unary(a, "relu", name="r"), name="y")
+    cg = rt.compileGraph(g, device="cpu:8")
+    assert cg.plan.split("r") == "d0=2,d1=2,d2=2"
+    assert placement_notation(cg, "r") == "S(0)S(1)S(2)"
+    text = show_tiling(cg, "r")
+    assert "d0 [0,1)" in text and "d0 [1,2)" in text and "d1 \\ d2" in text
+
+
+def test_input_read_differently_by_two_consumers() -> None:
+    g = rt.Graph()
+    x = g.input("x", [64, 4])
+    w = g.parameter("w", [4, 4])
+    t = g.input("t", [4, 64])
+    g.save(g.matmul(x, w, name="rows"), name="y")
+    g.save(g.matmul(g.matmul(t, x, name="contract"), w, name="after"), name="z")
+    cg = rt.compileGraph(g, device="cpu:2")
+    assert [cg.plan.split(op) for op in ("rows", "contract", "after")] == ["i=2,j=1,k=1", "i=1,j=2,k=1",
+                                                                          "i=1,j=1,k=2"]
+    assert placement_notation(cg, "x") == "S(0)"  # both consumers read halves of its rows
+    assert placement_notation(cg, "w") == "R by rows; S(1) by after"
+    text = show_tiling(cg, "w")
+    assert "read by rows" in text and "read by after" in text and "0,1" in text
+    with pytest.raises(rt.GraphError, match="no tensor named 'nope'"):
+        show_tiling(cg, "nope")
+
+
+def layout(blocks: dict[Box, tuple[int, ...]], partial: str | None = None) -> Layout:
+    return Layout("t", Box((0, 0), (8, 4)), ("a", "b"), blocks, partial, "test")
+
+
+def test_notation_of_uneven_mixed_and_overlapping_layouts() -> None:
+    halves = {Box((0, 0), (4, 4)): (0,), Box((4, 0), (8, 4)): (1,)}
+    assert layout(halves).notation() == "S(0)"
+    assert layout({Box((0, 0), (2, 4)): (0,), Box((2, 0), (8, 4)): (1,)}).notation() == "-"  # uneven
+    assert layout({Box((0, 0), (4, 4)): (0, 1), Box((4, 0), (8, 4)): (2,)}, "sum").notation() == "-"  # mixed
+    assert layout({Box((0, 0), (8, 4)): (0, 1), Box((4, 0), (8, 4)): (2,)}).notation() == "-"  # overlapping
+    assert layout({Box((0, 0), (8, 4)): (0, 1, 2)}, "lse").notation() == "P(lse)"
+    assert layout({Box((0, 0), (8, 4)): (0, 1, 2)}).notation() == "R"
+    assert layout({Box((0, 0), (8, 4)): (0,)}).notation() == "R"
+    assert layout({Box((0, 0), (4, 4)): (0, 2), Box((4, 0), (8, 4)): (1, 3)}, "max").notation() == "S(0)P(max)"
