@@ -5,7 +5,7 @@ and the executor of one join-agg spec (join -> aggregate -> recompose) that prov
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -16,7 +16,7 @@ from relational_tensors.errors import ExecError
 from relational_tensors.frontend.graph import Graph
 from relational_tensors.sql_specs.base import Operator
 
-__all__ = ["reference", "execute_spec", "run_operator", "coerce_feed"]
+__all__ = ["reference", "execute_spec", "run_operator", "coerce_feed", "check_feed_names"]
 
 
 def coerce_feed(name: str, value: Any, t: TensorType) -> np.ndarray:
@@ -30,6 +30,19 @@ def coerce_feed(name: str, value: Any, t: TensorType) -> np.ndarray:
     if (a.dtype.kind in "iu") != is_int or not known:
         raise ExecError(f"input {name!r} must be {t.dtype}; got an array of dtype {a.dtype}. Convert it first.")
     return a.astype(want, copy=False)
+
+
+def check_feed_names(graph: Graph, feeds: Mapping[str, Any], needed: Iterable[str]) -> dict[str, Any]:
+    """Graph inputs by name, after checking that ``feeds`` names only inputs and covers ``needed``."""
+    names = {n.name: n for n in graph.inputs}
+    unknown = sorted(set(feeds) - set(names))
+    if unknown:
+        raise ExecError(f"feeds name no graph input: {unknown}; inputs are {sorted(names)}.")
+    for name in needed:
+        if name not in feeds:
+            node = names[name]
+            raise ExecError(f"missing a value for input {name!r} of shape {node.type.shape} ({node.type.dtype}).")
+    return names
 
 
 def execute_spec(op: Operator, spec: JoinAggSpec, inputs: Sequence[np.ndarray]) -> np.ndarray:
@@ -59,15 +72,10 @@ def reference(graph: Graph, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """
     if not graph.outputs:
         raise ExecError("the graph saves no output; call g.save(tensor, name=...) on the results you want.")
-    names = {n.name for n in graph.inputs}
-    unknown = sorted(set(feeds) - names)
-    if unknown:
-        raise ExecError(f"feeds name no graph input: {unknown}; inputs are {sorted(names)}.")
+    check_feed_names(graph, feeds, [n.name for n in graph.inputs])
     values: dict[int, np.ndarray] = {}
     for node in graph.nodes:
         if node.op is None:
-            if node.name not in feeds:
-                raise ExecError(f"missing a value for input {node.name!r} of shape {node.type.shape} ({node.type.dtype}).")
             values[node.id] = coerce_feed(node.name, feeds[node.name], node.type)
         else:
             values[node.id] = run_operator(node.op, [values[i] for i in node.inputs])

@@ -168,17 +168,11 @@ class CupyExecutor:
     def load(self, feeds: Mapping[str, Any]) -> None:
         """Copy every graph input into the blocks the plan reads: NumPy arrays from the host, CuPy
         arrays and any ``__dlpack__`` tensor (a torch CUDA tensor) device to device without a host trip."""
-        from relational_tensors.reference import coerce_feed
+        from relational_tensors.reference import check_feed_names, coerce_feed
 
         cp = self.cp
-        names = {n.name: n for n in self.graph.inputs}
-        unknown = sorted(set(feeds) - set(names))
-        if unknown:
-            raise ExecError(f"feeds name no graph input: {unknown}; inputs are {sorted(names)}.")
+        names = check_feed_names(self.graph, feeds, self.dag.inputs)
         for name, blocks in self.dag.inputs.items():
-            if name not in feeds:
-                node = names[name]
-                raise ExecError(f"missing a value for input {name!r} of shape {node.type.shape} ({node.type.dtype}).")
             t = names[name].type
             value = feeds[name]
             on_device = _as_device_array(cp, value)
@@ -265,21 +259,7 @@ class CupyExecutor:
         for s in self.streams[1:]:
             s.wait_event(t0)
         marks: dict[int, tuple[Any, Any]] = {}
-        cp_ev = cp.cuda.Event
-        for t in self.dag.tasks:
-            if t.kind == "load":
-                continue
-            stream = self.streams[t.device]
-            with cp.cuda.Device(self.phys[t.device]), stream:
-                for dep in self.waits[t.id]:
-                    stream.wait_event(self.events[dep])
-                a, b = cp_ev(), cp_ev()
-                a.record(stream)
-                self._run(t, stream)
-                b.record(stream)
-                if t.id in self.events:
-                    self.events[t.id].record(stream)
-                marks[t.id] = (a, b)
+        self._issue_all(marks)
         self.synchronize()
         self.runs += 1
         return [(tid, cp.cuda.get_elapsed_time(t0, a), cp.cuda.get_elapsed_time(t0, b)) for tid, (a, b) in marks.items()]
@@ -321,7 +301,9 @@ class CupyExecutor:
         with cp.cuda.Device(self.phys[0]):
             self.graph_exec = origin.end_capture()
 
-    def _issue_all(self) -> None:
+    def _issue_all(self, marks: dict[int, tuple[Any, Any]] | None = None) -> None:
+        """Issue every task on its stream after the events it waits for; with ``marks``, bracket each
+        task with timing events (for profile())."""
         cp = self.cp
         for t in self.dag.tasks:
             if t.kind == "load":
@@ -330,6 +312,9 @@ class CupyExecutor:
             with cp.cuda.Device(self.phys[t.device]), stream:
                 for dep in self.waits[t.id]:
                     stream.wait_event(self.events[dep])
+                if marks is not None:
+                    marks[t.id] = (cp.cuda.Event(), cp.cuda.Event())
+                    marks[t.id][0].record(stream)
                 try:
                     self._run(t, stream)
                 except ExecError:
@@ -337,6 +322,8 @@ class CupyExecutor:
                 except Exception as e:  # a CUDA, cuBLAS or Triton error: name the task
                     raise ExecError(f"task {t.id} ({t.label}, {t.kind}) on logical device {t.device} "
                                     f"(GPU {self.phys[t.device]}) failed: {type(e).__name__}: {e}") from e
+                if marks is not None:
+                    marks[t.id][1].record(stream)
                 if t.id in self.events:
                     self.events[t.id].record(stream)
 

@@ -16,7 +16,7 @@ from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.errors import ExecError
 from relational_tensors.exchange.tasks import Liveness, TaskDAG
 from relational_tensors.frontend.graph import Graph
-from relational_tensors.reference import coerce_feed
+from relational_tensors.reference import check_feed_names, coerce_feed
 
 __all__ = ["NumpyExecutor"]
 
@@ -52,14 +52,8 @@ class NumpyExecutor:
 
     def load(self, feeds: Mapping[str, Any]) -> None:
         """Materialize every graph input straight into the blocks the plan reads, on their devices."""
-        names = {n.name: n for n in self.graph.inputs}
-        unknown = sorted(set(feeds) - set(names))
-        if unknown:
-            raise ExecError(f"feeds name no graph input: {unknown}; inputs are {sorted(names)}.")
+        names = check_feed_names(self.graph, feeds, self.dag.inputs)
         for name, blocks in self.dag.inputs.items():
-            if name not in feeds:
-                node = names[name]
-                raise ExecError(f"missing a value for input {name!r} of shape {node.type.shape} ({node.type.dtype}).")
             whole = coerce_feed(name, feeds[name], names[name].type)
             for box, buf in blocks:
                 self._put(buf, np.array(whole[box.slices()], copy=True))
