@@ -121,3 +121,16 @@ def test_trace_has_a_track_per_device(block: rt.CompiledGraph, tmp_path) -> None
 def test_simulating_other_topologies(block: rt.CompiledGraph) -> None:
     a100, h200, v100 = (block.simulate(t) for t in ("dgx-a100", "hgx-h200", "dgx-v100"))
     assert h200 < a100 < v100
+
+
+def test_calibration_curves_interpolate_and_hold_their_ends(tmp_path) -> None:
+    from relational_tensors.exchange.plan_sim import KernelModel
+
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"curves": {"matmul": [[1e9, 1e14], [1e12, 5e14]]}}))
+    model = KernelModel.from_calibration(A100, str(path))
+    lat = A100.launch_latency
+    small, mid, big = (model.time(f, 0, "float16", "matmul") - lat for f in (1e6, 10 ** 10.5, 1e15))
+    assert small == pytest.approx(1e6 / 1e14)  # below the curve: the smallest point's rate, no floor
+    assert big == pytest.approx(1e15 / 5e14)   # above it: the largest point's rate
+    assert 10 ** 10.5 / 5e14 < mid < 10 ** 10.5 / 1e14  # between: interpolated in log-size

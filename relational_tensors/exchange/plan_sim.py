@@ -68,8 +68,8 @@ class KernelModel:
             return None
         xs = [math.log(a) for a, _ in curve]
         x = math.log(size)
-        if x <= xs[0]:
-            return curve[0][1] * (size / curve[0][0]) if kind != "memory" else curve[0][1]
+        if x <= xs[0]:  # below the smallest measurement: its rate (the launch latency is charged apart)
+            return curve[0][1]
         if x >= xs[-1]:
             return curve[-1][1]
         for (x0, (a0, r0)), (x1, (a1, r1)) in zip(zip(xs, curve), zip(xs[1:], curve[1:])):
