@@ -1,0 +1,17 @@
+"""The README's example from graph to result runs as written."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+
+def test_readme_example_runs() -> None:
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("## From graph to result", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        exec(compile(code, "README.md", "exec"), {})
+    assert "plan for p=8" in out.getvalue() and "repartition_cost" in out.getvalue()
