@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from relational_tensors.errors import PlanError
 from relational_tensors.exchange.flows import FlowNetwork
 from relational_tensors.exchange.tasks import TaskDAG
 from relational_tensors.exchange.topology import Topology
@@ -187,7 +188,8 @@ def simulate_plan(dag: TaskDAG, graph: Graph, topology: Topology, model: KernelM
         candidates = [x for x in (nxt_flow, nxt_task) if x is not None]
         if not candidates:
             stuck = [dag.tasks[q[head[d]]].label for d, q in queues.items() if head[d] < len(q)]
-            raise RuntimeError(f"plan simulation stalled with {remaining} tasks left, e.g. {stuck[:3]}")
+            raise PlanError(f"plan simulation stalled with {remaining} tasks left, e.g. {stuck[:3]}; the task "
+                            "DAG has a dependency no task satisfies.")
         now = max(now, min(candidates))
         for tid in network.advance_to(now):
             finish(tid, now)

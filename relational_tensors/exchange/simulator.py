@@ -293,25 +293,14 @@ def _dests(prog: ExProg, action: Action, site: int, membership: Mapping[str, tup
 
 
 def _closure_valid(prog: ExProg, membership: Mapping[str, tuple[int, ...]], actions: list[Action]) -> bool:
-    """Untimed validity: the closure fires every action and holds every OUT requirement."""
-    state: dict[int, set[frozenset[str]]] = {g: set() for g in prog.gpus}
-    for a in prog.inputs:
-        state[a.site].add(frozenset({a.atom}))
-    todo = _instances(prog, membership, actions)
-    changed = True
-    while changed:
-        changed = False
-        for inst in list(todo):
-            action, s = inst
-            if exact_cover(action.aggregate, state[s]) is not None:
-                todo.remove(inst)
-                changed = True
-                for d in (s, *_dests(prog, action, s, membership)):
-                    state[d].add(action.aggregate)
-    if todo:
+    """Untimed validity, judged by the closure of Definition 5.5 (the one judge of validity)."""
+    from relational_tensors.exchange.closure import check
+
+    try:
+        check(prog.with_body(actions), dict(membership))
+    except ExchangeError:
         return False
-    return all(r.aggregate in state[s] for r in prog.outputs for t in r.targets
-               for s in _sites(prog, t, membership))
+    return True
 
 
 # ------------------------------------------------------------------------ the timed run
@@ -384,5 +373,6 @@ def _run(prog: ExProg, top: Topology, membership: dict[str, tuple[int, ...]], ac
     unmet = tuple((r.aggregate, s) for r in prog.outputs for t in r.targets
                   for s in _sites(prog, t, membership) if r.aggregate not in state[s])
     trace.sort(key=lambda e: (e.start, e.end, e.site, -1 if e.dest is None else e.dest, _action_key(e.action)))
+    valid = not unfired and not unmet and _closure_valid(prog, membership, actions)
     return SimResult(max((e.end for e in trace), default=0.0), tuple(trace), membership,
-                     not unfired and not unmet, unfired, unmet, search)
+                     valid, unfired, unmet, search)

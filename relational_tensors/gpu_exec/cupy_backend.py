@@ -179,14 +179,17 @@ class CupyExecutor:
             if on_device is not None:
                 if tuple(on_device.shape) != t.shape:
                     raise ExecError(f"input {name!r} must have shape {t.shape}; got {tuple(on_device.shape)}.")
+                on_device = _device_coerce(cp, name, on_device, t.dtype, value)
+                self._check_ids(name, on_device)
                 for box, b in blocks:
                     view = self.views[b]
                     with cp.cuda.Device(view.device):
                         src = on_device[box.slices()]
                         dst = _cupy_of(cp, view)
-                        dst[...] = src.astype(dst.dtype, copy=False) if t.dtype != "bfloat16" else src
+                        dst[...] = src
             else:
                 whole = coerce_feed(name, value, t)
+                self._check_ids(name, whole)
                 for box, b in blocks:
                     view = self.views[b]
                     host = np.ascontiguousarray(whole[box.slices()])
@@ -198,6 +201,16 @@ class CupyExecutor:
             with cp.cuda.Device(d):
                 cp.cuda.Device(d).synchronize()
         self.loaded = True
+
+    def _check_ids(self, name: str, ids: Any) -> None:
+        """Embedding ids must index their table: the GPU gather has no way to report a bad id."""
+        for node in self.graph.operators:
+            if node.kind == "embedding" and self.graph.nodes[node.inputs[1]].name == name and ids.size:
+                vocab = node.op.input_types[0].shape[0]
+                lo, hi = int(ids.min()), int(ids.max())
+                if lo < 0 or hi >= vocab:
+                    raise ExecError(f"embedding ids must lie in [0, {vocab}); got values from {lo} to {hi} "
+                                    f"in input {name!r}.")
 
     def offload(self, name: str, like: str = "numpy") -> Any:
         """The saved tensor ``name``: a NumPy array (bfloat16 through ml_dtypes) or, with like="cupy",
@@ -395,6 +408,27 @@ def _cupy_of(cp: Any, view: DevBuf) -> Any:
     dtype = np.uint16 if view.dtype == "bfloat16" else numpy_dtype(view.dtype)
     mem = cp.cuda.UnownedMemory(view.ptr, max(view.nbytes, 1), None, view.device)
     return cp.ndarray(view.shape, dtype=dtype, memptr=cp.cuda.MemoryPointer(mem, 0))
+
+
+def _device_coerce(cp: Any, name: str, arr: Any, dtype: str, original: Any) -> Any:
+    """A device array in the storage of ``dtype``: floats convert among float dtypes (bfloat16 by
+    rounding to its 16-bit pattern), ints among ints; anything else is refused, as on the host."""
+    was_bf16 = str(getattr(original, "dtype", "")).endswith("bfloat16")
+    kind = "f" if was_bf16 else arr.dtype.kind
+    want_int = dtype.startswith("int")
+    if (kind in "iu") != want_int or kind not in "iuf":
+        raise ExecError(f"input {name!r} must be {dtype}; got an array of dtype "
+                        f"{getattr(original, 'dtype', arr.dtype)}. Convert it first.")
+    if dtype == "bfloat16":
+        if was_bf16:
+            return arr.view(cp.uint16)
+        bits = arr.astype(cp.float32).view(cp.uint32)
+        rounded = bits + (cp.uint32(0x7FFF) + ((bits >> 16) & cp.uint32(1)))  # round to nearest even
+        return (rounded >> 16).astype(cp.uint16)
+    if was_bf16:
+        widened = (arr.view(cp.uint16).astype(cp.uint32) << 16).view(cp.float32)
+        return widened.astype(numpy_dtype(dtype))
+    return arr.astype(numpy_dtype(dtype), copy=False)
 
 
 def _as_device_array(cp: Any, value: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 import numpy as np
@@ -20,8 +21,8 @@ def check_seq_ends(kind: str, seq_ends: Sequence[int] | None, length: int) -> tu
     if seq_ends is None:
         return None
     try:
-        ends = tuple(int(e) for e in seq_ends)
-    except (TypeError, ValueError):
+        ends = tuple(operator.index(e) for e in seq_ends)
+    except TypeError:
         raise GraphError(f"{kind} seq_ends must be a list of integers; got {seq_ends!r}.") from None
     if not ends or any(b <= a for a, b in zip((0, *ends), ends)):
         raise GraphError(

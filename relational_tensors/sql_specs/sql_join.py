@@ -326,7 +326,8 @@ class SqlJoinOp(IndexedOp):
         out_sub = "".join(letters[n] for n in p.out)
         arrays = [self._compute(b) for b in blocks]
         product = _product_of_values(p.expr)
-        if p.agg in ("sum", None) and product is not None and len(set(product)) == len(product):
+        # the einsum shortcut counts each join tuple once, so it needs every relation in the product
+        if p.agg in ("sum", None) and product is not None and sorted(product) == sorted(p.relations):
             pos = {rel: n for n, rel in enumerate(p.relations)}
             sub = ",".join(subs[pos[r]] for r in product) + "->" + out_sub
             return self._result(np.einsum(sub, *(arrays[pos[r]] for r in product)))

@@ -17,6 +17,7 @@ import math
 import triton
 import triton.language as tl
 
+from relational_tensors.errors import ExecError
 from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr
 
 __all__ = ["attention"]
@@ -140,7 +141,8 @@ def _pick(key: tuple, args: tuple, consts: dict, sq: int, nbh: int) -> tuple[int
     if key in _chosen:
         return _chosen[key]
     if cupy.cuda.runtime.streamIsCapturing(cupy.cuda.get_current_stream().ptr):
-        raise RuntimeError("attention configs are chosen in the first (eager) run, not during graph capture")
+        raise ExecError("attention kernel configurations are chosen in the first (eager) run, not during "
+                        "graph capture; execute once before capturing.")
     stream = cupy.cuda.get_current_stream()
     best, best_t = None, float("inf")
     for cfg in IEEE_CONFIGS if consts["IEEE"] else CONFIGS:
@@ -160,7 +162,7 @@ def _pick(key: tuple, args: tuple, consts: dict, sq: int, nbh: int) -> tuple[int
         if t < best_t:
             best, best_t = cfg, t
     if best is None:
-        raise RuntimeError("no attention kernel configuration fits this GPU")
+        raise ExecError("no attention kernel configuration fits this GPU's shared memory and registers.")
     _chosen[key] = best
     return best
 
