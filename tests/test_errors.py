@@ -480,3 +480,12 @@ def test_embedding_id_out_of_range_under_a_vocabulary_split(emb_graph) -> None:
     spec = op.spec({"vocab": [I(0, 2), I(2, 5)]})
     with pytest.raises(rt.ExecError, match=esc("embedding ids must lie in [0, 5); got values from 0 to 7")):
         rt.execute_spec(op, spec, [np.ones((5, 3), dtype=np.float32), np.array([0, 7, 1, 1])])
+
+
+def test_seq_ends_must_be_integers() -> None:
+    g = rt.Graph()
+    x = g.input("x", [1, 8, 2, 4])
+    with pytest.raises(rt.GraphError, match=r"seq_ends must be a list of integers; got \(2\.5, 8\)"):
+        g.rope(x, seq_ends=[2.5, 8])
+    with pytest.raises(rt.GraphError, match="seq_ends must be a list of integers"):
+        g.attention(x, x, x, causal=True, seq_ends=[4.0, 8])

@@ -574,3 +574,12 @@ def test_feeds_convert_among_floats_and_among_ints(rng, src: str, dst: str) -> N
     want = x.astype(rt.core.dtypes.numpy_dtype(dst)).reshape(12)
     assert got.dtype == want.dtype
     np.testing.assert_array_equal(got, want)
+
+
+def test_sql_counts_every_join_tuple_even_when_a_relation_has_no_value_in_the_sum() -> None:
+    g = rt.Graph()
+    a = g.input("A", [3, 4], "float64", dims=("i", "j"))
+    b = g.input("B", [4, 5], "float64", dims=("j", "k"))
+    g.save(g.sql("SELECT A.i, SUM(A.v) AS v FROM A JOIN B ON A.j = B.j GROUP BY A.i", A=a, B=b), name="y")
+    got = rt.reference(g, {"A": np.ones((3, 4)), "B": np.ones((4, 5))})["y"]
+    np.testing.assert_array_equal(got, np.full(3, 20.0))  # 4 values of j times 5 matching rows of B

@@ -442,3 +442,11 @@ def test_topology_checks_its_data():
         Topology("broken", (0, 1), 1e12, 1, {}, 0.0, {}, good.routes)
     with pytest.raises(ExchangeError, match="topology file"):
         Topology.from_json('{"name": "x"}')
+
+
+def test_simulator_and_closure_agree_on_partition_sources() -> None:
+    from relational_tensors.exchange.closure import is_valid
+    from relational_tensors.exchange.text import parse
+
+    prog = parse("GPUS: 0, 1\nPARTITIONS: G {0, 1}\nIN: A @ 0\nOUT: A @ 1\nA @ G -> 1")
+    assert simulate(prog, get_topology("dgx-a100", gpus=2)).valid == is_valid(prog)

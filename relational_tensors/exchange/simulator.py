@@ -296,8 +296,10 @@ def _closure_valid(prog: ExProg, membership: Mapping[str, tuple[int, ...]], acti
     """Untimed validity, judged by the closure of Definition 5.5 (the one judge of validity)."""
     from relational_tensors.exchange.closure import check
 
+    sized = {name: sites for name, sites in membership.items()
+             if (part := prog.partition(name)) is not None and part.members is None}
     try:
-        check(prog.with_body(actions), dict(membership))
+        check(prog.with_body(actions), sized)
     except ExchangeError:
         return False
     return True
