@@ -203,6 +203,36 @@ def _pass_liveness(s: _State) -> None:
     )
 
 
+def _pass_verify(s: _State) -> None:
+    """Changes nothing: every exchange program is valid (Definition 5.5) with the membership lowering
+    used, every kernel computes its function spec's block on the device it was placed on, and saved
+    outputs are covered by their blocks with their dtypes unchanged."""
+    from relational_tensors.core.tiling import check_tiles
+    from relational_tensors.exchange.closure import check
+
+    assert s.lowered is not None and s.plan is not None
+    low = s.lowered
+    for name, prog in low.programs.items():
+        try:
+            check(prog, low.memberships.get(name, {}))
+        except Exception as e:
+            raise PlanError(f"verify after 'lower': the exchange program of {name!r} is invalid: {e}") from e
+    for t in low.dag.tasks:
+        if t.kind == "kernel":
+            f = t.payload["function"]
+            out = low.dag.buffers[t.outputs[0]]
+            node = s.graph.nodes[t.op]
+            if out.box != f.output or out.dtype != node.type.dtype or out.device != low.placement[t.op][t.payload["index"]]:
+                raise PlanError(f"verify after 'lower': kernel {t.label} writes {out.box} ({out.dtype}) on device "
+                                f"{out.device}, not its function spec's block {f.output} ({node.type.dtype}).")
+    for name, blocks in low.dag.outputs.items():
+        node = s.graph.nodes[s.graph.outputs[name]]
+        try:
+            check_tiles([box for box, _ in blocks], node.type.box)
+        except Exception as e:
+            raise PlanError(f"verify after 'lower': the blocks of saved output {name!r} do not tile it: {e}") from e
+
+
 # The pipeline, in order, each with the reason it exists.
 PASSES: tuple[tuple[str, Callable[[_State], None], str], ...] = (
     ("devices", _pass_devices, "resolve the device argument to p logical devices and open a compilation"),
@@ -213,6 +243,7 @@ PASSES: tuple[tuple[str, Callable[[_State], None], str], ...] = (
     ("check", _pass_check, "verify the plan without changing it"),
     ("lower", _pass_lower, "place function specs, synthesize exchange programs, build the task DAG"),
     ("liveness", _pass_liveness, "free buffers after last use; refuse a plan that exceeds device memory"),
+    ("verify", _pass_verify, "check the physical plan without changing it: valid programs, placed kernels, outputs"),
 )
 
 

@@ -53,19 +53,23 @@ class Lowered:
     memberships: dict[str, Membership] = field(default_factory=dict)  # the partitions' chosen devices
 
 
-def place(plan: LogicalPlan, op_id: int, placement: dict[int, tuple[int, ...]]) -> tuple[int, ...]:
-    """Devices for the function specs of ``op_id``: most co-resident input bytes first, identity on ties."""
+def place(plan: LogicalPlan, op_id: int, placement: dict[int, tuple[int, ...]],
+          memo: dict | None = None) -> tuple[int, ...]:
+    """Devices for the function specs of ``op_id``: most co-resident input bytes first, identity on ties.
+
+    ``memo`` caches the answer by the specs and producer placements involved, which repeat across
+    the identical layers of a deep model."""
     graph = plan.graph
     node = graph.nodes[op_id]
     spec = plan.spec(op_id)
+    inputs = [(k, plan.spec(i), placement[i]) for k, i in enumerate(node.inputs) if graph.nodes[i].op is not None]
+    key = (spec, tuple((k, producer, where) for k, producer, where in inputs))
+    if memo is not None and key in memo:
+        return memo[key]
     p = spec.p
     score = [[0] * p for _ in range(p)]
-    for k, i in enumerate(node.inputs):
-        if graph.nodes[i].op is None:
-            continue
-        width = itemsize(graph.nodes[i].type.dtype)
-        producer = plan.spec(i)
-        where = placement[i]
+    for k, producer, where in inputs:
+        width = itemsize(spec.input_types[k].dtype)
         for g, fg in enumerate(spec.functions):
             need = fg.inputs[k]
             if need.is_empty:
@@ -79,7 +83,10 @@ def place(plan: LogicalPlan, op_id: int, placement: dict[int, tuple[int, ...]]) 
         if g not in out and d not in used:
             out[g] = d
             used.add(d)
-    return tuple(out[g] for g in range(p))
+    result = tuple(out[g] for g in range(p))
+    if memo is not None:
+        memo[key] = result
+    return result
 
 
 def _cells(box: Box, breaks: list[list[int]]) -> list[Box]:
@@ -127,6 +134,7 @@ class _Lowering:
         self.placement: dict[int, tuple[int, ...]] = {}
         self.programs: dict[str, ExProg] = {}
         self.memberships: dict[str, Membership] = {}
+        self.place_memo: dict = {}
         self.kernel_out: dict[int, list[int]] = {}   # op id -> output buffer of each function spec
         self.loaded: dict[tuple[int, Box, int], int] = {}
         self.schedule = schedule
@@ -287,7 +295,7 @@ class _Lowering:
         node = self.graph.nodes[op_id]
         assert node.op is not None
         spec = self.plan.spec(op_id)
-        guess = dict(enumerate(place(self.plan, op_id, self.placement)))
+        guess = dict(enumerate(place(self.plan, op_id, self.placement, self.place_memo)))
         wants = []
         for g, f in enumerate(spec.functions):
             for k, i in enumerate(node.inputs):
