@@ -365,7 +365,7 @@ class CompiledGraph:
 
         topo = get_topology(topology or self.options["topology"], gpus=self.p)
         calibration = calibration or (self.options["calibration"] if topology is None else None)
-        key = (topo.name, calibration)
+        key = (topo, calibration)
         if key not in self._simulations:
             self._simulations[key] = simulate_plan(self.dag, self.graph, topo,
                                                    KernelModel.from_calibration(topo, calibration))

@@ -333,7 +333,7 @@ TOPOLOGIES: dict[str, Topology] = _registry()
 
 
 def get_topology(name: str | Topology, gpus: int | None = None) -> Topology:
-    """A registered topology (or the one given), restricted to its first ``gpus`` sites when asked.
+    """A registered topology (or the one given, or a JSON file), restricted to its first ``gpus`` sites.
 
     >>> get_topology("dgx-h100", gpus=2).table().column("bandwidth").to_pylist()
     [450000000000.0, 450000000000.0]
@@ -342,6 +342,8 @@ def get_topology(name: str | Topology, gpus: int | None = None) -> Topology:
         top = name
     elif name in TOPOLOGIES:
         top = TOPOLOGIES[name]
+    elif isinstance(name, str) and name.endswith(".json") and os.path.exists(name):
+        top = Topology.from_json(name)  # a file written by a measuring script
     else:
         raise ExchangeError(f"unknown topology {name!r}; known: {sorted(TOPOLOGIES)} "
                             "(or build one with nvswitch(), multi_node() or Topology.from_json()).")

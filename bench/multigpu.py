@@ -1,0 +1,288 @@
+"""Ours on 1, 2, 4 and 8 real GPUs, and the merge of ours with the PyTorch baselines' results.
+
+    python bench/multigpu.py ours  [--gpus 1,2,4,8] [--workloads 1K,...] [--chains A,...] [--topology T.json]
+    python bench/multigpu.py merge [--out bench/results/multigpu]
+
+``ours`` compiles each workload (the LLaMA-3-8B-shaped block in float16 on the paper's five token
+workloads, and the chains A-E) for ``device=[0, ..., n-1]``, loads the same inputs as
+``bench/gpu_block.py`` / ``bench/gpu_chains.py``, and times 2 warm-ups + 10 rounds with CUDA events
+(every timed round is one CUDA-graph launch that joins every GPU's stream); it also records the
+largest difference from the one-GPU output and the simulator's prediction on the topology compiled
+for.  ``merge`` joins ``ours.json`` with the baselines' ``baselines_n<N>.json`` (written by
+``bench/baselines/run.py``), ``topo.txt`` (``nvidia-smi topo -m``) and ``topology.json`` (from
+``bench/measure_topology.py``) into ``multigpu.json``, ``.md`` and ``.png``.
+``bench/multigpu.sh`` runs all of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+import relational_tensors as rt
+from relational_tensors.core.dtypes import numpy_dtype
+from relational_tensors.exchange.topology import Topology
+
+from common import (CHAINS, WORKLOADS, Report, Setup, bytes_moved, fmt, geomean, header,  # noqa: E402  (bench/)
+                    plan_key)
+from gpu_block import time_cuda  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "results" / "multigpu"
+GPU_COUNTS = (1, 2, 4, 8)
+
+
+def _feeds(setup: Setup, g: rt.Graph) -> dict[str, np.ndarray]:
+    """The inputs the one-GPU benchmarks use: ``llama_feeds(seed=1)`` for the block, scaled normals for chains."""
+    if setup.family == "transformer":
+        from relational_tensors.models import llama_feeds
+
+        return llama_feeds(g, seed=1)
+    rng = np.random.default_rng(0)
+    return {n.name: (rng.standard_normal(n.type.shape, dtype=np.float32) / np.sqrt(n.type.shape[0]))
+            .astype(numpy_dtype(n.type.dtype)) for n in g.inputs}
+
+
+def time_ours(cg: rt.CompiledGraph, warmups: int = 2, rounds: int = 10) -> tuple[list[float], str]:
+    """Milliseconds of each timed round.  After the warm-ups the program is one CUDA graph launched on the
+    first device's stream, which waits for every other stream, so events on that stream time all GPUs;
+    a program that could not be captured is timed with the wall clock around execute + synchronize."""
+    ex = cg._exec()
+    for _ in range(warmups):
+        cg.execute()
+    cg.synchronize()
+    if getattr(ex, "graph_exec", None) is not None:
+        return time_cuda(cg.execute, ex.streams[0], rounds=rounds, warmups=0), "CUDA events, CUDA graph"
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        cg.execute()
+        cg.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times, "wall clock, eager (not captured)"
+
+
+def _free_gpus() -> None:
+    import cupy
+
+    cupy.get_default_memory_pool().free_all_blocks()
+    cupy.get_default_pinned_memory_pool().free_all_blocks()
+
+
+def _smoke_graph(setup: Setup) -> rt.Graph:
+    """--smoke: the workload at toy sizes in float32 (a tiny block on at most 2 x 32 tokens, chains / 256)."""
+    from relational_tensors.models import llama_block, matrix_chain
+
+    if setup.family == "transformer":
+        b, _ = WORKLOADS[setup.name]
+        return llama_block(min(b, 2), 32, d_model=64, n_heads=8, n_kv_heads=4, d_ff=128)
+    return matrix_chain(setup.name, "float32", scale=256)
+
+
+def ours(args: argparse.Namespace) -> None:
+    if args.smoke:
+        visible, gpu = max(args.gpus), "cpu (smoke: toy sizes on virtual CPU devices)"
+    else:
+        import cupy
+
+        visible = cupy.cuda.runtime.getDeviceCount()
+        gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    counts = [n for n in args.gpus if n <= visible]
+    skipped = [n for n in args.gpus if n > visible]
+    if skipped:
+        print(f"note: {visible} GPUs visible, so {skipped} GPUs are skipped", flush=True)
+    topology: Any = "hgx-h200"
+    if args.topology and Path(args.topology).exists():
+        topology = Topology.from_json(Path(args.topology))
+    elif args.topology:
+        print(f"note: no topology file at {args.topology}; planning against hgx-h200", flush=True)
+    topo_name = topology if isinstance(topology, str) else topology.name
+    path = args.out / "ours.json"
+    result: dict[str, Any] = {"gpu": gpu, "visible_gpus": visible,
+                              "topology": topo_name, "dtype": "float16", "rounds": "2 warm-ups + 10 timed",
+                              "rows": []}
+    setups = [Setup(w, "transformer") for w in args.workloads] + [Setup(c, "chain") for c in args.chains]
+    for setup in setups:
+        g = _smoke_graph(setup) if args.smoke else setup.graph()
+        feeds = _feeds(setup, g)
+        one: np.ndarray | None = None
+        for n in counts:
+            row: dict[str, Any] = {"workload": setup.name, "family": setup.family, "gpus": n}
+            try:
+                t0 = time.perf_counter()
+                cg = rt.compileGraph(g, device=f"cpu:{n}" if args.smoke else list(range(n)), topology=topology)
+                row["compile_s"] = time.perf_counter() - t0
+                row["predicted_ms"] = cg.simulate() * 1e3
+                row["bytes_between_gpus"] = bytes_moved(cg)
+                row["splits"] = list(plan_key(cg))
+                cg.load(feeds)
+                times, how = time_ours(cg)
+                row.update(ms=statistics.mean(times), ms_min=min(times), ms_all=times, timing=how, status="ok")
+                y = cg.offload("y").astype(np.float32)
+                if one is None:
+                    one = y
+                diff = float(np.max(np.abs(y - one)))
+                row["max_abs_diff_vs_1gpu"] = diff
+                row["max_rel_diff_vs_1gpu"] = diff / max(1e-6, float(np.max(np.abs(one))))
+                del cg, y
+            except Exception as e:  # noqa: BLE001 - record and go on with the other setups
+                row.update(status="error", reason=f"{type(e).__name__}: {e}")
+            if not args.smoke:
+                _free_gpus()
+            result["rows"].append(row)
+            print(f"{setup.label:>9} x{n}: " + (f"{row['ms']:.3f} ms (predicted {row['predicted_ms']:.3f}, "
+                                                 f"rel diff vs 1 GPU {row['max_rel_diff_vs_1gpu']:.1e})"
+                                                 if row["status"] == "ok" else row["reason"]), flush=True)
+            args.out.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result, indent=1) + "\n")  # after every row: a crash keeps the rest
+        del feeds, one
+    print(f"wrote {path}")
+
+
+# --- merge -----------------------------------------------------------------------------------------------
+
+def _baselines(out: Path) -> dict[int, dict[str, Any]]:
+    found = {}
+    for f in sorted(out.glob("baselines_n*.json")):
+        data = json.loads(f.read_text())
+        found[int(data["header"]["world"])] = data
+    return found
+
+
+def _label(name: str) -> str:
+    return name if name in WORKLOADS else f"chain {name}"
+
+
+def merge(args: argparse.Namespace) -> None:
+    out = args.out
+    ours_data = json.loads((out / "ours.json").read_text()) if (out / "ours.json").exists() else {"rows": []}
+    base = _baselines(out)
+    topo_txt = (out / "topo.txt").read_text() if (out / "topo.txt").exists() else None
+    topo_file = out / "topology.json"
+    topo = Topology.from_json(topo_file) if topo_file.exists() else None
+    names = list(dict.fromkeys([r["workload"] for r in ours_data["rows"]]
+                               + [w for b in base.values() for w in b["best"]]))
+    counts = sorted({r["gpus"] for r in ours_data["rows"]} | set(base))
+    ours_ms = {(r["workload"], r["gpus"]): r for r in ours_data["rows"] if r.get("status") == "ok"}
+    best = {(w, n): b for n, d in base.items() for w, b in d["best"].items()}
+    every = {(r["workload"], r["strategy"], n): r for n, d in base.items() for r in d["rows"]}
+
+    gpu = ours_data.get("gpu") or next((d["header"]["device"] for d in base.values()), "GPU")
+    timing = next((r["timing"] for r in ours_data["rows"] if r.get("timing")), "not timed")
+    measured = [f"ours: relational_tensors on {gpu}, compiled for {max(counts, default=0)} devices or fewer "
+                f"(plans against {ours_data.get('topology', '?')}); {timing}"]
+    for n, d in sorted(base.items()):
+        h = d["header"]
+        measured.append(f"PyTorch on {n}: hand-written (bench/baselines), {h['backend']}, {h['dtype']} on "
+                        f"{h['device']}, torch {h['torch']}; {h['rounds']}")
+    report = Report("multigpu", header("Multi-GPU: ours against hand-written PyTorch", [],
+                                       f"{', '.join(map(str, counts))} x {gpu}", measured,
+                                       ["2 warm-ups + 10 timed rounds each unless a line above says otherwise; "
+                                        "mean in ms"]), out=out)
+    cols = ["workload"] + [f"ours {n}" for n in counts] + [f"PyTorch best {n}" for n in counts] + \
+        [f"PyTorch / ours at {max(counts)}" if counts else "ratio"]
+    rows = []
+    for w in names:
+        o = [fmt(ours_ms[(w, n)]["ms"], 3) if (w, n) in ours_ms else "-" for n in counts]
+        b = [f"{best[(w, n)]['ms']:.3f} ({best[(w, n)]['strategy']})" if (w, n) in best else "-" for n in counts]
+        top = max(counts) if counts else None
+        ratio = (best[(w, top)]["ms"] / ours_ms[(w, top)]["ms"]
+                 if top is not None and (w, top) in best and (w, top) in ours_ms else None)
+        rows.append([_label(w), *o, *b, fmt(ratio, 2, "x")])
+    geo_cols = []
+    for n in counts:
+        geo_cols.append(fmt(geomean(ours_ms[(w, n)]["ms"] if (w, n) in ours_ms else None
+                                    for w in names if w in WORKLOADS), 3))
+    geo_cols += [fmt(geomean(best[(w, n)]["ms"] if (w, n) in best else None for w in names if w in WORKLOADS), 3)
+                 for n in counts]
+    rows.append(["geomean (blocks)", *geo_cols, ""])
+    report.table("Mean milliseconds per run; PyTorch's best strategy per workload in brackets", cols, rows)
+
+    detail = []
+    for (w, s, n), r in sorted(every.items(), key=lambda kv: (names.index(kv[0][0]) if kv[0][0] in names else 99,
+                                                               kv[0][2], kv[0][1])):
+        check = r.get("check")
+        detail.append([_label(w), s, n, fmt(r.get("ms"), 3) if r["status"] == "ok" else r["status"],
+                       "-" if check is None else ("ok" if check.get("ok") else "FAILED")
+                       + (f" ({check['max_rel']:.1e})" if "max_rel" in check else ""),
+                       r.get("reason") or r.get("note") or ""])
+    if detail:
+        report.table("Every PyTorch strategy", ["workload", "strategy", "GPUs", "mean (ms)", "check", "note"], detail)
+    ours_detail = [[_label(r["workload"]), r["gpus"], fmt(r.get("ms"), 3), fmt(r.get("predicted_ms"), 3),
+                    fmt(r.get("compile_s"), 2), f"{r.get('max_rel_diff_vs_1gpu', float('nan')):.1e}",
+                    r.get("reason", "")] for r in ours_data["rows"]]
+    if ours_detail:
+        report.table("Ours: measured against simulated, and the difference from the one-GPU output",
+                     ["workload", "GPUs", "measured (ms)", f"simulated on {ours_data.get('topology')} (ms)",
+                      "compile (s)", "max rel diff vs 1 GPU", "error"], ours_detail)
+    if topo is not None:
+        bw = [topo.bandwidth(s, d) for s in topo.sites for d in topo.sites if s != d]
+        report.text(f"Measured topology `{topo.name}` ({topo_file.name}): {len(topo.sites)} GPUs, peer copies "
+                    + (f"{min(bw) / 1e9:.0f}-{max(bw) / 1e9:.0f} GB/s, " if bw else "")
+                    + f"HBM copy {topo.hbm_bandwidth / 1e9:.0f} GB/s.")
+    if topo_txt:
+        report.text("`nvidia-smi topo -m`:", "", "```", topo_txt.rstrip(), "```")
+
+    def draw(plt: Any) -> Any:
+        cols_n = min(5, max(1, len(names)))
+        rows_n = (len(names) + cols_n - 1) // cols_n
+        fig, axes = plt.subplots(rows_n, cols_n, figsize=(3.2 * cols_n, 2.8 * rows_n), squeeze=False)
+        for ax, w in zip(axes.flat, names):
+            xs = [n for n in counts if (w, n) in ours_ms]
+            ax.plot(xs, [ours_ms[(w, n)]["ms"] for n in xs], "o-", label="ours")
+            xs = [n for n in counts if (w, n) in best]
+            ax.plot(xs, [best[(w, n)]["ms"] for n in xs], "s--", label="PyTorch best")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks(counts, [str(n) for n in counts])
+            ax.set_title(_label(w), fontsize=9)
+            ax.set_xlabel("GPUs", fontsize=8)
+        for ax in list(axes.flat)[len(names):]:
+            ax.axis("off")
+        axes.flat[0].set_ylabel("ms per run")
+        axes.flat[0].legend(fontsize=7)
+        fig.tight_layout()
+        return fig
+
+    data = {"ours": ours_data, "baselines": {str(n): d for n, d in base.items()},
+            "topology": json.loads(topo.to_json()) if topo is not None else None, "nvidia_smi_topo": topo_txt}
+    report.write(data, draw if names else None)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _names(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").strip().splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    o = sub.add_parser("ours", help="compile and time ours on 1..n GPUs")
+    o.add_argument("--gpus", type=_ints, default=list(GPU_COUNTS))
+    o.add_argument("--workloads", type=_names, default=list(WORKLOADS))
+    o.add_argument("--chains", type=_names, default=list(CHAINS))
+    o.add_argument("--topology", help="a topology JSON (bench/measure_topology.py) to plan and simulate against")
+    o.add_argument("--smoke", action="store_true", help="check this driver without GPUs: toy sizes on cpu:N")
+    m = sub.add_parser("merge", help="join ours and the baselines into multigpu.json/.md/.png")
+    for p in (o, m):
+        p.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args(argv)
+    bad = [w for w in getattr(args, "workloads", []) if w not in WORKLOADS] + \
+        [c for c in getattr(args, "chains", []) if c not in CHAINS]
+    if bad:
+        ap.error(f"unknown workloads or chains {bad}; known: {list(WORKLOADS)} and {list(CHAINS)}.")
+    ours(args) if args.command == "ours" else merge(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
