@@ -306,7 +306,8 @@ class CompiledGraph:
         return self._executor
 
     def load(self, feeds: dict[str, Any]) -> None:
-        """Place every graph input straight into the blocks the plan needs, on their devices."""
+        """Place graph inputs straight into the blocks the plan needs, on their devices.  The first load
+        needs every input; later ones may name only those that change (weights stay loaded)."""
         self._exec().load(feeds)
 
     def execute(self) -> None:

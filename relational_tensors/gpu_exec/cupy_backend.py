@@ -57,6 +57,7 @@ class CupyExecutor:
         self._constants()
         self._dependencies()
         self.loaded = False
+        self.resident: set[str] = set()
         self.runs = 0
         self.graph_exec: Any = None
         self.capturable = not any(t.kind == "kernel" and graph.nodes[t.op].kind in ("einsum", "sql") for t in dag.tasks)
@@ -171,8 +172,11 @@ class CupyExecutor:
         from relational_tensors.reference import check_feed_names, coerce_feed
 
         cp = self.cp
-        names = check_feed_names(self.graph, feeds, self.dag.inputs)
+        # inputs loaded before (weights) stay loaded: a later load may name only the ones that change
+        names = check_feed_names(self.graph, feeds, [n for n in self.dag.inputs if n not in self.resident])
         for name, blocks in self.dag.inputs.items():
+            if name not in feeds:
+                continue
             t = names[name].type
             value = feeds[name]
             on_device = _as_device_array(cp, value)
@@ -200,6 +204,7 @@ class CupyExecutor:
         for d in set(self.phys):
             with cp.cuda.Device(d):
                 cp.cuda.Device(d).synchronize()
+        self.resident.update(n for n in self.dag.inputs if n in feeds)
         self.loaded = True
 
     def _check_ids(self, name: str, ids: Any) -> None:

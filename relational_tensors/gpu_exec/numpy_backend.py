@@ -37,6 +37,7 @@ class NumpyExecutor:
         self.pools: list[dict[int, Any]] = [dict() for _ in range(dag.p)]
         self.frees = live.frees_after()
         self.loaded = False
+        self.resident: set[str] = set()
         self.executed = False
         self.peak = [0] * dag.p
 
@@ -52,11 +53,15 @@ class NumpyExecutor:
 
     def load(self, feeds: Mapping[str, Any]) -> None:
         """Materialize every graph input straight into the blocks the plan reads, on their devices."""
-        names = check_feed_names(self.graph, feeds, self.dag.inputs)
+        # inputs loaded before (weights) stay loaded: a later load may name only the ones that change
+        names = check_feed_names(self.graph, feeds, [n for n in self.dag.inputs if n not in self.resident])
         for name, blocks in self.dag.inputs.items():
+            if name not in feeds:
+                continue
             whole = coerce_feed(name, feeds[name], names[name].type)
             for box, buf in blocks:
                 self._put(buf, np.array(whole[box.slices()], copy=True))
+        self.resident.update(n for n in self.dag.inputs if n in feeds)
         self.loaded = True
 
     def execute(self) -> None:
