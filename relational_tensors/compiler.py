@@ -96,7 +96,6 @@ def _pass_catalog(s: _State) -> None:
         "shardable": [",".join(f"{x.name}={x.extent}" for x in n.op.requestable()) for n in ops],  # type: ignore[union-attr]
         "aggregation": [str(n.op.aggregation) for n in ops],  # type: ignore[union-attr]
         "tree_id": pa.array([piece_of[n.id] for n in ops], pa.int32()),
-        "tree_rank": pa.array([piece_of[n.id] for n in ops], pa.int32()),
     }), cid)
     edges = [(n.id, k, i, i if g.nodes[i].op is not None else None, s.cut[(n.id, k)])
              for n in ops for k, i in enumerate(n.inputs)]

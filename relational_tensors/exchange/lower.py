@@ -126,7 +126,7 @@ def naive_body(prog: ExProg, membership: Membership | None = None) -> frozenset[
 
 
 class _Lowering:
-    def __init__(self, plan: LogicalPlan, schedule: str, synthesize: Synthesizer):
+    def __init__(self, plan: LogicalPlan, synthesize: Synthesizer):
         self.plan = plan
         self.graph: Graph = plan.graph
         self.p = plan.p
@@ -137,7 +137,6 @@ class _Lowering:
         self.place_memo: dict = {}
         self.kernel_out: dict[int, list[int]] = {}   # op id -> output buffer of each function spec
         self.loaded: dict[tuple[int, Box, int], int] = {}
-        self.schedule = schedule
         self.synthesize = synthesize
 
     # --- graph inputs ----------------------------------------------------------
@@ -350,7 +349,7 @@ def lower(plan: LogicalPlan, schedule: str = "naive", synthesize: Synthesizer | 
     (or the given synthesizer, which returns a body and the devices of the readers' partitions)."""
     if schedule not in SCHEDULES and synthesize is None:
         raise ExchangeError(f"unknown schedule mode {schedule!r}; choose one of {SCHEDULES}.")
-    low = _Lowering(plan, schedule, synthesize or naive)
+    low = _Lowering(plan, synthesize or naive)
     for node in plan.graph.operators:
         low.lower_op(node.id)
     low.lower_outputs()

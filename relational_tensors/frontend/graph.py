@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from relational_tensors.core.types import TensorType, tensorDesc
+from relational_tensors.core.types import TensorType
 from relational_tensors.errors import GraphError
 from relational_tensors.sql_specs import (
     AttentionOp, BinaryOp, ConcatOp, EinsumOp, EmbeddingOp, LayernormOp, MatmulOp, Operator, PermuteOp,
@@ -335,6 +335,3 @@ def createGraph() -> Graph:
     """The paper's spelling of ``Graph()``."""
     return Graph()
 
-
-# re-exported for the paper's spelling
-tensorDesc = tensorDesc

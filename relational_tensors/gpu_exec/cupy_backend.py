@@ -60,7 +60,10 @@ class CupyExecutor:
         self.resident: set[str] = set()
         self.runs = 0
         self.graph_exec: Any = None
-        self.capturable = not any(t.kind == "kernel" and graph.nodes[t.op].kind in ("einsum", "sql") for t in dag.tasks)
+        from relational_tensors.gpu_exec.gpu_ops import ALLOCATING_KINDS
+
+        self.capturable = not any(t.kind == "kernel" and graph.nodes[t.op].kind in ALLOCATING_KINDS
+                                  for t in dag.tasks)
 
     # --- setup ---------------------------------------------------------------------
     def _enable_peers(self) -> None:

@@ -3,7 +3,7 @@
 Each launcher receives the operator, the function spec, device views of its
 input blocks and of its output block (an lse partial is an (out, lse) pair),
 per-operator constants already on the device, and the stream; it launches
-without allocating.  ``needs_host`` names the kinds that fall back to CuPy
+without allocating.  ``ALLOCATING_KINDS`` names the kinds that fall back to CuPy
 routines which allocate (they keep a program out of CUDA-graph capture).
 """
 
@@ -39,10 +39,10 @@ def _matmul(op: Any, f: Any, ins: list, out: Any, consts: dict, stream: int) -> 
 def _cupy_view(buf: DevBuf) -> Any:
     import cupy
 
-    dtype = {"bfloat16": np.float32}.get(buf.dtype, np.dtype(buf.dtype))
     if buf.dtype == "bfloat16":
         raise ExecError("einsum and SQL operators on bfloat16 are not supported by the GPU backend yet; "
                         "cast to float16 or float32 around them.")
+    dtype = np.dtype(buf.dtype)
     mem = cupy.cuda.UnownedMemory(buf.ptr, max(buf.nbytes, 1), None, buf.device)
     return cupy.ndarray(buf.shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(mem, 0),
                         strides=tuple(s * np.dtype(dtype).itemsize for s in buf.strides))

@@ -41,8 +41,7 @@ CREATE TABLE IF NOT EXISTS operators (
     params          VARCHAR,        -- JSON
     shardable       VARCHAR,        -- requestable indices in declared order, name=extent
     aggregation     VARCHAR,        -- the operator's ⊕
-    tree_id         INTEGER,        -- the tree of the DP (cut at multi-consumer tensors)
-    tree_rank       INTEGER         -- order in which trees were optimized (0 = first)
+    tree_id         INTEGER         -- the DP piece (cut at multi-consumer tensors), numbered in optimization order
 );
 
 CREATE TABLE IF NOT EXISTS edges (
