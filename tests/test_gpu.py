@@ -72,6 +72,22 @@ def test_replay_is_bit_identical_and_memory_stays_flat() -> None:
     assert cupy.get_default_memory_pool().used_bytes() <= pool0 + (1 << 20)
 
 
+def test_device_offload_is_ordered_before_the_next_run() -> None:
+    # offload(like="cupy") copied on the caller's stream while the next eager run (profile) could
+    # already reuse the output's arena memory on the executor's streams: a 128K benchmark saw it
+    import cupy
+
+    g = llama_block(1, 2048, 512, 8, 2, 1024, dtype="float16")
+    cg = rt.compileGraph(g, device="cuda:0,0,0,0")
+    cg.load(llama_feeds(g))
+    cg.execute()
+    want = cg.offload("y")
+    for _ in range(5):
+        y = cg.offload("y", like="cupy")
+        cg.profile()  # eager: issued at once, no synchronisation with the caller's stream
+        assert np.array_equal(cupy.asnumpy(y).view(np.uint16), want.view(np.uint16))
+
+
 def test_dlpack_in_and_out() -> None:
     import cupy
 

@@ -237,10 +237,21 @@ class CupyExecutor:
         first = first[0] if isinstance(first, tuple) else first
         with cp.cuda.Device(first.device):
             out = cp.empty(t.shape, dtype=np.uint16 if t.dtype == "bfloat16" else numpy_dtype(t.dtype))
+            caller = cp.cuda.get_current_stream()
+            used = set()
             for box, b in self.dag.outputs[name]:
                 view = self.views[b]
                 view = view[0] if isinstance(view, tuple) else view
-                out[box.slices()] = _cupy_of(cp, view)
+                # copy on the stream that owns the block: a later execute() or profile() reuses that
+                # arena memory only after the copy (a copy on another stream would race with it)
+                d = self.dag.buffers[b].device
+                with self.streams[d]:
+                    out[box.slices()] = _cupy_of(cp, view)
+                used.add(d)
+            for d in sorted(used):  # the caller's stream sees the finished copies
+                ev = cp.cuda.Event(disable_timing=True)
+                ev.record(self.streams[d])
+                caller.wait_event(ev)
         if like == "cupy":
             return out
         host = cp.asnumpy(out)
