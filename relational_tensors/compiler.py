@@ -295,7 +295,8 @@ class CompiledGraph:
             elif visible_gpus() > max(self.devices.physical):
                 from relational_tensors.gpu_exec.cupy_backend import CupyExecutor
 
-                self._executor = CupyExecutor(self.graph, self.dag, self.live, self.devices)
+                self._executor = CupyExecutor(self.graph, self.dag, self.live, self.devices,
+                                              attention=self.options.get("attention", "triton"))
             else:
                 raise ExecError(
                     f"this program was compiled for {self.devices} ({self.options['topology']}), and no GPU "
@@ -398,13 +399,15 @@ class CompiledGraph:
         return text
 
 
+ATTENTION_KERNELS = ("triton", "flash")
+
 
 def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed: int = 0,
                  cost_model: str = "paper", memory_per_device: int | None = None,
                  catalog: str | Path | Catalog | None = None, tactic: str = "tree",
                  label: str | None = None, schedule_mode: str = "naive",
                  topology: str = "hgx-h200", search_budget_s: float = 0.5,
-                 calibration: str | None = None) -> CompiledGraph:
+                 calibration: str | None = None, attention: str = "triton") -> CompiledGraph:
     """Plan ``graph`` for the devices named by ``device`` (see ``relational_tensors.devices``).
 
     ``selector`` is ``dp`` (Algorithm 1), ``greedy`` or ``random`` (with ``seed``);
@@ -418,7 +421,9 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
     ``schedule_mode`` picks how exchange programs are synthesized: ``naive``, or
     ``search`` (alias ``ai``: a local search over the paper's rewrite rules costed by
     the simulator of ``topology``, ``search_budget_s`` per program); ``topology``
-    names the machine simulated (and whose memory bounds GPU plans).
+    names the machine simulated (and whose memory bounds GPU plans); ``attention`` picks the GPU
+    attention kernel: ``triton`` (ours, captured in the CUDA graph) or ``flash`` (flash-attn, or
+    PyTorch's FlashAttention-2, for the blocks it computes exactly; the program then runs eagerly).
     """
     if not isinstance(graph, Graph):
         raise GraphError(f"compileGraph takes an rt.Graph; got {type(graph).__name__}.")
@@ -432,13 +437,16 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
         raise PlanError(f"unknown schedule_mode {schedule_mode!r}; choose one of {(*SCHEDULES, 'search', 'ai')}.")
     if memory_per_device is not None and (not isinstance(memory_per_device, int) or memory_per_device <= 0):
         raise PlanError(f"memory_per_device must be a positive number of bytes; got {memory_per_device!r}.")
+    if attention not in ATTENTION_KERNELS:
+        raise PlanError(f"unknown attention kernel {attention!r}; choose one of {ATTENTION_KERNELS}.")
     if not graph.operators:
         raise PlanError("the graph has no operators to plan; add some and save an output.")
     cat = catalog if isinstance(catalog, Catalog) else Catalog(catalog)
     state = _State(graph, dict(device=device, selector=selector, seed=seed, cost_model=cost_model,
                                memory_per_device=memory_per_device, tactic=tactic, label=label,
                                schedule_mode=schedule_mode, topology=topology,
-                               search_budget_s=search_budget_s, calibration=calibration), cat)
+                               search_budget_s=search_budget_s, calibration=calibration,
+                               attention=attention), cat)
     for name, run, _reason in PASSES:
         t0 = time.perf_counter()
         run(state)

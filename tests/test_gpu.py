@@ -52,6 +52,43 @@ def test_llama_block_16_bit(dtype: str, device: str) -> None:
     _compare(got, want, dtype, reduction=512)
 
 
+def _flash_or_skip() -> None:
+    from relational_tensors.gpu_exec.kernels.flash import backend
+
+    if backend() is None:
+        pytest.skip("no FlashAttention library (flash-attn, or PyTorch with CUDA)")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("device", ["cuda:0", "cuda:0,0,0,0"])
+def test_llama_block_with_library_flash_attention(dtype: str, device: str) -> None:
+    _flash_or_skip()
+    g = llama_block(2, 128, 256, 8, 2, 512, dtype=dtype, seq_ends=[40, 97, 128])
+    feeds = llama_feeds(g)
+    want = rt.reference(g, feeds)["y"]
+    cg = rt.compileGraph(g, device=device, attention="flash")
+    ex = cg._exec()
+    assert any("flash" in c for c in ex.task_consts.values())
+    assert not ex.capturable  # the library kernels allocate: the program runs eagerly
+    got = cg.run(feeds)["y"]
+    _compare(got, want, dtype, reduction=512)
+    cg.execute()
+    assert np.array_equal(cg.offload("y").view(np.uint16), got.view(np.uint16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", sorted(c for c in CASES if "attention" in c))
+def test_attention_cases_with_library_flash_attention(case: str, device: str) -> None:
+    _flash_or_skip()
+    g, _ = CASES[case]("float16")
+    feeds = feeds_for(g)
+    cg = rt.compileGraph(g, device=device, attention="flash")
+    got = cg.run(feeds)
+    want = rt.reference(g, feeds)
+    for name in g.outputs:
+        _compare(got[name], want[name], "float16", reduction=g.nodes[g.outputs[name]].type.shape[1])
+
+
 def test_replay_is_bit_identical_and_memory_stays_flat() -> None:
     import cupy
 

@@ -35,13 +35,21 @@ __all__ = ["CupyExecutor"]
 class CupyExecutor:
     """Runs one TaskDAG on GPUs; ``load`` once, ``execute`` many times (a CUDA graph after the first)."""
 
-    def __init__(self, graph: Graph, dag: TaskDAG, live: Liveness, devices: DeviceSet) -> None:
+    def __init__(self, graph: Graph, dag: TaskDAG, live: Liveness, devices: DeviceSet,
+                 attention: str = "triton") -> None:
         try:
             import cupy
         except ImportError as e:
             raise ExecError(f"the GPU backend needs CuPy: {e}. Install the 'gpu' or 'gpu-cuda13' extra.") from None
         self.cp = cupy
         self.graph, self.dag, self.live, self.devices = graph, dag, live, devices
+        self.attention = attention
+        if attention == "flash":
+            from relational_tensors.gpu_exec.kernels.flash import backend
+
+            if backend() is None:
+                raise ExecError("attention='flash' needs flash-attn or PyTorch with CUDA, and neither can be "
+                                "imported here; install one, or compile with attention='triton'.")
         self.phys = devices.physical
         visible = cupy.cuda.runtime.getDeviceCount()
         missing = sorted({g for g in self.phys if g >= visible})
@@ -62,7 +70,8 @@ class CupyExecutor:
         self.graph_exec: Any = None
         from relational_tensors.gpu_exec.gpu_ops import ALLOCATING_KINDS
 
-        self.capturable = not any(t.kind == "kernel" and graph.nodes[t.op].kind in ALLOCATING_KINDS
+        self.capturable = not any(t.kind == "kernel" and (graph.nodes[t.op].kind in ALLOCATING_KINDS
+                                                          or "flash" in self.task_consts.get(t.id, {}))
                                   for t in dag.tasks)
 
     # --- setup ---------------------------------------------------------------------
@@ -151,6 +160,13 @@ class CupyExecutor:
                         consts[name] = DevBuf(arr.data.ptr, host.shape, str(host.dtype), self.phys[t.device])
                 per_op[key] = consts
             consts = dict(per_op[key])
+            if node.kind == "attention" and self.attention == "flash":
+                from relational_tensors.gpu_exec.kernels import flash
+
+                out_buf = self.dag.buffers[t.outputs[0]]
+                segs = flash.segments(node.op, t.payload["function"], out_buf.dtype, out_buf.partial == "lse")
+                if segs is not None:
+                    consts["flash"] = segs
             need = scratch_shape(node.op, t.payload["function"])
             if need is not None:
                 shape, dtype = need

@@ -18,6 +18,7 @@ from relational_tensors.errors import ExecError
 from relational_tensors.gpu_exec.kernels import triton_copy as tc
 from relational_tensors.gpu_exec.kernels import triton_elementwise as te
 from relational_tensors.gpu_exec.kernels import triton_norms as tn
+from relational_tensors.gpu_exec.kernels import flash
 from relational_tensors.gpu_exec.kernels.blas import matmul
 from relational_tensors.gpu_exec.kernels.common import DevBuf
 from relational_tensors.gpu_exec.kernels.triton_attention import attention
@@ -140,6 +141,9 @@ def _attention(op: Any, f: Any, ins: list, out: Any, consts: dict, stream: int) 
         tc.fill(o, 0.0)
         if lse is not None:
             tc.fill(lse, float("-inf"))
+        return
+    if "flash" in consts:  # a library FlashAttention kernel computes this block exactly
+        flash.attention(q, k, v, o, consts["flash"], op.causal, op.softmax_scale, stream)
         return
     attention(q, k, v, o, lse, consts["row_lo"], consts["row_hi"], f.inputs[0].lower[1], f.inputs[1].lower[1],
               op.softmax_scale)

@@ -26,10 +26,20 @@ __all__ = ["attention"]
 @triton.jit
 def _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, hi, k_offset, qk_scale,
           dq, dv, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-          BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+          BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr, KT: tl.constexpr):
     cols = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
         cmask = cols < end
+    if KT:  # rows of K as stored, transposed in registers
+        if MASKED:
+            k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_ks + dq[None, :],
+                        mask=cmask[:, None] & (dq[None, :] < D), other=0.0)
+        elif BLOCK_D == D:
+            k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_ks + dq[None, :])
+        else:
+            k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_ks + dq[None, :], mask=dq[None, :] < D, other=0.0)
+        kt = tl.trans(k)
+    elif MASKED:
         kt = tl.load(k_base + cols[None, :].to(tl.int64) * stride_ks + dq[:, None],
                      mask=cmask[None, :] & (dq[:, None] < D), other=0.0)
     elif BLOCK_D == D:
@@ -70,11 +80,18 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, hi_ptr,
                       stride_ob, stride_os,
                       D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      WRITE_LSE: tl.constexpr, IEEE: tl.constexpr):
+                      WRITE_LSE: tl.constexpr, IEEE: tl.constexpr, KT: tl.constexpr, HEADS_INNER: tl.constexpr):
     m_blocks = tl.cdiv(sq, BLOCK_M)  # a 1-D grid: (row block, batch·head) never overflows a grid dimension
     pid = tl.program_id(0).to(tl.int64)
-    pid_m = pid % m_blocks
-    pid_bh = pid // m_blocks
+    if HEADS_INNER:
+        # the heads of one row block run side by side (the query heads of a kv group read the same keys
+        # from L2), last row blocks first (under a causal mask they have the most keys: no long tail)
+        nbh = tl.num_programs(0).to(tl.int64) // m_blocks
+        pid_m = m_blocks - 1 - pid // nbh
+        pid_bh = pid % nbh
+    else:
+        pid_m = pid % m_blocks
+        pid_bh = pid // m_blocks
     b = pid_bh // hq
     h = pid_bh % hq
     hk = h // group
@@ -104,13 +121,13 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, hi_ptr,
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for n0 in range(start, tl.minimum(full_lo, end), BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, hi, k_offset,
-                              qk_scale, dq, dv, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, IEEE)
+                              qk_scale, dq, dv, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, IEEE, KT)
     for n0 in range(full_lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, hi, k_offset,
-                              qk_scale, dq, dv, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, IEEE)
+                              qk_scale, dq, dv, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, IEEE, KT)
     for n0 in range(tl.maximum(full_hi, tl.minimum(full_lo, end)), end, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, hi, k_offset,
-                              qk_scale, dq, dv, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, IEEE)
+                              qk_scale, dq, dv, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, IEEE, KT)
     denom = tl.where(l_i > 0, l_i, 1.0)
     out = acc / denom[:, None]
     tl.store(o_ptr + b * stride_ob + rows[:, None].to(tl.int64) * stride_os + h * DV + dv[None, :],
@@ -121,19 +138,21 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, hi_ptr,
         tl.store(lse_ptr + (b * sq + rows) * hq + h, lse, mask=rmask)
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) tried on the first launch of each shape class
-CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4)]
-IEEE_CONFIGS = [(64, 32, 4, 2), (32, 32, 4, 2)]
-_chosen: dict[tuple, tuple[int, int, int, int]] = {}
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, KT, HEADS_INNER) tried on the first launch of each shape class
+CONFIGS = [(64, 64, 4, 3, 1, 1), (128, 64, 8, 3, 1, 0), (128, 64, 8, 3, 0, 0), (128, 128, 8, 3, 1, 1),
+           (128, 128, 8, 3, 0, 1)]  # the fastest on an H200 at 8K and 128K tokens (bench/gpu_kernels.py)
+IEEE_CONFIGS = [(64, 32, 4, 2, 0, 1), (32, 32, 4, 2, 0, 1)]
+_chosen: dict[tuple, tuple[int, ...]] = {}
 
 
-def _launch(cfg: tuple[int, int, int, int], args: tuple, consts: dict, sq: int, nbh: int) -> None:
-    bm, bn, warps, stages = cfg
-    _attention_kernel[(triton.cdiv(sq, bm) * nbh,)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+def _launch(cfg: tuple[int, ...], args: tuple, consts: dict, sq: int, nbh: int) -> None:
+    bm, bn, warps, stages, kt, heads_inner = cfg
+    _attention_kernel[(triton.cdiv(sq, bm) * nbh,)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, KT=bool(kt),
+                                                  HEADS_INNER=bool(heads_inner), num_warps=warps,
                                                   num_stages=stages)
 
 
-def _pick(key: tuple, args: tuple, consts: dict, sq: int, nbh: int) -> tuple[int, int, int, int]:
+def _pick(key: tuple, args: tuple, consts: dict, sq: int, nbh: int) -> tuple[int, ...]:
     """Time every config once on the current stream (CUDA events) and keep the fastest; a config
     that does not fit the GPU's resources is skipped."""
     import cupy
