@@ -109,6 +109,8 @@ def _pass_catalog(s: _State) -> None:
     cat.insert("tilings", s.candidates.tilings.arrow(), cid)
     cat.insert("candidate_specs", s.candidates.arrow_specs(), cid)
     cat.insert("spec_inputs", s.candidates.arrow_inputs(g, piece_of), cid)
+    if s.candidates.prices:
+        cat.insert("edge_prices", s.candidates.arrow_prices(), cid)
 
 
 def _pass_select(s: _State) -> None:
@@ -148,9 +150,29 @@ def _synthesizer(s: _State) -> Any:
     return None
 
 
+def _lower(s: _State, plan: LogicalPlan) -> Any:
+    """Lower ``plan`` with the schedule mode's synthesizer.  The search improves each exchange program
+    on its own; the whole plan keeps the searched programs only if the simulator finds it no slower
+    than with the naive ones (programs that overlap can interfere on shared links)."""
+    synth = _synthesizer(s)
+    lowered = lower(plan, "naive", synth)
+    if synth is not None:
+        from relational_tensors.exchange.plan_sim import KernelModel, simulate_plan
+        from relational_tensors.exchange.topology import get_topology
+
+        assert s.devices is not None
+        naive = lower(plan, "naive", None)
+        topo = get_topology(s.options["topology"], gpus=s.devices.p)
+        kernels = KernelModel.from_calibration(topo, s.options["calibration"])
+        if simulate_plan(naive.dag, s.graph, topo, kernels).time < simulate_plan(lowered.dag, s.graph, topo,
+                                                                                    kernels).time:
+            return naive
+    return lowered
+
+
 def _pass_lower(s: _State) -> None:
     assert s.plan is not None
-    s.lowered = lower(s.plan, "naive", _synthesizer(s))
+    s.lowered = _lower(s, s.plan)
 
 
 def _device_memory(s: _State) -> dict[int, int] | None:
@@ -187,7 +209,7 @@ def _pass_liveness(s: _State) -> None:
         for _ in range(8):
             choice = select_dp(s.catalog, s.cid, s.graph, s.candidates, s.pieces, memory_price=price)
             plan = LogicalPlan(s.graph, s.candidates, choice, "dp", s.options["cost_model"])
-            lowered = lower(plan, "naive", _synthesizer(s))
+            lowered = _lower(s, plan)
             live = liveness(lowered.dag)
             if all(live.peak[d] <= limits[d] for d in live.peak):
                 s.choice, s.plan, s.lowered, s.live = choice, plan, lowered, live
@@ -411,9 +433,9 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
     """Plan ``graph`` for the devices named by ``device`` (see ``relational_tensors.devices``).
 
     ``selector`` is ``dp`` (Algorithm 1), ``greedy`` or ``random`` (with ``seed``);
-    ``cost_model`` is ``paper`` (elements), ``bytes``, or ``calibrated`` (seconds: bytes over
-    ``topology``'s links plus kernel time from ``calibration``, a file written by
-    ``relational-tensors calibrate``; by default the one shipped for the topology);
+    ``cost_model`` is ``paper`` (elements), ``bytes``, or ``calibrated`` (seconds: kernel time from
+    ``calibration``, a file written by ``relational-tensors calibrate``, by default the one shipped
+    for the topology, plus each edge's exchange over ``topology``'s links, priced per pair of tilings);
     ``memory_per_device`` (bytes)
     excludes specs whose per-device working set does not fit; ``catalog`` is a
     path to persist the catalog (default: in memory); ``tactic`` is ``tree``

@@ -288,11 +288,14 @@ def plan_table(cg: CompiledGraph, rows: list[dict[str, Any]] | None = None, widt
     from rich.table import Table
 
     rows = plan_rows(cg) if rows is None else rows
-    unit = "elements" if cg.plan.cost_model == "paper" else "bytes"
+    # paper: elements; bytes: bytes; calibrated: seconds, shown in microseconds
+    unit, scale, digits = {"paper": ("elements", 1.0, 0), "calibrated": ("µs", 1e6, 1)}.get(
+        cg.plan.cost_model, ("bytes", 1.0, 0))
     table = Table(
         title=(f"plan for p={cg.p} ({cg.devices}), selector={cg.plan.selector}, cost model={cg.plan.cost_model} "
                f"({unit})") if titled else None,
-        caption=(f"total cost {cg.plan.cost:,.0f}; planned in {sum(cg.timings.values()):.3f}s") if titled else None)
+        caption=(f"total cost {cg.plan.cost * scale:,.{digits}f} {unit}; planned in {sum(cg.timings.values()):.3f}s")
+        if titled else None)
     heads = ("op", "kind", "split", "out tiling", "placement", "repartitions", "repartition", "join", "aggregation",
              "total")
     for h in heads:
@@ -300,7 +303,7 @@ def plan_table(cg: CompiledGraph, rows: list[dict[str, Any]] | None = None, widt
         table.add_column(h, justify="right" if numeric else "left", overflow="fold")
     for r in rows:
         table.add_row(r["op_name"], r["op_kind"], r["split"], r["output_tiling"], r["placement"],
-                      r["repartitioned_inputs"], *(f"{r[c]:,.0f}" for c in _PLAN_COLUMNS[6:]))
+                      r["repartitioned_inputs"], *(f"{r[c] * scale:,.{digits}f}" for c in _PLAN_COLUMNS[6:]))
     buf = io.StringIO()
     Console(file=buf, width=width, force_terminal=False, color_system=None).print(table)
     return buf.getvalue()

@@ -156,6 +156,36 @@ def test_dp_on_dags_stays_within_the_cut_bound(g: rt.Graph, p: int) -> None:
 
 
 @settings(**SETTINGS)
+@given(g=small_graphs(dag=False), p=st.sampled_from([2, 3, 4, 8]))
+def test_dp_is_optimal_on_trees_with_pairwise_prices(g: rt.Graph, p: int) -> None:
+    """The calibrated model prices every (producer tiling, required tiling) pair on its own; the DP's
+    minimum over producer tilings must still find the best plan under those prices."""
+    assume(is_tree(g))
+    cg = rt.compileGraph(g, device=f"cpu:{p}", cost_model="calibrated", topology="dgx-a100")
+    inner = {(n.id, k) for n in g.operators for k, i in enumerate(n.inputs) if g.nodes[i].op is not None}
+    assert set(cg.plan.candidates.prices) == inner  # every edge between operators is priced per pair
+    best = brute_force(cg)
+    assert cg.plan.cost == pytest.approx(best, rel=1e-9)
+    assert cg.query("plan_cost").column("total").to_pylist()[0] == pytest.approx(cg.plan.cost, rel=1e-9)
+
+
+@settings(**SETTINGS)
+@given(g=small_graphs(dag=True), p=st.sampled_from([2, 4, 8]))
+def test_pairwise_dp_on_dags_stays_within_the_cut_bound(g: rt.Graph, p: int) -> None:
+    """With pairwise prices a cut edge is paid once at its price and, when its consumer is planned
+    first, once more at its floor (the least price any producer tiling could have): the DP loses at
+    most the dearest price plus the floor of every cut edge."""
+    cg = rt.compileGraph(g, device=f"cpu:{p}", cost_model="calibrated", topology="dgx-a100")
+    best = brute_force(cg)
+    cands = cg.plan.candidates
+    consumers = g.consumers()
+    slack = sum(max(cands.prices[(n.id, k)].values()) * 2 for n in g.operators for k, i in enumerate(n.inputs)
+                if g.nodes[i].op is not None and len(consumers[i]) > 1)
+    assert best <= cg.plan.cost * (1 + 1e-9)
+    assert cg.plan.cost <= (best + slack) * (1 + 1e-9), (cg.plan.cost, best, slack)
+
+
+@settings(**SETTINGS)
 @given(g=small_graphs(dag=False), p=st.sampled_from([2, 4, 8]), seed=st.integers(0, 10**6))
 def test_greedy_and_random_never_beat_dp_on_trees(g: rt.Graph, p: int, seed: int) -> None:
     assume(is_tree(g))
@@ -277,6 +307,96 @@ def test_calibrated_cost_model(tmp_path) -> None:
 
     feeds = llama_feeds(feeds_g)
     np.testing.assert_allclose(small.run(feeds)["y"], rt.reference(feeds_g, feeds)["y"], rtol=1e-4, atol=1e-5)
+
+
+# --- the calibrated model's pairwise price ------------------------------------------------------
+
+def _grid(rows: int, cols: int, n: int = 64) -> tuple:
+    """The blocks of an n x n tensor cut into rows x cols, each made (or read) 8 / (rows * cols) times."""
+    from relational_tensors.core.types import Box
+
+    blocks = tuple(Box((i * n // rows, j * n // cols), ((i + 1) * n // rows, (j + 1) * n // cols))
+                   for i in range(rows) for j in range(cols))
+    return tuple(b for b in blocks for _ in range(8 // len(blocks)))
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from relational_tensors.exchange.plan_sim import KernelModel
+    from relational_tensors.exchange.topology import get_topology
+
+    return KernelModel(get_topology("dgx-a100"))
+
+
+@pytest.mark.parametrize("rows,cols", [(8, 1), (1, 8), (2, 4), (4, 2)])
+def test_pairwise_price_of_identical_tilings_is_zero(kernels, rows: int, cols: int) -> None:
+    """Blocks made once and read once as the same tiling stay where they are made: nothing moves."""
+    from relational_tensors.dp_optimizer.exchange_price import exchange_seconds
+
+    same = _grid(rows, cols)
+    assert exchange_seconds(same, same, "float16", "sum", kernels, 1.0) == 0.0
+    assert exchange_seconds(same, same[::-1], "float16", "sum", kernels, 1.0) == 0.0  # whatever the order
+
+
+def test_pairwise_price_by_hand(kernels) -> None:
+    """A 64 x 64 float16 tensor made as 8 row blocks (8 x 64, 1024 bytes each), at 1 byte/s of link:
+    read as 4 row blocks (each by 2 devices), each reader holds one half and gets the other, 1024 bytes;
+    read as 4 column blocks it gets 7 slivers of 8 x 16 (256 bytes each), 1792 bytes; read as 8 column
+    blocks, 7 slivers of 8 x 8, 896 bytes.  Each reader of several pieces also assembles its block (a
+    memory-bound kernel, microseconds), so the prices exceed the bytes by less than a millisecond."""
+    from relational_tensors.dp_optimizer.exchange_price import exchange_seconds
+
+    rows8 = _grid(8, 1)
+    price = lambda reads: exchange_seconds(rows8, reads, "float16", "sum", kernels, 1.0)  # noqa: E731
+    assert price(_grid(4, 1)) == pytest.approx(1024, abs=1e-3)
+    assert price(_grid(1, 4)) == pytest.approx(1792, abs=1e-3)
+    assert price(_grid(1, 8)) == pytest.approx(896, abs=1e-3)
+    assert price(_grid(8, 1)) == 0.0 < price(_grid(4, 1)) < price(_grid(1, 4))
+    # the whole tensor read on every device: each gets the 7 rows it lacks, and sends its row to 7
+    assert price(_grid(1, 1)) == pytest.approx(7 * 1024, abs=1e-3)
+    # 8 partial copies of the whole, read as 8 rows: each reader gets 7 partial copies of its row,
+    # 1024 bytes each, and adds the 8 copies up (a memory-bound ⊕)
+    partials = _grid(1, 1)
+    assert exchange_seconds(partials, rows8, "float16", "sum", kernels, 1.0) == pytest.approx(7 * 1024, abs=1e-3)
+    assert exchange_seconds(partials, partials, "float16", "sum", kernels, 1.0) == pytest.approx(7 * 8192, abs=1e-3)
+
+
+def test_pairwise_prices_in_the_catalog() -> None:
+    g = rt.Graph()
+    x = g.input("x", [256, 256], "float16")
+    h = g.unary(g.matmul(x, g.input("w1", [256, 256], "float16"), name="a"), "relu", name="r")
+    g.save(g.matmul(h, g.input("w2", [256, 256], "float16"), name="b"), name="y")
+    cg = rt.compileGraph(g, device="cpu:8", cost_model="calibrated", topology="dgx-a100")
+    cands = cg.plan.candidates
+    prices = cg.sql("SELECT op_id, input_pos, producer_tiling, required_tiling, price FROM edge_prices")
+    assert prices.num_rows == sum(len(v) for v in cands.prices.values()) > 0
+    for op, k, theirs, wanted, price in zip(*(prices.column(c).to_pylist() for c in prices.column_names)):
+        assert cands.edge_price(op, k, theirs, wanted) == price
+    # the plan view charges each edge the pair's price
+    rows = cg.sql("SELECT op_id, input_pos, repartition_cost FROM plan_inputs").to_pylist()
+    from relational_tensors.dp_optimizer.plan import edge_repartition
+
+    for r in rows:
+        assert r["repartition_cost"] == pytest.approx(edge_repartition(g, cands, cg.plan.choice, r["op_id"],
+                                                                       r["input_pos"]))
+    # the paper's model lists no pairs: one price per edge
+    assert rt.compileGraph(g, device="cpu:8").sql("SELECT count(*) n FROM edge_prices").column("n").to_pylist() == [0]
+    with pytest.raises(rt.PlanError, match="no price for producer tiling"):
+        cands.edge_price(cg.graph.node("b").id, 0, -1, -2)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_calibrated_cost_tracks_the_simulated_time_of_a_chain(seed: int) -> None:
+    """On a chain of matmuls (one operator after another, nothing to overlap) the calibrated cost of a
+    random plan is the whole-plan simulator's time under the naive exchange, to a few percent."""
+    g = rt.Graph()
+    x = g.input("x", [2048, 4096], "float16")
+    for n, width in enumerate((1024, 4096, 2048)):
+        x = g.matmul(x, g.input(f"w{n}", [x.shape[1], width], "float16"), name=f"m{n}")
+    g.save(x, name="y")
+    cg = rt.compileGraph(g, device="cpu:8", cost_model="calibrated", topology="dgx-a100", selector="random",
+                         seed=seed)
+    assert cg.plan.cost == pytest.approx(cg.simulate(), rel=0.05)
 
 
 def test_memory_limit_steers_the_plan() -> None:

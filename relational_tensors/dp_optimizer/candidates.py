@@ -3,6 +3,8 @@
 Specs are enumerated once per distinct operator and device count (identical
 layers of a deep model share them), costed by the chosen model, and filtered
 by the balance and memory rules into the ``eligible`` set the selectors see.
+Under a pairwise cost model every input edge also gets a price for each pair
+of (producer output tiling, required tiling) that eligible specs can meet.
 """
 
 from __future__ import annotations
@@ -57,9 +59,38 @@ class Candidates:
     by_op: dict[int, list[Candidate]] = field(default_factory=dict)
     tilings: TilingTable = field(default_factory=TilingTable)
     repartition: dict[tuple[int, int], float] = field(default_factory=dict)  # (op, input pos) -> price
+    # pairwise models: (op, input pos) -> (producer tiling, required tiling) -> price
+    prices: dict[tuple[int, int], dict[tuple[int, int], float]] = field(default_factory=dict)
 
     def eligible(self, op_id: int) -> list[Candidate]:
         return [c for c in self.by_op[op_id] if c.eligible]
+
+    def edge_price(self, op_id: int, k: int, producer_tiling: int, required_tiling: int) -> float:
+        """What input ``k`` of ``op_id`` pays when its producer's output tiling is ``producer_tiling`` and
+        the spec reads ``required_tiling``: the pair's own price under a pairwise model, else the edge's
+        repartition price when the two differ (the paper's rule)."""
+        pairs = self.prices.get((op_id, k))
+        if pairs is None:
+            return 0.0 if producer_tiling == required_tiling else self.repartition[(op_id, k)]
+        price = pairs.get((producer_tiling, required_tiling))
+        if price is None:
+            raise PlanError(f"input {k} of operator {op_id} has no price for producer tiling {producer_tiling} "
+                            f"read as tiling {required_tiling}; pairs are priced for eligible specs only "
+                            f"({len(pairs)} pairs known).")
+        return price
+
+    def arrow_prices(self) -> pa.Table:
+        rows: dict[str, list] = {k: [] for k in ("op_id", "input_pos", "producer_tiling", "required_tiling", "price")}
+        for (op_id, k), pairs in self.prices.items():
+            for (theirs, wanted), price in pairs.items():
+                rows["op_id"].append(op_id)
+                rows["input_pos"].append(k)
+                rows["producer_tiling"].append(theirs)
+                rows["required_tiling"].append(wanted)
+                rows["price"].append(price)
+        schema = pa.schema([("op_id", pa.int32()), ("input_pos", pa.int32()), ("producer_tiling", pa.int32()),
+                            ("required_tiling", pa.int32()), ("price", pa.float64())])
+        return pa.table(rows, schema=schema)
 
     def arrow_specs(self) -> pa.Table:
         rows: dict[str, list] = {k: [] for k in ("op_id", "spec_id", "split", "intervals", "output_tiling", "join_cost",
@@ -90,14 +121,29 @@ class Candidates:
                             ("resident_bytes", pa.int64()), ("eligible", pa.bool_())])
         return pa.table(rows, schema=schema)
 
+    def floor(self, op_id: int, k: int, required_tiling: int) -> float:
+        """The least price any producer tiling could deliver ``required_tiling`` at, under a pairwise model
+        (0 under the paper's rule): what a spec charges itself for an input whose producer is planned
+        later, so that reading a whole tensor on every device is not free just because its producer's
+        plan is not known yet."""
+        pairs = self.prices.get((op_id, k))
+        if not pairs:
+            return 0.0
+        return min((price for (_, wanted), price in pairs.items() if wanted == required_tiling), default=0.0)
+
     def arrow_inputs(self, graph: Graph, tree_of: Mapping[int, int]) -> pa.Table:
         rows: dict[str, list] = {k: [] for k in ("op_id", "spec_id", "input_pos", "required_tiling", "producer_op",
-                                                 "op_tree", "producer_tree", "repartition")}
+                                                 "op_tree", "producer_tree", "repartition", "floor")}
         for op_id, cands in self.by_op.items():
             node = graph.nodes[op_id]
             for k, i in enumerate(node.inputs):
                 producer = i if graph.nodes[i].op is not None else None
+                floors: dict[int, float] = {}
                 for c in cands:
+                    wanted = c.required[k]
+                    if wanted not in floors:
+                        floors[wanted] = self.floor(op_id, k, wanted) if c.eligible else 0.0
+                    rows["floor"].append(floors[wanted])
                     rows["op_id"].append(op_id)
                     rows["spec_id"].append(c.spec_id)
                     rows["input_pos"].append(k)
@@ -108,13 +154,15 @@ class Candidates:
                     rows["repartition"].append(self.repartition[(op_id, k)])
         schema = pa.schema([("op_id", pa.int32()), ("spec_id", pa.int32()), ("input_pos", pa.int32()),
                             ("required_tiling", pa.int32()), ("producer_op", pa.int32()),
-                            ("op_tree", pa.int32()), ("producer_tree", pa.int32()), ("repartition", pa.float64())])
+                            ("op_tree", pa.int32()), ("producer_tree", pa.int32()), ("repartition", pa.float64()),
+                            ("floor", pa.float64())])
         return pa.table(rows, schema=schema)
 
 
 def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: int | None = None) -> Candidates:
     """Enumerate, cost and filter the specs of every operator of ``graph`` for ``p`` devices."""
     out = Candidates(p)
+    saved_ids = set(graph.outputs.values())
     for node in graph.operators:
         op = node.op
         assert op is not None
@@ -128,12 +176,13 @@ def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: 
             )
         cands = []
         graph_inputs = tuple(graph.nodes[i].op is None for i in node.inputs)
+        saved = node.id in saved_ids
         for sid, (request, spec) in enumerate(pairs):
             out_t = out.tilings.intern(node.id, spec.output_tiling, op.output_type.box)
             required = tuple(out.tilings.intern(i, spec.input_blocks(k), op.input_types[k].box)
                              for k, i in enumerate(node.inputs))
             cands.append(Candidate(sid, request, spec, out_t, required, model.join(spec, graph_inputs),
-                                   model.aggregation(spec), spec_memory(spec), spec_resident(spec, graph_inputs),
+                                   model.aggregation(spec, saved), spec_memory(spec), spec_resident(spec, graph_inputs),
                                    model.compute(spec, op)))
         if memory_per_device is not None:
             fitting = [c for c in cands if c.memory_bytes <= memory_per_device]
@@ -154,4 +203,20 @@ def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: 
         out.by_op[node.id] = cands
         for k, i in enumerate(node.inputs):
             out.repartition[(node.id, k)] = model.repartition(graph.nodes[i].type, p)
+            if model.pairwise and graph.nodes[i].op is not None:
+                out.prices[(node.id, k)] = _pair_prices(model, out.eligible(i), [c for c in cands if c.eligible], k)
     return out
+
+
+def _pair_prices(model: CostModel, producers: list[Candidate], readers: list[Candidate],
+                 k: int) -> dict[tuple[int, int], float]:
+    """The price of every (producer output tiling, required tiling) pair of one edge.  Specs with the same
+    tiling make and read their blocks the same number of times (near-equal intervals), so the first
+    spec of each tiling stands for all of them."""
+    made: dict[int, JoinAggSpec] = {}
+    for c in producers:
+        made.setdefault(c.output_tiling, c.spec)
+    read: dict[int, JoinAggSpec] = {}
+    for c in readers:
+        read.setdefault(c.required[k], c.spec)
+    return {(theirs, wanted): model.exchange(ps, rs, k) for theirs, ps in made.items() for wanted, rs in read.items()}

@@ -9,14 +9,16 @@
 
 ``bytes`` weighs the same counts by dtype width (an lse partial also carries
 its log-sum-exp row).  Both are switchable so the paper's model stays
-reproducible.
+reproducible.  Both price an edge with one number whenever the producer's
+tiling differs from the one read; ``calibrated`` prices each pair of tilings
+(:meth:`CostModel.exchange`), in seconds.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, ClassVar
 
 import pyarrow as pa
 
@@ -24,6 +26,7 @@ from relational_tensors.core.dtypes import itemsize
 from relational_tensors.core.spec import JoinAggSpec
 from relational_tensors.core.tiling import Tiling, as_grid
 from relational_tensors.core.types import Box, TensorType
+from relational_tensors.dp_optimizer.exchange_price import device_bandwidth, exchange_seconds
 from relational_tensors.errors import PlanError
 
 __all__ = ["CostModel", "CalibratedCostModel", "COST_MODELS", "COST_MODEL_NAMES", "TilingTable", "spec_memory",
@@ -37,8 +40,16 @@ class CostModel:
     name: str
     width: Callable[[str], float]  # dtype -> weight of one element
 
+    # True: every (producer tiling, required tiling) pair of an edge has its own price, ``exchange``;
+    # False: an edge costs ``repartition`` when the two differ and nothing when they agree.
+    pairwise: ClassVar[bool] = False
+
     def repartition(self, t: TensorType, p: int = 1) -> float:
         return float(t.volume) * self.width(t.dtype)
+
+    def exchange(self, producer: JoinAggSpec, consumer: JoinAggSpec, k: int) -> float:
+        raise PlanError(f"cost model {self.name!r} prices an edge by one number (repartition), not per pair "
+                        "of tilings; only pairwise models (calibrated) implement exchange().")
 
     def join(self, spec: JoinAggSpec, graph_inputs: tuple[bool, ...] = ()) -> float:
         total = 0.0
@@ -46,7 +57,7 @@ class CostModel:
             total += sum(f.inputs[k].volume for f in spec.functions) * self.width(t.dtype)
         return total
 
-    def aggregation(self, spec: JoinAggSpec) -> float:
+    def aggregation(self, spec: JoinAggSpec, saved: bool = False) -> float:
         width = self.width(spec.output_type.dtype)
         total = 0.0
         for box, m in spec.output_multiplicity().items():
@@ -63,39 +74,55 @@ class CostModel:
 
 @dataclass(frozen=True)
 class CalibratedCostModel(CostModel):
-    """Seconds: bytes moved over the topology's links plus kernel time from a calibration.
+    """Seconds, shaped like the whole-plan simulator's clock: per operator, its slowest kernel, plus
+    per input edge the time of the exchange that delivers the producer's blocks to the spec's readers.
 
-    Communication: a repartition moves (p-1)/p of the tensor, spread over the p devices' links; a
-    join moves the bytes its function specs read beyond one copy of each op-produced input (graph
-    inputs are loaded where they are read); an aggregation moves m-1 partial copies of a block.
-    Computation: the slowest function spec's kernel under the kernel model (a roofline whose
-    efficiency follows the measured, shape-dependent rates of the calibration file).
+    An edge is priced for the pair (producer tiling, required tiling) by :meth:`exchange`, so the
+    dynamic program minimises over the producer's tilings with the price of each.  The exchange
+    covers everything the simulator charges between two kernels: slicing producer blocks into atoms,
+    the transfers (the busiest device's ingress or egress over its link bandwidth), the ⊕ of partial
+    copies and the assembly of the blocks a kernel reads.  Hence ``join`` is 0 (graph inputs are
+    loaded where they are read; replicated reads of op outputs are part of the edge) and
+    ``aggregation`` is the exchange that finishes a *saved* output's partials (a consumed output's
+    partials are combined by its consumers' edges).
     """
 
     kernels: object = None      # exchange.plan_sim.KernelModel
-    bandwidth: float = 1.0      # bytes/s of one device's link
+    bandwidth: float = 1.0      # bytes/s one device sends (and receives) while every device exchanges
+    latency: float = 0.0        # start latency of a transfer, s
+    _prices: dict = field(default_factory=dict, compare=False, repr=False)  # memo of exchange()
 
-    def _seconds(self, nbytes: float, p: int) -> float:
-        return nbytes / (max(p, 1) * self.bandwidth)
+    pairwise: ClassVar[bool] = True
 
     def repartition(self, t: TensorType, p: int = 1) -> float:
-        return self._seconds(t.nbytes * (p - 1) / max(p, 1), p)
+        """Fallback price of a differing pair (every pair the selectors meet is priced by ``exchange``)."""
+        return t.nbytes * (p - 1) / max(p, 1) / (max(p, 1) * self.bandwidth)
 
     def join(self, spec: JoinAggSpec, graph_inputs: tuple[bool, ...] = ()) -> float:
-        extra = 0.0
-        for k, t in enumerate(spec.input_types):
-            if k < len(graph_inputs) and graph_inputs[k]:
-                continue
-            read = sum(f.inputs[k].volume for f in spec.functions)
-            extra += max(0, read - t.volume) * itemsize(t.dtype)
-        return self._seconds(extra, spec.p)
+        return 0.0
 
-    def aggregation(self, spec: JoinAggSpec) -> float:
-        moved = 0.0
-        for box, m in spec.output_multiplicity().items():
-            if m > 1:
-                moved += (m - 1) * box.volume * itemsize(spec.output_type.dtype)
-        return self._seconds(moved, spec.p)
+    def aggregation(self, spec: JoinAggSpec, saved: bool = False) -> float:
+        if not saved or max(spec.output_multiplicity().values()) == 1:
+            return 0.0
+        blocks = tuple(f.output for f in spec.functions)
+        first = {b: g for g, b in reversed(list(enumerate(blocks)))}  # each block finishes where it is first made
+        empty = Box((0,) * spec.output_type.rank, (0,) * spec.output_type.rank)
+        reads = tuple(b if first[b] == g else empty for g, b in enumerate(blocks))
+        return self._exchange(blocks, reads, spec.output_type.dtype, spec.aggregation.name)
+
+    def exchange(self, producer: JoinAggSpec, consumer: JoinAggSpec, k: int) -> float:
+        """Seconds to deliver ``producer``'s output blocks as the blocks input ``k`` of ``consumer`` reads."""
+        return self._exchange(tuple(f.output for f in producer.functions),
+                              tuple(f.inputs[k] for f in consumer.functions),
+                              producer.output_type.dtype, producer.aggregation.name)
+
+    def _exchange(self, blocks: tuple[Box, ...], reads: tuple[Box, ...], dtype: str, aggregation: str) -> float:
+        key = (blocks, reads, dtype, aggregation)
+        price = self._prices.get(key)
+        if price is None:
+            price = self._prices[key] = exchange_seconds(blocks, reads, dtype, aggregation, self.kernels,
+                                                         self.bandwidth, self.latency)
+        return price
 
     def compute(self, spec: JoinAggSpec, op: object) -> float:
         model = self.kernels
@@ -127,11 +154,10 @@ def cost_model(name: str, topology: str | None = None, p: int = 1, calibration: 
 
     base = get_topology(topology or "hgx-h200")
     topo = get_topology(base, gpus=p) if 1 < p <= len(base.sites) else base
-    sites = topo.sites
-    pairs = [(a, b) for a in sites for b in sites if a != b]
-    bw = sum(topo.bandwidth(a, b) for a, b in pairs) / len(pairs) if pairs else topo.hbm_bandwidth
+    routes = [topo.route(a, b) for a in topo.sites for b in topo.sites if a != b]
+    latency = sum(r.latency for r in routes) / len(routes) if routes else 0.0
     return CalibratedCostModel("calibrated", lambda dtype: float(itemsize(dtype)),
-                               KernelModel.from_calibration(topo, calibration), bw)
+                               KernelModel.from_calibration(topo, calibration), device_bandwidth(topo), latency)
 
 
 def spec_memory(spec: JoinAggSpec) -> int:

@@ -13,13 +13,14 @@ __all__ = ["LogicalPlan", "plan_cost", "edge_repartition"]
 
 
 def edge_repartition(graph: Graph, cands: Candidates, choice: dict[int, int], op_id: int, k: int) -> float:
-    """The repartition an input edge pays under ``choice`` (0 for graph inputs and matching tilings)."""
+    """The repartition an input edge pays under ``choice``: 0 for graph inputs, else the price of the
+    pair (producer's output tiling, tiling the spec reads), see :meth:`Candidates.edge_price`."""
     i = graph.nodes[op_id].inputs[k]
     if graph.nodes[i].op is None:
         return 0.0
     mine = cands.by_op[op_id][choice[op_id]]
     theirs = cands.by_op[i][choice[i]]
-    return 0.0 if theirs.output_tiling == mine.required[k] else cands.repartition[(op_id, k)]
+    return cands.edge_price(op_id, k, theirs.output_tiling, mine.required[k])
 
 
 def plan_cost(graph: Graph, cands: Candidates, choice: dict[int, int]) -> float:

@@ -88,10 +88,11 @@ def select_dp(catalog: Catalog, cid: int, graph: Graph, cands: Candidates, piece
                 if nodes[i].op is None or piece_of.get(i) != piece_of[v] or i in picked:
                     continue
                 entries = table[i]
-                best_tiling = min(entries, key=lambda t: (entries[t][0], t))
                 want = cand.required[k]
-                keep = want in entries and entries[want][0] <= entries[best_tiling][0] + cands.repartition[(v, k)]
-                picked[i] = entries[want if keep else best_tiling][1]
+                # the producer tiling that achieved the wave's minimum; on ties the tiling read, then the
+                # cheaper Opt, then the lowest id
+                via = {t: entries[t][0] + cands.edge_price(v, k, t, want) for t in entries}
+                picked[i] = entries[min(via, key=lambda t: (via[t], t != want, entries[t][0], t))][1]
                 stack.append(i)
         missing = set(members) - set(picked)
         if missing:

@@ -3,36 +3,55 @@
 -- them, which is the same as solving them one after another) and every eligible spec J,
 --   B(J) = join(J) + aggregation(J) + compute(J) + sum over inputs k of
 --            0                                   graph input (materialized as J needs)
---            [fixed tiling != in_k(J)]·|input|  producer fixed by an earlier piece
---            min(Opt(P, in_k(J)), min_T Opt(P, T) + |input|)   producer in this piece
---            0                                   producer in a later piece (it pays)
+--            price(F, in_k(J))                   producer fixed by an earlier piece with tiling F
+--            min over T of Opt(P, T) + price(T, in_k(J))   producer in this piece
+--            floor(in_k(J))                      producer in a later piece (it pays the rest)
 -- and Opt(op, T) = min over specs J with out(J) = T of B(J), ties to the lowest spec id.
+-- price(T, R) is the edge's row of edge_prices for the pair when there is one (pairwise cost
+-- models), else 0 when T = R and spec_inputs.repartition otherwise (the paper's rule); floor(R)
+-- is the least price of R over the producer's tilings under a pairwise model, else 0.
 -- $memory_price prices the bytes of graph inputs a spec keeps resident per device (0 unless a
 -- memory limit must be met: a Lagrangian relaxation of the whole plan's memory).
 -- Parameters: $cid, $ops, $memory_price.
 INSERT INTO dp_table (compilation_id, op_id, tiling_id, cost, spec_id)
 WITH wave AS (SELECT unnest($ops::INTEGER[]) AS op_id),
-best AS (
-    SELECT op_id, min(cost) AS cost FROM dp_table WHERE compilation_id = $cid GROUP BY op_id
-),
-input_costs AS (
-    SELECT si.op_id, si.spec_id, sum(
-        CASE
-            WHEN si.producer_op IS NULL THEN 0.0
-            WHEN f.output_tiling IS NOT NULL THEN
-                CASE WHEN f.output_tiling = si.required_tiling THEN 0.0 ELSE si.repartition END
-            WHEN si.producer_tree = si.op_tree THEN
-                least(coalesce(d.cost, 'inf'::DOUBLE), b.cost + si.repartition)
-            ELSE 0.0
-        END) AS cost
+edges AS (
+    SELECT si.op_id, si.spec_id, si.input_pos, si.producer_op, si.required_tiling, si.repartition, si.floor,
+           f.output_tiling AS fixed_tiling,
+           (si.producer_op IS NOT NULL AND f.output_tiling IS NULL AND si.producer_tree = si.op_tree) AS in_piece
     FROM spec_inputs si
     JOIN wave USING (op_id)
     LEFT JOIN chosen f ON f.compilation_id = $cid AND f.op_id = si.producer_op
-    LEFT JOIN dp_table d
-        ON d.compilation_id = $cid AND d.op_id = si.producer_op AND d.tiling_id = si.required_tiling
-    LEFT JOIN best b ON b.op_id = si.producer_op
-    WHERE si.compilation_id = $cid
-    GROUP BY si.op_id, si.spec_id
+    WHERE si.compilation_id = $cid AND si.producer_op IS NOT NULL
+),
+-- the tilings an edge's producer may deliver: the one fixed before, or each of Opt(P, T)
+starts AS (
+    SELECT op_id, spec_id, input_pos, required_tiling, repartition, fixed_tiling AS tiling_id, 0.0 AS opt
+    FROM edges
+    WHERE fixed_tiling IS NOT NULL
+    UNION ALL
+    SELECT e.op_id, e.spec_id, e.input_pos, e.required_tiling, e.repartition, d.tiling_id, d.cost
+    FROM edges e
+    JOIN dp_table d ON d.compilation_id = $cid AND d.op_id = e.producer_op
+    WHERE e.in_piece
+),
+edge_costs AS (
+    SELECT s.op_id, s.spec_id, s.input_pos,
+           min(s.opt + coalesce(p.price, CASE WHEN s.tiling_id = s.required_tiling THEN 0.0 ELSE s.repartition END))
+               AS cost
+    FROM starts s
+    LEFT JOIN edge_prices p
+        ON p.compilation_id = $cid AND p.op_id = s.op_id AND p.input_pos = s.input_pos
+       AND p.producer_tiling = s.tiling_id AND p.required_tiling = s.required_tiling
+    GROUP BY s.op_id, s.spec_id, s.input_pos
+),
+input_costs AS (
+    SELECT e.op_id, e.spec_id,
+           sum(CASE WHEN e.fixed_tiling IS NOT NULL OR e.in_piece THEN coalesce(c.cost, 'inf'::DOUBLE)
+                    ELSE e.floor END) AS cost
+    FROM edges e
+    LEFT JOIN edge_costs c USING (op_id, spec_id, input_pos)
+    GROUP BY e.op_id, e.spec_id
 ),
 costed AS (
     SELECT s.op_id, s.spec_id, s.output_tiling,

@@ -12,7 +12,7 @@ CREATE TABLE IF NOT EXISTS compilations (
     device             VARCHAR,     -- what the device argument named (cpu:8, cuda:0,1, ...)
     selector           VARCHAR,     -- dp | greedy | random
     seed               INTEGER,
-    cost_model         VARCHAR,     -- paper | bytes
+    cost_model         VARCHAR,     -- paper | bytes | calibrated
     memory_per_device  BIGINT,
     plan_cost          DOUBLE,
     planning_seconds   DOUBLE
@@ -70,8 +70,8 @@ CREATE TABLE IF NOT EXISTS candidate_specs (
     split             VARCHAR,      -- idx=n,... over every requestable index, declared order
     intervals         VARCHAR,      -- the interval lists requested, per split index
     output_tiling     INTEGER,
-    join_cost         DOUBLE,
-    aggregation_cost  DOUBLE,
+    join_cost         DOUBLE,       -- 0 under "calibrated" (its edges price every byte a spec reads)
+    aggregation_cost  DOUBLE,       -- under "calibrated": combining the partials of a saved output
     compute_cost      DOUBLE,       -- 0 under the paper's model; kernel seconds under "calibrated"
     flops             DOUBLE,
     imbalance         DOUBLE,       -- max/min FLOPs over function specs, minus one
@@ -90,7 +90,24 @@ CREATE TABLE IF NOT EXISTS spec_inputs (
     producer_op       INTEGER,      -- NULL for graph inputs (materialized as required: no repartition)
     op_tree           INTEGER,      -- the DP piece of the consumer
     producer_tree     INTEGER,      -- the DP piece of the producer
-    repartition       DOUBLE        -- cost charged if the producer's tiling differs
+    repartition       DOUBLE,       -- cost charged if the producer's tiling differs (unless edge_prices has the pair)
+    floor             DOUBLE        -- least price of any producer tiling (edge_prices; else 0): charged while
+                                    -- the producer is planned later
+);
+
+-- a catalog file written before spec_inputs had its floor
+ALTER TABLE spec_inputs ADD COLUMN IF NOT EXISTS floor DOUBLE DEFAULT 0.0;
+
+-- Prices of an edge per pair of tilings, for cost models that price the pair (calibrated: the
+-- seconds of the exchange delivering the producer's blocks as the blocks the spec reads).  Empty
+-- under paper and bytes, where an edge costs spec_inputs.repartition whenever the two differ.
+CREATE TABLE IF NOT EXISTS edge_prices (
+    compilation_id    INTEGER,
+    op_id             INTEGER,      -- consumer
+    input_pos         INTEGER,
+    producer_tiling   INTEGER,      -- the producer's output tiling
+    required_tiling   INTEGER,      -- in_k(J) of a consumer spec
+    price             DOUBLE
 );
 
 CREATE TABLE IF NOT EXISTS dp_table (

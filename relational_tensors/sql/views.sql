@@ -2,14 +2,19 @@
 -- compilation_id); a compiled graph's cg.sql() sees them narrowed to itself.
 -- {where} is replaced by the narrowing filter (or nothing).
 
+-- An edge's repartition cost: 0 from a graph input, else the price of the pair (producer's
+-- tiling, tiling read): its edge_prices row if it has one, else the paper's rule.
 CREATE OR REPLACE {temp} VIEW plan_inputs AS
 SELECT si.compilation_id, c.op_id, si.input_pos, si.required_tiling, si.producer_op,
        pc.output_tiling AS producer_tiling,
-       CASE WHEN si.producer_op IS NULL OR pc.output_tiling = si.required_tiling THEN 0.0
-            ELSE si.repartition END AS repartition_cost
+       CASE WHEN si.producer_op IS NULL THEN 0.0
+            ELSE coalesce(ep.price, CASE WHEN pc.output_tiling = si.required_tiling THEN 0.0 ELSE si.repartition END)
+       END AS repartition_cost
 FROM chosen c
 JOIN spec_inputs si ON si.compilation_id = c.compilation_id AND si.op_id = c.op_id AND si.spec_id = c.spec_id
 LEFT JOIN chosen pc ON pc.compilation_id = si.compilation_id AND pc.op_id = si.producer_op
+LEFT JOIN edge_prices ep ON ep.compilation_id = si.compilation_id AND ep.op_id = si.op_id
+      AND ep.input_pos = si.input_pos AND ep.producer_tiling = pc.output_tiling AND ep.required_tiling = si.required_tiling
 {where_si};
 
 CREATE OR REPLACE {temp} VIEW plan AS
@@ -51,11 +56,15 @@ JOIN tilings t ON t.compilation_id = s.compilation_id AND t.tiling_id = s.output
 LEFT JOIN chosen c ON c.compilation_id = s.compilation_id AND c.op_id = s.op_id AND c.spec_id = s.spec_id
 LEFT JOIN (
     SELECT si.compilation_id, si.op_id, si.spec_id,
-           SUM(CASE WHEN si.producer_op IS NULL OR pc.output_tiling = si.required_tiling THEN 0.0
+           SUM(CASE WHEN si.producer_op IS NULL THEN 0.0
                     WHEN pc.output_tiling IS NULL THEN NULL
-                    ELSE si.repartition END) AS repartition_cost
+                    ELSE coalesce(ep.price, CASE WHEN pc.output_tiling = si.required_tiling THEN 0.0
+                                                 ELSE si.repartition END) END) AS repartition_cost
     FROM spec_inputs si
     LEFT JOIN chosen pc ON pc.compilation_id = si.compilation_id AND pc.op_id = si.producer_op
+    LEFT JOIN edge_prices ep ON ep.compilation_id = si.compilation_id AND ep.op_id = si.op_id
+          AND ep.input_pos = si.input_pos AND ep.producer_tiling = pc.output_tiling
+          AND ep.required_tiling = si.required_tiling
     GROUP BY ALL
 ) rc ON rc.compilation_id = s.compilation_id AND rc.op_id = s.op_id AND rc.spec_id = s.spec_id
 {where_s}
