@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import time
@@ -20,6 +21,8 @@ import numpy as np
 
 import relational_tensors as rt
 from relational_tensors.models import LLAMA3_8B, llama_block, llama_feeds
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX shares the GPU with CuPy and PyTorch
 
 WORKLOADS = {"1K": (1, 1024), "8K": (1, 8192), "8x1K": (8, 1024), "128x1K": (128, 1024), "128K": (1, 131072)}
 D, HQ, HKV, DFF = LLAMA3_8B["d_model"], LLAMA3_8B["n_heads"], LLAMA3_8B["n_kv_heads"], LLAMA3_8B["d_ff"]
@@ -93,6 +96,51 @@ def torch_block(torch, feeds: dict, b: int, s: int):
     return block, p["x"]
 
 
+def jax_block(feeds: dict, b: int, s: int):
+    """The same block in JAX (jax.jit, jax.nn.dot_product_attention with grouped kv heads):
+    returns a function that runs it once and waits for the result, and the result itself."""
+    import jax
+    import jax.numpy as jnp
+
+    p = {k: jnp.asarray(v) for k, v in feeds.items()}
+    ang = np.arange(s, dtype=np.float64)[:, None] * (BASE ** (-np.arange(0, DH, 2, dtype=np.float64) / DH))[None, :]
+    cos = jnp.asarray(np.cos(ang).astype(np.float16))[None, :, None, :]
+    sin = jnp.asarray(np.sin(ang).astype(np.float16))[None, :, None, :]
+
+    def rms(x, w):
+        xf = x.astype(jnp.float32)
+        return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + EPS)).astype(jnp.float16) * w
+
+    def rope(x):
+        x1, x2 = x[..., : DH // 2], x[..., DH // 2:]
+        return jnp.concatenate((x1 * cos - x2 * sin, x2 * cos + x1 * sin), axis=-1)
+
+    def block(x, p):
+        h = rms(x, p["attn_norm"])
+        q = rope((h @ p["wq"]).reshape(b, s, HQ, DH))
+        k = rope((h @ p["wk"]).reshape(b, s, HKV, DH))
+        v = (h @ p["wv"]).reshape(b, s, HKV, DH)
+        a = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        x2 = x + a.reshape(b, s, D) @ p["wo"]
+        h2 = rms(x2, p["ffn_norm"])
+        return x2 + (jax.nn.silu(h2 @ p["w1"]) * (h2 @ p["w3"])) @ p["w2"]
+
+    f = jax.jit(block)
+    return (lambda: f(p["x"], p).block_until_ready()), f(p["x"], p)
+
+
+def time_wall(fn, rounds: int = 10, warmups: int = 2) -> list[float]:
+    """Milliseconds per call by the wall clock (for JAX, which runs on its own streams)."""
+    for _ in range(warmups):
+        fn()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
 def main() -> None:
     import cupy
     import torch
@@ -142,12 +190,23 @@ def main() -> None:
             compiled = torch.compile(block)
             comp = time_cuda(lambda: compiled(x), stream)
         diff = float(cupy.max(cupy.abs(y.astype(cupy.float32) - cupy.asarray(ref.float()))))
+        del ref
+        torch.cuda.empty_cache()
+        try:  # JAX where installed (its own allocator: grows as needed, see XLA_PYTHON_CLIENT_PREALLOCATE)
+            run_jax, jy = jax_block(feeds, b, s)
+            jx = time_wall(run_jax)
+            rows_jax = {"jax_ms": statistics.mean(jx), "jax_all": jx,
+                        "jax_max_abs_diff_vs_ours": float(np.max(np.abs(np.asarray(jy, dtype=np.float32)
+                                                                        - cupy.asnumpy(y).astype(np.float32))))}
+            del run_jax, jy
+        except Exception as e:  # noqa: BLE001 - absent, or out of memory at this size
+            rows_jax = {"jax_error": f"{type(e).__name__}: {str(e)[:300]}"}
         roof = block_flops(b, s) / rate * 1e3
         rows[name] = {"ours_ms": statistics.mean(ours), "eager_ms": statistics.mean(eager),
                       "compile_ms": statistics.mean(comp), "roofline_ms": roof, "compile_s": compile_s,
                       "max_abs_diff_vs_torch": diff, "ours_all": ours,
                       "ours_eager_breakdown_ms": {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
-                      **rows_flash}
+                      **rows_flash, **rows_jax}
         for p in [int(v) for v in args.virtual.split(",") if v] if s * b >= 8192 else []:
             cgv = rt.compileGraph(g, device="cuda:" + ",".join(["0"] * p))
             cgv.load(feeds)
@@ -164,30 +223,33 @@ def main() -> None:
             rows[name][f"virtual{p}_max_abs_diff"] = float(cupy.max(cupy.abs(yv.astype(cupy.float32) - y.astype(cupy.float32))))
             del cgv, exv
         print(name, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[name].items()
-                     if k not in ("ours_all", "ours_flash_all")},
+                     if k not in ("ours_all", "ours_flash_all", "jax_all")},
               flush=True)
-        del cg, ex, y, ref
+        del cg, ex, y
         torch.cuda.empty_cache()
         cupy.get_default_memory_pool().free_all_blocks()
     geo = lambda key: math.exp(sum(math.log(r[key]) for r in rows.values()) / len(rows))  # noqa: E731
     summary = {k: geo(k) for k in ("ours_ms", "eager_ms", "compile_ms", "roofline_ms")}
-    if all("ours_flash_ms" in r for r in rows.values()):
-        summary["ours_flash_ms"] = geo("ours_flash_ms")
+    for key in ("ours_flash_ms", "jax_ms"):
+        if all(key in r for r in rows.values()):
+            summary[key] = geo(key)
     out = {"gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), "matmul_tflops": rate / 1e12,
            "torch": torch.__version__, "python": platform.python_version(), "dtype": "float16",
            "rounds": "2 warm-ups + 10 timed, CUDA events", "workloads": rows, "geomean": summary}
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
     (path / "gpu_block.json").write_text(json.dumps(out, indent=2))
-    lines = ["| workload | ours (ms) | ours, flash attention (ms) | torch eager (ms) | torch.compile (ms) | roofline (ms) |"
-             " ours / roofline | 2 virt. | 4 virt. | 8 virt. |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | ours (ms) | ours, flash attention (ms) | torch eager (ms) | torch.compile (ms) | JAX jit (ms) |"
+             " roofline (ms) | ours / roofline | 2 virt. | 4 virt. | 8 virt. |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, r in rows.items():
         virt = " | ".join(f"{r[f'virtual{p}_ms']:.2f}" if f"virtual{p}_ms" in r else "-" for p in (2, 4, 8))
         fl = f"{r['ours_flash_ms']:.2f}" if "ours_flash_ms" in r else "-"
-        lines.append(f"| {n} | {r['ours_ms']:.2f} | {fl} | {r['eager_ms']:.2f} | {r['compile_ms']:.2f} | "
+        jx = f"{r['jax_ms']:.2f}" if "jax_ms" in r else "-"
+        lines.append(f"| {n} | {r['ours_ms']:.2f} | {fl} | {r['eager_ms']:.2f} | {r['compile_ms']:.2f} | {jx} | "
                      f"{r['roofline_ms']:.2f} | {r['ours_ms'] / r['roofline_ms']:.2f} | {virt} |")
     fl = f"{summary['ours_flash_ms']:.2f}" if "ours_flash_ms" in summary else "-"
-    lines.append(f"| geomean | {summary['ours_ms']:.2f} | {fl} | {summary['eager_ms']:.2f} | {summary['compile_ms']:.2f} | "
+    jx = f"{summary['jax_ms']:.2f}" if "jax_ms" in summary else "-"
+    lines.append(f"| geomean | {summary['ours_ms']:.2f} | {fl} | {summary['eager_ms']:.2f} | {summary['compile_ms']:.2f} | {jx} | "
                  f"{summary['roofline_ms']:.2f} | {summary['ours_ms'] / summary['roofline_ms']:.2f} | | | |")
     (path / "gpu_block.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
