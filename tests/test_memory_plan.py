@@ -33,7 +33,7 @@ def hazards(cg: rt.CompiledGraph, plan: MemoryPlan) -> list[tuple[int, int]]:
 
     by_arena: dict[int, list[tuple[int, int, int, bool]]] = {}
     for t in dag.tasks:
-        if t.kind == "load" or (t.kind == "kernel" and t.outputs[0] in plan.alias):
+        if t.kind == "load" or (t.kind == "kernel" and t.outputs[0] in plan.reshaped):
             continue  # loads finish before execution; an aliased reshape touches nothing
         for b, write in [(b, False) for b in t.inputs] + [(b, True) for b in t.outputs]:
             d, lo, hi = plan.byte_range(dag, b)

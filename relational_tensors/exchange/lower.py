@@ -29,6 +29,7 @@ from relational_tensors.dp_optimizer.plan import LogicalPlan
 from relational_tensors.errors import ExchangeError
 from relational_tensors.exchange.ast import Action, ExProg, InAtom, Partition, Requirement, aggregate_text, exact_cover
 from relational_tensors.exchange.tasks import TaskDAG
+from relational_tensors.exchange.views import fuse_views
 from relational_tensors.frontend.graph import Graph
 
 __all__ = ["Lowered", "lower", "place", "naive", "naive_body", "Synthesizer", "Membership", "SCHEDULES"]
@@ -353,4 +354,4 @@ def lower(plan: LogicalPlan, schedule: str = "naive", synthesize: Synthesizer | 
     for node in plan.graph.operators:
         low.lower_op(node.id)
     low.lower_outputs()
-    return Lowered(low.dag, low.placement, low.programs, low.memberships)
+    return Lowered(fuse_views(low.dag), low.placement, low.programs, low.memberships)

@@ -130,12 +130,7 @@ def simulate_plan(dag: TaskDAG, graph: Graph, topology: Topology, model: KernelM
     """Predict the run time of ``dag`` on ``topology`` (logical device d is site d)."""
     model = model or KernelModel(topology)
     sites = topology.sites
-    producer: dict[int, int] = {}
-    for t in dag.tasks:
-        for b in t.outputs:
-            producer.setdefault(b, t.id)
-    deps = {t.id: {producer[b] for b in t.inputs if b in producer and dag.tasks[producer[b]].kind != "load"}
-            for t in dag.tasks}
+    deps = dag.producers()
     waiting_on = {tid: len(d) for tid, d in deps.items()}
     dependents: dict[int, list[int]] = {t.id: [] for t in dag.tasks}
     for tid, ds in deps.items():

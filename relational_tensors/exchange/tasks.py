@@ -6,6 +6,12 @@ aggregates at one device), ``copy`` (a transfer between devices), ``recompose``
 (assemble atoms into the block a kernel reads, finalizing ⊕ partials),
 ``kernel`` (a concrete operator on one function spec).  Emission order is a
 topological order and the order each device runs its tasks in.
+
+A buffer may be a *view*: a sub-box of another buffer on the same device
+(``parent``), sharing its memory with the parent's strides.  Views let a copy
+read an atom straight out of the producer's block and write it straight into
+the block its reader assembles (``exchange.views``); they take no memory of
+their own, and keep their root buffer alive.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class Buffer:
     dtype: str
     tensor: int                # node id of the tensor it belongs to
     partial: str | None = None  # "sum", "max", "min", "lse" (an lse partial also holds a float32 row per output row)
+    parent: int | None = None   # a view: the buffer (same device, tensor and dtype) whose sub-box it is
 
     @property
     def nbytes(self) -> int:
@@ -74,10 +81,29 @@ class TaskDAG:
         self.buffers[bid] = Buffer(bid, device, box, dtype, tensor, partial)
         return bid
 
+    def root(self, b: int) -> int:
+        """The buffer that owns ``b``'s memory (``b`` itself unless it is a view)."""
+        while self.buffers[b].parent is not None:
+            b = self.buffers[b].parent  # type: ignore[assignment]
+        return b
+
     def add(self, kind: str, device: int, inputs: tuple[int, ...], outputs: tuple[int, ...], **kw: Any) -> Task:
         task = Task(len(self.tasks), kind, device, inputs, outputs, **kw)
         self.tasks.append(task)
         return task
+
+    def producers(self) -> dict[int, set[int]]:
+        """Per task, the earlier tasks (loads aside) that wrote what it reads.  A view is read where its
+        root's bytes are, so reading one waits for every earlier write to that root or its views (the
+        producer's kernel for an atom cut out of its block; every copy into a block being assembled)."""
+        writers: dict[int, list[int]] = defaultdict(list)
+        deps: dict[int, set[int]] = {}
+        for t in self.tasks:
+            deps[t.id] = {w for b in t.inputs for w in writers[self.root(b)]}
+            if t.kind != "load":
+                for b in t.outputs:
+                    writers[self.root(b)].append(t.id)
+        return deps
 
     def counts(self) -> Counter[str]:
         return Counter(t.kind for t in self.tasks)
@@ -95,17 +121,19 @@ class TaskDAG:
 
 @dataclass(frozen=True)
 class Liveness:
-    """When each buffer dies, and the memory each device needs."""
+    """When each buffer dies, and the memory each device needs.  A view dies with its root: the root's
+    ``last_use`` covers every view of it, and only roots hold bytes."""
 
     last_use: dict[int, int]           # buffer -> index of the last task reading it (persistent: len(tasks))
-    persistent: frozenset[int]         # loaded inputs and saved outputs
+    persistent: frozenset[int]         # loaded inputs and saved outputs (and the roots they are views of)
     peak: dict[int, int]               # device -> peak bytes
     resident: dict[int, int]           # device -> bytes of persistent buffers
+    views: frozenset[int] = frozenset()  # buffers that are views (they free nothing)
 
     def frees_after(self) -> dict[int, list[int]]:
         out: dict[int, list[int]] = defaultdict(list)
         for b, t in self.last_use.items():
-            if b not in self.persistent:
+            if b not in self.persistent and b not in self.views:
                 out[t].append(b)
         return out
 
@@ -114,36 +142,49 @@ def liveness(dag: TaskDAG) -> Liveness:
     """Free each buffer after its last use; report per-device peak bytes.
 
     Loaded inputs stay resident (a program executes many times on one load) and
-    saved outputs stay until they are offloaded.
+    saved outputs stay until they are offloaded.  A root is born with the first
+    write to it or to any of its views and dies after the last use of any of them.
     """
+    views = frozenset(b for b, buf in dag.buffers.items() if buf.parent is not None)
+    root = {b: dag.root(b) for b in views}
     persistent = {b for blocks in dag.inputs.values() for _, b in blocks}
     persistent |= {b for blocks in dag.outputs.values() for _, b in blocks}
+    persistent |= {root[b] for b in persistent if b in root}
     end = len(dag.tasks)
     last_use: dict[int, int] = {}
     born: dict[int, int] = {}
     for t in dag.tasks:
         for b in t.inputs:
             last_use[b] = t.id
+            if b in root:
+                last_use[root[b]] = max(last_use.get(root[b], t.id), t.id)
         for b in t.outputs:
-            born.setdefault(b, t.id)
+            r = root.get(b, b)
+            born.setdefault(r, t.id)
             last_use.setdefault(b, t.id)  # written but never read: dies right away
+            last_use[r] = max(last_use.get(r, t.id), t.id)
     for b in persistent:
         last_use[b] = end
     resident: dict[int, int] = defaultdict(int)
     for b in persistent:
-        if b in dag.buffers and born.get(b) is not None and dag.tasks[born[b]].kind == "load":
+        if b in dag.buffers and b not in views and born.get(b) is not None and dag.tasks[born[b]].kind == "load":
             resident[dag.buffers[b].device] += dag.buffers[b].nbytes
     live: dict[int, int] = defaultdict(int, resident)
     peak: dict[int, int] = defaultdict(int, resident)
     dies: dict[int, list[int]] = defaultdict(list)
     for b, t in last_use.items():
-        if b not in persistent:
+        if b not in persistent and b not in views:
             dies[t].append(b)
+    counted: set[int] = set()
     for t in dag.tasks:
         if t.kind == "load":
             continue
         for b in t.outputs:
-            buf = dag.buffers[b]
+            r = root.get(b, b)
+            if r in counted:
+                continue
+            counted.add(r)
+            buf = dag.buffers[r]
             live[buf.device] += buf.nbytes
             peak[buf.device] = max(peak[buf.device], live[buf.device])
         for b in dies.get(t.id, ()):
@@ -152,4 +193,4 @@ def liveness(dag: TaskDAG) -> Liveness:
     for d in range(dag.p):
         peak.setdefault(d, 0)
         resident.setdefault(d, 0)
-    return Liveness(last_use, frozenset(persistent), dict(peak), dict(resident))
+    return Liveness(last_use, frozenset(persistent), dict(peak), dict(resident), views)

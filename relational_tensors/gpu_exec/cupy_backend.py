@@ -26,10 +26,13 @@ from relational_tensors.errors import ExecError
 from relational_tensors.exchange.tasks import Liveness, Task, TaskDAG
 from relational_tensors.frontend.graph import Graph
 from relational_tensors.gpu_exec.kernels import triton_copy as tc
+from relational_tensors.gpu_exec.kernels import triton_elementwise as te
 from relational_tensors.gpu_exec.kernels.common import DevBuf, bind_triton_to_cupy
 from relational_tensors.gpu_exec.memory_plan import ALIGN, align as _align, buffer_bytes, plan_memory
 
 __all__ = ["CupyExecutor"]
+
+AGG_OPS = {"sum": "add", "max": "maximum", "min": "minimum"}
 
 
 class CupyExecutor:
@@ -125,9 +128,15 @@ class CupyExecutor:
                 self.views[b] = (view, DevBuf(ptr + _align(main), buf.box.shape[:-1], "float32", self.phys[buf.device]))
             else:
                 self.views[b] = view
-        for dst, src in plan.alias.items():
-            buf = dag.buffers[dst]
-            self.views[dst] = DevBuf(self.views[src].ptr, buf.box.shape, buf.dtype, self.views[src].device)
+        for b in plan.view_order:  # reshape outputs reinterpret their input; views are sub-boxes of their parent
+            buf = dag.buffers[b]
+            if buf.parent is not None:
+                parent = self.views[buf.parent]
+                rel = tuple(lo - plo for lo, plo in zip(buf.box.lower, dag.buffers[buf.parent].box.lower))
+                self.views[b] = parent.sub(rel, buf.box.shape)
+            else:
+                src = self.views[plan.alias[b]]
+                self.views[b] = DevBuf(src.ptr, buf.box.shape, buf.dtype, src.device)
         self.slot_bytes = {b: self._buffer_bytes(b) for b in dag.buffers}
 
     def _constants(self) -> None:
@@ -381,7 +390,7 @@ class CupyExecutor:
         if t.kind == "kernel":
             from relational_tensors.gpu_exec.gpu_ops import LAUNCHERS
 
-            if t.outputs[0] in self.alias:
+            if t.outputs[0] in self.plan.reshaped:
                 return  # a reshape whose output shares its input's memory
             node = self.graph.nodes[t.op]
             out = views[t.outputs[0]]
@@ -395,6 +404,9 @@ class CupyExecutor:
             sp = (sv[0] if isinstance(sv, tuple) else sv)
             dp = (dv[0] if isinstance(dv, tuple) else dv)
             if nbytes == 0:
+                return
+            if not (sp.is_contiguous and dp.is_contiguous):  # an atom read in place, or written into its block
+                tc.copy_box(sp, dp)  # on the destination's stream; across GPUs it reads peer memory
                 return
             rt = self.cp.cuda.runtime
             if sp.device == dp.device:
@@ -431,10 +443,11 @@ class CupyExecutor:
                 for i, x in enumerate(ins[1:]):
                     tc.lse_merge(acc, x, targets[i])
                     acc = targets[i]
-            else:
-                tc.aggregate_pair(ins[0], ins[1], out, agg)
+            else:  # strided: atoms may be read in place and the result written into the block it joins
+                op = AGG_OPS[agg]
+                te.binary(ins[0], ins[1], out, op)
                 for x in ins[2:]:
-                    tc.aggregate_pair(out, x, out, agg)
+                    te.binary(out, x, out, op)
         else:
             raise ExecError(f"the GPU executor cannot run task kind {t.kind!r}.")
 

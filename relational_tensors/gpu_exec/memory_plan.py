@@ -3,7 +3,9 @@
 Pure planning, no GPU: the CuPy executor allocates one arena per logical device and issues the
 waits computed here; tests check the plan for hazards on any DAG.
 
-* reshape outputs alias their input (a row-major reshape of a block keeps its bytes in order);
+* reshape outputs alias their input (a row-major reshape of a block keeps its bytes in order), and
+  views (``Buffer.parent``) are sub-boxes of their parent: neither has a slot of its own, and the
+  root's lifetime runs from the first write to any of them to the last use of any of them;
 * buffers are placed first-fit over their lifetimes, so buffers alive together never overlap;
 * a task waits for the producers of its inputs on other streams (read after write) and for every
   earlier task on another stream that touched memory its outputs reuse (write after read/write).
@@ -71,42 +73,63 @@ def buffer_bytes(dag: TaskDAG, b: int) -> tuple[int, int]:
 
 @dataclass
 class MemoryPlan:
-    alias: dict[int, int]                  # buffer -> buffer whose memory it shares
+    alias: dict[int, int]                  # reshape output or view -> the root buffer whose memory it shares
     slots: dict[int, Slot]                 # root buffers -> slot in their device's arena
     arena_bytes: dict[int, int]            # logical device -> arena size
     reuses: dict[int, list[int]]           # root buffer -> earlier roots whose memory it reuses
     waits: dict[int, list[int]]            # task -> tasks on other streams it waits for
+    reshaped: frozenset[int] = frozenset()  # reshape outputs (the reshape kernel has nothing to do)
+    view_order: tuple[int, ...] = ()        # aliases and views, each after the buffer it is taken from
 
     def root(self, b: int) -> int:
         return self.alias.get(b, b)
 
     def byte_range(self, dag: TaskDAG, b: int) -> tuple[int, int, int]:
-        """(device, first byte, end byte) of buffer ``b`` in its arena."""
+        """(device, first byte, end byte) of buffer ``b`` in its arena (a view: its root's whole range,
+        which holds its strided elements)."""
         r = self.root(b)
         slot = self.slots[r]
-        main, extra = buffer_bytes(dag, b)
+        main, extra = buffer_bytes(dag, r if dag.buffers[b].parent is not None else b)
         return dag.buffers[r].device, slot.offset, slot.offset + (align(main) + extra if extra else main)
 
 
-def _aliases(graph: Graph, dag: TaskDAG) -> dict[int, int]:
-    root: dict[int, int] = {}
+def _aliases(graph: Graph, dag: TaskDAG) -> tuple[dict[int, int], set[int], list[int]]:
+    """Every buffer without memory of its own -> its root; the reshape outputs among them; and an
+    order in which each comes after the buffer it is taken from."""
+    reshaped: dict[int, int] = {}  # reshape output -> its input
     for t in dag.tasks:
         if t.kind == "kernel" and graph.nodes[t.op].kind == "reshape":
             src, dst = t.inputs[0], t.outputs[0]
             if dag.buffers[src].partial is None and dag.buffers[dst].partial is None:
-                root[dst] = root.get(src, src)
-    return root
+                reshaped[dst] = src
+    root: dict[int, int] = {}
+    order: list[int] = []
+
+    def resolve(b: int) -> int:
+        if b in root:
+            return root[b]
+        source = dag.buffers[b].parent if dag.buffers[b].parent is not None else reshaped.get(b)
+        if source is None:
+            return b
+        root[b] = resolve(source)
+        order.append(b)
+        return root[b]
+
+    for b in sorted(set(reshaped) | {b for b, buf in dag.buffers.items() if buf.parent is not None}):
+        resolve(b)
+    return root, set(reshaped), order
 
 
 def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness) -> MemoryPlan:
     end = len(dag.tasks)
+    alias, reshaped, order = _aliases(graph, dag)
     born: dict[int, int] = {}
     for t in dag.tasks:
         for b in t.outputs:
-            born.setdefault(b, 0 if t.kind == "load" else t.id)
-    alias = _aliases(graph, dag)
+            r = alias.get(b, b)  # a root is born with the first write to it or to any of its views
+            born[r] = min(born.get(r, end), 0 if t.kind == "load" else t.id)
     group_end: dict[int, int] = {}
-    for dst, src in alias.items():  # the shared memory lives until the last user of either
+    for dst, src in alias.items():  # the shared memory lives until the last user of any of them
         group_end[src] = max(group_end.get(src, live.last_use.get(src, end)), live.last_use.get(dst, end))
     slots: dict[int, Slot] = {}
     reuses: dict[int, list[int]] = {}
@@ -122,20 +145,18 @@ def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness) -> MemoryPlan:
         slots.update(s)
         reuses.update(r)
         arena_bytes[d] = total
-    producer: dict[int, int] = {}
     touchers: dict[int, list[int]] = defaultdict(list)
     for t in dag.tasks:
         for b in (*t.inputs, *t.outputs):
             touchers[alias.get(b, b)].append(t.id)
-        for b in t.outputs:
-            producer.setdefault(b, t.id)
+    read_after_write = dag.producers()
     waits: dict[int, list[int]] = {}
     for t in dag.tasks:
         if t.kind == "load":
             continue
-        deps = {producer[b] for b in t.inputs if b in producer and dag.tasks[producer[b]].kind != "load"}
+        deps = set(read_after_write[t.id])
         for b in t.outputs:
             for old in reuses.get(alias.get(b, b), ()):
                 deps.update(x for x in touchers[old] if x < t.id and dag.tasks[x].kind != "load")
         waits[t.id] = sorted(x for x in deps if dag.tasks[x].device != t.device)
-    return MemoryPlan(alias, slots, arena_bytes, reuses, waits)
+    return MemoryPlan(alias, slots, arena_bytes, reuses, waits, frozenset(reshaped), tuple(order))

@@ -4,6 +4,8 @@ Each device has its own buffer pool (a dict of arrays); a copy task copies an
 array from one pool into another, so nothing is shared between devices that
 the DAG does not move.  Buffers are freed after their last use, as the
 liveness pass planned; the executor checks its own peak against the plan's.
+A view is a NumPy view of its root's array: writing it writes the root, which
+is allocated by the first write to it or to any of its views.
 """
 
 from __future__ import annotations
@@ -41,15 +43,34 @@ class NumpyExecutor:
         self.executed = False
         self.peak = [0] * dag.p
 
-    def _put(self, buf: int, value: Any) -> None:
-        self.pools[self.dag.buffers[buf].device][buf] = value
+    def _put(self, buf: int, value: Any) -> int:
+        """Store ``value`` as buffer ``buf``; returns the bytes newly allocated."""
+        dag = self.dag
+        pool = self.pools[dag.buffers[buf].device]
+        root = dag.root(buf)
+        if root == buf and root not in pool:
+            pool[buf] = value
+            return _nbytes(value)
+        if root == buf and pool[root] is value:  # a recompose that filled the block its views wrote into
+            return 0
+        fresh = 0
+        if root not in pool:  # the first write to one of its views allocates the root
+            rb = dag.buffers[root]
+            pool[root] = np.empty(rb.box.shape, dtype=numpy_dtype(rb.dtype))
+            fresh = _nbytes(pool[root])
+        pool[root][dag.buffers[buf].box.slices(dag.buffers[root].box)] = value
+        return fresh
 
     def _get(self, buf: int) -> Any:
-        pool = self.pools[self.dag.buffers[buf].device]
-        if buf not in pool:
-            raise ExecError(f"buffer {buf} is not resident on device {self.dag.buffers[buf].device}; "
+        dag = self.dag
+        pool = self.pools[dag.buffers[buf].device]
+        root = dag.root(buf)
+        if root not in pool:
+            raise ExecError(f"buffer {buf} is not resident on device {dag.buffers[buf].device}; "
                             "the task DAG read it after it was freed.")
-        return pool[buf]
+        if root == buf:
+            return pool[buf]
+        return pool[root][dag.buffers[buf].box.slices(dag.buffers[root].box)]
 
     def load(self, feeds: Mapping[str, Any]) -> None:
         """Materialize every graph input straight into the blocks the plan reads, on their devices."""
@@ -76,9 +97,8 @@ class NumpyExecutor:
             ins = [self._get(b) for b in task.inputs]
             outs = self._run(task, ins)
             for b, value in zip(task.outputs, outs):
-                self._put(b, value)
                 d = dag.buffers[b].device
-                live[d] += _nbytes(value)
+                live[d] += self._put(b, value)
                 self.peak[d] = max(self.peak[d], live[d])
             for b in self.frees.get(task.id, ()):
                 d = dag.buffers[b].device
@@ -106,7 +126,9 @@ class NumpyExecutor:
             return [_slice(ins[0], cell.slices(src)) for cell in task.payload["cells"]]
         if kind == "recompose":
             out_buf = self.dag.buffers[task.outputs[0]]
-            out = np.empty(out_buf.box.shape, dtype=numpy_dtype(out_buf.dtype))
+            pool = self.pools[out_buf.device]
+            # copies may already have written some pieces into the block (views of it): keep them
+            out = pool[out_buf.id] if out_buf.id in pool else np.empty(out_buf.box.shape, dtype=numpy_dtype(out_buf.dtype))
             agg = task.payload["aggregation"]
             for cell, value, final in zip(task.payload["cells"], ins, task.payload["finalize"]):
                 out[cell.slices(out_buf.box)] = agg.finalize(value) if final else value

@@ -1,6 +1,7 @@
 """Data-movement kernels: strided box copy (decompose, recompose, slice, concat,
-permute, reshape), the ⊕ aggregations (sum, max, min, log-sum-exp merge) and
-the embedding gather."""
+permute, reshape, copies between views), the log-sum-exp merge of attention
+partials and the embedding gather.  Sum, max and min ⊕ use the strided binary
+kernel of ``triton_elementwise``."""
 
 from __future__ import annotations
 
@@ -9,10 +10,9 @@ import triton.language as tl
 
 from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, pad4
 
-__all__ = ["copy_box", "aggregate_pair", "lse_merge", "embedding", "fill"]
+__all__ = ["copy_box", "lse_merge", "embedding", "fill"]
 
 BLOCK = 1024
-AGG_CODES = {"sum": 0, "max": 1, "min": 2}
 
 
 @triton.jit
@@ -75,29 +75,6 @@ def copy_box(src: DevBuf, dst: DevBuf) -> None:
         return
     grid = (triton.cdiv(n, BLOCK),)
     _copy4_kernel[grid](Ptr(src), Ptr(dst), n, shape[1], shape[2], shape[3], *ss, *ds, BLOCK_SIZE=BLOCK)
-
-
-@triton.jit
-def _agg2_kernel(a_ptr, b_ptr, out_ptr, n, OP: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    mask = offs < n
-    a = tl.load(a_ptr + offs, mask=mask).to(tl.float32)
-    b = tl.load(b_ptr + offs, mask=mask).to(tl.float32)
-    if OP == 0:
-        r = a + b
-    elif OP == 1:
-        r = tl.maximum(a, b)
-    else:
-        r = tl.minimum(a, b)
-    tl.store(out_ptr + offs, r.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def aggregate_pair(a: DevBuf, b: DevBuf, out: DevBuf, op: str) -> None:
-    """out = a ⊕ b elementwise for ⊕ in sum, max, min (contiguous views; out may alias a)."""
-    n = out.size
-    if n:
-        _agg2_kernel[(triton.cdiv(n, BLOCK),)](Ptr(a), Ptr(b), Ptr(out), n, OP=AGG_CODES[op], BLOCK_SIZE=BLOCK)
 
 
 @triton.jit

@@ -87,7 +87,7 @@ def unary(x: DevBuf, out: DevBuf, op: str, arg: float = 0.0) -> None:
 
 @triton.jit
 def _binary_kernel(x_ptr, y_ptr, out_ptr, n, size_1, size_2, size_3,
-                   sx0, sx1, sx2, sx3, sy0, sy1, sy2, sy3,
+                   sx0, sx1, sx2, sx3, sy0, sy1, sy2, sy3, so0, so1, so2, so3,
                    OP: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
@@ -112,11 +112,12 @@ def _binary_kernel(x_ptr, y_ptr, out_ptr, n, size_1, size_2, size_3,
         r = tl.maximum(x, y)
     else:
         r = tl.minimum(x, y)
-    tl.store(out_ptr + offs, r.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + i0 * so0 + i1 * so1 + i2 * so2 + i3 * so3, r.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def binary(x: DevBuf, y: DevBuf, out: DevBuf, op: str) -> None:
-    """out = x op y with NumPy broadcasting; ``out`` contiguous, x and y broadcast to its shape."""
+    """out = x op y with NumPy broadcasting (x and y broadcast to out's shape); any strides, so the ⊕ of
+    an exchange reads atoms and writes pieces in place inside larger blocks (out may alias x)."""
     n = out.size
     if not n:
         return
@@ -131,9 +132,9 @@ def binary(x: DevBuf, y: DevBuf, out: DevBuf, op: str) -> None:
                 res.append(v.strides[i - pad])
         return tuple(res)
 
-    shape, (_, sx, sy) = pad4(out.shape, out.strides, bstrides(x), bstrides(y))
+    shape, (so, sx, sy) = pad4(out.shape, out.strides, bstrides(x), bstrides(y))
     _binary_kernel[(triton.cdiv(n, BLOCK),)](Ptr(x), Ptr(y), Ptr(out), n, shape[1], shape[2], shape[3], *sx, *sy,
-                                            OP=BINARY_CODES[op], BLOCK_SIZE=BLOCK)
+                                            *so, OP=BINARY_CODES[op], BLOCK_SIZE=BLOCK)
 
 
 @triton.jit

@@ -1,0 +1,91 @@
+"""Fewer passes over the data: atoms and delivered pieces as views (a task-DAG rewrite after lowering).
+
+Lowering moves a block in three passes: ``decompose`` slices the producer's block into atoms,
+``copy`` sends each atom, ``recompose`` assembles the reader's block from the pieces.  Two rewrites
+make most of that one pass, without changing what any task computes:
+
+* an atom of a block is a view of that block when nothing reads it as a kernel input (kernels
+  read contiguous blocks): copies, ⊕ and assembly read the atom in place, strided, and the
+  ``decompose`` task goes away (atoms of log-sum-exp partials, which carry a second array, stay);
+* a piece that a copy delivers, or a ⊕ completes, and only the reader's ``recompose`` reads is a
+  view of the block being assembled: the copy or ⊕ writes straight into it, and the ``recompose``
+  keeps only the atoms that were already on its device; with none left it goes away.  (A complete
+  ⊕ of sum, max or min partials is the final value; log-sum-exp partials are finalized by the
+  ``recompose`` and stay.)
+
+Task ids are renumbered; emission order is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+from relational_tensors.exchange.tasks import Task, TaskDAG
+
+__all__ = ["fuse_views"]
+
+
+def fuse_views(dag: TaskDAG) -> TaskDAG:
+    """The same computation with decompose atoms and delivered pieces turned into views where allowed."""
+    readers: dict[int, list[Task]] = defaultdict(list)
+    producer: dict[int, Task] = {}
+    for t in dag.tasks:
+        for b in t.inputs:
+            readers[b].append(t)
+        for b in t.outputs:
+            producer.setdefault(b, t)
+    outputs = {b for blocks in dag.outputs.values() for _, b in blocks}
+    buffers = dict(dag.buffers)
+    drop: set[int] = set()
+    replaced: dict[int, Task] = {}
+
+    # atoms as views of the block they are cut from
+    for t in dag.tasks:
+        if t.kind != "decompose" or dag.buffers[t.inputs[0]].partial == "lse":
+            continue
+        src = t.inputs[0]
+        keep = [(cell, b) for cell, b in zip(t.payload["cells"], t.outputs)
+                if b in outputs or any(r.kind == "kernel" for r in readers[b])]
+        for cell, b in zip(t.payload["cells"], t.outputs):
+            if (cell, b) not in keep:
+                buffers[b] = dataclasses.replace(buffers[b], parent=src)
+        if not keep:
+            drop.add(t.id)
+        elif len(keep) < len(t.outputs):
+            replaced[t.id] = dataclasses.replace(t, outputs=tuple(b for _, b in keep),
+                                                 payload={**t.payload, "cells": [c for c, _ in keep]})
+
+    # delivered pieces as views of the block their reader assembles
+    for t in dag.tasks:
+        if t.kind != "recompose":
+            continue
+        out = dag.buffers[t.outputs[0]]
+        if out.partial is not None:
+            continue
+        left = []
+        for cell, b, final in zip(t.payload["cells"], t.inputs, t.payload["finalize"]):
+            made_by = producer.get(b)
+            piece = buffers[b]
+            if (made_by is not None and made_by.kind in ("copy", "aggregate") and not final
+                    and piece.partial != "lse" and piece.parent is None and len(readers[b]) == 1
+                    and b not in outputs and piece.device == out.device and piece.dtype == out.dtype):
+                buffers[b] = dataclasses.replace(piece, parent=out.id)
+            else:
+                left.append((cell, b, final))
+        if not left and t.inputs:  # (a recompose of no pieces makes an empty block: it stays)
+            drop.add(t.id)
+        elif len(left) < len(t.inputs):
+            replaced[t.id] = dataclasses.replace(t, inputs=tuple(b for _, b, _ in left),
+                                                 payload={**t.payload, "cells": [c for c, _, _ in left],
+                                                          "finalize": [f for _, _, f in left]})
+
+    fused = TaskDAG(dag.p, buffers=buffers, inputs=dag.inputs, outputs=dag.outputs,
+                    output_aggregation=dag.output_aggregation)
+    for t in dag.tasks:
+        if t.id in drop:
+            continue
+        t = replaced.get(t.id, t)
+        fused.tasks.append(dataclasses.replace(t, id=len(fused.tasks)))
+    return fused
+
