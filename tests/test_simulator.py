@@ -15,7 +15,8 @@ import pytest
 from relational_tensors.errors import ExchangeError
 from relational_tensors.exchange.ast import Action, ExProg, InAtom, Partition, Requirement
 from relational_tensors.exchange.flows import FlowNetwork
-from relational_tensors.exchange.simulator import MAX_EXHAUSTIVE, SimResult, memberships, simulate
+from relational_tensors.exchange.closure import memberships
+from relational_tensors.exchange.simulator import MAX_EXHAUSTIVE, SimResult, simulate
 from relational_tensors.exchange.topology import (
     DGX1V_LINKS, TOPOLOGIES, Topology, get_topology, multi_node,
 )

@@ -26,7 +26,7 @@ from .ast import Action, ExProg, Partition, exact_cover, aggregate_text
 from .text import action_key, action_text, size_text
 
 __all__ = ["State", "Membership", "initial_state", "enabled", "closure", "check", "is_valid", "memberships",
-           "find_membership"]
+           "free_sites", "find_membership"]
 
 State = frozenset  # frozenset[tuple[frozenset[str], int]]: (aggregate, site) pairs
 Membership = Mapping[str, tuple[int, ...]]  # size-declared partition name -> its sites
@@ -337,7 +337,8 @@ def is_valid(prog: ExProg, membership: Membership | None = None) -> bool:
 
 # --- memberships ----------------------------------------------------------------------------------------
 
-def _free_sites(prog: ExProg) -> list[int]:
+def free_sites(prog: ExProg) -> list[int]:
+    """The GPUS sites no explicit partition names, sorted: where partitions declared by size may go."""
     taken = {s for p in prog.partitions if p.members is not None for s in p.members}
     return sorted(set(prog.gpus) - taken)
 
@@ -366,7 +367,7 @@ def memberships(prog: ExProg) -> Iterator[dict[str, tuple[int, ...]]]:
     >>> list(memberships(parse("GPUS: 0 1 2\\nPARTITIONS: E {1}, G {size 1}, H {size 1}")))
     [{'G': (0,), 'H': (2,)}, {'G': (2,), 'H': (0,)}]
     """
-    yield from _assign(_size_only(prog), _free_sites(prog), lambda p, left: itertools.combinations(left, p.size))
+    yield from _assign(_size_only(prog), free_sites(prog), lambda p, left: itertools.combinations(left, p.size))
 
 
 def _candidates(prog: ExProg) -> Iterator[dict[str, tuple[int, ...]]]:
@@ -395,7 +396,7 @@ def _candidates(prog: ExProg) -> Iterator[dict[str, tuple[int, ...]]]:
                 yield pick
 
     order = {p.name: i for i, p in enumerate(sized)}
-    for m in _assign(referenced + idle, _free_sites(prog), choices):
+    for m in _assign(referenced + idle, free_sites(prog), choices):
         yield dict(sorted(m.items(), key=lambda kv: order[kv[0]]))
 
 

@@ -28,7 +28,7 @@ from relational_tensors.core.types import Box, Interval
 from relational_tensors.dp_optimizer.plan import LogicalPlan
 from relational_tensors.errors import ExchangeError
 from relational_tensors.exchange.ast import Action, ExProg, InAtom, Partition, Requirement, aggregate_text, exact_cover
-from relational_tensors.exchange.tasks import TaskDAG
+from relational_tensors.exchange.tasks import TaskDAG, block_bytes
 from relational_tensors.exchange.views import fuse_views
 from relational_tensors.frontend.graph import Graph
 
@@ -169,7 +169,6 @@ class _Lowering:
             by_tensor.setdefault(tensor, []).append((key, block, reader))
         for n, (tensor, reads) in enumerate(sorted(by_tensor.items())):
             spec = self.plan.spec(tensor)
-            width = itemsize(self.graph.nodes[tensor].type.dtype)
             rank = self.graph.nodes[tensor].type.rank
             multiplicity = spec.output_multiplicity()
             breaks = [sorted({b for f in spec.functions for b in (f.output.lower[d], f.output.upper[d])} |
@@ -192,7 +191,7 @@ class _Lowering:
                                 src = self.kernel_out[tensor][f]
                                 atoms[atom] = _Atom(src, cell, tensor)
                                 lse = spec.aggregation.name == "lse" and multiplicity[ff.output] > 1
-                                size = cell.volume * width + (cell.volume // cell.shape[-1] * 4 if lse else 0)
+                                size = sum(block_bytes(cell, self.graph.nodes[tensor].type.dtype, lse))
                                 ins.append(InAtom(atom, self.dag.buffers[src].device, size))
                             copies.append(atom)
                     agg = frozenset(copies)

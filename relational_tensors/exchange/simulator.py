@@ -39,10 +39,11 @@ from typing import Iterator, Mapping
 
 from relational_tensors.errors import ExchangeError
 from relational_tensors.exchange.ast import Action, ExProg, aggregate_text, exact_cover
+from relational_tensors.exchange.closure import free_sites, memberships
 from relational_tensors.exchange.flows import FlowNetwork
 from relational_tensors.exchange.topology import Topology, get_topology
 
-__all__ = ["TraceEntry", "SimResult", "simulate", "memberships", "MAX_EXHAUSTIVE"]
+__all__ = ["TraceEntry", "SimResult", "simulate", "MAX_EXHAUSTIVE"]
 
 MAX_EXHAUSTIVE = 5040  # up to this many memberships (7 partitions of one GPU over 7) every one is simulated
 _MAX_SCAN = 5040       # beyond it: how many choices to scan for a valid starting point of the local search
@@ -138,35 +139,8 @@ def simulate(prog: ExProg, topology: Topology | str,
     return best
 
 
-def memberships(prog: ExProg) -> Iterator[dict[str, tuple[int, ...]]]:
-    """Every choice of sites for the partitions declared by size: disjoint, within GPUS, not
-    overlapping the explicit partitions; partitions in declared order, sites in combination order.
-
-    >>> from relational_tensors.exchange.ast import ExProg, Partition
-    >>> [m for m in memberships(ExProg((0, 1, 2), (Partition("G", 2),)))]
-    [{'G': (0, 1)}, {'G': (0, 2)}, {'G': (1, 2)}]
-    """
-    sized = [p for p in prog.partitions if p.members is None]
-
-    def choose(i: int, pool: list[int]) -> Iterator[dict[str, tuple[int, ...]]]:
-        if i == len(sized):
-            yield {}
-            return
-        for combo in itertools.combinations(pool, sized[i].size):
-            rest = [g for g in pool if g not in combo]
-            for tail in choose(i + 1, rest):
-                yield {sized[i].name: combo, **tail}
-
-    yield from choose(0, _free_sites(prog))
-
-
-def _free_sites(prog: ExProg) -> list[int]:
-    taken = {s for p in prog.partitions if p.members is not None for s in p.members}
-    return [g for g in sorted(prog.gpus) if g not in taken]
-
-
 def _count_memberships(prog: ExProg) -> int:
-    count, left = 1, len(_free_sites(prog))
+    count, left = 1, len(free_sites(prog))
     for p in prog.partitions:
         if p.members is None:
             count *= math.comb(left, p.size) if p.size <= left else 0

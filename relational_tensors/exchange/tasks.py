@@ -24,9 +24,17 @@ from relational_tensors.core.aggregation import Aggregation
 from relational_tensors.core.dtypes import itemsize
 from relational_tensors.core.types import Box
 
-__all__ = ["Buffer", "Task", "TaskDAG", "Liveness", "liveness"]
+__all__ = ["Buffer", "Task", "TaskDAG", "Liveness", "liveness", "block_bytes"]
 
 TASK_KINDS = ("load", "decompose", "aggregate", "copy", "recompose", "kernel")
+
+
+def block_bytes(box: Box, dtype: str, lse: bool = False) -> tuple[int, int]:
+    """(bytes of a block's elements, bytes of its float32 log-sum-exp rows): an lse partial carries one
+    row value per output row (its last dimension is the head dimension)."""
+    main = box.volume * itemsize(dtype)
+    rows = box.volume // box.shape[-1] if lse and box.rank and box.shape[-1] else 0
+    return main, rows * 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +51,7 @@ class Buffer:
 
     @property
     def nbytes(self) -> int:
-        n = self.box.volume * itemsize(self.dtype)
-        if self.partial == "lse" and self.box.rank:
-            n += self.box.volume // max(self.box.shape[-1], 1) * 4
-        return n
+        return sum(block_bytes(self.box, self.dtype, self.partial == "lse"))
 
 
 @dataclass(slots=True)

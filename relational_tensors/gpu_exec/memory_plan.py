@@ -16,8 +16,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from relational_tensors.core.dtypes import itemsize
-from relational_tensors.exchange.tasks import Liveness, TaskDAG
+from relational_tensors.exchange.tasks import Liveness, TaskDAG, block_bytes
 from relational_tensors.frontend.graph import Graph
 
 __all__ = ["MemoryPlan", "plan_memory", "plan_arena", "ALIGN", "align"]
@@ -66,9 +65,7 @@ def plan_arena(sizes: dict[int, int], lifetimes: dict[int, tuple[int, int]]) -> 
 def buffer_bytes(dag: TaskDAG, b: int) -> tuple[int, int]:
     """(bytes of the block, bytes of its lse rows) of buffer ``b``."""
     buf = dag.buffers[b]
-    main = buf.box.volume * itemsize(buf.dtype)
-    rows = buf.box.volume // buf.box.shape[-1] if buf.partial == "lse" and buf.box.rank and buf.box.shape[-1] else 0
-    return main, rows * 4
+    return block_bytes(buf.box, buf.dtype, buf.partial == "lse")
 
 
 @dataclass
