@@ -230,25 +230,31 @@ class _Lowering:
         """Tasks for a valid program: decompose, then fire actions in dataflow order."""
         dag = self.dag
         state: dict[tuple[frozenset[str], int], int] = {}
+        held: dict[int, list[frozenset[str]]] = {}  # site -> the aggregates it holds (state, indexed)
+
+        def hold(agg: frozenset[str], site: int, buffer: int) -> None:
+            state[(agg, site)] = buffer
+            held.setdefault(site, []).append(agg)
+
         by_buffer: dict[int, list[str]] = {}
         for name in sorted(atoms):
             by_buffer.setdefault(atoms[name].buffer, []).append(name)
         for src, names in by_buffer.items():
             buf = dag.buffers[src]
             if len(names) == 1 and atoms[names[0]].cell == buf.box:
-                state[(frozenset(names), buf.device)] = src  # the block is one atom: no slicing
+                hold(frozenset(names), buf.device, src)  # the block is one atom: no slicing
                 continue
             outs = tuple(dag.buffer(buf.device, atoms[a].cell, buf.dtype, buf.tensor, buf.partial) for a in names)
             dag.add("decompose", buf.device, (src,), outs, op=op,
                     payload={"cells": [atoms[a].cell for a in names], "label": "decompose"})
             for a, b in zip(names, outs):
-                state[(frozenset({a}), buf.device)] = b
+                hold(frozenset({a}), buf.device, b)
         pending = sorted(prog.body, key=lambda a: (aggregate_text(a.aggregate), str(a.source), [str(d) for d in a.dests]))
         while pending:
             fired = []
             for act in pending:
                 sources = prog.sites_of(act.source, membership)
-                covers = {s: exact_cover(act.aggregate, [x for (x, site) in state if site == s]) for s in sources}
+                covers = {s: exact_cover(act.aggregate, held.get(s, ())) for s in sources}
                 if not sources or any(c is None for c in covers.values()):
                     continue
                 for s in sources:
@@ -260,7 +266,7 @@ class _Lowering:
                         dag.add("aggregate", s, tuple(state[(c, s)] for c in cover), (b,), op=op,
                                 payload={"aggregation": self.plan.spec(first.tensor).aggregation,
                                          "label": f"⊕ {aggregate_text(act.aggregate)}"})
-                        state[(act.aggregate, s)] = b
+                        hold(act.aggregate, s, b)
                     for dest in act.dests:
                         for d in prog.sites_of(dest, membership):
                             if (act.aggregate, d) in state:
@@ -269,7 +275,7 @@ class _Lowering:
                             b = dag.buffer(d, src.box, src.dtype, src.tensor, src.partial)
                             dag.add("copy", d, (src.id,), (b,), op=op, src_device=s,
                                     payload={"label": f"{aggregate_text(act.aggregate)} {s}->{d}"})
-                            state[(act.aggregate, d)] = b
+                            hold(act.aggregate, d, b)
                 fired.append(act)
             if not fired:
                 raise ExchangeError(f"exchange program is not well-formed: {len(pending)} actions never fire, "
