@@ -97,7 +97,9 @@ def _aliases(graph: Graph, dag: TaskDAG) -> tuple[dict[int, int], set[int], list
     for t in dag.tasks:
         if t.kind == "kernel" and graph.nodes[t.op].kind == "reshape":
             src, dst = t.inputs[0], t.outputs[0]
-            if dag.buffers[src].partial is None and dag.buffers[dst].partial is None:
+            # (a view input has its parent's strides: its reshape must really copy)
+            if (dag.buffers[src].partial is None and dag.buffers[dst].partial is None
+                    and dag.buffers[src].parent is None):
                 reshaped[dst] = src
     root: dict[int, int] = {}
     order: list[int] = []
