@@ -1,7 +1,7 @@
 """The LLaMA-3-8B-shaped block on one GPU: ours (with our Triton attention kernel, and with a library
 FlashAttention kernel where it applies: ``attention="flash"``) against PyTorch eager and torch.compile (SDPA),
 and the FLOP roofline at this GPU's measured matmul rate; then ours on 2, 4 and 8 virtual devices
-of the same GPU.  FP16, 2 warm-ups and 10 timed rounds, CUDA events.
+of the same GPU, planned with the paper's cost model and with the calibrated one.  FP16, 2 warm-ups and 10 timed rounds, CUDA events.
 
     python bench/gpu_block.py [--workloads 1K,8K,8x1K,128x1K,128K] [--out bench/results]
 """
@@ -148,6 +148,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--virtual", default="2,4,8")
+    ap.add_argument("--virtual-cost-models", default="paper,calibrated",
+                    help="plan the logical-device runs with each of these cost models")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     rate = matmul_rate()
@@ -208,20 +210,24 @@ def main() -> None:
                       "ours_eager_breakdown_ms": {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
                       **rows_flash, **rows_jax}
         for p in [int(v) for v in args.virtual.split(",") if v] if s * b >= 8192 else []:
-            cgv = rt.compileGraph(g, device="cuda:" + ",".join(["0"] * p))
-            cgv.load(feeds)
-            exv = cgv._exec()
-            tv = time_cuda(cgv.execute, exv.streams[0])
-            yv = cgv.offload("y", like="cupy")
-            rows[name][f"virtual{p}_ms"] = statistics.mean(tv)
-            vk: dict[str, float] = {}
-            for t in cgv.profile().tasks:
-                key = t.kind if t.kind != "kernel" else "kernel:" + cgv.graph.nodes[cgv.dag.tasks[t.task].op].kind
-                vk[key] = vk.get(key, 0.0) + (t.end - t.start) * 1e3
-            rows[name][f"virtual{p}_busy_ms_all_streams"] = {k: round(v, 3) for k, v in
-                                                             sorted(vk.items(), key=lambda kv: -kv[1])}
-            rows[name][f"virtual{p}_max_abs_diff"] = float(cupy.max(cupy.abs(yv.astype(cupy.float32) - y.astype(cupy.float32))))
-            del cgv, exv
+            for model in args.virtual_cost_models.split(","):
+                key = f"virtual{p}" + ("" if model == "paper" else f"_{model}")
+                cgv = rt.compileGraph(g, device="cuda:" + ",".join(["0"] * p), cost_model=model)
+                cgv.load(feeds)
+                exv = cgv._exec()
+                tv = time_cuda(cgv.execute, exv.streams[0])
+                yv = cgv.offload("y", like="cupy")
+                rows[name][f"{key}_ms"] = statistics.mean(tv)
+                rows[name][f"{key}_tasks"] = dict(cgv.dag.counts())
+                vk: dict[str, float] = {}
+                for t in cgv.profile().tasks:
+                    kind = t.kind if t.kind != "kernel" else "kernel:" + cgv.graph.nodes[cgv.dag.tasks[t.task].op].kind
+                    vk[kind] = vk.get(kind, 0.0) + (t.end - t.start) * 1e3
+                rows[name][f"{key}_busy_ms_all_streams"] = {k: round(v, 3) for k, v in
+                                                            sorted(vk.items(), key=lambda kv: -kv[1])}
+                rows[name][f"{key}_max_abs_diff"] = float(cupy.max(cupy.abs(yv.astype(cupy.float32)
+                                                                          - y.astype(cupy.float32))))
+                del cgv, exv
         print(name, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[name].items()
                      if k not in ("ours_all", "ours_flash_all", "jax_all")},
               flush=True)
@@ -240,9 +246,15 @@ def main() -> None:
     path.mkdir(parents=True, exist_ok=True)
     (path / "gpu_block.json").write_text(json.dumps(out, indent=2))
     lines = ["| workload | ours (ms) | ours, flash attention (ms) | torch eager (ms) | torch.compile (ms) | JAX jit (ms) |"
-             " roofline (ms) | ours / roofline | 2 virt. | 4 virt. | 8 virt. |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             " roofline (ms) | ours / roofline | 2 virt. (paper / calibrated) | 4 virt. | 8 virt. |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def virtual(r: dict, p: int) -> str:
+        got = [f"{r[k]:.2f}" for k in (f"virtual{p}_ms", f"virtual{p}_calibrated_ms") if k in r]
+        return " / ".join(got) or "-"
+
     for n, r in rows.items():
-        virt = " | ".join(f"{r[f'virtual{p}_ms']:.2f}" if f"virtual{p}_ms" in r else "-" for p in (2, 4, 8))
+        virt = " | ".join(virtual(r, p) for p in (2, 4, 8))
         fl = f"{r['ours_flash_ms']:.2f}" if "ours_flash_ms" in r else "-"
         jx = f"{r['jax_ms']:.2f}" if "jax_ms" in r else "-"
         lines.append(f"| {n} | {r['ours_ms']:.2f} | {fl} | {r['eager_ms']:.2f} | {r['compile_ms']:.2f} | {jx} | "
