@@ -67,3 +67,39 @@ def test_a_view_read_waits_for_the_block_it_is_cut_from() -> None:
                 assert set(writers) <= deps[t.id]
                 checked += 1
     assert checked
+
+
+@pytest.mark.parametrize("p", [4, 8])
+def test_gpu_view_geometry_names_the_elements_numpy_slicing_does(p) -> None:
+    # the GPU executor places reshape outputs and views by (element offset, strides) in their root;
+    # checked here against NumPy views of a root filled with its own element indices
+    from numpy.lib.stride_tricks import as_strided
+
+    from relational_tensors.gpu_exec.memory_plan import plan_memory, view_geometry
+
+    g = llama_block(2, 96, 128, 8, 2, 256, dtype="float32", seq_ends=[40, 96])
+    cg = rt.compileGraph(g, device=f"cpu:{p}")
+    dag = cg.dag
+    plan = plan_memory(g, dag, cg.live)
+    geo = view_geometry(dag, plan)
+    assert set(geo) == set(plan.alias) and geo
+    arrays: dict[int, np.ndarray] = {}
+
+    def array(b: int) -> np.ndarray:  # NumPy's idea of buffer b over its root's element indices
+        if b not in arrays:
+            buf = dag.buffers[b]
+            if b not in plan.alias:
+                arrays[b] = np.arange(buf.box.volume).reshape(buf.box.shape)
+            elif buf.parent is None:  # a reshape reads its root in order
+                arrays[b] = array(plan.alias[b]).ravel()[:buf.box.volume].reshape(buf.box.shape)
+            else:
+                arrays[b] = array(buf.parent)[buf.box.slices(dag.buffers[buf.parent].box)]
+        return arrays[b]
+
+    seen_views = 0
+    for b, (offset, strides) in geo.items():
+        flat = np.arange(dag.buffers[plan.alias[b]].box.volume)
+        got = as_strided(flat[offset:], dag.buffers[b].box.shape, tuple(s * flat.itemsize for s in strides))
+        np.testing.assert_array_equal(got, array(b))
+        seen_views += dag.buffers[b].parent is not None
+    assert seen_views

@@ -28,7 +28,7 @@ from relational_tensors.frontend.graph import Graph
 from relational_tensors.gpu_exec.kernels import triton_copy as tc
 from relational_tensors.gpu_exec.kernels import triton_elementwise as te
 from relational_tensors.gpu_exec.kernels.common import DevBuf, bind_triton_to_cupy
-from relational_tensors.gpu_exec.memory_plan import ALIGN, align as _align, buffer_bytes, plan_memory
+from relational_tensors.gpu_exec.memory_plan import ALIGN, align as _align, buffer_bytes, plan_memory, view_geometry
 
 __all__ = ["CupyExecutor"]
 
@@ -128,15 +128,12 @@ class CupyExecutor:
                 self.views[b] = (view, DevBuf(ptr + _align(main), buf.box.shape[:-1], "float32", self.phys[buf.device]))
             else:
                 self.views[b] = view
-        for b in plan.view_order:  # reshape outputs reinterpret their input; views are sub-boxes of their parent
+        # reshape outputs reinterpret their root's bytes; views are strided sub-boxes of it
+        for b, (offset, strides) in view_geometry(dag, plan).items():
             buf = dag.buffers[b]
-            if buf.parent is not None:
-                parent = self.views[buf.parent]
-                rel = tuple(lo - plo for lo, plo in zip(buf.box.lower, dag.buffers[buf.parent].box.lower))
-                self.views[b] = parent.sub(rel, buf.box.shape)
-            else:
-                src = self.views[plan.alias[b]]
-                self.views[b] = DevBuf(src.ptr, buf.box.shape, buf.dtype, src.device)
+            root = self.views[plan.alias[b]]
+            self.views[b] = DevBuf(root.ptr + offset * itemsize(buf.dtype), buf.box.shape, buf.dtype, root.device,
+                                   strides)
         self.slot_bytes = {b: self._buffer_bytes(b) for b in dag.buffers}
 
     def _constants(self) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from relational_tensors.exchange.tasks import Liveness, TaskDAG, block_bytes
 from relational_tensors.frontend.graph import Graph
 
-__all__ = ["MemoryPlan", "plan_memory", "plan_arena", "ALIGN", "align"]
+__all__ = ["MemoryPlan", "plan_memory", "plan_arena", "view_geometry", "ALIGN", "align"]
 
 ALIGN = 256
 
@@ -159,3 +159,24 @@ def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness) -> MemoryPlan:
                 deps.update(x for x in touchers[old] if x < t.id and dag.tasks[x].kind != "load")
         waits[t.id] = sorted(x for x in deps if dag.tasks[x].device != t.device)
     return MemoryPlan(alias, slots, arena_bytes, reuses, waits, frozenset(reshaped), tuple(order))
+
+
+def view_geometry(dag: TaskDAG, plan: MemoryPlan) -> dict[int, tuple[int, tuple[int, ...]]]:
+    """Where every reshape output and view lies in its root: (element offset, element strides).
+
+    A reshape output reads its root's elements in order (contiguous strides of its own shape); a view
+    is its parent's geometry shifted to its box's corner, with the parent's strides."""
+    from relational_tensors.gpu_exec.kernels.common import contiguous_strides
+
+    geo: dict[int, tuple[int, tuple[int, ...]]] = {}
+    for b in plan.view_order:
+        buf = dag.buffers[b]
+        if buf.parent is None:  # a reshape: its root's bytes, read in order
+            geo[b] = (0, contiguous_strides(buf.box.shape))
+            continue
+        parent = dag.buffers[buf.parent]
+        offset, strides = geo.get(buf.parent, (0, contiguous_strides(parent.box.shape)))
+        rel = [lo - plo for lo, plo in zip(buf.box.lower, parent.box.lower)]
+        geo[b] = (offset + sum(r * st for r, st in zip(rel, strides)), strides)
+    return geo
+
