@@ -8,7 +8,7 @@ sub-tensor always knows where it sits inside the whole.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from relational_tensors.core.dtypes import canonical_dtype, itemsize
@@ -57,10 +57,16 @@ class Box:
 
     lower: tuple[int, ...]
     upper: tuple[int, ...]
+    # derived once: shapes and volumes are read far more often than boxes are made
+    shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    volume: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.lower) != len(self.upper) or any(u < l for l, u in zip(self.lower, self.upper)):
             raise SpecError(f"a box needs lower <= upper per dimension; got {self.lower} .. {self.upper}.")
+        shape = tuple(u - l for l, u in zip(self.lower, self.upper))
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "volume", math.prod(shape))
 
     @staticmethod
     def from_intervals(intervals: Iterable[Interval]) -> Box:
@@ -74,14 +80,6 @@ class Box:
     @property
     def rank(self) -> int:
         return len(self.lower)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(u - l for l, u in zip(self.lower, self.upper))
-
-    @property
-    def volume(self) -> int:
-        return math.prod(self.shape)
 
     @property
     def is_empty(self) -> bool:

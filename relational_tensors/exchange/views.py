@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
-from relational_tensors.exchange.tasks import Task, TaskDAG
+from relational_tensors.exchange.tasks import Buffer, Task, TaskDAG
 
 __all__ = ["fuse_views"]
 
@@ -49,7 +49,7 @@ def fuse_views(dag: TaskDAG) -> TaskDAG:
                 if b in outputs or any(r.kind == "kernel" for r in readers[b])]
         for cell, b in zip(t.payload["cells"], t.outputs):
             if (cell, b) not in keep:
-                buffers[b] = dataclasses.replace(buffers[b], parent=src)
+                buffers[b] = _view(buffers[b], src)
         if not keep:
             drop.add(t.id)
         elif len(keep) < len(t.outputs):
@@ -70,7 +70,7 @@ def fuse_views(dag: TaskDAG) -> TaskDAG:
             if (made_by is not None and made_by.kind in ("copy", "aggregate") and not final
                     and piece.partial != "lse" and piece.parent is None and len(readers[b]) == 1
                     and b not in outputs and piece.device == out.device and piece.dtype == out.dtype):
-                buffers[b] = dataclasses.replace(piece, parent=out.id)
+                buffers[b] = _view(piece, out.id)
             else:
                 left.append((cell, b, final))
         if not left and t.inputs:  # (a recompose of no pieces makes an empty block: it stays)
@@ -86,6 +86,12 @@ def fuse_views(dag: TaskDAG) -> TaskDAG:
         if t.id in drop:
             continue
         t = replaced.get(t.id, t)
-        fused.tasks.append(dataclasses.replace(t, id=len(fused.tasks)))
+        n = len(fused.tasks)
+        fused.tasks.append(t if t.id == n else Task(n, t.kind, t.device, t.inputs, t.outputs, t.op, t.src_device,
+                                                     t.payload))
     return fused
+
+
+def _view(buf: Buffer, parent: int) -> Buffer:
+    return Buffer(buf.id, buf.device, buf.box, buf.dtype, buf.tensor, buf.partial, parent)
 
