@@ -220,7 +220,8 @@ def _compile(args: argparse.Namespace, ui: _Ui, graph: Any) -> Any:
         return rt.compileGraph(graph, device=device, selector=args.selector, seed=args.seed,
                                cost_model=args.cost_model, memory_per_device=args.memory_per_device,
                                catalog=args.catalog, tactic=args.tactic, schedule_mode=args.schedule,
-                               topology=args.topology_value)
+                               topology=args.topology_value, search_budget_s=args.search_budget,
+                               calibration=args.calibration, attention=args.attention)
 
 
 def _load_and_compile(args: argparse.Namespace, ui: _Ui) -> Any:
@@ -508,15 +509,21 @@ def _plan_options(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--topology", default="hgx-h200",
                    help="machine simulated: a registered name or a topology JSON file (default: hgx-h200)")
     o.add_argument("--selector", default="dp", choices=("dp", "greedy", "random"), help="spec selector")
-    o.add_argument("--cost-model", default="paper", choices=("paper", "bytes"), help="cost model")
+    o.add_argument("--cost-model", default="paper", choices=("paper", "bytes", "calibrated"),
+                   help="cost model (calibrated: seconds on --topology with --calibration's kernel rates)")
     o.add_argument("--schedule", default="naive", choices=("naive", "search", "ai"),
                    help="exchange-program synthesis")
+    o.add_argument("--search-budget", type=float, default=0.5, metavar="S",
+                   help="seconds of search per exchange program with --schedule search")
+    o.add_argument("--attention", default="triton", choices=("triton", "flash"),
+                   help="GPU attention kernel (flash: flash-attn or PyTorch's where it applies)")
     o.add_argument("--tactic", default="tree", choices=("tree", "linear"), help="DP tactic")
     o.add_argument("--seed", type=int, default=0, help="seed of the random selector and the search")
     o.add_argument("--memory-per-device", type=parse_bytes, default=None, metavar="BYTES",
                    help="memory limit per device, e.g. 80GiB")
     o.add_argument("--catalog", default=None, metavar="PATH", help="persist the catalog in this DuckDB file")
-    o.add_argument("--calibration", default=None, metavar="PATH", help="kernel calibration file for simulation")
+    o.add_argument("--calibration", default=None, metavar="PATH",
+                   help="kernel calibration file (relational-tensors calibrate) for simulation and cost models")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -120,6 +120,16 @@ def test_plan_json_carries_rows_and_prediction(models: Path) -> None:
     assert all(row["placement"] for row in doc["rows"])
 
 
+def test_plan_with_the_calibrated_model_and_search(models: Path) -> None:
+    r = run_cli("--json", "plan", models / "mlp.py", "--devices", "4", "--topology", "dgx-a100",
+                "--cost-model", "calibrated", "--schedule", "search", "--search-budget", "0.05",
+                "--attention", "flash")
+    doc = json.loads(ok(r))
+    assert doc["cost_model"] == "calibrated" and doc["predicted_s"] > 0
+    out = ok(run_cli("explain", models / "mlp.py", "--devices", "cpu:4", "--cost-model", "calibrated"))
+    assert "cost model=calibrated (µs)" in out and "total cost" in out
+
+
 def test_module_level_graph_with_a_memory_limit(models: Path) -> None:
     out = ok(run_cli("plan", models / "small.py", "--devices", "cpu:2", "--memory-per-device", "1MiB", "--quiet"))
     assert " r " in out and "predicted_s" in out
