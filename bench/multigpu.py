@@ -113,10 +113,12 @@ def ours(args: argparse.Namespace) -> None:
         feeds = _feeds(setup, g)
         one: np.ndarray | None = None
         for n in counts:
-            row: dict[str, Any] = {"workload": setup.name, "family": setup.family, "gpus": n}
+            row: dict[str, Any] = {"workload": setup.name, "family": setup.family, "gpus": n,
+                                   "cost_model": args.cost_model}
             try:
                 t0 = time.perf_counter()
-                cg = rt.compileGraph(g, device=f"cpu:{n}" if args.smoke else list(range(n)), topology=topology)
+                cg = rt.compileGraph(g, device=f"cpu:{n}" if args.smoke else list(range(n)), topology=topology,
+                                     cost_model=args.cost_model)
                 row["compile_s"] = time.perf_counter() - t0
                 row["predicted_ms"] = cg.simulate() * 1e3
                 row["bytes_between_gpus"] = bytes_moved(cg)
@@ -272,6 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     o.add_argument("--chains", type=_names, default=list(CHAINS))
     o.add_argument("--topology", help="a topology JSON (bench/measure_topology.py) to plan and simulate against")
     o.add_argument("--smoke", action="store_true", help="check this driver without GPUs: toy sizes on cpu:N")
+    o.add_argument("--cost-model", default="paper", choices=("paper", "bytes", "calibrated"),
+                   help="the planner's cost model (calibrated plans simulate faster at p = 8; run both)")
     m = sub.add_parser("merge", help="join ours and the baselines into multigpu.json/.md/.png")
     for p in (o, m):
         p.add_argument("--out", type=Path, default=OUT)
