@@ -123,6 +123,12 @@ def test_device_offload_is_ordered_before_the_next_run() -> None:
         y = cg.offload("y", like="cupy")
         cg.profile()  # eager: issued at once, no synchronisation with the caller's stream
         assert np.array_equal(cupy.asnumpy(y).view(np.uint16), want.view(np.uint16))
+    cg.execute()  # captured: later runs are graph launches on the first stream
+    for _ in range(5):
+        y = cg.offload("y", like="cupy")
+        cg.execute()  # waits for the copies issued on every stream before it reuses their memory
+        assert np.array_equal(cupy.asnumpy(y).view(np.uint16), want.view(np.uint16))
+    assert cg._exec().graph_exec is not None
 
 
 def test_dlpack_in_and_out() -> None:

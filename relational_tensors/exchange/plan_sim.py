@@ -121,8 +121,9 @@ def _compute_cost(dag: TaskDAG, graph: Graph, task: Any, model: KernelModel) -> 
         return model.time(f.flops, nbytes(task.inputs) + nbytes(task.outputs), node.type.dtype, node.kind)
     if task.kind == "aggregate":
         return model.time(out.box.volume * (len(task.inputs) - 1), nbytes(task.inputs) + out.nbytes, out.dtype, "memory")
-    # decompose and recompose read and write every byte once
-    moved = 2 * (nbytes(task.inputs) if task.kind == "decompose" else out.nbytes)
+    # decompose and recompose read and write every byte they move once (a recompose moves only the
+    # pieces it is given: copies and ⊕ may have written the rest of its block in place)
+    moved = 2 * nbytes(task.inputs)
     return model.time(0.0, moved, out.dtype, "memory")
 
 

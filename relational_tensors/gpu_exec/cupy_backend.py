@@ -257,23 +257,33 @@ class CupyExecutor:
             raise ExecError(f"offload(like=...) takes 'numpy' or 'cupy'; got {like!r}.")
         first = self.views[self.dag.outputs[name][0][1]]
         first = first[0] if isinstance(first, tuple) else first
+        dtype = np.uint16 if t.dtype == "bfloat16" else numpy_dtype(t.dtype)
         with cp.cuda.Device(first.device):
-            out = cp.empty(t.shape, dtype=np.uint16 if t.dtype == "bfloat16" else numpy_dtype(t.dtype))
+            out = cp.empty(t.shape, dtype=dtype)
             caller = cp.cuda.get_current_stream()
-            used = set()
-            for box, b in self.dag.outputs[name]:
-                view = self.views[b]
-                view = view[0] if isinstance(view, tuple) else view
-                # copy on the stream that owns the block: a later execute() or profile() reuses that
-                # arena memory only after the copy (a copy on another stream would race with it)
-                d = self.dag.buffers[b].device
-                with self.streams[d]:
+        # each block is copied on the stream that owns it, so a later execute() or profile() reuses
+        # its arena memory only after the copy; the caller's stream then waits for those copies
+        for box, b in self.dag.outputs[name]:
+            view = self.views[b]
+            view = view[0] if isinstance(view, tuple) else view
+            d = self.dag.buffers[b].device
+            gpu = self.phys[d]
+            with cp.cuda.Device(gpu), self.streams[d]:
+                if gpu == first.device:
                     out[box.slices()] = _cupy_of(cp, view)
-                used.add(d)
-            for d in sorted(used):  # the caller's stream sees the finished copies
+                    piece = None
+                else:  # a contiguous copy here, then a peer copy into place on the caller's stream
+                    piece = _cupy_of(cp, view).copy()
                 ev = cp.cuda.Event(disable_timing=True)
                 ev.record(self.streams[d])
+            with cp.cuda.Device(first.device):
                 caller.wait_event(ev)
+                if piece is not None:
+                    here = cp.empty(piece.shape, dtype=dtype)
+                    cp.cuda.runtime.memcpyPeerAsync(here.data.ptr, first.device, piece.data.ptr, gpu,
+                                                    piece.nbytes, caller.ptr)
+                    out[box.slices()] = here
+                    caller.synchronize()  # the source piece lives on another GPU's pool: finish before it goes
         if like == "cupy":
             return out
         host = cp.asnumpy(out)
@@ -288,7 +298,10 @@ class CupyExecutor:
         """Run the DAG: eagerly the first time, captured into a CUDA graph the second, replayed after."""
         if not self.loaded:
             raise ExecError("load the inputs first: cg.load({name: array, ...}).")
+        # the memory plan orders tasks within one run; a run starts only after every stream has
+        # finished the previous run (and any offload copies issued on them)
         if self.graph_exec is not None:
+            self._barrier(into=[0])
             self.graph_exec.launch(self.streams[0])
         elif self.runs >= 1 and self.capturable:
             try:
@@ -298,8 +311,26 @@ class CupyExecutor:
                 raise
             self.graph_exec.launch(self.streams[0])
         else:
+            self._barrier(into=range(len(self.streams)))
             self._issue_all()
         self.runs += 1
+
+    def _barrier(self, into: Any) -> None:
+        """Make the streams ``into`` wait for everything issued so far on every other stream."""
+        cp = self.cp
+        if len(self.streams) < 2:
+            return
+        marks = []
+        for d, s in enumerate(self.streams):
+            with cp.cuda.Device(self.phys[d]):
+                ev = cp.cuda.Event(disable_timing=True)
+                ev.record(s)
+            marks.append(ev)
+        for d in into:
+            with cp.cuda.Device(self.phys[d]):
+                for e, ev in enumerate(marks):
+                    if e != d:
+                        self.streams[d].wait_event(ev)
 
     def profile(self) -> list[tuple[int, float, float]]:
         """Run the DAG once eagerly with a CUDA event around every task: (task, start ms, end ms)
@@ -450,9 +481,12 @@ class CupyExecutor:
 
 
 def _cupy_of(cp: Any, view: DevBuf) -> Any:
-    dtype = np.uint16 if view.dtype == "bfloat16" else numpy_dtype(view.dtype)
-    mem = cp.cuda.UnownedMemory(view.ptr, max(view.nbytes, 1), None, view.device)
-    return cp.ndarray(view.shape, dtype=dtype, memptr=cp.cuda.MemoryPointer(mem, 0))
+    """A CuPy array over a device view, with its strides (a view inside a larger block is strided)."""
+    dtype = np.dtype(np.uint16 if view.dtype == "bfloat16" else numpy_dtype(view.dtype))
+    extent = (sum((n - 1) * st for n, st in zip(view.shape, view.strides)) + 1) * dtype.itemsize if view.size else 1
+    mem = cp.cuda.UnownedMemory(view.ptr, max(extent, 1), None, view.device)
+    return cp.ndarray(view.shape, dtype=dtype, memptr=cp.cuda.MemoryPointer(mem, 0),
+                      strides=tuple(st * dtype.itemsize for st in view.strides))
 
 
 def _device_coerce(cp: Any, name: str, arr: Any, dtype: str, original: Any) -> Any:

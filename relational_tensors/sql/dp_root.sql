@@ -1,10 +1,11 @@
 -- The output tiling of each piece's root: Opt(root, T) plus what the consumers fixed by
--- earlier pieces pay to read T (their edge's price for the pair, see dp_wave.sql); the
--- cheapest per root, ties to the lowest tiling id.
+-- earlier pieces pay to read T (their edge's price for the pair, less the floor those
+-- consumers already charged themselves, see dp_wave.sql); the cheapest per root, ties to
+-- the lowest tiling id.
 -- Parameters: $cid, $roots.
 WITH roots AS (SELECT unnest($roots::INTEGER[]) AS op_id),
 fixed_readers AS (
-    SELECT si.producer_op AS op_id, si.op_id AS reader, si.input_pos, si.required_tiling, si.repartition
+    SELECT si.producer_op AS op_id, si.op_id AS reader, si.input_pos, si.required_tiling, si.repartition, si.floor
     FROM spec_inputs si
     JOIN roots r ON r.op_id = si.producer_op
     JOIN chosen c ON c.compilation_id = si.compilation_id AND c.op_id = si.op_id AND c.spec_id = si.spec_id
@@ -12,8 +13,8 @@ fixed_readers AS (
 ),
 totals AS (
     SELECT d.op_id, d.tiling_id, d.spec_id,
-           d.cost + coalesce(sum(coalesce(p.price, CASE WHEN f.required_tiling = d.tiling_id THEN 0.0
-                                                        ELSE f.repartition END)), 0.0) AS total
+           d.cost + coalesce(sum(coalesce(p.price - f.floor, CASE WHEN f.required_tiling = d.tiling_id THEN 0.0
+                                                                  ELSE f.repartition END)), 0.0) AS total
     FROM dp_table d
     JOIN roots USING (op_id)
     LEFT JOIN fixed_readers f ON f.op_id = d.op_id
