@@ -5,12 +5,15 @@ bfloat16 comes from ml_dtypes, since NumPy has none.
 
 from __future__ import annotations
 
+from typing import Any
+
 import ml_dtypes
 import numpy as np
 
 from relational_tensors.errors import GraphError
 
-__all__ = ["DTYPES", "FLOAT_DTYPES", "canonical_dtype", "numpy_dtype", "itemsize", "compute_dtype"]
+__all__ = ["DTYPES", "FLOAT_DTYPES", "canonical_dtype", "numpy_dtype", "itemsize", "compute_dtype",
+           "bf16_bits_to_float32", "float32_to_bf16_bits"]
 
 DTYPES: dict[str, np.dtype] = {
     "float64": np.dtype(np.float64),
@@ -60,3 +63,27 @@ def itemsize(name: str) -> int:
 def compute_dtype(name: str) -> np.dtype:
     """The dtype NumPy kernels compute in: 16-bit floats accumulate in float32."""
     return np.dtype(np.float32) if name in ("float16", "bfloat16") else DTYPES[name]
+
+
+def bf16_bits_to_float32(bits: Any, xp: Any = np) -> Any:
+    """float32 values of bfloat16 bit patterns (uint16, NumPy or CuPy): a bfloat16 is the top half of
+    a float32, so this is exact.
+
+    >>> bf16_bits_to_float32(np.array([0x3F80, 0xC040], dtype=np.uint16))
+    array([ 1., -3.], dtype=float32)
+    """
+    return (xp.asarray(bits).astype(xp.uint32) << 16).view(xp.float32)
+
+
+def float32_to_bf16_bits(x: Any, xp: Any = np) -> Any:
+    """The bfloat16 bit patterns (uint16) nearest to float32 values, ties to even; NaN stays NaN.
+    For arrays on devices without a bfloat16 type (CuPy).
+
+    >>> float32_to_bf16_bits(np.array([1.0, 1.00390625, np.nan], dtype=np.float32))
+    array([16256, 16256, 32704], dtype=uint16)
+    """
+    x = xp.ascontiguousarray(xp.asarray(x, dtype=xp.float32))
+    bits = x.view(xp.uint32)
+    rounded = (bits + (xp.uint32(0x7FFF) + ((bits >> 16) & xp.uint32(1)))) >> 16
+    return xp.where(xp.isnan(x), xp.uint32(0x7FC0), rounded).astype(xp.uint16)
+

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from relational_tensors.core.dtypes import itemsize, numpy_dtype
+from relational_tensors.core.dtypes import bf16_bits_to_float32, float32_to_bf16_bits, itemsize, numpy_dtype
 from relational_tensors.devices import DeviceSet
 from relational_tensors.errors import ExecError
 from relational_tensors.exchange.tasks import Liveness, Task, TaskDAG
@@ -499,14 +499,9 @@ def _device_coerce(cp: Any, name: str, arr: Any, dtype: str, original: Any) -> A
         raise ExecError(f"input {name!r} must be {dtype}; got an array of dtype "
                         f"{getattr(original, 'dtype', arr.dtype)}. Convert it first.")
     if dtype == "bfloat16":
-        if was_bf16:
-            return arr.view(cp.uint16)
-        bits = arr.astype(cp.float32).view(cp.uint32)
-        rounded = bits + (cp.uint32(0x7FFF) + ((bits >> 16) & cp.uint32(1)))  # round to nearest even
-        return (rounded >> 16).astype(cp.uint16)
+        return arr.view(cp.uint16) if was_bf16 else float32_to_bf16_bits(arr.astype(cp.float32), cp)
     if was_bf16:
-        widened = (arr.view(cp.uint16).astype(cp.uint32) << 16).view(cp.float32)
-        return widened.astype(numpy_dtype(dtype))
+        return bf16_bits_to_float32(arr.view(cp.uint16), cp).astype(numpy_dtype(dtype))
     return arr.astype(numpy_dtype(dtype), copy=False)
 
 

@@ -14,11 +14,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from relational_tensors.errors import ExecError
+from relational_tensors.core.dtypes import bf16_bits_to_float32, compute_dtype, float32_to_bf16_bits, numpy_dtype
+from relational_tensors.gpu_exec.kernels import flash
 from relational_tensors.gpu_exec.kernels import triton_copy as tc
 from relational_tensors.gpu_exec.kernels import triton_elementwise as te
 from relational_tensors.gpu_exec.kernels import triton_norms as tn
-from relational_tensors.gpu_exec.kernels import flash
 from relational_tensors.gpu_exec.kernels.blas import matmul
 from relational_tensors.gpu_exec.kernels.common import DevBuf
 from relational_tensors.gpu_exec.kernels.triton_attention import attention
@@ -38,30 +38,35 @@ def _matmul(op: Any, f: Any, ins: list, out: Any, consts: dict, stream: int) -> 
 
 
 def _cupy_view(buf: DevBuf) -> Any:
+    """A CuPy array over a device buffer (bfloat16 as its uint16 bit patterns: CuPy has no bfloat16)."""
     import cupy
 
-    if buf.dtype == "bfloat16":
-        raise ExecError("einsum and SQL operators on bfloat16 are not supported by the GPU backend yet; "
-                        "cast to float16 or float32 around them.")
-    dtype = np.dtype(buf.dtype)
+    dtype = np.dtype(np.uint16) if buf.dtype == "bfloat16" else np.dtype(buf.dtype)
     mem = cupy.cuda.UnownedMemory(buf.ptr, max(buf.nbytes, 1), None, buf.device)
     return cupy.ndarray(buf.shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(mem, 0),
-                        strides=tuple(s * np.dtype(dtype).itemsize for s in buf.strides))
+                        strides=tuple(s * dtype.itemsize for s in buf.strides))
 
 
 def _einsum_like(op: Any, f: Any, ins: list, out: Any, consts: dict, stream: int) -> None:
     import cupy
 
+    bf16 = out.dtype == "bfloat16"
     arrays = [_cupy_view(b) for b in ins]
     dst = _cupy_view(out)
     with cupy.cuda.ExternalStream(stream):
         if op.kind == "einsum":
             letters, res = op._parsed()
             sub = ",".join("".join(x) for x in letters) + "->" + "".join(res)
-            dst[...] = cupy.einsum(sub, *[a.astype(cupy.float32) for a in arrays]).astype(dst.dtype)
+            work = compute_dtype(out.dtype)  # 16-bit floats in float32, float64 stays float64
+            operands = [bf16_bits_to_float32(a, cupy) if b.dtype == "bfloat16" else a.astype(work)
+                        for a, b in zip(arrays, ins)]
+            result = cupy.einsum(sub, *operands)
+            dst[...] = float32_to_bf16_bits(result, cupy) if bf16 else result.astype(dst.dtype)
         else:  # SQL operators: the NumPy kernel, run with CuPy arrays through the same expressions
-            host = op.kernel([cupy.asnumpy(a) for a in arrays], f)
-            dst.set(np.ascontiguousarray(host))
+            host = op.kernel([cupy.asnumpy(a).view(numpy_dtype("bfloat16")) if b.dtype == "bfloat16"
+                              else cupy.asnumpy(a) for a, b in zip(arrays, ins)], f)
+            host = np.ascontiguousarray(np.asarray(host).astype(numpy_dtype(out.dtype), copy=False))
+            dst.set(host.view(np.uint16) if bf16 else host)
 
 
 def _unary(op: Any, f: Any, ins: list, out: Any, consts: dict, stream: int) -> None:
