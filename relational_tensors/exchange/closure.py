@@ -26,7 +26,7 @@ from .ast import Action, ExProg, Partition, exact_cover, aggregate_text
 from .text import action_key, action_text, size_text
 
 __all__ = ["State", "Membership", "initial_state", "enabled", "closure", "check", "is_valid", "memberships",
-           "free_sites", "find_membership"]
+           "free_sites", "find_membership", "membership_moves"]
 
 State = frozenset  # frozenset[tuple[frozenset[str], int]]: (aggregate, site) pairs
 Membership = Mapping[str, tuple[int, ...]]  # size-declared partition name -> its sites
@@ -425,3 +425,25 @@ def find_membership(prog: ExProg) -> dict[str, tuple[int, ...]] | None:
             continue
         return m
     return None
+
+
+def membership_moves(membership: Mapping[str, tuple[int, ...]], names: list[str], free: list[int]
+                     ) -> Iterator[tuple[str, dict[str, tuple[int, ...]], dict[int, int]]]:
+    """Memberships one move away, each with its kind and the sites it exchanges: two of the partitions
+    ``names`` trade a site ("swap"), or one trades a site for a GPU of ``free`` ("move").
+
+    >>> [(k, m) for k, m, _ in membership_moves({"G": (0,), "H": (1,)}, ["G", "H"], [2])][:2]
+    [('swap', {'G': (1,), 'H': (0,)}), ('move', {'G': (2,), 'H': (1,)})]
+    """
+    def moved(name: str, old: int, new: int) -> tuple[int, ...]:
+        return tuple(sorted(new if s == old else s for s in membership[name]))
+
+    for i, p in enumerate(names):
+        for q in names[i + 1:]:
+            for a in membership[p]:
+                for b in membership[q]:
+                    yield "swap", {**membership, p: moved(p, a, b), q: moved(q, b, a)}, {a: b, b: a}
+        for a in membership[p]:
+            for f in free:
+                yield "move", {**membership, p: moved(p, a, f)}, {a: f, f: a}
+

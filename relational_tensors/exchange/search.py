@@ -43,7 +43,7 @@ from typing import Iterable, Iterator, Mapping, NamedTuple
 
 from relational_tensors.errors import ExchangeError
 from relational_tensors.exchange.ast import Action, ExProg, aggregate_text, exact_cover
-from relational_tensors.exchange.closure import check, memberships
+from relational_tensors.exchange.closure import check, membership_moves, memberships
 from relational_tensors.exchange.lower import Membership, naive_body
 from relational_tensors.exchange.simulator import SimResult, simulate
 from relational_tensors.exchange.topology import Topology, get_topology
@@ -477,24 +477,11 @@ def _membership_moves(problem: _Problem, state: _State, hot_sites: set[int]
                       ) -> Iterator[tuple[str, _Sites, dict[int, int]]]:
     """Partitions declared by size trade a site (swap), or one takes a free GPU instead (move)."""
     m = state.membership
-    names = [p.name for p in problem.sized]
     used = {s for sites in m.values() for s in sites} | {s for sites in problem.explicit.values() for s in sites}
-    free = [g for g in problem.sites if g not in used]
-
-    def moved(name: str, old: int, new: int) -> tuple[int, ...]:
-        return tuple(sorted(new if s == old else s for s in m[name]))
-
-    for i, p in enumerate(names):
-        for q in names[i + 1:]:
-            for a in m[p]:
-                for b in m[q]:
-                    if a in hot_sites or b in hot_sites:
-                        yield "swap", {**m, p: moved(p, a, b), q: moved(q, b, a)}, {a: b, b: a}
-        if problem.free_moves:
-            for a in m[p]:
-                for f in free:
-                    if a in hot_sites or f in hot_sites:
-                        yield "move", {**m, p: moved(p, a, f)}, {a: f, f: a}
+    free = [g for g in problem.sites if g not in used] if problem.free_moves else []
+    for kind, membership, swap in membership_moves(m, [p.name for p in problem.sized], free):
+        if any(s in hot_sites for s in swap):
+            yield kind, membership, swap
 
 
 @dataclass

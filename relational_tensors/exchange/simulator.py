@@ -39,7 +39,7 @@ from typing import Iterator, Mapping
 
 from relational_tensors.errors import ExchangeError
 from relational_tensors.exchange.ast import Action, ExProg, aggregate_text, exact_cover
-from relational_tensors.exchange.closure import free_sites, memberships
+from relational_tensors.exchange.closure import free_sites, membership_moves, memberships
 from relational_tensors.exchange.flows import FlowNetwork
 from relational_tensors.exchange.topology import Topology, get_topology
 
@@ -163,21 +163,10 @@ def _better(a: SimResult | None, b: SimResult) -> SimResult:
 
 def _neighbours(prog: ExProg, membership: Mapping[str, tuple[int, ...]]) -> Iterator[dict[str, tuple[int, ...]]]:
     """Memberships one move away: two sized partitions swap a site, or one trades a site for a free GPU."""
-    sized = [p.name for p in prog.partitions if p.members is None]
     used = {s for sites in membership.values() for s in sites}
-    free = [g for g in sorted(prog.gpus) if g not in used]
-
-    def moved(name: str, old: int, new: int) -> tuple[int, ...]:
-        return tuple(sorted(new if s == old else s for s in membership[name]))
-
-    for i, p in enumerate(sized):
-        for q in sized[i + 1:]:
-            for a in membership[p]:
-                for b in membership[q]:
-                    yield {**membership, p: moved(p, a, b), q: moved(q, b, a)}
-        for a in membership[p]:
-            for f in free:
-                yield {**membership, p: moved(p, a, f)}
+    free = [g for g in free_sites(prog) if g not in used]
+    for _, moved, _ in membership_moves(membership, [p.name for p in prog.partitions if p.members is None], free):
+        yield moved
 
 
 # ------------------------------------------------------------------------ checks
