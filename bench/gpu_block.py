@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 import relational_tensors as rt
+from relational_tensors.gpu_exec.calibrate import time_cuda
 from relational_tensors.models import LLAMA3_8B, llama_block, llama_feeds
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX shares the GPU with CuPy and PyTorch
@@ -35,23 +36,6 @@ def block_flops(b: int, s: int) -> float:
     mm = 2 * t * (D * D + 2 * D * HKV * DH + D * D + 3 * D * DFF)
     attn = 4 * b * HQ * DH * (s * (s + 1) // 2)
     return float(mm + attn)
-
-
-def time_cuda(fn, sync_stream, rounds: int = 10, warmups: int = 2) -> list[float]:
-    import cupy
-
-    for _ in range(warmups):
-        fn()
-    sync_stream.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(sync_stream)
-        fn()
-        end.record(sync_stream)
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end))
-    return times
 
 
 def matmul_rate() -> float:

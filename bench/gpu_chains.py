@@ -18,7 +18,7 @@ import numpy as np
 import relational_tensors as rt
 from relational_tensors.models import CHAINS, matrix_chain
 
-from gpu_block import time_cuda  # noqa: E402  (same directory)
+from relational_tensors.gpu_exec.calibrate import time_cuda
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
+    from relational_tensors.gpu_exec.calibrate import time_cuda
     from relational_tensors.gpu_exec.kernels import triton_attention as ta
     from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, bind_triton_to_cupy
     from relational_tensors.gpu_exec.kernels.triton_norms import rmsnorm
@@ -37,19 +38,8 @@ def main() -> None:
         return DevBuf(t.data_ptr(), tuple(t.shape), str(t.dtype).replace("torch.", ""), 0)
 
     def timed(fn, rounds: int = 10) -> float:
-        with stream:
-            for _ in range(2):
-                fn()
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(rounds):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-        return statistics.mean(times)
+        with stream:  # our kernels launch on CuPy's current stream: PyTorch's, here
+            return statistics.mean(time_cuda(fn, stream, rounds))
 
     hq, hkv, dh, dm = 32, 8, 128, 4096
     out: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "attention": {}, "rope": {},

@@ -32,7 +32,7 @@ from relational_tensors.exchange.topology import Topology
 
 from common import (CHAINS, WORKLOADS, Report, Setup, bytes_moved, fmt, geomean, header,  # noqa: E402  (bench/)
                     plan_key)
-from gpu_block import time_cuda  # noqa: E402
+from relational_tensors.gpu_exec.calibrate import time_cuda  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "multigpu"
 GPU_COUNTS = (1, 2, 4, 8)

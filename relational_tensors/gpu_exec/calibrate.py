@@ -16,27 +16,34 @@ import json
 import math
 import statistics
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
-__all__ = ["main", "measure"]
+__all__ = ["main", "measure", "time_cuda"]
 
 
-def _time(fn: Callable[[], None], rounds: int = 10, warmups: int = 2) -> float:
+def time_cuda(fn: Callable[[], None], stream: Any = None, rounds: int = 10, warmups: int = 2) -> list[float]:
+    """Milliseconds of each of ``rounds`` calls of ``fn`` after ``warmups``, between CUDA events on
+    ``stream`` (default: CuPy's current stream), the work ``fn`` issues there included."""
     import cupy
 
-    stream = cupy.cuda.get_current_stream()
+    stream = stream or cupy.cuda.get_current_stream()
     for _ in range(warmups):
         fn()
     stream.synchronize()
     times = []
     for _ in range(rounds):
-        a, b = cupy.cuda.Event(), cupy.cuda.Event()
-        a.record(stream)
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
         fn()
-        b.record(stream)
-        b.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(a, b) * 1e-3)
-    return statistics.median(times)
+        end.record(stream)
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return times
+
+
+def _time(fn: Callable[[], None]) -> float:
+    """Seconds: the median of :func:`time_cuda`."""
+    return statistics.median(time_cuda(fn)) * 1e-3
 
 
 def measure(quick: bool = False) -> dict:
