@@ -6,8 +6,8 @@ programs unless ``--schedule naive``) give twenty pairs of the paper's cost
 proxy (``plan.cost`` under ``cost_model="paper"``, in elements) and the
 whole-plan simulated time on a DGX A100; we report their Pearson correlation
 beside the paper's measured range 0.47-0.92 (eight of ten setups above 0.72).
-When ``cost_model="calibrated"`` compiles, the calibrated model's cost of the
-same plans is correlated with the same times in a second column.  The
+The calibrated model's cost of the same plans is correlated with the same times
+in a second column.  The
 simulated times are deterministic; what the correlation measures is how well
 the proxy tracks the simulator, not a GPU.
 
@@ -47,19 +47,14 @@ def main() -> None:
     opts = {"schedule_mode": args.schedule, "search_budget_s": budget}
     setups = common.setups(args.quick)
 
-    # is the calibrated cost model there (someone is adding it)?  One compile tells.
-    try:
-        common.plan(setups[0], P, TOPOLOGY, selector="random", seed=0, cost_model="calibrated")
-        from relational_tensors.exchange.plan_sim import KernelModel
-        from relational_tensors.exchange.topology import get_topology
+    from relational_tensors.exchange.plan_sim import KernelModel
+    from relational_tensors.exchange.topology import get_topology
 
-        source = getattr(KernelModel.from_calibration(get_topology(TOPOLOGY), None), "source", "defaults")
-        calibrated, calibrated_note = True, (
-            f"cost_model='calibrated' compiles: second column (its kernel rates on {TOPOLOGY}: {source}, the "
-            "same kernel model the simulator uses, so that column compares two models that share their "
-            "compute term; the same random plan is drawn under both cost models)")
-    except Exception as e:  # noqa: BLE001 - any failure means: no calibrated column
-        calibrated, calibrated_note = False, f"cost_model='calibrated' not available ({type(e).__name__}: {e})"
+    source = KernelModel.from_calibration(get_topology(TOPOLOGY), None).source
+    calibrated_note = (
+        f"cost_model='calibrated': second column (its kernel rates on {TOPOLOGY}: {source}, the same kernel "
+        "model the simulator uses, so that column compares two models that share their compute term; the "
+        "same random plan is drawn under both cost models)")
     head = common.header(
         f"Experiment 5 (simulated): cost proxy vs simulated runtime, p = {P}", [TOPOLOGY],
         f"{P} simulated GPUs of {TOPOLOGY} (no GPU used)",
@@ -77,7 +72,7 @@ def main() -> None:
             for seed in range(draws):
                 r = common.planned_run(s, P, TOPOLOGY, selector="random", seed=seed, **opts)
                 r["seed"] = seed
-                if calibrated and r["ms"] is not None:
+                if r["ms"] is not None:
                     cal = common.planned_run(s, P, TOPOLOGY, selector="random", seed=seed,
                                              cost_model="calibrated", schedule_mode="naive")
                     if cal["ms"] is not None and cal["splits"] != r["splits"]:
@@ -95,17 +90,15 @@ def main() -> None:
             cost, ms = [r["cost"] for r in ok], [r["ms"] for r in ok]
             row: dict[str, Any] = {"family": s.family, "dp": dp, "plans": plans, "n": len(ok),
                                       "pearson_paper": pearson(cost, ms), "spearman_paper": spearman(cost, ms)}
-            if calibrated:
-                cal_ok = [r["calibrated"] for r in ok if r["calibrated"].get("cost") is not None]
-                row["pearson_calibrated"] = pearson([c["cost"] for c in cal_ok], [c["ms"] for c in cal_ok])
-                row["spearman_calibrated"] = spearman([c["cost"] for c in cal_ok], [c["ms"] for c in cal_ok])
+            cal_ok = [r["calibrated"] for r in ok if r["calibrated"].get("cost") is not None]
+            row["pearson_calibrated"] = pearson([c["cost"] for c in cal_ok], [c["ms"] for c in cal_ok])
+            row["spearman_calibrated"] = spearman([c["cost"] for c in cal_ok], [c["ms"] for c in cal_ok])
             rows[s.label] = row
 
     report = common.Report("exp5_proxy", head, args.out, quick=args.quick)
     columns = ["setup", "plans", "cost range (elements)", "time range (ms, simulated)",
                "Pearson r, paper proxy", "Spearman, paper proxy"]
-    if calibrated:
-        columns += ["Pearson r, calibrated", "Spearman, calibrated"]
+    columns += ["Pearson r, calibrated", "Spearman, calibrated"]
     table = []
     for s in setups:
         r = rows[s.label]
@@ -114,24 +107,21 @@ def main() -> None:
                 f"{min(x['cost'] for x in ok):.3g}-{max(x['cost'] for x in ok):.3g}" if ok else "-",
                 f"{min(x['ms'] for x in ok):.2f}-{max(x['ms'] for x in ok):.2f}" if ok else "-",
                 fmt(r["pearson_paper"], 3), fmt(r["spearman_paper"], 3)]
-        if calibrated:
-            line += [fmt(r["pearson_calibrated"], 3), fmt(r["spearman_calibrated"], 3)]
+        line += [fmt(r["pearson_calibrated"], 3), fmt(r["spearman_calibrated"], 3)]
         table.append(line)
     rs = [rows[s.label]["pearson_paper"] for s in setups if rows[s.label]["pearson_paper"] is not None]
     above = sum(1 for v in rs if v > PAPER_ABOVE)
     summary = {"pearson_paper_min": min(rs) if rs else None, "pearson_paper_max": max(rs) if rs else None,
                "above_0.72": above, "setups": len(rs)}
-    if calibrated:
-        rc = [rows[s.label]["pearson_calibrated"] for s in setups if rows[s.label]["pearson_calibrated"] is not None]
-        summary.update({"pearson_calibrated_min": min(rc) if rc else None,
-                        "pearson_calibrated_max": max(rc) if rc else None,
-                        "calibrated_above_0.72": sum(1 for v in rc if v > PAPER_ABOVE)})
+    rc = [rows[s.label]["pearson_calibrated"] for s in setups if rows[s.label]["pearson_calibrated"] is not None]
+    summary.update({"pearson_calibrated_min": min(rc) if rc else None,
+                    "pearson_calibrated_max": max(rc) if rc else None,
+                    "calibrated_above_0.72": sum(1 for v in rc if v > PAPER_ABOVE)})
     range_line = (f"Paper proxy against simulated time: r from {fmt(summary['pearson_paper_min'], 2)} to "
                   f"{fmt(summary['pearson_paper_max'], 2)}, {above} of {len(rs)} setups above {PAPER_ABOVE}.  "
                   f"Paper (measured runtime): {PAPER_RANGE[0]}-{PAPER_RANGE[1]}, 8 of 10 above {PAPER_ABOVE}.")
-    if calibrated:
-        range_line += (f"  Calibrated model: r from {fmt(summary['pearson_calibrated_min'], 2)} to "
-                       f"{fmt(summary['pearson_calibrated_max'], 2)}.")
+    range_line += (f"  Calibrated model: r from {fmt(summary['pearson_calibrated_min'], 2)} to "
+                   f"{fmt(summary['pearson_calibrated_max'], 2)}.")
     report.table(f"Pearson correlation of plan cost and simulated time over random plans (p = {P}, {TOPOLOGY})",
                  columns, table, after=[range_line])
 
@@ -159,7 +149,7 @@ def main() -> None:
         return fig
 
     report.write({"topology": TOPOLOGY, "p": P, "draws": draws, "schedule_mode": args.schedule,
-                  "search_budget_s": budget, "calibrated_available": calibrated, "calibrated_note": calibrated_note,
+                  "search_budget_s": budget, "calibrated_note": calibrated_note,
                   "setups": rows, "summary": summary,
                   "paper": {"pearson_range": PAPER_RANGE, "setups_above_0.72": 8}}, draw)
 
