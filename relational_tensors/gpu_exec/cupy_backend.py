@@ -96,16 +96,12 @@ class CupyExecutor:
                         if "PeerAccessAlreadyEnabled" not in str(e) and "already" not in str(e).lower():
                             raise ExecError(f"enabling peer access from GPU {a} to GPU {b} failed: {e}") from None
 
-    def _buffer_bytes(self, b: int) -> tuple[int, int]:
-        return buffer_bytes(self.dag, b)
-
     def _layout(self) -> None:
         """One arena per logical device, laid out by the memory plan (no allocation after this)."""
         cp = self.cp
         dag = self.dag
         plan = plan_memory(self.graph, dag, self.live)
         self.plan = plan
-        self.alias = plan.alias
         self.arena_bytes = dict(plan.arena_bytes)
         self.arenas = []
         self.views: dict[int, Any] = {}
@@ -122,7 +118,7 @@ class CupyExecutor:
             if b in plan.alias:
                 continue
             ptr = self.arenas[buf.device].data.ptr + plan.slots[b].offset
-            main, _ = self._buffer_bytes(b)
+            main, _ = buffer_bytes(dag, b)
             view = DevBuf(ptr, buf.box.shape, buf.dtype, self.phys[buf.device])
             if buf.partial == "lse":
                 self.views[b] = (view, DevBuf(ptr + _align(main), buf.box.shape[:-1], "float32", self.phys[buf.device]))
@@ -134,7 +130,7 @@ class CupyExecutor:
             root = self.views[plan.alias[b]]
             self.views[b] = DevBuf(root.ptr + offset * itemsize(buf.dtype), buf.box.shape, buf.dtype, root.device,
                                    strides)
-        self.slot_bytes = {b: self._buffer_bytes(b) for b in dag.buffers}
+        self.slot_bytes = {b: buffer_bytes(dag, b) for b in dag.buffers}
 
     def _constants(self) -> None:
         """Per-operator device constants (attention row limits, rope sequence starts) and per-task scratch."""
