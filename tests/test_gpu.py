@@ -57,6 +57,22 @@ def test_einsum_and_sql_operators_in_bf16_and_fp64(case: str, dtype: str) -> Non
             _compare(got[name], want[name], dtype, reduction=16)
 
 
+# attention and RoPE compute in float32 for any input dtype (their angles and softmax statistics)
+FP32_INSIDE = ("attention", "rope")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_operator_in_float64(case: str) -> None:
+    # float64 stays float64 through matmuls, elementwise kernels, norms and the exchange's aggregations
+    g, _ = CASES[case]("float64")
+    feeds = feeds_for(g)
+    got = rt.compileGraph(g, device="cuda:0,0").run(feeds)
+    want = rt.reference(g, feeds)
+    tol = 1e-5 if case.startswith(FP32_INSIDE) else 1e-10
+    for name in g.outputs:
+        np.testing.assert_allclose(got[name], want[name], rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("device", ["cuda:0", "cuda:0,0,0,0", "cuda:0,0,0,0,0,0,0,0"])
 def test_llama_block_16_bit(dtype: str, device: str) -> None:

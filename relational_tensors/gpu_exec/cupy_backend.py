@@ -33,6 +33,8 @@ from relational_tensors.gpu_exec.memory_plan import ALIGN, align as _align, buff
 __all__ = ["CupyExecutor"]
 
 AGG_OPS = {"sum": "add", "max": "maximum", "min": "minimum"}
+CAPTURE_ACTIVE = 1  # cudaStreamCaptureStatusActive
+MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction (and the GPUs) from the unified addresses
 
 
 class CupyExecutor:
@@ -356,7 +358,7 @@ class CupyExecutor:
             fork.record(origin)
             for s in self.streams[1:]:
                 s.wait_event(fork)
-            self._issue_all()
+            self._issue_all(capturing=True)
         except BaseException as e:
             for d, s in enumerate(self.streams[1:], start=1):  # join what was issued so capture can end
                 with cp.cuda.Device(self.phys[d]):
@@ -371,21 +373,28 @@ class CupyExecutor:
             if isinstance(e, ExecError):
                 raise
             raise ExecError(f"capturing the program into a CUDA graph failed: {type(e).__name__}: {e}") from e
-        joins = []
-        for d, s in enumerate(self.streams[1:], start=1):
-            with cp.cuda.Device(self.phys[d]):
-                ev = cp.cuda.Event(disable_timing=True)
-                ev.record(s)
-            joins.append(ev)
-        for ev in joins:
-            origin.wait_event(ev)
-        with cp.cuda.Device(self.phys[0]):
-            self.graph_exec = origin.end_capture()
+        try:
+            joins = []
+            for d, s in enumerate(self.streams[1:], start=1):
+                with cp.cuda.Device(self.phys[d]):
+                    ev = cp.cuda.Event(disable_timing=True)
+                    ev.record(s)
+                joins.append(ev)
+            for ev in joins:
+                origin.wait_event(ev)
+            with cp.cuda.Device(self.phys[0]):
+                self.graph_exec = origin.end_capture()
+        except Exception as e:  # noqa: BLE001 - a CUDA error at the join: name it as a capture failure
+            raise ExecError(f"ending the capture of the program into a CUDA graph failed: {type(e).__name__}: "
+                            f"{e}") from e
 
-    def _issue_all(self, marks: dict[int, tuple[Any, Any]] | None = None) -> None:
+    def _issue_all(self, marks: dict[int, tuple[Any, Any]] | None = None, capturing: bool = False) -> None:
         """Issue every task on its stream after the events it waits for; with ``marks``, bracket each
-        task with timing events (for profile())."""
+        task with timing events (for profile()).  While ``capturing``, a task after which its stream's
+        capture is invalidated (an operation CUDA graphs cannot hold, which not every library reports
+        at once) is named in the error."""
         cp = self.cp
+        rt = cp.cuda.runtime
         for t in self.dag.tasks:
             if t.kind == "load":
                 continue
@@ -403,6 +412,10 @@ class CupyExecutor:
                 except Exception as e:  # a CUDA, cuBLAS or Triton error: name the task
                     raise ExecError(f"task {t.id} ({t.label}, {t.kind}) on logical device {t.device} "
                                     f"(GPU {self.phys[t.device]}) failed: {type(e).__name__}: {e}") from e
+                if capturing and rt.streamIsCapturing(stream.ptr) != CAPTURE_ACTIVE:
+                    raise ExecError(f"task {t.id} ({t.label}, {t.kind}) on logical device {t.device} (GPU "
+                                    f"{self.phys[t.device]}) invalidated the capture of the program into a "
+                                    f"CUDA graph; the program runs eagerly from now on.")
                 if marks is not None:
                     marks[t.id][1].record(stream)
                 if t.id in self.events:
@@ -433,10 +446,10 @@ class CupyExecutor:
                 tc.copy_box(sp, dp)  # on the destination's stream; across GPUs it reads peer memory
                 return
             rt = self.cp.cuda.runtime
-            if sp.device == dp.device:
-                rt.memcpyAsync(dp.ptr, sp.ptr, nbytes, rt.memcpyDeviceToDevice, stream.ptr)
-            else:
-                rt.memcpyPeerAsync(dp.ptr, dp.device, sp.ptr, sp.device, nbytes, stream.ptr)
+            # across GPUs too: with unified addressing and peer access enabled a device-to-device copy
+            # goes over the peer link on the copy engines, and unlike cudaMemcpyPeerAsync it can be
+            # captured into a graph
+            rt.memcpyAsync(dp.ptr, sp.ptr, nbytes, MEMCPY_DEFAULT, stream.ptr)
         elif t.kind == "decompose":
             src_buf = dag.buffers[t.inputs[0]]
             src = views[t.inputs[0]]

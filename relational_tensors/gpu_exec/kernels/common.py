@@ -7,7 +7,20 @@ from dataclasses import dataclass
 
 from relational_tensors.core.dtypes import itemsize
 
-__all__ = ["DevBuf", "Ptr", "contiguous_strides", "pad4", "merge_dims"]
+__all__ = ["DevBuf", "Ptr", "acc_type", "contiguous_strides", "pad4", "merge_dims"]
+
+
+def acc_type(dtype: str, exact_ints: bool = False):
+    """The type a Triton kernel computes in for ``dtype``: float32 for 16- and 32-bit floats, float64
+    for float64 (so a float64 program keeps float64 precision), and with ``exact_ints`` the integer type
+    itself (an integer sum stays exact past 2**24)."""
+    import triton.language as tl
+
+    if dtype == "float64":
+        return tl.float64
+    if exact_ints and dtype in ("int32", "int64"):
+        return tl.int32 if dtype == "int32" else tl.int64
+    return tl.float32
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

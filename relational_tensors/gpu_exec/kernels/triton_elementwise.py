@@ -1,11 +1,12 @@
-"""Elementwise kernels: unary ops, broadcasting binaries, SwiGLU, casts. fp32 math inside."""
+"""Elementwise kernels: unary ops, broadcasting binaries, SwiGLU, casts. fp32 math inside (fp64 for
+float64, and exact integer arithmetic in the binaries)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, pad4
+from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type, pad4
 
 __all__ = ["unary", "binary", "swiglu", "UNARY_CODES", "BINARY_CODES"]
 
@@ -22,11 +23,11 @@ def _tanh(x):
 
 
 @triton.jit
-def _unary_kernel(x_ptr, out_ptr, n, arg, OP: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def _unary_kernel(x_ptr, out_ptr, n, arg, OP: tl.constexpr, BLOCK_SIZE: tl.constexpr, ACC: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask, other=0).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=mask, other=0).to(ACC)
     if OP == 0:
         y = tl.maximum(x, 0.0)
     elif OP == 1:
@@ -82,13 +83,14 @@ def unary(x: DevBuf, out: DevBuf, op: str, arg: float = 0.0) -> None:
     if op == "cast":
         _cast_kernel[grid](Ptr(x), Ptr(out), n, BLOCK_SIZE=BLOCK)
     else:
-        _unary_kernel[grid](Ptr(x), Ptr(out), n, float(arg), OP=UNARY_CODES[op], BLOCK_SIZE=BLOCK)
+        _unary_kernel[grid](Ptr(x), Ptr(out), n, float(arg), OP=UNARY_CODES[op], BLOCK_SIZE=BLOCK,
+                            ACC=acc_type(out.dtype))
 
 
 @triton.jit
 def _binary_kernel(x_ptr, y_ptr, out_ptr, n, size_1, size_2, size_3,
                    sx0, sx1, sx2, sx3, sy0, sy1, sy2, sy3, so0, so1, so2, so3,
-                   OP: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                   OP: tl.constexpr, BLOCK_SIZE: tl.constexpr, ACC: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n
@@ -98,8 +100,8 @@ def _binary_kernel(x_ptr, y_ptr, out_ptr, n, size_1, size_2, size_3,
     rest = rest // size_2
     i1 = rest % size_1
     i0 = rest // size_1
-    x = tl.load(x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2 + i3 * sx3, mask=mask).to(tl.float32)
-    y = tl.load(y_ptr + i0 * sy0 + i1 * sy1 + i2 * sy2 + i3 * sy3, mask=mask).to(tl.float32)
+    x = tl.load(x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2 + i3 * sx3, mask=mask).to(ACC)
+    y = tl.load(y_ptr + i0 * sy0 + i1 * sy1 + i2 * sy2 + i3 * sy3, mask=mask).to(ACC)
     if OP == 0:
         r = x + y
     elif OP == 1:
@@ -134,16 +136,17 @@ def binary(x: DevBuf, y: DevBuf, out: DevBuf, op: str) -> None:
 
     shape, (so, sx, sy) = pad4(out.shape, out.strides, bstrides(x), bstrides(y))
     _binary_kernel[(triton.cdiv(n, BLOCK),)](Ptr(x), Ptr(y), Ptr(out), n, shape[1], shape[2], shape[3], *sx, *sy,
-                                            *so, OP=BINARY_CODES[op], BLOCK_SIZE=BLOCK)
+                                            *so, OP=BINARY_CODES[op], BLOCK_SIZE=BLOCK,
+                                            ACC=acc_type(out.dtype, exact_ints=True))
 
 
 @triton.jit
-def _swiglu_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
+def _swiglu_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr, ACC: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n
-    a = tl.load(a_ptr + offs, mask=mask).to(tl.float32)
-    b = tl.load(b_ptr + offs, mask=mask).to(tl.float32)
+    a = tl.load(a_ptr + offs, mask=mask).to(ACC)
+    b = tl.load(b_ptr + offs, mask=mask).to(ACC)
     tl.store(out_ptr + offs, (a * tl.sigmoid(a) * b).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -151,4 +154,5 @@ def swiglu(a: DevBuf, b: DevBuf, out: DevBuf) -> None:
     """out = silu(a) * b in one pass."""
     n = out.size
     if n:
-        _swiglu_kernel[(triton.cdiv(n, BLOCK),)](Ptr(a), Ptr(b), Ptr(out), n, BLOCK_SIZE=BLOCK)
+        _swiglu_kernel[(triton.cdiv(n, BLOCK),)](Ptr(a), Ptr(b), Ptr(out), n, BLOCK_SIZE=BLOCK,
+                                                 ACC=acc_type(out.dtype))

@@ -1,11 +1,12 @@
-"""Row-wise kernels: RMSNorm, LayerNorm, softmax and reductions; one program per row, fp32 inside."""
+"""Row-wise kernels: RMSNorm, LayerNorm, softmax and reductions; one program per row, fp32 inside (fp64 for
+float64)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr
+from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type
 
 __all__ = ["rmsnorm", "layernorm", "softmax", "row_reduce"]
 
@@ -15,28 +16,28 @@ def _block(d: int) -> int:
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, d, eps, BLOCK_D: tl.constexpr, ONE_PASS: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, d, eps, BLOCK_D: tl.constexpr, ONE_PASS: tl.constexpr, ACC: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = row * d
     if ONE_PASS:
         cols = tl.arange(0, BLOCK_D)
         mask = cols < d
-        x = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(ACC)
         r = tl.rsqrt(tl.sum(x * x, axis=0) / d + eps)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(ACC)
         tl.store(out_ptr + base + cols, (x * r * w).to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_D], dtype=ACC)
         for c0 in range(0, d, BLOCK_D):
             cols = c0 + tl.arange(0, BLOCK_D)
-            x = tl.load(x_ptr + base + cols, mask=cols < d, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + base + cols, mask=cols < d, other=0.0).to(ACC)
             acc += x * x
         r = tl.rsqrt(tl.sum(acc, axis=0) / d + eps)
         for c0 in range(0, d, BLOCK_D):
             cols = c0 + tl.arange(0, BLOCK_D)
             mask = cols < d
-            x = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(ACC)
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(ACC)
             tl.store(out_ptr + base + cols, (x * r * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -47,31 +48,32 @@ def rmsnorm(x: DevBuf, w: DevBuf, out: DevBuf, eps: float) -> None:
     if rows:
         block = _block(d)
         _rmsnorm_kernel[(rows,)](Ptr(x), Ptr(w), Ptr(out), d, float(eps), BLOCK_D=block, ONE_PASS=block >= d,
+                                 ACC=acc_type(x.dtype),
                                  num_warps=8 if block >= 2048 else 4)
 
 
 @triton.jit
-def _layernorm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, d, eps, BLOCK_D: tl.constexpr):
+def _layernorm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, d, eps, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = row * d
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=ACC)
     for c0 in range(0, d, BLOCK_D):
         cols = c0 + tl.arange(0, BLOCK_D)
-        acc += tl.load(x_ptr + base + cols, mask=cols < d, other=0.0).to(tl.float32)
+        acc += tl.load(x_ptr + base + cols, mask=cols < d, other=0.0).to(ACC)
     mean = tl.sum(acc, axis=0) / d
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=ACC)
     for c0 in range(0, d, BLOCK_D):
         cols = c0 + tl.arange(0, BLOCK_D)
-        x = tl.load(x_ptr + base + cols, mask=cols < d, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + base + cols, mask=cols < d, other=0.0).to(ACC)
         diff = tl.where(cols < d, x - mean, 0.0)
         acc += diff * diff
     r = tl.rsqrt(tl.sum(acc, axis=0) / d + eps)
     for c0 in range(0, d, BLOCK_D):
         cols = c0 + tl.arange(0, BLOCK_D)
         mask = cols < d
-        x = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(ACC)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(ACC)
+        b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(ACC)
         tl.store(out_ptr + base + cols, ((x - mean) * r * w + b).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -79,32 +81,33 @@ def layernorm(x: DevBuf, w: DevBuf, b: DevBuf, out: DevBuf, eps: float) -> None:
     d = x.shape[-1]
     rows = x.size // d
     if rows:
-        _layernorm_kernel[(rows,)](Ptr(x), Ptr(w), Ptr(b), Ptr(out), d, float(eps), BLOCK_D=_block(d))
+        _layernorm_kernel[(rows,)](Ptr(x), Ptr(w), Ptr(b), Ptr(out), d, float(eps), BLOCK_D=_block(d),
+                                   ACC=acc_type(x.dtype))
 
 
 @triton.jit
-def _softmax_kernel(x_ptr, out_ptr, n, inner, BLOCK_N: tl.constexpr):
+def _softmax_kernel(x_ptr, out_ptr, n, inner, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
     # x viewed as [outer, n, inner]; one program per (outer, inner) line of n elements
     pid = tl.program_id(0).to(tl.int64)
     o = pid // inner
     i = pid % inner
     base = o * n * inner + i
-    top = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    top = tl.full([BLOCK_N], float("-inf"), dtype=ACC)
     for c0 in range(0, n, BLOCK_N):
         cols = c0 + tl.arange(0, BLOCK_N)
-        x = tl.load(x_ptr + base + cols * inner, mask=cols < n, other=float("-inf")).to(tl.float32)
+        x = tl.load(x_ptr + base + cols * inner, mask=cols < n, other=float("-inf")).to(ACC)
         top = tl.maximum(top, x)
     m = tl.max(top, axis=0)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N], dtype=ACC)
     for c0 in range(0, n, BLOCK_N):
         cols = c0 + tl.arange(0, BLOCK_N)
-        x = tl.load(x_ptr + base + cols * inner, mask=cols < n, other=float("-inf")).to(tl.float32)
+        x = tl.load(x_ptr + base + cols * inner, mask=cols < n, other=float("-inf")).to(ACC)
         acc += tl.exp(x - m)
     total = tl.sum(acc, axis=0)
     for c0 in range(0, n, BLOCK_N):
         cols = c0 + tl.arange(0, BLOCK_N)
         mask = cols < n
-        x = tl.load(x_ptr + base + cols * inner, mask=mask, other=float("-inf")).to(tl.float32)
+        x = tl.load(x_ptr + base + cols * inner, mask=mask, other=float("-inf")).to(ACC)
         tl.store(out_ptr + base + cols * inner, (tl.exp(x - m) / total).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -116,27 +119,27 @@ def softmax(x: DevBuf, out: DevBuf, axis: int) -> None:
         inner *= s
     lines = x.size // n if n else 0
     if lines:
-        _softmax_kernel[(lines,)](Ptr(x), Ptr(out), n, inner, BLOCK_N=_block(n))
+        _softmax_kernel[(lines,)](Ptr(x), Ptr(out), n, inner, BLOCK_N=_block(n), ACC=acc_type(x.dtype))
 
 
 @triton.jit
-def _row_reduce_kernel(x_ptr, out_ptr, n, scale, OP: tl.constexpr, BLOCK_N: tl.constexpr):
+def _row_reduce_kernel(x_ptr, out_ptr, n, scale, OP: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if OP == 0:
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N], dtype=ACC)
     elif OP == 1:
-        acc = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+        acc = tl.full([BLOCK_N], float("-inf"), dtype=ACC)
     else:
-        acc = tl.full([BLOCK_N], float("inf"), dtype=tl.float32)
+        acc = tl.full([BLOCK_N], float("inf"), dtype=ACC)
     for c0 in range(0, n, BLOCK_N):
         cols = c0 + tl.arange(0, BLOCK_N)
         mask = cols < n
         if OP == 0:
-            acc += tl.load(x_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+            acc += tl.load(x_ptr + row * n + cols, mask=mask, other=0.0).to(ACC)
         elif OP == 1:
-            acc = tl.maximum(acc, tl.load(x_ptr + row * n + cols, mask=mask, other=float("-inf")).to(tl.float32))
+            acc = tl.maximum(acc, tl.load(x_ptr + row * n + cols, mask=mask, other=float("-inf")).to(ACC))
         else:
-            acc = tl.minimum(acc, tl.load(x_ptr + row * n + cols, mask=mask, other=float("inf")).to(tl.float32))
+            acc = tl.minimum(acc, tl.load(x_ptr + row * n + cols, mask=mask, other=float("inf")).to(ACC))
     if OP == 0:
         r = tl.sum(acc, axis=0) * scale
     elif OP == 1:
@@ -152,4 +155,4 @@ def row_reduce(x: DevBuf, out: DevBuf, op: str, scale: float = 1.0) -> None:
     n = x.size // rows if rows else 0
     if rows and n:
         _row_reduce_kernel[(rows,)](Ptr(x), Ptr(out), n, float(scale), OP={"sum": 0, "max": 1, "min": 2}[op],
-                                    BLOCK_N=_block(n))
+                                    BLOCK_N=_block(n), ACC=acc_type(x.dtype))
