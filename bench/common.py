@@ -100,6 +100,14 @@ def simulated_ms(cg: rt.CompiledGraph, topology: str) -> float:
     return cg.simulate(topology) * 1e3
 
 
+def graph_flops(g: Graph) -> float:
+    """Floating-point operations of one run of ``g`` on one device (each operator's own count)."""
+    from relational_tensors.core.types import Box
+
+    return float(sum(n.op.flops(tuple(Box.of_shape(g.nodes[i].type.shape) for i in n.inputs),
+                                Box.of_shape(n.type.shape)) for n in g.nodes if n.op is not None))
+
+
 def bytes_moved(cg: rt.CompiledGraph) -> int:
     """Bytes the plan copies between devices."""
     return sum(cg.dag.buffers[t.outputs[0]].nbytes for t in cg.dag.tasks if t.kind == "copy")

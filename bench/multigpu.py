@@ -30,8 +30,8 @@ import relational_tensors as rt
 from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.exchange.topology import Topology
 
-from common import (CHAINS, WORKLOADS, Report, Setup, bytes_moved, fmt, geomean, header,  # noqa: E402  (bench/)
-                    plan_key)
+from common import (CHAINS, WORKLOADS, Report, Setup, bytes_moved, fmt, geomean, graph_flops,  # noqa: E402
+                    header, plan_key)
 from relational_tensors.gpu_exec.calibrate import time_cuda  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "multigpu"
@@ -54,8 +54,15 @@ def time_ours(cg: rt.CompiledGraph, warmups: int = 2, rounds: int = 10) -> tuple
     first device's stream, which waits for every other stream, so events on that stream time all GPUs;
     a program that could not be captured is timed with the wall clock around execute + synchronize."""
     ex = cg._exec()
+    uncaptured = ""
     for _ in range(warmups):
-        cg.execute()
+        try:
+            cg.execute()
+        except rt.ExecError as e:  # the capture failed: the executor runs this program eagerly from now on
+            if "capture" not in str(e):
+                raise
+            uncaptured = f"; capture failed: {e}"
+            cg.execute()
     cg.synchronize()
     if getattr(ex, "graph_exec", None) is not None:
         return time_cuda(cg.execute, ex.streams[0], rounds=rounds, warmups=0), "CUDA events, CUDA graph"
@@ -65,7 +72,7 @@ def time_ours(cg: rt.CompiledGraph, warmups: int = 2, rounds: int = 10) -> tuple
         cg.execute()
         cg.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
-    return times, "wall clock, eager (not captured)"
+    return times, "wall clock, eager (not captured)" + uncaptured
 
 
 def _free_gpus() -> None:
@@ -107,18 +114,25 @@ def ours(args: argparse.Namespace) -> None:
     result: dict[str, Any] = {"gpu": gpu, "visible_gpus": visible,
                               "topology": topo_name, "dtype": "float16", "rounds": "2 warm-ups + 10 timed",
                               "rows": []}
+    if not args.smoke:
+        from gpu_block import matmul_rate
+
+        result["matmul_tflops"] = matmul_rate() / 1e12  # one GPU, fp16 8192^3: the roofline's rate
+        print(f"matmul rate {result['matmul_tflops']:.0f} TFLOP/s per GPU", flush=True)
     setups = [Setup(w, "transformer") for w in args.workloads] + [Setup(c, "chain") for c in args.chains]
     for setup in setups:
         g = _smoke_graph(setup) if args.smoke else setup.graph()
         feeds = _feeds(setup, g)
         one: np.ndarray | None = None
-        for n in counts:
+        for n, model in [(n, m) for n in counts for m in args.cost_model]:
+            if n == 1 and model != args.cost_model[0]:
+                continue  # one GPU: every cost model gives the same plan
             row: dict[str, Any] = {"workload": setup.name, "family": setup.family, "gpus": n,
-                                   "cost_model": args.cost_model}
+                                   "cost_model": model, "flops": graph_flops(g)}
             try:
                 t0 = time.perf_counter()
                 cg = rt.compileGraph(g, device=f"cpu:{n}" if args.smoke else list(range(n)), topology=topology,
-                                     cost_model=args.cost_model)
+                                     cost_model=model)
                 row["compile_s"] = time.perf_counter() - t0
                 row["predicted_ms"] = cg.simulate() * 1e3
                 row["bytes_between_gpus"] = bytes_moved(cg)
@@ -138,7 +152,7 @@ def ours(args: argparse.Namespace) -> None:
             if not args.smoke:
                 _free_gpus()
             result["rows"].append(row)
-            print(f"{setup.label:>9} x{n}: " + (f"{row['ms']:.3f} ms (predicted {row['predicted_ms']:.3f}, "
+            print(f"{setup.label:>9} x{n} {model:>10}: " + (f"{row['ms']:.3f} ms (predicted {row['predicted_ms']:.3f}, "
                                                  f"rel diff vs 1 GPU {row['max_rel_diff_vs_1gpu']:.1e})"
                                                  if row["status"] == "ok" else row["reason"]), flush=True)
             args.out.mkdir(parents=True, exist_ok=True)
@@ -171,40 +185,68 @@ def merge(args: argparse.Namespace) -> None:
     names = list(dict.fromkeys([r["workload"] for r in ours_data["rows"]]
                                + [w for b in base.values() for w in b["best"]]))
     counts = sorted({r["gpus"] for r in ours_data["rows"]} | set(base))
-    ours_ms = {(r["workload"], r["gpus"]): r for r in ours_data["rows"] if r.get("status") == "ok"}
+    models = list(dict.fromkeys(r.get("cost_model", "paper") for r in ours_data["rows"])) or ["paper"]
+    ok = {(r["workload"], r["gpus"], r.get("cost_model", "paper")): r for r in ours_data["rows"]
+          if r.get("status") == "ok"}
+    flops = {r["workload"]: r["flops"] for r in ours_data["rows"] if r.get("flops")}
+    rate = ours_data.get("matmul_tflops")
+
+    def ours_ms(w: str, n: int, m: str) -> float | None:
+        """Ours on n GPUs planned with cost model m (one GPU: the same plan whatever the model)."""
+        r = ok.get((w, n, m)) or (next((v for k, v in ok.items() if k[:2] == (w, 1)), None) if n == 1 else None)
+        return r["ms"] if r else None
+
     best = {(w, n): b for n, d in base.items() for w, b in d["best"].items()}
     every = {(r["workload"], r["strategy"], n): r for n, d in base.items() for r in d["rows"]}
 
     gpu = ours_data.get("gpu") or next((d["header"]["device"] for d in base.values()), "GPU")
     timing = next((r["timing"] for r in ours_data["rows"] if r.get("timing")), "not timed")
     measured = [f"ours: relational_tensors on {gpu}, compiled for {max(counts, default=0)} devices or fewer "
-                f"(plans against {ours_data.get('topology', '?')}); {timing}"]
+                f"(plans against {ours_data.get('topology', '?')}, cost models {' / '.join(models)}); {timing}"]
     for n, d in sorted(base.items()):
         h = d["header"]
         measured.append(f"PyTorch on {n}: hand-written (bench/baselines), {h['backend']}, {h['dtype']} on "
                         f"{h['device']}, torch {h['torch']}; {h['rounds']}")
+    if rate:
+        measured.append(f"roofline: the graph's FLOPs over n x {rate:.0f} TFLOP/s (fp16 matmul 8192^3 measured on "
+                        f"one GPU in the same run)")
     report = Report("multigpu", header("Multi-GPU: ours against hand-written PyTorch", [],
                                        f"{', '.join(map(str, counts))} x {gpu}", measured,
                                        ["2 warm-ups + 10 timed rounds each unless a line above says otherwise; "
                                         "mean in ms"]), out=out)
-    cols = ["workload"] + [f"ours {n}" for n in counts] + [f"PyTorch best {n}" for n in counts] + \
-        [f"PyTorch / ours at {max(counts)}" if counts else "ratio"]
+    top = max(counts) if counts else None
+    per = " / ".join(models)
+
+    def each(value: Any, digits: int, suffix: str = "") -> str:  # one value per cost model, "a / b"
+        return " / ".join(fmt(value(m), digits, suffix) for m in models)
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b else None
+
+    cols = (["workload"] + [f"ours {n}" + (f" ({per})" if n > 1 and len(models) > 1 else "") for n in counts]
+            + [f"PyTorch best {n}" for n in counts]
+            + [f"PyTorch / ours at {top}", f"ours 1 -> {top} speed-up", f"roofline at {top} (ms)",
+               f"ours / roofline at {top}"])
     rows = []
     for w in names:
-        o = [fmt(ours_ms[(w, n)]["ms"], 3) if (w, n) in ours_ms else "-" for n in counts]
+        o = [each(lambda m, n=n: ours_ms(w, n, m), 3) if n > 1 else fmt(ours_ms(w, 1, models[0]), 3)
+             for n in counts]
         b = [f"{best[(w, n)]['ms']:.3f} ({best[(w, n)]['strategy']})" if (w, n) in best else "-" for n in counts]
-        top = max(counts) if counts else None
-        ratio = (best[(w, top)]["ms"] / ours_ms[(w, top)]["ms"]
-                 if top is not None and (w, top) in best and (w, top) in ours_ms else None)
-        rows.append([_label(w), *o, *b, fmt(ratio, 2, "x")])
-    geo_cols = []
-    for n in counts:
-        geo_cols.append(fmt(geomean(ours_ms[(w, n)]["ms"] if (w, n) in ours_ms else None
-                                    for w in names if w in WORKLOADS), 3))
-    geo_cols += [fmt(geomean(best[(w, n)]["ms"] if (w, n) in best else None for w in names if w in WORKLOADS), 3)
-                 for n in counts]
-    rows.append(["geomean (blocks)", *geo_cols, ""])
-    report.table("Mean milliseconds per run; PyTorch's best strategy per workload in brackets", cols, rows)
+        roof = flops[w] / (top * rate * 1e12) * 1e3 if top and rate and w in flops else None
+        rows.append([_label(w), *o, *b,
+                     each(lambda m: ratio(best[(w, top)]["ms"] if (w, top) in best else None, ours_ms(w, top, m)),
+                          2, "x"),
+                     each(lambda m: ratio(ours_ms(w, 1, m), ours_ms(w, top, m)), 2, "x"),
+                     fmt(roof, 3), each(lambda m: ratio(ours_ms(w, top, m), roof), 2)])
+    blocks = [w for w in names if w in WORKLOADS]
+    geo_o = [each(lambda m, n=n: geomean(ours_ms(w, n, m) for w in blocks), 3) if n > 1
+             else fmt(geomean(ours_ms(w, 1, models[0]) for w in blocks), 3) for n in counts]
+    geo_b = [fmt(geomean(best[(w, n)]["ms"] if (w, n) in best else None for w in blocks), 3) for n in counts]
+    geo_ratio = each(lambda m: geomean(ratio(best[(w, top)]["ms"] if (w, top) in best else None,
+                                             ours_ms(w, top, m)) for w in blocks), 2, "x")
+    rows.append(["geomean (blocks)", *geo_o, *geo_b, geo_ratio, "", "", ""])
+    report.table("Mean milliseconds per run; PyTorch's best strategy per workload in brackets"
+                 + (f"; ours as {per} (cost models)" if len(models) > 1 else ""), cols, rows)
 
     detail = []
     for (w, s, n), r in sorted(every.items(), key=lambda kv: (names.index(kv[0][0]) if kv[0][0] in names else 99,
@@ -216,13 +258,16 @@ def merge(args: argparse.Namespace) -> None:
                        r.get("reason") or r.get("note") or ""])
     if detail:
         report.table("Every PyTorch strategy", ["workload", "strategy", "GPUs", "mean (ms)", "check", "note"], detail)
-    ours_detail = [[_label(r["workload"]), r["gpus"], fmt(r.get("ms"), 3), fmt(r.get("predicted_ms"), 3),
+    ours_detail = [[_label(r["workload"]), r["gpus"], r.get("cost_model", "paper"), fmt(r.get("ms"), 3),
+                    fmt(r.get("predicted_ms"), 3), fmt(ratio(r.get("ms"), r.get("predicted_ms")), 2),
                     fmt(r.get("compile_s"), 2), f"{r.get('max_rel_diff_vs_1gpu', float('nan')):.1e}",
-                    r.get("reason", "")] for r in ours_data["rows"]]
+                    r.get("reason", "") or ("" if "graph" in r.get("timing", "graph") else r.get("timing", ""))]
+                   for r in ours_data["rows"]]
     if ours_detail:
         report.table("Ours: measured against simulated, and the difference from the one-GPU output",
-                     ["workload", "GPUs", "measured (ms)", f"simulated on {ours_data.get('topology')} (ms)",
-                      "compile (s)", "max rel diff vs 1 GPU", "error"], ours_detail)
+                     ["workload", "GPUs", "cost model", "measured (ms)",
+                      f"simulated on {ours_data.get('topology')} (ms)", "measured / simulated", "compile (s)",
+                      "max rel diff vs 1 GPU", "error or note"], ours_detail)
     if topo is not None:
         bw = [topo.bandwidth(s, d) for s in topo.sites for d in topo.sites if s != d]
         report.text(f"Measured topology `{topo.name}` ({topo_file.name}): {len(topo.sites)} GPUs, peer copies "
@@ -236,8 +281,9 @@ def merge(args: argparse.Namespace) -> None:
         rows_n = (len(names) + cols_n - 1) // cols_n
         fig, axes = plt.subplots(rows_n, cols_n, figsize=(3.2 * cols_n, 2.8 * rows_n), squeeze=False)
         for ax, w in zip(axes.flat, names):
-            xs = [n for n in counts if (w, n) in ours_ms]
-            ax.plot(xs, [ours_ms[(w, n)]["ms"] for n in xs], "o-", label="ours")
+            for m in models:
+                xs = [n for n in counts if ours_ms(w, n, m) is not None]
+                ax.plot(xs, [ours_ms(w, n, m) for n in xs], "o-", label=f"ours ({m})" if len(models) > 1 else "ours")
             xs = [n for n in counts if (w, n) in best]
             ax.plot(xs, [best[(w, n)]["ms"] for n in xs], "s--", label="PyTorch best")
             ax.set_xscale("log", base=2)
@@ -274,16 +320,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     o.add_argument("--chains", type=_names, default=list(CHAINS))
     o.add_argument("--topology", help="a topology JSON (bench/measure_topology.py) to plan and simulate against")
     o.add_argument("--smoke", action="store_true", help="check this driver without GPUs: toy sizes on cpu:N")
-    o.add_argument("--cost-model", default="paper", choices=("paper", "bytes", "calibrated"),
-                   help="the planner's cost model (calibrated plans simulate faster at p = 8; run both)")
+    o.add_argument("--cost-model", type=_names, default=["paper", "calibrated"],
+                   help="the planner's cost models, comma-separated: each is compiled and timed on every GPU "
+                        "count above one (default paper,calibrated)")
     m = sub.add_parser("merge", help="join ours and the baselines into multigpu.json/.md/.png")
     for p in (o, m):
         p.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     bad = [w for w in getattr(args, "workloads", []) if w not in WORKLOADS] + \
         [c for c in getattr(args, "chains", []) if c not in CHAINS]
+    bad += [m for m in getattr(args, "cost_model", []) if m not in ("paper", "bytes", "calibrated")]
     if bad:
-        ap.error(f"unknown workloads or chains {bad}; known: {list(WORKLOADS)} and {list(CHAINS)}.")
+        ap.error(f"unknown workloads, chains or cost models {bad}; known: {list(WORKLOADS)}, {list(CHAINS)} and "
+                 "paper, bytes, calibrated.")
     ours(args) if args.command == "ours" else merge(args)
     return 0
 
