@@ -55,6 +55,11 @@ class CupyExecutor:
             if backend() is None:
                 raise ExecError("attention='flash' needs flash-attn or PyTorch with CUDA, and neither can be "
                                 "imported here; install one, or compile with attention='triton'.")
+        wide = sorted({n.name for n in graph.nodes if n.kind == "attention" and n.type.dtype == "float64"})
+        if wide:
+            raise ExecError(f"attention in float64 has no GPU kernel (the Triton kernel computes in float16, "
+                            f"bfloat16 or float32); got float64 attention {wide}. Cast q, k and v to float32 "
+                            f"on the GPU, or run float64 on the CPU backend (device='cpu:N').")
         self.phys = devices.physical
         visible = cupy.cuda.runtime.getDeviceCount()
         missing = sorted({g for g in self.phys if g >= visible})

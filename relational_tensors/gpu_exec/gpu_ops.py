@@ -69,7 +69,17 @@ def _einsum_like(op: Any, f: Any, ins: list, out: Any, consts: dict, stream: int
             dst.set(host.view(np.uint16) if bf16 else host)
 
 
+SCALAR_UFUNCS = {"scale": "multiply", "add_scalar": "add", "pow": "power"}
+
+
 def _unary(op: Any, f: Any, ins: list, out: Any, consts: dict, stream: int) -> None:
+    if out.dtype == "float64" and op.op in SCALAR_UFUNCS:
+        # Triton passes a Python float as a float32 argument: a float64 scalar goes through CuPy
+        import cupy
+
+        with cupy.cuda.ExternalStream(stream):
+            getattr(cupy, SCALAR_UFUNCS[op.op])(_cupy_view(ins[0]), float(op.arg), out=_cupy_view(out))
+        return
     te.unary(ins[0], out, op.op, 0.0 if op.op == "cast" else float(op.arg))
 
 
@@ -97,14 +107,14 @@ def _reduce(op: Any, f: Any, ins: list, out: Any, consts: dict, stream: int) -> 
     x = ins[0]
     axes = op._axes()
     keep = [d for d in range(len(x.shape)) if d not in axes]
-    scale = 1.0 / math.prod(op.input_types[0].shape[a] for a in axes) if op.op == "mean" else 1.0
+    count = math.prod(op.input_types[0].shape[a] for a in axes) if op.op == "mean" else 1  # of the whole axes
     src = x
     if keep + list(axes) != list(range(len(x.shape))):
         scratch = consts["scratch"]
         src = scratch.as_dtype(x.dtype)
         src = DevBuf(src.ptr, tuple(x.shape[d] for d in keep + list(axes)), x.dtype, x.device)
         tc.copy_box(x.permuted(tuple(keep + list(axes))), src)
-    tn.row_reduce(src, out, "sum" if op.op == "mean" else op.op, scale)
+    tn.row_reduce(src, out, "sum" if op.op == "mean" else op.op, count)
 
 
 def _rope(op: Any, f: Any, ins: list, out: Any, consts: dict, stream: int) -> None:

@@ -123,7 +123,7 @@ def softmax(x: DevBuf, out: DevBuf, axis: int) -> None:
 
 
 @triton.jit
-def _row_reduce_kernel(x_ptr, out_ptr, n, scale, OP: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+def _row_reduce_kernel(x_ptr, out_ptr, n, count, OP: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if OP == 0:
         acc = tl.zeros([BLOCK_N], dtype=ACC)
@@ -141,7 +141,7 @@ def _row_reduce_kernel(x_ptr, out_ptr, n, scale, OP: tl.constexpr, BLOCK_N: tl.c
         else:
             acc = tl.minimum(acc, tl.load(x_ptr + row * n + cols, mask=mask, other=float("inf")).to(ACC))
     if OP == 0:
-        r = tl.sum(acc, axis=0) * scale
+        r = tl.sum(acc, axis=0) / count  # an integer: exact in float32 and float64
     elif OP == 1:
         r = tl.max(acc, axis=0)
     else:
@@ -149,10 +149,11 @@ def _row_reduce_kernel(x_ptr, out_ptr, n, scale, OP: tl.constexpr, BLOCK_N: tl.c
     tl.store(out_ptr + row, r.to(out_ptr.dtype.element_ty))
 
 
-def row_reduce(x: DevBuf, out: DevBuf, op: str, scale: float = 1.0) -> None:
-    """out[r] = reduce(x[r, :]) for contiguous x viewed as [rows, n]; op in sum, max, min (sum scaled)."""
+def row_reduce(x: DevBuf, out: DevBuf, op: str, count: int = 1) -> None:
+    """out[r] = reduce(x[r, :]) for contiguous x viewed as [rows, n]; op in sum, max, min (a sum is divided
+    by ``count``: a mean passes the length of the whole reduced axes)."""
     rows = out.size
     n = x.size // rows if rows else 0
     if rows and n:
-        _row_reduce_kernel[(rows,)](Ptr(x), Ptr(out), n, float(scale), OP={"sum": 0, "max": 1, "min": 2}[op],
+        _row_reduce_kernel[(rows,)](Ptr(x), Ptr(out), n, int(count), OP={"sum": 0, "max": 1, "min": 2}[op],
                                     BLOCK_N=_block(n), ACC=acc_type(x.dtype))
