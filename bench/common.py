@@ -163,16 +163,34 @@ def fmt(value: float | None, digits: int = 2, suffix: str = "") -> str:
 # --- measured results of the GPU benchmarks --------------------------------------------------------------
 
 def measured_gpu_block(results: Path = RESULTS) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """One-GPU measurements of ``bench/gpu_block.py`` (every ``gpu_block*.json`` here, merged by
-    workload; a later file wins), and the files read."""
+    """One-GPU measurements of ``bench/gpu_block.py`` (``results/gpu_block.json``, one run of every
+    workload), and the files read."""
+    f = results / "gpu_block.json"
+    if not f.exists():
+        return {}, []
+    data = json.loads(f.read_text())
+    rows = {name: {"gpu": data.get("gpu", "GPU"), "torch": data.get("torch"), "file": f.name,
+                   **{k: v for k, v in r.items() if k.endswith("_ms") and isinstance(v, (int, float))}}
+            for name, r in data.get("workloads", {}).items()}
+    return rows, [f.name]
+
+
+def measured_multigpu(results: Path = RESULTS, cost_model: str = "paper") -> tuple[int, dict[str, dict[str, Any]]]:
+    """The largest GPU count of ``bench/multigpu.sh``'s results (``results/multigpu``) and, per workload,
+    ours there (planned with ``cost_model``) and the best PyTorch baseline there; (0, {}) if none."""
+    folder = results / "multigpu"
+    if not (folder / "ours.json").exists():
+        return 0, {}
+    ours = [r for r in json.loads((folder / "ours.json").read_text())["rows"] if r.get("status") == "ok"]
+    n = max((r["gpus"] for r in ours), default=0)
+    base_file = folder / f"baselines_n{n}.json"
+    best = json.loads(base_file.read_text())["best"] if base_file.exists() else {}
     rows: dict[str, dict[str, Any]] = {}
-    files = sorted(results.glob("gpu_block*.json"), key=lambda f: f.stat().st_mtime)
-    for f in files:
-        data = json.loads(f.read_text())
-        for name, r in data.get("workloads", {}).items():
-            rows[name] = {"gpu": data.get("gpu", "GPU"), "torch": data.get("torch"), "file": f.name,
-                          **{k: v for k, v in r.items() if k.endswith("_ms") and isinstance(v, (int, float))}}
-    return rows, [f.name for f in files]
+    for r in ours:
+        if r["gpus"] == n and r.get("cost_model", "paper") == cost_model:
+            rows[r["workload"]] = {"ours_ms": r["ms"], "pytorch_best_ms": best.get(r["workload"], {}).get("ms"),
+                                   "pytorch_best": best.get(r["workload"], {}).get("strategy")}
+    return n, rows
 
 
 def measured_gpu_chains(results: Path = RESULTS) -> tuple[dict[str, dict[str, Any]], list[str]]:

@@ -4,9 +4,11 @@ The LLaMA-3-8B-shaped block (float16) on the five token workloads, planned by
 the DP optimizer (paper cost model, naive exchange programs) for p = 1, 4, 8
 GPUs of each simulated machine (``dgx-a100``, the paper's; ``hgx-h200``), and
 the whole-plan simulator's predicted time of one execution.  Nothing runs on a
-GPU here.  When ``bench/results/gpu_block*.json`` exists, its one-GPU
-measurements (ours and torch.compile, on one H200) are shown in separate,
-labelled columns, and the simulated H200 p = 1 time is checked against ours.
+GPU here.  When ``bench/results/gpu_block.json`` exists, its one-GPU
+measurements (ours, torch.compile and JAX, on one H200) are shown in separate,
+labelled columns, and the simulated H200 p = 1 time is checked against ours;
+when ``bench/results/multigpu/`` holds a multi-GPU run (``bench/multigpu.sh``),
+ours and the best hand-written PyTorch at its largest GPU count are shown too.
 
     python bench/exp1_transformer.py [--quick]
 """
@@ -29,10 +31,13 @@ def main() -> None:
     setups = common.setups(args.quick, families=("transformer",))
     measured, files = common.measured_gpu_block()
     gpu = next(iter(measured.values()))["gpu"] if measured else "GPU"
+    n_multi, multi = common.measured_multigpu()
     head = common.header(
         "Experiment 1 (simulated): transformer block, p = 1, 4, 8", TOPOLOGIES,
         "p = 1, 4, 8 simulated GPUs of each topology (no GPU used for the simulated columns)",
-        measured=[f"one {gpu} ({', '.join(files)}, bench/gpu_block.py on the device machine)"] if measured else [],
+        measured=([f"one {gpu} ({', '.join(files)}, bench/gpu_block.py on the device machine)"] if measured else [])
+        + ([f"{n_multi} GPUs (results/multigpu, bench/multigpu.sh on the device machine; ours planned with the "
+            f"paper cost model, PyTorch's best hand-written strategy)"] if multi else []),
         notes=["DP plan, paper cost model, naive exchange programs; each topology's plan respects its GPU memory"]
         + (["--quick: workloads " + ", ".join(s.name for s in setups)] if args.quick else []))
     rows: dict[str, dict[str, Any]] = {}
@@ -53,6 +58,9 @@ def main() -> None:
             row["measured_1gpu_ours_ms"] = m.get("ours_ms")
             row["measured_1gpu_torch_compile_ms"] = m.get("compile_ms")
             row["measured_1gpu_torch_eager_ms"] = m.get("eager_ms")
+            row["measured_1gpu_jax_ms"] = m.get("jax_ms")
+            row[f"measured_{n_multi}gpu_ours_ms"] = multi.get(s.name, {}).get("ours_ms")
+            row[f"measured_{n_multi}gpu_pytorch_best_ms"] = multi.get(s.name, {}).get("pytorch_best_ms")
             row["paper_a100_p8_ms"] = PAPER_P8_MS.get(s.name)
             rows[s.name] = row
 
@@ -65,7 +73,10 @@ def main() -> None:
                  for t in TOPOLOGIES]
         return [name, *(fmt(get(f"{t}_p{p}_ms")) for t in TOPOLOGIES for p in PS),
                 *(fmt(x, 2, "×") for x in speed), fmt(get("measured_1gpu_ours_ms")),
-                fmt(get("measured_1gpu_torch_compile_ms")), fmt(get("paper_a100_p8_ms"))]
+                fmt(get("measured_1gpu_torch_compile_ms")), fmt(get("measured_1gpu_jax_ms")),
+                *((fmt(get(f"measured_{n_multi}gpu_ours_ms")), fmt(get(f"measured_{n_multi}gpu_pytorch_best_ms")))
+                  if multi else ()),
+                fmt(get("paper_a100_p8_ms"))]
 
     table = [line(s.name, rows[s.name].get) for s in setups]
     geo_row = line(f"geomean ({len(setups)})", geo.get)
@@ -74,7 +85,7 @@ def main() -> None:
     table.append(geo_row)
     missing = [s.name for s in setups if rows[s.name]["measured_1gpu_ours_ms"] is None]
     if not measured:
-        source = "Measured columns: no bench/results/gpu_block*.json here, so none."
+        source = "Measured columns: no bench/results/gpu_block.json here, so none."
     else:
         source = (f"Measured columns: one {gpu}, read from {', '.join(files)}; "
                   + (f"no measurement for {', '.join(missing)}, so their geomean is blank." if missing
@@ -83,7 +94,9 @@ def main() -> None:
         "Predicted time of one block (DP plan) on simulated machines; measured one-GPU runs beside them",
         ["workload", *(f"{t} p={p} (ms, simulated)" for t in TOPOLOGIES for p in PS),
          *(f"{t} 1→8 (simulated)" for t in TOPOLOGIES), f"1×{gpu} ours (ms, measured)",
-         f"1×{gpu} torch.compile (ms, measured)", "paper DGX A100 p=8 (ms, measured)"],
+         f"1×{gpu} torch.compile (ms, measured)", f"1×{gpu} JAX jit (ms, measured)",
+         *((f"{n_multi}×{gpu} ours (ms, measured)", f"{n_multi}×{gpu} PyTorch best (ms, measured)") if multi else ()),
+         "paper DGX A100 p=8 (ms, measured)"],
         table,
         after=[source, "The paper's column is its measurement on a real DGX A100 at p = 8 (it states 1K, 128K "
                        "and the geomean of the five)."])
@@ -129,7 +142,7 @@ def main() -> None:
         ax.legend(fontsize=7, ncol=2)
         return fig
 
-    report.write({"workloads": rows, "geomean": geo, "measured_files": files,
+    report.write({"workloads": rows, "geomean": geo, "measured_files": files, "measured_multigpu_gpus": n_multi,
                   "paper": {"p8_ms": PAPER_P8_MS, "geomean_ms": PAPER_GEOMEAN_MS}}, draw)
 
 
