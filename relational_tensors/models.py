@@ -7,6 +7,9 @@
 
 from __future__ import annotations
 
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
@@ -60,19 +63,37 @@ def llama_block(batch: int, seq: int, d_model: int, n_heads: int, n_kv_heads: in
     return g
 
 
+def standard_normal(seed: np.random.SeedSequence, shape: Sequence[int], chunk: int = 1 << 22) -> np.ndarray:
+    """float32 standard normals of ``shape``, drawn in fixed chunks of ``chunk`` values, each from its
+    own generator spawned from ``seed`` and filled on a thread pool (NumPy's generators release the
+    GIL): the values depend on the seed and the chunk size only, not on the number of threads."""
+    out = np.empty(math.prod(shape), np.float32)
+    count = max(1, -(-out.size // chunk))
+    seeds = seed.spawn(count)
+
+    def fill(i: int) -> None:
+        np.random.default_rng(seeds[i]).standard_normal(out=out[i * chunk:(i + 1) * chunk], dtype=np.float32)
+
+    if count == 1:
+        fill(0)
+    else:
+        with ThreadPoolExecutor(min(count, os.cpu_count() or 1)) as pool:
+            list(pool.map(fill, range(count)))
+    return out.reshape(tuple(shape))
+
+
 def llama_feeds(g: Graph, seed: int = 0) -> dict[str, np.ndarray]:
     """Random inputs for every input of ``g`` (weights scaled by 1/sqrt(fan-in), norms near 1)."""
-    rng = np.random.default_rng(seed)
+    seeds = np.random.SeedSequence(seed).spawn(len(g.inputs))
     feeds = {}
-    for n in g.inputs:
+    for n, s in zip(g.inputs, seeds):
         shape, dt = n.type.shape, numpy_dtype(n.type.dtype)
+        a = standard_normal(s, shape)
         if "norm" in n.name:
-            a = 1.0 + 0.1 * rng.standard_normal(shape)
+            a = 1.0 + 0.1 * a
         elif n.role == "parameter":
-            a = rng.standard_normal(shape) / np.sqrt(shape[0])
-        else:
-            a = rng.standard_normal(shape)
-        feeds[n.name] = a.astype(dt)
+            a *= np.float32(1 / np.sqrt(shape[0]))
+        feeds[n.name] = a.astype(dt, copy=False)
     return feeds
 
 
