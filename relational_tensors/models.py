@@ -17,7 +17,7 @@ import numpy as np
 from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.frontend.graph import Graph, Tensor
 
-__all__ = ["llama_block", "add_llama_block", "llama_feeds", "LLAMA3_8B"]
+__all__ = ["llama_block", "add_llama_block", "llama_feeds", "standard_normal", "LLAMA3_8B"]
 
 # the paper's LLaMA-3-8B-shaped block
 LLAMA3_8B = dict(d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336)

@@ -146,3 +146,19 @@ def test_every_operator_under_every_request(block: str) -> None:
                                            err_msg=f"{node.name} p={p} {spec.split_text}")
         kinds_checked.add(node.kind)
     assert kinds_checked == {"rmsnorm", "matmul", "reshape", "rope", "attention", "binary", "swiglu"}
+
+
+def test_standard_normal_depends_on_the_seed_and_chunk_only(monkeypatch) -> None:
+    from relational_tensors import models
+
+    seed = np.random.SeedSequence(7)
+    threaded = models.standard_normal(seed, (301, 17), chunk=1000)
+    monkeypatch.setattr(models.os, "cpu_count", lambda: 1)
+    one_thread = models.standard_normal(np.random.SeedSequence(7), (301, 17), chunk=1000)
+    assert threaded.dtype == np.float32 and threaded.shape == (301, 17)
+    assert np.array_equal(threaded, one_thread)
+    assert not np.array_equal(threaded, models.standard_normal(np.random.SeedSequence(8), (301, 17), chunk=1000))
+    # chunks are independent draws, not copies of one another
+    flat = threaded.ravel()
+    assert not np.array_equal(flat[:1000], flat[1000:2000])
+    assert abs(float(flat.mean())) < 0.05 and abs(float(flat.std()) - 1) < 0.05
