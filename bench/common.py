@@ -177,12 +177,15 @@ def measured_gpu_block(results: Path = RESULTS) -> tuple[dict[str, dict[str, Any
 
 def measured_multigpu(results: Path = RESULTS, cost_model: str = "paper") -> tuple[int, dict[str, dict[str, Any]]]:
     """The largest GPU count of ``bench/multigpu.sh``'s results (``results/multigpu``) and, per workload,
-    ours there (planned with ``cost_model``) and the best PyTorch baseline there; (0, {}) if none."""
+    ours there (planned with ``cost_model``) and the best PyTorch baseline there; (0, {}) if no run used
+    two GPUs or more."""
     folder = results / "multigpu"
     if not (folder / "ours.json").exists():
         return 0, {}
     ours = [r for r in json.loads((folder / "ours.json").read_text())["rows"] if r.get("status") == "ok"]
     n = max((r["gpus"] for r in ours), default=0)
+    if n < 2:  # nothing measured on several GPUs
+        return 0, {}
     base_file = folder / f"baselines_n{n}.json"
     best = json.loads(base_file.read_text())["best"] if base_file.exists() else {}
     rows: dict[str, dict[str, Any]] = {}

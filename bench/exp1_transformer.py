@@ -59,8 +59,9 @@ def main() -> None:
             row["measured_1gpu_torch_compile_ms"] = m.get("compile_ms")
             row["measured_1gpu_torch_eager_ms"] = m.get("eager_ms")
             row["measured_1gpu_jax_ms"] = m.get("jax_ms")
-            row[f"measured_{n_multi}gpu_ours_ms"] = multi.get(s.name, {}).get("ours_ms")
-            row[f"measured_{n_multi}gpu_pytorch_best_ms"] = multi.get(s.name, {}).get("pytorch_best_ms")
+            if multi:
+                row[f"measured_{n_multi}gpu_ours_ms"] = multi.get(s.name, {}).get("ours_ms")
+                row[f"measured_{n_multi}gpu_pytorch_best_ms"] = multi.get(s.name, {}).get("pytorch_best_ms")
             row["paper_a100_p8_ms"] = PAPER_P8_MS.get(s.name)
             rows[s.name] = row
 

@@ -63,7 +63,7 @@ def time_ours(cg: rt.CompiledGraph, warmups: int = 2, rounds: int = 10) -> tuple
         try:
             cg.execute()
         except rt.ExecError as e:  # the capture failed: the executor runs this program eagerly from now on
-            if "capture" not in str(e):
+            if getattr(ex, "graph_exec", None) is not None or getattr(ex, "capturable", True):
                 raise
             uncaptured = f"; capture failed: {e}"
             cg.execute()

@@ -69,7 +69,9 @@ def standard_normal(seed: np.random.SeedSequence, shape: Sequence[int], chunk: i
     GIL): the values depend on the seed and the chunk size only, not on the number of threads."""
     out = np.empty(math.prod(shape), np.float32)
     count = max(1, -(-out.size // chunk))
-    seeds = seed.spawn(count)
+    # the children spawn() would make, built without advancing ``seed`` (a second call draws the same)
+    seeds = [np.random.SeedSequence(seed.entropy, spawn_key=(*seed.spawn_key, i), pool_size=seed.pool_size)
+             for i in range(count)]
 
     def fill(i: int) -> None:
         np.random.default_rng(seeds[i]).standard_normal(out=out[i * chunk:(i + 1) * chunk], dtype=np.float32)
@@ -84,7 +86,8 @@ def standard_normal(seed: np.random.SeedSequence, shape: Sequence[int], chunk: i
 
 def llama_feeds(g: Graph, seed: int = 0) -> dict[str, np.ndarray]:
     """Random inputs for every input of ``g`` (weights scaled by 1/sqrt(fan-in), norms near 1)."""
-    seeds = np.random.SeedSequence(seed).spawn(len(g.inputs))
+    root = np.random.SeedSequence(seed)
+    seeds = [np.random.SeedSequence(root.entropy, spawn_key=(i,)) for i in range(len(g.inputs))]
     feeds = {}
     for n, s in zip(g.inputs, seeds):
         shape, dt = n.type.shape, numpy_dtype(n.type.dtype)

@@ -153,6 +153,7 @@ def test_standard_normal_depends_on_the_seed_and_chunk_only(monkeypatch) -> None
 
     seed = np.random.SeedSequence(7)
     threaded = models.standard_normal(seed, (301, 17), chunk=1000)
+    assert np.array_equal(threaded, models.standard_normal(seed, (301, 17), chunk=1000))  # seed not consumed
     monkeypatch.setattr(models.os, "cpu_count", lambda: 1)
     one_thread = models.standard_normal(np.random.SeedSequence(7), (301, 17), chunk=1000)
     assert threaded.dtype == np.float32 and threaded.shape == (301, 17)

@@ -33,7 +33,6 @@ from relational_tensors.gpu_exec.memory_plan import ALIGN, align as _align, buff
 __all__ = ["CupyExecutor"]
 
 AGG_OPS = {"sum": "add", "max": "maximum", "min": "minimum"}
-CAPTURE_ACTIVE = 1  # cudaStreamCaptureStatusActive
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction (and the GPUs) from the unified addresses
 
 
@@ -364,34 +363,47 @@ class CupyExecutor:
             for s in self.streams[1:]:
                 s.wait_event(fork)
             self._issue_all(capturing=True)
+            self._join_into(origin)
         except BaseException as e:
-            for d, s in enumerate(self.streams[1:], start=1):  # join what was issued so capture can end
-                with cp.cuda.Device(self.phys[d]):
-                    ev = cp.cuda.Event(disable_timing=True)
-                    ev.record(s)
-                origin.wait_event(ev)
-            with cp.cuda.Device(self.phys[0]):
-                try:
-                    origin.end_capture()
-                except Exception:
-                    pass
+            self._abandon_capture(origin)
             if isinstance(e, ExecError):
                 raise
             raise ExecError(f"capturing the program into a CUDA graph failed: {type(e).__name__}: {e}") from e
-        try:
-            joins = []
-            for d, s in enumerate(self.streams[1:], start=1):
-                with cp.cuda.Device(self.phys[d]):
-                    ev = cp.cuda.Event(disable_timing=True)
-                    ev.record(s)
-                joins.append(ev)
-            for ev in joins:
-                origin.wait_event(ev)
-            with cp.cuda.Device(self.phys[0]):
+        with cp.cuda.Device(self.phys[0]):
+            try:
                 self.graph_exec = origin.end_capture()
-        except Exception as e:  # noqa: BLE001 - a CUDA error at the join: name it as a capture failure
-            raise ExecError(f"ending the capture of the program into a CUDA graph failed: {type(e).__name__}: "
-                            f"{e}") from e
+            except Exception as e:  # noqa: BLE001 - an error CUDA only reports at the end of the capture
+                raise ExecError(f"ending the capture of the program into a CUDA graph failed: "
+                                f"{type(e).__name__}: {e}") from e
+
+    def _join_into(self, origin: Any) -> None:
+        """Make ``origin`` wait for everything issued on every other stream."""
+        cp = self.cp
+        for d, s in enumerate(self.streams[1:], start=1):
+            with cp.cuda.Device(self.phys[d]):
+                ev = cp.cuda.Event(disable_timing=True)
+                ev.record(s)
+            origin.wait_event(ev)
+
+    def _abandon_capture(self, origin: Any) -> None:
+        """End a failed capture, best effort: on an invalidated capture each call may fail too, and the
+        origin stream must leave capture mode whatever they do so that later runs are eager."""
+        try:
+            self._join_into(origin)
+        except Exception:  # noqa: BLE001
+            pass
+        with self.cp.cuda.Device(self.phys[0]):
+            try:
+                origin.end_capture()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _still_capturing(self, stream: Any) -> bool:
+        """Whether ``stream`` is in an active capture (CuPy raises once the capture is invalidated)."""
+        try:
+            return bool(self.cp.cuda.runtime.streamIsCapturing(stream.ptr))
+        except Exception:  # noqa: BLE001
+            return False
 
     def _issue_all(self, marks: dict[int, tuple[Any, Any]] | None = None, capturing: bool = False) -> None:
         """Issue every task on its stream after the events it waits for; with ``marks``, bracket each
@@ -399,7 +411,6 @@ class CupyExecutor:
         capture is invalidated (an operation CUDA graphs cannot hold, which not every library reports
         at once) is named in the error."""
         cp = self.cp
-        rt = cp.cuda.runtime
         for t in self.dag.tasks:
             if t.kind == "load":
                 continue
@@ -417,7 +428,7 @@ class CupyExecutor:
                 except Exception as e:  # a CUDA, cuBLAS or Triton error: name the task
                     raise ExecError(f"task {t.id} ({t.label}, {t.kind}) on logical device {t.device} "
                                     f"(GPU {self.phys[t.device]}) failed: {type(e).__name__}: {e}") from e
-                if capturing and rt.streamIsCapturing(stream.ptr) != CAPTURE_ACTIVE:
+                if capturing and not self._still_capturing(stream):
                     raise ExecError(f"task {t.id} ({t.label}, {t.kind}) on logical device {t.device} (GPU "
                                     f"{self.phys[t.device]}) invalidated the capture of the program into a "
                                     f"CUDA graph; the program runs eagerly from now on.")

@@ -141,7 +141,7 @@ def _row_reduce_kernel(x_ptr, out_ptr, n, count, OP: tl.constexpr, BLOCK_N: tl.c
         else:
             acc = tl.minimum(acc, tl.load(x_ptr + row * n + cols, mask=mask, other=float("inf")).to(ACC))
     if OP == 0:
-        r = tl.sum(acc, axis=0) / count  # an integer: exact in float32 and float64
+        r = tl.sum(acc, axis=0) / count  # an integer count: exact up to 2**24 in float32
     elif OP == 1:
         r = tl.max(acc, axis=0)
     else:
