@@ -235,3 +235,33 @@ def test_llama_block_on_two_gpus_replays_and_offloads_across_gpus(schedule_mode:
         y = cg.offload("y", like="cupy")
         cg.execute()
         assert np.array_equal(cupy.asnumpy(y).view(np.uint16), first.view(np.uint16))
+
+
+def test_a_task_that_breaks_capture_is_named_and_the_program_runs_eagerly(monkeypatch) -> None:
+    import cupy
+
+    from relational_tensors.gpu_exec import gpu_ops
+
+    g = rt.Graph()
+    x = g.input("x", [64, 32], "float32")
+    g.save(g.unary(g.matmul(x, g.parameter("w", [32, 16], "float32")), "relu"), name="y")
+    feeds = feeds_for(g)
+    want = rt.reference(g, feeds)["y"]
+    cg = rt.compileGraph(g, device="cuda:0,0")
+    cg.load(feeds)
+    cg.execute()  # eager
+    unary = gpu_ops.LAUNCHERS["unary"]
+
+    def synchronizing(*args):  # a device-wide synchronize is not allowed while a stream is captured
+        unary(*args)
+        cupy.cuda.runtime.deviceSynchronize()
+
+    monkeypatch.setitem(gpu_ops.LAUNCHERS, "unary", synchronizing)
+    with pytest.raises(rt.ExecError, match=r"task \d+ \(.*\) on logical device \d"):
+        cg.execute()  # the capture
+    monkeypatch.setitem(gpu_ops.LAUNCHERS, "unary", unary)
+    ex = cg._exec()
+    assert ex.graph_exec is None and not ex.capturable
+    for _ in range(3):
+        cg.execute()  # eager from now on, and right
+    _compare(cg.offload("y"), want, "float32")
