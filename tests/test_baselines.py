@@ -221,3 +221,35 @@ def test_parse_nvidia_smi_topo_and_build_from_raw() -> None:
     assert t.bandwidth(1, 2) == 300 * GB and t.route(0, 3).latency == lat[0][3]
     with pytest.raises(ValueError, match="no GPU matrix"):
         mt.parse_nvidia_smi_topo("No devices were found")
+
+
+# --- the multi-GPU driver's merge ---------------------------------------------------------------------
+
+def test_multigpu_smoke_and_merge(tmp_path) -> None:
+    """``multigpu.py ours --smoke`` (virtual CPU devices, toy sizes, both cost models) and ``merge`` with a
+    baselines file: one row per workload, PyTorch / ours and the 1 -> n speed-up per cost model."""
+    out = tmp_path / "mg"
+    cmd = [sys.executable, str(BENCH / "multigpu.py"), "ours", "--smoke", "--gpus", "1,2", "--workloads", "1K",
+           "--chains", "C", "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    ours = json.loads((out / "ours.json").read_text())
+    rows = {(r["workload"], r["gpus"], r["cost_model"]): r for r in ours["rows"]}
+    assert set(rows) == {(w, n, m) for w in ("1K", "C") for n, m in ((1, "paper"), (2, "paper"), (2, "calibrated"))}
+    assert all(r["status"] == "ok" and r["max_rel_diff_vs_1gpu"] < 1e-5 for r in rows.values())
+    header = {"backend": "gloo", "dtype": "float32", "device": "cpu", "torch": torch.__version__,
+              "rounds": "1 timed", "world": 2}
+    best = {"1K": {"strategy": "tp", "ms": 10.0}, "C": {"strategy": "chain", "ms": 4.0}}
+    base_rows = [{"workload": w, "strategy": b["strategy"], "world": 2, "status": "ok", "ms": b["ms"],
+                  "check": {"ok": True, "max_rel": 0.0}} for w, b in best.items()]
+    (out / "baselines_n2.json").write_text(json.dumps({"header": header, "rows": base_rows, "best": best}))
+    res = subprocess.run([sys.executable, str(BENCH / "multigpu.py"), "merge", "--out", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    md = (out / "multigpu.md").read_text()
+    table = [line for line in md.splitlines() if line.startswith("| 1K |")][0].split(" | ")
+    want_ratio = " / ".join(f"{10.0 / rows[('1K', 2, m)]['ms']:.2f}x" for m in ("paper", "calibrated"))
+    want_speed = " / ".join(f"{rows[('1K', 1, 'paper')]['ms'] / rows[('1K', 2, m)]['ms']:.2f}x"
+                            for m in ("paper", "calibrated"))
+    assert want_ratio in table and want_speed in table
+    assert "geomean (blocks)" in md and (out / "multigpu.png").exists()
