@@ -277,6 +277,7 @@ def merge(args: argparse.Namespace) -> None:
         report.text(f"Measured topology `{topo.name}` ({topo_file.name}): {len(topo.sites)} GPUs, peer copies "
                     + (f"{min(bw) / 1e9:.0f}-{max(bw) / 1e9:.0f} GB/s, " if bw else "")
                     + f"HBM copy {topo.hbm_bandwidth / 1e9:.0f} GB/s.")
+        report.text(_against_builtin(topo, topo_txt))
     if topo_txt:
         report.text("`nvidia-smi topo -m`:", "", "```", topo_txt.rstrip(), "```")
 
@@ -305,6 +306,33 @@ def merge(args: argparse.Namespace) -> None:
     data = {"ours": ours_data, "baselines": {str(n): d for n, d in base.items()},
             "topology": json.loads(topo.to_json()) if topo is not None else None, "nvidia_smi_topo": topo_txt}
     report.write(data, draw if names else None)
+
+
+def _against_builtin(measured: Topology, topo_txt: str | None, builtin: str = "hgx-h200") -> str:
+    """The built-in topology the planner assumes, checked against the measured one and ``nvidia-smi topo -m``:
+    per-pair link bandwidth and HBM rate as ratios, and whether every GPU pair is on NVLink."""
+    from relational_tensors.exchange.topology import get_topology
+
+    n = len(measured.sites)
+    ref = get_topology(builtin, gpus=n) if n <= 8 else get_topology(builtin)
+    pairs = [(a, b) for a in measured.sites for b in measured.sites if a != b and a in ref.sites and b in ref.sites]
+    ratio = [measured.bandwidth(a, b) / ref.bandwidth(a, b) for a, b in pairs]
+    text = (f"Built-in `{builtin}` against this machine: it assumes {ref.bandwidth(0, 1) / 1e9:.0f} GB/s between "
+            f"GPUs and {ref.hbm_bandwidth / 1e9:.0f} GB/s of HBM; measured "
+            + (f"{min(ratio):.2f}-{max(ratio):.2f}x of its link rate" if ratio else "no GPU pair")
+            + f" and {measured.hbm_bandwidth / ref.hbm_bandwidth:.2f}x of its HBM rate (copies, read + write).")
+    if topo_txt:
+        try:
+            from measure_topology import parse_nvidia_smi_topo
+
+            links = parse_nvidia_smi_topo(topo_txt)["links"]
+            kinds = sorted({links[a][b] for a in range(len(links)) for b in range(len(links)) if a != b})
+            text += (f" `nvidia-smi topo -m` links between GPUs: {', '.join(kinds)}"
+                     + ("; every pair on NVLink, as the built-in assumes." if all(k.startswith("NV") for k in kinds)
+                        else "; not every pair is on NVLink, unlike the built-in: plan with the measured file."))
+        except ValueError as e:
+            text += f" (`nvidia-smi topo -m` could not be read: {e})"
+    return text
 
 
 def _ints(text: str) -> list[int]:
