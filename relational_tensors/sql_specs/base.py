@@ -21,7 +21,7 @@ from relational_tensors.core.spec import FunctionSpec, IntervalRequest, JoinAggS
 from relational_tensors.core.types import Box, Interval, TensorType
 from relational_tensors.errors import SpecError
 
-__all__ = ["Operator", "IndexedOp", "OPERATORS", "register", "Choice"]
+__all__ = ["Operator", "IndexedOp", "SameIndicesOp", "OPERATORS", "register", "Choice"]
 
 Choice = Mapping[str, Interval]  # the interval of each requested index in one function spec
 
@@ -188,3 +188,15 @@ class IndexedOp(Operator):
 
     def iteration_volume(self, inputs: tuple[Box, ...], output: Box) -> int:
         return math.prod(self.index_sizes(inputs, output).values())
+
+
+@dataclass(frozen=True, eq=True)
+class SameIndicesOp(IndexedOp):
+    """One input whose indices are the output's, dimension for dimension (unary ops, softmax, rope):
+    subclasses say only which of them cannot be split."""
+
+    def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
+        return (self.input_types[0].names,)
+
+    def dims_out(self) -> tuple[str | None, ...]:
+        return self.input_types[0].names

@@ -16,7 +16,7 @@ from relational_tensors.core.dtypes import FLOAT_DTYPES, canonical_dtype, numpy_
 from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import TensorType
 from relational_tensors.errors import GraphError
-from relational_tensors.sql_specs.base import IndexedOp, register
+from relational_tensors.sql_specs.base import IndexedOp, SameIndicesOp, register
 from relational_tensors.sql_specs.common import same_dtype
 
 __all__ = ["UnaryOp", "BinaryOp", "SwigluOp", "UNARY_FUNCTIONS", "BINARY_FUNCTIONS", "silu", "gelu"]
@@ -70,7 +70,7 @@ BINARY_FUNCTIONS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
 
 @register
 @dataclass(frozen=True, eq=True)
-class UnaryOp(IndexedOp):
+class UnaryOp(SameIndicesOp):
     """``f(x)`` elementwise, for f in UNARY_FUNCTIONS (``cast`` takes the target dtype as its arg).
 
     >>> from relational_tensors.core.types import TensorType as T
@@ -93,12 +93,6 @@ class UnaryOp(IndexedOp):
         if not isinstance(self.arg, (int, float)):
             raise GraphError(f"unary {self.op!r} takes a number as arg; got {self.arg!r}.")
         return x
-
-    def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
-        return (self.input_types[0].names,)
-
-    def dims_out(self) -> tuple[str | None, ...]:
-        return self.input_types[0].names
 
     def params(self) -> dict[str, object]:
         return {"op": self.op, "arg": self.arg}

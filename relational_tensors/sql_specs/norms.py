@@ -15,7 +15,7 @@ from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import Box, TensorType
 from relational_tensors.errors import GraphError
-from relational_tensors.sql_specs.base import IndexedOp, register
+from relational_tensors.sql_specs.base import IndexedOp, SameIndicesOp, register
 from relational_tensors.sql_specs.common import normalize_axis, same_dtype
 
 __all__ = ["SoftmaxOp", "RmsnormOp", "LayernormOp"]
@@ -28,7 +28,7 @@ def _need_float(kind: str, t: TensorType) -> None:
 
 @register
 @dataclass(frozen=True, eq=True)
-class SoftmaxOp(IndexedOp):
+class SoftmaxOp(SameIndicesOp):
     """Softmax along ``axis``; that axis is not shardable.
 
     >>> from relational_tensors.core.types import TensorType as T
@@ -44,12 +44,6 @@ class SoftmaxOp(IndexedOp):
         _need_float(self.kind, x)
         normalize_axis(self.kind, self.axis, x)
         return x
-
-    def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
-        return (self.input_types[0].names,)
-
-    def dims_out(self) -> tuple[str | None, ...]:
-        return self.input_types[0].names
 
     def unshardable(self) -> frozenset[str]:
         x = self.input_types[0]

@@ -17,7 +17,7 @@ from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import Box, TensorType
 from relational_tensors.errors import GraphError
-from relational_tensors.sql_specs.base import IndexedOp, register
+from relational_tensors.sql_specs.base import SameIndicesOp, register
 from relational_tensors.sql_specs.packing import check_seq_ends, sequence_bounds
 
 __all__ = ["RopeOp", "rope_tables"]
@@ -32,7 +32,7 @@ def rope_tables(positions: np.ndarray, d_head: int, base: float, dtype: np.dtype
 
 @register
 @dataclass(frozen=True, eq=True)
-class RopeOp(IndexedOp):
+class RopeOp(SameIndicesOp):
     """Rotary embedding; positions restart at each packed-sequence start when ``seq_ends`` is given.
 
     >>> from relational_tensors.core.types import TensorType as T
@@ -56,12 +56,6 @@ class RopeOp(IndexedOp):
             raise GraphError(f"rope base must be positive; got {self.base!r}.")
         check_seq_ends(self.kind, self.seq_ends, x.shape[1])
         return x
-
-    def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
-        return (self.input_types[0].names,)
-
-    def dims_out(self) -> tuple[str | None, ...]:
-        return self.input_types[0].names
 
     def unshardable(self) -> frozenset[str]:
         return frozenset({self.input_types[0].names[3]})
