@@ -137,6 +137,22 @@ def schedule_options(ap: argparse.ArgumentParser, default: str) -> None:
     ap.add_argument("--budget", type=float, default=0.5, help="search seconds per exchange program (default 0.5)")
 
 
+def random_plan_arguments(doc: str | None, quick_draws: int, what: str) -> tuple[argparse.Namespace, int, dict[str, Any]]:
+    """The command line of the random-plan experiments (3 and 5): ``--schedule``, ``--budget`` and
+    ``--draws``; returns the arguments, the draws (20, or ``quick_draws`` with --quick) and the compile
+    options (--quick caps the search at 0.1 s per program)."""
+    def extra(ap: argparse.ArgumentParser) -> None:
+        schedule_options(ap, "search")
+        ap.add_argument("--draws", type=int, default=None,
+                        help=f"{what} (default {PAPER_SEEDS}; --quick {quick_draws})")
+
+    args = arguments(doc, extra)
+    draws = args.draws or (quick_draws if args.quick else PAPER_SEEDS)
+    budget = min(args.budget, 0.1) if args.quick else args.budget
+    args.budget = budget
+    return args, draws, {"schedule_mode": args.schedule, "search_budget_s": budget}
+
+
 # --- statistics ------------------------------------------------------------------------------------------
 
 def geomean(values: Iterable[float | None]) -> float | None:

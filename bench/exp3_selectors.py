@@ -16,7 +16,6 @@ geometric-mean factors over the DP plan beside the paper's measured ones
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from typing import Any
 
@@ -33,14 +32,8 @@ PAPER = {
 
 
 def main() -> None:
-    def extra(ap: argparse.ArgumentParser) -> None:
-        common.schedule_options(ap, "search")
-        ap.add_argument("--draws", type=int, default=None, help="random draws per workload (default 20; --quick 3)")
-
-    args = common.arguments(__doc__, extra)
-    draws = args.draws or (3 if args.quick else common.PAPER_SEEDS)
-    budget = min(args.budget, 0.1) if args.quick else args.budget
-    opts = {"schedule_mode": args.schedule, "search_budget_s": budget}
+    args, draws, opts = common.random_plan_arguments(__doc__, 3, "random draws per workload")
+    budget = args.budget
     setups = common.setups(args.quick)
     head = common.header(
         f"Experiment 3 (simulated): dp vs greedy vs random selectors, p = {P}", [TOPOLOGY],

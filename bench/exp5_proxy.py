@@ -16,7 +16,6 @@ the proxy tracks the simulator, not a GPU.
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import numpy as np
@@ -37,14 +36,8 @@ def spearman(x: list[float], y: list[float]) -> float | None:
 
 
 def main() -> None:
-    def extra(ap: argparse.ArgumentParser) -> None:
-        common.schedule_options(ap, "search")
-        ap.add_argument("--draws", type=int, default=None, help="random plans per setup (default 20; --quick 4)")
-
-    args = common.arguments(__doc__, extra)
-    draws = args.draws or (4 if args.quick else common.PAPER_SEEDS)
-    budget = min(args.budget, 0.1) if args.quick else args.budget
-    opts = {"schedule_mode": args.schedule, "search_budget_s": budget}
+    args, draws, opts = common.random_plan_arguments(__doc__, 4, "random plans per setup")
+    budget = args.budget
     setups = common.setups(args.quick)
 
     from relational_tensors.exchange.plan_sim import KernelModel
