@@ -252,4 +252,9 @@ def test_multigpu_smoke_and_merge(tmp_path) -> None:
     want_speed = " / ".join(f"{rows[('1K', 1, 'paper')]['ms'] / rows[('1K', 2, m)]['ms']:.2f}x"
                             for m in ("paper", "calibrated"))
     assert want_ratio in table and want_speed in table
-    assert "geomean (blocks)" in md and (out / "multigpu.png").exists()
+    assert "geomean (blocks)" in md
+    try:  # the plot needs the 'bench' extra
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (out / "multigpu.png").exists()
