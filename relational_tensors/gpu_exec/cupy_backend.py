@@ -216,7 +216,7 @@ class CupyExecutor:
                     view = self.views[b]
                     with cp.cuda.Device(view.device):
                         src = on_device[box.slices()]
-                        dst = _cupy_of(cp, view)
+                        dst = view.cupy()
                         dst[...] = src
             else:
                 whole = coerce_feed(name, value, t)
@@ -227,7 +227,7 @@ class CupyExecutor:
                     if t.dtype == "bfloat16":
                         host = host.view(np.uint16)
                     with cp.cuda.Device(view.device):
-                        _cupy_of(cp, view).set(host)
+                        view.cupy().set(host)
         for d in set(self.phys):
             with cp.cuda.Device(d):
                 cp.cuda.Device(d).synchronize()
@@ -272,10 +272,10 @@ class CupyExecutor:
             gpu = self.phys[d]
             with cp.cuda.Device(gpu), self.streams[d]:
                 if gpu == first.device:
-                    out[box.slices()] = _cupy_of(cp, view)
+                    out[box.slices()] = view.cupy()
                     piece = None
                 else:  # a contiguous copy here, then a peer copy into place on the caller's stream
-                    piece = _cupy_of(cp, view).copy()
+                    piece = view.cupy().copy()
                 ev = cp.cuda.Event(disable_timing=True)
                 ev.record(self.streams[d])
             with cp.cuda.Device(first.device):
@@ -503,15 +503,6 @@ class CupyExecutor:
                     te.binary(out, x, out, op)
         else:
             raise ExecError(f"the GPU executor cannot run task kind {t.kind!r}.")
-
-
-def _cupy_of(cp: Any, view: DevBuf) -> Any:
-    """A CuPy array over a device view, with its strides (a view inside a larger block is strided)."""
-    dtype = np.dtype(np.uint16 if view.dtype == "bfloat16" else numpy_dtype(view.dtype))
-    extent = (sum((n - 1) * st for n, st in zip(view.shape, view.strides)) + 1) * dtype.itemsize if view.size else 1
-    mem = cp.cuda.UnownedMemory(view.ptr, max(extent, 1), None, view.device)
-    return cp.ndarray(view.shape, dtype=dtype, memptr=cp.cuda.MemoryPointer(mem, 0),
-                      strides=tuple(st * dtype.itemsize for st in view.strides))
 
 
 def _device_coerce(cp: Any, name: str, arr: Any, dtype: str, original: Any) -> Any:

@@ -37,22 +37,12 @@ def _matmul(op: Any, f: Any, ins: list, out: Any, consts: dict, stream: int) -> 
         matmul(a, b, out, stream)
 
 
-def _cupy_view(buf: DevBuf) -> Any:
-    """A CuPy array over a device buffer (bfloat16 as its uint16 bit patterns: CuPy has no bfloat16)."""
-    import cupy
-
-    dtype = np.dtype(np.uint16) if buf.dtype == "bfloat16" else np.dtype(buf.dtype)
-    mem = cupy.cuda.UnownedMemory(buf.ptr, max(buf.nbytes, 1), None, buf.device)
-    return cupy.ndarray(buf.shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(mem, 0),
-                        strides=tuple(s * dtype.itemsize for s in buf.strides))
-
-
 def _einsum_like(op: Any, f: Any, ins: list, out: Any, consts: dict, stream: int) -> None:
     import cupy
 
     bf16 = out.dtype == "bfloat16"
-    arrays = [_cupy_view(b) for b in ins]
-    dst = _cupy_view(out)
+    arrays = [b.cupy() for b in ins]
+    dst = out.cupy()
     with cupy.cuda.ExternalStream(stream):
         if op.kind == "einsum":
             letters, res = op._parsed()
@@ -78,7 +68,7 @@ def _unary(op: Any, f: Any, ins: list, out: Any, consts: dict, stream: int) -> N
         import cupy
 
         with cupy.cuda.ExternalStream(stream):
-            getattr(cupy, SCALAR_UFUNCS[op.op])(_cupy_view(ins[0]), float(op.arg), out=_cupy_view(out))
+            getattr(cupy, SCALAR_UFUNCS[op.op])(ins[0].cupy(), float(op.arg), out=out.cupy())
         return
     te.unary(ins[0], out, op.op, 0.0 if op.op == "cast" else float(op.arg))
 

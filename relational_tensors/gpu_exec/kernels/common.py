@@ -69,6 +69,20 @@ class DevBuf:
     def is_contiguous(self) -> bool:
         return self.strides == contiguous_strides(self.shape)
 
+    def cupy(self):  # -> cupy.ndarray
+        """A CuPy array over this view, with its strides; bfloat16 as its uint16 bit patterns (CuPy has
+        no bfloat16).  The memory stays owned by whoever allocated it."""
+        import cupy
+        import numpy as np
+
+        from relational_tensors.core.dtypes import numpy_dtype
+
+        dtype = np.dtype(np.uint16 if self.dtype == "bfloat16" else numpy_dtype(self.dtype))
+        extent = (sum((n - 1) * st for n, st in zip(self.shape, self.strides)) + 1) * dtype.itemsize if self.size else 1
+        mem = cupy.cuda.UnownedMemory(self.ptr, max(extent, 1), None, self.device)
+        return cupy.ndarray(self.shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(mem, 0),
+                            strides=tuple(st * dtype.itemsize for st in self.strides))
+
 
 class Ptr:
     """What Triton needs of a tensor argument: ``data_ptr()`` and a ``dtype`` it can name."""
