@@ -110,7 +110,7 @@ def graph_flops(g: Graph) -> float:
 
 def bytes_moved(cg: rt.CompiledGraph) -> int:
     """Bytes the plan copies between devices."""
-    return sum(cg.dag.buffers[t.outputs[0]].nbytes for t in cg.dag.tasks if t.kind == "copy")
+    return cg.dag.bytes_moved()
 
 
 def plan_key(cg: rt.CompiledGraph) -> tuple[str, ...]:

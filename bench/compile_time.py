@@ -22,7 +22,8 @@ import relational_tensors as rt
 from relational_tensors.dp_optimizer.candidates import specs_for
 from relational_tensors.models import LLAMA3_8B, llama_block
 
-WORKLOADS = {"1K": (1, 1024), "8K": (1, 8192), "8x1K": (8, 1024), "128x1K": (128, 1024), "128K": (1, 131072)}
+from common import WORKLOADS  # the paper's five token workloads (bench/common.py)
+
 
 
 def timed(build, rounds: int, warmups: int = 2) -> dict[str, float]:

@@ -21,12 +21,13 @@ from pathlib import Path
 import numpy as np
 
 import relational_tensors as rt
-from relational_tensors.gpu_exec.calibrate import time_cuda
+from relational_tensors.gpu_exec.calibrate import time_cuda, time_wall
 from relational_tensors.models import LLAMA3_8B, llama_block, llama_feeds
+
+from common import WORKLOADS  # the paper's five token workloads (bench/common.py)
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX shares the GPU with CuPy and PyTorch
 
-WORKLOADS = {"1K": (1, 1024), "8K": (1, 8192), "8x1K": (8, 1024), "128x1K": (128, 1024), "128K": (1, 131072)}
 D, HQ, HKV, DFF = LLAMA3_8B["d_model"], LLAMA3_8B["n_heads"], LLAMA3_8B["n_kv_heads"], LLAMA3_8B["d_ff"]
 DH = D // HQ
 EPS, BASE = 1e-5, 500000.0
@@ -121,18 +122,6 @@ def jax_block(feeds: dict, b: int, s: int):
             continue
         return (lambda: f(p["x"], p).block_until_ready()), y, failed + (implementation or "xla")
     raise RuntimeError(failed)
-
-
-def time_wall(fn, rounds: int = 10, warmups: int = 2) -> list[float]:
-    """Milliseconds per call by the wall clock (for JAX, which runs on its own streams)."""
-    for _ in range(warmups):
-        fn()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
 
 
 def main() -> None:

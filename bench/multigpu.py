@@ -27,30 +27,22 @@ from typing import Any, Sequence
 import numpy as np
 
 import relational_tensors as rt
-from relational_tensors.core.dtypes import numpy_dtype
+from relational_tensors.dp_optimizer.costs import COST_MODEL_NAMES
 from relational_tensors.exchange.topology import Topology
 
 from common import (CHAINS, WORKLOADS, Report, Setup, bytes_moved, fmt, geomean, graph_flops,  # noqa: E402
                     header, plan_key)
-from relational_tensors.gpu_exec.calibrate import time_cuda  # noqa: E402
+from relational_tensors.gpu_exec.calibrate import time_cuda, time_wall  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "multigpu"
 GPU_COUNTS = (1, 2, 4, 8)
 
 
 def _feeds(setup: Setup, g: rt.Graph) -> dict[str, np.ndarray]:
-    """The inputs: ``llama_feeds(seed=1)`` for the block (as ``bench/gpu_block.py``), normals scaled by
-    1/sqrt(rows) for chains; both drawn on every CPU core (chain E alone is 3.8 G values)."""
-    from relational_tensors.models import llama_feeds, standard_normal
+    """The inputs ``bench/gpu_block.py`` and ``bench/gpu_chains.py`` load (drawn on every CPU core)."""
+    from relational_tensors.models import chain_feeds, llama_feeds
 
-    if setup.family == "transformer":
-        return llama_feeds(g, seed=1)
-    feeds = {}
-    for n, seed in zip(g.inputs, np.random.SeedSequence(0).spawn(len(g.inputs))):
-        a = standard_normal(seed, n.type.shape)
-        a *= np.float32(1 / np.sqrt(n.type.shape[0]))
-        feeds[n.name] = a.astype(numpy_dtype(n.type.dtype), copy=False)
-    return feeds
+    return llama_feeds(g, seed=1) if setup.family == "transformer" else chain_feeds(g, seed=0)
 
 
 def time_ours(cg: rt.CompiledGraph, warmups: int = 2, rounds: int = 10) -> tuple[list[float], str]:
@@ -70,13 +62,11 @@ def time_ours(cg: rt.CompiledGraph, warmups: int = 2, rounds: int = 10) -> tuple
     cg.synchronize()
     if getattr(ex, "graph_exec", None) is not None:
         return time_cuda(cg.execute, ex.streams[0], rounds=rounds, warmups=0), "CUDA events, CUDA graph"
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
+    def run() -> None:
         cg.execute()
         cg.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times, "wall clock, eager (not captured)" + uncaptured
+
+    return time_wall(run, rounds=rounds, warmups=0), "wall clock, eager (not captured)" + uncaptured
 
 
 def _free_gpus() -> None:
@@ -361,10 +351,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     bad = [w for w in getattr(args, "workloads", []) if w not in WORKLOADS] + \
         [c for c in getattr(args, "chains", []) if c not in CHAINS]
-    bad += [m for m in getattr(args, "cost_model", []) if m not in ("paper", "bytes", "calibrated")]
+    bad += [m for m in getattr(args, "cost_model", []) if m not in COST_MODEL_NAMES]
     if bad:
         ap.error(f"unknown workloads, chains or cost models {bad}; known: {list(WORKLOADS)}, {list(CHAINS)} and "
-                 "paper, bytes, calibrated.")
+                 f"{', '.join(COST_MODEL_NAMES)}.")
     ours(args) if args.command == "ours" else merge(args)
     return 0
 

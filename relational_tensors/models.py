@@ -10,14 +10,15 @@ from __future__ import annotations
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.frontend.graph import Graph, Tensor
 
-__all__ = ["llama_block", "add_llama_block", "llama_feeds", "standard_normal", "LLAMA3_8B"]
+__all__ = ["llama_block", "add_llama_block", "llama_feeds", "standard_normal", "LLAMA3_8B", "matrix_chain",
+           "chain_feeds", "CHAINS"]
 
 # the paper's LLaMA-3-8B-shaped block
 LLAMA3_8B = dict(d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336)
@@ -84,19 +85,32 @@ def standard_normal(seed: np.random.SeedSequence, shape: Sequence[int], chunk: i
     return out.reshape(tuple(shape))
 
 
+def _normal_inputs(g: Graph, seed: int) -> Iterator[tuple[Any, np.ndarray]]:
+    """Each input of ``g`` with float32 standard normals of its shape (input i from child i of ``seed``)."""
+    root = np.random.SeedSequence(seed)
+    for i, n in enumerate(g.inputs):
+        yield n, standard_normal(np.random.SeedSequence(root.entropy, spawn_key=(i,)), n.type.shape)
+
+
 def llama_feeds(g: Graph, seed: int = 0) -> dict[str, np.ndarray]:
     """Random inputs for every input of ``g`` (weights scaled by 1/sqrt(fan-in), norms near 1)."""
-    root = np.random.SeedSequence(seed)
-    seeds = [np.random.SeedSequence(root.entropy, spawn_key=(i,)) for i in range(len(g.inputs))]
     feeds = {}
-    for n, s in zip(g.inputs, seeds):
-        shape, dt = n.type.shape, numpy_dtype(n.type.dtype)
-        a = standard_normal(s, shape)
+    for n, a in _normal_inputs(g, seed):
         if "norm" in n.name:
             a = 1.0 + 0.1 * a
         elif n.role == "parameter":
-            a *= np.float32(1 / np.sqrt(shape[0]))
-        feeds[n.name] = a.astype(dt, copy=False)
+            a *= np.float32(1 / np.sqrt(n.type.shape[0]))
+        feeds[n.name] = a.astype(numpy_dtype(n.type.dtype), copy=False)
+    return feeds
+
+
+def chain_feeds(g: Graph, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random matrices for a chain (:func:`matrix_chain`): normals scaled by 1/sqrt(rows), so every
+    product keeps values near one."""
+    feeds = {}
+    for n, a in _normal_inputs(g, seed):
+        a *= np.float32(1 / np.sqrt(n.type.shape[0]))
+        feeds[n.name] = a.astype(numpy_dtype(n.type.dtype), copy=False)
     return feeds
 
 

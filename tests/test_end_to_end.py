@@ -78,7 +78,7 @@ def test_long_sequence_moves_data_only_around_attention() -> None:
     names = {cg.graph.nodes[o].name for o in movers}
     assert names <= {"reshape_5", "reshape_8", "reshape_11", "q_rope", "k_rope", "attention", "reshape_15"}
     # every byte moved belongs to q, k, v going into the head split or the output coming out of it
-    moved = sum(cg.dag.buffers[t.outputs[0]].nbytes for t in cg.dag.transfers())
+    moved = cg.dag.bytes_moved()
     t = cg.graph.node("attention").type
     qkv_out = (t.volume * 2 + 2 * t.volume // 4) * 2  # q + out, k + v (8 of 32 heads), 2 bytes each
     assert moved == qkv_out * 7 // 8  # each device keeps its own eighth

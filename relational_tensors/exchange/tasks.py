@@ -117,9 +117,13 @@ class TaskDAG:
         """Copies between different devices (a copy to itself never happens)."""
         return [t for t in self.tasks if t.kind == "copy"]
 
+    def bytes_moved(self) -> int:
+        """Bytes the transfers carry between devices."""
+        return sum(self.buffers[t.outputs[0]].nbytes for t in self.transfers())
+
     def summary(self) -> str:
         c = self.counts()
-        moved = sum(self.buffers[t.outputs[0]].nbytes for t in self.transfers())
+        moved = self.bytes_moved()
         return (f"{len(self.tasks)} tasks ({', '.join(f'{k} {c[k]}' for k in TASK_KINDS if c[k])}), "
                 f"{len(self.buffers)} buffers, {moved:,} bytes between devices")
 

@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["main", "measure", "time_cuda"]
+__all__ = ["main", "measure", "time_cuda", "time_wall"]
 
 
 def time_cuda(fn: Callable[[], None], stream: Any = None, rounds: int = 10, warmups: int = 2) -> list[float]:
@@ -38,6 +38,21 @@ def time_cuda(fn: Callable[[], None], stream: Any = None, rounds: int = 10, warm
         end.record(stream)
         end.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, end))
+    return times
+
+
+def time_wall(fn: Callable[[], None], rounds: int = 10, warmups: int = 2) -> list[float]:
+    """Milliseconds of each of ``rounds`` calls of ``fn`` after ``warmups``, by the wall clock: for work
+    on streams we hold no handle on (JAX), or not captured; ``fn`` must wait for its own work."""
+    import time
+
+    for _ in range(warmups):
+        fn()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return times
 
 
