@@ -24,9 +24,9 @@ from typing import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from .common import BlockShape, seeded
+from .common import BlockShape, Dist, Prepared, gather_dim, seeded, split_range, split_sizes
 
-__all__ = ["PARAMS", "param_shapes", "block_params", "make_input", "block_forward", "causal_attention",
+__all__ = ["prepare_sharded", "PARAMS", "param_shapes", "block_params", "make_input", "block_forward", "causal_attention",
            "rms_norm", "rope_tables", "apply_rope", "reference_block"]
 
 PARAMS: tuple[str, ...] = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w1", "w3", "w2")
@@ -168,3 +168,22 @@ def reference_block(batch: int, seq: int, shape: BlockShape, seed: int, device: 
     with torch.no_grad():
         return block_forward(make_input(batch, seq, shape, seed, device, dtype),
                              block_params(shape, seed, device, dtype), shape)
+
+
+def prepare_sharded(ctx: Dist, shape: BlockShape, batch: int, seq: int, seed: int, dim: int,
+                    forward: Callable[[int, int, list[int]], dict] = lambda r0, r1, sizes: {}) -> Prepared:
+    """This rank's share of the seeded input along ``dim`` (0: sequences, 1: tokens; contiguous and
+    balanced) with the whole seeded weights, run by ``block_forward`` with the keyword arguments
+    ``forward(r0, r1, sizes)`` gives for the rank's range [r0, r1); outputs are gathered along ``dim``."""
+    n = (batch, seq)[dim]
+    r0, r1 = split_range(n, ctx.world, ctx.rank)
+    sizes = split_sizes(n, ctx.world)
+    p = block_params(shape, seed, ctx.device, ctx.dtype)
+    x = make_input(batch, seq, shape, seed, ctx.device, ctx.dtype).narrow(dim, r0, r1 - r0).contiguous()
+    kwargs = forward(r0, r1, sizes)
+
+    def step() -> torch.Tensor:
+        with torch.no_grad():
+            return block_forward(x, p, shape, **kwargs)
+
+    return Prepared(step, lambda y: gather_dim(ctx, y, dim, sizes))

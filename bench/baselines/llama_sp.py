@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .block import block_forward, block_params, make_input
-from .common import BlockShape, Dist, NotApplicable, Prepared, gather_dim, split_range, split_sizes
+from .block import prepare_sharded
+from .common import BlockShape, Dist, NotApplicable, Prepared, gather_dim
 
 __all__ = ["prepare_sp"]
 
@@ -22,18 +22,13 @@ def prepare_sp(ctx: Dist, shape: BlockShape, batch: int, seq: int, seed: int) ->
     if seq < ctx.world:
         raise NotApplicable(f"sp gives every rank at least one token of each sequence, so it needs "
                             f"seq >= world; got seq={seq}, world={ctx.world}.")
-    r0, r1 = split_range(seq, ctx.world, ctx.rank)
-    sizes = split_sizes(seq, ctx.world)
     hkv = shape.n_kv_heads
-    p = block_params(shape, seed, ctx.device, ctx.dtype)
-    x = make_input(batch, seq, shape, seed, ctx.device, ctx.dtype)[:, r0:r1].contiguous()
 
-    def gather_kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = gather_dim(ctx, torch.cat((k, v), dim=2), 1, sizes)[:, :r1]  # later tokens are never attended
-        return kv[:, :, :hkv], kv[:, :, hkv:]
+    def forward(r0: int, r1: int, sizes: list[int]) -> dict:
+        def gather_kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            kv = gather_dim(ctx, torch.cat((k, v), dim=2), 1, sizes)[:, :r1]  # later tokens are never attended
+            return kv[:, :, :hkv], kv[:, :, hkv:]
 
-    def step() -> torch.Tensor:
-        with torch.no_grad():
-            return block_forward(x, p, shape, pos0=r0, gather_kv=gather_kv)
+        return {"pos0": r0, "gather_kv": gather_kv}
 
-    return Prepared(step, lambda y: gather_dim(ctx, y, 1, sizes))
+    return prepare_sharded(ctx, shape, batch, seq, seed, dim=1, forward=forward)
