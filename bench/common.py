@@ -249,20 +249,17 @@ def _git() -> str:
     return (head + (" (uncommitted changes in relational_tensors/)" if dirty else "")) if head else "not a git checkout"
 
 
-def describe_topology(name: str, p: int | None = None) -> str:
+def describe_topology(name: str) -> str:
     """One line about a simulated machine: its GPUs, memory, HBM, peak FP16 and fastest link."""
+    from relational_tensors.exchange.plan_sim import KernelModel
+
     t = get_topology(name)
     link = max((t.bandwidth(s, d) for s in t.sites for d in t.sites if s != d), default=0.0)
-    used = f"{p} of {len(t.sites)}" if p is not None else f"{len(t.sites)}"
-    try:  # the simulator's kernel model: a shipped calibration of this machine, else default efficiencies
-        from relational_tensors.exchange.plan_sim import KernelModel
-
-        source = getattr(KernelModel.from_calibration(t, None), "source", "defaults")
-    except Exception:  # noqa: BLE001 - older simulators have no calibration files
-        source = "defaults"
+    # the simulator's kernel model: a shipped calibration of this machine, else default efficiencies
+    source = KernelModel.from_calibration(t, None).source
     kernels = ("uncalibrated default kernel efficiencies" if source == "defaults"
                else f"kernel rates calibrated from {Path(source).name}")
-    return (f"{name}: {used} GPUs of {t.memory_bytes / 2**30:.0f} GiB, HBM {t.hbm_bandwidth / 1e9:.0f} GB/s, "
+    return (f"{name}: {len(t.sites)} GPUs of {t.memory_bytes / 2**30:.0f} GiB, HBM {t.hbm_bandwidth / 1e9:.0f} GB/s, "
             f"{t.flops(DTYPE) / 1e12:.0f} TFLOP/s {DTYPE} peak, links up to {link / 1e9:.0f} GB/s; {kernels}")
 
 

@@ -99,22 +99,21 @@ def main() -> None:
         line = [s.label, str(r["n"]),
                 f"{min(x['cost'] for x in ok):.3g}-{max(x['cost'] for x in ok):.3g}" if ok else "-",
                 f"{min(x['ms'] for x in ok):.2f}-{max(x['ms'] for x in ok):.2f}" if ok else "-",
-                fmt(r["pearson_paper"], 3), fmt(r["spearman_paper"], 3)]
-        line += [fmt(r["pearson_calibrated"], 3), fmt(r["spearman_calibrated"], 3)]
+                fmt(r["pearson_paper"], 3), fmt(r["spearman_paper"], 3),
+                fmt(r["pearson_calibrated"], 3), fmt(r["spearman_calibrated"], 3)]
         table.append(line)
     rs = [rows[s.label]["pearson_paper"] for s in setups if rows[s.label]["pearson_paper"] is not None]
     above = sum(1 for v in rs if v > PAPER_ABOVE)
-    summary = {"pearson_paper_min": min(rs) if rs else None, "pearson_paper_max": max(rs) if rs else None,
-               "above_0.72": above, "setups": len(rs)}
     rc = [rows[s.label]["pearson_calibrated"] for s in setups if rows[s.label]["pearson_calibrated"] is not None]
-    summary.update({"pearson_calibrated_min": min(rc) if rc else None,
-                    "pearson_calibrated_max": max(rc) if rc else None,
-                    "calibrated_above_0.72": sum(1 for v in rc if v > PAPER_ABOVE)})
+    summary = {"pearson_paper_min": min(rs) if rs else None, "pearson_paper_max": max(rs) if rs else None,
+               "above_0.72": above, "setups": len(rs),
+               "pearson_calibrated_min": min(rc) if rc else None, "pearson_calibrated_max": max(rc) if rc else None,
+               "calibrated_above_0.72": sum(1 for v in rc if v > PAPER_ABOVE)}
     range_line = (f"Paper proxy against simulated time: r from {fmt(summary['pearson_paper_min'], 2)} to "
                   f"{fmt(summary['pearson_paper_max'], 2)}, {above} of {len(rs)} setups above {PAPER_ABOVE}.  "
-                  f"Paper (measured runtime): {PAPER_RANGE[0]}-{PAPER_RANGE[1]}, 8 of 10 above {PAPER_ABOVE}.")
-    range_line += (f"  Calibrated model: r from {fmt(summary['pearson_calibrated_min'], 2)} to "
-                   f"{fmt(summary['pearson_calibrated_max'], 2)}.")
+                  f"Paper (measured runtime): {PAPER_RANGE[0]}-{PAPER_RANGE[1]}, 8 of 10 above {PAPER_ABOVE}.  "
+                  f"Calibrated model: r from {fmt(summary['pearson_calibrated_min'], 2)} to "
+                  f"{fmt(summary['pearson_calibrated_max'], 2)}.")
     report.table(f"Pearson correlation of plan cost and simulated time over random plans (p = {P}, {TOPOLOGY})",
                  columns, table, after=[range_line])
 

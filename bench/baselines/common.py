@@ -19,7 +19,7 @@ import re
 import socket
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -84,11 +84,11 @@ class Dist:
     device: torch.device
     dtype: torch.dtype
     backend: str
-    local_rank: int = 0
-    events: bool = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.events = self.device.type == "cuda"
+    @property
+    def events(self) -> bool:
+        """Whether rounds are timed with CUDA events (on a GPU) rather than the wall clock."""
+        return self.device.type == "cuda"
 
     def barrier(self) -> None:
         if self.world > 1:
@@ -142,7 +142,7 @@ def init_dist(device: str = "auto", dtype: str | None = None, rank: int | None =
         dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
     dt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[
         dtype or ("float16" if use_cuda else "float32")]
-    return Dist(rank, world, dev, dt, backend, local)
+    return Dist(rank, world, dev, dt, backend)
 
 
 # --- workloads and splits ------------------------------------------------------------------------------
