@@ -18,7 +18,7 @@ from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.frontend.graph import Graph, Tensor
 
 __all__ = ["llama_block", "add_llama_block", "llama_feeds", "standard_normal", "LLAMA3_8B", "matrix_chain",
-           "chain_feeds", "CHAINS"]
+           "chain_dims", "chain_feeds", "CHAINS"]
 
 # the paper's LLaMA-3-8B-shaped block
 LLAMA3_8B = dict(d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336)
@@ -128,6 +128,16 @@ CHAINS: dict[str, tuple[tuple[int, ...], object]] = {
 }
 
 
+def chain_dims(name: str, scale: int = 1) -> tuple[int, ...]:
+    """The dimensions of chain ``name``, each divided by ``scale`` (at least 1).
+
+    >>> chain_dims("C", scale=1024)
+    (10, 12, 32, 2)
+    """
+    dims, _ = CHAINS[name]
+    return tuple(max(1, d // scale) for d in dims)
+
+
 def matrix_chain(name: str, dtype: str = "float16", scale: int = 1) -> Graph:
     """The paper's chain ``name`` (A-E) as a graph of matmuls in its fixed order, saving ``y``;
     ``scale`` divides every dimension (for tests at small sizes).
@@ -135,8 +145,7 @@ def matrix_chain(name: str, dtype: str = "float16", scale: int = 1) -> Graph:
     >>> [n.kind for n in matrix_chain("C", scale=1024).operators]
     ['matmul', 'matmul']
     """
-    dims, order = CHAINS[name]
-    dims = tuple(max(1, d // scale) for d in dims)
+    dims, order = chain_dims(name, scale), CHAINS[name][1]
     g = Graph()
     mats = {i: g.input(f"M{i}", [dims[i - 1], dims[i]], dtype) for i in range(1, len(dims))}
 

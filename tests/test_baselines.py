@@ -9,7 +9,6 @@ row-sharded chains equal the single-process chains; the single-process block equ
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +33,7 @@ import measure_topology as mt  # noqa: E402
 from baselines import run as baseline_run  # noqa: E402
 from baselines.block import block_params, make_input, reference_block  # noqa: E402
 from baselines.chain import reference_chain  # noqa: E402
-from baselines.common import SHAPES, BlockShape, NotApplicable  # noqa: E402
+from baselines.common import SHAPES, BlockShape, NotApplicable, free_port, parse_workload  # noqa: E402
 from baselines.llama_tp import kv_plan  # noqa: E402
 
 CPU, F32 = torch.device("cpu"), torch.float32
@@ -51,29 +50,23 @@ CASES = {
 }
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module", params=sorted(CASES), ids=lambda w: f"world{w}")
 def spawned(request, tmp_path_factory):
     """Every case of one world size, run by ``world`` gloo processes; rank 0's results and outputs."""
     world = request.param
     tmp = tmp_path_factory.mktemp(f"world{world}")
     argvs = [[*argv, *COMMON, "--save-outputs", str(tmp / f"run{i}")] for i, argv in enumerate(CASES[world])]
-    torch.multiprocessing.spawn(baseline_run.worker, args=(world, _port(), argvs, str(tmp / "out.json")),
+    torch.multiprocessing.spawn(baseline_run.worker, args=(world, free_port(), argvs, str(tmp / "out.json")),
                                 nprocs=world, join=True)
     results = json.loads((tmp / "out.json").read_text())
     return world, tmp, results
 
 
 def _single_process(label: str, shape: BlockShape) -> torch.Tensor:
-    if label in "ABCDE":
-        return reference_chain(label, 0, CPU, F32, CHAIN_SCALE)
-    batch, _, seq = label.partition("x") if "x" in label else ("1", "", label)
-    return reference_block(int(batch), int(seq), shape, 0, CPU, F32)
+    kind, what = parse_workload(label)
+    if kind == "chain":
+        return reference_chain(what, 0, CPU, F32, CHAIN_SCALE)
+    return reference_block(*what, shape, 0, CPU, F32)
 
 
 def test_every_strategy_equals_the_single_process_run(spawned) -> None:

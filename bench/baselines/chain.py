@@ -8,8 +8,6 @@ all-gathered at the end.  Dimensions and parenthesizations are ``relational_tens
 
 >>> sorted(sharded_leaves(((1, 2), (((3, 4), ((5, 6), (7, 8))), 9))))
 [1, 3, 5, 7]
->>> chain_dims("C", scale=1024)
-(10, 12, 32, 2)
 """
 
 from __future__ import annotations
@@ -18,18 +16,13 @@ import math
 
 import torch
 
-from relational_tensors.models import CHAINS
+from relational_tensors.models import CHAINS, chain_dims
 
 from .common import Dist, Prepared, gather_dim, seeded, split_range, split_sizes
 
-__all__ = ["chain_dims", "sharded_leaves", "prepare_chain", "reference_chain"]
+__all__ = ["sharded_leaves", "prepare_chain", "reference_chain"]
 
 _SEEDS_PER_CHAIN = 64  # seed s draws M_i from s*64 + i
-
-
-def chain_dims(name: str, scale: int = 1) -> tuple[int, ...]:
-    dims, _ = CHAINS[name]
-    return tuple(max(1, d // scale) for d in dims)
 
 
 def _pair(node: object) -> tuple[object, object]:

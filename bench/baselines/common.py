@@ -25,7 +25,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["BlockShape", "SHAPES", "Dist", "Prepared", "NotApplicable", "parse_workload", "split_range",
+from relational_tensors.models import LLAMA3_8B
+
+__all__ = ["BlockShape", "SHAPES", "Dist", "Prepared", "NotApplicable", "parse_workload", "split_range", "free_port",
            "split_sizes", "seeded", "init_dist", "gather_dim", "time_rounds", "WORKLOADS", "CHAIN_NAMES"]
 
 # the paper's five token workloads and five chains (bench/gpu_block.py and relational_tensors.models)
@@ -56,7 +58,7 @@ class BlockShape:
 
 
 SHAPES: dict[str, BlockShape] = {
-    "llama3-8b": BlockShape(4096, 32, 8, 14336),  # the paper's block (relational_tensors.models.LLAMA3_8B)
+    "llama3-8b": BlockShape(**LLAMA3_8B),  # the paper's block
     "tiny": BlockShape(64, 8, 4, 128),            # the tests' block
 }
 
@@ -108,7 +110,8 @@ class Dist:
         return t
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on this host that nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -135,7 +138,7 @@ def init_dist(device: str = "auto", dtype: str | None = None, rank: int | None =
         if "MASTER_PORT" not in os.environ:
             if world > 1:
                 raise RuntimeError("several ranks need MASTER_ADDR and MASTER_PORT (torchrun sets them).")
-            os.environ["MASTER_PORT"] = str(_free_port())
+            os.environ["MASTER_PORT"] = str(free_port())
         kwargs: dict[str, Any] = {"timeout": _dt.timedelta(minutes=10)}
         if use_cuda:
             kwargs["device_id"] = dev
