@@ -137,7 +137,8 @@ def schedule_options(ap: argparse.ArgumentParser, default: str) -> None:
     ap.add_argument("--budget", type=float, default=0.5, help="search seconds per exchange program (default 0.5)")
 
 
-def random_plan_arguments(doc: str | None, quick_draws: int, what: str) -> tuple[argparse.Namespace, int, dict[str, Any]]:
+def random_plan_arguments(doc: str | None, quick_draws: int,
+                          what: str) -> tuple[argparse.Namespace, int, dict[str, Any]]:
     """The command line of the random-plan experiments (3 and 5): ``--schedule``, ``--budget`` and
     ``--draws``; returns the arguments, the draws (20, or ``quick_draws`` with --quick) and the compile
     options (--quick caps the search at 0.1 s per program)."""

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from .common import BlockShape, Dist, Prepared, gather_dim, seeded, split_range, split_sizes
 
-__all__ = ["prepare_sharded", "PARAMS", "param_shapes", "block_params", "make_input", "block_forward", "causal_attention",
-           "rms_norm", "rope_tables", "apply_rope", "reference_block"]
+__all__ = ["PARAMS", "param_shapes", "block_params", "make_input", "block_forward", "causal_attention",
+           "rms_norm", "rope_tables", "apply_rope", "reference_block", "prepare_sharded"]
 
 PARAMS: tuple[str, ...] = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w1", "w3", "w2")
 _SEEDS_PER_BLOCK = 16  # seed s draws x from s*16 and parameter i from s*16 + 1 + i

@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from relational_tensors.models import LLAMA3_8B
 
-__all__ = ["BlockShape", "SHAPES", "Dist", "Prepared", "NotApplicable", "parse_workload", "split_range", "free_port",
-           "split_sizes", "seeded", "init_dist", "gather_dim", "time_rounds", "WORKLOADS", "CHAIN_NAMES"]
+__all__ = ["BlockShape", "SHAPES", "Dist", "Prepared", "NotApplicable", "parse_workload", "split_range",
+           "free_port", "split_sizes", "seeded", "init_dist", "gather_dim", "time_rounds", "WORKLOADS", "CHAIN_NAMES"]
 
 # the paper's five token workloads and five chains (bench/gpu_block.py and relational_tensors.models)
 WORKLOADS: tuple[str, ...] = ("1K", "8K", "8x1K", "128x1K", "128K")
