@@ -134,7 +134,17 @@ def schedule_options(ap: argparse.ArgumentParser, default: str) -> None:
     """``--schedule naive|search`` and ``--budget`` (seconds of exchange-program search per program)."""
     ap.add_argument("--schedule", choices=("naive", "search"), default=default,
                     help=f"exchange-program synthesis (default {default})")
+    budget_option(ap)
+
+
+def budget_option(ap: argparse.ArgumentParser) -> None:
+    """``--budget``: seconds of exchange-program search per program (read it with :func:`search_budget`)."""
     ap.add_argument("--budget", type=float, default=0.5, help="search seconds per exchange program (default 0.5)")
+
+
+def search_budget(args: argparse.Namespace) -> float:
+    """The search seconds per program: ``--budget``, at most 0.1 with ``--quick``."""
+    return min(args.budget, 0.1) if args.quick else args.budget
 
 
 def random_plan_arguments(doc: str | None, quick_draws: int,
@@ -149,9 +159,8 @@ def random_plan_arguments(doc: str | None, quick_draws: int,
 
     args = arguments(doc, extra)
     draws = args.draws or (quick_draws if args.quick else PAPER_SEEDS)
-    budget = min(args.budget, 0.1) if args.quick else args.budget
-    args.budget = budget
-    return args, draws, {"schedule_mode": args.schedule, "search_budget_s": budget}
+    args.budget = search_budget(args)
+    return args, draws, {"schedule_mode": args.schedule, "search_budget_s": args.budget}
 
 
 # --- statistics ------------------------------------------------------------------------------------------

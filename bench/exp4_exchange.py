@@ -28,9 +28,8 @@ PAPER = {("dgx-v100", "transformer"): 1.056, ("dgx-v100", "chain A"): 1.41, ("dg
 
 
 def main() -> None:
-    args = common.arguments(__doc__, lambda ap: ap.add_argument(
-        "--budget", type=float, default=0.5, help="search seconds per exchange program (default 0.5)"))
-    budget = min(args.budget, 0.1) if args.quick else args.budget
+    args = common.arguments(__doc__, common.budget_option)
+    budget = common.search_budget(args)
     setups = common.setups(args.quick)
     head = common.header(
         f"Experiment 4 (simulated): naive vs searched exchange programs, p = {P}", TOPOLOGIES,
