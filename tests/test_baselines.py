@@ -175,7 +175,8 @@ def test_compile_and_simulate_against_a_measured_topology(tmp_path) -> None:
     slow = cg.simulate(_synthetic("ring-4-slow", near=3 * GB, far=1 * GB))
     assert 0 < fast < slow
     sub = rt.compileGraph(g, device=2, topology=topo)  # a plan for fewer GPUs uses the first sites
-    assert sub.simulate() > 0
+    assert {b.device for b in sub.dag.buffers.values()} == {0, 1}
+    assert 0 < sub.simulate() < sub.simulate(_synthetic("ring-4-slow", near=3 * GB, far=1 * GB))
 
 
 def test_topology_builder_rejects_bad_matrices() -> None:
