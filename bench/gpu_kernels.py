@@ -22,13 +22,16 @@ def main() -> None:
 
     from relational_tensors.gpu_exec.calibrate import time_cuda
     from relational_tensors.gpu_exec.kernels import triton_attention as ta
-    from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, bind_triton_to_cupy
+    from relational_tensors.gpu_exec.kernels.common import DevBuf, bind_triton_to_cupy
     from relational_tensors.gpu_exec.kernels.triton_norms import rmsnorm
     from relational_tensors.gpu_exec.kernels.triton_rope import rope
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="8192,131072")
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time a grid of attention configurations (tile sizes, warps, stages, warp specialization) "
+                         "besides the executor's own, and skip RoPE and RMSNorm")
     args = ap.parse_args()
     bind_triton_to_cupy()
     dev = "cuda"
@@ -63,15 +66,14 @@ def main() -> None:
         row = {"sdpa_ms": sdpa, "sdpa_tflops": flops / sdpa / 1e9, "configs": {}}
         scale = 1 / math.sqrt(dh)
         base_args = (buf(q), buf(k), buf(v), buf(o), None, buf(lo), buf(hi))
-        cfgs = sorted(set(ta.CONFIGS) | {c[:4] + (1,) + c[5:] for c in ta.CONFIGS})
-        for cfg in cfgs:
-            qb, kb, vb, ob, _, lob, hib = base_args
-            kargs = (Ptr(qb), Ptr(kb), Ptr(vb), Ptr(ob), Ptr(ob), Ptr(lob), Ptr(hib), s, s, hq, hq // hkv, 0, 0,
-                     scale * math.log2(math.e), qb.strides[0], qb.strides[1], kb.strides[0], kb.strides[1],
-                     vb.strides[0], vb.strides[1], ob.strides[0], ob.strides[1])
-            consts = dict(D=dh, DV=dh, BLOCK_D=dh, BLOCK_DV=dh, WRITE_LSE=False, IEEE=False)
+        cfgs = set(ta.CONFIGS)
+        if args.sweep:
+            cfgs |= {(bm, bn, w, st, 1, 1, tma) for bm, w in ((64, 4), (128, 8)) for bn in (64, 128)
+                     for st in (2, 3, 4) for tma in (0, 1)}
+        kargs, consts, _, tma = ta.launch_arguments(*base_args, 0, 0, scale)
+        for cfg in sorted(cfgs):
             try:
-                ms = timed(lambda: ta._launch(cfg, kargs, consts, s, hq), rounds)
+                ms = timed(lambda: ta._launch(cfg, kargs, consts, s, hq, tma), rounds)
             except Exception as e:  # noqa: BLE001 - report and go on
                 row["configs"][str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                 continue
@@ -80,6 +82,8 @@ def main() -> None:
             print(s, cfg, f"{ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s diff {diff:.4f}", flush=True)
         print(s, f"sdpa {sdpa:.3f} ms {flops / sdpa / 1e9:.0f} TFLOP/s", flush=True)
         out["attention"][s] = row
+        if args.sweep:
+            continue
 
         # RoPE of the query projection (32 heads) and RMSNorm of the residual stream
         x = torch.randn(1, s, hq, dh, device=dev, dtype=torch.float16)

@@ -69,6 +69,13 @@ CASES: dict[str, Case] = {
     "attention_packed_7": _one(lambda g, d: g.attention(g.input("q", [1, 47, 4, 4], d), g.input("k", [1, 47, 2, 4], d),
                                                         g.input("v", [1, 47, 2, 4], d), causal=True,
                                                         seq_ends=PACKED_ENDS)),
+    # long enough that whole key tiles run the kernels' unmasked path
+    "attention_causal_300": _one(lambda g, d: g.attention(g.input("q", [1, 300, 4, 32], d),
+                                                          g.input("k", [1, 300, 2, 32], d),
+                                                          g.input("v", [1, 300, 2, 32], d), causal=True)),
+    "attention_negative_scale": _one(lambda g, d: g.attention(g.input("q", [1, 70, 2, 16], d),
+                                                              g.input("k", [1, 150, 1, 16], d),
+                                                              g.input("v", [1, 150, 1, 16], d), scale=-0.3)),
 }
 
 
