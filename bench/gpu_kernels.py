@@ -68,8 +68,8 @@ def main() -> None:
         base_args = (buf(q), buf(k), buf(v), buf(o), None, buf(lo), buf(hi))
         cfgs = set(ta.CONFIGS)
         if args.sweep:
-            cfgs |= {(bm, bn, w, st, 1, 1, tma) for bm, w in ((64, 4), (128, 8)) for bn in (64, 128)
-                     for st in (2, 3, 4) for tma in (0, 1)}
+            cfgs |= {(bm, bn, w, st, 1, 1, 1, lazy) for bm, w in ((64, 4), (128, 8)) for bn in (64, 128)
+                     for st in (2, 3, 4) for lazy in (0, 1)}
         kargs, consts, _, tma = ta.launch_arguments(*base_args, 0, 0, scale)
         for cfg in sorted(cfgs):
             try:

@@ -195,6 +195,59 @@ def test_gpu_fault_is_an_exec_error_and_the_process_recovers() -> None:
     assert np.all(out == 0)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_attention_kernel_configuration_with_growing_scores(causal: bool) -> None:
+    # scores that grow along the keys by far more than 2^8 between tiles, so that the lazy rescale
+    # (LAZY configurations) must rescale many times; a causal query block that starts at row 130;
+    # the log-sum-exp is checked too.  Every configuration runs, not only the one the timing picks.
+    import cupy
+
+    from relational_tensors.gpu_exec.kernels import triton_attention as ta
+    from relational_tensors.gpu_exec.kernels.common import DevBuf, bind_triton_to_cupy
+
+    bind_triton_to_cupy()
+    rng = np.random.default_rng(3)
+    nb, sq, skv, hq, hkv, d, q0 = 2, 200, 330, 4, 2, 64, 130
+    u = np.full(d, 0.25)
+    q = (0.3 * rng.standard_normal((nb, sq, hq, d)) + u).astype(np.float16)
+    ramp = np.linspace(0.0, 30.0, skv)[None, :, None, None]
+    k = (rng.standard_normal((nb, skv, hkv, d)) + ramp * u).astype(np.float16)
+    v = rng.standard_normal((nb, skv, hkv, d)).astype(np.float16)
+    scale = 1 / np.sqrt(d)
+    rows = np.arange(skv)
+    lo = np.zeros(skv, np.int32)
+    hi = (rows + 1 if causal else np.full(skv, skv)).astype(np.int32)
+    qf = q.astype(np.float64)
+    kf, vf = (np.repeat(a.astype(np.float64), hq // hkv, axis=2) for a in (k, v))  # head h reads kv head h // 2
+    sc = np.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
+    seen = (rows[None, :] >= lo[q0:q0 + sq, None]) & (rows[None, :] < hi[q0:q0 + sq, None])
+    sc = np.where(seen[None, None], sc, -np.inf)
+    m = sc.max(-1, keepdims=True)
+    e = np.exp(sc - m)
+    want = np.einsum("bhqk,bkhd->bqhd", e / e.sum(-1, keepdims=True), vf)
+    want_lse = (m[..., 0] + np.log(e.sum(-1))).transpose(0, 2, 1)
+    dq, dk, dv_, dlo, dhi = (cupy.asarray(a) for a in (q, k, v, lo, hi))
+    out = cupy.empty(q.shape, np.float16)
+    lse = cupy.empty((nb, sq, hq), np.float32)
+
+    def buf(a):
+        return DevBuf(a.data.ptr, a.shape, str(a.dtype), 0)
+
+    args, consts, _, tma = ta.launch_arguments(buf(dq), buf(dk), buf(dv_), buf(out), buf(lse), buf(dlo), buf(dhi),
+                                               q0, 0, scale)
+    assert tma is not None or int(cupy.cuda.Device().compute_capability) < 90
+    ran = 0
+    for cfg in ta.CONFIGS:
+        if cfg[6] and tma is None:
+            continue
+        out.fill(0)
+        ta._launch(cfg, args, consts, sq, nb * hq, tma)
+        _compare(cupy.asnumpy(out), want, "float16", reduction=skv)
+        np.testing.assert_allclose(cupy.asnumpy(lse), want_lse, rtol=2e-3, atol=2e-2, err_msg=str(cfg))
+        ran += 1
+    assert ran >= 5
+
+
 # --- several physical GPUs: peer copies between devices, per-GPU streams and arenas -----------------
 
 two_gpus = pytest.mark.skipif(visible_gpus() < 2, reason="needs two CUDA GPUs")
