@@ -133,7 +133,7 @@ def main() -> None:
     ap.add_argument("--virtual", default="2,4,8")
     ap.add_argument("--virtual-cost-models", default="paper,calibrated",
                     help="plan the logical-device runs with each of these cost models")
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args()
     rate = matmul_rate()
     print(f"matmul rate {rate / 1e12:.0f} TFLOP/s (fp16 8192^3)", flush=True)

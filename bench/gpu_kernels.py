@@ -3,7 +3,8 @@ executor may pick, against SDPA flash attention), RoPE and RMSNorm (against the 
 torch.compile).  FP16, LLaMA-3-8B shapes (32 query heads, 8 kv heads, head dim 128, d_model 4096),
 2 warm-ups and 10 timed rounds with CUDA events (5 for attention at 128K tokens).
 
-    python bench/gpu_kernels.py [--tokens 8192,131072] [--out bench/results]
+    python bench/gpu_kernels.py [--tokens 8192,131072] [--out bench/results]   # -> gpu_kernels.json
+    python bench/gpu_kernels.py --sweep   # attention over a grid of configurations -> gpu_kernels_sweep.json
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def main() -> None:
         base_args = (buf(q), buf(k), buf(v), buf(o), None, buf(lo), buf(hi))
         cfgs = set(ta.CONFIGS)
         if args.sweep:
-            cfgs |= {(bm, bn, w, st, 1, 1, 1, lazy) for bm, w in ((64, 4), (128, 8)) for bn in (64, 128)
-                     for st in (2, 3, 4) for lazy in (0, 1)}
+            cfgs |= {(bm, bn, w, st, 1, 1, tma) for bm, w in ((64, 4), (128, 8)) for bn in (64, 128)
+                     for st in (2, 3, 4) for tma in (0, 1)}
         kargs, consts, _, tma = ta.launch_arguments(*base_args, 0, 0, scale)
         for cfg in sorted(cfgs):
             try:
@@ -122,7 +123,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "gpu_kernels.json").write_text(json.dumps(out, indent=2))
+    (path / ("gpu_kernels_sweep.json" if args.sweep else "gpu_kernels.json")).write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

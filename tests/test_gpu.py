@@ -197,9 +197,9 @@ def test_gpu_fault_is_an_exec_error_and_the_process_recovers() -> None:
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_every_attention_kernel_configuration_with_growing_scores(causal: bool) -> None:
-    # scores that grow along the keys by far more than 2^8 between tiles, so that the lazy rescale
-    # (LAZY configurations) must rescale many times; a causal query block that starts at row 130;
-    # the log-sum-exp is checked too.  Every configuration runs, not only the one the timing picks.
+    # scores that grow along the keys by far more than 2^8, so that the running maximum moves many
+    # times; a causal query block that starts at row 130; the log-sum-exp is checked too.  Every
+    # configuration runs (pointer and tensor-descriptor loads), not only the one the timing picks.
     import cupy
 
     from relational_tensors.gpu_exec.kernels import triton_attention as ta

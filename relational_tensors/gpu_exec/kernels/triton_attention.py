@@ -30,7 +30,7 @@ def _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, h
           dq, dv, k_desc, v_desc, krow, kcol, vcol,
           D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
           BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr, KT: tl.constexpr,
-          NEG_SCALE: tl.constexpr, TMA: tl.constexpr, LAZY: tl.constexpr):
+          NEG_SCALE: tl.constexpr, TMA: tl.constexpr):
     cols = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
         cmask = cols < end
@@ -72,19 +72,10 @@ def _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, h
             m_new = tl.maximum(m_i, tl.min(s, axis=1) * qk_scale)
         else:
             m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-        if LAZY:
-            # acc and l_i are kept relative to m_i, which need not be the running maximum: rescale only
-            # when some row's maximum grew by more than 2^8, so that p stays at most 256 (no overflow in 16 bits)
-            if tl.max(m_new - m_i, axis=0) > 8.0:
-                alpha = tl.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-        else:
-            alpha = tl.exp2(m_i - m_new)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_new
         p = tl.exp2(s * qk_scale - m_i[:, None])
         l_i = l_i + tl.sum(p, axis=1)
     if TMA:
@@ -111,7 +102,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, hi_ptr,
                       D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       WRITE_LSE: tl.constexpr, IEEE: tl.constexpr, KT: tl.constexpr, HEADS_INNER: tl.constexpr,
-                      NEG_SCALE: tl.constexpr, TMA: tl.constexpr, LAZY: tl.constexpr):
+                      NEG_SCALE: tl.constexpr, TMA: tl.constexpr):
     m_blocks = tl.cdiv(sq, BLOCK_M)  # a 1-D grid: (row block, batch·head) never overflows a grid dimension
     pid = tl.program_id(0).to(tl.int64)
     if HEADS_INNER:
@@ -159,15 +150,15 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, hi_ptr,
     for n0 in range(start, tl.minimum(full_lo, end), BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, hi, k_offset,
                               qk_scale, dq, dv, k_desc, v_desc, krow, kcol, vcol, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-                              True, IEEE, KT, NEG_SCALE, TMA, LAZY)
+                              True, IEEE, KT, NEG_SCALE, TMA)
     for n0 in range(full_lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, hi, k_offset,
                               qk_scale, dq, dv, k_desc, v_desc, krow, kcol, vcol, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-                              False, IEEE, KT, NEG_SCALE, TMA, LAZY)
+                              False, IEEE, KT, NEG_SCALE, TMA)
     for n0 in range(tl.maximum(full_hi, tl.minimum(full_lo, end)), end, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, hi, k_offset,
                               qk_scale, dq, dv, k_desc, v_desc, krow, kcol, vcol, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-                              True, IEEE, KT, NEG_SCALE, TMA, LAZY)
+                              True, IEEE, KT, NEG_SCALE, TMA)
     denom = tl.where(l_i > 0, l_i, 1.0)
     out = acc / denom[:, None]
     tl.store(o_ptr + b * stride_ob + rows[:, None].to(tl.int64) * stride_os + h * DV + dv[None, :],
@@ -178,14 +169,13 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, hi_ptr,
         tl.store(lse_ptr + (b * sq + rows) * hq + h, lse, mask=rmask)
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, KT, HEADS_INNER, TMA, LAZY) tried on the first launch of each
-# shape class; TMA configurations only where tensor descriptors work (Hopper or newer, whole heads,
-# aligned contiguous blocks); LAZY rescales the accumulator only when a row maximum grows by 2^8
-CONFIGS = [(64, 64, 4, 3, 1, 1, 0, 0), (128, 64, 8, 3, 1, 0, 0, 0), (128, 64, 8, 3, 1, 1, 0, 0),
-           (128, 128, 8, 3, 1, 1, 0, 0), (128, 128, 8, 3, 0, 1, 0, 0), (64, 64, 4, 3, 1, 1, 1, 0),
-           (128, 64, 8, 3, 1, 1, 1, 0), (128, 128, 8, 3, 1, 1, 1, 0), (64, 64, 4, 3, 1, 1, 1, 1),
-           (128, 64, 8, 3, 1, 1, 1, 1), (128, 128, 8, 3, 1, 1, 1, 1), (128, 128, 8, 3, 1, 1, 0, 1)]
-IEEE_CONFIGS = [(64, 32, 4, 2, 0, 1, 0, 0), (32, 32, 4, 2, 0, 1, 0, 0)]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, KT, HEADS_INNER, TMA) tried on the first launch of each shape
+# class: the fastest on an H200 at 8K and 128K tokens (bench/gpu_kernels.py --sweep, session 4).  TMA
+# configurations only where tensor descriptors work (Hopper or newer, whole heads, aligned contiguous
+# blocks); the pointer ones serve everything else.
+CONFIGS = [(64, 64, 4, 3, 1, 1, 0), (128, 64, 8, 3, 1, 0, 0), (128, 64, 8, 3, 1, 1, 0), (128, 128, 8, 3, 1, 1, 0),
+           (128, 128, 8, 3, 0, 1, 0), (64, 64, 4, 3, 1, 1, 1), (128, 64, 8, 4, 1, 1, 1), (128, 128, 8, 3, 1, 1, 1)]
+IEEE_CONFIGS = [(64, 32, 4, 2, 0, 1, 0), (32, 32, 4, 2, 0, 1, 0)]
 _chosen: dict[tuple, tuple[int, ...]] = {}
 
 
@@ -231,7 +221,7 @@ def _tma_views(q: DevBuf, k: DevBuf, v: DevBuf) -> tuple | None:
 
 
 def _launch(cfg: tuple[int, ...], args: tuple, consts: dict, sq: int, nbh: int, tma: tuple | None = None) -> None:
-    bm, bn, warps, stages, kt, heads_inner, use_tma, lazy = cfg
+    bm, bn, warps, stages, kt, heads_inner, use_tma = cfg
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -243,7 +233,7 @@ def _launch(cfg: tuple[int, ...], args: tuple, consts: dict, sq: int, nbh: int, 
         descs = (None, None, None)
     _attention_kernel[(triton.cdiv(sq, bm) * nbh,)](*args, *descs, **consts, BLOCK_M=bm, BLOCK_N=bn, KT=bool(kt),
                                                   HEADS_INNER=bool(heads_inner), TMA=bool(use_tma),
-                                                  LAZY=bool(lazy), num_warps=warps, num_stages=stages)
+                                                  num_warps=warps, num_stages=stages)
 
 
 def _pick(key: tuple, args: tuple, consts: dict, sq: int, nbh: int, tma: tuple | None) -> tuple[int, ...]:
@@ -292,13 +282,14 @@ def launch_arguments(q: DevBuf, k: DevBuf, v: DevBuf, out: DevBuf, lse: DevBuf |
     launch; :func:`_launch` adds the configuration.  The kernel benchmark (bench/gpu_kernels.py) times configurations through this too."""
     nb, sq, hq, d = q.shape
     skv, hkv, dvn = k.shape[1], k.shape[2], v.shape[3]
+    scale = float(scale)  # a NumPy scalar would make NEG_SCALE a NumPy bool, which Triton refuses
     block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dvn))
     args = (Ptr(q), Ptr(k), Ptr(v), Ptr(out), Ptr(lse) if lse is not None else Ptr(out), Ptr(row_lo), Ptr(row_hi),
             sq, skv, hq, hq // hkv, q_offset, k_offset, scale * math.log2(math.e),
             q.strides[0], q.strides[1], k.strides[0], k.strides[1], v.strides[0], v.strides[1],
             out.strides[0], out.strides[1])
     consts = dict(D=d, DV=dvn, BLOCK_D=block_d, BLOCK_DV=block_dv, WRITE_LSE=lse is not None,
-                  IEEE=q.dtype == "float32", NEG_SCALE=scale < 0)
+                  IEEE=q.dtype == "float32", NEG_SCALE=bool(scale < 0))
     tma = _tma_views(q, k, v)
     key = (d, dvn, q.dtype, lse is not None, scale < 0, tma is not None, triton.next_power_of_2(sq),
            triton.next_power_of_2(skv), nb * hq)
