@@ -193,7 +193,7 @@ class _DescBase:
 
 @lru_cache(maxsize=None)
 def _tma_device(device: int) -> bool:
-    """Tensor descriptors (TMA) exist from compute capability 9.0 and in Triton 3.4 or newer."""
+    """Tensor descriptors (TMA) need compute capability 9.0 or more and a Triton that has them."""
     import cupy
 
     try:
@@ -238,7 +238,8 @@ def _launch(cfg: tuple[int, ...], args: tuple, consts: dict, sq: int, nbh: int, 
 
 def _pick(key: tuple, args: tuple, consts: dict, sq: int, nbh: int, tma: tuple | None) -> tuple[int, ...]:
     """Time every config once on the current stream (CUDA events) and keep the fastest; a config
-    that does not fit the GPU's resources is skipped."""
+    that does not fit the GPU's resources, or a tensor-descriptor one this Triton cannot compile, is
+    skipped."""
     import cupy
 
     if key in _chosen:
@@ -279,7 +280,8 @@ def launch_arguments(q: DevBuf, k: DevBuf, v: DevBuf, out: DevBuf, lse: DevBuf |
                      row_hi: DevBuf, q_offset: int, k_offset: int,
                      scale: float) -> tuple[tuple, dict, tuple, tuple | None]:
     """(positional arguments, constexprs, configuration key, tensor-descriptor views or None) of one
-    launch; :func:`_launch` adds the configuration.  The kernel benchmark (bench/gpu_kernels.py) times configurations through this too."""
+    launch; :func:`_launch` adds the configuration.  bench/gpu_kernels.py times configurations
+    through this too."""
     nb, sq, hq, d = q.shape
     skv, hkv, dvn = k.shape[1], k.shape[2], v.shape[3]
     scale = float(scale)  # a NumPy scalar would make NEG_SCALE a NumPy bool, which Triton refuses
