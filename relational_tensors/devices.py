@@ -61,15 +61,17 @@ def parse_devices(device: object) -> DeviceSet:
         raise bad
     if isinstance(device, int):
         if device < 1:
-            raise PlanError(f"device count must be at least 1; got {device}.")
+            raise PlanError(f"device count must be at least 1; got {device}. Use 1 or more.")
         return DeviceSet("cuda", tuple(range(device)))
     if isinstance(device, str):
         kind, _, rest = device.partition(":")
         if kind == "cpu":
             if rest == "":
                 return DeviceSet("cpu", (0,))
-            if not rest.isdigit() or int(rest) < 1:
+            if not rest.isdigit():
                 raise bad
+            if int(rest) < 1:
+                raise PlanError(f"device count must be at least 1; got {device!r}. Use 'cpu:1' or more.")
             return DeviceSet("cpu", tuple(range(int(rest))))
         if kind in ("cuda", "gpu"):
             if rest == "":

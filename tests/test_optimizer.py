@@ -440,6 +440,9 @@ def test_planning_errors_are_clear() -> None:
         rt.compileGraph(g, device="cpu:2", tactic="zigzag")
     with pytest.raises(rt.PlanError, match="device must be"):
         rt.compileGraph(g, device="tpu:3")
+    for zero in ("cpu:0", 0):
+        with pytest.raises(rt.PlanError, match="device count must be at least 1"):
+            rt.compileGraph(g, device=zero)
     with pytest.raises(rt.PlanError, match="memory_per_device must be a positive number"):
         rt.compileGraph(g, device="cpu:2", memory_per_device=-5)
 
