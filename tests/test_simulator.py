@@ -355,6 +355,19 @@ def test_flow_errors():
         FlowNetwork({"r": 0.0})
 
 
+def test_a_flow_starts_at_an_event_time_the_clock_passed_within_its_slack():
+    # a flow ends at 2 µs and another one's latency is over 0.5 ps later: advance_to(2 µs) takes both
+    # events and leaves the clock at the second; a flow started at 2 µs is the same instant (the
+    # exchange simulator does this; it raised before)
+    net = FlowNetwork({"r1": 1e6, "r2": 1e6})
+    net.start("a", ("r1",), 2.0, 0.0)
+    net.start("b", ("r2",), 1.0, 0.0, latency=2.0000005e-6)
+    t = net.next_completion()
+    assert t == 2e-6 and net.advance_to(t) == ["a"] and net.now > t
+    net.start("c", ("r1",), 0.5, t)
+    assert net.advance_to(4e-6) == ["c", "b"]
+
+
 # ---------------------------------------------------------------- topology tables
 
 
@@ -409,8 +422,12 @@ def test_get_topology_shrinks_and_errors():
     assert set(four.resources) == {f"{k}({i})" for i in range(4) for k in ("egress", "ingress")}
     with pytest.raises(ExchangeError, match="dgx-a100"):
         get_topology("dgx-a1000")
-    with pytest.raises(ExchangeError, match="gpus=9"):
-        get_topology("dgx-a100", gpus=9)
+    with pytest.raises(ExchangeError, match="'dgx-v100' has 8 GPUs and no switch to widen; got gpus=9"):
+        get_topology("dgx-v100", gpus=9)
+    wide = get_topology("dgx-a100", gpus=12)  # a switch: the same GPUs on a larger switch
+    assert wide.sites == tuple(range(12)) and wide.name == "dgx-a100"
+    assert wide.bandwidth(0, 11) == get_topology("dgx-a100").bandwidth(0, 7)
+    assert wide.route(3, 10).latency == get_topology("dgx-a100").route(3, 4).latency
     with pytest.raises(ExchangeError, match="not in topology"):
         four.route(0, 5)
 

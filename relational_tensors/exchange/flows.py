@@ -39,6 +39,12 @@ __all__ = ["FlowNetwork"]
 _REL = 1e-12  # relative slack when comparing event times and residual capacities
 
 
+def _slack(t: float) -> float:
+    """How far apart two event times may be and still be one time: relative, and at least 1e-12 s
+    (events of a microsecond-scale program are a few picoseconds apart in rounding only)."""
+    return _REL * max(1.0, abs(t))
+
+
 @dataclass(slots=True)
 class _Flow:
     resources: tuple[str, ...]
@@ -74,7 +80,7 @@ class FlowNetwork:
         """
         if key in self._flows:
             raise ExchangeError(f"a flow keyed {key!r} is already in the network; give each flow its own key.")
-        if not math.isclose(now, self.now, rel_tol=_REL, abs_tol=1e-15):
+        if abs(now - self.now) > _slack(self.now):  # the slack advance_to allows past its target
             raise ExchangeError(
                 f"flows start at the network's clock; got now={now!r} while the clock is {self.now!r}. "
                 "Call advance_to(now) first and handle the flows it completes.")
@@ -101,12 +107,12 @@ class FlowNetwork:
 
     def advance_to(self, t: float) -> list[Hashable]:
         """Move the clock to ``t``; the keys of the flows that finished by then, in finishing order."""
-        if t < self.now - _REL * max(1.0, abs(self.now)):
+        if t < self.now - _slack(self.now):
             raise ExchangeError(f"the clock only moves forward; got t={t!r} while it is at {self.now!r}.")
         done: list[Hashable] = []
         while True:
             te = self._next_event()
-            if te is None or te > t + _REL * max(1.0, abs(t)):
+            if te is None or te > t + _slack(t):
                 break
             done.extend(self._step(te))
         self._drain(max(t, self.now))
@@ -158,8 +164,7 @@ class FlowNetwork:
 
     def _step(self, t: float) -> list[Hashable]:
         """Advance to the event time ``t``: finish what ends there, then reallocate."""
-        slack = _REL * max(1.0, abs(t))
-        ending = [k for k, f in self._flows.items() if self._finish_time(f) <= t + slack]
+        ending = [k for k, f in self._flows.items() if self._finish_time(f) <= t + _slack(t)]
         self._drain(max(t, self.now))
         for k in ending:
             del self._flows[k]

@@ -51,9 +51,9 @@ class KernelModel:
     @staticmethod
     def from_calibration(topology: Topology, path: str | Path | None = None) -> KernelModel:
         """Load a calibration file (``relational-tensors calibrate`` writes one); by default the one
-        shipped for the topology's name, if any."""
+        shipped for the topology's machine, if any (a subset, ``hgx-h200[4]``, has the same GPUs)."""
         if path is None:
-            shipped = CALIBRATIONS / f"{topology.name}.json"
+            shipped = CALIBRATIONS / f"{topology.name.split('[', 1)[0]}.json"
             if not shipped.exists():
                 return KernelModel(topology)
             path = shipped

@@ -333,7 +333,8 @@ TOPOLOGIES: dict[str, Topology] = _registry()
 
 
 def get_topology(name: str | Topology, gpus: int | None = None) -> Topology:
-    """A registered topology (or the one given, or a JSON file), restricted to its first ``gpus`` sites.
+    """A registered topology (or the one given, or a JSON file), restricted to its first ``gpus`` sites;
+    a switch topology asked for more GPUs than it has is widened to a larger switch of the same GPUs.
 
     >>> get_topology("dgx-h100", gpus=2).table().column("bandwidth").to_pylist()
     [450000000000.0, 450000000000.0]
@@ -349,6 +350,32 @@ def get_topology(name: str | Topology, gpus: int | None = None) -> Topology:
                             "(or build one with nvswitch(), multi_node() or Topology.from_json()).")
     if gpus is None or gpus == len(top.sites):
         return top
-    if not 1 <= gpus <= len(top.sites):
-        raise ExchangeError(f"topology {top.name!r} has {len(top.sites)} GPUs; got gpus={gpus}.")
+    if gpus < 1:
+        raise ExchangeError(f"a topology needs at least one GPU; got gpus={gpus}.")
+    if gpus > len(top.sites):
+        switch = _switch_links(top)
+        if switch is None:
+            raise ExchangeError(
+                f"topology {top.name!r} has {len(top.sites)} GPUs and no switch to widen; got gpus={gpus}. "
+                f"Compile for at most {len(top.sites)} devices, or pass a topology with {gpus} GPUs "
+                "(nvswitch(), multi_node() or Topology.from_json()).")
+        # the same GPUs on a larger non-blocking switch: what a plan for more logical devices than the
+        # machine has GPUs (cpu:16, say) is priced against; the name keeps the GPUs' calibration
+        return nvswitch(top.name, gpus, switch[0], top.hbm_bandwidth, top.memory_bytes, top.peak_flops,
+                        switch[1], top.launch_latency)
     return top.subset(top.sites[:gpus])
+
+
+def _switch_links(top: Topology) -> tuple[float, float] | None:
+    """(link bandwidth, latency) of a uniform non-blocking switch as :func:`nvswitch` builds it;
+    None for any other topology."""
+    sites = top.sites
+    if set(top.resources) != {f"{kind}({i})" for i in sites for kind in ("egress", "ingress")}:
+        return None
+    bandwidths = set(top.resources.values())
+    latencies = {r.latency for r in top.routes.values()}
+    if len(bandwidths) != 1 or len(latencies) > 1:
+        return None
+    if any(r.resources != (f"egress({s})", f"ingress({d})") for (s, d), r in top.routes.items()):
+        return None
+    return bandwidths.pop(), latencies.pop() if latencies else NVLINK_LATENCY
