@@ -28,8 +28,16 @@ __all__ = ["Candidate", "Candidates", "build_candidates", "specs_for"]
 
 @functools.lru_cache(maxsize=4096)
 def specs_for(op: Operator, p: int) -> tuple[tuple[tuple[tuple[str, tuple[Interval, ...]], ...], JoinAggSpec], ...]:
-    """Every (request, spec) of ``op`` for ``p`` function specs; cached per distinct operator."""
-    return tuple((tuple(r.items()), op.spec(r)) for r in interval_requests(op, p))
+    """Every (request, spec) of ``op`` for ``p`` function specs; cached per distinct operator.
+
+    An operator too small to split into exactly ``p`` (three elements on eight devices, a 6x6 on
+    seven) gets the specs of the largest count below ``p`` that it can be split into: its function
+    specs take that many devices and the others hold none of it."""
+    for k in range(p, 0, -1):
+        found = tuple((tuple(r.items()), op.spec(r)) for r in interval_requests(op, k))
+        if found:
+            return found
+    return ()
 
 
 @dataclass
@@ -169,10 +177,9 @@ def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: 
         pairs = specs_for(op, p)
         if not pairs:
             extents = ", ".join(f"{s.name}={s.extent}" for s in op.requestable()) or "none"
-            raise PlanError(
-                f"operator {node.name!r} ({op.kind}, output {op.output_type.shape}) has no decomposition into "
-                f"exactly p={p} function specs: its shardable indices ({extents}) cannot be split into {p} "
-                f"combinations. Use fewer devices, or a device count that factors over these extents."
+            raise PlanError(  # even one function spec is a decomposition: a defect of the operator's specs
+                f"operator {node.name!r} ({op.kind}, output {op.output_type.shape}) offered no join-agg spec for "
+                f"any count of function specs up to p={p} (shardable indices: {extents})."
             )
         cands = []
         graph_inputs = tuple(graph.nodes[i].op is None for i in node.inputs)

@@ -67,8 +67,8 @@ def place(plan: LogicalPlan, op_id: int, placement: dict[int, tuple[int, ...]],
     key = (spec, tuple((k, producer, where) for k, producer, where in inputs))
     if memo is not None and key in memo:
         return memo[key]
-    p = spec.p
-    score = [[0] * p for _ in range(p)]
+    p, devices = spec.p, plan.p  # fewer function specs than devices when the operator is too small
+    score = [[0] * devices for _ in range(p)]
     for k, producer, where in inputs:
         width = itemsize(spec.input_types[k].dtype)
         for g, fg in enumerate(spec.functions):
@@ -77,7 +77,8 @@ def place(plan: LogicalPlan, op_id: int, placement: dict[int, tuple[int, ...]],
                 continue
             for f, ff in enumerate(producer.functions):
                 score[g][where[f]] += need.intersect(ff.output).volume * width
-    pairs = sorted(((g, d) for g in range(p) for d in range(p)), key=lambda gd: (-score[gd[0]][gd[1]], gd[0] != gd[1], gd))
+    pairs = sorted(((g, d) for g in range(p) for d in range(devices)),
+                   key=lambda gd: (-score[gd[0]][gd[1]], gd[0] != gd[1], gd))
     out: dict[int, int] = {}
     used: set[int] = set()
     for g, d in pairs:
@@ -308,8 +309,9 @@ class _Lowering:
                     wants.append(((g, k), i, f.inputs[k], g))
         delivered, placed = self.exchange(node.name, wants, guess, op_id)
         where = tuple(placed[g] for g in range(spec.p))
-        if sorted(where) != list(range(self.p)):
-            raise ExchangeError(f"the placement of {node.name!r} must put one function spec on each device; got {where}.")
+        if len(set(where)) != len(where) or not set(where) <= set(range(self.p)):
+            raise ExchangeError(f"the placement of {node.name!r} must put its function specs on distinct devices of "
+                                f"0..{self.p - 1}; got {where}.")
         self.placement[op_id] = where
         outs = []
         multiplicity = spec.output_multiplicity()
