@@ -103,12 +103,12 @@ def op_soups(draw: st.DrawFn) -> list[tuple]:
             keep = draw(st.lists(st.booleans(), min_size=r, max_size=r))
             steps.append((kind, draw(st.sampled_from(["add", "mul", "sub"])),
                           tuple(n if k else 1 for n, k in zip(shape, keep))))
-        elif kind == "matmul":
+        elif kind == "matmul" and r >= 2:  # matmul takes matrices (or batches of them)
             n = draw(st.integers(1, 12))
             steps.append((kind, shape[-1], n))
             shape[-1] = n
-        elif kind == "softmax":
-            steps.append((kind, axis))
+        elif kind in ("softmax", "matmul"):
+            steps.append(("softmax", axis))
         elif kind == "reduce":
             keepdims = r == 1 or draw(st.booleans())
             steps.append((kind, draw(st.sampled_from(["sum", "max", "mean"])), axis, keepdims))
