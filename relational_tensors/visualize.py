@@ -291,11 +291,13 @@ def plan_table(cg: CompiledGraph, rows: list[dict[str, Any]] | None = None, widt
     # paper: elements; bytes: bytes; calibrated: seconds, shown in microseconds
     unit, scale, digits = {"paper": ("elements", 1.0, 0), "calibrated": ("µs", 1e6, 1)}.get(
         cg.plan.cost_model, ("bytes", 1.0, 0))
+    small = [n.name for n in cg.graph.operators if cg.plan.spec(n.id).p < cg.p]
+    few = (f"; on fewer than {cg.p} devices (too small to split {cg.p} ways): {', '.join(small)}" if small else "")
     table = Table(
         title=(f"plan for p={cg.p} ({cg.devices}), selector={cg.plan.selector}, cost model={cg.plan.cost_model} "
                f"({unit})") if titled else None,
-        caption=(f"total cost {cg.plan.cost * scale:,.{digits}f} {unit}; planned in {sum(cg.timings.values()):.3f}s")
-        if titled else None)
+        caption=(f"total cost {cg.plan.cost * scale:,.{digits}f} {unit}; planned in {sum(cg.timings.values()):.3f}s"
+                 + few) if titled else None)
     heads = ("op", "kind", "split", "out tiling", "placement", "repartitions", "repartition", "join", "aggregation",
              "total")
     for h in heads:

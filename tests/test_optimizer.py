@@ -3,6 +3,7 @@ trees, the cut heuristic stays within its bound on DAGs, and the catalog answers
 
 from __future__ import annotations
 
+import io
 import itertools
 
 import duckdb
@@ -440,6 +441,7 @@ def test_an_operator_too_small_for_every_device_takes_as_many_as_it_can() -> Non
     feeds = {"x": np.arange(-3, 3, dtype=np.float32).reshape(2, 3),
              "z": np.random.default_rng(0).standard_normal((40, 2, 3)).astype(np.float32)}
     np.testing.assert_allclose(cg.run(feeds)["y"], rt.reference(g, feeds)["y"], rtol=1e-6)
+    assert f"on fewer than 7 devices (too small to split 7 ways): {relu.name}" in cg.explain(file=io.StringIO())
 
 
 def test_planning_errors_are_clear() -> None:
