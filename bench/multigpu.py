@@ -28,6 +28,7 @@ import numpy as np
 
 import relational_tensors as rt
 from relational_tensors.dp_optimizer.costs import COST_MODEL_NAMES
+from relational_tensors.exchange.plan_sim import CALIBRATIONS
 from relational_tensors.exchange.topology import Topology
 
 from common import (CHAINS, WORKLOADS, Report, Setup, bytes_moved, fmt, geomean, graph_flops,  # noqa: E402
@@ -104,9 +105,15 @@ def ours(args: argparse.Namespace) -> None:
     elif args.topology:
         print(f"note: no topology file at {args.topology}; planning against hgx-h200", flush=True)
     topo_name = topology if isinstance(topology, str) else topology.name
+    # a measured topology has its own name, so the shipped calibration of its GPUs is named here
+    calibration = None
+    shipped = CALIBRATIONS / "hgx-h200.json"
+    if not isinstance(topology, str) and "H200" in gpu and shipped.exists():
+        calibration = str(shipped)
     path = args.out / "ours.json"
     result: dict[str, Any] = {"gpu": gpu, "visible_gpus": visible,
-                              "topology": topo_name, "dtype": "float16", "rounds": "2 warm-ups + 10 timed",
+                              "topology": topo_name, "calibration": calibration or "shipped for the topology, if any",
+                              "dtype": "float16", "rounds": "2 warm-ups + 10 timed",
                               "rows": []}
     if not args.smoke:
         from gpu_block import matmul_rate
@@ -126,7 +133,7 @@ def ours(args: argparse.Namespace) -> None:
             try:
                 t0 = time.perf_counter()
                 cg = rt.compileGraph(g, device=f"cpu:{n}" if args.smoke else list(range(n)), topology=topology,
-                                     cost_model=model)
+                                     cost_model=model, calibration=calibration)
                 row["compile_s"] = time.perf_counter() - t0
                 row["predicted_ms"] = cg.simulate() * 1e3
                 row["bytes_between_gpus"] = bytes_moved(cg)
