@@ -7,6 +7,7 @@ from typing import Callable
 import numpy as np
 
 import relational_tensors as rt
+from relational_tensors.catalog import Catalog
 
 Case = Callable[[str], tuple[rt.Graph, str]]  # dtype -> (graph, name of the node under test)
 
@@ -77,6 +78,22 @@ CASES: dict[str, Case] = {
                                                               g.input("k", [1, 150, 1, 16], d),
                                                               g.input("v", [1, 150, 1, 16], d), scale=-0.3)),
 }
+
+
+TOL = dict(rtol=1e-4, atol=1e-5)  # float32 plans against the float32 reference
+CATALOG = Catalog()  # one in-memory catalog for the compilations of the test session
+
+
+def check_plan(g: rt.Graph, feeds: dict, p: int, **options) -> rt.CompiledGraph:
+    """Compile ``g`` for ``cpu:p`` with ``options``, run it on ``feeds``, and check every output
+    against ``rt.reference`` and each device's measured peak memory against the liveness pass's."""
+    cg = rt.compileGraph(g, device=f"cpu:{p}", catalog=CATALOG, **options)
+    got = cg.run(feeds)
+    expected = rt.reference(g, feeds)
+    for name in g.outputs:
+        np.testing.assert_allclose(got[name], expected[name], **TOL, err_msg=f"p={p} {options} output {name}")
+    assert cg._exec().peak == [cg.memory()[d] for d in range(p)]
+    return cg
 
 
 def feeds_for(g: rt.Graph, seed: int = 0) -> dict[str, np.ndarray]:

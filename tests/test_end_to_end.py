@@ -7,33 +7,18 @@ import numpy as np
 import pytest
 
 import relational_tensors as rt
-from relational_tensors.catalog import Catalog
 from relational_tensors.models import LLAMA3_8B, llama_block, llama_feeds
 
-from cases import CASES, feeds_for
+from cases import CASES, CATALOG, TOL, check_plan, feeds_for
 
 P_VALUES = [1, 2, 3, 4, 6, 8]
-TOL = dict(rtol=1e-4, atol=1e-5)
-CATALOG = Catalog()  # one in-memory catalog for every compilation of this module
-
-
-def _check(g: rt.Graph, feeds: dict, p: int, **options) -> rt.CompiledGraph:
-    cg = rt.compileGraph(g, device=f"cpu:{p}", catalog=CATALOG, **options)
-    got = cg.run(feeds)
-    expected = rt.reference(g, feeds)
-    for name in g.outputs:
-        np.testing.assert_allclose(got[name], expected[name], **TOL,
-                                   err_msg=f"p={p} {options} output {name}")
-    # the executor's real peak per device is the one the liveness pass predicted
-    assert cg._exec().peak == [cg.memory()[d] for d in range(p)]
-    return cg
 
 
 @pytest.mark.parametrize("p", P_VALUES)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_every_operator_end_to_end(case: str, p: int) -> None:
     g, _ = CASES[case]("float32")
-    _check(g, feeds_for(g), p)
+    check_plan(g, feeds_for(g), p)
 
 
 @pytest.mark.parametrize("p", P_VALUES)
@@ -41,21 +26,21 @@ def test_every_operator_end_to_end(case: str, p: int) -> None:
 def test_every_operator_under_other_selectors(case: str, p: int) -> None:
     g, _ = CASES[case]("float32")
     feeds = feeds_for(g)
-    _check(g, feeds, p, selector="greedy")
+    check_plan(g, feeds, p, selector="greedy")
     for seed in range(3):
-        _check(g, feeds, p, selector="random", seed=seed)
+        check_plan(g, feeds, p, selector="random", seed=seed)
 
 
 @pytest.mark.parametrize("p", P_VALUES)
 @pytest.mark.parametrize("selector,seed", [("dp", 0), ("greedy", 0), ("random", 0), ("random", 1), ("random", 2)])
 def test_llama_block_packed_end_to_end(p: int, selector: str, seed: int) -> None:
     g = llama_block(2, 48, 32, 8, 2, 88, dtype="float32", seq_ends=[5, 17, 20, 33, 48])
-    _check(g, llama_feeds(g, seed=p), p, selector=selector, seed=seed)
+    check_plan(g, llama_feeds(g, seed=p), p, selector=selector, seed=seed)
 
 
 def test_two_layers_and_repeated_execution() -> None:
     g = llama_block(1, 40, 32, 4, 2, 64, dtype="float32", layers=2)
-    cg = _check(g, llama_feeds(g), 4)
+    cg = check_plan(g, llama_feeds(g), 4)
     feeds = llama_feeds(g, seed=7)
     cg.load(feeds)
     cg.execute()

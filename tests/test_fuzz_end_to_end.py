@@ -1,5 +1,5 @@
-"""Whole programs on random shapes: LLaMA-style blocks (GQA, packed sequences, one or two layers)
-and matrix chains of random dimensions and order, compiled for a random number of virtual devices
+"""Whole programs on random shapes: LLaMA-style blocks (GQA, packed sequences, one or two layers),
+matrix chains of random dimensions and order, and random sequences of operators, compiled for a random number of virtual devices
 with a random selector, cost model and exchange schedule, run, and compared with the single-device
 NumPy reference.  Sizes are drawn freely, so most of them do not divide the device count.
 
@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import relational_tensors as rt
-from relational_tensors.catalog import Catalog
 from relational_tensors.models import chain_feeds, llama_block, llama_feeds
 
-TOL = dict(rtol=2e-4, atol=2e-5)
-CATALOG = Catalog()
+from cases import check_plan, feeds_for
+
 FUZZ = settings(max_examples=int(os.environ.get("RT_FUZZ_EXAMPLES", "30")), deadline=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+                suppress_health_check=[HealthCheck.too_slow])
 
 options = st.fixed_dictionaries({
     "selector": st.sampled_from(["dp", "dp", "greedy", "random"]),
@@ -29,15 +27,6 @@ options = st.fixed_dictionaries({
     "cost_model": st.sampled_from(["paper", "calibrated"]),
     "schedule_mode": st.sampled_from(["search", "naive"]),
 })
-
-
-def _run_and_compare(g: rt.Graph, feeds: dict, p: int, opts: dict) -> None:
-    cg = rt.compileGraph(g, device=f"cpu:{p}", catalog=CATALOG, **opts)
-    got = cg.run(feeds)
-    want = rt.reference(g, feeds)
-    for name in g.outputs:
-        np.testing.assert_allclose(got[name], want[name], **TOL, err_msg=f"p={p} {opts} output {name}")
-    assert cg._exec().peak == [cg.memory()[d] for d in range(p)]
 
 
 @st.composite
@@ -59,7 +48,7 @@ def blocks(draw: st.DrawFn) -> dict:
 @given(blocks(), st.integers(1, 9), options, st.integers(0, 2**16))
 def test_random_llama_blocks_equal_the_reference(block: dict, p: int, opts: dict, seed: int) -> None:
     g = llama_block(**block, dtype="float32")
-    _run_and_compare(g, llama_feeds(g, seed=seed), p, opts)
+    check_plan(g, llama_feeds(g, seed=seed), p, **opts)
 
 
 @st.composite
@@ -82,7 +71,7 @@ def chain_graph(dims: list[int], order: list[int]) -> rt.Graph:
 @given(chains(), st.integers(1, 9), options, st.integers(0, 2**16))
 def test_random_matrix_chains_equal_the_reference(chain: tuple, p: int, opts: dict, seed: int) -> None:
     g = chain_graph(*chain)
-    _run_and_compare(g, chain_feeds(g, seed=seed), p, opts)
+    check_plan(g, chain_feeds(g, seed=seed), p, **opts)
 
 
 @st.composite
@@ -178,6 +167,4 @@ def soup_graph(steps: list[tuple]) -> rt.Graph:
 @given(op_soups(), st.integers(1, 9), options, st.integers(0, 2**16))
 def test_random_operator_sequences_equal_the_reference(steps: list, p: int, opts: dict, seed: int) -> None:
     g = soup_graph(steps)
-    rng = np.random.default_rng(seed)
-    feeds = {n.name: rng.standard_normal(n.type.shape).astype(np.float32) for n in g.inputs}
-    _run_and_compare(g, feeds, p, opts)
+    check_plan(g, feeds_for(g, seed), p, **opts)
