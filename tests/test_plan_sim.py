@@ -134,3 +134,14 @@ def test_calibration_curves_interpolate_and_hold_their_ends(tmp_path) -> None:
     assert small == pytest.approx(1e6 / 1e14)  # below the curve: the smallest point's rate, no floor
     assert big == pytest.approx(1e15 / 5e14)   # above it: the largest point's rate
     assert 10 ** 10.5 / 5e14 < mid < 10 ** 10.5 / 1e14  # between: interpolated in log-size
+
+
+@pytest.mark.parametrize("gpus", [1, 4, 8, 12])
+def test_the_shipped_calibration_serves_every_size_of_its_machine(gpus: int) -> None:
+    # a subset (hgx-h200[4]) or a widened switch has the machine's GPUs, so its calibration; the
+    # lookup used to miss the subsets and fall back to default efficiencies
+    from relational_tensors.exchange.plan_sim import CALIBRATIONS, KernelModel
+
+    model = KernelModel.from_calibration(get_topology("hgx-h200", gpus=gpus))
+    assert model.source == str(CALIBRATIONS / "hgx-h200.json") and model.curves
+    assert KernelModel.from_calibration(get_topology("dgx-a100", gpus=gpus)).source == "defaults"

@@ -53,7 +53,7 @@ class KernelModel:
         """Load a calibration file (``relational-tensors calibrate`` writes one); by default the one
         shipped for the topology's machine, if any (a subset, ``hgx-h200[4]``, has the same GPUs)."""
         if path is None:
-            shipped = CALIBRATIONS / f"{topology.name.split('[', 1)[0]}.json"
+            shipped = CALIBRATIONS / f"{topology.machine}.json"
             if not shipped.exists():
                 return KernelModel(topology)
             path = shipped

@@ -155,6 +155,12 @@ class Topology:
             "capacity": pa.array([caps[n] for n in names], pa.float64()),
         })
 
+    @property
+    def machine(self) -> str:
+        """The machine's name without the ``[n]`` that :meth:`subset` appends: the GPUs, and so the
+        calibration, are the machine's."""
+        return self.name.split("[", 1)[0]
+
     def subset(self, sites: Iterable[int], name: str | None = None) -> Topology:
         """The same machine restricted to ``sites``; resources no kept route uses are dropped."""
         keep = tuple(sites)
