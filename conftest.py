@@ -7,6 +7,5 @@ collect_ignore_glob = []
 if importlib.util.find_spec("triton") is None or importlib.util.find_spec("cupy") is None:
     collect_ignore_glob += [
         "relational_tensors/gpu_exec/cupy_backend.py",
-        "relational_tensors/gpu_exec/gpu_ops.py",
         "relational_tensors/gpu_exec/kernels/*.py",
     ]

@@ -23,17 +23,18 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 import relational_tensors as rt
-from relational_tensors.exchange.topology import get_topology
 from relational_tensors.frontend.graph import Graph
 from relational_tensors.models import LLAMA3_8B, llama_block, matrix_chain
+from relational_tensors.target.topology import get_topology
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
@@ -67,7 +68,7 @@ class Setup:
         return _graph(self.family, self.name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _graph(family: str, name: str) -> Graph:
     if family == "transformer":
         b, s = WORKLOADS[name]
@@ -261,7 +262,7 @@ def _git() -> str:
 
 def describe_topology(name: str) -> str:
     """One line about a simulated machine: its GPUs, memory, HBM, peak FP16 and fastest link."""
-    from relational_tensors.exchange.plan_sim import KernelModel
+    from relational_tensors.target.kernel_model import KernelModel
 
     t = get_topology(name)
     link = max((t.bandwidth(s, d) for s in t.sites for d in t.sites if s != d), default=0.0)

@@ -18,11 +18,11 @@ import statistics
 import time
 from pathlib import Path
 
+from common import WORKLOADS  # the paper's five token workloads (bench/common.py)
+
 import relational_tensors as rt
 from relational_tensors.dp_optimizer.candidates import specs_for
 from relational_tensors.models import LLAMA3_8B, llama_block
-
-from common import WORKLOADS  # the paper's five token workloads (bench/common.py)
 
 
 def timed(build, rounds: int, warmups: int = 2) -> dict[str, float]:
@@ -52,7 +52,8 @@ def main() -> None:
     args = ap.parse_args()
     results = {}
     for name, (b, s) in WORKLOADS.items():
-        results[f"block {name}"] = timed(lambda: llama_block(b, s, dtype="float16", **LLAMA3_8B), args.rounds)
+        results[f"block {name}"] = timed(lambda b=b, s=s: llama_block(b, s, dtype="float16", **LLAMA3_8B),
+                                         args.rounds)
         print(name, results[f"block {name}"])
     stack = f"{args.layers} layers 8K"
     results[stack] = timed(lambda: llama_block(1, 8192, dtype="float16", layers=args.layers, **LLAMA3_8B),

@@ -15,7 +15,8 @@ ours and the best hand-written PyTorch at its largest GPU count are shown too.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import common
 from common import fmt, geomean

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 import common
+import numpy as np
 from common import fmt, pearson
 
 TOPOLOGY = "dgx-a100"
@@ -40,8 +39,8 @@ def main() -> None:
     budget = args.budget
     setups = common.setups(args.quick)
 
-    from relational_tensors.exchange.plan_sim import KernelModel
-    from relational_tensors.exchange.topology import get_topology
+    from relational_tensors.target.kernel_model import KernelModel
+    from relational_tensors.target.topology import get_topology
 
     source = KernelModel.from_calibration(get_topology(TOPOLOGY), None).source
     calibrated_note = (

@@ -1,7 +1,8 @@
 """The LLaMA-3-8B-shaped block on one GPU: ours (with our Triton attention kernel, and with a library
 FlashAttention kernel where it applies: ``attention="flash"``) against PyTorch eager and torch.compile (SDPA),
 and the FLOP roofline at this GPU's measured matmul rate; then ours on 2, 4 and 8 virtual devices
-of the same GPU, planned with the paper's cost model and with the calibrated one.  FP16, 2 warm-ups and 10 timed rounds, CUDA events.
+of the same GPU, planned with the paper's cost model and with the calibrated one.  FP16, 2 warm-ups and
+10 timed rounds, CUDA events.
 
     python bench/gpu_block.py [--workloads 1K,8K,8x1K,128x1K,128K] [--out bench/results]
 """
@@ -19,12 +20,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import WORKLOADS  # the paper's five token workloads (bench/common.py)
 
 import relational_tensors as rt
 from relational_tensors.gpu_exec.calibrate import time_cuda, time_wall
 from relational_tensors.models import LLAMA3_8B, llama_block, llama_feeds
-
-from common import WORKLOADS  # the paper's five token workloads (bench/common.py)
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX shares the GPU with CuPy and PyTorch
 
@@ -120,7 +120,7 @@ def jax_block(feeds: dict, b: int, s: int):
         except Exception as e:  # noqa: BLE001 - no cuDNN attention for this build or shape: XLA's
             failed = f"cudnn failed: {type(e).__name__}: {str(e)[:120]}; "
             continue
-        return (lambda: f(p["x"], p).block_until_ready()), y, failed + (implementation or "xla")
+        return (lambda f=f: f(p["x"], p).block_until_ready()), y, failed + (implementation or "xla")
     raise RuntimeError(failed)
 
 
@@ -146,7 +146,7 @@ def main() -> None:
         cg = rt.compileGraph(g, device="cuda:0")
         compile_s = time.perf_counter() - t0
         cg.load(feeds)
-        ex = cg._exec()
+        ex = cg.executor
         ours = time_cuda(cg.execute, ex.streams[0])
         y = cg.offload("y", like="cupy")
         prof = cg.profile()
@@ -158,7 +158,7 @@ def main() -> None:
         try:
             cgf = rt.compileGraph(g, device="cuda:0", attention="flash")
             cgf.load(feeds)
-            flash = time_cuda(cgf.execute, cgf._exec().streams[0])
+            flash = time_cuda(cgf.execute, cgf.executor.streams[0])
             yf = cgf.offload("y", like="cupy")
             rows_flash = {"ours_flash_ms": statistics.mean(flash), "ours_flash_all": flash,
                           "flash_max_abs_diff_vs_ours": float(cupy.max(cupy.abs(yf.astype(cupy.float32)
@@ -170,10 +170,10 @@ def main() -> None:
         block, x = torch_block(torch, feeds, b, s)
         with torch.no_grad():
             stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream())
-            eager = time_cuda(lambda: block(x), stream)
+            eager = time_cuda(lambda block=block, x=x: block(x), stream)
             ref = block(x)
             compiled = torch.compile(block)
-            comp = time_cuda(lambda: compiled(x), stream)
+            comp = time_cuda(lambda compiled=compiled, x=x: compiled(x), stream)
         diff = float(cupy.max(cupy.abs(y.astype(cupy.float32) - cupy.asarray(ref.float()))))
         del ref
         torch.cuda.empty_cache()
@@ -190,14 +190,15 @@ def main() -> None:
         rows[name] = {"ours_ms": statistics.mean(ours), "eager_ms": statistics.mean(eager),
                       "compile_ms": statistics.mean(comp), "roofline_ms": roof, "compile_s": compile_s,
                       "max_abs_diff_vs_torch": diff, "ours_all": ours,
-                      "ours_eager_breakdown_ms": {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+                      "ours_eager_breakdown_ms": {k: round(v, 4) for k, v in
+                                                  sorted(kinds.items(), key=lambda kv: -kv[1])},
                       **rows_flash, **rows_jax}
         for p in [int(v) for v in args.virtual.split(",") if v] if s * b >= 8192 else []:
             for model in args.virtual_cost_models.split(","):
                 key = f"virtual{p}" + ("" if model == "paper" else f"_{model}")
                 cgv = rt.compileGraph(g, device="cuda:" + ",".join(["0"] * p), cost_model=model)
                 cgv.load(feeds)
-                exv = cgv._exec()
+                exv = cgv.executor
                 tv = time_cuda(cgv.execute, exv.streams[0])
                 yv = cgv.offload("y", like="cupy")
                 rows[name][f"{key}_ms"] = statistics.mean(tv)
@@ -228,8 +229,8 @@ def main() -> None:
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
     (path / "gpu_block.json").write_text(json.dumps(out, indent=2))
-    lines = ["| workload | ours (ms) | ours, flash attention (ms) | torch eager (ms) | torch.compile (ms) | JAX jit (ms) |"
-             " roofline (ms) | ours / roofline | 2 virt. (paper / calibrated) | 4 virt. | 8 virt. |",
+    lines = ["| workload | ours (ms) | ours, flash attention (ms) | torch eager (ms) | torch.compile (ms) |"
+             " JAX jit (ms) | roofline (ms) | ours / roofline | 2 virt. (paper / calibrated) | 4 virt. | 8 virt. |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def virtual(r: dict, p: int) -> str:
@@ -244,7 +245,8 @@ def main() -> None:
                      f"{r['roofline_ms']:.2f} | {r['ours_ms'] / r['roofline_ms']:.2f} | {virt} |")
     fl = f"{summary['ours_flash_ms']:.2f}" if "ours_flash_ms" in summary else "-"
     jx = f"{summary['jax_ms']:.2f}" if "jax_ms" in summary else "-"
-    lines.append(f"| geomean | {summary['ours_ms']:.2f} | {fl} | {summary['eager_ms']:.2f} | {summary['compile_ms']:.2f} | {jx} | "
+    lines.append(f"| geomean | {summary['ours_ms']:.2f} | {fl} | {summary['eager_ms']:.2f} | "
+                 f"{summary['compile_ms']:.2f} | {jx} | "
                  f"{summary['roofline_ms']:.2f} | {summary['ours_ms'] / summary['roofline_ms']:.2f} | | | |")
     (path / "gpu_block.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -13,9 +13,8 @@ import statistics
 from pathlib import Path
 
 import relational_tensors as rt
-from relational_tensors.models import CHAINS, chain_feeds, matrix_chain
-
 from relational_tensors.gpu_exec.calibrate import time_cuda, time_wall
+from relational_tensors.models import CHAINS, chain_feeds, matrix_chain
 
 
 def main() -> None:
@@ -33,19 +32,19 @@ def main() -> None:
         feeds = chain_feeds(g, seed=0)  # on every CPU core: chain E alone is 3.8 G values
         cg = rt.compileGraph(g, device="cuda:0")
         cg.load(feeds)
-        ours = time_cuda(cg.execute, cg._exec().streams[0])
+        ours = time_cuda(cg.execute, cg.executor.streams[0])
         y = cg.offload("y", like="cupy")
         mats = {int(k[1:]): torch.from_numpy(v).cuda() for k, v in feeds.items()}
 
-        def chain(node):
+        def chain(node, mats):
             if isinstance(node, int):
                 return mats[node]
-            return chain(node[0]) @ chain(node[1])
+            return chain(node[0], mats) @ chain(node[1], mats)
 
         with torch.no_grad():
             stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream())
-            tt = time_cuda(lambda: chain(order), stream)
-            ref = chain(order)
+            tt = time_cuda(lambda order=order, mats=mats: chain(order, mats), stream)
+            ref = chain(order, mats)
         jax_ms = None
         try:
             import jax
@@ -56,8 +55,8 @@ def main() -> None:
             def jchain(node, m):
                 return m[node] if isinstance(node, int) else jchain(node[0], m) @ jchain(node[1], m)
 
-            f = jax.jit(lambda m: jchain(order, m))
-            jax_ms = statistics.mean(time_wall(lambda: f(jm).block_until_ready()))
+            f = jax.jit(lambda m, order=order: jchain(order, m))
+            jax_ms = statistics.mean(time_wall(lambda f=f, jm=jm: f(jm).block_until_ready()))
             del jm
         except Exception as e:  # JAX absent or unable to share the GPU
             print(f"JAX skipped: {type(e).__name__}: {e}")

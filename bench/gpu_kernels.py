@@ -61,9 +61,8 @@ def main() -> None:
         with torch.no_grad():
             ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  is_causal=True, enable_gqa=True).transpose(1, 2)
-            sdpa = timed(lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                                v.transpose(1, 2), is_causal=True, enable_gqa=True),
-                         rounds)
+            sdpa = timed(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True), rounds)
         row = {"sdpa_ms": sdpa, "sdpa_tflops": flops / sdpa / 1e9, "configs": {}}
         scale = 1 / math.sqrt(dh)
         base_args = (buf(q), buf(k), buf(v), buf(o), None, buf(lo), buf(hi))
@@ -74,7 +73,8 @@ def main() -> None:
         kargs, consts, _, tma = ta.launch_arguments(*base_args, 0, 0, scale)
         for cfg in sorted(cfgs):
             try:
-                ms = timed(lambda: ta._launch(cfg, kargs, consts, s, hq, tma), rounds)
+                ms = timed(lambda cfg=cfg, kargs=kargs, consts=consts, s=s, tma=tma:
+                           ta._launch(cfg, kargs, consts, s, hq, tma), rounds)
             except Exception as e:  # noqa: BLE001 - report and go on
                 row["configs"][str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                 continue
@@ -94,14 +94,14 @@ def main() -> None:
         ang = torch.arange(s, device=dev, dtype=torch.float64)[:, None] * inv[None, :]
         cos, sin = ang.cos().half()[None, :, None, :], ang.sin().half()[None, :, None, :]
 
-        def torch_rope(x):
+        def torch_rope(x, cos=cos, sin=sin):
             x1, x2 = x[..., : dh // 2], x[..., dh // 2:]
             return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
         crope = torch.compile(torch_rope)
         nbytes = 2 * x.numel() * 2
-        ours = timed(lambda: rope(buf(x), buf(y), buf(starts), 0, 500000.0))
-        theirs = timed(lambda: crope(x))
+        ours = timed(lambda x=x, y=y, starts=starts: rope(buf(x), buf(y), buf(starts), 0, 500000.0))
+        theirs = timed(lambda crope=crope, x=x: crope(x))
         out["rope"][s] = {"ours_ms": ours, "compile_ms": theirs, "ours_GBps": nbytes / ours / 1e6,
                           "max_abs_diff": float((y.float() - crope(x).float()).abs().max())}
         print(s, "rope", out["rope"][s], flush=True)
@@ -109,14 +109,14 @@ def main() -> None:
         w = torch.randn(dm, device=dev, dtype=torch.float16)
         hn = torch.empty_like(h)
 
-        def torch_rms(x):
+        def torch_rms(x, w=w):
             xf = x.float()
             return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).half() * w
 
         crms = torch.compile(torch_rms)
         nbytes = 2 * h.numel() * 2
-        ours = timed(lambda: rmsnorm(buf(h), buf(w), buf(hn), 1e-5))
-        theirs = timed(lambda: crms(h))
+        ours = timed(lambda h=h, w=w, hn=hn: rmsnorm(buf(h), buf(w), buf(hn), 1e-5))
+        theirs = timed(lambda crms=crms, h=h: crms(h))
         out["rmsnorm"][s] = {"ours_ms": ours, "compile_ms": theirs, "ours_GBps": nbytes / ours / 1e6,
                              "max_abs_diff": float((hn.float() - crms(h).float()).abs().max())}
         print(s, "rmsnorm", out["rmsnorm"][s], flush=True)

@@ -21,19 +21,18 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
+from common import CHAINS, WORKLOADS, Report, Setup, bytes_moved, fmt, geomean, graph_flops, header, plan_key  # noqa: E402
 
 import relational_tensors as rt
 from relational_tensors.dp_optimizer.costs import COST_MODEL_NAMES
-from relational_tensors.exchange.plan_sim import CALIBRATIONS
-from relational_tensors.exchange.topology import Topology
-
-from common import (CHAINS, WORKLOADS, Report, Setup, bytes_moved, fmt, geomean, graph_flops,  # noqa: E402
-                    header, plan_key)
 from relational_tensors.gpu_exec.calibrate import time_cuda, time_wall  # noqa: E402
+from relational_tensors.target.kernel_model import CALIBRATIONS
+from relational_tensors.target.topology import Topology
 
 OUT = Path(__file__).resolve().parent / "results" / "multigpu"
 GPU_COUNTS = (1, 2, 4, 8)
@@ -50,7 +49,7 @@ def time_ours(cg: rt.CompiledGraph, warmups: int = 2, rounds: int = 10) -> tuple
     """Milliseconds of each timed round.  After the warm-ups the program is one CUDA graph launched on the
     first device's stream, which waits for every other stream, so events on that stream time all GPUs;
     a program that could not be captured is timed with the wall clock around execute + synchronize."""
-    ex = cg._exec()
+    ex = cg.executor
     uncaptured = ""
     for _ in range(warmups):
         try:
@@ -230,15 +229,15 @@ def merge(args: argparse.Namespace) -> None:
                f"ours / roofline at {top}"])
     rows = []
     for w in names:
-        o = [each(lambda m, n=n: ours_ms(w, n, m), 3) if n > 1 else fmt(ours_ms(w, 1, models[0]), 3)
+        o = [each(lambda m, n=n, w=w: ours_ms(w, n, m), 3) if n > 1 else fmt(ours_ms(w, 1, models[0]), 3)
              for n in counts]
         b = [f"{best[(w, n)]['ms']:.3f} ({best[(w, n)]['strategy']})" if (w, n) in best else "-" for n in counts]
         roof = flops[w] / (top * rate * 1e12) * 1e3 if top and rate and w in flops else None
         rows.append([_label(w), *o, *b,
-                     each(lambda m: ratio(best[(w, top)]["ms"] if (w, top) in best else None, ours_ms(w, top, m)),
-                          2, "x"),
-                     each(lambda m: ratio(ours_ms(w, 1, m), ours_ms(w, top, m)), 2, "x"),
-                     fmt(roof, 3), each(lambda m: ratio(ours_ms(w, top, m), roof), 2)])
+                     each(lambda m, w=w: ratio(best[(w, top)]["ms"] if (w, top) in best else None,
+                                               ours_ms(w, top, m)), 2, "x"),
+                     each(lambda m, w=w: ratio(ours_ms(w, 1, m), ours_ms(w, top, m)), 2, "x"),
+                     fmt(roof, 3), each(lambda m, w=w, roof=roof: ratio(ours_ms(w, top, m), roof), 2)])
     blocks = [w for w in names if w in WORKLOADS]
     geo_o = [each(lambda m, n=n: geomean(ours_ms(w, n, m) for w in blocks), 3) if n > 1
              else fmt(geomean(ours_ms(w, 1, models[0]) for w in blocks), 3) for n in counts]
@@ -308,7 +307,7 @@ def merge(args: argparse.Namespace) -> None:
 def _against_builtin(measured: Topology, topo_txt: str | None, builtin: str = "hgx-h200") -> str:
     """The built-in topology the planner assumes, checked against the measured one and ``nvidia-smi topo -m``:
     per-pair link bandwidth and HBM rate as ratios, and whether every GPU pair is on NVLink."""
-    from relational_tensors.exchange.topology import get_topology
+    from relational_tensors.target.topology import get_topology
 
     n = len(measured.sites)
     ref = get_topology(builtin, gpus=n) if n <= 8 else get_topology(builtin)

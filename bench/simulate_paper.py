@@ -15,10 +15,10 @@ import json
 import math
 from pathlib import Path
 
+from common import WORKLOADS  # the paper's five token workloads (bench/common.py)
+
 import relational_tensors as rt
 from relational_tensors.models import LLAMA3_8B, llama_block
-
-from common import WORKLOADS  # the paper's five token workloads (bench/common.py)
 
 PAPER_MS = {"1K": 1.21, "128K": 143.0}  # the per-workload numbers the paper states; geomean 8.97 ms
 
@@ -30,7 +30,7 @@ def main() -> None:
     rows = {}
     for name, (b, s) in WORKLOADS.items():
         cg = rt.compileGraph(llama_block(b, s, dtype="float16", **LLAMA3_8B), device=8, topology=args.topology)
-        sim = cg._simulation(None, None)
+        sim = cg.simulation()
         moved = cg.dag.bytes_moved()
         rows[name] = {"predicted_ms": sim.time * 1e3, "kernel_busy_ms_dev0": sum(
             t.end - t.start for t in sim.tasks if t.device == 0 and t.kind == "kernel") * 1e3,
@@ -41,7 +41,8 @@ def main() -> None:
            "geomean_predicted_ms": geo, "paper_geomean_ms": 8.97, "workloads": rows}
     Path("bench/results").mkdir(parents=True, exist_ok=True)
     Path(f"bench/results/simulate_paper_{args.topology}.json").write_text(json.dumps(out, indent=2))
-    lines = ["| workload | attention split | bytes between devices | predicted (ms, simulated) | paper, measured (ms) |",
+    lines = ["| workload | attention split | bytes between devices | predicted (ms, simulated) |"
+             " paper, measured (ms) |",
              "|---|---|---|---|---|"]
     for name, r in rows.items():
         lines.append(f"| {name} | {r['attention_split']} | {r['bytes_between_devices']:,} | {r['predicted_ms']:.2f} | "

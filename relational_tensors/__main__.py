@@ -1,3 +1,4 @@
 from relational_tensors.cli import main
+
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -136,7 +136,7 @@ def parse_bytes(text: str) -> int:
 def _device_arg(text: str | None) -> object:
     """The --devices text as compileGraph's device argument; default: every GPU, else 8 virtual CPUs."""
     if text is None:
-        from relational_tensors.devices import visible_gpus
+        from relational_tensors.target.devices import visible_gpus
 
         return None if visible_gpus() else "cpu:8"
     text = text.strip()
@@ -149,7 +149,7 @@ def _device_arg(text: str | None) -> object:
 
 def _topology_arg(name: str) -> Any:
     """A registered topology name, or the path of a topology JSON file (loaded)."""
-    from relational_tensors.exchange.topology import Topology, get_topology
+    from relational_tensors.target.topology import Topology, get_topology
 
     if name.endswith(".json") or Path(name).is_file():
         if not Path(name).is_file():
@@ -500,25 +500,37 @@ def _global_flags(parser: argparse.ArgumentParser, here: bool) -> None:
     parser.add_argument("--debug", action="store_true", default=default, help="show tracebacks on errors")
 
 
+def _choices(option: str) -> tuple[str, ...]:
+    from relational_tensors.options import CompileOptions
+
+    return CompileOptions.choices(option)
+
+
+def _default(option: str) -> Any:
+    from relational_tensors.options import CompileOptions
+
+    return CompileOptions.default(option)
+
+
 def _plan_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE", help="Python file defining build() -> rt.Graph, or graph")
     o = parser.add_argument_group("planning")
     o.add_argument("--devices", "--device", dest="devices", metavar="DEV",
                    help="cpu:N (virtual CPUs), N or 0,1,.. (GPUs, may be absent when only planning), "
                         "cuda:0,0 (devices sharing a GPU); default: every GPU, else cpu:8")
-    o.add_argument("--topology", default="hgx-h200",
+    o.add_argument("--topology", default=_default("topology"),
                    help="machine simulated: a registered name or a topology JSON file (default: hgx-h200)")
-    o.add_argument("--selector", default="dp", choices=("dp", "greedy", "random"), help="spec selector")
-    o.add_argument("--cost-model", default="paper", choices=("paper", "bytes", "calibrated"),
+    o.add_argument("--selector", default=_default("selector"), choices=_choices("selector"), help="spec selector")
+    o.add_argument("--cost-model", default=_default("cost_model"), choices=_choices("cost_model"),
                    help="cost model (calibrated: seconds on --topology with --calibration's kernel rates)")
-    o.add_argument("--schedule", default="naive", choices=("naive", "search", "ai"),
+    o.add_argument("--schedule", default=_default("schedule_mode"), choices=_choices("schedule_mode"),
                    help="exchange-program synthesis")
-    o.add_argument("--search-budget", type=float, default=0.5, metavar="S",
+    o.add_argument("--search-budget", type=float, default=_default("search_budget_s"), metavar="S",
                    help="seconds of search per exchange program with --schedule search")
-    o.add_argument("--attention", default="triton", choices=("triton", "flash"),
+    o.add_argument("--attention", default=_default("attention"), choices=_choices("attention"),
                    help="GPU attention kernel (flash: flash-attn or PyTorch's where it applies)")
-    o.add_argument("--tactic", default="tree", choices=("tree", "linear"), help="DP tactic")
-    o.add_argument("--seed", type=int, default=0, help="seed of the random selector and the search")
+    o.add_argument("--tactic", default=_default("tactic"), choices=_choices("tactic"), help="DP tactic")
+    o.add_argument("--seed", type=int, default=_default("seed"), help="seed of the random selector and the search")
     o.add_argument("--memory-per-device", type=parse_bytes, default=None, metavar="BYTES",
                    help="memory limit per device, e.g. 80GiB")
     o.add_argument("--catalog", default=None, metavar="PATH", help="persist the catalog in this DuckDB file")
@@ -528,7 +540,7 @@ def _plan_options(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from relational_tensors import __version__
-    from relational_tensors.exchange.topology import TOPOLOGIES
+    from relational_tensors.target.topology import TOPOLOGIES
 
     parser = argparse.ArgumentParser(
         prog=PROG, description="Plan AI computations over many devices as joins followed by aggregations.",

@@ -19,17 +19,20 @@ from typing import Any, Callable
 import pyarrow as pa
 
 from relational_tensors.catalog import Catalog
-from relational_tensors.devices import DeviceSet, parse_devices, visible_gpus
 from relational_tensors.dp_optimizer.candidates import Candidates, build_candidates
-from relational_tensors.dp_optimizer.costs import COST_MODEL_NAMES
 from relational_tensors.dp_optimizer.costs import cost_model as get_cost_model
 from relational_tensors.dp_optimizer.plan import LogicalPlan
-from relational_tensors.dp_optimizer.select import SELECTORS, select_dp, select_greedy, select_random
-from relational_tensors.dp_optimizer.trees import TACTICS, Piece, cut_pieces
+from relational_tensors.dp_optimizer.select import select_dp, select_greedy, select_random
+from relational_tensors.dp_optimizer.trees import Piece, cut_pieces
 from relational_tensors.errors import ExecError, GraphError, OutOfMemoryPlanError, PlanError
-from relational_tensors.exchange.lower import SCHEDULES, Lowered, lower
-from relational_tensors.exchange.tasks import Liveness, liveness
-from relational_tensors.frontend.graph import Graph
+from relational_tensors.frontend.graph import Graph, Tensor
+from relational_tensors.options import CompileOptions
+from relational_tensors.physical.lower import Lowered, lower
+from relational_tensors.physical.simulate import PlanSimResult
+from relational_tensors.physical.tasks import Liveness, liveness
+from relational_tensors.target.devices import visible_gpus
+from relational_tensors.target.target import Target
+from relational_tensors.target.topology import Topology
 
 __all__ = ["compileGraph", "compile", "CompiledGraph", "PASSES"]
 
@@ -37,9 +40,10 @@ __all__ = ["compileGraph", "compile", "CompiledGraph", "PASSES"]
 @dataclass
 class _State:
     graph: Graph
-    options: dict[str, Any]
+    options: CompileOptions
     catalog: Catalog
-    devices: DeviceSet | None = None
+    device: object
+    target: Target | None = None
     cid: int = -1
     candidates: Candidates | None = None
     pieces: list[Piece] = field(default_factory=list)
@@ -51,22 +55,23 @@ class _State:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def _pass_devices(s: _State) -> None:
-    s.devices = parse_devices(s.options["device"])
+def _pass_target(s: _State) -> None:
     o = s.options
-    s.cid = s.catalog.new_compilation(label=o["label"] or ",".join(s.graph.outputs), devices=s.devices.p,
-                                      device=str(s.devices), selector=o["selector"], seed=o["seed"],
-                                      cost_model=o["cost_model"], memory_per_device=o["memory_per_device"])
+    s.target = Target.resolve(s.device, o.topology, o.calibration)
+    devices = s.target.devices
+    s.cid = s.catalog.new_compilation(label=o.label or ",".join(s.graph.outputs), devices=devices.p,
+                                      device=str(devices), selector=o.selector, seed=o.seed,
+                                      cost_model=o.cost_model, memory_per_device=o.memory_per_device)
 
 
 def _pass_candidates(s: _State) -> None:
-    assert s.devices is not None
-    model = get_cost_model(s.options["cost_model"], s.options["topology"], s.devices.p, s.options["calibration"])
-    s.candidates = build_candidates(s.graph, s.devices.p, model, s.options["memory_per_device"])
+    assert s.target is not None
+    model = get_cost_model(s.options.cost_model, s.target)
+    s.candidates = build_candidates(s.graph, s.target.p, model, s.options.memory_per_device)
 
 
 def _pass_pieces(s: _State) -> None:
-    s.pieces, s.cut = cut_pieces(s.graph, s.options["tactic"])
+    s.pieces, s.cut = cut_pieces(s.graph, s.options.tactic)
 
 
 def _pass_catalog(s: _State) -> None:
@@ -114,114 +119,110 @@ def _pass_catalog(s: _State) -> None:
         cat.insert("edge_prices", s.candidates.arrow_prices(), cid)
 
 
-def _pass_select(s: _State) -> None:
+def _choose(s: _State, memory_price: float = 0.0) -> tuple[dict[int, int], LogicalPlan]:
+    """One spec per operator by the options' selector (``memory_price``: per resident byte, DP only)."""
     assert s.candidates is not None
-    sel = s.options["selector"]
+    sel = s.options.selector
     if sel == "dp":
-        s.choice = select_dp(s.catalog, s.cid, s.graph, s.candidates, s.pieces)
+        choice = select_dp(s.catalog, s.cid, s.graph, s.candidates, s.pieces, memory_price=memory_price)
     elif sel == "greedy":
-        s.choice = select_greedy(s.catalog, s.cid)
+        choice = select_greedy(s.catalog, s.cid)
     else:
-        s.choice = select_random(s.catalog, s.cid, s.candidates, s.options["seed"])
-    s.plan = LogicalPlan(s.graph, s.candidates, s.choice, sel, s.options["cost_model"])
+        choice = select_random(s.catalog, s.cid, s.candidates, s.options.seed)
+    return choice, LogicalPlan(s.graph, s.candidates, choice, sel, s.options.cost_model)
+
+
+def _pass_select(s: _State) -> None:
+    s.choice, s.plan = _choose(s)
 
 
 def _pass_check(s: _State) -> None:
     """Changes nothing: every operator has one spec of at most p function specs (p unless it is too
     small to split so) whose outputs tile its output."""
-    assert s.plan is not None and s.devices is not None
+    assert s.plan is not None and s.target is not None
     for n in s.graph.operators:
         if n.id not in s.choice:
             raise PlanError(f"check after 'select': operator {n.name!r} has no spec.")
         spec = s.plan.spec(n.id)
-        if not 1 <= spec.p <= s.devices.p:
-            raise PlanError(f"check after 'select': {n.name!r} has {spec.p} function specs for p={s.devices.p}.")
+        if not 1 <= spec.p <= s.target.p:
+            raise PlanError(f"check after 'select': {n.name!r} has {spec.p} function specs for p={s.target.p}.")
         if spec.output_type != n.type or spec.output_tiling.space != n.type.box:
             raise PlanError(f"check after 'select': the spec of {n.name!r} changed its output type.")
 
 
-def _synthesizer(s: _State) -> Any:
-    """The exchange-program synthesizer the schedule mode names (None: naive)."""
-    if s.options["schedule_mode"] in ("search", "ai"):
-        from relational_tensors.exchange.search import make_searcher
-        from relational_tensors.exchange.topology import get_topology
+def _searched(s: _State, plan: LogicalPlan, naive: Lowered) -> Lowered:
+    """``plan`` lowered with searched exchange programs, unless the whole plan simulates faster with the
+    naive ones (``naive``): the search improves each program on its own, and programs that overlap can
+    interfere on shared links."""
+    from relational_tensors.exchange.search import make_searcher
+    from relational_tensors.physical.simulate import simulate_plan
 
-        assert s.devices is not None
-        topo = get_topology(s.options["topology"], gpus=s.devices.p)
-        return make_searcher(topo, seed=s.options["seed"], budget_s=s.options["search_budget_s"])
-    return None
-
-
-def _lower(s: _State, plan: LogicalPlan) -> Any:
-    """Lower ``plan`` with the schedule mode's synthesizer.  The search improves each exchange program
-    on its own; the whole plan keeps the searched programs only if the simulator finds it no slower
-    than with the naive ones (programs that overlap can interfere on shared links)."""
-    synth = _synthesizer(s)
-    lowered = lower(plan, "naive", synth)
-    if synth is not None:
-        from relational_tensors.exchange.plan_sim import KernelModel, simulate_plan
-        from relational_tensors.exchange.topology import get_topology
-
-        assert s.devices is not None
-        naive = lower(plan, "naive", None)
-        topo = get_topology(s.options["topology"], gpus=s.devices.p)
-        kernels = KernelModel.from_calibration(topo, s.options["calibration"])
-        if simulate_plan(naive.dag, s.graph, topo, kernels).time < simulate_plan(lowered.dag, s.graph, topo,
-                                                                                    kernels).time:
-            return naive
-    return lowered
+    assert s.target is not None
+    t = s.target
+    synth = make_searcher(t.topology, seed=s.options.seed, budget_s=s.options.search_budget_s)
+    searched = lower(plan, "naive", synth)
+    if simulate_plan(naive.dag, s.graph, t.topology, t.kernels).time < simulate_plan(
+            searched.dag, s.graph, t.topology, t.kernels).time:
+        return naive
+    return searched
 
 
 def _pass_lower(s: _State) -> None:
     assert s.plan is not None
-    s.lowered = _lower(s, s.plan)
+    s.lowered = lower(s.plan, "naive")
+
+
+def _pass_search(s: _State) -> None:
+    if s.options.searched:
+        assert s.plan is not None and s.lowered is not None
+        s.lowered = _searched(s, s.plan, s.lowered)
 
 
 def _device_memory(s: _State) -> dict[int, int] | None:
     """Bytes each logical device may use: memory_per_device, else its GPU's share, else no limit (CPU)."""
-    assert s.devices is not None
-    if s.options["memory_per_device"] is not None:
-        return {d: s.options["memory_per_device"] for d in range(s.devices.p)}
-    if s.devices.kind != "cuda":
-        return None
-    from relational_tensors.exchange.topology import get_topology
-
-    topo = get_topology(s.options["topology"], gpus=s.devices.p)
-    sharing = {phys: s.devices.physical.count(phys) for phys in s.devices.physical}
-    return {d: topo.memory_bytes // sharing[phys] for d, phys in enumerate(s.devices.physical)}
+    assert s.target is not None
+    if s.options.memory_per_device is not None:
+        return {d: s.options.memory_per_device for d in range(s.target.p)}
+    return s.target.gpu_memory()
 
 
-def _over_limit(s: _State, limits: dict[int, int]) -> list[int]:
-    assert s.live is not None
-    return [d for d, need in sorted(s.live.peak.items()) if need > limits[d]]
+def _fits(live: Liveness, limits: dict[int, int] | None) -> bool:
+    return limits is None or all(live.peak[d] <= limits[d] for d in live.peak)
 
 
 def _pass_liveness(s: _State) -> None:
-    """Free buffers after last use.  With a memory limit, a DP plan that does not fit is re-chosen with a
-    growing price on the graph-input bytes each spec keeps resident (a Lagrangian relaxation of the
-    memory constraint), up to eight times; a plan that still does not fit is refused."""
-    assert s.lowered is not None and s.plan is not None and s.candidates is not None
+    assert s.lowered is not None
     s.live = liveness(s.lowered.dag)
+
+
+def _pass_fit_memory(s: _State) -> None:
+    """A DP plan whose peak exceeds a device's memory is re-chosen with a growing price on the graph-input
+    bytes each spec keeps resident (a Lagrangian relaxation of the memory constraint), up to eight
+    times, each re-chosen plan lowered (and searched) as the passes before did; one that still does not
+    fit is refused."""
+    assert s.lowered is not None and s.plan is not None and s.live is not None
     limits = _device_memory(s)
-    if limits is None or not _over_limit(s, limits):
+    if _fits(s.live, limits):
         return
-    if s.options["selector"] == "dp":
+    assert limits is not None
+    live = s.live
+    if s.options.selector == "dp":
         resident = sum(s.plan.candidate(o).resident_bytes for o in s.choice) or 1
         price = max(s.plan.cost, 1.0) / resident
         for _ in range(8):
-            choice = select_dp(s.catalog, s.cid, s.graph, s.candidates, s.pieces, memory_price=price)
-            plan = LogicalPlan(s.graph, s.candidates, choice, "dp", s.options["cost_model"])
-            lowered = _lower(s, plan)
+            choice, plan = _choose(s, memory_price=price)
+            lowered = lower(plan, "naive")
+            if s.options.searched:
+                lowered = _searched(s, plan, lowered)
             live = liveness(lowered.dag)
-            if all(live.peak[d] <= limits[d] for d in live.peak):
+            if _fits(live, limits):
                 s.choice, s.plan, s.lowered, s.live = choice, plan, lowered, live
                 return
             price *= 4
-        s.live = live
-    worst = max(s.live.peak, key=lambda d: s.live.peak[d] - limits[d])  # type: ignore[union-attr]
-    need = s.live.peak[worst]
+    worst = max(live.peak, key=lambda d: live.peak[d] - limits[d])
+    need = live.peak[worst]
     raise OutOfMemoryPlanError(
-        f"device {worst} needs {need:,} bytes at its peak under this plan ({s.live.resident[worst]:,} of them "
+        f"device {worst} needs {need:,} bytes at its peak under this plan ({live.resident[worst]:,} of them "
         f"loaded inputs), but has {limits[worst]:,}. Use more devices or a larger memory_per_device."
     )
 
@@ -242,10 +243,10 @@ def _pass_verify(s: _State) -> None:
             raise PlanError(f"verify after 'lower': the exchange program of {name!r} is invalid: {e}") from e
     for t in low.dag.tasks:
         if t.kind == "kernel":
-            f = t.payload["function"]
+            f = t.kernel.function
             out = low.dag.buffers[t.outputs[0]]
             node = s.graph.nodes[t.op]
-            if out.box != f.output or out.dtype != node.type.dtype or out.device != low.placement[t.op][t.payload["index"]]:
+            if out.box != f.output or out.dtype != node.type.dtype or out.device != low.placement[t.op][t.kernel.index]:
                 raise PlanError(f"verify after 'lower': kernel {t.label} writes {out.box} ({out.dtype}) on device "
                                 f"{out.device}, not its function spec's block {f.output} ({node.type.dtype}).")
     for name, blocks in low.dag.outputs.items():
@@ -258,14 +259,16 @@ def _pass_verify(s: _State) -> None:
 
 # The pipeline, in order, each with the reason it exists.
 PASSES: tuple[tuple[str, Callable[[_State], None], str], ...] = (
-    ("devices", _pass_devices, "resolve the device argument to p logical devices and open a compilation"),
+    ("target", _pass_target, "resolve the devices, their topology and kernel model once; open a compilation"),
     ("candidates", _pass_candidates, "enumerate and cost every operator's join-agg specs for p"),
     ("pieces", _pass_pieces, "cut the graph at multi-consumer tensors into pieces the DP solves exactly"),
     ("catalog", _pass_catalog, "write tensors, operators, edges, tilings and costed specs as Arrow tables"),
     ("select", _pass_select, "choose one spec per operator (dp, greedy or random)"),
     ("check", _pass_check, "verify the plan without changing it"),
-    ("lower", _pass_lower, "place function specs, synthesize exchange programs, build the task DAG"),
-    ("liveness", _pass_liveness, "free buffers after last use; refuse a plan that exceeds device memory"),
+    ("lower", _pass_lower, "place function specs, build naive exchange programs and the task DAG"),
+    ("search", _pass_search, "schedule_mode='search': searched programs, kept if the whole plan is no slower"),
+    ("liveness", _pass_liveness, "free buffers after last use; the peak bytes of every device"),
+    ("fit_memory", _pass_fit_memory, "re-choose a DP plan that exceeds device memory, else refuse it"),
     ("verify", _pass_verify, "check the physical plan without changing it: valid programs, placed kernels, outputs"),
 )
 
@@ -274,23 +277,24 @@ class CompiledGraph:
     """A graph with its plan, and the catalog that explains it."""
 
     def __init__(self, state: _State) -> None:
-        assert state.plan is not None and state.devices is not None
+        assert state.plan is not None and state.target is not None
+        assert state.lowered is not None and state.live is not None
         self.graph = state.graph
-        self.devices = state.devices
+        self.target = state.target
+        self.devices = state.target.devices
         self.plan = state.plan
         self.catalog = state.catalog
         self.compilation_id = state.cid
         self.options = state.options
         self.timings = state.timings
         self.pieces = state.pieces
-        assert state.lowered is not None and state.live is not None
         self.lowered = state.lowered
         self.dag = state.lowered.dag
         self.live = state.live
         self._executor: Any = None
-        self._simulations: dict[Any, Any] = {}
+        self._simulations: dict[Any, PlanSimResult] = {}
         if self.devices.kind == "cuda" and visible_gpus() > max(self.devices.physical):
-            self._exec()  # peer access, streams and arenas are set up (and checked) at compile time
+            _ = self.executor  # peer access, streams and arenas are set up (and checked) at compile time
 
     @property
     def p(self) -> int:
@@ -310,7 +314,9 @@ class CompiledGraph:
         return self.plan.spec(op)
 
     # --- execution -----------------------------------------------------------------
-    def _exec(self) -> Any:
+    @property
+    def executor(self) -> Any:
+        """The backend that runs this program here (NumPy virtual devices or CuPy GPUs), made on first use."""
         if self._executor is None:
             if self.devices.kind == "cpu":
                 from relational_tensors.gpu_exec.numpy_backend import NumpyExecutor
@@ -320,32 +326,55 @@ class CompiledGraph:
                 from relational_tensors.gpu_exec.cupy_backend import CupyExecutor
 
                 self._executor = CupyExecutor(self.graph, self.dag, self.live, self.devices,
-                                              attention=self.options.get("attention", "triton"))
+                                              attention=self.options.attention)
             else:
                 raise ExecError(
-                    f"this program was compiled for {self.devices} ({self.options['topology']}), and no GPU "
+                    f"this program was compiled for {self.devices} ({self.target.topology.name}), and no GPU "
                     "backend can run it here. Compile with device='cpu:N' to run on N virtual CPU devices; "
                     "simulate() and trace() work for any device."
                 )
         return self._executor
 
-    def load(self, feeds: dict[str, Any]) -> None:
-        """Place graph inputs straight into the blocks the plan needs, on their devices.  The first load
+    def _name(self, tensor: Tensor | str, role: str) -> str:
+        """The name of a graph tensor given by handle or by name."""
+        if isinstance(tensor, Tensor):
+            if tensor.graph is not self.graph:
+                raise GraphError(f"{role} {tensor.name!r} is a tensor of another graph; pass a tensor of the "
+                                 "compiled graph, or its name.")
+            return tensor.name
+        if isinstance(tensor, str):
+            return tensor
+        raise GraphError(f"{role} must be a tensor of the graph or its name; got {type(tensor).__name__}.")
+
+    def load(self, feeds: dict[str, Any] | Tensor | str, array: Any = None) -> None:
+        """Place graph inputs straight into the blocks the plan needs, on their devices: ``load({name:
+        array, ...})``, or ``load(x, array)`` for one input given by handle or name.  The first load
         needs every input; later ones may name only those that change (weights stay loaded)."""
-        self._exec().load(feeds)
+        if isinstance(feeds, (Tensor, str)):
+            feeds = {self._name(feeds, "load's input"): array}
+        elif array is not None:
+            raise GraphError("load takes a dict of name -> array, or one tensor (or name) and one array; "
+                             "got a dict and an array.")
+        self.executor.load(feeds)
 
     def execute(self) -> None:
         """Run the task DAG once (inputs stay loaded; run it again after loading new ones)."""
-        self._exec().execute()
+        self.executor.execute()
 
-    def offload(self, name: str, like: str = "numpy") -> Any:
-        """The saved output ``name`` as one array (``like="cupy"`` keeps it on the GPU)."""
-        ex = self._exec()
+    def offload(self, output: Tensor | str, like: str = "numpy") -> Any:
+        """The saved output ``output`` (its name, or the saved tensor) as one array (``like="cupy"``
+        keeps it on the GPU)."""
+        name = self._name(output, "offload's output")
+        if isinstance(output, Tensor) and name not in self.graph.outputs:
+            saved = [n for n, i in self.graph.outputs.items() if i == output.id]
+            if saved:
+                name = saved[0]
+        ex = self.executor
         return ex.offload(name, like=like) if self.devices.kind == "cuda" else ex.offload(name)
 
     def synchronize(self) -> None:
         """Wait for every device to finish what execute() queued."""
-        ex = self._exec()
+        ex = self.executor
         if hasattr(ex, "synchronize"):
             ex.synchronize()
 
@@ -355,26 +384,39 @@ class CompiledGraph:
         self.execute()
         return {name: self.offload(name) for name in self.graph.outputs}
 
-    def simulate(self, topology: str | None = None, calibration: str | None = None) -> float:
+    def simulate(self, topology: str | Topology | None = None, calibration: str | None = None) -> float:
         """Predicted seconds for one execution on ``topology`` (default: the one compiled for)."""
-        return self._simulation(topology, calibration).time
+        return self.simulation(topology, calibration).time
+
+    def simulation(self, topology: str | Topology | None = None, calibration: str | None = None) -> PlanSimResult:
+        """The simulated timeline of one execution on ``topology`` (default: the target compiled for,
+        with its kernel model), every task with its predicted start and end."""
+        from relational_tensors.physical.simulate import simulate_plan
+
+        target = self.target if topology is None and calibration is None else Target.on(
+            self.devices, topology or self.target.topology,
+            calibration or (self.options.calibration if topology is None else None))
+        key = (target.topology, target.kernels.source)
+        if key not in self._simulations:
+            self._simulations[key] = simulate_plan(self.dag, self.graph, target.topology, target.kernels)
+        return self._simulations[key]
 
     def trace(self, path: str, topology: str | None = None, calibration: str | None = None,
               measured: bool | None = None) -> str:
         """Write a Chrome/Perfetto trace; returns the path.  On GPUs with loaded inputs (or
         ``measured=True``) the timeline is measured with CUDA events, else simulated."""
-        from relational_tensors.exchange.plan_sim import write_trace
+        from relational_tensors.physical.trace import write_trace
 
         if measured is None:
             measured = self.devices.kind == "cuda" and self._executor is not None and self._executor.loaded
-        result = self.profile() if measured else self._simulation(topology, calibration)
+        result = self.profile() if measured else self.simulation(topology, calibration)
         return str(write_trace(result, path))
 
-    def profile(self) -> Any:
+    def profile(self) -> PlanSimResult:
         """Run once on the GPUs with a CUDA event around every task; the measured timeline."""
-        from relational_tensors.exchange.plan_sim import PlanSimResult, TaskTime
+        from relational_tensors.physical.simulate import TaskTime
 
-        ex = self._exec()
+        ex = self.executor
         if not hasattr(ex, "profile"):
             raise ExecError("profile() measures GPU runs; this program runs on virtual CPU devices.")
         times = []
@@ -383,18 +425,6 @@ class CompiledGraph:
             times.append(TaskTime(tid, t.kind, t.label, t.device, t.src_device, start * 1e-3, end * 1e-3,
                                   sum(self.dag.buffers[b].nbytes for b in t.outputs)))
         return PlanSimResult(max((t.end for t in times), default=0.0), tuple(times), f"measured on {self.devices}")
-
-    def _simulation(self, topology: str | None, calibration: str | None) -> Any:
-        from relational_tensors.exchange.plan_sim import KernelModel, simulate_plan
-        from relational_tensors.exchange.topology import get_topology
-
-        topo = get_topology(topology or self.options["topology"], gpus=self.p)
-        calibration = calibration or (self.options["calibration"] if topology is None else None)
-        key = (topo, calibration)
-        if key not in self._simulations:
-            self._simulations[key] = simulate_plan(self.dag, self.graph, topo,
-                                                   KernelModel.from_calibration(topo, calibration))
-        return self._simulations[key]
 
     def memory(self) -> dict[int, int]:
         """Peak bytes per device under this plan (loaded inputs included)."""
@@ -423,54 +453,27 @@ class CompiledGraph:
         return text
 
 
-ATTENTION_KERNELS = ("triton", "flash")
-
-
 def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed: int = 0,
                  cost_model: str = "paper", memory_per_device: int | None = None,
                  catalog: str | Path | Catalog | None = None, tactic: str = "tree",
                  label: str | None = None, schedule_mode: str = "naive",
-                 topology: str = "hgx-h200", search_budget_s: float = 0.5,
+                 topology: str | Topology = "hgx-h200", search_budget_s: float = 0.5,
                  calibration: str | None = None, attention: str = "triton") -> CompiledGraph:
-    """Plan ``graph`` for the devices named by ``device`` (see ``relational_tensors.devices``).
+    """Plan ``graph`` for the devices named by ``device`` (see ``relational_tensors.target.devices``).
 
-    ``selector`` is ``dp`` (Algorithm 1), ``greedy`` or ``random`` (with ``seed``);
-    ``cost_model`` is ``paper`` (elements), ``bytes``, or ``calibrated`` (seconds: kernel time from
-    ``calibration``, a file written by ``relational-tensors calibrate``, by default the one shipped
-    for the topology, plus each edge's exchange over ``topology``'s links, priced per pair of tilings);
-    ``memory_per_device`` (bytes)
-    excludes specs whose per-device working set does not fit; ``catalog`` is a
-    path to persist the catalog (default: in memory); ``tactic`` is ``tree``
-    (exact on each tree) or ``linear`` (the paper's linear-path tactic);
-    ``schedule_mode`` picks how exchange programs are synthesized: ``naive``, or
-    ``search`` (alias ``ai``: a local search over the paper's rewrite rules costed by
-    the simulator of ``topology``, ``search_budget_s`` per program); ``topology``
-    names the machine simulated (and whose memory bounds GPU plans); ``attention`` picks the GPU
-    attention kernel: ``triton`` (ours, captured in the CUDA graph) or ``flash`` (flash-attn, or
-    PyTorch's FlashAttention-2, for the blocks it computes exactly; the program then runs eagerly).
+    The options are those of :class:`~relational_tensors.options.CompileOptions`, validated once here;
+    ``catalog`` is a path to persist the catalog (default: in memory).
     """
     if not isinstance(graph, Graph):
         raise GraphError(f"compileGraph takes an rt.Graph; got {type(graph).__name__}.")
-    if selector not in SELECTORS:
-        raise PlanError(f"unknown selector {selector!r}; choose one of {SELECTORS}.")
-    if cost_model not in COST_MODEL_NAMES:
-        raise PlanError(f"unknown cost model {cost_model!r}; choose one of {list(COST_MODEL_NAMES)}.")
-    if tactic not in TACTICS:
-        raise PlanError(f"unknown DP tactic {tactic!r}; choose one of {TACTICS}.")
-    if schedule_mode not in (*SCHEDULES, "search", "ai"):
-        raise PlanError(f"unknown schedule_mode {schedule_mode!r}; choose one of {(*SCHEDULES, 'search', 'ai')}.")
-    if memory_per_device is not None and (not isinstance(memory_per_device, int) or memory_per_device <= 0):
-        raise PlanError(f"memory_per_device must be a positive number of bytes; got {memory_per_device!r}.")
-    if attention not in ATTENTION_KERNELS:
-        raise PlanError(f"unknown attention kernel {attention!r}; choose one of {ATTENTION_KERNELS}.")
+    options = CompileOptions(selector=selector, seed=seed, cost_model=cost_model,
+                             memory_per_device=memory_per_device, tactic=tactic, label=label,
+                             schedule_mode=schedule_mode, topology=topology, search_budget_s=search_budget_s,
+                             calibration=calibration, attention=attention)
     if not graph.operators:
         raise PlanError("the graph has no operators to plan; add some and save an output.")
     cat = catalog if isinstance(catalog, Catalog) else Catalog(catalog)
-    state = _State(graph, dict(device=device, selector=selector, seed=seed, cost_model=cost_model,
-                               memory_per_device=memory_per_device, tactic=tactic, label=label,
-                               schedule_mode=schedule_mode, topology=topology,
-                               search_budget_s=search_budget_s, calibration=calibration,
-                               attention=attention), cat)
+    state = _State(graph, options, cat, device)
     # the passes build large graphs of small objects with no cycles to reclaim: the cyclic collector
     # would only rescan them (a third of a 32-layer compile), so it waits until planning is done
     collecting = gc.isenabled()

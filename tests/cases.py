@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -42,7 +42,8 @@ CASES: dict[str, Case] = {
     "unary_scale": _one(lambda g, d: g.unary(g.input("x", [10, 7], d), "scale", 0.25)),
     "unary_cast": _one(lambda g, d: g.unary(g.unary(g.input("x", [10, 7], d), "cast", "float32"), "exp")),
     "binary_add_broadcast": _one(lambda g, d: g.add(g.input("x", [9, 1, 5], d), g.input("y", [7, 5], d))),
-    "binary_div": _one(lambda g, d: g.div(g.input("x", [9, 7], d), g.unary(g.input("y", [9, 1], d), "add_scalar", 3.0))),
+    "binary_div": _one(lambda g, d: g.div(g.input("x", [9, 7], d),
+                                          g.unary(g.input("y", [9, 1], d), "add_scalar", 3.0))),
     "swiglu": _one(lambda g, d: g.swiglu(g.input("a", [10, 13], d), g.input("b", [10, 13], d))),
     "reduce_sum": _one(lambda g, d: g.sum(g.input("x", [10, 7, 5], d), axis=1)),
     "reduce_max_two_axes": _one(lambda g, d: g.max(g.input("x", [10, 7, 5], d), axis=(0, 2))),
@@ -60,7 +61,8 @@ CASES: dict[str, Case] = {
     "reshape_many_to_many": _one(lambda g, d: g.reshape(g.input("x", [6, 4, 5], d), [4, 6, 5])),
     "permute": _one(lambda g, d: g.permute(g.input("x", [3, 10, 7], d), [2, 0, 1])),
     "slice": _one(lambda g, d: g.slice(g.input("x", [10, 17], d), 1, 3, 14)),
-    "concat": _one(lambda g, d: g.concat([g.input("a", [5, 3], d), g.input("b", [5, 7], d), g.input("c", [5, 2], d)], 1)),
+    "concat": _one(lambda g, d: g.concat([g.input("a", [5, 3], d), g.input("b", [5, 7], d),
+                                          g.input("c", [5, 2], d)], 1)),
     "embedding": _one(lambda g, d: g.embedding(g.input("table", [23, 6], d), g.input("ids", [3, 7], "int64"))),
     "attention_plain": _one(lambda g, d: g.attention(g.input("q", [2, 11, 4, 8], d), g.input("k", [2, 13, 2, 8], d),
                                                      g.input("v", [2, 13, 2, 8], d))),
@@ -92,7 +94,7 @@ def check_plan(g: rt.Graph, feeds: dict, p: int, **options) -> rt.CompiledGraph:
     expected = rt.reference(g, feeds)
     for name in g.outputs:
         np.testing.assert_allclose(got[name], expected[name], **TOL, err_msg=f"p={p} {options} output {name}")
-    assert cg._exec().peak == [cg.memory()[d] for d in range(p)]
+    assert cg.executor.peak == [cg.memory()[d] for d in range(p)]
     return cg
 
 

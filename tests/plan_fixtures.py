@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import relational_tensors as rt
 from relational_tensors.models import LLAMA3_8B, llama_block, matrix_chain

@@ -23,8 +23,8 @@ if not dist.is_available() or not dist.is_gloo_available():
                 allow_module_level=True)
 
 import relational_tensors as rt  # noqa: E402
-from relational_tensors.exchange.topology import Topology  # noqa: E402
 from relational_tensors.models import llama_block  # noqa: E402
+from relational_tensors.target.topology import Topology  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
@@ -82,7 +82,8 @@ def test_every_strategy_equals_the_single_process_run(spawned) -> None:
             saved = tmp / f"run{i}" / f"{row['workload']}_{row['strategy']}_w{world}.pt"
             out = torch.load(saved)
             torch.testing.assert_close(out, _single_process(row["workload"], shape), rtol=1e-4, atol=1e-4,
-                                       msg=lambda m: f"{row['strategy']} on {row['workload']}, {world} ranks: {m}")
+                                       msg=lambda m, row=row: f"{row['strategy']} on {row['workload']}, "
+                                                              f"{world} ranks: {m}")
             compared.append((row["workload"], row["strategy"]))
     blocks = {s for w, s in compared if w not in "ABCDE"}
     chains = {w for w, s in compared if s == "chain"}

@@ -15,8 +15,8 @@ import pytest
 import relational_tensors as rt
 from relational_tensors import cli
 from relational_tensors.core.types import Box
-from relational_tensors.devices import visible_gpus
 from relational_tensors.models import llama_block
+from relational_tensors.target.devices import visible_gpus
 from relational_tensors.visualize import Layout, placement_notation, plan_rows, show_tiling
 
 MLP = '''
@@ -153,7 +153,7 @@ def test_simulate_prints_seconds(models: Path) -> None:
 
 
 def test_topology_from_a_json_file(models: Path, tmp_path: Path) -> None:
-    from relational_tensors.exchange.topology import get_topology
+    from relational_tensors.target.topology import get_topology
 
     (tmp_path / "a100.json").write_text(get_topology("dgx-a100").to_json())
     by_file = json.loads(ok(run_cli("simulate", models / "mlp.py", "--topology", tmp_path / "a100.json", "--json")))

@@ -11,14 +11,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_kernels import naive_softmax
 
 import relational_tensors as rt
 from relational_tensors.core.tiling import check_tiles
 from relational_tensors.dp_optimizer import interval_requests
 
-from test_kernels import naive_softmax
-
-I = rt.Interval
+Iv = rt.Interval
 B = rt.Box
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -26,18 +25,18 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 # --- intervals and boxes ------------------------------------------------------------------------
 
 def test_interval() -> None:
-    assert I(2, 5).size == 3 and I(4, 4).size == 0
-    assert I(2, 5).intersect(I(4, 9)) == I(4, 5)
-    assert I(2, 5).intersect(I(7, 9)).size == 0
-    assert I(2, 5).shift(3) == I(5, 8) and str(I(2, 5)) == "[2,5)"
-    assert sorted([I(3, 4), I(0, 9), I(0, 2)]) == [I(0, 2), I(0, 9), I(3, 4)]
-    assert len({I(0, 2), I(0, 2), I(1, 2)}) == 2  # frozen and hashable
+    assert Iv(2, 5).size == 3 and Iv(4, 4).size == 0
+    assert Iv(2, 5).intersect(Iv(4, 9)) == Iv(4, 5)
+    assert Iv(2, 5).intersect(Iv(7, 9)).size == 0
+    assert Iv(2, 5).shift(3) == Iv(5, 8) and str(Iv(2, 5)) == "[2,5)"
+    assert sorted([Iv(3, 4), Iv(0, 9), Iv(0, 2)]) == [Iv(0, 2), Iv(0, 9), Iv(3, 4)]
+    assert len({Iv(0, 2), Iv(0, 2), Iv(1, 2)}) == 2  # frozen and hashable
 
 
 def test_box() -> None:
     b = B((0, 4), (2, 8))
     assert b.shape == (2, 4) and b.volume == 8 and b.rank == 2 and not b.is_empty
-    assert b.intervals() == (I(0, 2), I(4, 8)) and B.from_intervals(b.intervals()) == b
+    assert b.intervals() == (Iv(0, 2), Iv(4, 8)) and B.from_intervals(b.intervals()) == b
     assert B.of_shape((3, 5)) == B((0, 0), (3, 5))
     assert b.contains(B((1, 5), (2, 6))) and not b.contains(B((1, 3), (2, 6)))
     assert b.intersect(B((1, 6), (5, 9))) == B((1, 6), (2, 8))
@@ -62,7 +61,7 @@ def test_overlay_and_refines() -> None:
     assert a.refines(whole) and not whole.refines(a)
     assert a.overlay(a) == a and a.overlay(whole) == a
     assert a.space == B((0, 0), (4, 6))
-    assert a.intervals(0) == (I(0, 2), I(2, 4))
+    assert a.intervals(0) == (Iv(0, 2), Iv(2, 4))
 
 
 def test_boxes_are_row_major() -> None:
@@ -161,7 +160,7 @@ def test_join_agg_spec_checks_its_output_tiling() -> None:
 def test_operator_specs_state_blocks_and_flops() -> None:
     g = rt.Graph()
     op = g.matmul(g.input("a", [10, 6]), g.input("b", [6, 4])).node.op
-    spec = op.spec({"i": [I(0, 5), I(5, 10)], "j": [I(0, 2), I(2, 6)]})
+    spec = op.spec({"i": [Iv(0, 5), Iv(5, 10)], "j": [Iv(0, 2), Iv(2, 6)]})
     assert spec.split_text == "i=2,j=2,k=1" and spec.p == 4 and spec.aggregation is rt.SUM
     assert [str(f) for f in spec.functions] == [
         "[0,5)x[0,2) x [0,2)x[0,4) -> [0,5)x[0,4)", "[0,5)x[2,6) x [2,6)x[0,4) -> [0,5)x[0,4)",
@@ -196,7 +195,7 @@ def test_near_equal_impossible() -> None:
     assert rt.ShardableIndex("i", 5).near_equal(0) is None
     assert rt.ShardableIndex("s", 10, positions=(3, 7)).near_equal(4) is None
     assert rt.ShardableIndex("s", 10, positions=()).near_equal(2) is None
-    assert rt.ShardableIndex("s", 10, positions=()).near_equal(1) == (I(0, 10),)
+    assert rt.ShardableIndex("s", 10, positions=()).near_equal(1) == (Iv(0, 10),)
 
 
 @pytest.mark.parametrize("positions, extent, n, cuts", [
@@ -234,16 +233,16 @@ def test_near_equal_explicit_positions_property(extent: int, data) -> None:
 
 def test_check() -> None:
     any_index = rt.ShardableIndex("i", 10)
-    assert any_index.check([I(0, 3), I(3, 10)]) == (I(0, 3), I(3, 10))
-    assert any_index.check((I(0, 10),)) == (I(0, 10),)
-    for bad in ([I(0, 3), I(4, 10)], [I(0, 3), I(2, 10)], [I(0, 3), I(3, 9)], [I(3, 10), I(0, 3)],
-                [I(0, 0), I(0, 10)], [I(1, 10)], []):
+    assert any_index.check([Iv(0, 3), Iv(3, 10)]) == (Iv(0, 3), Iv(3, 10))
+    assert any_index.check((Iv(0, 10),)) == (Iv(0, 10),)
+    for bad in ([Iv(0, 3), Iv(4, 10)], [Iv(0, 3), Iv(2, 10)], [Iv(0, 3), Iv(3, 9)], [Iv(3, 10), Iv(0, 3)],
+                [Iv(0, 0), Iv(0, 10)], [Iv(1, 10)], []):
         with pytest.raises(rt.SpecError, match="must be non-empty, in order and tile"):
             any_index.check(bad)
     packed = rt.ShardableIndex("seq", 10, positions=(3, 7))
-    assert packed.check([I(0, 3), I(3, 10)]) == (I(0, 3), I(3, 10))
+    assert packed.check([Iv(0, 3), Iv(3, 10)]) == (Iv(0, 3), Iv(3, 10))
     with pytest.raises(rt.SpecError, match=r"may be cut only at \[3, 7\]; got cuts at \[5\]"):
-        packed.check([I(0, 3), I(3, 5), I(5, 10)])
+        packed.check([Iv(0, 3), Iv(3, 5), Iv(5, 10)])
     assert packed.max_intervals() == 3 and list(packed.legal_cuts()) == [3, 7]
     assert any_index.max_intervals() == 10 and list(any_index.legal_cuts()) == list(range(1, 10))
     assert any_index.requestable and not rt.ShardableIndex("heads_q", 8, inherits="heads_kv").requestable
@@ -335,7 +334,7 @@ def test_gqa_boxes(hq: int, hkv: int, n: int) -> None:
     for f in spec.functions:
         kv = f.inputs[1].interval(2)
         assert f.inputs[2].interval(2) == kv
-        assert f.inputs[0].interval(2) == I(kv.lo * g, kv.hi * g) == f.output.interval(2)
+        assert f.inputs[0].interval(2) == Iv(kv.lo * g, kv.hi * g) == f.output.interval(2)
         for m in range(kv.lo, kv.hi):  # kv head m serves query heads [m*g, (m+1)*g)
             assert f.inputs[0].interval(2).lo <= m * g and (m + 1) * g <= f.inputs[0].interval(2).hi
     assert sorted(f.inputs[1].interval(2).size for f in spec.functions) == sorted(
@@ -348,26 +347,26 @@ def test_causal_query_block_reads_the_key_prefix(s: int, data) -> None:
     op = attention_op(s=s, causal=True)
     cuts = sorted(data.draw(st.sets(st.integers(1, s - 1), max_size=5)))
     bounds = [0, *cuts, s]
-    rows = [I(a, b) for a, b in zip(bounds, bounds[1:])]
+    rows = [Iv(a, b) for a, b in zip(bounds, bounds[1:])]
     spec = op.spec({"seq_q": rows})
     for f, r in zip(spec.functions, rows):
         assert f.inputs[0].interval(1) == r == f.output.interval(1)
-        assert f.inputs[1].interval(1) == I(0, r.hi) == f.inputs[2].interval(1)
+        assert f.inputs[1].interval(1) == Iv(0, r.hi) == f.inputs[2].interval(1)
     # not causal: every query block reads every key
     full = attention_op(s=s, causal=False).spec({"seq_q": rows})
-    assert all(f.inputs[1].interval(1) == I(0, s) for f in full.functions)
+    assert all(f.inputs[1].interval(1) == Iv(0, s) for f in full.functions)
 
 
 def test_causal_key_split_reads_only_visible_keys() -> None:
     op = attention_op(s=12, causal=True)
-    spec = op.spec({"seq_q": [I(0, 4), I(4, 12)], "seq_kv": [I(0, 6), I(6, 12)]})
+    spec = op.spec({"seq_q": [Iv(0, 4), Iv(4, 12)], "seq_kv": [Iv(0, 6), Iv(6, 12)]})
     assert spec.aggregation is rt.LSE
     keys = {(f.inputs[0].interval(1), f.inputs[1].interval(1)) for f in spec.functions}
-    assert keys == {(I(0, 4), I(0, 4)), (I(0, 4), I(6, 6)), (I(4, 12), I(0, 6)), (I(4, 12), I(6, 12))}
+    assert keys == {(Iv(0, 4), Iv(0, 4)), (Iv(0, 4), Iv(6, 6)), (Iv(4, 12), Iv(0, 6)), (Iv(4, 12), Iv(6, 12))}
     work = {f.inputs[0].interval(1): [] for f in spec.functions}
     for f in spec.functions:
         work[f.inputs[0].interval(1)].append(f.flops)
-    assert work[I(0, 4)][1] == 0  # a key block after the query block is empty work
+    assert work[Iv(0, 4)][1] == 0  # a key block after the query block is empty work
 
 
 PACKED = (5, 9, 20, 22, 31, 40, 47)
@@ -385,12 +384,12 @@ def test_packed_seq_q_only_cut_at_seq_ends() -> None:
                 assert iv.hi in PACKED
     assert 8 not in {len(r.get("seq_q", ())) for r in interval_requests(op, 8)}
     # a packed causal query block reads keys from the start of its first sequence
-    spec = op.spec({"seq_q": [I(0, 9), I(9, 22), I(22, 47)]})
-    assert [f.inputs[1].interval(1) for f in spec.functions] == [I(0, 9), I(9, 22), I(22, 47)]
+    spec = op.spec({"seq_q": [Iv(0, 9), Iv(9, 22), Iv(22, 47)]})
+    assert [f.inputs[1].interval(1) for f in spec.functions] == [Iv(0, 9), Iv(9, 22), Iv(22, 47)]
     # not causal but packed: the same, since sequences see nothing outside themselves
     op_nc = attention_op(s=47, hq=4, causal=False, seq_ends=PACKED)
-    spec = op_nc.spec({"seq_q": [I(0, 20), I(20, 47)]})
-    assert [f.inputs[1].interval(1) for f in spec.functions] == [I(0, 20), I(20, 47)]
+    spec = op_nc.spec({"seq_q": [Iv(0, 20), Iv(20, 47)]})
+    assert [f.inputs[1].interval(1) for f in spec.functions] == [Iv(0, 20), Iv(20, 47)]
 
 
 def test_equal_length_causal_split_is_unbalanced_and_equal_work_is_balanced() -> None:

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cases import CASES, CATALOG, TOL, check_plan, feeds_for
 
 import relational_tensors as rt
 from relational_tensors.models import LLAMA3_8B, llama_block, llama_feeds
-
-from cases import CASES, CATALOG, TOL, check_plan, feeds_for
 
 P_VALUES = [1, 2, 3, 4, 6, 8]
 

@@ -12,7 +12,7 @@ import pytest
 import relational_tensors as rt
 from relational_tensors import errors
 
-I = rt.Interval
+Iv = rt.Interval
 MATMUL_SQL = "SELECT A.i, B.k, SUM(A.v * B.v) AS v FROM A JOIN B ON A.j = B.j GROUP BY A.i, B.k"
 
 
@@ -56,7 +56,8 @@ def test_matmul_rank_one(g) -> None:
 
 def test_batched_matmul_batch_mismatch(g) -> None:
     a, b = g.input("a", [2, 4, 5]), g.input("b", [3, 5, 7])
-    with pytest.raises(rt.GraphError, match=esc("batched matmul needs equal batch dimensions; got (2, 4, 5) @ (3, 5, 7)")
+    with pytest.raises(rt.GraphError, match=esc("batched matmul needs equal batch dimensions; "
+                                                "got (2, 4, 5) @ (3, 5, 7)")
                        + ".*" + esc("batch (2,) vs (3,)")):
         g.matmul(a, b)
 
@@ -68,7 +69,7 @@ def test_attention_heads_not_a_multiple(g) -> None:
 
 
 def test_attention_other_shape_rules(g) -> None:
-    q, k, v = g.input("q", [1, 8, 4, 4]), g.input("k", [1, 8, 2, 4]), g.input("v", [1, 8, 2, 4])
+    q, _k, v = g.input("q", [1, 8, 4, 4]), g.input("k", [1, 8, 2, 4]), g.input("v", [1, 8, 2, 4])
     with pytest.raises(rt.GraphError, match=r"rank-4 q, k, v.*q \(1, 8, 4, 4\), k \(8, 4\)"):
         g.attention(q, g.input("k2", [8, 4]), v)
     with pytest.raises(rt.GraphError, match="one batch size"):
@@ -149,8 +150,8 @@ def test_reshape_that_does_not_preserve_size(g) -> None:
     a = g.input("a", [4, 5])
     with pytest.raises(rt.GraphError, match=esc("got (4, 5) (20 elements) -> (3, 7) (21 elements)")):
         g.reshape(a, [3, 7])
-    with pytest.raises(rt.GraphError, match=esc("reshape must preserve the number of elements; got (4, 5) (20 elements) "
-                                                "-> (3, -1)")):
+    with pytest.raises(rt.GraphError, match=esc("reshape must preserve the number of elements; "
+                                                "got (4, 5) (20 elements) -> (3, -1)")):
         g.reshape(a, [3, -1])
     with pytest.raises(rt.GraphError, match=esc("at most one -1; got (-1, -1)")):
         g.reshape(a, [-1, -1])
@@ -269,8 +270,10 @@ def rel(g):
     ("INSERT INTO A VALUES (1)", "unsupported statement INSERT"),
     ("SELECT A.i, B.k, SUM(A.v * C.v) AS v FROM A JOIN C ON A.j = C.j GROUP BY A.i, C.k",
      esc("the query reads relation 'C', but the tensors given are ['A', 'B']")),
-    ("SELECT A.i, SUM(A.v) AS v FROM A GROUP BY A.i", esc("every tensor passed to sql must appear in FROM/JOIN; ['B']")),
-    (MATMUL_SQL.replace("A.i, B.k, SUM", "A.i, X.k, SUM"), esc("unknown relation 'X' in column X.k; relations: ['A', 'B']")),
+    ("SELECT A.i, SUM(A.v) AS v FROM A GROUP BY A.i",
+     esc("every tensor passed to sql must appear in FROM/JOIN; ['B']")),
+    (MATMUL_SQL.replace("A.i, B.k, SUM", "A.i, X.k, SUM"),
+     esc("unknown relation 'X' in column X.k; relations: ['A', 'B']")),
     (MATMUL_SQL.replace("B.k", "B.z"), esc("relation B has columns ['j', 'k', 'v']; got B.z")),
     (MATMUL_SQL.replace("GROUP BY A.i, B.k", "GROUP BY A.i"), esc("GROUP BY must list exactly the selected keys in")),
     (MATMUL_SQL.replace("GROUP BY A.i, B.k", "GROUP BY A.i, A.j"), "GROUP BY must list exactly the selected keys"),
@@ -278,8 +281,8 @@ def rel(g):
     ("SELECT A.i, B.k, A.v * B.v AS v FROM A JOIN B ON A.j = B.j GROUP BY A.i, B.k", "GROUP BY without an aggregate"),
     ("SELECT A.i, B.k, A.v * B.v AS v FROM A JOIN B ON A.j = B.j",
      esc("without an aggregate every dimension must be selected; indices ['j'] are not in")),
-    (MATMUL_SQL.replace("ON A.j = B.j", "ON A.i = B.j"), esc("joined dimensions must have equal sizes; got A.i of size 4 "
-                                                             "= B.j of size 5")),
+    (MATMUL_SQL.replace("ON A.j = B.j", "ON A.i = B.j"),
+     esc("joined dimensions must have equal sizes; got A.i of size 4 = B.j of size 5")),
     ("SELECT A.i, A.i AS i2, B.k, SUM(A.v * B.v) AS v FROM A JOIN B ON A.j = B.j GROUP BY A.i, B.k",
      "an output index appears twice in SELECT"),
     (MATMUL_SQL.replace("SELECT A.i", "SELECT j"), esc("column 'j' must be qualified by its relation (A.j)")),
@@ -292,12 +295,14 @@ def test_sql_errors(g, rel, query: str, message: str) -> None:
 def test_sql_self_join_needs_two_names(g, rel) -> None:
     a = rel["A"]
     with pytest.raises(rt.GraphError, match="relation 'A' appears twice"):
-        g.sql("SELECT x.i, y.j, SUM(x.v * y.v) AS v FROM A AS x JOIN A AS y ON x.j = y.i GROUP BY x.i, y.j", A=a, B=rel["B"])
+        g.sql("SELECT x.i, y.j, SUM(x.v * y.v) AS v FROM A AS x JOIN A AS y ON x.j = y.i GROUP BY x.i, y.j",
+              A=a, B=rel["B"])
 
 
 def test_sql_column_names_per_dimension(g) -> None:
     a = g.input("a", [4, 5])
-    with pytest.raises(rt.GraphError, match=esc("relation A needs one column name per dimension of (4, 5); got ('i',)")):
+    with pytest.raises(rt.GraphError, match=esc("relation A needs one column name per dimension of (4, 5); "
+                                                "got ('i',)")):
         g.sql("SELECT A.i, SUM(A.v) AS v FROM A GROUP BY A.i", A=(a, ("i",)))
 
 
@@ -313,7 +318,8 @@ def test_operands_from_another_graph(g) -> None:
     a = g.input("a", [4, 5])
     other = rt.Graph()
     x = other.input("x", [5, 3])
-    with pytest.raises(rt.GraphError, match=r"operands must be tensors of this graph; got Tensor\('x', float32\[d0=5, d1=3\]\)"):
+    with pytest.raises(rt.GraphError, match=r"operands must be tensors of this graph; "
+                                            r"got Tensor\('x', float32\[d0=5, d1=3\]\)"):
         g.matmul(a, x)
     with pytest.raises(rt.GraphError, match="operands must be tensors of this graph"):
         g.save(x, name="y")
@@ -363,13 +369,13 @@ def matmul_op(g):
 
 
 @pytest.mark.parametrize("intervals, shown", [
-    ([I(0, 2), I(3, 4)], "['[0,2)', '[3,4)']"),     # gap
-    ([I(0, 2), I(1, 4)], "['[0,2)', '[1,4)']"),     # overlap
-    ([I(0, 2), I(2, 3)], "['[0,2)', '[2,3)']"),     # short of the extent
-    ([I(2, 4), I(0, 2)], "['[2,4)', '[0,2)']"),     # out of order
-    ([I(0, 0), I(0, 4)], "['[0,0)', '[0,4)']"),     # empty interval
-    ([I(1, 4)], "['[1,4)']"),                       # does not start at 0
-    ([I(0, 5)], "['[0,5)']"),                       # past the extent
+    ([Iv(0, 2), Iv(3, 4)], "['[0,2)', '[3,4)']"),   # gap
+    ([Iv(0, 2), Iv(1, 4)], "['[0,2)', '[1,4)']"),   # overlap
+    ([Iv(0, 2), Iv(2, 3)], "['[0,2)', '[2,3)']"),   # short of the extent
+    ([Iv(2, 4), Iv(0, 2)], "['[2,4)', '[0,2)']"),   # out of order
+    ([Iv(0, 0), Iv(0, 4)], "['[0,0)', '[0,4)']"),   # empty interval
+    ([Iv(1, 4)], "['[1,4)']"),                      # does not start at 0
+    ([Iv(0, 5)], "['[0,5)']"),                      # past the extent
     ([], "[]"),
 ])
 def test_intervals_that_do_not_tile_the_index(matmul_op, intervals, shown: str) -> None:
@@ -380,33 +386,35 @@ def test_intervals_that_do_not_tile_the_index(matmul_op, intervals, shown: str) 
 
 def test_request_for_an_unknown_index(matmul_op) -> None:
     with pytest.raises(rt.SpecError, match=esc("matmul can be split only on ['i', 'j', 'k']; got a request for ['z']")):
-        matmul_op.spec({"z": [I(0, 4)]})
+        matmul_op.spec({"z": [Iv(0, 4)]})
 
 
 def test_packed_attention_seq_q_cut_at_illegal_position(g) -> None:
     q, k = g.input("q", [1, 10, 4, 4]), g.input("k", [1, 10, 2, 4])
     op = g.attention(q, k, k, causal=True, seq_ends=[3, 7, 10]).node.op
     with pytest.raises(rt.SpecError, match=esc("index 'seq_q' may be cut only at [3, 7]; got cuts at [5]")):
-        op.spec({"seq_q": [I(0, 5), I(5, 10)]})
+        op.spec({"seq_q": [Iv(0, 5), Iv(5, 10)]})
     with pytest.raises(rt.SpecError, match=esc("got cuts at [2, 8]")):
-        op.spec({"seq_q": [I(0, 2), I(2, 3), I(3, 8), I(8, 10)]})
+        op.spec({"seq_q": [Iv(0, 2), Iv(2, 3), Iv(3, 8), Iv(8, 10)]})
     # the inherited index is never requested
-    with pytest.raises(rt.SpecError, match=esc("attention can be split only on ['batch', 'heads_kv', 'seq_kv', 'seq_q']; "
-                                               "got a request for ['heads_q']")):
-        op.spec({"heads_q": [I(0, 2), I(2, 4)]})
+    with pytest.raises(rt.SpecError,
+                       match=esc("attention can be split only on ['batch', 'heads_kv', 'seq_kv', 'seq_q']; "
+                                 "got a request for ['heads_q']")):
+        op.spec({"heads_q": [Iv(0, 2), Iv(2, 4)]})
     # the key sequence may be cut anywhere
-    assert op.spec({"seq_kv": [I(0, 5), I(5, 10)]}).p == 2
+    assert op.spec({"seq_kv": [Iv(0, 5), Iv(5, 10)]}).p == 2
 
 
 def test_malformed_core_values() -> None:
     with pytest.raises(rt.SpecError, match=esc("an interval needs lo <= hi; got [3, 2)")):
-        I(3, 2)
+        Iv(3, 2)
     with pytest.raises(rt.SpecError, match=esc("a box needs lower <= upper per dimension; got (0, 5) .. (1, 2)")):
         rt.Box((0, 5), (1, 2))
     with pytest.raises(rt.SpecError, match=esc("tiling breakpoints must increase strictly with at least two per "
                                                "dimension; got (0, 2, 2)")):
         rt.Tiling(((0, 2, 2), (0, 3)))
-    with pytest.raises(rt.SpecError, match=esc("only tilings of the same space overlay; got [0,2)x[0,3) and [0,3)x[0,3)")):
+    with pytest.raises(rt.SpecError, match=esc("only tilings of the same space overlay; "
+                                               "got [0,2)x[0,3) and [0,3)x[0,3)")):
         rt.Tiling(((0, 2), (0, 3))).overlay(rt.Tiling(((0, 3), (0, 3))))
     with pytest.raises(rt.SpecError, match=esc("legal positions of index 's' must increase strictly inside (0, 10); "
                                                "got (5, 3)")):
@@ -477,7 +485,7 @@ def test_embedding_float_ids_feed(emb_graph) -> None:
 
 def test_embedding_id_out_of_range_under_a_vocabulary_split(emb_graph) -> None:
     op = emb_graph.node("embedding_2").op
-    spec = op.spec({"vocab": [I(0, 2), I(2, 5)]})
+    spec = op.spec({"vocab": [Iv(0, 2), Iv(2, 5)]})
     with pytest.raises(rt.ExecError, match=esc("embedding ids must lie in [0, 5); got values from 0 to 7")):
         rt.execute_spec(op, spec, [np.ones((5, 3), dtype=np.float32), np.array([0, 7, 1, 1])])
 

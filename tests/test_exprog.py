@@ -13,8 +13,15 @@ from hypothesis import strategies as st
 
 from relational_tensors.errors import ExchangeError
 from relational_tensors.exchange.ast import Action, ExProg, InAtom, Partition, Requirement
-from relational_tensors.exchange.closure import (check, closure, enabled, find_membership, initial_state,
-                                                 is_valid, memberships)
+from relational_tensors.exchange.closure import (
+    check,
+    closure,
+    enabled,
+    find_membership,
+    initial_state,
+    is_valid,
+    memberships,
+)
 from relational_tensors.exchange.text import parse, to_text
 
 FAST = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])

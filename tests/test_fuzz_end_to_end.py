@@ -1,7 +1,8 @@
 """Whole programs on random shapes: LLaMA-style blocks (GQA, packed sequences, one or two layers),
-matrix chains of random dimensions and order, and random sequences of operators, compiled for a random number of virtual devices
-with a random selector, cost model and exchange schedule, run, and compared with the single-device
-NumPy reference.  Sizes are drawn freely, so most of them do not divide the device count.
+matrix chains of random dimensions and order, and random sequences of operators, compiled for a random
+number of virtual devices with a random selector, cost model and exchange schedule, run, and compared
+with the single-device NumPy reference.  Sizes are drawn freely, so most of them do not divide the
+device count.
 
 RT_FUZZ_EXAMPLES=2000 python -m pytest tests/test_fuzz_end_to_end.py fuzzes longer (30 examples each
 by default)."""
@@ -10,13 +11,12 @@ from __future__ import annotations
 
 import os
 
+from cases import check_plan, feeds_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import relational_tensors as rt
 from relational_tensors.models import chain_feeds, llama_block, llama_feeds
-
-from cases import check_plan, feeds_for
 
 FUZZ = settings(max_examples=int(os.environ.get("RT_FUZZ_EXAMPLES", "30")), deadline=None,
                 suppress_health_check=[HealthCheck.too_slow])

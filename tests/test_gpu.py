@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cases import CASES, feeds_for
 
 import relational_tensors as rt
-from relational_tensors.devices import visible_gpus
 from relational_tensors.models import llama_block, llama_feeds
-
-from cases import CASES, feeds_for
+from relational_tensors.target.devices import visible_gpus
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(visible_gpus() == 0, reason="no CUDA GPU visible (or CuPy not installed)")]
@@ -101,7 +100,7 @@ def test_llama_block_with_library_flash_attention(dtype: str, device: str) -> No
     feeds = llama_feeds(g)
     want = rt.reference(g, feeds)["y"]
     cg = rt.compileGraph(g, device=device, attention="flash")
-    ex = cg._exec()
+    ex = cg.executor
     assert any("flash" in c for c in ex.task_consts.values())
     assert not ex.capturable  # the library kernels allocate: the program runs eagerly
     got = cg.run(feeds)["y"]
@@ -137,7 +136,7 @@ def test_replay_is_bit_identical_and_memory_stays_flat() -> None:
     for _ in range(1000):
         cg.execute()
     cg.synchronize()
-    assert cg._exec().graph_exec is not None
+    assert cg.executor.graph_exec is not None
     assert np.array_equal(cg.offload("y").view(np.uint16), first.view(np.uint16))
     assert cupy.cuda.runtime.memGetInfo()[0] >= free0 - (1 << 20)
     assert cupy.get_default_memory_pool().used_bytes() <= pool0 + (1 << 20)
@@ -162,7 +161,7 @@ def test_device_offload_is_ordered_before_the_next_run() -> None:
         y = cg.offload("y", like="cupy")
         cg.execute()  # waits for the copies issued on every stream before it reuses their memory
         assert np.array_equal(cupy.asnumpy(y).view(np.uint16), want.view(np.uint16))
-    assert cg._exec().graph_exec is not None
+    assert cg.executor.graph_exec is not None
 
 
 def test_dlpack_in_and_out() -> None:
@@ -275,7 +274,7 @@ def test_llama_block_on_two_gpus_replays_and_offloads_across_gpus(schedule_mode:
     feeds = llama_feeds(g)
     want = rt.reference(g, feeds)["y"]
     cg = rt.compileGraph(g, device=[0, 1], schedule_mode=schedule_mode)
-    assert sorted(set(cg._exec().phys)) == [0, 1]
+    assert sorted(set(cg.executor.phys)) == [0, 1]
     cg.load(feeds)
     cg.execute()
     first = cg.offload("y")
@@ -291,9 +290,11 @@ def test_llama_block_on_two_gpus_replays_and_offloads_across_gpus(schedule_mode:
 
 
 def test_a_task_that_breaks_capture_is_named_and_the_program_runs_eagerly(monkeypatch) -> None:
+    import dataclasses
+
     import cupy
 
-    from relational_tensors.gpu_exec import gpu_ops
+    from relational_tensors.gpu_exec import launchers
 
     g = rt.Graph()
     x = g.input("x", [64, 32], "float32")
@@ -303,17 +304,17 @@ def test_a_task_that_breaks_capture_is_named_and_the_program_runs_eagerly(monkey
     cg = rt.compileGraph(g, device="cuda:0,0")
     cg.load(feeds)
     cg.execute()  # eager
-    unary = gpu_ops.LAUNCHERS["unary"]
+    unary = launchers.LAUNCHERS["unary"]
 
     def synchronizing(*args):  # a device-wide synchronize is not allowed while a stream is captured
-        unary(*args)
+        unary.launch(*args)
         cupy.cuda.runtime.deviceSynchronize()
 
-    monkeypatch.setitem(gpu_ops.LAUNCHERS, "unary", synchronizing)
+    monkeypatch.setitem(launchers.LAUNCHERS, "unary", dataclasses.replace(unary, launch=synchronizing))
     with pytest.raises(rt.ExecError, match=r"task \d+ \(.*\) on logical device \d"):
         cg.execute()  # the capture
-    monkeypatch.setitem(gpu_ops.LAUNCHERS, "unary", unary)
-    ex = cg._exec()
+    monkeypatch.setitem(launchers.LAUNCHERS, "unary", unary)
+    ex = cg.executor
     assert ex.graph_exec is None and not ex.capturable
     for _ in range(3):
         cg.execute()  # eager from now on, and right

@@ -7,7 +7,7 @@ The ``naive_*`` functions are also the ground truth of test_llama.py and test_co
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import ml_dtypes
 import numpy as np

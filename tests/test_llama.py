@@ -5,16 +5,15 @@ block written here, and every operator of the block, under every interval reques
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
+from test_kernels import naive_attention, naive_rmsnorm, naive_rope, naive_silu
 
 import relational_tensors as rt
 from relational_tensors.dp_optimizer import interval_requests
 from relational_tensors.models import llama_block, llama_feeds
-
-from test_kernels import naive_attention, naive_rmsnorm, naive_rope, naive_silu
 
 PACKED_ENDS = (5, 9, 20, 22, 31, 40, 47)  # 7 packed sequences of uneven lengths
 MODEL_ROPE_BASE = 500000.0  # llama_block's default, as in LLaMA 3

@@ -5,12 +5,11 @@ ordered by the waits the plan issues (a vector-clock happens-before check)."""
 from __future__ import annotations
 
 import pytest
+from cases import CASES
 
 import relational_tensors as rt
 from relational_tensors.gpu_exec.memory_plan import MemoryPlan, plan_memory
 from relational_tensors.models import LLAMA3_8B, llama_block
-
-from cases import CASES
 
 
 def hazards(cg: rt.CompiledGraph, plan: MemoryPlan) -> list[tuple[int, int]]:
@@ -42,8 +41,8 @@ def hazards(cg: rt.CompiledGraph, plan: MemoryPlan) -> list[tuple[int, int]]:
     bad = []
     for accesses in by_arena.values():
         accesses.sort(key=lambda a: a[1])
-        for i, (ta, lo_a, hi_a, wa) in enumerate(accesses):
-            for tb, lo_b, hi_b, wb in accesses[i + 1:]:
+        for i, (ta, _lo_a, hi_a, wa) in enumerate(accesses):
+            for tb, lo_b, _hi_b, wb in accesses[i + 1:]:
                 if lo_b >= hi_a:
                     break
                 if ta == tb or not (wa or wb):

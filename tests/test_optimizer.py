@@ -329,8 +329,8 @@ def _grid(rows: int, cols: int, n: int = 64) -> tuple:
 
 @pytest.fixture(scope="module")
 def kernels():
-    from relational_tensors.exchange.plan_sim import KernelModel
-    from relational_tensors.exchange.topology import get_topology
+    from relational_tensors.target.kernel_model import KernelModel
+    from relational_tensors.target.topology import get_topology
 
     return KernelModel(get_topology("dgx-a100"))
 
@@ -338,7 +338,7 @@ def kernels():
 @pytest.mark.parametrize("rows,cols", [(8, 1), (1, 8), (2, 4), (4, 2)])
 def test_pairwise_price_of_identical_tilings_is_zero(kernels, rows: int, cols: int) -> None:
     """Blocks made once and read once as the same tiling stay where they are made: nothing moves."""
-    from relational_tensors.dp_optimizer.exchange_price import exchange_seconds
+    from relational_tensors.target.pricing import exchange_seconds
 
     same = _grid(rows, cols)
     assert exchange_seconds(same, same, "float16", "sum", kernels, 1.0) == 0.0
@@ -351,7 +351,7 @@ def test_pairwise_price_by_hand(kernels) -> None:
     read as 4 column blocks it gets 7 slivers of 8 x 16 (256 bytes each), 1792 bytes; read as 8 column
     blocks, 7 slivers of 8 x 8, 896 bytes.  Each reader of several pieces also assembles its block (a
     memory-bound kernel, microseconds), so the prices exceed the bytes by less than a millisecond."""
-    from relational_tensors.dp_optimizer.exchange_price import exchange_seconds
+    from relational_tensors.target.pricing import exchange_seconds
 
     rows8 = _grid(8, 1)
     price = lambda reads: exchange_seconds(rows8, reads, "float16", "sum", kernels, 1.0)  # noqa: E731

@@ -15,4 +15,5 @@ def test_plan_matches_fixture(case: str, graph: str, p: int, cost_model: str) ->
     if got != expected:
         diff = "".join(difflib.unified_diff(expected.splitlines(True), got.splitlines(True), "fixture", "now", n=2))
         pytest.fail(f"the plan of {case} differs from tests/fixtures/plans/{case}.txt "
-                    f"(rewrite with `python tests/plan_fixtures.py {case}` only if the change is meant):\n{diff[:6000]}")
+                    f"(rewrite with `python tests/plan_fixtures.py {case}` only if the change is meant):\n"
+                    f"{diff[:6000]}")

@@ -10,8 +10,8 @@ import relational_tensors as rt
 from relational_tensors.exchange.closure import check
 from relational_tensors.exchange.simulator import simulate
 from relational_tensors.exchange.text import parse
-from relational_tensors.exchange.topology import get_topology
 from relational_tensors.models import LLAMA3_8B, llama_block
+from relational_tensors.target.topology import get_topology
 
 A100 = get_topology("dgx-a100")
 LAT = A100.route(0, 1).latency
@@ -72,7 +72,7 @@ def block() -> rt.CompiledGraph:
 
 
 def test_whole_plan_schedule_is_consistent(block: rt.CompiledGraph) -> None:
-    result = block._simulation(None, None)
+    result = block.simulation()
     assert result.time == pytest.approx(block.simulate())
     by_id = {t.task: t for t in result.tasks}
     for task in block.dag.tasks:
@@ -94,7 +94,7 @@ def test_lone_copy_runs_at_link_speed() -> None:
     y = g.softmax(g.softmax(g.input("x", [4096, 4096], "float16"), axis=1), axis=0)
     g.save(y, name="y")
     cg = rt.compileGraph(g, device=2, topology="dgx-a100")
-    copies = [t for t in cg._simulation(None, None).tasks if t.kind == "copy"]
+    copies = [t for t in cg.simulation().tasks if t.kind == "copy"]
     assert len(copies) == 2
     for c in copies:  # the two copies go opposite ways: each has a whole egress and ingress
         assert c.end - c.start == pytest.approx(LAT + c.bytes / 300e9, rel=1e-9)
@@ -102,7 +102,7 @@ def test_lone_copy_runs_at_link_speed() -> None:
 
 def test_data_parallel_prediction_is_the_kernel_time(block: rt.CompiledGraph) -> None:
     cg = rt.compileGraph(llama_block(128, 1024, dtype="float16", **LLAMA3_8B), device=8, topology="dgx-a100")
-    result = cg._simulation(None, None)
+    result = cg.simulation()
     on0 = sum(t.end - t.start for t in result.tasks if t.device == 0)
     assert result.time == pytest.approx(on0)  # no transfers, no waiting: device 0 is busy all along
 
@@ -124,7 +124,7 @@ def test_simulating_other_topologies(block: rt.CompiledGraph) -> None:
 
 
 def test_calibration_curves_interpolate_and_hold_their_ends(tmp_path) -> None:
-    from relational_tensors.exchange.plan_sim import KernelModel
+    from relational_tensors.target.kernel_model import KernelModel
 
     path = tmp_path / "cal.json"
     path.write_text(json.dumps({"curves": {"matmul": [[1e9, 1e14], [1e12, 5e14]]}}))
@@ -140,7 +140,7 @@ def test_calibration_curves_interpolate_and_hold_their_ends(tmp_path) -> None:
 def test_the_shipped_calibration_serves_every_size_of_its_machine(gpus: int) -> None:
     # a subset (hgx-h200[4]) or a widened switch has the machine's GPUs, so its calibration; the
     # lookup used to miss the subsets and fall back to default efficiencies
-    from relational_tensors.exchange.plan_sim import CALIBRATIONS, KernelModel
+    from relational_tensors.target.kernel_model import CALIBRATIONS, KernelModel
 
     model = KernelModel.from_calibration(get_topology("hgx-h200", gpus=gpus))
     assert model.source == str(CALIBRATIONS / "hgx-h200.json") and model.curves

@@ -12,22 +12,22 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_exprog import FAST, reference_valid
 
 import relational_tensors as rt
 from relational_tensors.exchange import search
 from relational_tensors.exchange.ast import ExProg, InAtom, Partition, Requirement
 from relational_tensors.exchange.closure import check
-from relational_tensors.exchange.lower import lower, naive_body
-from relational_tensors.exchange.plan_sim import simulate_plan
+from relational_tensors.exchange.naive import naive_body
 from relational_tensors.exchange.search import SearchResult, make_searcher, search_program
 from relational_tensors.exchange.simulator import simulate
-from relational_tensors.exchange.tasks import liveness
 from relational_tensors.exchange.text import parse, to_text
-from relational_tensors.exchange.topology import Route, Topology, get_topology
 from relational_tensors.gpu_exec.numpy_backend import NumpyExecutor
 from relational_tensors.models import LLAMA3_8B, llama_block, llama_feeds
-
-from test_exprog import FAST, reference_valid
+from relational_tensors.physical.lower import lower
+from relational_tensors.physical.simulate import simulate_plan
+from relational_tensors.physical.tasks import liveness
+from relational_tensors.target.topology import Route, Topology, get_topology
 
 MB = 10**6
 V100 = get_topology("dgx-v100")

@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 
 import relational_tensors as rt
-from relational_tensors.exchange.lower import _Lowering, naive
-from relational_tensors.exchange.tasks import liveness
-from relational_tensors.exchange.views import fuse_views
+from relational_tensors.exchange.naive import naive
 from relational_tensors.gpu_exec.numpy_backend import NumpyExecutor
 from relational_tensors.models import llama_block, llama_feeds
+from relational_tensors.physical.lower import _Lowering
+from relational_tensors.physical.tasks import liveness
+from relational_tensors.physical.views import fuse_views
 
 
 def unfused(cg):
@@ -37,7 +38,7 @@ def test_views_remove_passes_and_keep_the_result(p, seq_ends) -> None:
     assert after.counts()["recompose"] <= before.counts()["recompose"]
     if before.counts()["decompose"]:
         assert after.counts()["decompose"] < before.counts()["decompose"]
-    for b, buf in after.buffers.items():  # a view lies inside its parent, on its device, of its tensor
+    for _b, buf in after.buffers.items():  # a view lies inside its parent, on its device, of its tensor
         if buf.parent is not None:
             parent = after.buffers[buf.parent]
             assert parent.device == buf.device and parent.tensor == buf.tensor and parent.dtype == buf.dtype

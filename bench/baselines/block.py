@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -110,7 +110,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return out.transpose(1, 2)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _lower_right_takes_gqa(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether SDPA with a bottom-right CausalBias gives the masked result on unexpanded GQA heads here."""
     from torch.nn.attention.bias import causal_lower_right

@@ -23,8 +23,9 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -34,8 +35,18 @@ import torch.distributed as dist
 
 from baselines.block import reference_block
 from baselines.chain import prepare_chain, reference_chain
-from baselines.common import (SHAPES, WORKLOADS, BlockShape, Dist, NotApplicable, Prepared, init_dist,
-                              parse_workload, summary, time_rounds)
+from baselines.common import (
+    SHAPES,
+    WORKLOADS,
+    BlockShape,
+    Dist,
+    NotApplicable,
+    Prepared,
+    init_dist,
+    parse_workload,
+    summary,
+    time_rounds,
+)
 from baselines.llama_dp import prepare_dp
 from baselines.llama_sp import prepare_sp
 from baselines.llama_tp import prepare_tp

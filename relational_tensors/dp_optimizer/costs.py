@@ -26,8 +26,10 @@ from relational_tensors.core.dtypes import itemsize
 from relational_tensors.core.spec import JoinAggSpec
 from relational_tensors.core.tiling import Tiling, as_grid
 from relational_tensors.core.types import Box, TensorType
-from relational_tensors.dp_optimizer.exchange_price import device_bandwidth, exchange_seconds
 from relational_tensors.errors import PlanError
+from relational_tensors.target.kernel_model import KernelModel
+from relational_tensors.target.pricing import device_bandwidth, exchange_seconds
+from relational_tensors.target.target import Target
 
 __all__ = ["CostModel", "CalibratedCostModel", "COST_MODELS", "COST_MODEL_NAMES", "TilingTable", "spec_memory",
            "spec_resident", "cost_model"]
@@ -87,7 +89,7 @@ class CalibratedCostModel(CostModel):
     partials are combined by its consumers' edges).
     """
 
-    kernels: object = None      # exchange.plan_sim.KernelModel
+    kernels: KernelModel | None = None
     bandwidth: float = 1.0      # bytes/s one device sends (and receives) while every device exchanges
     latency: float = 0.0        # start latency of a transfer, s
     _prices: dict = field(default_factory=dict, compare=False, repr=False)  # memo of exchange()
@@ -126,13 +128,13 @@ class CalibratedCostModel(CostModel):
 
     def compute(self, spec: JoinAggSpec, op: object) -> float:
         model = self.kernels
-        kind = getattr(op, "kind", "compute")
+        family = getattr(op, "cost_family", "compute")
         out_w = itemsize(spec.output_type.dtype)
         widths = [itemsize(t.dtype) for t in spec.input_types]
         worst = 0.0
         for f in spec.functions:
             nbytes = sum(b.volume * w for b, w in zip(f.inputs, widths)) + f.output.volume * out_w
-            worst = max(worst, model.time(f.flops, nbytes, spec.output_type.dtype, kind))  # type: ignore[attr-defined]
+            worst = max(worst, model.time(f.flops, nbytes, spec.output_type.dtype, family))
         return worst
 
 
@@ -143,21 +145,19 @@ COST_MODELS: dict[str, CostModel] = {
 COST_MODEL_NAMES = ("paper", "bytes", "calibrated")
 
 
-def cost_model(name: str, topology: str | None = None, p: int = 1, calibration: str | None = None) -> CostModel:
-    """The cost model ``name``; ``calibrated`` needs the topology (and takes a calibration file)."""
+def cost_model(name: str, target: Target | None = None) -> CostModel:
+    """The cost model ``name``; ``calibrated`` prices seconds on the target's topology and kernel model."""
     if name not in COST_MODEL_NAMES:
         raise PlanError(f"unknown cost model {name!r}; choose one of {list(COST_MODEL_NAMES)}.")
     if name != "calibrated":
         return COST_MODELS[name]
-    from relational_tensors.exchange.plan_sim import KernelModel
-    from relational_tensors.exchange.topology import get_topology
-
-    base = get_topology(topology or "hgx-h200")
-    topo = get_topology(base, gpus=p) if 1 < p <= len(base.sites) else base
+    if target is None:
+        raise PlanError("the calibrated cost model prices a target: pass the Target of the compilation.")
+    topo = target.topology
     routes = [topo.route(a, b) for a in topo.sites for b in topo.sites if a != b]
     latency = sum(r.latency for r in routes) / len(routes) if routes else 0.0
-    return CalibratedCostModel("calibrated", lambda dtype: float(itemsize(dtype)),
-                               KernelModel.from_calibration(topo, calibration), device_bandwidth(topo), latency)
+    return CalibratedCostModel("calibrated", lambda dtype: float(itemsize(dtype)), target.kernels,
+                               device_bandwidth(topo), latency)
 
 
 def spec_memory(spec: JoinAggSpec) -> int:

@@ -22,7 +22,7 @@ from collections import defaultdict
 from typing import Callable, Iterable, Iterator, Mapping
 
 from ..errors import ExchangeError
-from .ast import Action, ExProg, Partition, exact_cover, aggregate_text
+from .ast import Action, ExProg, Partition, aggregate_text, exact_cover
 from .text import action_key, action_text, size_text
 
 __all__ = ["State", "Membership", "initial_state", "enabled", "closure", "check", "is_valid", "memberships",

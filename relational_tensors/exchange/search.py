@@ -1,6 +1,6 @@
 """Exchange-program search (section 5.4): rewrite the naive body, keep what the simulator likes.
 
-The search starts from the naive program of :mod:`~relational_tensors.exchange.lower`
+The search starts from the naive program of :mod:`~relational_tensors.physical.lower`
 (each reader gathers the atoms of what it needs and aggregates them itself) and
 climbs with the paper's rewrite rules, each applied to one action of the body:
 
@@ -44,9 +44,9 @@ from typing import Iterable, Iterator, Mapping, NamedTuple
 from relational_tensors.errors import ExchangeError
 from relational_tensors.exchange.ast import Action, ExProg, aggregate_text, exact_cover
 from relational_tensors.exchange.closure import check, membership_moves, memberships
-from relational_tensors.exchange.lower import Membership, naive_body
+from relational_tensors.exchange.naive import Membership, naive_body
 from relational_tensors.exchange.simulator import SimResult, simulate
-from relational_tensors.exchange.topology import Topology, get_topology
+from relational_tensors.target.topology import Topology, get_topology
 
 __all__ = ["SearchResult", "Searcher", "search_program", "make_searcher", "RULES"]
 
@@ -620,7 +620,7 @@ def search_program(prog: ExProg, topology: Topology | str, membership: Membershi
 # --- lowering --------------------------------------------------------------------------------------------
 
 class Searcher:
-    """A synthesizer for :func:`~relational_tensors.exchange.lower.lower` that searches every program.
+    """A synthesizer for :func:`~relational_tensors.physical.lower.lower` that searches every program.
 
     ``results`` keeps one :class:`SearchResult` per program synthesized, in lowering order.
     """
@@ -652,7 +652,7 @@ class Searcher:
 
 def make_searcher(topology: Topology | str, seed: int = 0, budget_s: float = 0.5,
                   max_steps: int | None = None) -> Searcher:
-    """A :data:`~relational_tensors.exchange.lower.Synthesizer` running :func:`search_program` on each
+    """A :data:`~relational_tensors.physical.lower.Synthesizer` running :func:`search_program` on each
     program it is given (``budget_s`` each); it keeps the results for inspection.
 
     >>> from relational_tensors.exchange.text import parse

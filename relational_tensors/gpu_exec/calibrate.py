@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="calibration.json")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
-    from relational_tensors.devices import visible_gpus
     from relational_tensors.errors import ExecError
+    from relational_tensors.target.devices import visible_gpus
 
     if visible_gpus() == 0:
         raise ExecError("calibration measures a GPU, and none is visible (CuPy and a CUDA driver are needed).")

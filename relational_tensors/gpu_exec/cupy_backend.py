@@ -21,14 +21,16 @@ from typing import Any, Mapping
 import numpy as np
 
 from relational_tensors.core.dtypes import bf16_bits_to_float32, float32_to_bf16_bits, itemsize, numpy_dtype
-from relational_tensors.devices import DeviceSet
 from relational_tensors.errors import ExecError
-from relational_tensors.exchange.tasks import Liveness, Task, TaskDAG
 from relational_tensors.frontend.graph import Graph
 from relational_tensors.gpu_exec.kernels import triton_copy as tc
 from relational_tensors.gpu_exec.kernels import triton_elementwise as te
 from relational_tensors.gpu_exec.kernels.common import DevBuf, bind_triton_to_cupy
-from relational_tensors.gpu_exec.memory_plan import ALIGN, align as _align, buffer_bytes, plan_memory, view_geometry
+from relational_tensors.gpu_exec.memory_plan import ALIGN, buffer_bytes, plan_memory, view_geometry
+from relational_tensors.gpu_exec.memory_plan import align as _align
+from relational_tensors.physical.tasks import (
+    AggregatePayload, DecomposePayload, Liveness, RecomposePayload, Task, TaskDAG)
+from relational_tensors.target.devices import DeviceSet
 
 __all__ = ["CupyExecutor"]
 
@@ -77,9 +79,7 @@ class CupyExecutor:
         self.resident: set[str] = set()
         self.runs = 0
         self.graph_exec: Any = None
-        from relational_tensors.gpu_exec.gpu_ops import ALLOCATING_KINDS
-
-        self.capturable = not any(t.kind == "kernel" and (graph.nodes[t.op].kind in ALLOCATING_KINDS
+        self.capturable = not any(t.kind == "kernel" and (graph.nodes[t.op].op.gpu_allocates
                                                           or "flash" in self.task_consts.get(t.id, {}))
                                   for t in dag.tasks)
 
@@ -140,14 +140,15 @@ class CupyExecutor:
 
     def _constants(self) -> None:
         """Per-operator device constants (attention row limits, rope sequence starts) and per-task scratch."""
-        from relational_tensors.gpu_exec.gpu_ops import op_constants, scratch_shape
+        from relational_tensors.gpu_exec.launchers import op_constants, scratch_shape
 
         cp = self.cp
         self.keep: list[Any] = []
         per_op: dict[tuple[int, int], dict[str, DevBuf]] = {}
         self.task_consts: dict[int, dict[str, DevBuf]] = {}
         for t in self.dag.tasks:
-            if t.kind == "aggregate" and t.payload["aggregation"].name == "lse" and len(t.inputs) > 2:
+            if t.kind == "aggregate" and isinstance(t.payload, AggregatePayload) and \
+                    t.payload.aggregation.name == "lse" and len(t.inputs) > 2:
                 out = self.views[t.outputs[0]]
                 with cp.cuda.Device(self.phys[t.device]):
                     o = cp.empty(out[0].nbytes, dtype=cp.uint8)
@@ -172,10 +173,10 @@ class CupyExecutor:
                 from relational_tensors.gpu_exec.kernels import flash
 
                 out_buf = self.dag.buffers[t.outputs[0]]
-                segs = flash.segments(node.op, t.payload["function"], out_buf.dtype, out_buf.partial == "lse")
+                segs = flash.segments(node.op, t.kernel.function, out_buf.dtype, out_buf.partial == "lse")
                 if segs is not None:
                     consts["flash"] = segs
-            need = scratch_shape(node.op, t.payload["function"])
+            need = scratch_shape(node.op, t.kernel.function)
             if need is not None:
                 shape, dtype = need
                 with cp.cuda.Device(self.phys[t.device]):
@@ -441,14 +442,14 @@ class CupyExecutor:
         dag = self.dag
         views = self.views
         if t.kind == "kernel":
-            from relational_tensors.gpu_exec.gpu_ops import LAUNCHERS
+            from relational_tensors.gpu_exec.launchers import launcher_for
 
             if t.outputs[0] in self.plan.reshaped:
                 return  # a reshape whose output shares its input's memory
             node = self.graph.nodes[t.op]
             out = views[t.outputs[0]]
-            LAUNCHERS[node.kind](node.op, t.payload["function"], [views[b] for b in t.inputs], out,
-                                 self.task_consts.get(t.id, {}), stream.ptr)
+            launcher_for(node.kind).launch(node.op, t.kernel.function, [views[b] for b in t.inputs], out,
+                                           self.task_consts.get(t.id, {}), stream.ptr)
         elif t.kind == "copy":
             src, dst = t.inputs[0], t.outputs[0]
             main, extra = self.slot_bytes[src]
@@ -469,7 +470,8 @@ class CupyExecutor:
         elif t.kind == "decompose":
             src_buf = dag.buffers[t.inputs[0]]
             src = views[t.inputs[0]]
-            for cell, b in zip(t.payload["cells"], t.outputs):
+            assert isinstance(t.payload, DecomposePayload)
+            for cell, b in zip(t.payload.cells, t.outputs):
                 rel = tuple(c - s for c, s in zip(cell.lower, src_buf.box.lower))
                 if isinstance(src, tuple):
                     tc.copy_box(src[0].sub(rel, cell.shape), views[b][0])
@@ -479,13 +481,15 @@ class CupyExecutor:
         elif t.kind == "recompose":
             out_buf = dag.buffers[t.outputs[0]]
             out = views[t.outputs[0]]
-            for cell, b in zip(t.payload["cells"], t.inputs):
+            assert isinstance(t.payload, RecomposePayload)
+            for cell, b in zip(t.payload.cells, t.inputs):
                 piece = views[b]
                 piece = piece[0] if isinstance(piece, tuple) else piece
                 rel = tuple(c - s for c, s in zip(cell.lower, out_buf.box.lower))
                 tc.copy_box(piece, out.sub(rel, cell.shape))
         elif t.kind == "aggregate":
-            agg = t.payload["aggregation"].name
+            assert isinstance(t.payload, AggregatePayload)
+            agg = t.payload.aggregation.name
             ins = [views[b] for b in t.inputs]
             out = views[t.outputs[0]]
             if agg == "lse":

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from relational_tensors.exchange.tasks import Liveness, TaskDAG, block_bytes
 from relational_tensors.frontend.graph import Graph
+from relational_tensors.physical.tasks import Liveness, TaskDAG, block_bytes
 
 __all__ = ["MemoryPlan", "plan_memory", "plan_arena", "view_geometry", "ALIGN", "align"]
 

@@ -16,8 +16,8 @@ import numpy as np
 
 from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.errors import ExecError
-from relational_tensors.exchange.tasks import Liveness, TaskDAG
 from relational_tensors.frontend.graph import Graph
+from relational_tensors.physical.tasks import AggregatePayload, DecomposePayload, Liveness, RecomposePayload, TaskDAG
 from relational_tensors.reference import check_feed_names, coerce_feed
 
 __all__ = ["NumpyExecutor"]
@@ -111,26 +111,31 @@ class NumpyExecutor:
         kind = task.kind
         if kind == "kernel":
             node = self.graph.nodes[task.op]
-            out = node.op.kernel(ins, task.payload["function"])
-            if task.payload["final"]:
-                out = np.asarray(task.payload["aggregation"].finalize(out)).astype(
+            run = task.kernel
+            out = node.op.kernel(ins, run.function)
+            if run.final:
+                out = np.asarray(run.aggregation.finalize(out)).astype(
                     numpy_dtype(node.type.dtype), copy=False)
             return [out]
         if kind == "copy":
             return [tuple(np.array(a, copy=True) for a in ins[0]) if isinstance(ins[0], tuple)
                     else np.array(ins[0], copy=True)]
         if kind == "aggregate":
-            return [task.payload["aggregation"].combine(ins)]
+            assert isinstance(task.payload, AggregatePayload)
+            return [task.payload.aggregation.combine(ins)]
         if kind == "decompose":
             src = self.dag.buffers[task.inputs[0]].box
-            return [_slice(ins[0], cell.slices(src)) for cell in task.payload["cells"]]
+            assert isinstance(task.payload, DecomposePayload)
+            return [_slice(ins[0], cell.slices(src)) for cell in task.payload.cells]
         if kind == "recompose":
             out_buf = self.dag.buffers[task.outputs[0]]
             pool = self.pools[out_buf.device]
             # copies may already have written some pieces into the block (views of it): keep them
             out = pool[out_buf.id] if out_buf.id in pool else np.empty(out_buf.box.shape, dtype=numpy_dtype(out_buf.dtype))
-            agg = task.payload["aggregation"]
-            for cell, value, final in zip(task.payload["cells"], ins, task.payload["finalize"]):
+            pieces = task.payload
+            assert isinstance(pieces, RecomposePayload)
+            agg = pieces.aggregation
+            for cell, value, final in zip(pieces.cells, ins, pieces.finalize):
                 out[cell.slices(out_buf.box)] = agg.finalize(value) if final else value
             return [out]
         raise ExecError(f"the numpy executor cannot run task kind {kind!r}.")

@@ -50,6 +50,7 @@ class AttentionOp(Operator):
     """
 
     kind = "attention"
+    cost_family = "attention"
     aggregation = LSE
     causal: bool = False
     seq_ends: tuple[int, ...] | None = None

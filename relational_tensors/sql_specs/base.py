@@ -48,6 +48,11 @@ class Operator:
 
     kind: ClassVar[str] = "?"
     aggregation: ClassVar[Aggregation] = SUM
+    # how the kernel model prices its kernels: "matmul", "attention" or "compute" (the roofline's
+    # compute rate, or memory traffic when that is slower); see target.kernel_model
+    cost_family: ClassVar[str] = "compute"
+    # its GPU kernel allocates scratch through library routines, which keeps a program out of CUDA-graph capture
+    gpu_allocates: ClassVar[bool] = False
 
     input_types: tuple[TensorType, ...]
     output_type: TensorType = field(init=False, compare=False)

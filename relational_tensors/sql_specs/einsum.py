@@ -69,6 +69,8 @@ class EinsumOp(IndexedOp):
     """
 
     kind = "einsum"
+    cost_family = "matmul"
+    gpu_allocates = True  # cupy.einsum
     subscripts: str = ""
 
     def _parsed(self) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
@@ -121,6 +123,7 @@ class MatmulOp(EinsumOp):
     """
 
     kind = "matmul"
+    gpu_allocates = False  # cuBLAS into the output block
 
     def _parsed(self) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
         a, b = self.input_types

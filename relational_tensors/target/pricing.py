@@ -1,7 +1,11 @@
-"""The price of one exchange as the whole-plan simulator would charge it, for the calibrated cost
-model: which producer copy each reader sits with, the busiest device's bytes, the slicing before
-and the ⊕ and assembly after.  Kept beside the optimizer (it prices edges for the dynamic program)
-but shaped after ``exchange.lower`` and ``exchange.plan_sim``, whose rules it mirrors."""
+"""Pricing rules of data movement on a target, shared by both planners.
+
+The whole-plan simulator (``physical.simulate``) times each ⊕, slice and assembly task with
+:func:`combine_seconds` and :func:`move_seconds`; the calibrated cost model (``dp_optimizer.costs``)
+prices a whole exchange with :func:`exchange_seconds`, which applies the same two rules to the tasks
+the naive program would run (which producer copy each reader sits with, the busiest device's bytes,
+the slicing before and the ⊕ and assembly after), so the DP and the simulator charge one set of rules.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,17 @@ from typing import Any
 from relational_tensors.core.dtypes import itemsize
 from relational_tensors.core.types import Box
 
-__all__ = ["exchange_seconds", "colocate", "device_bandwidth"]
+__all__ = ["exchange_seconds", "colocate", "device_bandwidth", "combine_seconds", "move_seconds"]
+
+
+def combine_seconds(kernels: Any, volume: float, copies: float, nbytes: float, dtype: str) -> float:
+    """One ⊕ of ``copies`` partial copies of ``volume`` elements, reading and writing ``nbytes``."""
+    return kernels.time(volume * (copies - 1), nbytes, dtype, "memory")
+
+
+def move_seconds(kernels: Any, nbytes: float, dtype: str) -> float:
+    """Slicing or assembling ``nbytes`` on one device: every byte read once and written once."""
+    return kernels.time(0.0, 2 * nbytes, dtype, "memory")
 
 
 def _overlap(a: Box, b: Box) -> tuple[int, int]:
@@ -76,8 +90,8 @@ def exchange_seconds(blocks: tuple[Box, ...], reads: tuple[Box, ...], dtype: str
     place and copies and ⊕ write into the block being assembled (``exchange.views``), so slicing
     and assembly cost a pass only for log-sum-exp partials.
 
-    >>> from relational_tensors.exchange.plan_sim import KernelModel
-    >>> from relational_tensors.exchange.topology import get_topology
+    >>> from relational_tensors.target.kernel_model import KernelModel
+    >>> from relational_tensors.target.topology import get_topology
     >>> km = KernelModel(get_topology("dgx-a100"))
     >>> rows = tuple(Box((i, 0), (i + 1, 4)) for i in range(4))
     >>> cols = tuple(Box((0, j), (4, j + 1)) for j in range(4))
@@ -128,7 +142,7 @@ def exchange_seconds(blocks: tuple[Box, ...], reads: tuple[Box, ...], dtype: str
         if lse and copies[i] > 1 and sends[i] and _cells(b, breaks) > 1:  # only lse partials are cut up
             shape = b.shape
             size = nbytes(math.prod(shape), shape[-1] if rank else 1, copies[i] > 1)
-            slice_s = max(slice_s, kernels.time(0.0, 2 * size, dtype, "memory"))
+            slice_s = max(slice_s, move_seconds(kernels, size, dtype))
     finish_s = 0.0
     for j, r in enumerate(vs):
         cells = _cells(r, breaks)
@@ -138,9 +152,9 @@ def exchange_seconds(blocks: tuple[Box, ...], reads: tuple[Box, ...], dtype: str
         t = 0.0
         if cover > 1.0 + 1e-9:  # one ⊕ per cell, of the copies that hold it
             cell = nbytes(volume, shape[-1] if rank else 1, True) / cells
-            t += cells * kernels.time(volume / cells * (cover - 1), (cover + 1) * cell, dtype, "memory")
+            t += cells * combine_seconds(kernels, volume / cells, cover, (cover + 1) * cell, dtype)
         if lse and cover > 1.0 + 1e-9:  # lse partials are finalized into the block
-            t += kernels.time(0.0, 2 * volume * width, dtype, "memory")
+            t += move_seconds(kernels, volume * width, dtype)
         # otherwise copies and ⊕ write into the block; only atoms already on the reader's device are
         # copied by its recompose, a share too small (and too placement-dependent) to price here
         finish_s = max(finish_s, t)
@@ -151,7 +165,7 @@ def device_bandwidth(topo: Any) -> float:
     """Bytes/s each device sends to the others while all of them do (a uniform all-to-all), limited by
     the interconnect resource the most routes share.
 
-    >>> from relational_tensors.exchange.topology import get_topology
+    >>> from relational_tensors.target.topology import get_topology
     >>> device_bandwidth(get_topology("dgx-a100")) / 1e9  # an NVSwitch: each GPU's own link
     300.0
     """

@@ -4,7 +4,7 @@ A topology names its GPUs (sites), the interconnect *resources* that transfers
 contend for (each with a capacity in bytes/s), and for every ordered pair of
 distinct sites the route a transfer takes: the resources it draws from and a
 start latency.  The simulators turn routes into flows of
-:mod:`relational_tensors.exchange.flows`, so a new machine is a new table (or a
+:mod:`relational_tensors.target.flows`, so a new machine is a new table (or a
 JSON file written by a measuring script), not new code.
 
 Resource names follow one convention, which :func:`multi_node` relies on:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
-from relational_tensors.exchange.tasks import Buffer, Task, TaskDAG
+from relational_tensors.physical.tasks import Buffer, DecomposePayload, RecomposePayload, Task, TaskDAG
 
 __all__ = ["fuse_views"]
 
@@ -45,16 +45,18 @@ def fuse_views(dag: TaskDAG) -> TaskDAG:
         if t.kind != "decompose" or dag.buffers[t.inputs[0]].partial == "lse":
             continue
         src = t.inputs[0]
-        keep = [(cell, b) for cell, b in zip(t.payload["cells"], t.outputs)
+        cut = t.payload
+        assert isinstance(cut, DecomposePayload)
+        keep = [(cell, b) for cell, b in zip(cut.cells, t.outputs)
                 if b in outputs or any(r.kind == "kernel" for r in readers[b])]
-        for cell, b in zip(t.payload["cells"], t.outputs):
+        for cell, b in zip(cut.cells, t.outputs):
             if (cell, b) not in keep:
                 buffers[b] = _view(buffers[b], src)
         if not keep:
             drop.add(t.id)
         elif len(keep) < len(t.outputs):
             replaced[t.id] = dataclasses.replace(t, outputs=tuple(b for _, b in keep),
-                                                 payload={**t.payload, "cells": [c for c, _ in keep]})
+                                                 payload=DecomposePayload(tuple(c for c, _ in keep)))
 
     # delivered pieces as views of the block their reader assembles
     for t in dag.tasks:
@@ -64,7 +66,9 @@ def fuse_views(dag: TaskDAG) -> TaskDAG:
         if out.partial is not None:
             continue
         left = []
-        for cell, b, final in zip(t.payload["cells"], t.inputs, t.payload["finalize"]):
+        pieces = t.payload
+        assert isinstance(pieces, RecomposePayload)
+        for cell, b, final in zip(pieces.cells, t.inputs, pieces.finalize):
             made_by = producer.get(b)
             piece = buffers[b]
             if (made_by is not None and made_by.kind in ("copy", "aggregate") and not final
@@ -77,8 +81,9 @@ def fuse_views(dag: TaskDAG) -> TaskDAG:
             drop.add(t.id)
         elif len(left) < len(t.inputs):
             replaced[t.id] = dataclasses.replace(t, inputs=tuple(b for _, b, _ in left),
-                                                 payload={**t.payload, "cells": [c for c, _, _ in left],
-                                                          "finalize": [f for _, _, f in left]})
+                                                 payload=dataclasses.replace(
+                                                     pieces, cells=tuple(c for c, _, _ in left),
+                                                     finalize=tuple(f for _, _, f in left)))
 
     fused = TaskDAG(dag.p, buffers=buffers, inputs=dag.inputs, outputs=dag.outputs,
                     output_aggregation=dag.output_aggregation)
@@ -87,8 +92,7 @@ def fuse_views(dag: TaskDAG) -> TaskDAG:
             continue
         t = replaced.get(t.id, t)
         n = len(fused.tasks)
-        fused.tasks.append(t if t.id == n else Task(n, t.kind, t.device, t.inputs, t.outputs, t.op, t.src_device,
-                                                     t.payload))
+        fused.tasks.append(t if t.id == n else dataclasses.replace(t, id=n))
     return fused
 
 

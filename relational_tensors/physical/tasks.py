@@ -22,9 +22,11 @@ from typing import Any
 
 from relational_tensors.core.aggregation import Aggregation
 from relational_tensors.core.dtypes import itemsize
+from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import Box
 
-__all__ = ["Buffer", "Task", "TaskDAG", "Liveness", "liveness", "block_bytes"]
+__all__ = ["Buffer", "Task", "TaskDAG", "Liveness", "liveness", "block_bytes", "Payload", "LoadPayload",
+           "DecomposePayload", "AggregatePayload", "RecomposePayload", "KernelPayload"]
 
 TASK_KINDS = ("load", "decompose", "aggregate", "copy", "recompose", "kernel")
 
@@ -54,6 +56,53 @@ class Buffer:
         return sum(block_bytes(self.box, self.dtype, self.partial == "lse"))
 
 
+@dataclass(frozen=True, slots=True)
+class LoadPayload:
+    """A load: the block ``box`` of graph input ``input``."""
+
+    input: str
+    box: Box
+
+
+@dataclass(frozen=True, slots=True)
+class DecomposePayload:
+    """A decompose: the cell of each output atom, in output order."""
+
+    cells: tuple[Box, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AggregatePayload:
+    """An aggregate: the ⊕ that combines its inputs."""
+
+    aggregation: Aggregation
+
+
+@dataclass(frozen=True, slots=True)
+class RecomposePayload:
+    """A recompose: the cell of each input piece, the tensor's ⊕ (None for graph inputs) and, per
+    piece, whether it is a partial to finalize (an lse partial and its rows) as it is written."""
+
+    cells: tuple[Box, ...]
+    aggregation: Aggregation | None
+    finalize: tuple[bool, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KernelPayload:
+    """A kernel: the function spec it runs (the ``index``-th of its operator's spec), and whether its
+    output is final (made once) or a partial its readers combine with ``aggregation``."""
+
+    function: FunctionSpec
+    index: int
+    final: bool
+    aggregation: Aggregation
+
+
+# what each task kind carries (a copy carries nothing but its buffers)
+Payload = LoadPayload | DecomposePayload | AggregatePayload | RecomposePayload | KernelPayload | None
+
+
 @dataclass(slots=True)
 class Task:
     id: int
@@ -63,11 +112,14 @@ class Task:
     outputs: tuple[int, ...]
     op: int | None = None         # node id of the operator it serves
     src_device: int | None = None  # copies: the source device
-    payload: dict[str, Any] = field(default_factory=dict)
+    payload: Payload = None
+    label: str = ""
 
     @property
-    def label(self) -> str:
-        return self.payload.get("label", self.kind)
+    def kernel(self) -> KernelPayload:
+        """The payload of a kernel task."""
+        assert isinstance(self.payload, KernelPayload), f"task {self.id} is a {self.kind}, not a kernel"
+        return self.payload
 
 
 @dataclass

@@ -21,18 +21,19 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable
 
 from relational_tensors.core.dtypes import itemsize
 from relational_tensors.core.types import Box, Interval
 from relational_tensors.dp_optimizer.plan import LogicalPlan
 from relational_tensors.errors import ExchangeError
-from relational_tensors.exchange.ast import Action, ExProg, InAtom, Partition, Requirement, aggregate_text, exact_cover
-from relational_tensors.exchange.tasks import TaskDAG, block_bytes
-from relational_tensors.exchange.views import fuse_views
+from relational_tensors.exchange.ast import ExProg, InAtom, Partition, Requirement, aggregate_text, exact_cover
+from relational_tensors.exchange.naive import Membership, Synthesizer, naive
 from relational_tensors.frontend.graph import Graph
+from relational_tensors.physical.tasks import (
+    AggregatePayload, DecomposePayload, KernelPayload, LoadPayload, RecomposePayload, TaskDAG, block_bytes)
+from relational_tensors.physical.views import fuse_views
 
-__all__ = ["Lowered", "lower", "place", "naive", "naive_body", "Synthesizer", "Membership", "SCHEDULES"]
+__all__ = ["Lowered", "lower", "place", "SCHEDULES"]
 
 SCHEDULES = ("naive",)
 
@@ -100,33 +101,6 @@ def _cells(box: Box, breaks: list[list[int]]) -> list[Box]:
     return [Box.from_intervals(c) for c in itertools.product(*per_dim)]
 
 
-Membership = dict[str, tuple[int, ...]]
-Synthesizer = Callable[[ExProg, Membership], tuple[frozenset[Action], Membership]]
-
-
-def naive(prog: ExProg, membership: Membership) -> tuple[frozenset[Action], Membership]:
-    """The naive synthesizer: keep the placement, gather and aggregate at each reader."""
-    return naive_body(prog, membership), membership
-
-
-def naive_body(prog: ExProg, membership: Membership | None = None) -> frozenset[Action]:
-    """Gather each required aggregate's atoms at each reading site and aggregate there."""
-    where: dict[str, list[int]] = {}
-    for a in prog.inputs:
-        where.setdefault(a.atom, []).append(a.site)
-    actions: set[Action] = set()
-    for req in prog.outputs:
-        for target in req.targets:
-            for t in prog.sites_of(target, membership):
-                for atom in sorted(req.aggregate):
-                    sites = where[atom]
-                    if t not in sites:
-                        actions.add(Action(frozenset({atom}), sites[0], (t,)))
-                if len(req.aggregate) > 1:
-                    actions.add(Action(req.aggregate, t))
-    return frozenset(actions)
-
-
 class _Lowering:
     def __init__(self, plan: LogicalPlan, synthesize: Synthesizer):
         self.plan = plan
@@ -147,7 +121,7 @@ class _Lowering:
         if key not in self.loaded:
             node = self.graph.nodes[tensor]
             b = self.dag.buffer(device, box, node.type.dtype, tensor)
-            self.dag.add("load", device, (), (b,), payload={"input": node.name, "box": box, "label": f"load {node.name}"})
+            self.dag.add("load", device, (), (b,), payload=LoadPayload(node.name, box), label=f"load {node.name}")
             self.dag.inputs.setdefault(node.name, []).append((box, b))
             self.loaded[key] = b
         return self.loaded[key]
@@ -247,7 +221,7 @@ class _Lowering:
                 continue
             outs = tuple(dag.buffer(buf.device, atoms[a].cell, buf.dtype, buf.tensor, buf.partial) for a in names)
             dag.add("decompose", buf.device, (src,), outs, op=op,
-                    payload={"cells": [atoms[a].cell for a in names], "label": "decompose"})
+                    payload=DecomposePayload(tuple(atoms[a].cell for a in names)), label="decompose")
             for a, b in zip(names, outs):
                 hold(frozenset({a}), buf.device, b)
         pending = sorted(prog.body, key=lambda a: (aggregate_text(a.aggregate), str(a.source), [str(d) for d in a.dests]))
@@ -265,8 +239,8 @@ class _Lowering:
                         first = dag.buffers[state[(cover[0], s)]]
                         b = dag.buffer(s, first.box, first.dtype, first.tensor, first.partial)
                         dag.add("aggregate", s, tuple(state[(c, s)] for c in cover), (b,), op=op,
-                                payload={"aggregation": self.plan.spec(first.tensor).aggregation,
-                                         "label": f"⊕ {aggregate_text(act.aggregate)}"})
+                                payload=AggregatePayload(self.plan.spec(first.tensor).aggregation),
+                                label=f"⊕ {aggregate_text(act.aggregate)}")
                         hold(act.aggregate, s, b)
                     for dest in act.dests:
                         for d in prog.sites_of(dest, membership):
@@ -275,7 +249,7 @@ class _Lowering:
                             src = dag.buffers[state[(act.aggregate, s)]]
                             b = dag.buffer(d, src.box, src.dtype, src.tensor, src.partial)
                             dag.add("copy", d, (src.id,), (b,), op=op, src_device=s,
-                                    payload={"label": f"{aggregate_text(act.aggregate)} {s}->{d}"})
+                                    label=f"{aggregate_text(act.aggregate)} {s}->{d}")
                             hold(act.aggregate, d, b)
                 fired.append(act)
             if not fired:
@@ -292,8 +266,7 @@ class _Lowering:
         agg = self.plan.spec(tensor).aggregation if node.op is not None else None
         finalize = [self.dag.buffers[b].partial == "lse" for _, b in pieces]  # lse partials carry their lse rows
         self.dag.add("recompose", device, tuple(b for _, b in pieces), (out,), op=op,
-                     payload={"cells": [c for c, _ in pieces], "aggregation": agg, "finalize": finalize,
-                              "label": "recompose"})
+                     payload=RecomposePayload(tuple(c for c, _ in pieces), agg, tuple(finalize)), label="recompose")
         return out
 
     # --- operators ---------------------------------------------------------------
@@ -326,8 +299,7 @@ class _Lowering:
             partial = None if alone else spec.aggregation.name
             out = self.dag.buffer(where[g], f.output, node.type.dtype, op_id, partial)
             self.dag.add("kernel", where[g], tuple(blocks), (out,), op=op_id,
-                         payload={"function": f, "index": g, "final": alone, "aggregation": spec.aggregation,
-                                  "label": f"{node.name}[{g}]"})
+                         payload=KernelPayload(f, g, alone, spec.aggregation), label=f"{node.name}[{g}]")
             outs.append(out)
         self.kernel_out[op_id] = outs
 

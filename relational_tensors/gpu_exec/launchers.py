@@ -1,0 +1,282 @@
+"""The GPU launcher of each operator kind, in a registry keyed by kind.
+
+A launcher receives the operator, the function spec, device views of its input blocks and of its
+output block (an lse partial is an (out, lse) pair), per-operator constants already on the device,
+and the stream; it launches without allocating (an operator whose kernel allocates says so with
+``Operator.gpu_allocates``).  Registration imports neither CuPy nor Triton: each launcher imports
+its kernels when it first runs, so the registry can be read (and checked complete) on a machine
+without a GPU.
+
+>>> from relational_tensors.sql_specs import OPERATORS
+>>> sorted(set(OPERATORS) - set(LAUNCHERS))
+[]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from relational_tensors.core.dtypes import bf16_bits_to_float32, compute_dtype, float32_to_bf16_bits, numpy_dtype
+from relational_tensors.core.spec import FunctionSpec
+from relational_tensors.errors import ExecError
+from relational_tensors.sql_specs.base import Operator
+
+__all__ = ["Launcher", "LAUNCHERS", "launcher", "launcher_for", "op_constants", "scratch_shape"]
+
+LaunchFn = Callable[[Any, FunctionSpec, list, Any, dict, int], None]
+Constants = Callable[[Any], dict[str, np.ndarray]]
+Scratch = Callable[[Any, FunctionSpec], tuple[tuple[int, ...], str]]
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """How one operator kind runs on a GPU: the launch, and what it needs set up before it.
+
+    ``constants`` gives host arrays its kernels read on every device that runs the operator (copied
+    to each device once); ``scratch`` the shape and dtype of scratch one function spec needs besides
+    its output."""
+
+    kind: str
+    launch: LaunchFn
+    constants: Constants | None = None
+    scratch: Scratch | None = None
+
+
+LAUNCHERS: dict[str, Launcher] = {}
+
+
+def launcher(*kinds: str, constants: Constants | None = None,
+             scratch: Scratch | None = None) -> Callable[[LaunchFn], LaunchFn]:
+    """Decorator: ``fn`` launches the GPU kernel of the operator ``kinds``."""
+    def register(fn: LaunchFn) -> LaunchFn:
+        for kind in kinds:
+            old = LAUNCHERS.get(kind)
+            if old is not None and old.launch is not fn:
+                raise ValueError(f"a GPU launcher for operator kind {kind!r} is registered twice")
+            LAUNCHERS[kind] = Launcher(kind, fn, constants, scratch)
+        return fn
+    return register
+
+
+def launcher_for(kind: str) -> Launcher:
+    """The launcher of ``kind``; an operator without one is refused by name."""
+    found = LAUNCHERS.get(kind)
+    if found is None:
+        raise ExecError(f"operator kind {kind!r} has no GPU launcher (registered: {sorted(LAUNCHERS)}); "
+                        "register one with @launcher in relational_tensors/gpu_exec/launchers.py, or run on "
+                        "device='cpu:N'.")
+    return found
+
+
+def op_constants(op: Operator) -> dict[str, np.ndarray]:
+    """Host arrays an operator's kernels read on every device that runs it."""
+    make = launcher_for(op.kind).constants
+    return make(op) if make is not None else {}
+
+
+def scratch_shape(op: Operator, f: FunctionSpec) -> tuple[tuple[int, ...], str] | None:
+    """Scratch a function spec's kernel needs besides its output (a transposed copy for reductions)."""
+    make = launcher_for(op.kind).scratch
+    return make(op, f) if make is not None else None
+
+
+# ------------------------------------------------------------------ the launchers, by family
+
+
+@launcher("matmul")
+def _matmul(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_copy as tc
+    from relational_tensors.gpu_exec.kernels.blas import matmul
+
+    a, b = ins
+    if a.shape[-1] == 0:
+        tc.fill(out, 0.0)
+    else:
+        matmul(a, b, out, stream)
+
+
+@launcher("einsum", "sql")
+def _einsum_like(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    import cupy
+
+    bf16 = out.dtype == "bfloat16"
+    arrays = [b.cupy() for b in ins]
+    dst = out.cupy()
+    with cupy.cuda.ExternalStream(stream):
+        if op.kind == "einsum":
+            letters, res = op._parsed()
+            sub = ",".join("".join(x) for x in letters) + "->" + "".join(res)
+            work = compute_dtype(out.dtype)  # 16-bit floats in float32, float64 stays float64
+            operands = [bf16_bits_to_float32(a, cupy) if b.dtype == "bfloat16" else a.astype(work)
+                        for a, b in zip(arrays, ins)]
+            result = cupy.einsum(sub, *operands)
+            dst[...] = float32_to_bf16_bits(result, cupy) if bf16 else result.astype(dst.dtype)
+        else:  # SQL operators: the NumPy kernel, run with CuPy arrays through the same expressions
+            host = op.kernel([cupy.asnumpy(a).view(numpy_dtype("bfloat16")) if b.dtype == "bfloat16"
+                              else cupy.asnumpy(a) for a, b in zip(arrays, ins)], f)
+            host = np.ascontiguousarray(np.asarray(host).astype(numpy_dtype(out.dtype), copy=False))
+            dst.set(host.view(np.uint16) if bf16 else host)
+
+
+SCALAR_UFUNCS = {"scale": "multiply", "add_scalar": "add", "pow": "power"}
+
+
+@launcher("unary")
+def _unary(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_elementwise as te
+
+    if out.dtype == "float64" and op.op in SCALAR_UFUNCS:
+        # Triton passes a Python float as a float32 argument: a float64 scalar goes through CuPy
+        import cupy
+
+        with cupy.cuda.ExternalStream(stream):
+            getattr(cupy, SCALAR_UFUNCS[op.op])(ins[0].cupy(), float(op.arg), out=out.cupy())
+        return
+    te.unary(ins[0], out, op.op, 0.0 if op.op == "cast" else float(op.arg))
+
+
+@launcher("binary")
+def _binary(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_elementwise as te
+
+    te.binary(ins[0], ins[1], out, op.op)
+
+
+@launcher("swiglu")
+def _swiglu(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_elementwise as te
+
+    te.swiglu(ins[0], ins[1], out)
+
+
+@launcher("rmsnorm")
+def _rmsnorm(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_norms as tn
+
+    tn.rmsnorm(ins[0], ins[1], out, op.eps)
+
+
+@launcher("layernorm")
+def _layernorm(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_norms as tn
+
+    tn.layernorm(ins[0], ins[1], ins[2], out, op.eps)
+
+
+@launcher("softmax")
+def _softmax(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_norms as tn
+
+    tn.softmax(ins[0], out, op.axis % len(ins[0].shape))
+
+
+def _reduce_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str]:
+    return f.inputs[0].shape, op.input_types[0].dtype  # the input with the reduced axes moved last
+
+
+@launcher("reduce", scratch=_reduce_scratch)
+def _reduce(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_copy as tc
+    from relational_tensors.gpu_exec.kernels import triton_norms as tn
+    from relational_tensors.gpu_exec.kernels.common import DevBuf
+
+    x = ins[0]
+    axes = op._axes()
+    keep = [d for d in range(len(x.shape)) if d not in axes]
+    count = math.prod(op.input_types[0].shape[a] for a in axes) if op.op == "mean" else 1  # of the whole axes
+    src = x
+    if keep + list(axes) != list(range(len(x.shape))):
+        scratch = consts["scratch"]
+        src = scratch.as_dtype(x.dtype)
+        src = DevBuf(src.ptr, tuple(x.shape[d] for d in keep + list(axes)), x.dtype, x.device)
+        tc.copy_box(x.permuted(tuple(keep + list(axes))), src)
+    tn.row_reduce(src, out, "sum" if op.op == "mean" else op.op, count)
+
+
+def _rope_constants(op: Any) -> dict[str, np.ndarray]:
+    from relational_tensors.sql_specs.packing import sequence_bounds
+
+    length = op.input_types[0].shape[1]
+    start, _ = sequence_bounds(np.arange(length), op.seq_ends, length)
+    return {"seq_start": start.astype(np.int32)}
+
+
+@launcher("rope", constants=_rope_constants)
+def _rope(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels.triton_rope import rope
+
+    rope(ins[0], out, consts["seq_start"], f.inputs[0].lower[1], op.base)
+
+
+@launcher("reshape")
+def _reshape(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_copy as tc
+    from relational_tensors.gpu_exec.kernels.common import DevBuf
+
+    x = ins[0]
+    tc.copy_box(DevBuf(x.ptr, out.shape, x.dtype, x.device), out)
+
+
+@launcher("permute")
+def _permute(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_copy as tc
+
+    tc.copy_box(ins[0].permuted(op.perm), out)
+
+
+@launcher("slice")
+def _slice(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_copy as tc
+
+    tc.copy_box(ins[0], out)
+
+
+@launcher("concat")
+def _concat(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_copy as tc
+
+    axis = op._axis()
+    at = 0
+    for blk in ins:
+        n = blk.shape[axis]
+        if n and blk.size:
+            lower = tuple(at if d == axis else 0 for d in range(len(out.shape)))
+            tc.copy_box(blk, out.sub(lower, blk.shape))
+        at += n
+
+
+@launcher("embedding")
+def _embedding(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_copy as tc
+
+    tc.embedding(ins[0], ins[1], out, f.inputs[0].lower[0])
+
+
+def _attention_constants(op: Any) -> dict[str, np.ndarray]:
+    rows = np.arange(op.input_types[0].shape[1])
+    lo, hi = op._key_limits(rows)
+    return {"row_lo": lo.astype(np.int32), "row_hi": hi.astype(np.int32)}
+
+
+@launcher("attention", constants=_attention_constants)
+def _attention(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import flash
+    from relational_tensors.gpu_exec.kernels import triton_copy as tc
+    from relational_tensors.gpu_exec.kernels.triton_attention import attention
+
+    q, k, v = ins
+    o, lse = out if isinstance(out, tuple) else (out, None)
+    if k.shape[1] == 0:  # this query block sees none of these keys
+        tc.fill(o, 0.0)
+        if lse is not None:
+            tc.fill(lse, float("-inf"))
+        return
+    if "flash" in consts:  # a library FlashAttention kernel computes this block exactly
+        flash.attention(q, k, v, o, consts["flash"], op.causal, op.softmax_scale, stream)
+        return
+    attention(q, k, v, o, lse, consts["row_lo"], consts["row_hi"], f.inputs[0].lower[1], f.inputs[1].lower[1],
+              op.softmax_scale)

@@ -1,0 +1,88 @@
+"""The options of one compilation, typed and validated once at the API boundary.
+
+Every option with a fixed set of values declares it here and nowhere else: ``compileGraph`` checks
+against it and the command line builds its ``choices`` from it.
+
+>>> CompileOptions(selector="greedy").selector
+'greedy'
+>>> CompileOptions.choices("schedule_mode")
+('naive', 'search', 'ai')
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from relational_tensors.dp_optimizer.costs import COST_MODEL_NAMES
+from relational_tensors.dp_optimizer.select import SELECTORS
+from relational_tensors.dp_optimizer.trees import TACTICS
+from relational_tensors.errors import PlanError
+from relational_tensors.target.topology import Topology
+
+__all__ = ["CompileOptions", "SCHEDULE_MODES", "ATTENTION_KERNELS"]
+
+SCHEDULE_MODES = ("naive", "search", "ai")  # "ai" is the paper's name for "search"
+ATTENTION_KERNELS = ("triton", "flash")
+
+
+def _choice(default: str, choices: tuple[str, ...], what: str) -> Any:
+    return field(default=default, metadata={"choices": choices, "what": what})
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """How to plan: the selector, cost model, DP tactic, exchange synthesis, topology and limits.
+
+    ``selector`` is ``dp`` (Algorithm 1), ``greedy`` or ``random`` (with ``seed``); ``cost_model`` is
+    ``paper`` (elements), ``bytes`` or ``calibrated`` (seconds on ``topology`` with the kernel rates of
+    ``calibration``, by default the file shipped for the machine); ``memory_per_device`` (bytes) bounds
+    each device's working set and peak; ``tactic`` is ``tree`` or ``linear``; ``schedule_mode`` is
+    ``naive`` or ``search`` (alias ``ai``, ``search_budget_s`` seconds per program); ``attention`` picks
+    the GPU attention kernel; ``label`` names the compilation in the catalog.
+    """
+
+    selector: str = _choice("dp", SELECTORS, "selector")
+    seed: int = 0
+    cost_model: str = _choice("paper", COST_MODEL_NAMES, "cost model")
+    memory_per_device: int | None = None
+    tactic: str = _choice("tree", TACTICS, "DP tactic")
+    label: str | None = None
+    schedule_mode: str = _choice("naive", SCHEDULE_MODES, "schedule_mode")
+    topology: str | Topology = "hgx-h200"
+    search_budget_s: float = 0.5
+    calibration: str | Path | None = None
+    attention: str = _choice("triton", ATTENTION_KERNELS, "attention kernel")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices is not None and value not in choices:
+                raise PlanError(f"unknown {f.metadata['what']} {value!r}; choose one of {choices}.")
+        m = self.memory_per_device
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m <= 0):
+            raise PlanError(f"memory_per_device must be a positive number of bytes; got {m!r}.")
+        b = self.search_budget_s
+        if not isinstance(b, (int, float)) or isinstance(b, bool) or not math.isfinite(b) or b <= 0:
+            raise PlanError(f"search_budget_s must be a positive number of seconds; got {b!r}.")
+
+    @staticmethod
+    def choices(name: str) -> tuple[str, ...]:
+        """The values option ``name`` accepts."""
+        for f in fields(CompileOptions):
+            if f.name == name and "choices" in f.metadata:
+                return tuple(f.metadata["choices"])
+        raise KeyError(f"option {name!r} has no fixed set of values")
+
+    @staticmethod
+    def default(name: str) -> Any:
+        """The default value of option ``name``."""
+        return next(f.default for f in fields(CompileOptions) if f.name == name)
+
+    @property
+    def searched(self) -> bool:
+        """Exchange programs are searched, not only built naively."""
+        return self.schedule_mode in ("search", "ai")

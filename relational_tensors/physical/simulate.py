@@ -1,0 +1,135 @@
+"""The whole-plan simulator: the task DAG on a topology, with predicted times.
+
+Every compute task (kernel, decompose, recompose, aggregate) runs on its
+device's one queue, in emission order, for ``launch latency + max(FLOPs /
+(peak·efficiency), bytes / (HBM bandwidth·efficiency))`` -- a roofline with
+per-kind efficiencies that a calibration file can override.  Every copy is a
+flow over the topology's route for that pair of devices, sharing links with
+the copies in flight (the exchange simulator's flow engine).  A task starts
+when its inputs exist; the prediction is the time the last task ends.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Any
+
+from relational_tensors.errors import PlanError
+from relational_tensors.frontend.graph import Graph
+from relational_tensors.physical.tasks import TaskDAG
+from relational_tensors.target.flows import FlowNetwork
+from relational_tensors.target.kernel_model import KernelModel
+from relational_tensors.target.pricing import combine_seconds, move_seconds
+from relational_tensors.target.topology import Topology
+
+__all__ = ["PlanSimResult", "TaskTime", "simulate_plan"]
+
+
+@dataclass(frozen=True)
+class TaskTime:
+    task: int
+    kind: str
+    label: str
+    device: int
+    src_device: int | None
+    start: float
+    end: float
+    bytes: int
+
+
+@dataclass(frozen=True)
+class PlanSimResult:
+    time: float
+    tasks: tuple[TaskTime, ...]
+    topology: str
+
+    def busy(self, kind: str | None = None) -> float:
+        return sum(t.end - t.start for t in self.tasks if kind is None or t.kind == kind)
+
+
+def _compute_cost(dag: TaskDAG, graph: Graph, task: Any, model: KernelModel) -> float:
+    nbytes = lambda ids: sum(dag.buffers[b].nbytes for b in ids)  # noqa: E731
+    out = dag.buffers[task.outputs[0]]
+    if task.kind == "kernel":
+        node = graph.nodes[task.op]
+        f = task.kernel.function
+        return model.time(f.flops, nbytes(task.inputs) + nbytes(task.outputs), node.type.dtype, node.op.cost_family)
+    if task.kind == "aggregate":
+        return combine_seconds(model, out.box.volume, len(task.inputs), nbytes(task.inputs) + out.nbytes, out.dtype)
+    # decompose and recompose read and write every byte they move once (a recompose moves only the
+    # pieces it is given: copies and ⊕ may have written the rest of its block in place)
+    return move_seconds(model, nbytes(task.inputs), out.dtype)
+
+
+def simulate_plan(dag: TaskDAG, graph: Graph, topology: Topology, model: KernelModel | None = None) -> PlanSimResult:
+    """Predict the run time of ``dag`` on ``topology`` (logical device d is site d)."""
+    model = model or KernelModel(topology)
+    sites = topology.sites
+    deps = dag.producers()
+    waiting_on = {tid: len(d) for tid, d in deps.items()}
+    dependents: dict[int, list[int]] = {t.id: [] for t in dag.tasks}
+    for tid, ds in deps.items():
+        for d in ds:
+            dependents[d].append(tid)
+    queues: dict[int, list[int]] = {d: [] for d in range(dag.p)}
+    for t in dag.tasks:
+        if t.kind not in ("load", "copy"):
+            queues[t.device].append(t.id)
+    head = {d: 0 for d in queues}
+    free_at = {d: 0.0 for d in queues}
+    network = FlowNetwork(topology.capacities())
+    done: set[int] = {t.id for t in dag.tasks if t.kind == "load"}
+    ready_copies = [t.id for t in dag.tasks if t.kind == "copy" and waiting_on[t.id] == 0]
+    heap: list[tuple[float, int]] = []
+    started: dict[int, float] = {}
+    times: list[TaskTime] = []
+    now = 0.0
+
+    def finish(tid: int, at: float) -> None:
+        done.add(tid)
+        t = dag.tasks[tid]
+        times.append(TaskTime(tid, t.kind, t.label, t.device, t.src_device, started[tid], at,
+                              sum(dag.buffers[b].nbytes for b in t.outputs)))
+        for nxt in dependents[tid]:
+            waiting_on[nxt] -= 1
+            if waiting_on[nxt] == 0 and dag.tasks[nxt].kind == "copy":
+                ready_copies.append(nxt)
+
+    remaining = sum(1 for t in dag.tasks if t.kind != "load")
+    while remaining:
+        for tid in ready_copies:
+            t = dag.tasks[tid]
+            src, dst = sites[t.src_device], sites[t.device]
+            route = topology.route(src, dst)
+            network.start(tid, route.resources, float(dag.buffers[t.outputs[0]].nbytes), now, latency=route.latency)
+            started[tid] = now
+        ready_copies.clear()
+        for d, queue in queues.items():
+            if head[d] < len(queue) and free_at[d] <= now:
+                tid = queue[head[d]]
+                if tid not in started and waiting_on[tid] == 0:
+                    dur = _compute_cost(dag, graph, dag.tasks[tid], model)
+                    started[tid] = now
+                    free_at[d] = now + dur
+                    heapq.heappush(heap, (now + dur, tid))
+                    head[d] += 1
+        nxt_flow = network.next_completion()
+        nxt_task = heap[0][0] if heap else None
+        candidates = [x for x in (nxt_flow, nxt_task) if x is not None]
+        if not candidates:
+            stuck = [dag.tasks[q[head[d]]].label for d, q in queues.items() if head[d] < len(q)]
+            raise PlanError(f"plan simulation stalled with {remaining} tasks left, e.g. {stuck[:3]}; the task "
+                            "DAG has a dependency no task satisfies.")
+        now = max(now, min(candidates))
+        for tid in network.advance_to(now):
+            finish(tid, now)
+            remaining -= 1
+        while heap and heap[0][0] <= now:
+            _, tid = heapq.heappop(heap)
+            finish(tid, now)
+            remaining -= 1
+    end = max((t.end for t in times), default=0.0)
+    return PlanSimResult(end, tuple(sorted(times, key=lambda t: (t.start, t.task))), topology.name)
+
+

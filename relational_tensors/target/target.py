@@ -1,0 +1,57 @@
+"""The target of one compilation: its logical devices, the topology they sit on and the kernel model.
+
+It is resolved once per compilation from the user's ``device``, ``topology`` and ``calibration``
+arguments and handed to every pass that prices or places anything, so that the whole compilation
+sees one machine.
+
+>>> t = Target.resolve("cpu:4", "dgx-a100")
+>>> t.p, t.topology.name, t.topology.sites
+(4, 'dgx-a100[4]', (0, 1, 2, 3))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from relational_tensors.target.devices import DeviceSet, parse_devices
+from relational_tensors.target.kernel_model import KernelModel
+from relational_tensors.target.topology import Topology, get_topology
+
+__all__ = ["Target"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """p logical devices, the topology of p sites they are priced on, and its kernel model."""
+
+    devices: DeviceSet
+    topology: Topology
+    kernels: KernelModel
+
+    @staticmethod
+    def resolve(device: object, topology: str | Topology = "hgx-h200",
+                calibration: str | Path | None = None) -> Target:
+        """Resolve the device argument (``relational_tensors.target.devices``), then the topology for as
+        many sites (a subset of a larger machine, or a wider switch of the same GPUs) and its kernel
+        model (``calibration``, else the one shipped for the machine)."""
+        devices = parse_devices(device)
+        return Target.on(devices, topology, calibration)
+
+    @staticmethod
+    def on(devices: DeviceSet, topology: str | Topology, calibration: str | Path | None = None) -> Target:
+        topo = get_topology(topology, gpus=devices.p)
+        return Target(devices, topo, KernelModel.from_calibration(topo, calibration))
+
+    @property
+    def p(self) -> int:
+        return self.devices.p
+
+    def gpu_memory(self) -> dict[int, int] | None:
+        """Bytes each logical device may use on GPUs: its GPU's memory shared among the logical devices
+        on it; None on CPU devices."""
+        if self.devices.kind != "cuda":
+            return None
+        phys = self.devices.physical
+        sharing = {g: phys.count(g) for g in phys}
+        return {d: self.topology.memory_bytes // sharing[g] for d, g in enumerate(phys)}
