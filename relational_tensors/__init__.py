@@ -1,19 +1,48 @@
 """relational_tensors: every kernel is a join followed by an aggregation.
 
 Write a computation once against ``Graph`` and let the compiler split every
-operator over all devices by its join-agg specs.
+operator over all devices by its join-agg specs.  This module only re-exports
+the public API; each name lives in the layer that owns it.
 """
 
-from relational_tensors.core.aggregation import AGGREGATIONS, LSE, MAX, MIN, SUM, Aggregation
-from relational_tensors.core.spec import ANY, FunctionSpec, JoinAggSpec, ShardableIndex
-from relational_tensors.core.tiling import Tiling
-from relational_tensors.core.types import Box, Interval, TensorType, tensorDesc
-from relational_tensors.errors import (
-    ExchangeError, ExecError, GraphError, OutOfMemoryPlanError, PlanError, RelationalTensorsError, SpecError,
-)
-from relational_tensors.frontend.graph import Graph, Node, Tensor, createGraph
-from relational_tensors.reference import execute_spec, reference
-from relational_tensors.sql_specs import OPERATORS
+from relational_tensors.compiler import CompiledGraph as CompiledGraph
+from relational_tensors.compiler import compile as compile
+from relational_tensors.compiler import compileGraph as compileGraph
+from relational_tensors.core.aggregation import AGGREGATIONS as AGGREGATIONS
+from relational_tensors.core.aggregation import LSE as LSE
+from relational_tensors.core.aggregation import MAX as MAX
+from relational_tensors.core.aggregation import MIN as MIN
+from relational_tensors.core.aggregation import SUM as SUM
+from relational_tensors.core.aggregation import Aggregation as Aggregation
+from relational_tensors.core.spec import ANY as ANY
+from relational_tensors.core.spec import FunctionSpec as FunctionSpec
+from relational_tensors.core.spec import JoinAggSpec as JoinAggSpec
+from relational_tensors.core.spec import ShardableIndex as ShardableIndex
+from relational_tensors.core.tiling import Tiling as Tiling
+from relational_tensors.core.types import Box as Box
+from relational_tensors.core.types import Interval as Interval
+from relational_tensors.core.types import TensorType as TensorType
+from relational_tensors.core.types import tensorDesc as tensorDesc
+from relational_tensors.errors import ExchangeError as ExchangeError
+from relational_tensors.errors import ExecError as ExecError
+from relational_tensors.errors import GraphError as GraphError
+from relational_tensors.errors import OutOfMemoryPlanError as OutOfMemoryPlanError
+from relational_tensors.errors import PlanError as PlanError
+from relational_tensors.errors import RelationalTensorsError as RelationalTensorsError
+from relational_tensors.errors import SpecError as SpecError
+from relational_tensors.frontend.graph import Graph as Graph
+from relational_tensors.frontend.graph import Node as Node
+from relational_tensors.frontend.graph import Tensor as Tensor
+from relational_tensors.frontend.graph import createGraph as createGraph
+from relational_tensors.frontend.parallelize import ParallelModule as ParallelModule
+from relational_tensors.frontend.parallelize import parallelize as parallelize
+from relational_tensors.frontend.torch import TorchGraph as TorchGraph
+from relational_tensors.frontend.torch import from_torch as from_torch
+from relational_tensors.options import CompileOptions as CompileOptions
+from relational_tensors.reference import execute_spec as execute_spec
+from relational_tensors.reference import reference as reference
+from relational_tensors.sql_specs import OPERATORS as OPERATORS
+from relational_tensors.target.target import Target as Target
 
 __version__ = "0.1.0"
 
@@ -22,14 +51,6 @@ __all__ = [
     "TensorType", "Interval", "Box", "Tiling", "FunctionSpec", "JoinAggSpec", "ShardableIndex", "ANY",
     "Aggregation", "SUM", "MAX", "MIN", "LSE", "AGGREGATIONS", "OPERATORS",
     "RelationalTensorsError", "GraphError", "SpecError", "PlanError", "OutOfMemoryPlanError",
-    "ExchangeError", "ExecError",
+    "ExchangeError", "ExecError", "compileGraph", "compile", "CompiledGraph", "CompileOptions", "Target",
+    "from_torch", "parallelize", "TorchGraph", "ParallelModule",
 ]
-
-from relational_tensors.compiler import CompiledGraph, compile, compileGraph  # noqa: E402
-
-__all__ += ["compileGraph", "compile", "CompiledGraph"]
-
-from relational_tensors.frontend.parallelize import ParallelModule, parallelize  # noqa: E402
-from relational_tensors.frontend.torch_fx import TorchGraph, from_torch  # noqa: E402
-
-__all__ += ["from_torch", "parallelize", "TorchGraph", "ParallelModule"]

@@ -23,9 +23,10 @@ import re
 import runpy
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from relational_tensors.errors import RelationalTensorsError
 

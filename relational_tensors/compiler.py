@@ -12,9 +12,10 @@ from __future__ import annotations
 import gc
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pyarrow as pa
 
@@ -30,6 +31,7 @@ from relational_tensors.options import CompileOptions
 from relational_tensors.physical.lower import Lowered, lower
 from relational_tensors.physical.simulate import PlanSimResult
 from relational_tensors.physical.tasks import Liveness, liveness
+from relational_tensors.registry import operator_table
 from relational_tensors.target.devices import visible_gpus
 from relational_tensors.target.target import Target
 from relational_tensors.target.topology import Topology
@@ -91,6 +93,7 @@ def _pass_catalog(s: _State) -> None:
         "consumers": pa.array([len(consumers[n.id]) for n in g.nodes], pa.int32()),
         "saved": [n.id in saved for n in g.nodes],
     }), cid)
+    cat.insert("operator_kinds", operator_table(), cid)
     piece_of = {v: pc.piece_id for pc in s.pieces for v in pc.members}
     ops = g.operators
     cat.insert("operators", pa.table({
@@ -245,6 +248,7 @@ def _pass_verify(s: _State) -> None:
         if t.kind == "kernel":
             f = t.kernel.function
             out = low.dag.buffers[t.outputs[0]]
+            assert t.op is not None  # a kernel task serves an operator
             node = s.graph.nodes[t.op]
             if out.box != f.output or out.dtype != node.type.dtype or out.device != low.placement[t.op][t.kernel.index]:
                 raise PlanError(f"verify after 'lower': kernel {t.label} writes {out.box} ({out.dtype}) on device "
@@ -348,11 +352,13 @@ class CompiledGraph:
 
     def load(self, feeds: dict[str, Any] | Tensor | str, array: Any = None) -> None:
         """Place graph inputs straight into the blocks the plan needs, on their devices: ``load({name:
-        array, ...})``, or ``load(x, array)`` for one input given by handle or name.  The first load
-        needs every input; later ones may name only those that change (weights stay loaded)."""
-        if isinstance(feeds, (Tensor, str)):
-            feeds = {self._name(feeds, "load's input"): array}
-        elif array is not None:
+        array, ...})``, or ``load(x, array)`` for one input given by handle or name.  A dict's first load
+        needs every input; later ones may name only those that change (weights stay loaded); inputs
+        loaded one at a time must all be there by ``execute()``."""
+        if isinstance(feeds, (Tensor, str)):  # one input: the others may follow before execute
+            self.executor.load({self._name(feeds, "load's input"): array}, partial=True)
+            return
+        if array is not None:
             raise GraphError("load takes a dict of name -> array, or one tensor (or name) and one array; "
                              "got a dict and an array.")
         self.executor.load(feeds)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator, Sequence
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -116,7 +117,8 @@ def chain_feeds(g: Graph, seed: int = 0) -> dict[str, np.ndarray]:
 
 # The matrix chains A-E of the paper's section 6: dimensions and the fixed parenthesization
 # (nested pairs of matrix indices, 1-based as in the paper).
-CHAINS: dict[str, tuple[tuple[int, ...], object]] = {
+ChainOrder: TypeAlias = int | tuple["ChainOrder", "ChainOrder"]
+CHAINS: dict[str, tuple[tuple[int, ...], ChainOrder]] = {
     "A": ((10240, 16384, 6144, 16384, 6144, 16384, 6144, 16384, 6144, 10240),
           ((1, 2), (((3, 4), ((5, 6), (7, 8))), 9))),
     "B": ((9216, 20480, 5120, 20480, 5120, 9216), ((1, 2), ((3, 4), 5))),
@@ -149,10 +151,10 @@ def matrix_chain(name: str, dtype: str = "float16", scale: int = 1) -> Graph:
     g = Graph()
     mats = {i: g.input(f"M{i}", [dims[i - 1], dims[i]], dtype) for i in range(1, len(dims))}
 
-    def build(node: object) -> Tensor:
+    def build(node: ChainOrder) -> Tensor:
         if isinstance(node, int):
             return mats[node]
-        left, right = node  # type: ignore[misc]
+        left, right = node
         return g.matmul(build(left), build(right))
 
     g.save(build(order), name="y")

@@ -5,7 +5,8 @@ and the executor of one join-agg spec (join -> aggregate -> recompose) that prov
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import io
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from relational_tensors.core.tiling import Tiling, as_grid
 from relational_tensors.core.types import Box, Interval

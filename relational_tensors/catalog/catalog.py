@@ -24,7 +24,7 @@ _counter = itertools.count()
 
 def load_sql(name: str) -> str:
     """The text of ``sql/<name>``, shipped inside the package."""
-    return resources.files("relational_tensors").joinpath("sql", name).read_text()
+    return resources.files("relational_tensors").joinpath("sql").joinpath(name).read_text()
 
 
 class Catalog:
@@ -101,8 +101,8 @@ class Catalog:
         try:
             text = load_sql(f"queries/{name}.sql")
         except FileNotFoundError:
-            known = sorted(p.name[:-4] for p in resources.files("relational_tensors").joinpath("sql", "queries").iterdir()
-                           if p.name.endswith(".sql"))
+            queries = resources.files("relational_tensors").joinpath("sql").joinpath("queries")
+            known = sorted(p.name[:-4] for p in queries.iterdir() if p.name.endswith(".sql"))
             raise PlanError(f"no named query {name!r}; known: {known}.") from None
         try:
             rel = self.con.sql(text, params=params) if params else self.con.sql(text)

@@ -8,8 +8,9 @@ Each ⊕ is associative and commutative, so partials combine in any order.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

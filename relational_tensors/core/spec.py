@@ -9,8 +9,9 @@ construction, so a spec that exists is a spec that is right about its outputs.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import cast
 
 from relational_tensors.core.aggregation import Aggregation
 from relational_tensors.core.tiling import Tiling
@@ -46,10 +47,11 @@ class ShardableIndex:
 
     def __post_init__(self) -> None:
         if self.positions != ANY:
-            pos = tuple(self.positions)
+            pos = tuple(cast("Sequence[int]", self.positions))  # not ANY: the explicit positions
             if any(not 0 < x < self.extent for x in pos) or list(pos) != sorted(set(pos)):
                 raise SpecError(
-                    f"legal positions of index {self.name!r} must increase strictly inside (0, {self.extent}); got {pos}."
+                    f"legal positions of index {self.name!r} must increase strictly inside (0, {self.extent}); "
+                    f"got {pos}."
                 )
             object.__setattr__(self, "positions", pos)
 

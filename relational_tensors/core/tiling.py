@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from relational_tensors.core.types import Box, Interval
 from relational_tensors.errors import SpecError
@@ -37,7 +37,7 @@ class Tiling:
 
     @staticmethod
     def whole(box: Box) -> Tiling:
-        return Tiling(tuple((l, u) for l, u in zip(box.lower, box.upper)))
+        return Tiling(tuple(zip(box.lower, box.upper)))
 
     @staticmethod
     def from_intervals(per_dim: Sequence[Sequence[Interval]]) -> Tiling:
@@ -115,7 +115,8 @@ def check_tiles(boxes: Sequence[Box], space: Box) -> None:
     covered = sum(b.volume for b in boxes)
     if covered != space.volume:
         raise SpecError(
-            f"the blocks of a tiling must cover the tensor; got {covered} of {space.volume} elements of {space} covered."
+            f"the blocks of a tiling must cover the tensor; got {covered} of {space.volume} elements of {space} "
+            "covered."
         )
 
 

@@ -8,8 +8,8 @@ sub-tensor always knows where it sits inside the whole.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 from relational_tensors.core.dtypes import canonical_dtype, itemsize
 from relational_tensors.errors import GraphError, SpecError
@@ -62,9 +62,9 @@ class Box:
     volume: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if len(self.lower) != len(self.upper) or any(u < l for l, u in zip(self.lower, self.upper)):
+        if len(self.lower) != len(self.upper) or any(hi < lo for lo, hi in zip(self.lower, self.upper)):
             raise SpecError(f"a box needs lower <= upper per dimension; got {self.lower} .. {self.upper}.")
-        shape = tuple(u - l for l, u in zip(self.lower, self.upper))
+        shape = tuple(hi - lo for lo, hi in zip(self.lower, self.upper))
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "volume", math.prod(shape))
 
@@ -83,13 +83,13 @@ class Box:
 
     @property
     def is_empty(self) -> bool:
-        return any(u == l for l, u in zip(self.lower, self.upper))
+        return any(hi == lo for lo, hi in zip(self.lower, self.upper))
 
     def interval(self, dim: int) -> Interval:
         return Interval(self.lower[dim], self.upper[dim])
 
     def intervals(self) -> tuple[Interval, ...]:
-        return tuple(Interval(l, u) for l, u in zip(self.lower, self.upper))
+        return tuple(Interval(lo, hi) for lo, hi in zip(self.lower, self.upper))
 
     def contains(self, other: Box) -> bool:
         return all(a <= c and d <= b for a, b, c, d in zip(self.lower, self.upper, other.lower, other.upper))
@@ -103,7 +103,7 @@ class Box:
     def slices(self, within: Box | None = None) -> tuple[slice, ...]:
         """Index of this box inside an array that holds ``within`` (default: origin 0)."""
         origin = within.lower if within is not None else (0,) * self.rank
-        return tuple(slice(l - o, u - o) for l, u, o in zip(self.lower, self.upper, origin))
+        return tuple(slice(lo - o, hi - o) for lo, hi, o in zip(self.lower, self.upper, origin))
 
     def __str__(self) -> str:
         return "x".join(str(i) for i in self.intervals())
@@ -151,7 +151,7 @@ class TensorType:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(u - l for l, u in zip(self.lower, self.upper))
+        return tuple(hi - lo for lo, hi in zip(self.lower, self.upper))
 
     @property
     def box(self) -> Box:
@@ -164,11 +164,6 @@ class TensorType:
     @property
     def nbytes(self) -> int:
         return self.volume * itemsize(self.dtype)
-
-    def project(self, box: Box) -> TensorType:
-        if not self.box.contains(box):
-            raise SpecError(f"a projection must lie inside its type; got {box} outside {self.box}.")
-        return TensorType(box.lower, box.upper, self.dtype, self.names)
 
     def with_(self, *, shape: Sequence[int] | None = None, dtype: str | None = None,
               names: Sequence[str] | None = None) -> TensorType:

@@ -10,8 +10,8 @@ of (producer output tiling, required tiling) that eligible specs can meet.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import pyarrow as pa
 

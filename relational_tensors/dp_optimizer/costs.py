@@ -17,8 +17,9 @@ tiling differs from the one read; ``calibrated`` prices each pair of tilings
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar
+from typing import ClassVar, cast
 
 import pyarrow as pa
 
@@ -127,7 +128,7 @@ class CalibratedCostModel(CostModel):
         return price
 
     def compute(self, spec: JoinAggSpec, op: object) -> float:
-        model = self.kernels
+        model = cast(KernelModel, self.kernels)  # cost_model() passes the target's kernel model
         family = getattr(op, "cost_family", "compute")
         out_w = itemsize(spec.output_type.dtype)
         widths = [itemsize(t.dtype) for t in spec.input_types]
@@ -186,7 +187,7 @@ class TilingTable:
 
     def intern(self, tensor_id: int, boxes: tuple[Box, ...] | Tiling, space: Box) -> int:
         if isinstance(boxes, Tiling):
-            key: object = boxes
+            key: Tiling | frozenset[Box] = boxes
         else:
             key = as_grid(boxes, space) or frozenset(boxes)
         tid = self.ids.get((tensor_id, key))
@@ -196,8 +197,9 @@ class TilingTable:
             if isinstance(key, Tiling):
                 grid, counts, blocks, is_grid = str(key), key.shape_str(), key.num_blocks, True
             else:
-                ordered = sorted(key, key=lambda b: (b.lower, b.upper))  # type: ignore[arg-type]
-                grid, counts, blocks, is_grid = json.dumps([str(b) for b in ordered]), f"{len(ordered)} blocks", len(ordered), False
+                ordered = sorted(key, key=lambda b: (b.lower, b.upper))
+                grid, counts = json.dumps([str(b) for b in ordered]), f"{len(ordered)} blocks"
+                blocks, is_grid = len(ordered), False
             self.rows.append(dict(tiling_id=tid, tensor_id=tensor_id, is_grid=is_grid, grid=grid,
                                   counts=counts, blocks=blocks))
         return tid

@@ -8,7 +8,7 @@ that number (near-equal, and for causal attention also equal-work).
 from __future__ import annotations
 
 import itertools
-from typing import Iterator
+from collections.abc import Iterator
 
 from relational_tensors.core.spec import ShardableIndex
 from relational_tensors.core.types import Interval

@@ -11,8 +11,8 @@ locally) and ``X @ G`` (aggregate at every site of partition G).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
 
 __all__ = ["Aggregate", "Place", "Partition", "InAtom", "Requirement", "Action", "ExProg", "exact_cover",
            "aggregate_text"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from typing import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from ..errors import ExchangeError
 from .ast import Action, ExProg, Partition, aggregate_text, exact_cover
@@ -114,7 +114,7 @@ def _fixpoint(prog: ExProg, parts: Mapping[str, tuple[int, ...]]) -> tuple[_Held
     held: _Held = defaultdict(set)
     for a in prog.inputs:
         held[a.site].add(frozenset({a.atom}))
-    steps = []
+    steps: list[tuple[Action, tuple[int, ...], tuple[int, ...]]] = []  # (action, sources, sources and dests)
     watchers: dict[int, list[int]] = defaultdict(list)
     for act in sorted(prog.body, key=action_key):
         sources = _sites(act.source, parts)

@@ -6,7 +6,7 @@ returns a body and the membership it chose; the naive one keeps the membership.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from relational_tensors.exchange.ast import Action, ExProg
 

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping
 
 from relational_tensors.errors import ExchangeError
 from relational_tensors.exchange.ast import Action, ExProg, aggregate_text, exact_cover
@@ -200,8 +200,8 @@ def _check_program(prog: ExProg, top: Topology) -> None:
         elif place not in prog.gpus:
             raise ExchangeError(f"{where} names site {place}, which is not in GPUS {prog.gpus}; add it to GPUS.")
     sizes: dict[str, set[int]] = {}
-    for a in prog.inputs:
-        sizes.setdefault(a.atom, set()).add(a.size)
+    for inp in prog.inputs:
+        sizes.setdefault(inp.atom, set()).add(inp.size)
     uneven = {atom: s for atom, s in sizes.items() if len(s) > 1}
     if uneven:
         raise ExchangeError(f"an atom has one size wherever it lives; got {uneven}.")
@@ -274,7 +274,7 @@ def _closure_valid(prog: ExProg, membership: Mapping[str, tuple[int, ...]], acti
 def _run(prog: ExProg, top: Topology, membership: dict[str, tuple[int, ...]], actions: list[Action],
          search: str = "fixed") -> SimResult:
     sizes = prog.atom_sizes()
-    net = FlowNetwork(top.capacities())
+    net: FlowNetwork[tuple] = FlowNetwork(top.capacities())  # keyed ("aggregate", X, s) or ("transfer", action, s, d)
     state: dict[int, set[frozenset[str]]] = {g: set() for g in prog.gpus}
     for a in prog.inputs:
         state[a.site].add(frozenset({a.atom}))
@@ -325,8 +325,8 @@ def _run(prog: ExProg, top: Topology, membership: dict[str, tuple[int, ...]], ac
                 trace.append(TraceEntry(action, "aggregate", s, None, t0, t, nbytes))
                 state[s].add(x)
                 changed.add(s)
-                for a in aggregating.pop((x, s)):
-                    send(a, s, t)
+                for waiter in aggregating.pop((x, s)):
+                    send(waiter, s, t)
             else:
                 _, _, s, d = key
                 trace.append(TraceEntry(action, "transfer", s, d, t0, t, nbytes))

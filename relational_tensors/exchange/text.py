@@ -24,15 +24,14 @@ aggregates first, then by aggregate, source and destinations).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
-from typing import Callable
 
 from ..errors import ExchangeError
 from .ast import Action, ExProg, InAtom, Partition, Requirement, aggregate_text
 
 __all__ = ["parse", "to_text", "is_name", "size_text", "action_text", "action_key"]
 
-SECTIONS = ("GPUS", "PARTITIONS", "IN", "OUT")
 _SECTION = re.compile(r"^(GPUS|PARTITIONS|IN|OUT)\s*:(.*)$")
 _NAME = re.compile(r"[A-Za-z0-9_.:\-]+")
 _INTEGER = re.compile(r"-?[0-9]+")

@@ -10,14 +10,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 from relational_tensors.core.types import TensorType
 from relational_tensors.errors import GraphError
 from relational_tensors.sql_specs import (
-    AttentionOp, BinaryOp, ConcatOp, EinsumOp, EmbeddingOp, LayernormOp, MatmulOp, Operator, PermuteOp,
-    ReduceOp, ReshapeOp, RmsnormOp, RopeOp, SliceOp, SoftmaxOp, SqlJoinOp, SwigluOp, UnaryOp,
+    AttentionOp,
+    BinaryOp,
+    ConcatOp,
+    EinsumOp,
+    EmbeddingOp,
+    LayernormOp,
+    MatmulOp,
+    Operator,
+    PermuteOp,
+    ReduceOp,
+    ReshapeOp,
+    RmsnormOp,
+    RopeOp,
+    SliceOp,
+    SoftmaxOp,
+    SqlJoinOp,
+    SwigluOp,
+    UnaryOp,
 )
 from relational_tensors.sql_specs.common import normalize_axis
 
@@ -191,7 +207,8 @@ class Graph:
     def min(self, x: Tensor, axis: int | Sequence[int] = -1, keepdims: bool = False, name: str | None = None) -> Tensor:
         return self._reduce("min", x, axis, keepdims, name)
 
-    def mean(self, x: Tensor, axis: int | Sequence[int] = -1, keepdims: bool = False, name: str | None = None) -> Tensor:
+    def mean(self, x: Tensor, axis: int | Sequence[int] = -1, keepdims: bool = False,
+             name: str | None = None) -> Tensor:
         return self._reduce("mean", x, axis, keepdims, name)
 
     def softmax(self, x: Tensor, axis: int = -1, name: str | None = None) -> Tensor:
@@ -255,7 +272,8 @@ class Graph:
                   name: str | None = None) -> Tensor:
         """Attention over q[b, s, hq, d], k/v[b, s_kv, hkv, d] (GQA, causal, packed sequences)."""
         ends = tuple(seq_ends) if seq_ends is not None else None
-        op = AttentionOp((self._t(q), self._t(k), self._t(v)), bool(causal), ends, None if scale is None else float(scale))
+        op = AttentionOp((self._t(q), self._t(k), self._t(v)), bool(causal), ends,
+                         None if scale is None else float(scale))
         return self._op(op, (q, k, v), name)
 
     # --- inspection ---------------------------------------------------------------
@@ -298,7 +316,8 @@ class Graph:
     # --- internals ----------------------------------------------------------------
     def _t(self, t: object) -> TensorType:
         self._own(t)
-        return t.type  # type: ignore[union-attr]
+        assert isinstance(t, Tensor)  # _own refuses anything else
+        return t.type
 
     def _own(self, t: object) -> None:
         if not isinstance(t, Tensor) or t.graph is not self:

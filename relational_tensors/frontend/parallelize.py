@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from relational_tensors.errors import ExecError
-from relational_tensors.frontend.torch_fx import TorchGraph, _torch, from_torch, numpy_to_torch, torch_to_numpy
+from relational_tensors.frontend.torch.convert import _torch, numpy_to_torch, torch_to_numpy
+from relational_tensors.frontend.torch.translator import TorchGraph, from_torch
 
 __all__ = ["parallelize", "ParallelModule"]
 

@@ -16,7 +16,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any, cast
 
 import numpy as np
 
@@ -29,7 +30,14 @@ from relational_tensors.gpu_exec.kernels.common import DevBuf, bind_triton_to_cu
 from relational_tensors.gpu_exec.memory_plan import ALIGN, buffer_bytes, plan_memory, view_geometry
 from relational_tensors.gpu_exec.memory_plan import align as _align
 from relational_tensors.physical.tasks import (
-    AggregatePayload, DecomposePayload, Liveness, RecomposePayload, Task, TaskDAG)
+    AggregatePayload,
+    DecomposePayload,
+    Liveness,
+    RecomposePayload,
+    Task,
+    TaskDAG,
+)
+from relational_tensors.sql_specs.base import Operator
 from relational_tensors.target.devices import DeviceSet
 
 __all__ = ["CupyExecutor"]
@@ -79,8 +87,10 @@ class CupyExecutor:
         self.resident: set[str] = set()
         self.runs = 0
         self.graph_exec: Any = None
-        self.capturable = not any(t.kind == "kernel" and (graph.nodes[t.op].op.gpu_allocates
-                                                          or "flash" in self.task_consts.get(t.id, {}))
+        # a kernel task serves an operator node: its op and the node's operator are set
+        self.capturable = not any(t.kind == "kernel"
+                                  and (cast(Operator, graph.nodes[cast(int, t.op)].op).gpu_allocates
+                                       or "flash" in self.task_consts.get(t.id, {}))
                                   for t in dag.tasks)
 
     # --- setup ---------------------------------------------------------------------
@@ -145,30 +155,33 @@ class CupyExecutor:
         cp = self.cp
         self.keep: list[Any] = []
         per_op: dict[tuple[int, int], dict[str, DevBuf]] = {}
-        self.task_consts: dict[int, dict[str, DevBuf]] = {}
+        # per task: DevBufs by name, an lse pair (out, lse) "ping", the packed sequences "flash"
+        self.task_consts: dict[int, dict[str, Any]] = {}
         for t in self.dag.tasks:
             if t.kind == "aggregate" and isinstance(t.payload, AggregatePayload) and \
                     t.payload.aggregation.name == "lse" and len(t.inputs) > 2:
                 out = self.views[t.outputs[0]]
                 with cp.cuda.Device(self.phys[t.device]):
                     o = cp.empty(out[0].nbytes, dtype=cp.uint8)
-                    l = cp.empty(max(out[1].nbytes, 4), dtype=cp.uint8)
-                self.keep += [o, l]
+                    rows = cp.empty(max(out[1].nbytes, 4), dtype=cp.uint8)
+                self.keep += [o, rows]
                 self.task_consts[t.id] = {"ping": (DevBuf(o.data.ptr, out[0].shape, out[0].dtype, out[0].device),
-                                                   DevBuf(l.data.ptr, out[1].shape, "float32", out[1].device))}
+                                                   DevBuf(rows.data.ptr, out[1].shape, "float32", out[1].device))}
             if t.kind != "kernel":
                 continue
+            assert t.op is not None  # a kernel task serves an operator node
             node = self.graph.nodes[t.op]
+            assert node.op is not None
             key = (t.op, t.device)
             if key not in per_op:
-                consts = {}
+                op_consts = {}
                 with cp.cuda.Device(self.phys[t.device]):
                     for name, host in op_constants(node.op).items():
                         arr = cp.asarray(host)
                         self.keep.append(arr)
-                        consts[name] = DevBuf(arr.data.ptr, host.shape, str(host.dtype), self.phys[t.device])
-                per_op[key] = consts
-            consts = dict(per_op[key])
+                        op_consts[name] = DevBuf(arr.data.ptr, host.shape, str(host.dtype), self.phys[t.device])
+                per_op[key] = op_consts
+            consts: dict[str, Any] = dict(per_op[key])
             if node.kind == "attention" and self.attention == "flash":
                 from relational_tensors.gpu_exec.kernels import flash
 
@@ -194,14 +207,15 @@ class CupyExecutor:
                 self.events[tid] = self.cp.cuda.Event(block=False, disable_timing=True, interprocess=False)
 
     # --- inputs and outputs ---------------------------------------------------------------
-    def load(self, feeds: Mapping[str, Any]) -> None:
+    def load(self, feeds: Mapping[str, Any], partial: bool = False) -> None:
         """Copy every graph input into the blocks the plan reads: NumPy arrays from the host, CuPy
         arrays and any ``__dlpack__`` tensor (a torch CUDA tensor) device to device without a host trip."""
         from relational_tensors.reference import check_feed_names, coerce_feed
 
         cp = self.cp
         # inputs loaded before (weights) stay loaded: a later load may name only the ones that change
-        names = check_feed_names(self.graph, feeds, [n for n in self.dag.inputs if n not in self.resident])
+        names = check_feed_names(self.graph, feeds,
+                                 [] if partial else [n for n in self.dag.inputs if n not in self.resident])
         for name, blocks in self.dag.inputs.items():
             if name not in feeds:
                 continue
@@ -239,6 +253,7 @@ class CupyExecutor:
         """Embedding ids must index their table: the GPU gather has no way to report a bad id."""
         for node in self.graph.operators:
             if node.kind == "embedding" and self.graph.nodes[node.inputs[1]].name == name and ids.size:
+                assert node.op is not None  # graph.operators are the nodes with an operator
                 vocab = node.op.input_types[0].shape[0]
                 lo, hi = int(ids.min()), int(ids.max())
                 if lo < 0 or hi >= vocab:
@@ -301,6 +316,9 @@ class CupyExecutor:
         """Run the DAG: eagerly the first time, captured into a CUDA graph the second, replayed after."""
         if not self.loaded:
             raise ExecError("load the inputs first: cg.load({name: array, ...}).")
+        if len(self.resident) < len(self.dag.inputs):  # inputs loaded one at a time, some still absent
+            missing = [n for n in self.dag.inputs if n not in self.resident]
+            raise ExecError(f"inputs {missing} have no value yet; load them before execute: cg.load(name, array).")
         # the memory plan orders tasks within one run; a run starts only after every stream has
         # finished the previous run (and any offload copies issued on them)
         if self.graph_exec is not None:
@@ -312,6 +330,7 @@ class CupyExecutor:
             except ExecError:
                 self.capturable = False  # a launch broke capture: run this program eagerly from now on
                 raise
+            assert self.graph_exec is not None  # _capture() set it or raised
             self.graph_exec.launch(self.streams[0])
         else:
             self._barrier(into=range(len(self.streams)))
@@ -350,7 +369,8 @@ class CupyExecutor:
         self._issue_all(marks)
         self.synchronize()
         self.runs += 1
-        return [(tid, cp.cuda.get_elapsed_time(t0, a), cp.cuda.get_elapsed_time(t0, b)) for tid, (a, b) in marks.items()]
+        return [(tid, cp.cuda.get_elapsed_time(t0, a), cp.cuda.get_elapsed_time(t0, b))
+                for tid, (a, b) in marks.items()]
 
     def _capture(self) -> None:
         cp = self.cp
@@ -446,6 +466,7 @@ class CupyExecutor:
 
             if t.outputs[0] in self.plan.reshaped:
                 return  # a reshape whose output shares its input's memory
+            assert t.op is not None  # a kernel task serves an operator node
             node = self.graph.nodes[t.op]
             out = views[t.outputs[0]]
             launcher_for(node.kind).launch(node.op, t.kernel.function, [views[b] for b in t.inputs], out,
@@ -493,7 +514,7 @@ class CupyExecutor:
             ins = [views[b] for b in t.inputs]
             out = views[t.outputs[0]]
             if agg == "lse":
-                ping = self.task_consts.get(t.id, {}).get("ping")
+                ping: Any = self.task_consts.get(t.id, {}).get("ping")  # set where it is used: 3+ partials
                 # alternate between the output and a scratch pair so no launch reads what it writes
                 targets = [out if (len(ins) - 2 - i) % 2 == 0 else ping for i in range(len(ins) - 1)]
                 acc = ins[0]

@@ -34,7 +34,8 @@ class Slot:
     size: int
 
 
-def plan_arena(sizes: dict[int, int], lifetimes: dict[int, tuple[int, int]]) -> tuple[dict[int, Slot], int, dict[int, list[int]]]:
+def plan_arena(sizes: dict[int, int],
+               lifetimes: dict[int, tuple[int, int]]) -> tuple[dict[int, Slot], int, dict[int, list[int]]]:
     """First-fit placement of buffers in one arena: buffers alive at the same time never overlap.
 
     Returns each buffer's slot, the arena size, and for each buffer the earlier buffers whose
@@ -55,8 +56,8 @@ def plan_arena(sizes: dict[int, int], lifetimes: dict[int, tuple[int, int]]) -> 
         placed.append((offset, offset + size, born, dies, b))
     arena = max((s.offset + s.size for s in slots.values()), default=0)
     reuses: dict[int, list[int]] = defaultdict(list)
-    for o, e, born, dies, b in placed:
-        for o2, e2, born2, dies2, b2 in placed:
+    for o, e, born, _dies, b in placed:
+        for o2, e2, _born2, dies2, b2 in placed:
             if b2 != b and dies2 < born and o < e2 and o2 < e:
                 reuses[b].append(b2)
     return slots, arena, dict(reuses)
@@ -95,7 +96,10 @@ def _aliases(graph: Graph, dag: TaskDAG) -> tuple[dict[int, int], set[int], list
     order in which each comes after the buffer it is taken from."""
     reshaped: dict[int, int] = {}  # reshape output -> its input
     for t in dag.tasks:
-        if t.kind == "kernel" and graph.nodes[t.op].kind == "reshape":
+        if t.kind != "kernel":
+            continue
+        assert t.op is not None  # a kernel task serves an operator
+        if graph.nodes[t.op].kind == "reshape":
             src, dst = t.inputs[0], t.outputs[0]
             # (a view input has its parent's strides: its reshape must really copy)
             if (dag.buffers[src].partial is None and dag.buffers[dst].partial is None
@@ -140,9 +144,9 @@ def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness) -> MemoryPlan:
             main, extra = buffer_bytes(dag, b)
             sizes[b] = align(main) + extra
         lifetimes = {b: (born.get(b, 0), group_end.get(b, live.last_use.get(b, end))) for b in mine}
-        s, total, r = plan_arena(sizes, lifetimes)
-        slots.update(s)
-        reuses.update(r)
+        device_slots, total, device_reuses = plan_arena(sizes, lifetimes)
+        slots.update(device_slots)
+        reuses.update(device_reuses)
         arena_bytes[d] = total
     touchers: dict[int, list[int]] = defaultdict(list)
     for t in dag.tasks:

@@ -10,10 +10,12 @@ is allocated by the first write to it or to any of its views.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any, cast
 
 import numpy as np
 
+from relational_tensors.core.aggregation import Aggregation
 from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.errors import ExecError
 from relational_tensors.frontend.graph import Graph
@@ -72,10 +74,11 @@ class NumpyExecutor:
             return pool[buf]
         return pool[root][dag.buffers[buf].box.slices(dag.buffers[root].box)]
 
-    def load(self, feeds: Mapping[str, Any]) -> None:
+    def load(self, feeds: Mapping[str, Any], partial: bool = False) -> None:
         """Materialize every graph input straight into the blocks the plan reads, on their devices."""
         # inputs loaded before (weights) stay loaded: a later load may name only the ones that change
-        names = check_feed_names(self.graph, feeds, [n for n in self.dag.inputs if n not in self.resident])
+        names = check_feed_names(self.graph, feeds,
+                                 [] if partial else [n for n in self.dag.inputs if n not in self.resident])
         for name, blocks in self.dag.inputs.items():
             if name not in feeds:
                 continue
@@ -88,6 +91,9 @@ class NumpyExecutor:
     def execute(self) -> None:
         if not self.loaded:
             raise ExecError("load the inputs first: cg.load({name: array, ...}).")
+        if len(self.resident) < len(self.dag.inputs):  # inputs loaded one at a time, some still absent
+            missing = [n for n in self.dag.inputs if n not in self.resident]
+            raise ExecError(f"inputs {missing} have no value yet; load them before execute: cg.load(name, array).")
         dag = self.dag
         live = [sum(_nbytes(v) for v in pool.values()) for pool in self.pools]
         self.peak = list(live)
@@ -131,10 +137,12 @@ class NumpyExecutor:
             out_buf = self.dag.buffers[task.outputs[0]]
             pool = self.pools[out_buf.device]
             # copies may already have written some pieces into the block (views of it): keep them
-            out = pool[out_buf.id] if out_buf.id in pool else np.empty(out_buf.box.shape, dtype=numpy_dtype(out_buf.dtype))
+            out = (pool[out_buf.id] if out_buf.id in pool
+                   else np.empty(out_buf.box.shape, dtype=numpy_dtype(out_buf.dtype)))
             pieces = task.payload
             assert isinstance(pieces, RecomposePayload)
-            agg = pieces.aggregation
+            # only partial pieces are finalized, and a tensor with partials has a ⊕ (graph inputs have none)
+            agg = cast(Aggregation, pieces.aggregation)
             for cell, value, final in zip(pieces.cells, ins, pieces.finalize):
                 out[cell.slices(out_buf.box)] = agg.finalize(value) if final else value
             return [out]

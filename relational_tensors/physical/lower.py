@@ -20,6 +20,7 @@ Per operator, in topological order:
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from relational_tensors.core.dtypes import itemsize
@@ -30,7 +31,14 @@ from relational_tensors.exchange.ast import ExProg, InAtom, Partition, Requireme
 from relational_tensors.exchange.naive import Membership, Synthesizer, naive
 from relational_tensors.frontend.graph import Graph
 from relational_tensors.physical.tasks import (
-    AggregatePayload, DecomposePayload, KernelPayload, LoadPayload, RecomposePayload, TaskDAG, block_bytes)
+    AggregatePayload,
+    DecomposePayload,
+    KernelPayload,
+    LoadPayload,
+    RecomposePayload,
+    TaskDAG,
+    block_bytes,
+)
 from relational_tensors.physical.views import fuse_views
 
 __all__ = ["Lowered", "lower", "place", "SCHEDULES"]
@@ -127,7 +135,7 @@ class _Lowering:
         return self.loaded[key]
 
     # --- one exchange ------------------------------------------------------------
-    def exchange(self, name: str, wants: list[tuple[object, int, Box, int]], guess: dict[int, int],
+    def exchange(self, name: str, wants: Sequence[tuple[object, int, Box, int]], guess: dict[int, int],
                  op: int | None) -> tuple[dict[tuple[object, int], list[tuple[Box, int]]], dict[int, int]]:
         """Deliver blocks of op-produced tensors to their readers.
 
@@ -180,7 +188,7 @@ class _Lowering:
                       tuple(Partition(readers[r], 1) for r in sorted(readers)),
                       tuple(ins),
                       tuple(Requirement(agg, tuple(sorted(t, key=str))) for agg, t in reqs.items()))
-        membership = {readers[r]: (guess[r],) for r in readers}
+        membership: Membership = {readers[r]: (guess[r],) for r in readers}
         body, membership = self.synthesize(prog, membership)
         prog = prog.with_body(body)
         self.programs[name] = prog
@@ -224,7 +232,8 @@ class _Lowering:
                     payload=DecomposePayload(tuple(atoms[a].cell for a in names)), label="decompose")
             for a, b in zip(names, outs):
                 hold(frozenset({a}), buf.device, b)
-        pending = sorted(prog.body, key=lambda a: (aggregate_text(a.aggregate), str(a.source), [str(d) for d in a.dests]))
+        pending = sorted(prog.body,
+                         key=lambda a: (aggregate_text(a.aggregate), str(a.source), [str(d) for d in a.dests]))
         while pending:
             fired = []
             for act in pending:
@@ -246,9 +255,9 @@ class _Lowering:
                         for d in prog.sites_of(dest, membership):
                             if (act.aggregate, d) in state:
                                 continue
-                            src = dag.buffers[state[(act.aggregate, s)]]
-                            b = dag.buffer(d, src.box, src.dtype, src.tensor, src.partial)
-                            dag.add("copy", d, (src.id,), (b,), op=op, src_device=s,
+                            src_buf = dag.buffers[state[(act.aggregate, s)]]
+                            b = dag.buffer(d, src_buf.box, src_buf.dtype, src_buf.tensor, src_buf.partial)
+                            dag.add("copy", d, (src_buf.id,), (b,), op=op, src_device=s,
                                     label=f"{aggregate_text(act.aggregate)} {s}->{d}")
                             hold(act.aggregate, d, b)
                 fired.append(act)

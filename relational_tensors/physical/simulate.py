@@ -78,7 +78,7 @@ def simulate_plan(dag: TaskDAG, graph: Graph, topology: Topology, model: KernelM
             queues[t.device].append(t.id)
     head = {d: 0 for d in queues}
     free_at = {d: 0.0 for d in queues}
-    network = FlowNetwork(topology.capacities())
+    network: FlowNetwork[int] = FlowNetwork(topology.capacities())  # flows keyed by copy task id
     done: set[int] = {t.id for t in dag.tasks if t.kind == "load"}
     ready_copies = [t.id for t in dag.tasks if t.kind == "copy" and waiting_on[t.id] == 0]
     heap: list[tuple[float, int]] = []
@@ -100,6 +100,7 @@ def simulate_plan(dag: TaskDAG, graph: Graph, topology: Topology, model: KernelM
     while remaining:
         for tid in ready_copies:
             t = dag.tasks[tid]
+            assert t.src_device is not None  # a copy names its source device
             src, dst = sites[t.src_device], sites[t.device]
             route = topology.route(src, dst)
             network.start(tid, route.resources, float(dag.buffers[t.outputs[0]].nbytes), now, latency=route.latency)

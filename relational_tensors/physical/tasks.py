@@ -233,9 +233,9 @@ def liveness(dag: TaskDAG) -> Liveness:
     live: dict[int, int] = defaultdict(int, resident)
     peak: dict[int, int] = defaultdict(int, resident)
     dies: dict[int, list[int]] = defaultdict(list)
-    for b, t in last_use.items():
+    for b, last in last_use.items():
         if b not in persistent and b not in views:
-            dies[t].append(b)
+            dies[last].append(b)
     counted: set[int] = set()
     for t in dag.tasks:
         if t.kind == "load":

@@ -18,6 +18,19 @@ CREATE TABLE IF NOT EXISTS compilations (
     planning_seconds   DOUBLE
 );
 
+-- the operator registry each compilation was planned with (relational_tensors.registry)
+CREATE TABLE IF NOT EXISTS operator_kinds (
+    compilation_id  INTEGER,
+    kind            VARCHAR,        -- the operator kind (operators.op_kind)
+    op_class        VARCHAR,
+    module          VARCHAR,        -- where the operator is declared
+    aggregation     VARCHAR,        -- its ⊕ (per op: chosen by the operator's parameters)
+    cost_family     VARCHAR,        -- how the kernel model prices it: matmul | attention | compute
+    numpy_kernel    BOOLEAN,
+    gpu_launcher    BOOLEAN,
+    gpu_allocates   BOOLEAN         -- its GPU kernel allocates (keeps a program out of CUDA-graph capture)
+);
+
 CREATE TABLE IF NOT EXISTS tensors (
     compilation_id  INTEGER,
     tensor_id       INTEGER,        -- the id of the node that produces it

@@ -18,8 +18,8 @@ Shardable indices, in declared order:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -239,6 +239,7 @@ class AttentionOp(Operator):
             total = p.sum(axis=-1, keepdims=True)
             o = np.einsum("bhgqk,bkhd->bqhgd", p / np.where(total > 0, total, 1.0), v)
             out[:, r0:r1] = o.reshape(nb, r1 - r0, hq, dv)
-            l = np.where(total[..., 0] > 0, top[..., 0] + np.log(np.where(total[..., 0] > 0, total[..., 0], 1.0)), -np.inf)
-            lse[:, r0:r1] = np.moveaxis(l, 3, 1).reshape(nb, r1 - r0, hq)
+            seen = total[..., 0] > 0
+            rows = np.where(seen, top[..., 0] + np.log(np.where(seen, total[..., 0], 1.0)), -np.inf)
+            lse[:, r0:r1] = np.moveaxis(rows, 3, 1).reshape(nb, r1 - r0, hq)
         return out, lse

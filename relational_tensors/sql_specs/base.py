@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -25,7 +26,7 @@ __all__ = ["Operator", "IndexedOp", "SameIndicesOp", "OPERATORS", "register", "C
 
 Choice = Mapping[str, Interval]  # the interval of each requested index in one function spec
 
-OPERATORS: dict[str, type["Operator"]] = {}
+OPERATORS: dict[str, type[Operator]] = {}
 
 
 def register(cls: type[Operator]) -> type[Operator]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from relational_tensors.core.types import TensorType
 from relational_tensors.errors import GraphError

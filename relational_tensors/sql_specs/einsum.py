@@ -8,8 +8,8 @@ matmul names its indices i, j, k as in the paper: ``i j, j k -> i k``.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

@@ -7,8 +7,8 @@ output needs the same block of each input (a broadcast dimension is read whole).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -21,7 +21,8 @@ from relational_tensors.sql_specs.common import same_dtype
 
 __all__ = ["UnaryOp", "BinaryOp", "SwigluOp", "UNARY_FUNCTIONS", "BINARY_FUNCTIONS", "silu", "gelu"]
 
-_erf = np.frompyfunc(math.erf, 1, 1)
+# an object array for an array of rank >= 1 (a 0-d array or a scalar gives a bare float)
+_erf: Callable[[np.ndarray], np.ndarray] = np.frompyfunc(math.erf, 1, 1)
 
 
 def gelu(x: np.ndarray) -> np.ndarray:
@@ -104,7 +105,8 @@ class UnaryOp(SameIndicesOp):
         return self._result(UNARY_FUNCTIONS[self.op](self._compute(x), float(self.arg)))  # type: ignore[arg-type]
 
 
-def broadcast_dims(kind: str, types: Sequence[TensorType]) -> tuple[tuple[int, ...], tuple[tuple[str | None, ...], ...], tuple[str, ...]]:
+def broadcast_dims(kind: str, types: Sequence[TensorType]
+                   ) -> tuple[tuple[int, ...], tuple[tuple[str | None, ...], ...], tuple[str, ...]]:
     """NumPy broadcasting of ``types``: the output shape, each input's index per dimension, the output names."""
     rank = max(t.rank for t in types)
     shape = []

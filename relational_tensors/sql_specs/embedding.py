@@ -7,8 +7,8 @@ ids it holds and zeros elsewhere, and ⊕ = sum puts them together.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

@@ -6,8 +6,8 @@ other index splits anywhere, and the weight vectors are read whole.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -42,7 +42,8 @@ def check_seq_ends(kind: str, seq_ends: Sequence[int] | None, length: int) -> tu
     return ends
 
 
-def sequence_bounds(positions: np.ndarray, seq_ends: tuple[int, ...] | None, length: int) -> tuple[np.ndarray, np.ndarray]:
+def sequence_bounds(positions: np.ndarray, seq_ends: tuple[int, ...] | None,
+                    length: int) -> tuple[np.ndarray, np.ndarray]:
     """For each position, the start and end of the packed sequence that holds it.
 
     >>> s, e = sequence_bounds(np.arange(5), (2, 5), 5); s.tolist(), e.tolist()

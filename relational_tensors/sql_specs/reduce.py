@@ -8,8 +8,8 @@ divide by the full extent, so their ⊕-sum is the mean.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from relational_tensors.sql_specs.common import normalize_axis
 
 __all__ = ["ReduceOp"]
 
-_NUMPY = {"sum": np.sum, "max": np.max, "min": np.min, "mean": np.sum}
+_NUMPY: dict[str, Callable[..., np.ndarray]] = {"sum": np.sum, "max": np.max, "min": np.min, "mean": np.sum}
 
 
 @register

@@ -8,8 +8,8 @@ sequence index splits anywhere; d_head does not split.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

@@ -7,8 +7,8 @@ is made of, so the optimizer can keep a split through a layout change.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -33,14 +33,22 @@ def reshape_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[in
         gj: list[int] = []
         pa = pb = 1
         if i < len(src):
-            gi.append(i); pa *= src[i]; i += 1
+            gi.append(i)
+            pa *= src[i]
+            i += 1
         if j < len(dst):
-            gj.append(j); pb *= dst[j]; j += 1
+            gj.append(j)
+            pb *= dst[j]
+            j += 1
         while pa != pb:
             if pa < pb:
-                gi.append(i); pa *= src[i]; i += 1
+                gi.append(i)
+                pa *= src[i]
+                i += 1
             else:
-                gj.append(j); pb *= dst[j]; j += 1
+                gj.append(j)
+                pb *= dst[j]
+                j += 1
         groups.append((gi, gj))
     return groups
 
@@ -75,7 +83,8 @@ class ReshapeOp(Operator):
         if any(not isinstance(s, int) or s <= 0 for s in self.shape) or math.prod(self.shape) != x.volume:
             raise GraphError(
                 f"reshape must preserve the number of elements; got {x.shape} ({x.volume} elements) -> "
-                f"{self.shape} ({math.prod(self.shape) if all(isinstance(s, int) for s in self.shape) else '?'} elements)."
+                f"{self.shape} "
+                f"({math.prod(self.shape) if all(isinstance(s, int) for s in self.shape) else '?'} elements)."
             )
         if self.names is not None:
             return TensorType.zero(self.shape, x.dtype, self.names)
@@ -104,7 +113,7 @@ class ReshapeOp(Operator):
     def signature(self) -> str:
         x = self.input_types[0]
         parts = []
-        for gi, gj, name, unit, ext in self._units():
+        for gi, gj, _name, _unit, _ext in self._units():
             src = "·".join(x.names[d] for d in gi)
             dst = "·".join(self.output_type.names[d] for d in gj)
             parts.append(f"({src} -> {dst})")
@@ -212,7 +221,8 @@ class SliceOp(Operator):
         return f"{names} -> {names} (axis {axis} offset {self.start})"
 
     def params(self) -> dict[str, object]:
-        return {"axis": normalize_axis(self.kind, self.axis, self.input_types[0]), "start": self.start, "stop": self.stop}
+        return {"axis": normalize_axis(self.kind, self.axis, self.input_types[0]), "start": self.start,
+                "stop": self.stop}
 
     def output_box(self, choice: Choice) -> Box:
         y = self.output_type
@@ -255,7 +265,8 @@ class ConcatOp(Operator):
         for t in self.input_types[1:]:
             if t.rank != first.rank or any(a != b for d, (a, b) in enumerate(zip(t.shape, first.shape)) if d != axis):
                 raise GraphError(
-                    f"concat along axis {axis} needs equal shapes off that axis; got {[t.shape for t in self.input_types]}."
+                    f"concat along axis {axis} needs equal shapes off that axis; "
+                    f"got {[t.shape for t in self.input_types]}."
                 )
         dtype = same_dtype(self.kind, self.input_types)
         shape = list(first.shape)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import functools
 import string
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import sqlglot
@@ -344,6 +344,7 @@ class SqlJoinOp(IndexedOp):
         res = np.broadcast_to(np.asarray(_evaluate(p.expr, values)), [sizes[n] for n in order])
         contracted = tuple(k for k, n in enumerate(order) if n not in p.out)
         if contracted:
-            res = {"sum": np.sum, "max": np.max, "min": np.min}[p.agg or "sum"](res, axis=contracted)
+            reducers: dict[str, Callable[..., np.ndarray]] = {"sum": np.sum, "max": np.max, "min": np.min}
+            res = reducers[p.agg or "sum"](res, axis=contracted)
         kept = "".join(letters[n] for n in order if n in p.out)
         return self._result(np.einsum(f"{kept}->{out_sub}", res))

@@ -10,8 +10,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from relational_tensors.errors import PlanError
 

@@ -29,12 +29,15 @@ whole-plan simulator both drive it with the same five calls.
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Mapping
+from typing import Generic, TypeVar
 
 from relational_tensors.errors import ExchangeError
 
 __all__ = ["FlowNetwork"]
+
+_K = TypeVar("_K", bound=Hashable)  # what the caller keys its flows by
 
 _REL = 1e-12  # relative slack when comparing event times and residual capacities
 
@@ -54,7 +57,7 @@ class _Flow:
     rate: float = 0.0
 
 
-class FlowNetwork:
+class FlowNetwork(Generic[_K]):
     """Resources with capacities, and the flows currently crossing them.
 
     ``now`` is the network's clock; it only moves forward, through
@@ -67,11 +70,11 @@ class FlowNetwork:
             raise ExchangeError(f"every resource needs a positive capacity in bytes/s; got {bad}.")
         self.capacities: dict[str, float] = dict(capacities)
         self.now = float(now)
-        self._flows: dict[Hashable, _Flow] = {}
+        self._flows: dict[_K, _Flow] = {}
 
     # ---------------------------------------------------------------- public calls
 
-    def start(self, key: Hashable, resources: Iterable[str], nbytes: float, now: float,
+    def start(self, key: _K, resources: Iterable[str], nbytes: float, now: float,
               latency: float = 0.0, cap: float = math.inf) -> None:
         """Add a flow of ``nbytes`` over ``resources`` at time ``now`` (the network's clock).
 
@@ -105,11 +108,11 @@ class FlowNetwork:
             if probe._step(t):
                 return t
 
-    def advance_to(self, t: float) -> list[Hashable]:
+    def advance_to(self, t: float) -> list[_K]:
         """Move the clock to ``t``; the keys of the flows that finished by then, in finishing order."""
         if t < self.now - _slack(self.now):
             raise ExchangeError(f"the clock only moves forward; got t={t!r} while it is at {self.now!r}.")
-        done: list[Hashable] = []
+        done: list[_K] = []
         while True:
             te = self._next_event()
             if te is None or te > t + _slack(t):
@@ -118,11 +121,11 @@ class FlowNetwork:
         self._drain(max(t, self.now))
         return done
 
-    def active(self) -> dict[Hashable, float]:
+    def active(self) -> dict[_K, float]:
         """Every unfinished flow and its current rate in bytes/s (0.0 while it waits out its latency)."""
         return {k: f.rate for k, f in self._flows.items()}
 
-    def rate(self, key: Hashable) -> float:
+    def rate(self, key: _K) -> float:
         """The current rate of one unfinished flow."""
         if key not in self._flows:
             raise ExchangeError(f"no unfinished flow is keyed {key!r}.")
@@ -133,8 +136,8 @@ class FlowNetwork:
 
     # ---------------------------------------------------------------- internals
 
-    def _clone(self) -> FlowNetwork:
-        other = FlowNetwork.__new__(FlowNetwork)
+    def _clone(self) -> FlowNetwork[_K]:
+        other: FlowNetwork[_K] = FlowNetwork.__new__(FlowNetwork)
         other.capacities = self.capacities
         other.now = self.now
         other._flows = {k: _Flow(f.resources, f.remaining, f.cap, f.ready_at, f.rate) for k, f in self._flows.items()}
@@ -162,7 +165,7 @@ class FlowNetwork:
                     f.remaining = max(0.0, f.remaining - f.rate * dt)
             self.now = t
 
-    def _step(self, t: float) -> list[Hashable]:
+    def _step(self, t: float) -> list[_K]:
         """Advance to the event time ``t``: finish what ends there, then reallocate."""
         ending = [k for k, f in self._flows.items() if self._finish_time(f) <= t + _slack(t)]
         self._drain(max(t, self.now))

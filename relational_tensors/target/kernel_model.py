@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 from relational_tensors.target.topology import Topology
 
@@ -66,7 +66,7 @@ class KernelModel:
             return curve[0][1]
         if x >= xs[-1]:
             return curve[-1][1]
-        for (x0, (a0, r0)), (x1, (a1, r1)) in zip(zip(xs, curve), zip(xs[1:], curve[1:])):
+        for (x0, (_, r0)), (x1, (_, r1)) in zip(zip(xs, curve), zip(xs[1:], curve[1:])):
             if x0 <= x <= x1:
                 t = (x - x0) / (x1 - x0) if x1 > x0 else 0.0
                 return r0 + t * (r1 - r0)

@@ -20,8 +20,8 @@ __all__ = ["matmul"]
 # cudaDataType and cublasComputeType values
 _CUDA_TYPE = {"float16": 2, "bfloat16": 14, "float32": 0, "float64": 1}
 _COMPUTE = {"float16": 68, "bfloat16": 68, "float32": 68, "float64": 70}  # CUBLAS_COMPUTE_32F / _64F
-_ONE = {68: np.array(1.0, np.float32), 70: np.array(1.0, np.float64)}
-_ZERO = {68: np.array(0.0, np.float32), 70: np.array(0.0, np.float64)}
+_ONE: dict[int, np.ndarray] = {68: np.array(1.0, np.float32), 70: np.array(1.0, np.float64)}
+_ZERO: dict[int, np.ndarray] = {68: np.array(0.0, np.float32), 70: np.array(0.0, np.float64)}
 _GEMM_DEFAULT = -1
 WORKSPACE_BYTES = 32 << 20
 
@@ -65,6 +65,7 @@ def _handle(device: int, stream_ptr: int) -> int:
             ws = cupy.empty(WORKSPACE_BYTES, dtype=cupy.uint8)
             _check(lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(ws.data.ptr), WORKSPACE_BYTES), "cublasSetWorkspace")
             _check(lib.cublasSetStream_v2(h, ctypes.c_void_p(stream_ptr)), "cublasSetStream")
+        assert h.value is not None  # cublasCreate succeeded, so it wrote a handle
         _handles[key] = (h.value, ws)
     return _handles[key][0]
 

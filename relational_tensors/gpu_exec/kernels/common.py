@@ -55,7 +55,7 @@ class DevBuf:
 
     def sub(self, lower: tuple[int, ...], shape: tuple[int, ...]) -> DevBuf:
         """The view of the box at ``lower`` (relative) with ``shape``."""
-        off = sum(l * s for l, s in zip(lower, self.strides))
+        off = sum(lo * s for lo, s in zip(lower, self.strides))
         return DevBuf(self.ptr + off * itemsize(self.dtype), tuple(shape), self.dtype, self.device, self.strides)
 
     def permuted(self, perm: tuple[int, ...]) -> DevBuf:

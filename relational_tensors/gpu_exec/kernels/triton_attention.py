@@ -13,7 +13,7 @@ for the ⊕ that merges key blocks.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 
 import triton
 import triton.language as tl
@@ -191,7 +191,7 @@ class _DescBase:
         return self._ptr
 
 
-@lru_cache(maxsize=None)
+@cache
 def _tma_device(device: int) -> bool:
     """Tensor descriptors (TMA) need compute capability 9.0 or more and a Triton that has them."""
     import cupy
@@ -225,6 +225,7 @@ def _launch(cfg: tuple[int, ...], args: tuple, consts: dict, sq: int, nbh: int, 
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
+        assert tma is not None  # _pick skips the descriptor configs when there are no views
         (qb, qs, qst), (kb, ks, kst), (vb, vs, vst) = tma
         descs = (TensorDescriptor(qb, qs, qst, [bm, consts["BLOCK_D"]]),
                  TensorDescriptor(kb, ks, kst, [bn, consts["BLOCK_D"]]),

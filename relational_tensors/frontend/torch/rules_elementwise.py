@@ -1,0 +1,149 @@
+"""Translation rules for elementwise operations: unary functions (``relu``, ``silu``, ``exp``, ...,
+``gelu``, ``pow`` by a number), copies and casts (``to``, ``clone``, ``contiguous``, ...), binary
+arithmetic with torch broadcasting (``add``, ``sub``, ``rsub``, ``mul``, ``div``, ``maximum``,
+``minimum``; a number operand becomes a unary op) and ``masked_fill`` with a constant mask.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from relational_tensors.frontend.graph import Tensor
+from relational_tensors.frontend.torch.common import _Const, _fail, _out_dtype, _out_shape, _packet, _scalar
+from relational_tensors.frontend.torch.convert import _torch, _torch_dtype
+from relational_tensors.frontend.torch.registry import register_torch_op
+
+if TYPE_CHECKING:
+    from relational_tensors.frontend.torch.translator import _Translator
+
+
+# elementwise functions of one tensor: aten name -> (our unary op, its argument)
+_UNARY = {"relu": ("relu", 0.0), "silu": ("silu", 0.0), "sigmoid": ("sigmoid", 0.0), "tanh": ("tanh", 0.0),
+          "exp": ("exp", 0.0), "log": ("log", 0.0), "neg": ("neg", 0.0), "abs": ("abs", 0.0),
+          "sqrt": ("sqrt", 0.0), "rsqrt": ("rsqrt", 0.0), "square": ("square", 0.0),
+          "reciprocal": ("pow", -1.0)}
+
+
+@register_torch_op(*_UNARY)
+def _unary(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    op, arg = _UNARY[_packet(node)]  # type: ignore[index]
+    return tr.unary(tr.sym(a["self"], _out_dtype(node)), op, arg)
+
+
+@register_torch_op("gelu")
+def _gelu(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    approx = a.get("approximate", "none")
+    if approx not in ("none", "tanh"):
+        raise _fail(f"gelu with approximate={approx!r}; supported: 'none' (erf) and 'tanh'")
+    return tr.unary(tr.sym(a["self"]), "gelu" if approx == "none" else "gelu_tanh")
+
+
+@register_torch_op("pow")
+def _pow(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    if "exponent" not in a or not isinstance(a["self"], Tensor):
+        raise _fail("pow with a tensor exponent; supported: tensor ** number")
+    e = _scalar(a["exponent"])
+    if e is None:
+        raise _fail("pow with a tensor exponent; supported: tensor ** number")
+    x = tr.sym(a["self"], _out_dtype(node))
+    special = {1.0: None, 2.0: "square", 0.5: "sqrt", -0.5: "rsqrt"}
+    if e in special:
+        return x if special[e] is None else tr.unary(x, special[e])  # type: ignore[arg-type]
+    return tr.unary(x, "pow", e)
+
+
+@register_torch_op("to", "_to_copy", "type_as", "clone", "contiguous", "alias", "detach", "lift_fresh_copy")
+def _identity(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    """Copies, layout hints and casts: the dtype torch records for the node is applied by the check."""
+    return tr.sym(a["self"])
+
+
+@register_torch_op("_assert_tensor_metadata")
+def _assert_metadata(tr: _Translator, node: Any, a: dict[str, Any]) -> None:
+    return None
+
+
+def _broadcast_binary(tr: _Translator, node: Any, x: Any, y: Any, op: str) -> Tensor:
+    """x op y with torch broadcasting; a number (or one-element constant) becomes a unary op."""
+    dtype = _out_dtype(node)
+    shape = _out_shape(node)
+    sx, sy = _scalar(x), _scalar(y)
+    if isinstance(x, Tensor) and sy is not None and x.shape == shape:
+        x = tr.sym(x, dtype)
+        if op == "add":
+            return tr.unary(x, "add_scalar", sy)
+        if op == "sub":
+            return tr.unary(x, "add_scalar", -sy)
+        if op == "mul":
+            return tr.unary(x, "scale", sy)
+        if op == "div":
+            return tr.unary(x, "scale", 1.0 / sy) if sy != 0 else tr.unary(x, "scale", math.copysign(math.inf, sy))
+    if isinstance(y, Tensor) and sx is not None and y.shape == shape:
+        y = tr.sym(y, dtype)
+        if op == "add":
+            return tr.unary(y, "add_scalar", sx)
+        if op == "sub":
+            return tr.unary(tr.unary(y, "neg"), "add_scalar", sx)
+        if op == "mul":
+            return tr.unary(y, "scale", sx)
+        if op == "div":
+            return tr.unary(tr.unary(y, "pow", -1.0), "scale", sx)
+    return tr.binary(tr.sym(x, dtype), tr.sym(y, dtype), op)
+
+
+def _alpha(tr: _Translator, node: Any, y: Any, alpha: Any) -> Any:
+    if alpha in (1, None):
+        return y
+    s = _scalar(y)
+    if s is not None:
+        return s * float(alpha)
+    return tr.unary(tr.sym(y, _out_dtype(node)), "scale", float(alpha))
+
+
+@register_torch_op("add", "sub")
+def _add_sub(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    other = _alpha(tr, node, a["other"], a.get("alpha"))
+    return _broadcast_binary(tr, node, a["self"], other, "add" if _packet(node) == "add" else "sub")
+
+
+@register_torch_op("rsub")
+def _rsub(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    return _broadcast_binary(tr, node, a["other"], _alpha(tr, node, a["self"], a.get("alpha")), "sub")
+
+
+@register_torch_op("mul")
+def _mul(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    return _broadcast_binary(tr, node, a["self"], a["other"], "mul")
+
+
+@register_torch_op("div")
+def _div(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    if a.get("rounding_mode") is not None:
+        raise _fail(f"div with rounding_mode={a['rounding_mode']!r}; supported: true division")
+    return _broadcast_binary(tr, node, a["self"], a["other"], "div")
+
+
+@register_torch_op("maximum", "minimum")
+def _max_min(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    dtype = _out_dtype(node)
+    return tr.binary(tr.sym(a["self"], dtype), tr.sym(a["other"], dtype), _packet(node))  # type: ignore[arg-type]
+
+
+@register_torch_op("masked_fill")
+def _masked_fill(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    mask, value = a["mask"], _scalar(a["value"])
+    if not isinstance(mask, _Const) or value is None:
+        raise _fail("masked_fill with a mask computed from the inputs or a tensor fill value; supported: a "
+                    "constant mask (e.g. from torch.triu/tril of constants) and a number")
+    x = tr.sym(a["self"], _out_dtype(node))
+    torch = _torch()
+    m = mask.value.to(torch.bool)
+    if value == -math.inf:  # x + (0 or -inf): exact for finite x
+        bias = torch.zeros(m.shape, dtype=_torch_dtype(x.dtype)).masked_fill(m, -math.inf)
+        return tr.binary(x, tr.materialize(_Const(bias, None, f"{tr.prefix}.mask_bias")), "add")
+    keep = (~m).to(_torch_dtype(x.dtype))
+    fill = m.to(_torch_dtype(x.dtype)) * value
+    y = tr.binary(x, tr.materialize(_Const(keep, None, f"{tr.prefix}.mask_keep")), "mul")
+    return tr.binary(y, tr.materialize(_Const(fill, None, f"{tr.prefix}.mask_fill")), "add")
+

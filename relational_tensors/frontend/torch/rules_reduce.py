@@ -1,0 +1,66 @@
+"""Translation rules for reductions over axes: ``sum``, ``mean``, ``amax``, ``amin``, ``var`` (with
+its correction), ``softmax`` and ``log_softmax``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from relational_tensors.frontend.graph import Tensor
+from relational_tensors.frontend.torch.common import _axis, _fail, _out_dtype, _out_shape, _packet
+from relational_tensors.frontend.torch.registry import register_torch_op
+
+if TYPE_CHECKING:
+    from relational_tensors.frontend.torch.translator import _Translator
+
+
+def _dims(dim: Any, rank: int) -> tuple[int, ...]:
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return tuple(range(rank))
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return tuple(sorted({_axis(d, rank) for d in dims}))
+
+
+@register_torch_op("sum", "mean", "amax", "amin")
+def _reduce(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    x = tr.sym(a["self"], _out_dtype(node))
+    axes = _dims(a.get("dim"), x.rank)
+    op = {"sum": "sum", "mean": "mean", "amax": "max", "amin": "min"}[_packet(node)]  # type: ignore[index]
+    y = getattr(tr.g, op)(x, axes, bool(a.get("keepdim", False)), name=tr.name(op))
+    return tr.reshape(y, _out_shape(node))
+
+
+@register_torch_op("var")
+def _var(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    x = tr.sym(a["self"], _out_dtype(node))
+    axes = _dims(a.get("dim"), x.rank)
+    n = math.prod(x.shape[d] for d in axes)
+    if "correction" in a:
+        correction = 1.0 if a["correction"] is None else float(a["correction"])
+    else:
+        correction = 1.0 if a.get("unbiased", True) else 0.0
+    if n - correction <= 0:
+        raise _fail(f"variance over {n} elements with correction {correction}")
+    mu = tr.g.mean(x, axes, True, name=tr.name("mean"))
+    d = tr.binary(x, mu, "sub")
+    v = tr.g.mean(tr.unary(d, "square"), axes, bool(a.get("keepdim", False)), name=tr.name("mean"))
+    if correction:
+        v = tr.unary(v, "scale", n / (n - correction))
+    return tr.reshape(v, _out_shape(node))
+
+
+@register_torch_op("softmax", "_softmax")
+def _softmax(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    x = tr.sym(a["self"], _out_dtype(node))
+    return tr.g.softmax(x, _axis(a["dim"], x.rank), name=tr.name("softmax"))
+
+
+@register_torch_op("log_softmax")
+def _log_softmax(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    x = tr.sym(a["self"], _out_dtype(node))
+    axis = _axis(a["dim"], x.rank)
+    z = tr.binary(x, tr.g.max(x, axis, True, name=tr.name("max")), "sub")
+    total = tr.g.sum(tr.unary(z, "exp"), axis, True, name=tr.name("sum"))
+    return tr.binary(z, tr.unary(total, "log"), "sub")
+

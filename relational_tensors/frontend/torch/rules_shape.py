@@ -1,0 +1,143 @@
+"""Translation rules for layout and shape operations: ``view``/``reshape`` and their kin,
+``transpose``/``permute``, ``expand``, ``repeat``, ``repeat_interleave``, ``slice``, ``select``,
+``narrow``, ``split``/``chunk``/``unbind`` (with ``getitem`` on their results), ``cat`` and
+``stack``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from relational_tensors.frontend.graph import Tensor
+from relational_tensors.frontend.torch.common import _axis, _bounds, _Const, _fail, _out_dtype, _out_shape, _packet
+from relational_tensors.frontend.torch.registry import register_torch_op
+
+if TYPE_CHECKING:
+    from relational_tensors.frontend.torch.translator import _Translator
+
+
+@register_torch_op("view", "reshape", "_unsafe_view", "flatten", "unflatten", "unsqueeze", "squeeze")
+def _reshape(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    if _packet(node) == "view" and "dtype" in a:
+        raise _fail("view as another dtype (a bit cast)")
+    return tr.reshape(tr.sym(a["self"]), _out_shape(node))
+
+
+@register_torch_op("transpose", "permute", "t", "numpy_T")
+def _permute(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    x = tr.sym(a["self"])
+    packet = _packet(node)
+    if packet == "permute":
+        perm = list(a["dims"])
+    elif packet == "transpose":
+        perm = list(range(x.rank))
+        i, j = _axis(a["dim0"], x.rank), _axis(a["dim1"], x.rank)
+        perm[i], perm[j] = perm[j], perm[i]
+    else:
+        perm = list(reversed(range(x.rank)))
+    return tr.permute(x, perm)
+
+
+@register_torch_op("expand", "expand_as")
+def _expand(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    x = tr.sym(a["self"])
+    shape = _out_shape(node)
+    x = tr.reshape(x, (1,) * (len(shape) - x.rank) + x.shape)
+    for d, (have, want) in enumerate(zip(x.shape, shape)):
+        if have != want:
+            x = tr.repeat(x, d, want)
+    return x
+
+
+@register_torch_op("repeat")
+def _tile(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    x = tr.sym(a["self"])
+    reps = list(a["repeats"])
+    x = tr.reshape(x, (1,) * (len(reps) - x.rank) + x.shape)
+    for d, r in enumerate(reps):
+        x = tr.repeat(x, d, int(r))
+    return x
+
+
+@register_torch_op("repeat_interleave")
+def _repeat_interleave(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    reps = a.get("repeats")
+    if not isinstance(reps, int):
+        raise _fail("repeat_interleave with per-element repeats; supported: one integer count")
+    x = tr.sym(a["self"])
+    if a.get("dim") is None:
+        x = tr.reshape(x, (math.prod(x.shape),))
+        d = 0
+    else:
+        d = _axis(a["dim"], x.rank)
+    y = tr.reshape(x, (*x.shape[: d + 1], 1, *x.shape[d + 1:]))
+    y = tr.repeat(y, d + 1, reps)
+    return tr.reshape(y, _out_shape(node))
+
+
+@register_torch_op("slice")
+def _slice(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    x = tr.sym(a["self"])
+    axis = _axis(a["dim"], x.rank)
+    if a["step"] != 1:
+        raise _fail(f"a slice with step {a['step']}; supported: step 1")
+    start, stop = _bounds(a["start"], a["end"], x.shape[axis])
+    if stop <= start:
+        raise _fail(f"an empty slice [{start}:{stop}] of axis {axis} of shape {x.shape}")
+    return tr.slice(x, axis, start, stop)
+
+
+@register_torch_op("select")
+def _select(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    x = tr.sym(a["self"])
+    axis = _axis(a["dim"], x.rank)
+    i = int(a["index"]) % x.shape[axis]
+    return tr.reshape(tr.slice(x, axis, i, i + 1), _out_shape(node))
+
+
+@register_torch_op("narrow")
+def _narrow(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    x = tr.sym(a["self"])
+    axis = _axis(a["dim"], x.rank)
+    start = int(a["start"]) % x.shape[axis] if int(a["start"]) < 0 else int(a["start"])
+    return tr.slice(x, axis, start, start + int(a["length"]))
+
+
+@register_torch_op("split", "split_with_sizes", "chunk", "unbind")
+def _split(tr: _Translator, node: Any, a: dict[str, Any]) -> list[Tensor]:
+    x = tr.sym(a["self"])
+    axis = _axis(a.get("dim", 0), x.rank)
+    parts, start = [], 0
+    for val in node.meta["val"]:
+        size = 1 if _packet(node) == "unbind" else int(val.shape[axis])
+        if size == 0:
+            raise _fail(f"a split into an empty part along axis {axis} of shape {x.shape}")
+        part = tr.slice(x, axis, start, start + size)
+        parts.append(tr.reshape(part, tuple(val.shape)))
+        start += size
+    return parts
+
+
+@register_torch_op("getitem")
+def _getitem(tr: _Translator, node: Any, a: dict[str, Any]) -> Any:
+    return tr._arg(node.args[0])[node.args[1]]
+
+
+@register_torch_op("cat", "concat")
+def _cat(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    dtype = _out_dtype(node)
+    rank = len(_out_shape(node))
+    xs = [tr.sym(t, dtype) for t in a["tensors"] if not (isinstance(t, _Const) and t.value.numel() == 0)]
+    return tr.concat(xs, _axis(a["dim"], rank))
+
+
+@register_torch_op("stack")
+def _stack(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    dtype = _out_dtype(node)
+    shape = _out_shape(node)
+    axis = _axis(a["dim"], len(shape))
+    xs = [tr.sym(t, dtype) for t in a["tensors"]]
+    xs = [tr.reshape(x, (*x.shape[:axis], 1, *x.shape[axis:])) for x in xs]
+    return tr.concat(xs, axis)
+

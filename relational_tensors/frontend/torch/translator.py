@@ -1,0 +1,583 @@
+"""The translator: ``from_torch`` exports a module with ``torch.export`` and walks the ATen graph,
+folding what depends on no user input, applying recognized patterns and otherwise the rule
+registered for each operation; ``TorchGraph`` is the ``Graph`` it returns, with the values of its
+parameters.  ``SUPPORTED_OPS`` lists the operations with a rule.
+"""
+
+from __future__ import annotations
+
+import operator
+import string
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+import relational_tensors.frontend.torch.rules_elementwise as rules_elementwise
+import relational_tensors.frontend.torch.rules_linalg as rules_linalg
+import relational_tensors.frontend.torch.rules_nn as rules_nn
+import relational_tensors.frontend.torch.rules_reduce as rules_reduce
+import relational_tensors.frontend.torch.rules_shape as rules_shape
+from relational_tensors.errors import GraphError
+from relational_tensors.frontend.graph import Graph, Tensor
+from relational_tensors.frontend.torch.common import (
+    _EXACT_WIDENINGS,
+    _SHAPE_ONLY,
+    _clean,
+    _Const,
+    _fail,
+    _module_path,
+    _op_name,
+    _packet,
+    _source,
+    _Unsupported,
+)
+from relational_tensors.frontend.torch.convert import (
+    _dtype_name,
+    _is_torch_tensor,
+    _torch,
+    _torch_dtype,
+    torch_to_numpy,
+)
+from relational_tensors.frontend.torch.patterns import (
+    _PATTERNS,
+    _match_gelu_tanh,
+    _match_repeated_kv,
+    _match_rmsnorm,
+    _match_rope,
+    _match_swiglu,
+)
+from relational_tensors.frontend.torch.registry import _RULES
+
+__all__ = ["from_torch", "TorchGraph", "SUPPORTED_OPS"]
+
+# the modules that register the translation rules when imported (SUPPORTED_OPS below lists them)
+_RULE_MODULES = (rules_elementwise, rules_linalg, rules_nn, rules_reduce, rules_shape)
+
+
+# --- the graph a module becomes ---------------------------------------------------------------------
+
+class TorchGraph(Graph):
+    """An ``rt.Graph`` traced from a PyTorch module, with what is needed to feed and read it.
+
+    ``parameters``  graph input name -> NumPy value, for every input that is not a user input
+                    (weights in graph layout, e.g. Linear weights as ``[in, out]``);
+    ``folded``      the names among ``parameters`` computed at trace time (not module state);
+    ``input_names`` per positional user input, its graph input name (None if the module ignores it);
+    ``output_names`` the saved outputs, in the order of the module's flattened outputs;
+    ``source``      node name -> the source line of the module it was translated from.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parameters: dict[str, np.ndarray] = {}
+        self.folded: tuple[str, ...] = ()
+        self.input_names: tuple[str | None, ...] = ()
+        self.output_names: tuple[str, ...] = ()
+        self.source: dict[str, str] = {}
+        # leaf i of the module's flattened output: a saved name, or a value that needs no computation
+        self.output_leaves: tuple[tuple[str, Any], ...] = ()
+        self.out_spec: Any = None
+        self.input_types: tuple[tuple[tuple[int, ...], str], ...] = ()
+
+    def feeds(self, *inputs: Any) -> dict[str, Any]:
+        """Every graph input's value: the parameters, and ``inputs`` (torch tensors or arrays) by position."""
+        if len(inputs) != len(self.input_names):
+            raise GraphError(f"this graph was traced with {len(self.input_names)} inputs; got {len(inputs)}.")
+        out: dict[str, Any] = dict(self.parameters)
+        for name, value in zip(self.input_names, inputs):
+            if name is not None:
+                out[name] = torch_to_numpy(value) if _is_torch_tensor(value) else np.asarray(value)
+        return out
+
+
+# --- the translator -----------------------------------------------------------------------------------------
+
+class _Translator:
+    def __init__(self, ep: Any) -> None:
+        self.ep = ep
+        self.fx = ep.graph
+        self.g = TorchGraph()
+        self.env: dict[Any, Any] = {}
+        self.values: dict[str, np.ndarray] = {}
+        self.folded: list[str] = []
+        self.used: set[str] = set()
+        self.prefix = ""
+        self.current: Any = None
+        self._materialized: dict[tuple[int, str, str], Tensor] = {}
+        self._keep: list[_Const] = []
+        self.rewrites: dict[Any, tuple[str, dict[str, Any]]] = {}
+        self.symbolic: set[Any] = set()
+
+    # --- names ------------------------------------------------------------------
+    def unique(self, base: str) -> str:
+        base = _clean(base)
+        name, n = base, 1
+        while name in self.used:
+            name = f"{base}-{n}"
+            n += 1
+        self.used.add(name)
+        return name
+
+    def name(self, kind: str) -> str:
+        name = self.unique(f"{self.prefix}:{kind}" if self.prefix else kind)
+        if self.current is not None:
+            self.g.source[name] = _source(self.current)
+        return name
+
+    # --- constants as graph inputs ---------------------------------------------------
+    def materialize(self, c: _Const, dtype: str | None = None, transpose: bool = False) -> Tensor:
+        """The graph input holding constant ``c`` (cast to ``dtype``, transposed for a Linear weight)."""
+        value = c.value
+        want = dtype or _dtype_name(value.dtype)
+        if want is None:
+            raise _fail(f"a constant of dtype {value.dtype} ({c.name or c.origin}, shape {tuple(value.shape)}) "
+                        "would enter the graph; only float16/bfloat16/float32/float64/int32/int64 tensors can")
+        key = (id(c), want, "T" if transpose else "")
+        if key in self._materialized:
+            return self._materialized[key]
+        self._keep.append(c)
+        v = value.detach()
+        if transpose:
+            v = v.t()
+        if _dtype_name(v.dtype) != want:
+            v = v.to(_torch_dtype(want))
+        base = c.name if c.name is not None else c.origin
+        if base in self.used:  # the same constant in another layout or dtype
+            base = f"{base}.T" if transpose else f"{base}.{want}"
+        name = self.unique(base)
+        t = self.g.parameter(name, tuple(v.shape), want)
+        self.values[name] = torch_to_numpy(v)
+        if c.name is None:
+            self.folded.append(name)
+        self._materialized[key] = t
+        return t
+
+    def sym(self, v: Any, dtype: str | None = None) -> Tensor:
+        """``v`` as a graph tensor of ``dtype`` (constants become parameters)."""
+        if isinstance(v, _Const):
+            return self.materialize(v, dtype)
+        if isinstance(v, Tensor):
+            return self.cast(v, dtype) if dtype is not None else v
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            torch = _torch()
+            c = _Const(torch.tensor([v], dtype=_torch_dtype(dtype or "float32")), None, f"{self.prefix}.scalar")
+            return self.materialize(c, dtype)
+        raise _fail(f"expected a tensor operand; got {type(v).__name__} {v!r}")
+
+    # --- emitting, with the peepholes that keep layout chains short -----------------------------
+    def cast(self, x: Tensor, dtype: str | None) -> Tensor:
+        if dtype is None or x.dtype == dtype:
+            return x
+        op = x.node.op
+        if op is not None and op.kind == "unary" and getattr(op, "op", None) == "cast":
+            source = Tensor(self.g, x.node.inputs[0])
+            if source.dtype == dtype and (dtype, x.dtype) in _EXACT_WIDENINGS:  # a round trip through a wider type
+                return source
+        return self.g.cast(x, dtype, name=self.name("cast"))
+
+    def reshape(self, x: Tensor, shape: Sequence[int]) -> Tensor:
+        shape = tuple(int(s) for s in shape)
+        if x.shape == shape:
+            return x
+        if x.node.op is not None and x.node.op.kind == "reshape":
+            x = Tensor(self.g, x.node.inputs[0])
+            if x.shape == shape:
+                return x
+        return self.g.reshape(x, shape, name=self.name("reshape"))
+
+    def permute(self, x: Tensor, perm: Sequence[int]) -> Tensor:
+        perm = tuple(int(p) % x.rank for p in perm) if x.rank else tuple(perm)
+        if perm == tuple(range(x.rank)):
+            return x
+        op = x.node.op
+        if op is not None and op.kind == "permute":
+            inner: tuple[int, ...] = getattr(op, "perm")  # noqa: B009 - Operator has no perm; the kind check narrows
+            perm = tuple(inner[p] for p in perm)
+            x = Tensor(self.g, x.node.inputs[0])
+            if perm == tuple(range(x.rank)):
+                return x
+        return self.g.permute(x, perm, name=self.name("permute"))
+
+    def unary(self, x: Tensor, op: str, arg: float = 0.0) -> Tensor:
+        return self.g.unary(x, op, arg, name=self.name(op))
+
+    def binary(self, x: Tensor, y: Tensor, op: str) -> Tensor:
+        return self.g.binary(x, y, op, name=self.name(op))
+
+    def matmul(self, a: Tensor, b: Tensor) -> Tensor:
+        """torch.matmul on operands of rank >= 2, batch dimensions broadcast."""
+        if b.rank == 2 or a.shape[:-2] == b.shape[:-2]:
+            return self.g.matmul(a, b, name=self.name("matmul"))
+        ba, bb = a.shape[:-2], b.shape[:-2]
+        n = max(len(ba), len(bb))
+        batch = []
+        for d in range(n):
+            sizes = {s[d - n + len(s)] for s in (ba, bb) if d - n + len(s) >= 0} - {1}
+            if len(sizes) > 1:
+                raise _fail(f"matmul batch dimensions do not broadcast: {a.shape} @ {b.shape}")
+            batch.append(sizes.pop() if sizes else 1)
+        letters = [c for c in string.ascii_letters if c not in "ijk"][:n]
+        subs, ops = [], []
+        for t, bs in ((a, ba), (b, bb)):
+            off = n - len(bs)
+            keep = [d for d in range(len(bs)) if not (bs[d] == 1 and batch[off + d] != 1)]
+            if len(keep) != len(bs):
+                t = self.reshape(t, [bs[d] for d in keep] + list(t.shape[-2:]))
+            subs.append("".join(letters[off + d] for d in keep))
+            ops.append(t)
+        spec = f"{subs[0]}ij,{subs[1]}jk->{''.join(letters)}ik"
+        return self.g.einsum(spec, *ops, name=self.name("einsum"))
+
+    def slice(self, x: Tensor, axis: int, start: int, stop: int) -> Tensor:
+        if start == 0 and stop == x.shape[axis]:
+            return x
+        return self.g.slice(x, axis, start, stop, name=self.name("slice"))
+
+    def concat(self, xs: Sequence[Tensor], axis: int) -> Tensor:
+        xs = [x for x in xs if x.shape[axis] > 0]
+        if len(xs) == 1:
+            return xs[0]
+        return self.g.concat(xs, axis, name=self.name("concat"))
+
+    def repeat(self, x: Tensor, axis: int, times: int) -> Tensor:
+        """``times`` copies of x along ``axis`` (expand of a size-1 axis, tile)."""
+        return x if times == 1 else self.concat([x] * times, axis)
+
+    def const_ones(self, n: int, dtype: str, what: str) -> Tensor:
+        torch = _torch()
+        return self.materialize(_Const(torch.ones(n, dtype=_torch_dtype(dtype)), None, f"{self.prefix}.{what}"))
+
+    # --- the passes ----------------------------------------------------------------------------------
+    def run(self) -> TorchGraph:
+        self._find_symbolic()
+        self._find_patterns()
+        needed = self._needed()
+        specs = {s.arg.name: s for s in self.ep.graph_signature.input_specs}
+        user_inputs: list[str | None] = []
+        input_types: list[tuple[tuple[int, ...], str]] = []
+        for node in self.fx.nodes:
+            self.current = node
+            if node.op == "placeholder":
+                self._placeholder(node, specs[node.name], user_inputs, input_types)
+            elif node.op == "call_function":
+                if node in needed:
+                    self._call(node)
+            elif node.op == "get_attr":  # a subgraph or tensor held by the exported module
+                value = getattr(self.ep.graph_module, node.target)
+                self.env[node] = _Const(value, None, node.name) if _is_torch_tensor(value) else value
+            elif node.op == "output":
+                self._output(node)
+        self.current = None
+        self.g.input_names = tuple(user_inputs)
+        self.g.input_types = tuple(input_types)
+        return self.g
+
+    def _find_symbolic(self) -> None:
+        """Nodes whose value depends on a user input; every other node is folded with torch."""
+        from torch.export.graph_signature import InputKind
+
+        users = {s.arg.name for s in self.ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT}
+        for node in self.fx.nodes:
+            if node.op == "placeholder":
+                if node.name in users:
+                    self.symbolic.add(node)
+            elif node.op == "call_function" and _packet(node) in _SHAPE_ONLY:
+                continue  # reads only the shape and dtype of its tensor argument, which are static
+            elif any(i in self.symbolic for i in node.all_input_nodes):
+                self.symbolic.add(node)
+
+    def _find_patterns(self) -> None:
+        for node in self.fx.nodes:
+            if node.op != "call_function" or node not in self.symbolic:
+                continue
+            name = _op_name(node)
+            if name in ("aten.mul.Tensor", "aten.div.Tensor"):
+                m = _match_rmsnorm(node, self.symbolic)
+                if m is not None:
+                    self.rewrites[node] = ("rmsnorm", m)
+                    continue
+            if name == "aten.mul.Tensor":
+                m = _match_swiglu(node, self.symbolic) or _match_gelu_tanh(node, self.symbolic)
+                if m is not None:
+                    self.rewrites[node] = ("swiglu" if "b" in m else "gelu_tanh", m)
+            if name == "aten.add.Tensor":
+                m = _match_rope(node, self.symbolic)
+                if m is not None:
+                    self.rewrites[node] = ("rope", m)
+            if name == "aten.scaled_dot_product_attention.default":
+                m = _match_repeated_kv(node)
+                if m is not None:
+                    self.rewrites[node] = ("gqa", m)
+
+    def _needed(self) -> set[Any]:
+        """Nodes the outputs depend on, given the patterns (a recognized pattern needs only its inputs)."""
+        needed: set[Any] = set()
+        for node in reversed(list(self.fx.nodes)):
+            if node.op == "output":
+                needed.update(node.all_input_nodes)
+            elif node in needed and _packet(node) not in _SHAPE_ONLY:
+                if node in self.rewrites:
+                    needed.update(v for v in self.rewrites[node][1].values() if hasattr(v, "op"))
+                else:
+                    needed.update(node.all_input_nodes)
+        return needed
+
+    def _placeholder(self, node: Any, spec: Any, user_inputs: list[str | None],
+                     input_types: list[tuple[tuple[int, ...], str]]) -> None:
+        from torch.export.graph_signature import InputKind
+
+        val = node.meta.get("val")
+        if spec.kind == InputKind.USER_INPUT:
+            if not _is_torch_tensor(val):
+                raise GraphError(f"from_torch takes tensor inputs only; input {node.name!r} is {val!r}. Bind "
+                                 "non-tensor arguments in the module (e.g. functools.partial or a wrapper).")
+            dtype = _dtype_name(val.dtype)
+            if dtype is None:
+                raise GraphError(f"input {node.name!r} has dtype {val.dtype}; graph inputs are float16, bfloat16, "
+                                 "float32, float64, int32 or int64.")
+            self.env[node] = self.g.input(self.unique(node.name), tuple(val.shape), dtype)
+            user_inputs.append(self.env[node].name)
+            input_types.append((tuple(val.shape), dtype))
+            return
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            value = self.ep.state_dict.get(spec.target)
+            if value is None:
+                value = self.ep.constants[spec.target]
+            self.env[node] = _Const(value, spec.target, spec.target)
+            return
+        raise GraphError(f"from_torch cannot take the export input {node.name!r} of kind {spec.kind.name}; "
+                         "only tensors, parameters, buffers and tensor constants are supported.")
+
+    def _call(self, node: Any) -> None:
+        saved = self.prefix, self.current
+        path = _module_path(node)
+        self.prefix = f"{path}.{node.name}" if path else node.name
+        self.current = node
+        packet = _packet(node)
+        try:
+            if node not in self.symbolic:
+                self.env[node] = self._fold(node)
+                return
+            result = None
+            if node in self.rewrites:
+                kind, match = self.rewrites[node]
+                result = _PATTERNS[kind](self, node, match)  # None: the pattern declines; translate as written
+            if result is None:
+                rule = _RULES.get(packet) if packet is not None else None
+                if rule is None:
+                    raise _fail("no translation rule for this operation")
+                result = rule(self, node, self._bind(node) if packet != "getitem" else {})
+            self.env[node] = self._check(node, result)
+        except _Unsupported as e:
+            called = node.meta.get("torch_fn")
+            what = f"{_op_name(node)} (from `{called[1].rsplit('.', 1)[-1]}`)" if called else _op_name(node)
+            err = GraphError(
+                f"from_torch cannot translate {what} at {_source(node)}: {e}. "
+                f"Supported operations: {', '.join(SUPPORTED_OPS)}. Rewrite that line with supported operations, "
+                "or compute it outside the module and pass the result as an input."
+            )
+            err.located = True  # type: ignore[attr-defined]
+            raise err from None
+        except GraphError as e:
+            if getattr(e, "located", False):
+                raise
+            err = GraphError(f"while translating {_op_name(node)} at {_source(node)}: {e}")
+            err.located = True  # type: ignore[attr-defined]
+            raise err from e
+        finally:
+            self.prefix, self.current = saved
+
+    def _arg(self, v: Any) -> Any:
+        if hasattr(v, "op") and hasattr(v, "meta"):  # an fx.Node
+            if v not in self.env:  # skipped for a pattern that then declined: translate it now
+                self._call(v)
+            return self.env[v]
+        if isinstance(v, (list, tuple)):
+            return type(v)(self._arg(x) for x in v)
+        return v
+
+    def _bind(self, node: Any) -> dict[str, Any]:
+        """The node's arguments by schema name, defaults filled in, nodes replaced by their values."""
+        out: dict[str, Any] = {}
+        for i, arg in enumerate(node.target._schema.arguments):
+            if i < len(node.args) and not arg.kwarg_only:
+                v = node.args[i]
+            elif arg.name in node.kwargs:
+                v = node.kwargs[arg.name]
+            elif arg.has_default_value():
+                v = arg.default_value
+            else:
+                v = None
+            out[arg.name] = self._arg(v)
+        return out
+
+    def _fold(self, node: Any) -> Any:
+        """Run a node that depends on no user input with torch, once, at trace time."""
+        torch = _torch()
+        shape_only = _packet(node) in _SHAPE_ONLY
+
+        def unwrap(v: Any) -> Any:
+            if hasattr(v, "op") and hasattr(v, "meta"):  # an fx.Node
+                if shape_only and v in self.symbolic:  # only its static shape and dtype are read
+                    return torch.zeros(v.meta["val"].shape, dtype=v.meta["val"].dtype)
+                v = self._arg(v)
+            if isinstance(v, _Const):
+                return v.value
+            if isinstance(v, (list, tuple)):
+                return type(v)(unwrap(x) for x in v)
+            return v
+
+        args = unwrap(node.args)
+        kwargs = {k: unwrap(v) for k, v in node.kwargs.items()}
+        if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+            a = self._bind(node)
+            if not (a.get("train") is False or a.get("p") == 0 or a.get("dropout_p") == 0):
+                raise _fail("it draws random numbers, and a graph computes the same values on every call; "
+                            "call module.eval(), or pass random tensors as inputs")
+        if node.target is operator.getitem:
+            value = args[0][args[1]]
+        else:
+            try:
+                with torch.no_grad():
+                    value = node.target(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - reported with the node's source line
+                raise _fail(f"it depends on no input, and computing it once at trace time failed: "
+                            f"{type(e).__name__}: {e}") from e
+        return self._wrap(value, self.prefix)
+
+    def _wrap(self, value: Any, origin: str) -> Any:
+        if _is_torch_tensor(value):
+            return _Const(value, None, origin)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._wrap(v, f"{origin}.{k}") for k, v in enumerate(value))
+        return value
+
+    def _check(self, node: Any, result: Any) -> Any:
+        """Hold a translated value against the shape and dtype torch recorded for the node."""
+        val = node.meta.get("val")
+        if isinstance(result, Tensor):
+            if not _is_torch_tensor(val):
+                return result
+            if tuple(result.shape) != tuple(val.shape):
+                raise GraphError(f"the rule for {_op_name(node)} produced shape {result.shape}, but torch records "
+                                 f"{tuple(val.shape)}; this is a bug in from_torch, please report it.")
+            want = _dtype_name(val.dtype)
+            if want is None:
+                raise _fail(f"it produces a {val.dtype} tensor; tensors in a graph are float16, bfloat16, float32, "
+                            "float64, int32 or int64")
+            return self.cast(result, want)
+        if isinstance(result, (list, tuple)) and isinstance(val, (list, tuple)):
+            return type(result)(self._check_item(node, r, v) for r, v in zip(result, val))
+        return result
+
+    def _check_item(self, node: Any, r: Any, v: Any) -> Any:
+        if isinstance(r, Tensor) and tuple(r.shape) != tuple(v.shape):
+            raise GraphError(f"the rule for {_op_name(node)} produced shape {r.shape}, but torch records "
+                             f"{tuple(v.shape)}; this is a bug in from_torch, please report it.")
+        return r
+
+    def _output(self, node: Any) -> None:
+        from torch.export.graph_signature import OutputKind
+
+        specs = self.ep.graph_signature.output_specs
+        bad = [s for s in specs if s.kind != OutputKind.USER_OUTPUT]
+        if bad:
+            what = ", ".join(f"{s.kind.name.lower()} of {s.target!r}" for s in bad)
+            raise GraphError(f"from_torch translates pure functions; this module's forward has side effects "
+                             f"({what}). Move state updates (running statistics, counters, caches) out of forward, "
+                             "or call module.eval().")
+        values = node.args[0]
+        leaves: list[tuple[str, Any]] = []
+        names: list[str] = []
+        single = len(values) == 1
+        for k, v in enumerate(values):
+            value = self._arg(v)
+            if isinstance(value, Tensor):
+                name = "output" if single else f"output_{k}"
+                self.g.save(value, name=name)
+                names.append(name)
+                leaves.append(("saved", name))
+            elif isinstance(value, _Const):
+                leaves.append(("value", value.value))
+            else:
+                leaves.append(("value", value))
+        self.g.output_names = tuple(names)
+        self.g.output_leaves = tuple(leaves)
+
+
+SUPPORTED_OPS: tuple[str, ...] = tuple(sorted(n for n in _RULES if n not in ("getitem", "_assert_tensor_metadata")))
+
+
+# --- pruning ----------------------------------------------------------------------------------------------------
+
+def _prune(g: TorchGraph) -> TorchGraph:
+    """A copy of ``g`` without the nodes no saved output depends on (peepholes leave some behind)."""
+    live: set[int] = set(g.outputs.values())
+    for n in reversed(g.nodes):
+        if n.id in live:
+            live.update(n.inputs)
+    out = TorchGraph()
+    new: dict[int, Tensor] = {}
+    for n in g.nodes:
+        if n.id not in live:
+            continue
+        if n.op is None:
+            leaf = out.parameter if n.role == "parameter" else out.input
+            new[n.id] = leaf(n.name, n.type.shape, n.type.dtype, dims=n.type.names)
+        else:
+            # operators are immutable and typed by their inputs, which are unchanged: re-append as is
+            new[n.id] = out._op(n.op, [new[i] for i in n.inputs], n.name)
+    for name, i in g.outputs.items():
+        out.save(new[i], name=name)
+    kept = {n.name for n in out.nodes}
+    out.parameters = {k: v for k, v in g.parameters.items() if k in kept}
+    out.folded = tuple(k for k in g.folded if k in kept)
+    out.input_names = tuple(k if k in kept else None for k in g.input_names)
+    out.input_types = g.input_types
+    out.output_names = g.output_names
+    out.output_leaves = g.output_leaves
+    out.out_spec = g.out_spec
+    out.source = {k: v for k, v in g.source.items() if k in kept}
+    return out
+
+
+# --- entry point ---------------------------------------------------------------------------------------------------
+
+def from_torch(module: Any, example_inputs: Any) -> TorchGraph:
+    """Trace ``module`` on ``example_inputs`` (a tensor or a tuple of tensors) into an ``rt.Graph``.
+
+    The result is a :class:`TorchGraph`: parameters, buffers and trace-time constants
+    are graph inputs of role ``parameter`` whose values are in ``.parameters``;
+    user inputs are graph inputs named after the forward arguments; outputs are
+    saved as ``output`` (or ``output_0``, ``output_1``, ... for several).  Shapes
+    are static: the graph is for inputs of the example's shapes and dtypes.
+    """
+    torch = _torch()
+    if not isinstance(module, torch.nn.Module):
+        raise GraphError(f"from_torch takes a torch.nn.Module; got {type(module).__name__}.")
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    for k, x in enumerate(args):
+        if not isinstance(x, torch.Tensor):
+            raise GraphError(f"from_torch takes tensor example inputs; input {k} is {type(x).__name__}. Bind "
+                             "other arguments in the module (a small wrapper module, or functools.partial).")
+    with warnings.catch_warnings():  # torch.export's own deprecation chatter, not the user's
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            ep = torch.export.export(module, args, strict=False)
+            ep = ep.run_decompositions({})  # functionalize (in-place ops become pure) without decomposing
+        except Exception as e:  # noqa: BLE001 - any tracing failure is reported the same way
+            raise GraphError(f"torch.export could not trace {type(module).__name__}: {type(e).__name__}: "
+                             f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}. from_torch needs a forward "
+                             "without data-dependent control flow; see the torch.export documentation.") from e
+    tr = _Translator(ep)
+    g = tr.run()
+    if not g.outputs:
+        raise GraphError(f"{type(module).__name__} returns nothing that depends on its inputs; there is no graph "
+                         "to build.")
+    g.parameters = tr.values
+    g.folded = tuple(tr.folded)
+    g.out_spec = ep.call_spec.out_spec
+    return _prune(g)
