@@ -470,21 +470,21 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
     The options are those of :class:`~relational_tensors.options.CompileOptions`, validated once here;
     ``catalog`` is a path to persist the catalog (default: in memory).
     """
-    if not isinstance(graph, Graph):
-        raise GraphError(f"compileGraph takes an rt.Graph; got {type(graph).__name__}.")
-    options = CompileOptions(selector=selector, seed=seed, cost_model=cost_model,
-                             memory_per_device=memory_per_device, tactic=tactic, label=label,
-                             schedule_mode=schedule_mode, topology=topology, search_budget_s=search_budget_s,
-                             calibration=calibration, attention=attention)
-    if not graph.operators:
-        raise PlanError("the graph has no operators to plan; add some and save an output.")
-    cat = catalog if isinstance(catalog, Catalog) else Catalog(catalog)
-    state = _State(graph, options, cat, device)
-    # the passes build large graphs of small objects with no cycles to reclaim: the cyclic collector
-    # would only rescan them (a third of a 32-layer compile), so it waits until planning is done
+    # planning builds large graphs of small objects with no cycles to reclaim: the cyclic collector would
+    # only rescan them (a third of a 32-layer compile), so it waits until the compilation is done
     collecting = gc.isenabled()
     gc.disable()
     try:
+        if not isinstance(graph, Graph):
+            raise GraphError(f"compileGraph takes an rt.Graph; got {type(graph).__name__}.")
+        options = CompileOptions(selector=selector, seed=seed, cost_model=cost_model,
+                                 memory_per_device=memory_per_device, tactic=tactic, label=label,
+                                 schedule_mode=schedule_mode, topology=topology, search_budget_s=search_budget_s,
+                                 calibration=calibration, attention=attention)
+        if not graph.operators:
+            raise PlanError("the graph has no operators to plan; add some and save an output.")
+        cat = catalog if isinstance(catalog, Catalog) else Catalog(catalog)
+        state = _State(graph, options, cat, device)
         for name, run, _reason in PASSES:
             t0 = time.perf_counter()
             run(state)

@@ -92,7 +92,8 @@ def fuse_views(dag: TaskDAG) -> TaskDAG:
             continue
         t = replaced.get(t.id, t)
         n = len(fused.tasks)
-        fused.tasks.append(t if t.id == n else dataclasses.replace(t, id=n))
+        fused.tasks.append(t if t.id == n else Task(n, t.kind, t.device, t.inputs, t.outputs, t.op, t.src_device,
+                                                     t.payload, t.label))
     return fused
 
 
