@@ -489,12 +489,12 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
             t0 = time.perf_counter()
             run(state)
             state.timings[name] = time.perf_counter() - t0
+        assert state.plan is not None
+        cat.update_compilation(state.cid, plan_cost=state.plan.cost, planning_seconds=sum(state.timings.values()))
+        return CompiledGraph(state)
     finally:
         if collecting:
             gc.enable()
-    assert state.plan is not None
-    cat.update_compilation(state.cid, plan_cost=state.plan.cost, planning_seconds=sum(state.timings.values()))
-    return CompiledGraph(state)
 
 
 def compile(graph: Graph, devices: object = None, **options: Any) -> CompiledGraph:
