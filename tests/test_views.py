@@ -1,4 +1,4 @@
-"""Atoms and delivered pieces as views (``exchange.views``): fewer tasks and passes, the same result,
+"""Atoms and delivered pieces as views (``physical.views``): fewer tasks and passes, the same result,
 and a liveness the executors reproduce."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ device's one queue, in emission order, for ``launch latency + max(FLOPs /
 (peak·efficiency), bytes / (HBM bandwidth·efficiency))`` -- a roofline with
 per-kind efficiencies that a calibration file can override.  Every copy is a
 flow over the topology's route for that pair of devices, sharing links with
-the copies in flight (the exchange simulator's flow engine).  A task starts
+the copies in flight (the flow engine of ``target.flows``).  A task starts
 when its inputs exist; the prediction is the time the last task ends.
 """
 

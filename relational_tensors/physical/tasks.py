@@ -10,7 +10,7 @@ topological order and the order each device runs its tasks in.
 A buffer may be a *view*: a sub-box of another buffer on the same device
 (``parent``), sharing its memory with the parent's strides.  Views let a copy
 read an atom straight out of the producer's block and write it straight into
-the block its reader assembles (``exchange.views``); they take no memory of
+the block its reader assembles (``physical.views``); they take no memory of
 their own, and keep their root buffer alive.
 """
 

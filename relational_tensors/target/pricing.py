@@ -87,7 +87,7 @@ def exchange_seconds(blocks: tuple[Box, ...], reads: tuple[Box, ...], dtype: str
     with its block.  The time is the busiest device's ingress or egress at ``bandwidth`` (plus one
     ``latency``), then the slowest reader's ⊕ of its cells' copies and assembly of its block, each
     compute step timed as a kernel of ``kernels`` (the simulator's roofline).  Atoms are read in
-    place and copies and ⊕ write into the block being assembled (``exchange.views``), so slicing
+    place and copies and ⊕ write into the block being assembled (``physical.views``), so slicing
     and assembly cost a pass only for log-sum-exp partials.
 
     >>> from relational_tensors.target.kernel_model import KernelModel
