@@ -8,16 +8,21 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
-from relational_tensors.core.dtypes import numpy_dtype
+from relational_tensors.core.dtypes import itemsize, numpy_dtype
 from relational_tensors.core.spec import JoinAggSpec
 from relational_tensors.core.types import TensorType
 from relational_tensors.errors import ExecError
 from relational_tensors.frontend.graph import Graph
 from relational_tensors.sql_specs.base import Operator
 
-__all__ = ["reference", "execute_spec", "run_operator", "coerce_feed", "check_feed_names"]
+__all__ = ["reference", "execute_spec", "run_operator", "coerce_feed", "check_feed_names", "refuse_out_of_range",
+           "refuse_overflow", "STALE_OUTPUTS"]
+
+STALE_OUTPUTS = ("the saved outputs are stale: inputs were loaded after the last execute(), or it did not finish; "
+                 "run cg.execute() before offloading.")
 
 
 def coerce_feed(name: str, value: Any, t: TensorType) -> np.ndarray:
@@ -30,7 +35,42 @@ def coerce_feed(name: str, value: Any, t: TensorType) -> np.ndarray:
     known = a.dtype.kind in "iuf" or a.dtype == numpy_dtype("bfloat16")  # bfloat16 is a float, of kind "V"
     if (a.dtype.kind in "iu") != is_int or not known:
         raise ExecError(f"input {name!r} must be {t.dtype}; got an array of dtype {a.dtype}. Convert it first.")
-    return a.astype(want, copy=False)
+    if a.dtype == want:
+        return a
+    if is_int:
+        refuse_out_of_range(name, a, t.dtype)
+        return a.astype(want)
+    with np.errstate(over="ignore"):
+        out = a.astype(want)
+    refuse_overflow(name, a, out.astype(np.float32) if t.dtype == "bfloat16" else out, t.dtype)
+    return out
+
+
+def refuse_out_of_range(name: str, a: Any, dtype: str) -> None:
+    """Refuse integers that ``dtype`` cannot hold (they would wrap), naming one of them.  ``a`` is a
+    NumPy or CuPy integer array."""
+    have, want = np.iinfo(a.dtype), np.iinfo(numpy_dtype(dtype))
+    if a.size == 0 or (have.min >= want.min and have.max <= want.max):
+        return
+    lo, hi = int(a.min()), int(a.max())
+    if lo < want.min or hi > want.max:
+        bad = lo if lo < want.min else hi
+        raise ExecError(f"input {name!r} is {dtype}, which holds integers in [{want.min}, {want.max}]; got {bad}. "
+                        f"Feed values that fit, or declare the input with a wider dtype.")
+
+
+def refuse_overflow(name: str, a: Any, converted: Any, dtype: str, xp: Any = np) -> None:
+    """Refuse finite floats that became infinite in ``dtype`` (NaN and infinities pass as they are),
+    naming one of them.  ``a`` and ``converted`` are arrays of the array module ``xp`` (NumPy or CuPy;
+    a bfloat16 ``converted`` is given as float32 values)."""
+    if a.size == 0 or (a.dtype.itemsize <= itemsize(dtype) and dtype != "bfloat16"):
+        return
+    lost = xp.isfinite(a) & ~xp.isfinite(converted)
+    if bool(lost.any()):
+        bad = float(a[lost].ravel()[0])
+        largest = float(ml_dtypes.finfo(numpy_dtype(dtype)).max)
+        raise ExecError(f"input {name!r} is {dtype}, whose largest finite value is {largest:g}; got {bad:g}, which "
+                        "would become infinite. Scale the values, or declare the input with a wider dtype.")
 
 
 def check_feed_names(graph: Graph, feeds: Mapping[str, Any], needed: Iterable[str]) -> dict[str, Any]:

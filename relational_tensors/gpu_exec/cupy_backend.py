@@ -37,6 +37,7 @@ from relational_tensors.physical.tasks import (
     Task,
     TaskDAG,
 )
+from relational_tensors.reference import STALE_OUTPUTS, refuse_out_of_range, refuse_overflow
 from relational_tensors.sql_specs.base import Operator
 from relational_tensors.target.devices import DeviceSet
 
@@ -86,6 +87,7 @@ class CupyExecutor:
         self.loaded = False
         self.resident: set[str] = set()
         self.runs = 0
+        self.fresh = False  # the saved outputs belong to the loaded inputs (an execute finished after the last load)
         self.graph_exec: Any = None
         # a kernel task serves an operator node: its op and the node's operator are set
         self.capturable = not any(t.kind == "kernel"
@@ -216,7 +218,9 @@ class CupyExecutor:
         # inputs loaded before (weights) stay loaded: a later load may name only the ones that change
         names = check_feed_names(self.graph, feeds,
                                  [] if partial else [n for n in self.dag.inputs if n not in self.resident])
-        for name, blocks in self.dag.inputs.items():
+        # every feed is checked before any is copied: a load that fails changes nothing
+        checked: dict[str, tuple[Any, Any]] = {}
+        for name in self.dag.inputs:
             if name not in feeds:
                 continue
             t = names[name].type
@@ -227,6 +231,16 @@ class CupyExecutor:
                     raise ExecError(f"input {name!r} must have shape {t.shape}; got {tuple(on_device.shape)}.")
                 on_device = _device_coerce(cp, name, on_device, t.dtype, value)
                 self._check_ids(name, on_device)
+                checked[name] = (on_device, None)
+            else:
+                whole = coerce_feed(name, value, t)
+                self._check_ids(name, whole)
+                checked[name] = (None, whole)
+        self.fresh = False  # the saved outputs no longer belong to the loaded inputs
+        for name, (on_device, whole) in checked.items():
+            t = names[name].type
+            blocks = self.dag.inputs[name]
+            if on_device is not None:
                 for box, b in blocks:
                     view = self.views[b]
                     with cp.cuda.Device(view.device):
@@ -234,8 +248,6 @@ class CupyExecutor:
                         dst = view.cupy()
                         dst[...] = src
             else:
-                whole = coerce_feed(name, value, t)
-                self._check_ids(name, whole)
                 for box, b in blocks:
                     view = self.views[b]
                     host = np.ascontiguousarray(whole[box.slices()])
@@ -268,6 +280,8 @@ class CupyExecutor:
             raise ExecError(f"no saved output named {name!r}; saved: {sorted(self.dag.outputs)}.")
         if self.runs == 0:
             raise ExecError("execute the program before offloading results: cg.execute().")
+        if not self.fresh:
+            raise ExecError(STALE_OUTPUTS)
         self.synchronize()
         node = self.graph.nodes[self.graph.outputs[name]]
         t = node.type
@@ -312,13 +326,17 @@ class CupyExecutor:
         for s in self.streams:
             s.synchronize()
 
-    def execute(self) -> None:
-        """Run the DAG: eagerly the first time, captured into a CUDA graph the second, replayed after."""
+    def _check_loaded(self) -> None:
         if not self.loaded:
             raise ExecError("load the inputs first: cg.load({name: array, ...}).")
         if len(self.resident) < len(self.dag.inputs):  # inputs loaded one at a time, some still absent
             missing = [n for n in self.dag.inputs if n not in self.resident]
             raise ExecError(f"inputs {missing} have no value yet; load them before execute: cg.load(name, array).")
+
+    def execute(self) -> None:
+        """Run the DAG: eagerly the first time, captured into a CUDA graph the second, replayed after."""
+        self._check_loaded()
+        self.fresh = False  # until this run has been issued whole
         # the memory plan orders tasks within one run; a run starts only after every stream has
         # finished the previous run (and any offload copies issued on them)
         if self.graph_exec is not None:
@@ -336,6 +354,7 @@ class CupyExecutor:
             self._barrier(into=range(len(self.streams)))
             self._issue_all()
         self.runs += 1
+        self.fresh = True
 
     def _barrier(self, into: Any) -> None:
         """Make the streams ``into`` wait for everything issued so far on every other stream."""
@@ -358,8 +377,8 @@ class CupyExecutor:
         """Run the DAG once eagerly with a CUDA event around every task: (task, start ms, end ms)
         measured from a common start on the first device."""
         cp = self.cp
-        if not self.loaded:
-            raise ExecError("load the inputs first: cg.load({name: array, ...}).")
+        self._check_loaded()
+        self.fresh = False
         self.synchronize()
         t0 = cp.cuda.Event()
         t0.record(self.streams[0])
@@ -369,6 +388,7 @@ class CupyExecutor:
         self._issue_all(marks)
         self.synchronize()
         self.runs += 1
+        self.fresh = True
         return [(tid, cp.cuda.get_elapsed_time(t0, a), cp.cuda.get_elapsed_time(t0, b))
                 for tid, (a, b) in marks.items()]
 
@@ -539,11 +559,20 @@ def _device_coerce(cp: Any, name: str, arr: Any, dtype: str, original: Any) -> A
     if (kind in "iu") != want_int or kind not in "iuf":
         raise ExecError(f"input {name!r} must be {dtype}; got an array of dtype "
                         f"{getattr(original, 'dtype', arr.dtype)}. Convert it first.")
+    if want_int:
+        refuse_out_of_range(name, arr, dtype)
     if dtype == "bfloat16":
-        return arr.view(cp.uint16) if was_bf16 else float32_to_bf16_bits(arr.astype(cp.float32), cp)
+        if was_bf16:
+            return arr.view(cp.uint16)
+        wide = arr.astype(cp.float32)
+        refuse_overflow(name, arr, wide, dtype, cp)
+        return float32_to_bf16_bits(wide, cp)
     if was_bf16:
         return bf16_bits_to_float32(arr.view(cp.uint16), cp).astype(numpy_dtype(dtype))
-    return arr.astype(numpy_dtype(dtype), copy=False)
+    out = arr.astype(numpy_dtype(dtype), copy=False)
+    if not want_int:
+        refuse_overflow(name, arr, out, dtype, cp)
+    return out
 
 
 def _as_device_array(cp: Any, value: Any) -> Any:

@@ -20,7 +20,7 @@ from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.errors import ExecError
 from relational_tensors.frontend.graph import Graph
 from relational_tensors.physical.tasks import AggregatePayload, DecomposePayload, Liveness, RecomposePayload, TaskDAG
-from relational_tensors.reference import check_feed_names, coerce_feed
+from relational_tensors.reference import STALE_OUTPUTS, check_feed_names, coerce_feed
 
 __all__ = ["NumpyExecutor"]
 
@@ -79,13 +79,13 @@ class NumpyExecutor:
         # inputs loaded before (weights) stay loaded: a later load may name only the ones that change
         names = check_feed_names(self.graph, feeds,
                                  [] if partial else [n for n in self.dag.inputs if n not in self.resident])
-        for name, blocks in self.dag.inputs.items():
-            if name not in feeds:
-                continue
-            whole = coerce_feed(name, feeds[name], names[name].type)
-            for box, buf in blocks:
+        # every feed is checked before any is placed: a load that fails changes nothing
+        wholes = {name: coerce_feed(name, feeds[name], names[name].type) for name in self.dag.inputs if name in feeds}
+        self.executed = False  # the saved outputs no longer belong to the loaded inputs
+        for name, whole in wholes.items():
+            for box, buf in self.dag.inputs[name]:
                 self._put(buf, np.array(whole[box.slices()], copy=True))
-        self.resident.update(n for n in self.dag.inputs if n in feeds)
+        self.resident.update(wholes)
         self.loaded = True
 
     def execute(self) -> None:
@@ -94,6 +94,20 @@ class NumpyExecutor:
         if len(self.resident) < len(self.dag.inputs):  # inputs loaded one at a time, some still absent
             missing = [n for n in self.dag.inputs if n not in self.resident]
             raise ExecError(f"inputs {missing} have no value yet; load them before execute: cg.load(name, array).")
+        self.executed = False
+        try:
+            self._execute()
+        except BaseException:
+            # a run that stops part-way (an error, Ctrl-C) leaves only the loaded inputs behind: the
+            # next execute() starts clean, and offload() refuses until one finishes
+            loaded = {b for blocks in self.dag.inputs.values() for _, b in blocks}
+            for pool in self.pools:
+                for b in [b for b in pool if b not in loaded]:
+                    del pool[b]
+            raise
+        self.executed = True
+
+    def _execute(self) -> None:
         dag = self.dag
         live = [sum(_nbytes(v) for v in pool.values()) for pool in self.pools]
         self.peak = list(live)
@@ -111,7 +125,6 @@ class NumpyExecutor:
                 value = self.pools[d].pop(b, None)
                 if value is not None:
                     live[d] -= _nbytes(value)
-        self.executed = True
 
     def _run(self, task: Any, ins: list[Any]) -> list[Any]:
         kind = task.kind
@@ -153,7 +166,9 @@ class NumpyExecutor:
         if name not in self.dag.outputs:
             raise ExecError(f"no saved output named {name!r}; saved: {sorted(self.dag.outputs)}.")
         if not self.executed:
-            raise ExecError("execute the program before offloading results: cg.execute().")
+            if not self.loaded:
+                raise ExecError("execute the program before offloading results: cg.execute().")
+            raise ExecError(STALE_OUTPUTS)
         node = self.graph.nodes[self.graph.outputs[name]]
         out = np.empty(node.type.shape, dtype=numpy_dtype(node.type.dtype))
         for box, buf in self.dag.outputs[name]:
