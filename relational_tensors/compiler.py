@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -355,6 +355,9 @@ class CompiledGraph:
         array, ...})``, or ``load(x, array)`` for one input given by handle or name.  A dict's first load
         needs every input; later ones may name only those that change (weights stay loaded); inputs
         loaded one at a time must all be there by ``execute()``."""
+        if not isinstance(feeds, (Tensor, str, Mapping)):
+            raise ExecError(f"load takes a dict of input name -> array, or one tensor (or its name) and one array; "
+                            f"got {type(feeds).__name__}.")
         if isinstance(feeds, (Tensor, str)):  # one input: the others may follow before execute
             self.executor.load({self._name(feeds, "load's input"): array}, partial=True)
             return
@@ -416,7 +419,10 @@ class CompiledGraph:
         if measured is None:
             measured = self.devices.kind == "cuda" and self._executor is not None and self._executor.loaded
         result = self.profile() if measured else self.simulation(topology, calibration)
-        return str(write_trace(result, path))
+        try:
+            return str(write_trace(result, path))
+        except OSError as e:
+            raise ExecError(f"cannot write the trace to {str(path)!r}: {e.strerror or e}. Give a writable path.") from e
 
     def profile(self) -> PlanSimResult:
         """Run once on the GPUs with a CUDA event around every task; the measured timeline."""
@@ -483,6 +489,9 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
                                  calibration=calibration, attention=attention)
         if not graph.operators:
             raise PlanError("the graph has no operators to plan; add some and save an output.")
+        if not graph.outputs:
+            raise PlanError("the graph saves no output, so a run would return nothing; save the tensors you want "
+                            "back with g.save(t, name=...).")
         cat = catalog if isinstance(catalog, Catalog) else Catalog(catalog)
         state = _State(graph, options, cat, device)
         for name, run, _reason in PASSES:

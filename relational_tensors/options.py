@@ -12,6 +12,7 @@ against it and the command line builds its ``choices`` from it.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ __all__ = ["CompileOptions", "SCHEDULE_MODES", "ATTENTION_KERNELS"]
 
 SCHEDULE_MODES = ("naive", "search", "ai")  # "ai" is the paper's name for "search"
 ATTENTION_KERNELS = ("triton", "flash")
+MAX_MEMORY = 1 << 62  # bytes: what the catalog's BIGINT columns (and any device) can hold
 
 
 def _choice(default: str, choices: tuple[str, ...], what: str) -> Any:
@@ -62,9 +64,19 @@ class CompileOptions:
             value = getattr(self, f.name)
             if choices is not None and value not in choices:
                 raise PlanError(f"unknown {f.metadata['what']} {value!r}; choose one of {choices}.")
+        seed = self.seed
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**31:
+            raise PlanError(f"seed must be an integer in [0, 2**31); got {seed!r}.")
         m = self.memory_per_device
-        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m <= 0):
-            raise PlanError(f"memory_per_device must be a positive number of bytes; got {m!r}.")
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or not 0 < m <= MAX_MEMORY):
+            raise PlanError(f"memory_per_device must be a positive number of bytes, at most 2**62; got {m!r}.")
+        if self.label is not None and not isinstance(self.label, str):
+            raise PlanError(f"label must be a string or None; got {self.label!r}.")
+        if self.calibration is not None and not isinstance(self.calibration, (str, os.PathLike)):
+            raise PlanError(f"calibration must be the path of a calibration file or None; got {self.calibration!r}.")
+        if not isinstance(self.topology, (str, Topology)):
+            raise PlanError(f"topology must be a topology name, the path of a topology JSON file or a Topology; "
+                            f"got {self.topology!r}.")
         b = self.search_budget_s
         if not isinstance(b, (int, float)) or isinstance(b, bool) or not math.isfinite(b) or b <= 0:
             raise PlanError(f"search_budget_s must be a positive number of seconds; got {b!r}.")

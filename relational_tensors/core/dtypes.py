@@ -34,7 +34,9 @@ def canonical_dtype(dtype: object) -> str:
     >>> canonical_dtype("bf16"), canonical_dtype(np.float32)
     ('bfloat16', 'float32')
     """
-    if isinstance(dtype, str):
+    if dtype is None:  # NumPy would read None as float64
+        pass
+    elif isinstance(dtype, str):
         name = _ALIASES.get(dtype, dtype)
         if name in DTYPES:
             return name

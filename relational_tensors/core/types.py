@@ -8,13 +8,17 @@ sub-tensor always knows where it sits inside the whole.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from relational_tensors.core.dtypes import canonical_dtype, itemsize
 from relational_tensors.errors import GraphError, SpecError
 
-__all__ = ["Interval", "Box", "TensorType", "tensorDesc"]
+__all__ = ["Interval", "Box", "TensorType", "tensorDesc", "MAX_TENSOR_BYTES"]
+
+# the largest tensor a graph may declare: its byte count (and every count derived from it) fits an int64
+MAX_TENSOR_BYTES = 1 << 62
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -133,17 +137,28 @@ class TensorType:
 
     @staticmethod
     def zero(shape: Sequence[int], dtype: object = "float32", names: Sequence[str] | None = None) -> TensorType:
-        shape = tuple(shape)
-        for s in shape:
-            if not isinstance(s, int) or isinstance(s, bool) or s <= 0:
-                raise GraphError(
-                    f"tensor dimensions must be positive integers; got shape {shape}. "
-                    "Give every dimension a size of at least 1."
-                )
-        names = tuple(names) if names is not None else tuple(f"d{i}" for i in range(len(shape)))
-        if len(names) != len(shape):
-            raise GraphError(f"give one name per dimension; got shape {shape} and names {names}.")
-        return TensorType((0,) * len(shape), shape, canonical_dtype(dtype), names)
+        if isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable):
+            raise GraphError(f"a tensor shape is a sequence of positive integers; got {shape!r}.")
+        given = tuple(shape)
+        try:
+            sizes = tuple(operator.index(s) for s in given if not isinstance(s, bool))
+        except TypeError:
+            sizes = ()
+        if len(sizes) != len(given) or any(s <= 0 for s in sizes):
+            raise GraphError(
+                f"tensor dimensions must be positive integers; got shape {given}. "
+                "Give every dimension a size of at least 1."
+            )
+        names = tuple(names) if names is not None else tuple(f"d{i}" for i in range(len(sizes)))
+        if len(names) != len(sizes):
+            raise GraphError(f"give one name per dimension; got shape {sizes} and names {names}.")
+        if not all(isinstance(n, str) and n for n in names):
+            raise GraphError(f"dimension names must be non-empty strings; got {names}.")
+        t = TensorType((0,) * len(sizes), sizes, canonical_dtype(dtype), names)
+        if t.nbytes > MAX_TENSOR_BYTES:
+            raise GraphError(f"a tensor may hold at most 2**62 bytes ({MAX_TENSOR_BYTES:,}); got shape {sizes} of "
+                             f"{t.dtype}, {t.nbytes:,} bytes. Use smaller dimensions.")
+        return t
 
     @property
     def rank(self) -> int:

@@ -10,8 +10,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from relational_tensors.core.types import TensorType
 from relational_tensors.errors import GraphError
@@ -120,12 +121,12 @@ class Graph:
     def input(self, name: str, shape: Sequence[int], dtype: object = "float32",
               dims: Sequence[str] | None = None) -> Tensor:
         """A graph input (activations, ids) named ``name``."""
-        return self._leaf(name, TensorType.zero(tuple(shape), dtype, dims), "input")
+        return self._leaf(name, TensorType.zero(shape, dtype, dims), "input")
 
     def parameter(self, name: str, shape: Sequence[int], dtype: object = "float32",
                   dims: Sequence[str] | None = None) -> Tensor:
         """A graph input that holds weights; planned like an input, labelled as a parameter."""
-        return self._leaf(name, TensorType.zero(tuple(shape), dtype, dims), "parameter")
+        return self._leaf(name, TensorType.zero(shape, dtype, dims), "parameter")
 
     def insertTensor(self, desc: TensorType, name: str | None = None) -> Tensor:
         """The paper's spelling of ``input``: ``g.insertTensor(rt.tensorDesc(shape, dtype))``."""
@@ -223,7 +224,7 @@ class Graph:
     def rope(self, x: Tensor, base: float = 10000.0, seq_ends: Sequence[int] | None = None,
              name: str | None = None) -> Tensor:
         """Rotary embedding of x[batch, seq, heads, d_head] (rotate-half convention)."""
-        ends = tuple(seq_ends) if seq_ends is not None else None
+        ends = _ends(seq_ends)
         return self._op(RopeOp((self._t(x),), float(base), ends), (x,), name)
 
     # --- layout ---------------------------------------------------------------
@@ -271,7 +272,7 @@ class Graph:
                   seq_ends: Sequence[int] | None = None, scale: float | None = None,
                   name: str | None = None) -> Tensor:
         """Attention over q[b, s, hq, d], k/v[b, s_kv, hkv, d] (GQA, causal, packed sequences)."""
-        ends = tuple(seq_ends) if seq_ends is not None else None
+        ends = _ends(seq_ends)
         op = AttentionOp((self._t(q), self._t(k), self._t(v)), bool(causal), ends,
                          None if scale is None else float(scale))
         return self._op(op, (q, k, v), name)
@@ -354,3 +355,9 @@ def createGraph() -> Graph:
     """The paper's spelling of ``Graph()``."""
     return Graph()
 
+
+def _ends(seq_ends: object) -> Any:
+    """``seq_ends`` as a tuple when it is a sequence (the operator checks it; anything else it refuses)."""
+    if isinstance(seq_ends, Iterable) and not isinstance(seq_ends, (str, bytes)):
+        return tuple(seq_ends)
+    return seq_ends

@@ -42,7 +42,8 @@ class NumpyExecutor:
         self.frees = live.frees_after()
         self.loaded = False
         self.resident: set[str] = set()
-        self.executed = False
+        self.executed = False  # the saved outputs belong to the loaded inputs (an execute finished after the last load)
+        self.runs = 0  # executions that finished
         self.peak = [0] * dag.p
 
     def _put(self, buf: int, value: Any) -> int:
@@ -106,6 +107,7 @@ class NumpyExecutor:
                     del pool[b]
             raise
         self.executed = True
+        self.runs += 1
 
     def _execute(self) -> None:
         dag = self.dag
@@ -166,7 +168,7 @@ class NumpyExecutor:
         if name not in self.dag.outputs:
             raise ExecError(f"no saved output named {name!r}; saved: {sorted(self.dag.outputs)}.")
         if not self.executed:
-            if not self.loaded:
+            if not self.runs:
                 raise ExecError("execute the program before offloading results: cg.execute().")
             raise ExecError(STALE_OUTPUTS)
         node = self.graph.nodes[self.graph.outputs[name]]

@@ -29,7 +29,7 @@ from relational_tensors.core.spec import ANY, FunctionSpec, ShardableIndex
 from relational_tensors.core.types import Box, Interval, TensorType
 from relational_tensors.errors import GraphError
 from relational_tensors.sql_specs.base import Choice, Operator, register
-from relational_tensors.sql_specs.common import same_dtype
+from relational_tensors.sql_specs.common import finite_number, same_dtype
 from relational_tensors.sql_specs.packing import check_seq_ends, sequence_bounds
 
 __all__ = ["AttentionOp"]
@@ -84,8 +84,8 @@ class AttentionOp(Operator):
         if dtype not in FLOAT_DTYPES:
             raise GraphError(f"attention needs floating tensors; got dtype {dtype}.")
         check_seq_ends(self.kind, self.seq_ends, q.shape[1])
-        if self.scale is not None and not math.isfinite(self.scale):
-            raise GraphError(f"attention scale must be a finite number; got {self.scale!r}.")
+        if self.scale is not None:
+            finite_number("attention scale", self.scale)
         return TensorType.zero((*q.shape[:3], v.shape[3]), dtype, q.names)
 
     @property

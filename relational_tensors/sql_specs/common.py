@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 
 from relational_tensors.core.types import TensorType
 from relational_tensors.errors import GraphError
 
-__all__ = ["same_dtype", "names_or_default", "normalize_axis"]
+__all__ = ["same_dtype", "names_or_default", "normalize_axis", "finite_number"]
 
 
 def same_dtype(kind: str, types: Sequence[TensorType]) -> str:
@@ -30,3 +32,17 @@ def normalize_axis(kind: str, axis: int, t: TensorType) -> int:
     if not isinstance(axis, int) or not -t.rank <= axis < t.rank:
         raise GraphError(f"{kind} axis must lie in [-{t.rank}, {t.rank}); got axis={axis!r} for shape {t.shape}.")
     return axis % t.rank
+
+
+def finite_number(what: str, value: object, above: float | None = None, at_least: float | None = None) -> float:
+    """``value`` as a float, refused unless it is a real finite number (not a bool, a string or None),
+    greater than ``above`` and at least ``at_least`` where those are given.
+
+    >>> finite_number("rope base", 500, above=0)
+    500.0
+    """
+    x = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
+    if not math.isfinite(x) or (above is not None and not x > above) or (at_least is not None and not x >= at_least):
+        bound = f" > {above:g}" if above is not None else f" >= {at_least:g}" if at_least is not None else ""
+        raise GraphError(f"{what} must be a finite number{bound}; got {value!r}.")
+    return x

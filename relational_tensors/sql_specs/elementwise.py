@@ -17,7 +17,7 @@ from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import TensorType
 from relational_tensors.errors import GraphError
 from relational_tensors.sql_specs.base import IndexedOp, SameIndicesOp, register
-from relational_tensors.sql_specs.common import same_dtype
+from relational_tensors.sql_specs.common import finite_number, same_dtype
 
 __all__ = ["UnaryOp", "BinaryOp", "SwigluOp", "UNARY_FUNCTIONS", "BINARY_FUNCTIONS", "silu", "gelu"]
 
@@ -93,6 +93,7 @@ class UnaryOp(SameIndicesOp):
             raise GraphError(f"unary {self.op!r} needs a floating tensor; got dtype {x.dtype}. Cast it first.")
         if not isinstance(self.arg, (int, float)):
             raise GraphError(f"unary {self.op!r} takes a number as arg; got {self.arg!r}.")
+        finite_number(f"the arg of unary {self.op!r}", self.arg)
         return x
 
     def params(self) -> dict[str, object]:

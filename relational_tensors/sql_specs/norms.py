@@ -16,7 +16,7 @@ from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import Box, TensorType
 from relational_tensors.errors import GraphError
 from relational_tensors.sql_specs.base import IndexedOp, SameIndicesOp, register
-from relational_tensors.sql_specs.common import normalize_axis, same_dtype
+from relational_tensors.sql_specs.common import finite_number, normalize_axis, same_dtype
 
 __all__ = ["SoftmaxOp", "RmsnormOp", "LayernormOp"]
 
@@ -78,8 +78,7 @@ class _LastAxisNorm(IndexedOp):
                     f"{self.kind} weights must have shape [d] = ({x.shape[-1]},) for x of shape {x.shape}; "
                     f"got {w.shape}."
                 )
-        if not self.eps >= 0:
-            raise GraphError(f"{self.kind} eps must be a number >= 0; got {self.eps!r}.")
+        finite_number(f"{self.kind} eps", self.eps, at_least=0)
         return x
 
     def dims_in(self) -> tuple[tuple[str | None, ...], ...]:

@@ -59,6 +59,8 @@ class ReduceOp(IndexedOp):
         if x.dtype not in FLOAT_DTYPES:
             raise GraphError(f"{self.op} needs a floating tensor; got dtype {x.dtype}. Cast it first.")
         axes = self._axes()
+        if len(axes) != len(self.axes):  # numpy refuses a repeated axis too: -1 and rank-1 are one axis
+            raise GraphError(f"{self.op} takes each axis once; got axes={self.axes!r} for shape {x.shape}.")
         if self.keepdims:
             shape = tuple(1 if d in axes else s for d, s in enumerate(x.shape))
             return TensorType.zero(shape, x.dtype, x.names)
@@ -73,6 +75,8 @@ class ReduceOp(IndexedOp):
     def dims_out(self) -> tuple[str | None, ...]:
         x = self.input_types[0]
         axes = self._axes()
+        if len(axes) != len(self.axes):  # numpy refuses a repeated axis too: -1 and rank-1 are one axis
+            raise GraphError(f"{self.op} takes each axis once; got axes={self.axes!r} for shape {x.shape}.")
         if self.keepdims:
             return tuple(None if d in axes else n for d, n in enumerate(x.names))
         kept = tuple(n for d, n in enumerate(x.names) if d not in axes)

@@ -18,6 +18,7 @@ from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import Box, TensorType
 from relational_tensors.errors import GraphError
 from relational_tensors.sql_specs.base import SameIndicesOp, register
+from relational_tensors.sql_specs.common import finite_number
 from relational_tensors.sql_specs.packing import check_seq_ends, sequence_bounds
 
 __all__ = ["RopeOp", "rope_tables"]
@@ -52,8 +53,7 @@ class RopeOp(SameIndicesOp):
             raise GraphError(f"rope needs an even d_head to rotate its halves; got d_head={x.shape[3]} in {x.shape}.")
         if x.dtype not in FLOAT_DTYPES:
             raise GraphError(f"rope needs a floating tensor; got dtype {x.dtype}.")
-        if not self.base > 0:
-            raise GraphError(f"rope base must be positive; got {self.base!r}.")
+        finite_number("rope base", self.base, above=0)
         check_seq_ends(self.kind, self.seq_ends, x.shape[1])
         return x
 

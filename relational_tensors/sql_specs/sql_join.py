@@ -12,6 +12,7 @@ argument the per-tuple expression.  Every index splits anywhere.
 from __future__ import annotations
 
 import functools
+import math
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -215,7 +216,10 @@ def parse_join_query(query: str, columns: tuple[tuple[str, tuple[str, ...]], ...
         if isinstance(node, exp.Column):
             if resolve(node)[1] != "v":
                 raise _unsupported(f"value expression on a key column ({node.sql()})", query)
-        elif isinstance(node, (exp.Literal, exp.Paren, exp.Neg, *_BINOPS)):
+        elif isinstance(node, exp.Literal):
+            if node.is_string or not _finite_literal(node):
+                raise _unsupported(f"literal {node.sql()} (a value expression takes finite numbers only)", query)
+        elif isinstance(node, (exp.Paren, exp.Neg, *_BINOPS)):
             continue
         elif isinstance(node, exp.Func) and _func_name(node) in _FUNCS:
             continue
@@ -228,6 +232,13 @@ def parse_join_query(query: str, columns: tuple[tuple[str, tuple[str, ...]], ...
     for node in value.find_all(exp.Column):
         node.set("table", exp.to_identifier(resolve(node)[0]))
     return ParsedQuery(dims, tuple(out), tuple(out_names), agg, value, tuple(order))
+
+
+def _finite_literal(node: exp.Literal) -> bool:
+    try:
+        return math.isfinite(float(node.this))
+    except ValueError:
+        return False
 
 
 def _func_name(node: exp.Func) -> str:

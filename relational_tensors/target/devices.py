@@ -15,7 +15,11 @@ from dataclasses import dataclass
 
 from relational_tensors.errors import PlanError
 
-__all__ = ["DeviceSet", "parse_devices", "visible_gpus"]
+__all__ = ["DeviceSet", "parse_devices", "visible_gpus", "MAX_DEVICES"]
+
+# the most logical devices a plan may span: planning grows faster than p**2 (every operator's splits,
+# every exchange's all-to-all), and far beyond an NVLink domain it would not finish in useful time
+MAX_DEVICES = 1024
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,13 @@ def visible_gpus() -> int:
         return 0
 
 
+def _bounded(count: int, device: object) -> int:
+    if count > MAX_DEVICES:
+        raise PlanError(f"a plan spans at most {MAX_DEVICES} logical devices; got {count:,} from device={device!r}. "
+                        f"Plan for {MAX_DEVICES} or fewer.")
+    return count
+
+
 def parse_devices(device: object) -> DeviceSet:
     """Resolve ``device`` (see the module docstring).
 
@@ -62,7 +73,7 @@ def parse_devices(device: object) -> DeviceSet:
     if isinstance(device, int):
         if device < 1:
             raise PlanError(f"device count must be at least 1; got {device}. Use 1 or more.")
-        return DeviceSet("cuda", tuple(range(device)))
+        return DeviceSet("cuda", tuple(range(_bounded(device, device))))
     if isinstance(device, str):
         kind, _, rest = device.partition(":")
         if kind == "cpu":
@@ -72,18 +83,20 @@ def parse_devices(device: object) -> DeviceSet:
                 raise bad
             if int(rest) < 1:
                 raise PlanError(f"device count must be at least 1; got {device!r}. Use 'cpu:1' or more.")
-            return DeviceSet("cpu", tuple(range(int(rest))))
+            return DeviceSet("cpu", tuple(range(_bounded(int(rest), device))))
         if kind in ("cuda", "gpu"):
             if rest == "":
                 return parse_devices(None) if visible_gpus() else DeviceSet("cuda", (0,))
             parts = rest.split(",")
             if not all(x.strip().isdigit() for x in parts):
                 raise bad
+            _bounded(len(parts), device)
             return DeviceSet("cuda", tuple(int(x) for x in parts))
         raise bad
-    if isinstance(device, Sequence):
+    if isinstance(device, Sequence) and not isinstance(device, (bytes, bytearray)):
         ids = list(device)
         if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
             raise bad
+        _bounded(len(ids), device)
         return DeviceSet("cuda", tuple(ids))
     raise bad
