@@ -13,7 +13,7 @@ import gc
 import json
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ class _State:
     catalog: Catalog
     device: object
     target: Target | None = None
+    limits: dict[int, int] | None = None  # bytes each device may use (None: unknown, unchecked)
     cid: int = -1
     candidates: Candidates | None = None
     pieces: list[Piece] = field(default_factory=list)
@@ -60,16 +61,20 @@ class _State:
 def _pass_target(s: _State) -> None:
     o = s.options
     s.target = Target.resolve(s.device, o.topology, o.calibration)
+    s.limits = _device_memory(s)
     devices = s.target.devices
     s.cid = s.catalog.new_compilation(label=o.label or ",".join(s.graph.outputs), devices=devices.p,
                                       device=str(devices), selector=o.selector, seed=o.seed,
-                                      cost_model=o.cost_model, memory_per_device=o.memory_per_device)
+                                      cost_model=o.cost_model,
+                                      memory_per_device=min(s.limits.values()) if s.limits else None)
 
 
 def _pass_candidates(s: _State) -> None:
     assert s.target is not None
     model = get_cost_model(s.options.cost_model, s.target)
-    s.candidates = build_candidates(s.graph, s.target.p, model, s.options.memory_per_device)
+    s.candidates = build_candidates(s.graph, s.target.p, model, min(s.limits.values()) if s.limits else None,
+                                    "memory_per_device" if s.options.memory_per_device is not None
+                                    else s.target.memory_source())
 
 
 def _pass_pieces(s: _State) -> None:
@@ -182,11 +187,12 @@ def _pass_search(s: _State) -> None:
 
 
 def _device_memory(s: _State) -> dict[int, int] | None:
-    """Bytes each logical device may use: memory_per_device, else its GPU's share, else no limit (CPU)."""
+    """Bytes each logical device may use: memory_per_device, else what the target has (each GPU's
+    memory, an absent machine's from its topology, the host's available memory for CPU devices)."""
     assert s.target is not None
     if s.options.memory_per_device is not None:
         return {d: s.options.memory_per_device for d in range(s.target.p)}
-    return s.target.gpu_memory()
+    return s.target.memory()
 
 
 def _fits(live: Liveness, limits: dict[int, int] | None) -> bool:
@@ -201,14 +207,18 @@ def _pass_liveness(s: _State) -> None:
 def _pass_fit_memory(s: _State) -> None:
     """A DP plan whose peak exceeds a device's memory is re-chosen with a growing price on the graph-input
     bytes each spec keeps resident (a Lagrangian relaxation of the memory constraint), up to eight
-    times, each re-chosen plan lowered (and searched) as the passes before did; one that still does not
-    fit is refused."""
+    times, each re-chosen plan lowered (and searched) as the passes before did; if none fits, the plan
+    is refused with the peak of the best one found."""
     assert s.lowered is not None and s.plan is not None and s.live is not None
-    limits = _device_memory(s)
+    limits = s.limits
     if _fits(s.live, limits):
         return
     assert limits is not None
-    live = s.live
+
+    def excess(live: Liveness) -> int:
+        return max(live.peak[d] - limits[d] for d in live.peak)
+
+    best = s.live
     if s.options.selector == "dp":
         resident = sum(s.plan.candidate(o).resident_bytes for o in s.choice) or 1
         price = max(s.plan.cost, 1.0) / resident
@@ -221,12 +231,14 @@ def _pass_fit_memory(s: _State) -> None:
             if _fits(live, limits):
                 s.choice, s.plan, s.lowered, s.live = choice, plan, lowered, live
                 return
+            if excess(live) < excess(best):
+                best = live
             price *= 4
-    worst = max(live.peak, key=lambda d: live.peak[d] - limits[d])
-    need = live.peak[worst]
+    worst = max(best.peak, key=lambda d: best.peak[d] - limits[d])
     raise OutOfMemoryPlanError(
-        f"device {worst} needs {need:,} bytes at its peak under this plan ({live.resident[worst]:,} of them "
-        f"loaded inputs), but has {limits[worst]:,}. Use more devices or a larger memory_per_device."
+        f"device {worst} needs {best.peak[worst]:,} bytes at its peak under the best plan found "
+        f"({best.resident[worst]:,} of them loaded inputs), but has {limits[worst]:,}. Use more devices or a "
+        "larger memory_per_device."
     )
 
 
@@ -508,4 +520,8 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
 
 def compile(graph: Graph, devices: object = None, **options: Any) -> CompiledGraph:
     """``compileGraph`` with the Pythonic keyword ``devices``."""
+    known = {f.name for f in fields(CompileOptions)} | {"catalog"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise PlanError(f"unknown compile options {unknown}; the options are {sorted(known)}.")
     return compileGraph(graph, device=devices, **options)

@@ -34,19 +34,17 @@ def canonical_dtype(dtype: object) -> str:
     >>> canonical_dtype("bf16"), canonical_dtype(np.float32)
     ('bfloat16', 'float32')
     """
-    if dtype is None:  # NumPy would read None as float64
-        pass
-    elif isinstance(dtype, str):
+    if isinstance(dtype, str):
         name = _ALIASES.get(dtype, dtype)
         if name in DTYPES:
             return name
-    else:
+    elif isinstance(dtype, (np.dtype, type)):  # not None or a number, which NumPy reads as float64 or a code
         try:
-            npd = np.dtype(dtype)  # type: ignore[call-overload]
+            npd = np.dtype(dtype)
         except TypeError:
             npd = None
         for name, known in DTYPES.items():
-            if npd == known:
+            if npd is not None and npd == known:
                 return name
     raise GraphError(
         f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}. "

@@ -149,6 +149,8 @@ class TensorType:
                 f"tensor dimensions must be positive integers; got shape {given}. "
                 "Give every dimension a size of at least 1."
             )
+        if isinstance(names, str):
+            raise GraphError(f"dimension names are a sequence of strings, one per dimension; got {names!r}.")
         names = tuple(names) if names is not None else tuple(f"d{i}" for i in range(len(sizes)))
         if len(names) != len(sizes):
             raise GraphError(f"give one name per dimension; got shape {sizes} and names {names}.")
@@ -198,5 +200,4 @@ def tensorDesc(shape: Sequence[int], dtype: object = "float32", names: Sequence[
     >>> tensorDesc([8, 16], "float16").shape
     (8, 16)
     """
-    return TensorType.zero(tuple(int(s) if not isinstance(s, bool) and isinstance(s, int) else s for s in shape),
-                           dtype, names)
+    return TensorType.zero(shape, dtype, names)

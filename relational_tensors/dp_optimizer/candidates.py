@@ -167,8 +167,10 @@ class Candidates:
         return pa.table(rows, schema=schema)
 
 
-def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: int | None = None) -> Candidates:
-    """Enumerate, cost and filter the specs of every operator of ``graph`` for ``p`` devices."""
+def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: int | None = None,
+                     limit_name: str = "memory_per_device") -> Candidates:
+    """Enumerate, cost and filter the specs of every operator of ``graph`` for ``p`` devices; specs whose
+    working set exceeds ``memory_per_device`` bytes (the limit ``limit_name`` names) are not offered."""
     out = Candidates(p)
     saved_ids = set(graph.outputs.values())
     for node in graph.operators:
@@ -198,7 +200,7 @@ def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: 
                 raise OutOfMemoryPlanError(
                     f"operator {node.name!r} ({op.kind}) needs at least {lean.memory_bytes:,} bytes per device "
                     f"(its leanest spec, {lean.spec.split_text}, holds its input blocks and output block), but "
-                    f"memory_per_device is {memory_per_device:,} bytes. Use more devices or a larger memory limit."
+                    f"{limit_name} is {memory_per_device:,} bytes. Use more devices or a larger memory limit."
                 )
             for c in cands:
                 c.eligible = c.memory_bytes <= memory_per_device

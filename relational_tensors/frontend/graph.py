@@ -196,7 +196,12 @@ class Graph:
 
     # --- reductions and row-wise ops ------------------------------------------
     def _reduce(self, op: str, x: Tensor, axis: int | Sequence[int], keepdims: bool, name: str | None) -> Tensor:
-        axes = (axis,) if isinstance(axis, int) else tuple(axis)
+        if isinstance(axis, Iterable) and not isinstance(axis, (str, bytes)):
+            axes = tuple(axis)
+        elif isinstance(axis, int) and not isinstance(axis, bool):
+            axes = (axis,)
+        else:
+            raise GraphError(f"{op} takes an axis or a sequence of axes (integers); got axis={axis!r}.")
         return self._op(ReduceOp((self._t(x),), op, axes, keepdims), (x,), name)
 
     def sum(self, x: Tensor, axis: int | Sequence[int] = -1, keepdims: bool = False, name: str | None = None) -> Tensor:
@@ -225,7 +230,7 @@ class Graph:
              name: str | None = None) -> Tensor:
         """Rotary embedding of x[batch, seq, heads, d_head] (rotate-half convention)."""
         ends = _ends(seq_ends)
-        return self._op(RopeOp((self._t(x),), float(base), ends), (x,), name)
+        return self._op(RopeOp((self._t(x),), base, ends), (x,), name)
 
     # --- layout ---------------------------------------------------------------
     def reshape(self, x: Tensor, shape: Sequence[int], name: str | None = None,
@@ -274,7 +279,7 @@ class Graph:
         """Attention over q[b, s, hq, d], k/v[b, s_kv, hkv, d] (GQA, causal, packed sequences)."""
         ends = _ends(seq_ends)
         op = AttentionOp((self._t(q), self._t(k), self._t(v)), bool(causal), ends,
-                         None if scale is None else float(scale))
+                         scale)
         return self._op(op, (q, k, v), name)
 
     # --- inspection ---------------------------------------------------------------

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from relational_tensors.errors import PlanError
 
-__all__ = ["DeviceSet", "parse_devices", "visible_gpus", "MAX_DEVICES"]
+__all__ = ["DeviceSet", "parse_devices", "visible_gpus", "MAX_DEVICES", "host_available_memory", "gpu_total_memory"]
 
 # the most logical devices a plan may span: planning grows faster than p**2 (every operator's splits,
 # every exchange's all-to-all), and far beyond an NVLink domain it would not finish in useful time
@@ -47,6 +47,32 @@ def visible_gpus() -> int:
         return int(cupy.cuda.runtime.getDeviceCount())
     except Exception:
         return 0
+
+
+def host_available_memory() -> int | None:
+    """Bytes of host memory available to new work (Linux's MemAvailable), or None where it is unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def gpu_total_memory(gpu: int) -> int | None:
+    """Bytes of memory of CUDA GPU ``gpu``, or None without CuPy or that GPU."""
+    try:
+        import cupy  # type: ignore[import-not-found]
+
+        with cupy.cuda.Device(gpu):
+            return int(cupy.cuda.runtime.memGetInfo()[1])
+    except Exception:
+        return None
 
 
 def _bounded(count: int, device: object) -> int:

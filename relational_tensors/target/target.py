@@ -14,7 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from relational_tensors.target.devices import DeviceSet, parse_devices
+from relational_tensors.target.devices import (
+    DeviceSet,
+    gpu_total_memory,
+    host_available_memory,
+    parse_devices,
+    visible_gpus,
+)
 from relational_tensors.target.kernel_model import KernelModel
 from relational_tensors.target.topology import Topology, get_topology
 
@@ -47,11 +53,22 @@ class Target:
     def p(self) -> int:
         return self.devices.p
 
-    def gpu_memory(self) -> dict[int, int] | None:
-        """Bytes each logical device may use on GPUs: its GPU's memory shared among the logical devices
-        on it; None on CPU devices."""
-        if self.devices.kind != "cuda":
-            return None
+    def memory_source(self) -> str:
+        """What :meth:`memory` reads, in words (for messages)."""
+        if self.devices.kind == "cpu":
+            return "the host's available memory per virtual device"
+        if visible_gpus() > max(self.devices.physical):
+            return "each GPU's memory per logical device"
+        return f"the memory of a {self.topology.machine} GPU per logical device"
+
+    def memory(self) -> dict[int, int] | None:
+        """Bytes each logical device may use, shared evenly among the logical devices of one physical one:
+        on GPUs present here each GPU's own memory, on absent GPUs the topology's; on virtual CPU devices
+        the host's available memory; None where that is unknown."""
         phys = self.devices.physical
         sharing = {g: phys.count(g) for g in phys}
-        return {d: self.topology.memory_bytes // sharing[g] for d, g in enumerate(phys)}
+        if self.devices.kind == "cpu":
+            host = host_available_memory()
+            return None if host is None else {d: host // self.p for d in range(self.p)}
+        present = {g: gpu_total_memory(g) for g in sharing} if visible_gpus() > max(phys) else {}
+        return {d: (present.get(g) or self.topology.memory_bytes) // sharing[g] for d, g in enumerate(phys)}

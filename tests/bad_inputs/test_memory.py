@@ -1,0 +1,56 @@
+"""Memory: with no memory_per_device a plan is checked against the memory of the target it is for
+(each GPU's, an absent machine's from its topology, the host's available memory shared among virtual
+CPU devices), refused before it runs, and the limit used is recorded with the compilation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import relational_tensors as rt
+from relational_tensors.models import llama_block
+from relational_tensors.target import target as target_module
+
+
+def _wide(rows: int, cols: int) -> rt.Graph:
+    g = rt.Graph()
+    x = g.input("x", [rows, cols])
+    g.save(g.matmul(x, g.parameter("w", [cols, 8])), name="y")
+    return g
+
+
+def test_virtual_cpu_devices_share_the_hosts_available_memory(monkeypatch) -> None:
+    monkeypatch.setattr(target_module, "host_available_memory", lambda: 4 * 40_000)  # 40 kB per device of 4
+    with pytest.raises(rt.OutOfMemoryPlanError, match=r"needs at least [\d,]+ bytes .* the host's available memory "
+                                                      r"per virtual device is 40,000 bytes"):
+        rt.compileGraph(_wide(1000, 64), device="cpu:4")  # 256 kB of x alone: 64 kB a device
+    cg = rt.compileGraph(_wide(1000, 64), device="cpu:4", memory_per_device=10**6)  # a pinned limit wins
+    feeds = {"x": np.ones((1000, 64), np.float32), "w": np.ones((64, 8), np.float32)}
+    np.testing.assert_allclose(cg.run(feeds)["y"], np.full((1000, 8), 64.0))
+
+
+def test_the_limit_used_is_recorded_not_printed(monkeypatch) -> None:
+    monkeypatch.setattr(target_module, "host_available_memory", lambda: 3 * 10**9)
+    cg = rt.compileGraph(_wide(100, 16), device="cpu:3")
+    rows = cg.sql("SELECT memory_per_device FROM compilations").to_pylist()
+    assert rows[-1]["memory_per_device"] == 10**9
+    assert "1,000,000,000" not in cg.explain(file=open("/dev/null", "w"))
+
+
+def test_an_absent_machine_is_checked_against_its_topologys_memory() -> None:
+    big = _wide(4_000_000, 100_000)  # 1.6 TB of float32: 200 GB a device on 8
+    with pytest.raises(rt.OutOfMemoryPlanError, match=r"dgx-a100 GPU per logical device is 42,949,672,960 bytes"):
+        rt.compileGraph(big, device=8, topology="dgx-a100")
+    with pytest.raises(rt.OutOfMemoryPlanError, match=r"hgx-h200 GPU per logical device is 151,397,597,184 bytes"):
+        rt.compileGraph(big, device=8)
+
+
+def test_the_refusal_quotes_the_peak_of_the_best_plan_found() -> None:
+    g = llama_block(batch=1, seq=64, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96)
+    free = max(rt.compileGraph(g, device="cpu:4", memory_per_device=10**9).memory().values())
+    leaner = max(rt.compileGraph(g, device="cpu:4", memory_per_device=int(0.9 * free)).memory().values())
+    assert leaner < free  # the memory price found a leaner plan
+    with pytest.raises(rt.OutOfMemoryPlanError, match="under the best plan found") as refused:
+        rt.compileGraph(g, device="cpu:4", memory_per_device=leaner - 1)
+    quoted = int(str(refused.value).split(" needs ")[1].split(" bytes")[0].replace(",", ""))
+    assert quoted <= leaner
