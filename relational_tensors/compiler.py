@@ -415,7 +415,7 @@ class CompiledGraph:
         from relational_tensors.physical.simulate import simulate_plan
 
         target = self.target if topology is None and calibration is None else Target.on(
-            self.devices, topology or self.target.topology,
+            self.devices, self.target.topology if topology is None else topology,
             calibration or (self.options.calibration if topology is None else None))
         key = (target.topology, target.kernels.source)
         if key not in self._simulations:

@@ -12,6 +12,7 @@ when its inputs exist; the prediction is the time the last task ends.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +112,9 @@ def simulate_plan(dag: TaskDAG, graph: Graph, topology: Topology, model: KernelM
                 tid = queue[head[d]]
                 if tid not in started and waiting_on[tid] == 0:
                     dur = _compute_cost(dag, graph, dag.tasks[tid], model)
+                    if not 0.0 <= dur < math.inf:  # the kernel model's numbers are checked; this keeps it so
+                        raise PlanError(f"plan simulation priced task {dag.tasks[tid].label!r} at {dur} s; a task "
+                                        "takes a finite, non-negative time. Check the topology and calibration.")
                     started[tid] = now
                     free_at[d] = now + dur
                     heapq.heappush(heap, (now + dur, tid))

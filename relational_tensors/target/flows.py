@@ -12,6 +12,11 @@ completion times are exact.
 A flow may wait a start latency before it draws anything; a zero-byte flow
 completes when its latency is over.  Times are in seconds, sizes in bytes.
 
+Every capacity, size, latency and time the engine is given must be a finite
+number, and it refuses to loop without progress: an event step that neither
+moves the clock nor finishes a flow (a NaN rate, a flow that can never finish)
+raises :class:`ExchangeError` naming the flows, so that no caller can hang.
+
 The engine knows nothing about exchange programs: the ExProg simulator and the
 whole-plan simulator both drive it with the same five calls.
 
@@ -29,6 +34,7 @@ whole-plan simulator both drive it with the same five calls.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -40,6 +46,11 @@ __all__ = ["FlowNetwork"]
 _K = TypeVar("_K", bound=Hashable)  # what the caller keys its flows by
 
 _REL = 1e-12  # relative slack when comparing event times and residual capacities
+
+
+def _is_number(x: object) -> bool:
+    """A real number that is not a bool (the float test first: it is what the simulators pass)."""
+    return type(x) is float or (isinstance(x, numbers.Real) and not isinstance(x, bool))
 
 
 def _slack(t: float) -> float:
@@ -65,9 +76,12 @@ class FlowNetwork(Generic[_K]):
     """
 
     def __init__(self, capacities: Mapping[str, float], now: float = 0.0) -> None:
-        bad = {r: c for r, c in capacities.items() if not (c > 0)}
+        bad = {r: c for r, c in capacities.items() if not (_is_number(c) and 0 < c < math.inf)}
         if bad:
-            raise ExchangeError(f"every resource needs a positive capacity in bytes/s; got {bad}.")
+            raise ExchangeError(f"every resource needs a finite positive capacity in bytes/s; got {bad}. "
+                                "A link that never contends is left off the flows' resources.")
+        if not (_is_number(now) and math.isfinite(now)):
+            raise ExchangeError(f"the network's clock starts at a finite time; got now={now!r}.")
         self.capacities: dict[str, float] = dict(capacities)
         self.now = float(now)
         self._flows: dict[_K, _Flow] = {}
@@ -83,7 +97,7 @@ class FlowNetwork(Generic[_K]):
         """
         if key in self._flows:
             raise ExchangeError(f"a flow keyed {key!r} is already in the network; give each flow its own key.")
-        if abs(now - self.now) > _slack(self.now):  # the slack advance_to allows past its target
+        if not abs(now - self.now) <= _slack(self.now):  # the slack advance_to allows past its target; NaN too
             raise ExchangeError(
                 f"flows start at the network's clock; got now={now!r} while the clock is {self.now!r}. "
                 "Call advance_to(now) first and handle the flows it completes.")
@@ -91,9 +105,12 @@ class FlowNetwork(Generic[_K]):
         unknown = [r for r in res if r not in self.capacities]
         if unknown:
             raise ExchangeError(f"flow {key!r} uses unknown resources {unknown}; known: {sorted(self.capacities)}.")
-        if nbytes < 0 or latency < 0 or not (cap > 0):
-            raise ExchangeError(
-                f"flow {key!r} needs nbytes >= 0, latency >= 0 and cap > 0; got {nbytes!r}, {latency!r}, {cap!r}.")
+        for what, value in (("nbytes", nbytes), ("latency", latency)):
+            if not (_is_number(value) and 0 <= value < math.inf):  # NaN fails the comparisons
+                raise ExchangeError(f"flow {key!r} needs {what} to be a finite number >= 0; got {what}={value!r}.")
+        if not (_is_number(cap) and cap > 0):
+            raise ExchangeError(f"flow {key!r} needs cap to be a number of bytes/s > 0 (inf for no cap); "
+                                f"got cap={cap!r}.")
         self._flows[key] = _Flow(res, float(nbytes), float(cap), self.now + float(latency))
         self._allocate()
 
@@ -104,18 +121,25 @@ class FlowNetwork(Generic[_K]):
         probe = self._clone()
         while True:
             t = probe._next_event()
-            assert t is not None
+            if t is None:  # flows remain, and none of them will ever start or finish
+                raise probe._no_progress("no flow can ever finish")
             if probe._step(t):
                 return t
 
     def advance_to(self, t: float) -> list[_K]:
         """Move the clock to ``t``; the keys of the flows that finished by then, in finishing order."""
+        if not (_is_number(t) and math.isfinite(t)):
+            raise ExchangeError(f"the clock moves to a finite time only; got t={t!r} while it is at {self.now!r}.")
         if t < self.now - _slack(self.now):
             raise ExchangeError(f"the clock only moves forward; got t={t!r} while it is at {self.now!r}.")
         done: list[_K] = []
         while True:
             te = self._next_event()
-            if te is None or te > t + _slack(t):
+            if te is None:
+                if self._flows:
+                    raise self._no_progress("no flow can ever finish")
+                break
+            if te > t + _slack(t):
                 break
             done.extend(self._step(te))
         self._drain(max(t, self.now))
@@ -162,17 +186,33 @@ class FlowNetwork(Generic[_K]):
         if dt > 0:
             for f in self._flows.values():
                 if f.ready_at <= self.now and f.rate > 0:
-                    f.remaining = max(0.0, f.remaining - f.rate * dt)
+                    rest = f.remaining - f.rate * dt
+                    f.remaining = 0.0 if rest <= 0 else rest  # not max(0.0, rest): a NaN stays NaN, not done
             self.now = t
 
     def _step(self, t: float) -> list[_K]:
         """Advance to the event time ``t``: finish what ends there, then reallocate."""
+        before = self.now
         ending = [k for k, f in self._flows.items() if self._finish_time(f) <= t + _slack(t)]
         self._drain(max(t, self.now))
+        if not ending and self.now == before:  # an event that is no event (a NaN time): it would repeat forever
+            raise self._no_progress(f"the next event time is {t!r}")
         for k in ending:
             del self._flows[k]
         self._allocate()
         return ending
+
+    def _no_progress(self, why: str) -> ExchangeError:
+        """The error of a simulation that cannot move on, naming the flows that hold it up."""
+        stuck = {k: f for k, f in self._flows.items() if not math.isfinite(self._finish_time(f))
+                 or not (math.isfinite(f.remaining) and f.rate == f.rate)}
+        flows = stuck or self._flows
+        shown = ", ".join(f"{k!r} (rate {f.rate!r} B/s, {f.remaining!r} bytes left)" for k, f in
+                          list(flows.items())[:8]) + (f" and {len(flows) - 8} more" if len(flows) > 8 else "")
+        return ExchangeError(
+            f"the flow simulation made no progress at t={self.now!r}: {why}, so no flow finishes and the clock "
+            f"cannot move; flows involved: {shown}. A rate, size or time that is not a finite number reached "
+            "the flow engine: check the topology's capacities and latencies and the sizes of the transfers.")
 
     def _allocate(self) -> None:
         """Max-min fair rates by progressive filling over the flows that are drawing bandwidth."""

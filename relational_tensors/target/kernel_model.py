@@ -8,13 +8,14 @@ whole-plan simulator (``physical.simulate``).  A kind's *cost family* (``matmul`
 
 from __future__ import annotations
 
-import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relational_tensors.target.topology import Topology
+from relational_tensors.errors import ExchangeError
+from relational_tensors.target.topology import Topology, is_number, load_json, read_text, show
 
 __all__ = ["KernelModel", "DEFAULT_EFFICIENCY", "CALIBRATIONS", "COST_FAMILIES"]
 
@@ -41,20 +42,59 @@ class KernelModel:
     curves: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     source: str = "defaults"
 
+    def __post_init__(self) -> None:
+        # checked once here so that no kernel time is NaN or infinite: a NaN time loops the whole-plan
+        # simulator; families left out of ``efficiency`` keep their DEFAULT_EFFICIENCY
+        if not isinstance(self.topology, Topology):
+            raise ExchangeError(f"a kernel model prices kernels on a Topology; got {type(self.topology).__name__} "
+                                f"{show(self.topology)}.")
+        eff = _families("efficiency", self.efficiency, "fractions of peak")
+        checked = dict(DEFAULT_EFFICIENCY)
+        for k, v in eff.items():
+            if not is_number(v) or not 0 < v <= 1:
+                raise ExchangeError(f"efficiency[{k!r}] must be a fraction of peak in (0, 1]; got {show(v)}. "
+                                    "Give the achieved rate over the peak rate, e.g. 0.75.")
+            checked[k] = float(v)
+        object.__setattr__(self, "efficiency", checked)
+        curves: dict[str, tuple[tuple[float, float], ...]] = {}
+        for k, points in _families("curves", self.curves, "lists of [size, rate] points").items():
+            if isinstance(points, (str, bytes, Mapping)) or not hasattr(points, "__iter__"):
+                raise ExchangeError(f"curves[{k!r}] must be a list of [size, rate] points; got {show(points)}.")
+            pairs = []
+            for i, p in enumerate(points):
+                if (isinstance(p, (str, bytes)) or not hasattr(p, "__len__") or len(p) != 2
+                        or not all(is_number(x) and 0 < x < math.inf for x in p)):
+                    raise ExchangeError(
+                        f"curves[{k!r}][{i}] must be a [size, rate] pair of finite numbers > 0 (FLOPs or bytes "
+                        f"per call, and the FLOP/s or bytes/s achieved); got {show(p)}.")
+                pairs.append((float(p[0]), float(p[1])))
+            curves[k] = tuple(sorted(pairs))
+        object.__setattr__(self, "curves", curves)
+
     @staticmethod
     def from_calibration(topology: Topology, path: str | Path | None = None) -> KernelModel:
         """Load a calibration file (``relational-tensors calibrate`` writes one); by default the one
-        shipped for the topology's machine, if any (a subset, ``hgx-h200[4]``, has the same GPUs)."""
+        shipped for the topology's machine, if any (a subset, ``hgx-h200[4]``, has the same GPUs).
+
+        Every problem with the file -- missing, not JSON, a field of the wrong shape or a rate that is
+        not a finite positive number -- is an :class:`ExchangeError` naming the file and the field."""
         if path is None:
             shipped = CALIBRATIONS / f"{topology.machine}.json"
             if not shipped.exists():
                 return KernelModel(topology)
             path = shipped
-        data = json.loads(Path(path).read_text())
-        eff = dict(DEFAULT_EFFICIENCY)
-        eff.update({k: float(v) for k, v in data.get("efficiency", {}).items()})
-        curves = {k: tuple(sorted((float(a), float(b)) for a, b in v)) for k, v in data.get("curves", {}).items()}
-        return KernelModel(topology, eff, curves, str(path))
+        if not isinstance(path, (str, os.PathLike)):
+            raise ExchangeError(f"a calibration is the path of a calibration file; got {type(path).__name__} "
+                                f"{show(path)}.")
+        origin = f"calibration file {os.fspath(path)!r}"
+        data = load_json(read_text(path, "calibration"), origin, "a calibration")
+        try:
+            if not isinstance(data, dict):
+                raise ExchangeError(f"a calibration is a JSON object with 'efficiency' and 'curves'; got "
+                                    f"{type(data).__name__} {show(data)}.")
+            return KernelModel(topology, data.get("efficiency", {}), data.get("curves", {}), str(path))
+        except ExchangeError as e:
+            raise ExchangeError(f"{origin}: {e}") from None
 
     def _rate(self, kind: str, size: float) -> float | None:
         curve = self.curves.get(kind)
@@ -85,3 +125,15 @@ class KernelModel:
         mem_rate = self._rate("memory", nbytes) or top.hbm_bandwidth * self.efficiency["memory"]
         memory = nbytes / mem_rate
         return top.launch_latency + max(compute, memory)
+
+
+def _families(key: str, value: object, what: str) -> Mapping[str, object]:
+    """``value`` checked to map cost families (COST_FAMILIES) to something."""
+    if not isinstance(value, Mapping):
+        raise ExchangeError(f"{key} must be an object of cost families to {what}; got {type(value).__name__} "
+                            f"{show(value)}.")
+    unknown = [k for k in value if k not in COST_FAMILIES]
+    if unknown:
+        raise ExchangeError(f"{key} names unknown cost families {show(unknown)}; the families are "
+                            f"{list(COST_FAMILIES)}; got {show(dict(value))}.")
+    return value

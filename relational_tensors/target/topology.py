@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import re
+import reprlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, TypeGuard
 
 import pyarrow as pa
 
@@ -42,6 +45,62 @@ PCIE_LATENCY = 5e-6
 NETWORK_LATENCY = 10e-6
 LAUNCH_LATENCY = 4e-6
 _FORMAT = "relational_tensors.topology/1"
+_FILE_KEYS = ("name, sites, hbm_bandwidth, memory_bytes, peak_flops, resources and routes (each route: src, dst, "
+              "resources and an optional latency; launch_latency is optional too)")
+
+_SHOW = reprlib.Repr()
+_SHOW.maxstring, _SHOW.maxother, _SHOW.maxlist, _SHOW.maxdict, _SHOW.maxlevel = 60, 60, 6, 6, 3
+
+
+def show(value: object) -> str:
+    """A bounded repr for error messages: a value read from a file may be huge or deeply nested."""
+    return _SHOW.repr(value)
+
+
+def is_number(x: object) -> TypeGuard[float]:
+    """A real number that is not a bool (JSON's true is no bandwidth); float and int first, as they are
+    what topologies hold (an ABC check costs more, and a large topology checks thousands of numbers)."""
+    t = type(x)
+    return t is float or t is int or (isinstance(x, numbers.Real) and not isinstance(x, bool))
+
+
+def is_integer(x: object) -> TypeGuard[int]:
+    """An integer that is not a bool."""
+    return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
+
+
+def _positive(where: str, field_: str, value: object, what: str) -> float:
+    """``value`` as a finite float > 0, else an ExchangeError naming ``field_``."""
+    if not is_number(value):
+        raise ExchangeError(f"{where}: {field_} must be a number ({what}); got {show(value)}. Write it as a "
+                            "JSON or Python number, not a string or a bool.")
+    if not 0 < value < math.inf:  # NaN fails both comparisons
+        raise ExchangeError(f"{where}: {field_} must be a finite number > 0 ({what}); got {show(value)}. "
+                            "Give the measured or data-sheet value.")
+    return float(value)
+
+
+def _duration(where: str, field_: str, value: object) -> float:
+    """``value`` as a finite float >= 0 seconds, else an ExchangeError naming ``field_``."""
+    if not is_number(value):
+        raise ExchangeError(f"{where}: {field_} must be a number of seconds; got {show(value)}. Write it as a "
+                            "JSON or Python number, not a string or a bool.")
+    if not 0 <= value < math.inf:
+        raise ExchangeError(f"{where}: {field_} must be a finite number of seconds >= 0; got {show(value)}. "
+                            "Give the measured start latency (0 for none).")
+    return float(value)
+
+
+def _names(where: str, field_: str, mapping: object, what: str) -> Mapping[Any, Any]:
+    """``mapping`` checked to be a mapping keyed by non-empty strings."""
+    if not isinstance(mapping, Mapping):
+        raise ExchangeError(f"{where}: {field_} must be a mapping of names to {what}; got "
+                            f"{type(mapping).__name__} {show(mapping)}.")
+    for k in mapping:
+        if not isinstance(k, str) or not k:
+            raise ExchangeError(f"{where}: every key of {field_} must be a non-empty string; got {show(k)} "
+                                f"in {show(mapping)}.")
+    return mapping
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,33 +132,45 @@ class Topology:
     routes: Mapping[tuple[int, int], Route] = field(hash=False, repr=False)
 
     def __post_init__(self) -> None:
-        sites = tuple(int(s) for s in self.sites)
+        # every number is checked here, once, so that no simulator or cost model meets a NaN, an infinity,
+        # a string or a bool: a NaN peak rate looped the whole-plan simulator forever before
+        name = self.name
+        if not isinstance(name, str) or not name:
+            raise ExchangeError(f"a topology's name must be a non-empty string; got {show(name)}. Name the "
+                                "machine (a name with a shipped calibration, e.g. 'hgx-h200', selects it).")
+        where = f"topology {name!r}"
+        sites = _site_ids(where, self.sites)
         object.__setattr__(self, "sites", sites)
-        object.__setattr__(self, "peak_flops", {str(k): float(v) for k, v in self.peak_flops.items()})
-        object.__setattr__(self, "resources", {str(k): float(v) for k, v in self.resources.items()})
-        object.__setattr__(self, "routes", {(int(s), int(d)): Route(tuple(r.resources), float(r.latency))
-                                            for (s, d), r in self.routes.items()})
-        where = f"topology {self.name!r}"
-        if not sites or len(set(sites)) != len(sites):
-            raise ExchangeError(f"{where} needs distinct site ids; got {sites}.")
-        if not (self.hbm_bandwidth > 0 and self.memory_bytes > 0 and self.launch_latency >= 0):
-            raise ExchangeError(f"{where} needs hbm_bandwidth > 0, memory_bytes > 0 and launch_latency >= 0; got "
-                                f"{self.hbm_bandwidth}, {self.memory_bytes}, {self.launch_latency}.")
-        bad = {r: c for r, c in self.resources.items() if not (c > 0)}
-        if bad:
-            raise ExchangeError(f"{where}: every resource needs a positive capacity in bytes/s; got {bad}.")
+        object.__setattr__(self, "hbm_bandwidth",
+                           _positive(where, "hbm_bandwidth", self.hbm_bandwidth, "bytes/s of one GPU's memory"))
+        mem = self.memory_bytes
+        if not is_number(mem) or not (1 <= mem < math.inf and mem == int(mem)):
+            raise ExchangeError(f"{where}: memory_bytes must be an integer number of bytes >= 1 (one GPU's "
+                                f"memory); got {show(mem)}. Write the byte count, e.g. 85899345920 for 80 GiB.")
+        object.__setattr__(self, "memory_bytes", int(mem))
+        object.__setattr__(self, "launch_latency", _duration(where, "launch_latency", self.launch_latency))
+        flops = _names(where, "peak_flops", self.peak_flops, "dense FLOP/s of one GPU")
+        object.__setattr__(self, "peak_flops", {k: _positive(where, f"peak_flops[{k!r}]", v, "dense FLOP/s of "
+                                                             "one GPU") for k, v in flops.items()})
+        resources = _names(where, "resources", self.resources, "capacities in bytes/s")
+        caps: dict[str, float] = {}
+        for r, c in resources.items():
+            if is_number(c) and c == math.inf:
+                raise ExchangeError(
+                    f"{where}: resources[{r!r}] must be a finite capacity in bytes/s; got {c!r}. An infinite "
+                    "capacity is not a rate the flow engine can share; leave a link that never contends off "
+                    "the routes instead (a route with no resources moves data in its latency alone).")
+            caps[r] = _positive(where, f"resources[{r!r}]", c, "a capacity in bytes/s")
+        object.__setattr__(self, "resources", caps)
+        object.__setattr__(self, "routes", _routes(where, self.routes, sites, caps))
         missing = [(s, d) for s in sites for d in sites if s != d and (s, d) not in self.routes]
         if missing:
             raise ExchangeError(f"{where} has no route for the ordered pairs {missing[:8]}"
                                 f"{' ...' if len(missing) > 8 else ''}; give every pair of distinct sites a route.")
-        for (s, d), r in self.routes.items():
-            if s not in sites or d not in sites or s == d:
-                raise ExchangeError(f"{where} has a route {s}->{d} between sites it does not hold "
-                                    f"(sites {sites}); routes join two distinct sites.")
-            unknown = [x for x in r.resources if x not in self.resources]
-            if unknown or r.latency < 0:
-                raise ExchangeError(f"{where}: route {s}->{d} uses unknown resources {unknown} or a negative "
-                                    f"latency {r.latency}; declare each resource with its capacity.")
+        if not self.peak_flops:  # after the routes: a structural error is the one to fix first
+            raise ExchangeError(f"{where}: peak_flops needs at least one dtype, since every kernel is priced "
+                                "from it (dtypes without an entry use float32's, else the fastest); got {}. "
+                                "Give e.g. {'float32': 6.7e13} (dense FLOP/s of one GPU).")
 
     # ---------------------------------------------------------------- queries
 
@@ -192,27 +263,178 @@ class Topology:
 
     @staticmethod
     def from_json(source: str | os.PathLike[str]) -> Topology:
-        """Read a topology from JSON text, or from the path of a file holding it."""
-        text = str(source)
-        if isinstance(source, os.PathLike) or not text.lstrip().startswith("{"):
-            with open(source, encoding="utf-8") as fh:
-                text = fh.read()
+        """Read a topology from JSON text (a string starting with ``{`` or ``[``), or from the path of a
+        file holding it.  Every error is an :class:`ExchangeError` naming the file and the field."""
+        if isinstance(source, str) and source.lstrip().startswith(("{", "[")):
+            text, origin = source, "topology JSON text"
+        elif isinstance(source, (str, os.PathLike)):
+            text, origin = read_text(source, "topology"), f"topology file {os.fspath(source)!r}"
+        else:
+            raise ExchangeError(f"Topology.from_json takes JSON text or the path of a JSON file; got "
+                                f"{type(source).__name__} {show(source)}.")
+        doc = load_json(text, origin, "a topology")
         try:
-            d = json.loads(text)
-            if d.get("format", _FORMAT) != _FORMAT:
-                raise ExchangeError(f"unknown topology format {d.get('format')!r}; expected {_FORMAT!r}.")
-            return Topology(
-                d["name"], tuple(d["sites"]), float(d["hbm_bandwidth"]), int(d["memory_bytes"]),
-                d.get("peak_flops", {}), float(d.get("launch_latency", LAUNCH_LATENCY)), d["resources"],
-                {(int(r["src"]), int(r["dst"])): Route(tuple(r["resources"]), float(r.get("latency", 0.0)))
-                 for r in d["routes"]})
-        except (KeyError, TypeError, ValueError) as e:
-            raise ExchangeError(
-                "a topology file needs name, sites, hbm_bandwidth, memory_bytes, resources and routes "
-                f"(each route: src, dst, resources, latency); reading it failed with {e!r}.") from e
+            return _from_document(doc, origin)
+        except ExchangeError as e:
+            raise ExchangeError(f"{origin}: {e}") from None
+
+
+def read_text(source: str | os.PathLike[str], what: str) -> str:
+    """The UTF-8 text of the file ``source`` (a topology or calibration file), or an ExchangeError that
+    says why it cannot be read."""
+    path = os.fspath(source)
+    hint = ("; JSON text starts with '{'" if isinstance(source, str) and what == "topology" else "")
+    writer = "Topology.to_json() or a measuring script" if what == "topology" else "`relational-tensors calibrate`"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        raise ExchangeError(f"no {what} file {path!r}: it does not exist{hint}. Give the path of a JSON file "
+                            f"written by {writer}.") from None
+    except IsADirectoryError:
+        raise ExchangeError(f"{what} file {path!r} is a directory, not a file; give the path of a JSON file "
+                            f"written by {writer}.") from None
+    except UnicodeDecodeError as e:
+        raise ExchangeError(f"{what} file {path!r} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                            "write it as JSON in UTF-8.") from None
+    except (OSError, ValueError) as e:  # permissions, a name too long, an embedded NUL
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ExchangeError(f"cannot read {what} file {show(path)}: {why}; give the path of a readable JSON "
+                            "file.") from None
+
+
+def load_json(text: str, origin: str, what: str) -> object:
+    """``text`` parsed as JSON, or an ExchangeError naming ``origin``."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ExchangeError(f"{origin} nests too deeply to be {what} (JSON arrays or objects inside one "
+                            "another past Python's recursion limit); got text of "
+                            f"{len(text):,} characters starting {show(text[:20])}.") from None
+    except ValueError as e:  # JSONDecodeError, and integers past Python's digit limit
+        where = f" at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+        msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+        raise ExchangeError(f"{origin} is not JSON: {msg}{where}; got text starting {show(text[:40])}.") from None
+
+
+def _from_document(doc: object, origin: str) -> Topology:
+    """A topology from a parsed topology file; shape errors name the field (the caller adds ``origin``)."""
+    if not isinstance(doc, dict):
+        raise ExchangeError(f"a topology is a JSON object with {_FILE_KEYS}; got {type(doc).__name__} "
+                            f"{show(doc)}.")
+
+    def need(key: str) -> Any:
+        if key not in doc:
+            raise ExchangeError(f"{key} is missing; a topology file needs {_FILE_KEYS}, as Topology.to_json() "
+                                f"writes them; got the keys {show(sorted(doc))}.")
+        return doc[key]
+
+    fmt = doc.get("format", _FORMAT)
+    if fmt != _FORMAT:
+        raise ExchangeError(f"unknown topology format {show(fmt)}; expected {_FORMAT!r}.")
+    name, sites = need("name"), need("sites")
+    if not isinstance(sites, list):
+        raise ExchangeError(f"sites must be a list of site ids (integers >= 0); got {type(sites).__name__} "
+                            f"{show(sites)}.")
+    hbm, memory, flops = need("hbm_bandwidth"), need("memory_bytes"), need("peak_flops")
+    launch, resources, raw = doc.get("launch_latency", LAUNCH_LATENCY), need("resources"), need("routes")
+    for key, value in (("peak_flops", flops), ("resources", resources)):
+        if not isinstance(value, dict):
+            raise ExchangeError(f"{key} must be a JSON object of names to numbers; got {type(value).__name__} "
+                                f"{show(value)}.")
+    if not isinstance(raw, list):
+        raise ExchangeError(f"routes must be a list of objects with src, dst, resources and latency; got "
+                            f"{type(raw).__name__} {show(raw)}.")
+    routes: dict[tuple[int, int], Route] = {}
+    for i, r in enumerate(raw):
+        if not isinstance(r, dict):
+            raise ExchangeError(f"routes[{i}] must be an object with src, dst, resources and latency; got "
+                                f"{type(r).__name__} {show(r)}.")
+        for key in ("src", "dst", "resources"):
+            if key not in r:
+                raise ExchangeError(f"routes[{i}].{key} is missing; each route needs src, dst, resources and "
+                                    f"an optional latency; got {show(r)}.")
+        for key in ("src", "dst"):
+            if not is_integer(r[key]):
+                raise ExchangeError(f"routes[{i}].{key} must be a site id (an integer); got {show(r[key])}.")
+        res = r["resources"]
+        if not isinstance(res, list) or not all(isinstance(x, str) for x in res):
+            raise ExchangeError(f"routes[{i}].resources must be a list of resource names (strings); got "
+                                f"{show(res)}.")
+        pair = (r["src"], r["dst"])
+        if pair in routes:
+            raise ExchangeError(f"routes[{i}] lists the route {pair[0]}->{pair[1]} twice; give each ordered "
+                                "pair of sites one route.")
+        latency = r.get("latency", 0.0)
+        if not is_number(latency):
+            raise ExchangeError(f"routes[{i}].latency must be a number of seconds; got {show(latency)}.")
+        routes[pair] = Route(tuple(res), latency)
+    return Topology(name, tuple(sites), hbm, memory, flops, launch, resources, routes)
+
+
+def _site_ids(where: str, sites: object) -> tuple[int, ...]:
+    if isinstance(sites, (str, bytes, Mapping)) or not isinstance(sites, Iterable):
+        raise ExchangeError(f"{where}: sites must be a sequence of site ids (integers >= 0); got "
+                            f"{type(sites).__name__} {show(sites)}.")
+    ids = tuple(sites)
+    for s in ids:
+        if not is_integer(s) or s < 0:
+            raise ExchangeError(f"{where}: every site id must be an integer >= 0; got {show(s)} in sites "
+                                f"{show(ids)}. Number the GPUs 0, 1, ...")
+    out = tuple(int(s) for s in ids)
+    if not out or len(set(out)) != len(out):
+        raise ExchangeError(f"{where} needs at least one site and distinct site ids; got sites {show(out)}.")
+    return out
+
+
+def _routes(where: str, routes: object, sites: tuple[int, ...],
+            caps: Mapping[str, float]) -> dict[tuple[int, int], Route]:
+    if not isinstance(routes, Mapping):
+        raise ExchangeError(f"{where}: routes must be a mapping of (src, dst) site pairs to Route; got "
+                            f"{type(routes).__name__} {show(routes)}.")
+    held = set(sites)
+    out: dict[tuple[int, int], Route] = {}
+    # the common case (int sites, a tuple of str names, a float latency) takes the fast path and keeps
+    # its Route; the checks run for every route of every topology a compilation resolves
+    for key, r in routes.items():
+        if not (isinstance(key, tuple) and len(key) == 2 and is_integer(key[0]) and is_integer(key[1])):
+            raise ExchangeError(f"{where}: every key of routes must be a (src, dst) pair of site ids; got "
+                                f"{show(key)}.")
+        s, d = int(key[0]), int(key[1])
+        if s not in held or d not in held or s == d:
+            raise ExchangeError(f"{where} has a route {s}->{d} between sites it does not hold "
+                                f"(sites {sites}); routes join two distinct sites.")
+        if not isinstance(r, Route):
+            raise ExchangeError(f"{where}: routes[{s}->{d}] must be a Route(resources, latency); got "
+                                f"{type(r).__name__} {show(r)}.")
+        res = r.resources
+        if type(res) is not tuple:
+            if isinstance(res, (str, bytes)) or not isinstance(res, Iterable):
+                raise ExchangeError(f"{where}: routes[{s}->{d}].resources must be a sequence of resource names "
+                                    f"(strings); got {show(res)}.")
+            res = tuple(res)
+        for x in res:
+            if type(x) is not str or x not in caps:
+                if not isinstance(x, str):
+                    raise ExchangeError(f"{where}: routes[{s}->{d}].resources must be a sequence of resource "
+                                        f"names (strings); got {show(r.resources)}.")
+                unknown = [y for y in res if y not in caps]
+                raise ExchangeError(f"{where}: route {s}->{d} uses unknown resources {unknown}; declare each "
+                                    f"resource with its capacity (declared: {show(sorted(caps))}).")
+        lat = r.latency
+        if type(lat) is not float or not 0 <= lat < math.inf:
+            lat = _duration(where, f"routes[{s}->{d}].latency", lat)
+        out[(s, d)] = r if res is r.resources and lat is r.latency else Route(res, lat)
+    return out
 
 
 # -------------------------------------------------------------------- builders
+
+
+def _gpus(name: str, gpus: object) -> int:
+    if not is_integer(gpus) or gpus < 1:  # type: ignore[operator]
+        raise ExchangeError(f"topology {name!r} needs a whole number of GPUs >= 1; got gpus={show(gpus)}.")
+    return int(gpus)  # type: ignore[call-overload]
 
 
 def nvswitch(name: str, gpus: int, link_bandwidth: float, hbm_bandwidth: float, memory_bytes: int,
@@ -222,7 +444,7 @@ def nvswitch(name: str, gpus: int, link_bandwidth: float, hbm_bandwidth: float, 
 
     Every GPU has ``egress(i)`` and ``ingress(i)`` of ``link_bandwidth`` bytes/s per direction.
     """
-    sites = tuple(range(gpus))
+    sites = tuple(range(_gpus(name, gpus)))
     resources = {f"{kind}({i})": link_bandwidth for i in sites for kind in ("egress", "ingress")}
     routes = {(s, d): Route((f"egress({s})", f"ingress({d})"), latency) for s in sites for d in sites if s != d}
     return Topology(name, sites, hbm_bandwidth, memory_bytes, peak_flops, launch_latency, resources, routes)
@@ -232,7 +454,7 @@ def pcie_server(name: str, gpus: int, bridge_bandwidth: float, port_bandwidth: f
                 memory_bytes: int, peak_flops: Mapping[str, float], latency: float = PCIE_LATENCY,
                 launch_latency: float = LAUNCH_LATENCY) -> Topology:
     """GPUs without peer links: every transfer crosses its GPU's PCIe port and one shared host bridge."""
-    sites = tuple(range(gpus))
+    sites = tuple(range(_gpus(name, gpus)))
     resources = {f"{kind}({i})": port_bandwidth for i in sites for kind in ("egress", "ingress")}
     resources["host-bridge"] = bridge_bandwidth
     routes = {(s, d): Route((f"egress({s})", "host-bridge", f"ingress({d})"), latency)
@@ -293,9 +515,11 @@ def multi_node(base: str | Topology, nodes: int, network_bandwidth: float,
     k = len(b.sites)
     if b.sites != tuple(range(k)):
         raise ExchangeError(f"multi_node needs a base whose sites are 0..{k - 1}; got {b.sites} for {b.name!r}.")
-    if nodes < 1 or not network_bandwidth > 0:
-        raise ExchangeError(f"multi_node needs nodes >= 1 and a positive network bandwidth; "
-                            f"got {nodes}, {network_bandwidth}.")
+    if not is_integer(nodes) or nodes < 1:
+        raise ExchangeError(f"multi_node needs a whole number of nodes >= 1; got nodes={show(nodes)}.")
+    where = f"multi_node of {b.name!r}"
+    network_bandwidth = _positive(where, "network_bandwidth", network_bandwidth, "bytes/s per node and direction")
+    network_latency = _duration(where, "network_latency", network_latency)
     resources: dict[str, float] = {}
     routes: dict[tuple[int, int], Route] = {}
     for n in range(nodes):
@@ -345,15 +569,26 @@ def get_topology(name: str | Topology, gpus: int | None = None) -> Topology:
     >>> get_topology("dgx-h100", gpus=2).table().column("bandwidth").to_pylist()
     [450000000000.0, 450000000000.0]
     """
+    known = f"known: {sorted(TOPOLOGIES)} (or build one with nvswitch(), multi_node() or Topology.from_json())"
     if isinstance(name, Topology):
         top = name
-    elif name in TOPOLOGIES:
+    elif isinstance(name, str) and name in TOPOLOGIES:
         top = TOPOLOGIES[name]
-    elif isinstance(name, str) and name.endswith(".json") and os.path.exists(name):
+    elif isinstance(name, (str, os.PathLike)) and os.path.isdir(name):
+        raise ExchangeError(f"topology {os.fspath(name)!r} is a directory, not a topology: give a registered "
+                            f"name or the path of a topology JSON file; {known}.")
+    elif isinstance(name, os.PathLike) or (isinstance(name, str) and name.endswith(".json")):
+        if not os.path.exists(name):
+            raise ExchangeError(f"no topology file {os.fspath(name)!r}: it does not exist; give a registered "
+                                f"name or the path of an existing topology JSON file; {known}.")
         top = Topology.from_json(name)  # a file written by a measuring script
+    elif isinstance(name, str):
+        raise ExchangeError(f"unknown topology {name!r}; {known}.")
     else:
-        raise ExchangeError(f"unknown topology {name!r}; known: {sorted(TOPOLOGIES)} "
-                            "(or build one with nvswitch(), multi_node() or Topology.from_json()).")
+        raise ExchangeError(f"a topology is a registered name, a Topology or the path of a topology JSON file; "
+                            f"got {type(name).__name__} {show(name)}; {known}.")
+    if gpus is not None and not is_integer(gpus):
+        raise ExchangeError(f"gpus must be a whole number of GPUs (or None for all of them); got {show(gpus)}.")
     if gpus is None or gpus == len(top.sites):
         return top
     if gpus < 1:
