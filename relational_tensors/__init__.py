@@ -23,6 +23,7 @@ from relational_tensors.core.types import Box as Box
 from relational_tensors.core.types import Interval as Interval
 from relational_tensors.core.types import TensorType as TensorType
 from relational_tensors.core.types import tensorDesc as tensorDesc
+from relational_tensors.errors import CatalogError as CatalogError
 from relational_tensors.errors import ExchangeError as ExchangeError
 from relational_tensors.errors import ExecError as ExecError
 from relational_tensors.errors import GraphError as GraphError
@@ -51,6 +52,7 @@ __all__ = [
     "TensorType", "Interval", "Box", "Tiling", "FunctionSpec", "JoinAggSpec", "ShardableIndex", "ANY",
     "Aggregation", "SUM", "MAX", "MIN", "LSE", "AGGREGATIONS", "OPERATORS",
     "RelationalTensorsError", "GraphError", "SpecError", "PlanError", "OutOfMemoryPlanError",
-    "ExchangeError", "ExecError", "compileGraph", "compile", "CompiledGraph", "CompileOptions", "Target",
+    "ExchangeError", "ExecError", "CatalogError",
+    "compileGraph", "compile", "CompiledGraph", "CompileOptions", "Target",
     "from_torch", "parallelize", "TorchGraph", "ParallelModule",
 ]

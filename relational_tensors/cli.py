@@ -377,7 +377,7 @@ def cmd_sql(args: argparse.Namespace, ui: _Ui) -> int:
     if not Path(args.catalog_file).is_file():
         raise CommandError(f"no catalog file {args.catalog_file!r}; write one with "
                            f"`{PROG} plan MODEL.py --catalog {args.catalog_file}`.")
-    cat = Catalog(args.catalog_file)
+    cat = Catalog(args.catalog_file, read_only=True)
     try:
         if args.query is not None:
             _run_query(cat, args.query, ui)

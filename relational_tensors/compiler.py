@@ -506,13 +506,21 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
                             "back with g.save(t, name=...).")
         cat = catalog if isinstance(catalog, Catalog) else Catalog(catalog)
         state = _State(graph, options, cat, device)
-        for name, run, _reason in PASSES:
-            t0 = time.perf_counter()
-            run(state)
-            state.timings[name] = time.perf_counter() - t0
-        assert state.plan is not None
-        cat.update_compilation(state.cid, plan_cost=state.plan.cost, planning_seconds=sum(state.timings.values()))
-        return CompiledGraph(state)
+        try:
+            for name, run, _reason in PASSES:
+                t0 = time.perf_counter()
+                run(state)
+                state.timings[name] = time.perf_counter() - t0
+            assert state.plan is not None
+            compiled = CompiledGraph(state)
+        except BaseException as e:  # the compilation stays in the catalog, saying why it has no plan
+            if state.cid >= 0:
+                status = "refused" if isinstance(e, OutOfMemoryPlanError) else "failed"
+                cat.finish_compilation(state.cid, status, error=e, planning_seconds=sum(state.timings.values()))
+            raise
+        cat.finish_compilation(state.cid, "ok", plan_cost=state.plan.cost,
+                               planning_seconds=sum(state.timings.values()))
+        return compiled
     finally:
         if collecting:
             gc.enable()

@@ -14,6 +14,7 @@ __all__ = [
     "OutOfMemoryPlanError",
     "ExchangeError",
     "ExecError",
+    "CatalogError",
 ]
 
 
@@ -31,6 +32,12 @@ class SpecError(RelationalTensorsError, ValueError):
 
 class PlanError(RelationalTensorsError):
     """No logical or physical plan satisfies the request."""
+
+
+class CatalogError(PlanError):
+    """A catalog file cannot be opened, read or written as asked (locked, not a catalog, names taken).
+
+    A ``PlanError``: catalog errors were raised as one before this class existed."""
 
 
 class OutOfMemoryPlanError(PlanError):

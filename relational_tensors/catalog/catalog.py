@@ -1,13 +1,18 @@
 """A DuckDB connection holding the catalog: schema from ``sql/``, rows written as Arrow tables.
 
-In memory by default; give a path to persist it, so the plans of several
-compilations can be compared later with plain SQL.
+In memory by default; give a path to persist it, so the plans of several compilations can be compared
+later with plain SQL.  A file is opened for writing (a compile: the catalog's tables are created, or
+migrated from an older version, see :mod:`relational_tensors.catalog.files`) or, with ``read_only=True``,
+for reading, which changes nothing in it.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
+import os
+import weakref
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -15,54 +20,151 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from relational_tensors.errors import PlanError
+from relational_tensors.catalog.files import check_readable, connect, prepare
+from relational_tensors.catalog.memory import VERSION, shared, views_sql
+from relational_tensors.errors import CatalogError
 
 __all__ = ["Catalog", "load_sql"]
 
 _counter = itertools.count()
+STATUSES = ("ok", "refused", "failed")
 
 
+@functools.lru_cache(maxsize=64)
 def load_sql(name: str) -> str:
     """The text of ``sql/<name>``, shipped inside the package."""
     return resources.files("relational_tensors").joinpath("sql").joinpath(name).read_text()
 
 
+@functools.lru_cache(maxsize=1)
+def _query_names() -> tuple[str, ...]:
+    queries = resources.files("relational_tensors").joinpath("sql").joinpath("queries")
+    return tuple(sorted(p.name[:-4] for p in queries.iterdir() if p.name.endswith(".sql")))
+
+
+def _memory() -> Any:
+    return shared(load_sql("schema.sql"), load_sql("views.sql"))
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _cid(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CatalogError(f"a compilation id is an int; got {type(value).__name__} {value!r}. Use the id "
+                           "new_compilation returned (cg.compilation_id).")
+    return value
+
+
 class Catalog:
     """The catalog of one or more compilations.
+
+    ``Catalog()`` is in memory; ``Catalog(path)`` opens (or creates) a file for writing, adding what an
+    older version's file lacks; ``Catalog(path, read_only=True)`` reads a file without changing it.
 
     >>> cat = Catalog()
     >>> cat.sql("SELECT count(*) AS n FROM candidate_specs").column("n").to_pylist()
     [0]
     """
 
-    def __init__(self, path: str | Path | None = None) -> None:
-        self.path = str(path) if path is not None else ":memory:"
+    VERSION = VERSION  # the catalog version this package writes
+
+    def __init__(self, path: str | Path | None = None, read_only: bool = False) -> None:
+        self.read_only = bool(read_only)
+        self._narrowed: int | None = None
+        self._release: weakref.finalize | None = None
+        if path is None or path == ":memory:":
+            if self.read_only:
+                raise CatalogError("read_only needs the path of a catalog file; got none (an in-memory catalog "
+                                   "starts empty). Give the path: Catalog(path, read_only=True).")
+            shared = _memory()
+            self.path = ":memory:"
+            self.con, name = shared.open()
+            self._release = weakref.finalize(self, shared.release, self.con, name)
+            self._release.atexit = False
+            self.version = VERSION
+            return
+        if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str) or not os.fspath(path):
+            raise CatalogError(f"a catalog is a path to a DuckDB file (str or pathlib.Path), or None for one in "
+                               f"memory; got {type(path).__name__} {path!r}. Give a file path such as "
+                               "'plans.duckdb'.")
+        self.path = str(os.fspath(path))
+        self.con = connect(self.path, self.read_only)
         try:
-            self.con = duckdb.connect(self.path)
+            if self.read_only:
+                self.version = check_readable(self.con, self.path)
+            else:
+                self.version = prepare(self.con, self.path, _memory().schema, load_sql("schema.sql"),
+                                             load_sql("views.sql"))
+        except BaseException:
+            self.con.close()
+            raise
+
+    def __repr__(self) -> str:
+        return f"Catalog({self.path!r}{', read_only=True' if self.read_only else ''})"
+
+    def __enter__(self) -> Catalog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- the contract views ------------------------------------------------------------------------
+
+    def narrow(self, compilation_id: int | None) -> None:
+        """Make ``plan``, ``specs`` and ``plan_inputs`` show one compilation (whatever its status) in this
+        connection; ``None`` shows the persisted views again (every compilation with status ``ok``)."""
+        if compilation_id is None:
+            if self._narrowed is not None:
+                self.con.execute("DROP VIEW IF EXISTS temp.specs; DROP VIEW IF EXISTS temp.plan; "
+                                 "DROP VIEW IF EXISTS temp.plan_inputs")
+                self._narrowed = None
+            return
+        cid = _cid(compilation_id)
+        if cid == self._narrowed:
+            return
+        self._known(cid)
+        try:
+            self.con.execute(views_sql(load_sql("views.sql"), temp=True, shown=str(cid)))
         except duckdb.Error as e:
-            raise PlanError(f"cannot open the catalog {self.path!r}: {e}") from None
-        self.con.execute(load_sql("schema.sql"))
-        self._views(temp=False, compilation_id=None)
+            raise CatalogError(
+                f"cannot show compilation {cid} of the catalog {self.path!r}: {_first_line(e)}; the file lacks "
+                "what the views read (it was written by an older relational_tensors, or a table was dropped). "
+                "Open it for writing once (Catalog(path)) to add what is missing.") from None
+        self._narrowed = cid
 
-    def _views(self, temp: bool, compilation_id: int | None) -> None:
-        text = load_sql("views.sql")
-        cid = compilation_id
-        subs = {
-            "{temp}": "TEMP" if temp else "",
-            "{where_si}": f"WHERE c.compilation_id = {cid}" if cid is not None else "",
-            "{where_c}": f"WHERE c.compilation_id = {cid}" if cid is not None else "",
-            "{where_s}": f"WHERE s.compilation_id = {cid}" if cid is not None else "",
-        }
-        for key, value in subs.items():
-            text = text.replace(key, value)
-        self.con.execute(text)
+    def _known(self, cid: int) -> None:
+        try:
+            ids = [r[0] for r in self.con.execute("SELECT compilation_id FROM compilations ORDER BY 1").fetchall()]
+        except duckdb.Error as e:
+            raise CatalogError(f"the catalog {self.path!r} cannot list its compilations: {_first_line(e)}. "
+                               "Open it for writing once (Catalog(path)) to add what is missing.") from None
+        if cid not in ids:
+            shown = ", ".join(map(str, ids[:20])) + (", ..." if len(ids) > 20 else "") if ids else "none"
+            raise CatalogError(f"no compilation {cid} in the catalog {self.path!r}; known: {shown}. Use the id "
+                               "of a compilation in it (cg.compilation_id, or SELECT * FROM compilations).")
 
-    def narrow(self, compilation_id: int) -> None:
-        """Make ``plan``, ``specs`` and ``plan_inputs`` show one compilation in this connection."""
-        self._views(temp=True, compilation_id=compilation_id)
+    # --- writing ------------------------------------------------------------------------------------
+
+    def _writable(self, what: str) -> None:
+        if self.read_only:
+            raise CatalogError(f"the catalog {self.path!r} is open read-only; got a write ({what}). Open it "
+                               "for writing with Catalog(path) to compile into it.")
+
+    def _fields(self, fields: dict[str, Any]) -> None:
+        known = [c.name for c in _memory().schema.tables["compilations"]]
+        for name in fields:
+            if name not in known:
+                raise CatalogError(f"compilations has no column {name!r}; its columns are {', '.join(known)}. "
+                                   "Give only those.")
 
     def new_compilation(self, **fields: Any) -> int:
-        cid = int(self.con.execute("SELECT nextval('compilation_seq')").fetchone()[0])  # type: ignore[index]
+        """Record a compilation that starts (status NULL until finish_compilation); returns its id."""
+        self._writable("new_compilation")
+        self._fields(fields)
+        (cid,), = self.con.execute("SELECT nextval('compilation_seq')").fetchall()
+        cid = int(cid)
         fields = dict(fields, compilation_id=cid, created=datetime.datetime.now())
         cols = ", ".join(fields)
         marks = ", ".join("?" for _ in fields)
@@ -70,20 +172,48 @@ class Catalog:
         return cid
 
     def update_compilation(self, compilation_id: int, **fields: Any) -> None:
+        """Set columns of a compilation.  Setting ``plan_cost`` without a ``status`` marks it ``ok`` (how the
+        compiler ended a successful compilation before finish_compilation existed)."""
+        self._writable("update_compilation")
+        cid = _cid(compilation_id)
+        self._fields(fields)
+        if "plan_cost" in fields and "status" not in fields:
+            fields = dict(fields, status="ok")
+        if not fields:
+            return
         sets = ", ".join(f"{k} = ?" for k in fields)
-        self.con.execute(f"UPDATE compilations SET {sets} WHERE compilation_id = ?", [*fields.values(), compilation_id])
+        (updated,), = self.con.execute(f"UPDATE compilations SET {sets} WHERE compilation_id = ?",
+                                       [*fields.values(), cid]).fetchall()
+        if not updated:
+            self._known(cid)
+
+    def finish_compilation(self, compilation_id: int, status: str, error: object = None, **fields: Any) -> None:
+        """End a compilation: ``status`` is ``ok`` (it made a plan), ``refused`` (no plan fits the memory) or
+        ``failed`` (an error); ``error`` is why (an exception or its text); ``fields`` are other columns of
+        ``compilations`` (``plan_cost``, ``planning_seconds``).  Only ``ok`` compilations show in the
+        persisted ``plan``, ``specs`` and ``plan_inputs`` views."""
+        if status not in STATUSES:
+            raise CatalogError(f"a compilation's status is one of {', '.join(map(repr, STATUSES))}; got {status!r}. "
+                               "Use 'ok' for a plan, 'refused' when none fits the memory, 'failed' for an error.")
+        text = None if error is None else (" ".join(str(error).split()) or type(error).__name__)
+        self.update_compilation(compilation_id, status=status, error=text, **fields)
 
     def insert(self, table: str, rows: pa.Table, compilation_id: int) -> None:
         """Append an Arrow table to ``table``, tagging every row with ``compilation_id``."""
+        self._writable(f"insert into {table}")
+        tables = _memory().schema.tables
+        if table not in tables:
+            raise CatalogError(f"no catalog table {table!r}; the tables are {', '.join(tables)}.")
+        cid = _cid(compilation_id)
         name = f"_arrow_{next(_counter)}"
         self.con.register(name, rows)
         try:
             cols = ", ".join(rows.column_names)
-            self.con.execute(
-                f"INSERT INTO {table} (compilation_id, {cols}) SELECT {compilation_id}, {cols} FROM {name}"
-            )
+            self.con.execute(f"INSERT INTO {table} (compilation_id, {cols}) SELECT {cid}, {cols} FROM {name}")
         finally:
             self.con.unregister(name)
+
+    # --- reading ------------------------------------------------------------------------------------
 
     def execute(self, query: str, params: list[Any] | None = None) -> duckdb.DuckDBPyConnection:
         return self.con.execute(query, params or [])
@@ -94,21 +224,24 @@ class Catalog:
             rel = self.con.sql(query, params=params) if params else self.con.sql(query)
             return rel.to_arrow_table() if rel is not None else pa.table({})
         except duckdb.Error as e:
-            raise PlanError(f"catalog query failed: {str(e).splitlines()[0]}; got {query!r}.") from None
+            raise CatalogError(f"catalog query failed: {_first_line(e)}; got {query!r}.") from None
 
     def query(self, name: str, **params: Any) -> pa.Table:
         """Run the named query ``sql/queries/<name>.sql`` with ``$param`` values."""
-        try:
-            text = load_sql(f"queries/{name}.sql")
-        except FileNotFoundError:
-            queries = resources.files("relational_tensors").joinpath("sql").joinpath("queries")
-            known = sorted(p.name[:-4] for p in queries.iterdir() if p.name.endswith(".sql"))
-            raise PlanError(f"no named query {name!r}; known: {known}.") from None
+        known = _query_names()
+        if not isinstance(name, str) or name not in known:
+            raise CatalogError(f"no named query {name!r}: a named query is the name of a file in sql/queries, "
+                               f"without .sql; known: {', '.join(known)}. Run any other SQL with cg.sql(...).")
+        text = load_sql(f"queries/{name}.sql")
         try:
             rel = self.con.sql(text, params=params) if params else self.con.sql(text)
+            return rel.to_arrow_table()
         except duckdb.Error as e:
-            raise PlanError(f"named query {name!r} failed: {str(e).splitlines()[0]}") from None
-        return rel.to_arrow_table()
+            raise CatalogError(f"named query {name!r} failed: {_first_line(e)}") from None
 
     def close(self) -> None:
-        self.con.close()
+        """Close the connection (an in-memory catalog's database is freed); closing twice is harmless."""
+        if self._release is not None:
+            self._release()
+        else:
+            self.con.close()

@@ -1,6 +1,18 @@
 -- The catalog: one row set per compilation, so one persisted file can hold many
 -- compilations and compare them with plain SQL.  Element counts are the paper's
 -- unit; *_bytes columns weigh them by dtype width.
+--
+-- Only CREATE ... IF NOT EXISTS here: a file written by an older version gains the tables and
+-- columns it lacks when it is next opened for writing (relational_tensors/catalog/catalog.py adds
+-- missing columns with their DEFAULT, then runs the data steps of each newer catalog version).
+
+-- one row per catalog version a file was created at or migrated to; the newest is the file's
+CREATE TABLE IF NOT EXISTS catalog_version (
+    version   INTEGER,
+    package   VARCHAR,              -- relational_tensors: marks the file as a catalog of this project
+    applied   TIMESTAMP,
+    note      VARCHAR               -- created, or what the migration added
+);
 
 CREATE SEQUENCE IF NOT EXISTS compilation_seq START 1;
 
@@ -15,7 +27,10 @@ CREATE TABLE IF NOT EXISTS compilations (
     cost_model         VARCHAR,     -- paper | bytes | calibrated
     memory_per_device  BIGINT,
     plan_cost          DOUBLE,
-    planning_seconds   DOUBLE
+    planning_seconds   DOUBLE,
+    status             VARCHAR,     -- ok | refused (no plan fits the memory) | failed; NULL while planning
+                                    -- (or when the process ended before the compilation finished)
+    error              VARCHAR      -- the error that refused or failed it
 );
 
 -- the operator registry each compilation was planned with (relational_tensors.registry)
@@ -104,12 +119,9 @@ CREATE TABLE IF NOT EXISTS spec_inputs (
     op_tree           INTEGER,      -- the DP piece of the consumer
     producer_tree     INTEGER,      -- the DP piece of the producer
     repartition       DOUBLE,       -- cost charged if the producer's tiling differs (unless edge_prices has the pair)
-    floor             DOUBLE        -- least price of any producer tiling (edge_prices; else 0): charged while
-                                    -- the producer is planned later
+    floor             DOUBLE DEFAULT 0.0  -- least price of any producer tiling (edge_prices; else 0): charged
+                                          -- while the producer is planned later
 );
-
--- a catalog file written before spec_inputs had its floor
-ALTER TABLE spec_inputs ADD COLUMN IF NOT EXISTS floor DOUBLE DEFAULT 0.0;
 
 -- Prices of an edge per pair of tilings, for cost models that price the pair (calibrated: the
 -- seconds of the exchange delivering the producer's blocks as the blocks the spec reads).  Empty

@@ -1,6 +1,7 @@
--- Contract views.  Persisted files hold them over every compilation (with
--- compilation_id); a compiled graph's cg.sql() sees them narrowed to itself.
--- {where} is replaced by the narrowing filter (or nothing).
+-- Contract views.  Persisted files hold them over every finished compilation (status 'ok', with
+-- compilation_id): a compilation refused for memory, failed or still running is no plan.  A compiled
+-- graph's cg.sql() sees them narrowed to itself, whatever its status (Catalog.narrow: TEMP views).
+-- {shown} is replaced by the compilations shown: a query of their ids, or one id.
 
 -- An edge's repartition cost: 0 from a graph input, else the price of the pair (producer's
 -- tiling, tiling read): its edge_prices row if it has one, else the paper's rule.
@@ -15,7 +16,7 @@ JOIN spec_inputs si ON si.compilation_id = c.compilation_id AND si.op_id = c.op_
 LEFT JOIN chosen pc ON pc.compilation_id = si.compilation_id AND pc.op_id = si.producer_op
 LEFT JOIN edge_prices ep ON ep.compilation_id = si.compilation_id AND ep.op_id = si.op_id
       AND ep.input_pos = si.input_pos AND ep.producer_tiling = pc.output_tiling AND ep.required_tiling = si.required_tiling
-{where_si};
+WHERE si.compilation_id IN ({shown});
 
 CREATE OR REPLACE {temp} VIEW plan AS
 SELECT o.compilation_id, o.op_id, o.op_name, o.op_kind, s.split, s.spec_id,
@@ -38,7 +39,7 @@ LEFT JOIN (
     JOIN tensors tn ON tn.compilation_id = e.compilation_id AND tn.tensor_id = e.tensor_id
     GROUP BY ALL
 ) r ON r.compilation_id = c.compilation_id AND r.op_id = c.op_id
-{where_c}
+WHERE c.compilation_id IN ({shown})
 ORDER BY o.compilation_id, o.op_id;
 
 -- Every candidate, with the repartition it would cost given the tilings the plan
@@ -67,5 +68,5 @@ LEFT JOIN (
           AND ep.required_tiling = si.required_tiling
     GROUP BY ALL
 ) rc ON rc.compilation_id = s.compilation_id AND rc.op_id = s.op_id AND rc.spec_id = s.spec_id
-{where_s}
+WHERE s.compilation_id IN ({shown})
 ORDER BY o.compilation_id, o.op_id, s.spec_id;

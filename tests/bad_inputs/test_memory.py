@@ -54,3 +54,18 @@ def test_the_refusal_quotes_the_peak_of_the_best_plan_found() -> None:
         rt.compileGraph(g, device="cpu:4", memory_per_device=leaner - 1)
     quoted = int(str(refused.value).split(" needs ")[1].split(" bytes")[0].replace(",", ""))
     assert quoted <= leaner
+
+
+def test_a_refused_compilation_is_recorded_with_its_reason_and_is_no_plan(tmp_path) -> None:
+    path = tmp_path / "plans.duckdb"
+    rt.compileGraph(_wide(100, 16), device="cpu:2", catalog=path)
+    with pytest.raises(rt.OutOfMemoryPlanError):
+        rt.compileGraph(_wide(1000, 64), device="cpu:4", memory_per_device=10_000, catalog=path)
+    from relational_tensors.catalog import Catalog
+
+    with Catalog(path, read_only=True) as cat:
+        rows = cat.sql("SELECT status, error FROM compilations ORDER BY compilation_id").to_pylist()
+        planned = cat.sql("SELECT DISTINCT compilation_id FROM plan").to_pylist()
+    assert [r["status"] for r in rows] == ["ok", "refused"]
+    assert "needs at least" in rows[1]["error"] and rows[0]["error"] is None
+    assert planned == [{"compilation_id": 1}]

@@ -1,0 +1,227 @@
+"""Catalog files: opening them (with errors that say what to do), telling a catalog from a DuckDB file of
+the user's own, and bringing a catalog written by an older version up to this one.
+
+The rules, so that nothing the user stored is lost:
+
+* Reading (``read_only``) opens the file read-only and changes nothing in it.
+* Writing adds the catalog's tables, columns and views only where they are missing, and replaces a
+  view only when the catalog wrote it (its comment says so; in files older than catalog versions,
+  when its text starts as the catalog's did).  An object of the user's own under one of the
+  catalog's names is never replaced: the open is refused, naming it.
+* A file with a newer catalog version than this package writes is read, never written.
+* Every change happens in one transaction, and a file that is already current is not written.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+
+from relational_tensors.catalog.memory import PACKAGE, SEQUENCES, SHOWN, VERSION, VIEWS, Schema, views_sql
+from relational_tensors.errors import CatalogError
+
+__all__ = ["connect", "prepare", "check_readable", "MIGRATIONS"]
+
+# The data steps of each catalog version, run after the missing tables and columns are added.
+#   1: compilations.status and error (and catalog_version itself): the finished compilations of older
+#      files (those with a plan_cost) are 'ok'; the others never finished (refused, failed or killed)
+#      and keep a NULL status, so the persisted views do not show them as plans.
+MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: ("UPDATE compilations SET status = 'ok' WHERE status IS NULL AND plan_cost IS NOT NULL",),
+}
+_MARK = "relational_tensors catalog view"  # the comment on each view the catalog writes into a file
+# how DuckDB prints the views of files written before catalog versions (every earlier views.sql)
+_LEGACY_VIEWS = {
+    "plan_inputs": "AS SELECT si.compilation_id, c.op_id, si.input_pos, si.required_tiling, si.producer_op,",
+    "plan": "AS SELECT o.compilation_id, o.op_id, o.op_name, o.op_kind, s.split, s.spec_id,",
+    "specs": "AS SELECT o.compilation_id, o.op_id, o.op_name, o.op_kind, s.spec_id, s.split, s.intervals,",
+}
+_WRITE_HINT = "compileGraph(graph, catalog=PATH) or `relational-tensors plan MODEL.py --catalog PATH`"
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def connect(path: str, read_only: bool) -> duckdb.DuckDBPyConnection:
+    mode = "for reading" if read_only else "for writing"
+    p = Path(path)
+    if p.is_dir():
+        raise CatalogError(f"a catalog is a DuckDB file; got {path!r}, which is a folder. "
+                           f"Give a file path, e.g. {str(p / 'plans.duckdb')!r}.")
+    if read_only and not p.exists():
+        raise CatalogError(f"no catalog file {path!r} to read; got a path where nothing is. "
+                           f"Write one first with {_WRITE_HINT.replace('PATH', path)}.")
+    if not read_only and not p.parent.is_dir():
+        raise CatalogError(f"cannot create the catalog file {path!r}: its folder {str(p.parent)!r} does not exist. "
+                           "Create the folder, or give a path in an existing one.")
+    try:
+        return duckdb.connect(path, read_only=read_only)
+    except duckdb.Error as e:
+        text = str(e)
+        if "Could not set lock" in text or "Conflicting lock" in text:
+            pid = re.search(r"\(PID (\d+)\)", text)
+            holder = f" (PID {pid.group(1)})" if pid else ""
+            raise CatalogError(
+                f"the catalog file {path!r} is locked by another process{holder}: DuckDB lets one process write "
+                f"a file, or several read it, not both at once; got a conflicting lock opening it {mode}. Close "
+                "the other process's connection to it (a compile still running, a `relational-tensors sql` "
+                "session, a notebook), or use another file.") from None
+        if "different configuration" in text:
+            other = "for writing" if read_only else "read-only"
+            raise CatalogError(
+                f"the catalog file {path!r} is already open in this process {other}, and DuckDB opens a file one "
+                f"way per process; got a request to open it {mode}. Close the other Catalog first (cat.close(), "
+                "or cg.catalog.close() for a compiled graph's), or open it the same way.") from None
+        if "not a valid DuckDB database" in text:
+            raise CatalogError(
+                f"{path!r} is not a DuckDB database file; got a file that DuckDB cannot read as one. Nothing was "
+                "changed. Give the path of a catalog (or of a new file to write one).") from None
+        raise CatalogError(f"cannot open the catalog {path!r} {mode}: {_first_line(e)}. Check the path and its "
+                           f"permissions, or give another file.") from None
+
+
+@dataclass
+class _Found:
+    """What a file holds under the main schema: kind and comment per name, views' text, tables' columns."""
+
+    kinds: dict[str, str] = field(default_factory=dict)
+    comments: dict[str, str | None] = field(default_factory=dict)
+    view_sql: dict[str, str] = field(default_factory=dict)
+    columns: dict[str, set[str]] = field(default_factory=dict)
+    version: int | None = None  # None: not a catalog; 0: a catalog from before catalog versions
+
+
+def _inspect(con: duckdb.DuckDBPyConnection) -> _Found:
+    found = _Found()
+    for name, kind, comment, sql in con.execute(
+            "SELECT table_name, 'table', comment, NULL FROM duckdb_tables() "
+            "WHERE database_name = current_database() AND schema_name = 'main' AND NOT internal "
+            "UNION ALL SELECT view_name, 'view', comment, sql FROM duckdb_views() "
+            "WHERE database_name = current_database() AND schema_name = 'main' AND NOT internal "
+            "UNION ALL SELECT sequence_name, 'sequence', comment, NULL FROM duckdb_sequences() "
+            "WHERE database_name = current_database() AND schema_name = 'main'").fetchall():
+        found.kinds[name] = kind
+        found.comments[name] = comment
+        if sql is not None:
+            found.view_sql[name] = sql
+    for table, column in con.execute(
+            "SELECT table_name, column_name FROM duckdb_columns() "
+            "WHERE database_name = current_database() AND schema_name = 'main' AND NOT internal").fetchall():
+        found.columns.setdefault(table, set()).add(column)
+    if found.kinds.get("catalog_version") == "table" and {"version", "package"} <= found.columns["catalog_version"]:
+        (top,), = con.execute("SELECT max(version) FROM catalog_version WHERE package = ?", [PACKAGE]).fetchall()
+        found.version = None if top is None else int(top)
+    if found.version is None and found.kinds.get("compilations") == "table" \
+            and "compilation_id" in found.columns["compilations"] and found.kinds.get("compilation_seq") == "sequence":
+        found.version = 0
+    return found
+
+
+def _listing(names: list[str], found: _Found) -> str:
+    return ", ".join(f"{n} ({found.kinds[n]})" for n in names)
+
+
+def check_readable(con: duckdb.DuckDBPyConnection, path: str) -> int:
+    """The catalog version of a file opened read-only (refused if it is no catalog)."""
+    found = _inspect(con)
+    if found.version is None:
+        has = sorted(found.kinds)
+        what = f"objects {', '.join(has[:8])}{', ...' if len(has) > 8 else ''}" if has else "no tables"
+        raise CatalogError(f"{path!r} is not a relational_tensors catalog: it has no catalog_version or "
+                           f"compilations table; got a DuckDB file with {what}. Give the path of a catalog "
+                           f"written by {_WRITE_HINT.replace('PATH', path)}.")
+    return found.version
+
+
+def _is_ours(view: str, found: _Found, schema: Schema) -> bool:
+    if found.view_sql.get(view) == schema.views[view] or (found.comments.get(view) or "").startswith(_MARK):
+        return True
+    return found.version == 0 and not found.comments.get(view) and _LEGACY_VIEWS[view] in found.view_sql[view]
+
+
+def _rename_hint(name: str, kind: str) -> str:
+    if kind == "sequence":
+        return f"DROP SEQUENCE {name} if nothing of yours uses it"
+    return f"ALTER {kind.upper()} {name} RENAME TO my_{name}"
+
+
+def prepare(con: duckdb.DuckDBPyConnection, path: str, schema: Schema, schema_sql: str, views_text: str) -> int:
+    """Make a file opened for writing a catalog of this version, or refuse; returns its version."""
+    found = _inspect(con)
+    ours = {**{t: "table" for t in schema.tables}, **{v: "view" for v in VIEWS}, **{s: "sequence" for s in SEQUENCES}}
+    if found.version is None:
+        taken = [n for n in ours if n in found.kinds]
+        if taken:
+            raise CatalogError(
+                f"{path!r} already has {_listing(taken, found)} of its own, and is not a relational_tensors "
+                "catalog (it has no catalog_version table), so the catalog cannot use those names; got a DuckDB "
+                "file whose objects would be replaced. Nothing was changed. Write the catalog to another file "
+                f"(catalog='plans.duckdb'), or rename yours ({_rename_hint(taken[0], found.kinds[taken[0]])}).")
+    elif found.version > VERSION:
+        raise CatalogError(
+            f"{path!r} was written by a newer relational_tensors (catalog version {found.version}; this one writes "
+            f"version {VERSION}), so it is not written here; got a request to open it for writing. Nothing was "
+            "changed. Read it with Catalog(path, read_only=True), upgrade relational_tensors to compile into it, "
+            "or compile into another file.")
+    else:
+        foreign = [n for n, kind in ours.items() if n in found.kinds and found.kinds[n] != kind]
+        foreign += [v for v in VIEWS if found.kinds.get(v) == "view" and not _is_ours(v, found, schema)]
+        if foreign:
+            fixes = "; ".join(_rename_hint(n, found.kinds[n]) for n in foreign)
+            raise CatalogError(
+                f"{path!r} is a relational_tensors catalog, but its {_listing(foreign, found)} is not the catalog's "
+                "(replaced by hand, or made by another program); got an object the catalog did not write under "
+                "a name it needs. Nothing was changed. To compile into this file, rename yours "
+                f"({fixes}) and the catalog writes its own again; or compile into another file.")
+    steps: list[str] = []
+    notes: list[str] = []
+    missing = [n for n in ours if ours[n] != "view" and n not in found.kinds]
+    if "compilation_seq" in missing and found.kinds.get("compilations") == "table":
+        (top,), = con.execute("SELECT coalesce(max(compilation_id), 0) FROM compilations").fetchall()
+        steps.append(f"CREATE SEQUENCE compilation_seq START {int(top) + 1}")  # ids go on after the kept rows
+    if missing:
+        steps.append(schema_sql)  # CREATE ... IF NOT EXISTS: only what is missing
+        notes += [f"added {n}" for n in missing]
+    for table, columns in schema.tables.items():
+        if table not in found.kinds:
+            continue
+        for c in columns:
+            if c.name not in found.columns.get(table, set()):
+                default = f" DEFAULT {c.default}" if c.default is not None else ""
+                steps.append(f'ALTER TABLE {table} ADD COLUMN "{c.name}" {c.type}{default}')
+                notes.append(f"added {table}.{c.name}")
+    start = 0 if found.version is None else found.version
+    if found.version is not None:
+        for v in range(start + 1, VERSION + 1):
+            steps += MIGRATIONS.get(v, ())
+    if any(found.view_sql.get(v) != schema.views[v] for v in VIEWS):
+        steps.append(views_sql(views_text, temp=False, shown=SHOWN))
+        steps += [f"COMMENT ON VIEW {v} IS '{_MARK} (catalog version {VERSION})'" for v in VIEWS]
+    row: list[object] | None = None
+    if found.version != VERSION:
+        note = "created" if found.version is None else f"migrated from version {found.version}" + (
+            f": {', '.join(notes)}" if notes else "")
+        row = [VERSION, PACKAGE, datetime.datetime.now(), note]
+    if not steps and row is None:
+        return VERSION  # current: the file is not written
+    try:
+        con.execute("BEGIN TRANSACTION")
+        for step in steps:
+            con.execute(step)
+        if row is not None:
+            con.execute("INSERT INTO catalog_version VALUES (?, ?, ?, ?)", row)
+        con.execute("COMMIT")
+    except duckdb.Error as e:
+        try:
+            con.execute("ROLLBACK")
+        except duckdb.Error:
+            pass
+        raise CatalogError(f"cannot bring the catalog {path!r} from version {start} to version {VERSION}: "
+                           f"{_first_line(e)}. Nothing was changed; compile into another file, and report "
+                           "this with the file's `SELECT * FROM catalog_version`.") from None
+    return VERSION
