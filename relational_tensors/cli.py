@@ -73,7 +73,7 @@ class _Ui:
             self.out.file.write(text if text.endswith("\n") else text + "\n")
 
     def result(self, obj: Any) -> None:
-        print(json.dumps(obj, indent=1, default=_jsonable))
+        print(json.dumps(_strict_json(obj), indent=1, default=_jsonable, allow_nan=False))
 
     @contextlib.contextmanager
     def status(self, what: str) -> Iterator[None]:
@@ -85,11 +85,22 @@ class _Ui:
             yield
 
 
+def _strict_json(x: Any) -> Any:
+    """``x`` with every NaN or infinite float as null: JSON has no spelling for them."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _strict_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_strict_json(v) for v in x]
+    return x
+
+
 def _jsonable(x: Any) -> Any:
     if hasattr(x, "isoformat"):
         return x.isoformat()
     if hasattr(x, "item"):
-        return x.item()
+        return _strict_json(x.item())
     if isinstance(x, (bytes, bytearray)):
         return x.hex()
     return str(x)
@@ -131,6 +142,8 @@ def parse_bytes(text: str) -> int:
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if not value >= 1:
         raise argparse.ArgumentTypeError(f"memory per device must be at least one byte; got {text!r}")
+    if not value <= 2**62:
+        raise argparse.ArgumentTypeError(f"memory per device must be at most 2**62 bytes (4 EiB); got {text!r}")
     return int(value)
 
 
@@ -178,6 +191,9 @@ def load_graph(path: str) -> Any:
             ns = runpy.run_path(str(file), run_name="__relational_tensors_model__")
         except RelationalTensorsError:
             raise
+        except SystemExit as e:
+            raise CommandError(f"running {path} called sys.exit({e.code!r}); a model file defines build() "
+                               "and returns from it (an rt.Graph, or a torch module and example inputs).") from e
         except Exception as e:
             raise CommandError(f"running {path} failed with {type(e).__name__}: {e}") from e
         build = ns.get("build")
@@ -186,6 +202,9 @@ def load_graph(path: str) -> Any:
                 made, source = build(), "build()"
             except RelationalTensorsError:
                 raise
+            except SystemExit as e:
+                raise CommandError(f"{path}: build() called sys.exit({e.code!r}); it must return an rt.Graph "
+                                   "(or a torch module and example inputs).") from e
             except Exception as e:
                 raise CommandError(f"{path}: build() failed with {type(e).__name__}: {e}") from e
         elif "graph" in ns:

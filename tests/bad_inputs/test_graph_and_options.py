@@ -5,6 +5,10 @@ Each case failed before (a raw TypeError, ValueError or duckdb exception, or sil
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -116,3 +120,30 @@ def test_load_of_something_else_and_an_unwritable_trace(tmp_path) -> None:
         cg.load(None)  # type: ignore[arg-type]
     with pytest.raises(rt.ExecError, match="cannot write the trace to .*Give a writable path"):
         cg.trace(str(tmp_path / "no" / "such" / "dir" / "t.json"))
+
+
+def _cli(*args: str, cwd=None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "relational_tensors", *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd)
+
+
+def test_cli_refuses_in_one_line(tmp_path) -> None:
+    model = tmp_path / "model.py"
+    model.write_text("import relational_tensors as rt\ndef build():\n    g = rt.Graph(); x = g.input('x', [8, 4])\n"
+                     "    g.save(g.unary(x, 'relu'), name='y'); return g\n")
+    exits = tmp_path / "exits.py"
+    exits.write_text("import sys\ndef build():\n    sys.exit(3)\n")
+    for args, words in ((["plan", str(model), "--memory-per-device", "1e400"], "at most 2**62 bytes"),
+                        (["plan", str(exits)], "build() called sys.exit(3)")):
+        r = _cli(*args)
+        assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+        assert words in r.stderr, r.stderr
+
+
+def test_cli_json_has_no_nan(tmp_path) -> None:
+    catalog = tmp_path / "c.duckdb"
+    rt.compileGraph(_tiny(), device="cpu:2", catalog=str(catalog))
+    r = _cli("--json", "sql", str(catalog), "SELECT 'nan'::DOUBLE AS x, 1.5::DOUBLE AS y")
+    assert r.returncode == 0, r.stderr
+    assert "NaN" not in r.stdout
+    assert json.loads(r.stdout) == [{"x": None, "y": 1.5}]
