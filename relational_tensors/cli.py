@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from relational_tensors.errors import RelationalTensorsError
 
@@ -558,11 +558,18 @@ def _plan_options(parser: argparse.ArgumentParser) -> None:
                    help="kernel calibration file (relational-tensors calibrate) for simulation and cost models")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line (the rule, what was given, where help is), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from relational_tensors import __version__
     from relational_tensors.target.topology import TOPOLOGIES
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG, description="Plan AI computations over many devices as joins followed by aggregations.",
         epilog=f"topologies: {', '.join(TOPOLOGIES)}. Run `{PROG} COMMAND --help` for a command's options.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
