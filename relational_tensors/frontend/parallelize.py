@@ -28,13 +28,51 @@ class ParallelModule:
     (sharing memory with the offloaded arrays: ``torch.from_numpy`` on CPU devices,
     DLPack on GPUs).  ``graph`` is the traced :class:`TorchGraph`, ``compiled`` the
     ``CompiledGraph`` (``plan``, ``catalog``, ``explain()``, ``sql()``).
+
+    The weights are the module's as traced.  A call after the module's parameters or buffers
+    changed (in place, or replaced) is refused rather than run on the old values;
+    :meth:`reload_weights` reads the current ones.
     """
 
-    def __init__(self, graph: TorchGraph, compiled: Any) -> None:
+    def __init__(self, graph: TorchGraph, compiled: Any, module: Any = None, example_inputs: Any = None) -> None:
         self.graph = graph
         self.compiled = compiled
+        self.module = module
+        self.example_inputs = example_inputs
         self._parameters_loaded = False
         self._partial_loads = True  # whether the executor keeps inputs that a load does not name
+        self._state = self._module_state()
+
+    def _module_state(self) -> dict[str, tuple[int, int, int]]:
+        """Per parameter and buffer of the module: its identity, storage and in-place version counter."""
+        if self.module is None:
+            return {}
+        tensors = [*self.module.named_parameters(), *self.module.named_buffers()]
+        return {name: (id(t), t.data_ptr(), t._version) for name, t in tensors}
+
+    def _check_weights(self) -> None:
+        if self.module is None:
+            return
+        now = self._module_state()
+        if now != self._state:
+            changed = sorted(n for n in set(now) | set(self._state) if now.get(n) != self._state.get(n))
+            raise ExecError(f"the module's weights changed since they were read ({', '.join(changed[:4])}"
+                            f"{' ...' if len(changed) > 4 else ''}); the plan would run on the old values. "
+                            "Call reload_weights() to read the current ones.")
+
+    def reload_weights(self) -> None:
+        """Read the module's current parameters and buffers (after training steps or a load_state_dict);
+        the next call loads them onto the devices."""
+        if self.module is None:
+            raise ExecError("this ParallelModule was built from a traced graph, not a module: there are no "
+                            "weights to read again. Use rt.parallelize(module, example_inputs).")
+        again = from_torch(self.module, self.example_inputs)
+        if set(again.parameters) != set(self.graph.parameters):
+            raise ExecError("the module no longer traces to the planned graph (its parameters differ); "
+                            "parallelize it again.")
+        self.graph.parameters = again.parameters
+        self._parameters_loaded = False
+        self._state = self._module_state()
 
     def explain(self, file: Any = None, width: int = 160) -> str:
         """Print (and return) the plan table of the compiled graph."""
@@ -85,6 +123,7 @@ class ParallelModule:
     def __call__(self, *inputs: Any) -> Any:
         torch = _torch()
         self._check(inputs)
+        self._check_weights()
         self._load(inputs)
         self.compiled.execute()
         leaves = []
@@ -108,4 +147,4 @@ def parallelize(module: Any, example_inputs: Any, device: Any = None, **compile_
     from relational_tensors.compiler import compileGraph
 
     graph = from_torch(module, example_inputs)
-    return ParallelModule(graph, compileGraph(graph, device=device, **compile_options))
+    return ParallelModule(graph, compileGraph(graph, device=device, **compile_options), module, example_inputs)

@@ -107,3 +107,22 @@ def test_nan_and_inf_feeds_propagate_as_in_the_reference(device: str) -> None:
     want = np.asarray(rt.reference(g, feeds)["y"], np.float64)
     assert np.array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(want), rtol=2e-3, atol=2e-3)
+
+
+def test_a_parallelized_module_refuses_to_run_on_weights_it_no_longer_has() -> None:
+    torch = pytest.importorskip("torch")
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).eval()
+    x = torch.randn(5, 8)
+    pm = rt.parallelize(m, (x,), device="cpu:2")
+    assert torch.allclose(pm(x), m(x), atol=1e-5)
+    with torch.no_grad():
+        m[0].weight.mul_(2)  # an in-place update, as an optimizer step makes
+    with pytest.raises(rt.ExecError, match=r"the module's weights changed since they were read \(0.weight\)"):
+        pm(x)
+    pm.reload_weights()
+    assert torch.allclose(pm(x), m(x), atol=1e-5)
+    m.load_state_dict({k: v * 0.5 for k, v in m.state_dict().items()})  # replaced tensors
+    with pytest.raises(rt.ExecError, match="reload_weights"):
+        pm(x)
+    pm.reload_weights()
+    assert torch.allclose(pm(x), m(x), atol=1e-5)
