@@ -20,6 +20,7 @@ from typing import Any
 import pyarrow as pa
 
 from relational_tensors.catalog import Catalog
+from relational_tensors.core.dtypes import partial_dtype
 from relational_tensors.dp_optimizer.candidates import Candidates, build_candidates
 from relational_tensors.dp_optimizer.costs import cost_model as get_cost_model
 from relational_tensors.dp_optimizer.plan import LogicalPlan
@@ -262,9 +263,10 @@ def _pass_verify(s: _State) -> None:
             out = low.dag.buffers[t.outputs[0]]
             assert t.op is not None  # a kernel task serves an operator
             node = s.graph.nodes[t.op]
-            if out.box != f.output or out.dtype != node.type.dtype or out.device != low.placement[t.op][t.kernel.index]:
+            dtype = node.type.dtype if t.kernel.final else partial_dtype(node.type.dtype)
+            if out.box != f.output or out.dtype != dtype or out.device != low.placement[t.op][t.kernel.index]:
                 raise PlanError(f"verify after 'lower': kernel {t.label} writes {out.box} ({out.dtype}) on device "
-                                f"{out.device}, not its function spec's block {f.output} ({node.type.dtype}).")
+                                f"{out.device}, not its function spec's block {f.output} ({dtype}).")
     for name, blocks in low.dag.outputs.items():
         node = s.graph.nodes[s.graph.outputs[name]]
         try:

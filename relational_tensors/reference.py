@@ -11,7 +11,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from relational_tensors.core.dtypes import itemsize, numpy_dtype
+from relational_tensors.core.dtypes import itemsize, numpy_dtype, partial_dtype
 from relational_tensors.core.spec import JoinAggSpec
 from relational_tensors.core.types import TensorType
 from relational_tensors.errors import ExecError
@@ -89,9 +89,11 @@ def check_feed_names(graph: Graph, feeds: Mapping[str, Any], needed: Iterable[st
 def execute_spec(op: Operator, spec: JoinAggSpec, inputs: Sequence[np.ndarray]) -> np.ndarray:
     """Run ``spec`` of ``op`` on whole input arrays: join, aggregate with ⊕, recompose."""
     partials: dict[Any, list[Any]] = defaultdict(list)
+    made = spec.output_multiplicity()
+    wide = partial_dtype(spec.output_type.dtype)
     for f in spec.functions:
         blocks = [a[box.slices()] for a, box in zip(inputs, f.inputs)]
-        partials[f.output].append(op.kernel(blocks, f))
+        partials[f.output].append(op.kernel(blocks, f) if made[f.output] == 1 else op.partial_kernel(blocks, f, wide))
     out = np.empty(spec.output_type.shape, dtype=numpy_dtype(spec.output_type.dtype))
     for box, parts in partials.items():
         out[box.slices()] = spec.aggregation.finalize(spec.aggregation.combine(parts))

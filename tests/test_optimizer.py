@@ -361,11 +361,11 @@ def test_pairwise_price_by_hand(kernels) -> None:
     assert price(_grid(8, 1)) == 0.0 < price(_grid(4, 1)) < price(_grid(1, 4))
     # the whole tensor read on every device: each gets the 7 rows it lacks, and sends its row to 7
     assert price(_grid(1, 1)) == pytest.approx(7 * 1024, abs=1e-3)
-    # 8 partial copies of the whole, read as 8 rows: each reader gets 7 partial copies of its row,
-    # 1024 bytes each, and adds the 8 copies up (a memory-bound ⊕)
+    # 8 partial copies of the whole, read as 8 rows: each reader gets 7 partial copies of its row, kept in
+    # float32 (2048 bytes each), adds the 8 copies up (a memory-bound ⊕) and rounds its row to float16
     partials = _grid(1, 1)
-    assert exchange_seconds(partials, rows8, "float16", "sum", kernels, 1.0) == pytest.approx(7 * 1024, abs=1e-3)
-    assert exchange_seconds(partials, partials, "float16", "sum", kernels, 1.0) == pytest.approx(7 * 8192, abs=1e-3)
+    assert exchange_seconds(partials, rows8, "float16", "sum", kernels, 1.0) == pytest.approx(7 * 2048, abs=1e-3)
+    assert exchange_seconds(partials, partials, "float16", "sum", kernels, 1.0) == pytest.approx(7 * 16384, abs=1e-3)
 
 
 def test_pairwise_prices_in_the_catalog() -> None:

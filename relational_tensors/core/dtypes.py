@@ -52,6 +52,17 @@ def canonical_dtype(dtype: object) -> str:
     )
 
 
+def partial_dtype(name: str) -> str:
+    """The dtype an unaggregated partial of a ``name`` operator is kept and combined in: float32 for the
+    16-bit floats (⊕ in 16 bits would round every partial and overflow on sums that cancel; the result is
+    rounded once, when the aggregate is assembled), the dtype itself otherwise.
+
+    >>> partial_dtype("bfloat16"), partial_dtype("float64"), partial_dtype("int32")
+    ('float32', 'float64', 'int32')
+    """
+    return "float32" if name in ("float16", "bfloat16") else name
+
+
 def numpy_dtype(name: str) -> np.dtype:
     return DTYPES[name]
 

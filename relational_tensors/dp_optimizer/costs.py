@@ -23,7 +23,7 @@ from typing import ClassVar, cast
 
 import pyarrow as pa
 
-from relational_tensors.core.dtypes import itemsize
+from relational_tensors.core.dtypes import itemsize, partial_dtype
 from relational_tensors.core.spec import JoinAggSpec
 from relational_tensors.core.tiling import Tiling, as_grid
 from relational_tensors.core.types import Box, TensorType
@@ -61,7 +61,7 @@ class CostModel:
         return total
 
     def aggregation(self, spec: JoinAggSpec, saved: bool = False) -> float:
-        width = self.width(spec.output_type.dtype)
+        width = self.width(partial_dtype(spec.output_type.dtype))  # partials move in their partial dtype
         total = 0.0
         for box, m in spec.output_multiplicity().items():
             if m > 1:
@@ -163,10 +163,12 @@ def cost_model(name: str, target: Target | None = None) -> CostModel:
 
 def spec_memory(spec: JoinAggSpec) -> int:
     """The largest per-device working set of ``spec``: its input blocks plus its output block, in bytes."""
-    out_width = itemsize(spec.output_type.dtype)
+    made = spec.output_multiplicity()
+    final, wide = itemsize(spec.output_type.dtype), itemsize(partial_dtype(spec.output_type.dtype))
     widths = [itemsize(t.dtype) for t in spec.input_types]
     best = 0
     for f in spec.functions:
+        out_width = final if made[f.output] == 1 else wide  # a partial block is kept in its partial dtype
         need = sum(b.volume * w for b, w in zip(f.inputs, widths)) + f.output.volume * out_width
         best = max(best, need)
     return best

@@ -133,7 +133,11 @@ class NumpyExecutor:
         if kind == "kernel":
             node = self.graph.nodes[task.op]
             run = task.kernel
-            out = node.op.kernel(ins, run.function)
+            dtype = self.dag.buffers[task.outputs[0]].dtype
+            if dtype == node.type.dtype:
+                out = node.op.kernel(ins, run.function)
+            else:  # an unaggregated partial, kept wider than the output
+                out = node.op.partial_kernel(ins, run.function, dtype)
             if run.final:
                 out = np.asarray(run.aggregation.finalize(out)).astype(
                     numpy_dtype(node.type.dtype), copy=False)

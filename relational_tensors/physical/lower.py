@@ -23,7 +23,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from relational_tensors.core.dtypes import itemsize
+from relational_tensors.core.dtypes import itemsize, partial_dtype
 from relational_tensors.core.types import Box, Interval
 from relational_tensors.dp_optimizer.plan import LogicalPlan
 from relational_tensors.errors import ExchangeError
@@ -174,7 +174,7 @@ class _Lowering:
                                 src = self.kernel_out[tensor][f]
                                 atoms[atom] = _Atom(src, cell, tensor)
                                 lse = spec.aggregation.name == "lse" and multiplicity[ff.output] > 1
-                                size = sum(block_bytes(cell, self.graph.nodes[tensor].type.dtype, lse))
+                                size = sum(block_bytes(cell, self.dag.buffers[src].dtype, lse))
                                 ins.append(InAtom(atom, self.dag.buffers[src].device, size))
                             copies.append(atom)
                     agg = frozenset(copies)
@@ -269,8 +269,9 @@ class _Lowering:
 
     def recompose(self, block: Box, pieces: list[tuple[Box, int]], device: int, tensor: int, op: int | None) -> int:
         node = self.graph.nodes[tensor]
-        if len(pieces) == 1 and pieces[0][0] == block and self.dag.buffers[pieces[0][1]].partial != "lse":
-            return pieces[0][1]
+        only = self.dag.buffers[pieces[0][1]] if len(pieces) == 1 else None
+        if only is not None and pieces[0][0] == block and only.partial != "lse" and only.dtype == node.type.dtype:
+            return only.id  # the block as it is: no assembly, no rounding of a wider partial
         out = self.dag.buffer(device, block, node.type.dtype, tensor)
         agg = self.plan.spec(tensor).aggregation if node.op is not None else None
         finalize = [self.dag.buffers[b].partial == "lse" for _, b in pieces]  # lse partials carry their lse rows
@@ -306,7 +307,8 @@ class _Lowering:
                     blocks.append(self.recompose(f.inputs[k], delivered[((g, k), i)], where[g], i, op_id))
             alone = multiplicity[f.output] == 1  # nothing to combine: the kernel writes the final block
             partial = None if alone else spec.aggregation.name
-            out = self.dag.buffer(where[g], f.output, node.type.dtype, op_id, partial)
+            dtype = node.type.dtype if alone else partial_dtype(node.type.dtype)
+            out = self.dag.buffer(where[g], f.output, dtype, op_id, partial)
             self.dag.add("kernel", where[g], tuple(blocks), (out,), op=op_id,
                          payload=KernelPayload(f, g, alone, spec.aggregation), label=f"{node.name}[{g}]")
             outs.append(out)

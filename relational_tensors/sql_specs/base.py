@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -27,6 +28,9 @@ __all__ = ["Operator", "IndexedOp", "SameIndicesOp", "OPERATORS", "register", "C
 Choice = Mapping[str, Interval]  # the interval of each requested index in one function spec
 
 OPERATORS: dict[str, type[Operator]] = {}
+
+# the dtype ``Operator._result`` writes while a partial kernel runs (None: the output's dtype)
+_RESULT_DTYPE: ContextVar[str | None] = ContextVar("result_dtype", default=None)
 
 
 def register(cls: type[Operator]) -> type[Operator]:
@@ -123,8 +127,17 @@ class Operator:
     def _compute(self, a: np.ndarray) -> np.ndarray:
         return a.astype(compute_dtype(self.output_type.dtype), copy=False)
 
+    def partial_kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec, dtype: str) -> Any:
+        """``kernel``, with its (partial) output block in ``dtype``, not rounded to the output's dtype (an
+        unaggregated partial of a 16-bit operator is kept in float32)."""
+        token = _RESULT_DTYPE.set(dtype)
+        try:
+            return self.kernel(blocks, f)
+        finally:
+            _RESULT_DTYPE.reset(token)
+
     def _result(self, a: np.ndarray) -> np.ndarray:
-        return np.asarray(a).astype(numpy_dtype(self.output_type.dtype), copy=False)
+        return np.asarray(a).astype(numpy_dtype(_RESULT_DTYPE.get() or self.output_type.dtype), copy=False)
 
 
 @dataclass(frozen=True, eq=True)

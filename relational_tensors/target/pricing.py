@@ -14,7 +14,7 @@ from bisect import bisect_left, bisect_right
 from collections import Counter
 from typing import Any
 
-from relational_tensors.core.dtypes import itemsize
+from relational_tensors.core.dtypes import itemsize, partial_dtype
 from relational_tensors.core.types import Box
 
 __all__ = ["exchange_seconds", "colocate", "device_bandwidth", "combine_seconds", "move_seconds"]
@@ -101,6 +101,7 @@ def exchange_seconds(blocks: tuple[Box, ...], reads: tuple[Box, ...], dtype: str
     6.0
     """
     width = itemsize(dtype)
+    wide = itemsize(partial_dtype(dtype))  # an unaggregated partial is kept (and moved) in its partial dtype
     made = Counter(blocks)
     wanted = Counter(r for r in reads if not r.is_empty)
     if not wanted:
@@ -111,7 +112,9 @@ def exchange_seconds(blocks: tuple[Box, ...], reads: tuple[Box, ...], dtype: str
     lse = aggregation == "lse" and rank > 0  # an lse partial carries a float32 per row
 
     def nbytes(volume: float, last: int, partial: bool) -> float:
-        return volume * width + (volume / max(last, 1) * 4 if lse and partial else 0.0)
+        if not partial:
+            return volume * width
+        return volume * wide + (volume / max(last, 1) * 4 if lse else 0.0)
 
     elements = [[0] * len(vs) for _ in us]
     moved = [[0.0] * len(vs) for _ in us]  # bytes of block i's copy that a reader of j needs
@@ -155,6 +158,8 @@ def exchange_seconds(blocks: tuple[Box, ...], reads: tuple[Box, ...], dtype: str
             t += cells * combine_seconds(kernels, volume / cells, cover, (cover + 1) * cell, dtype)
         if lse and cover > 1.0 + 1e-9:  # lse partials are finalized into the block
             t += move_seconds(kernels, volume * width, dtype)
+        elif cover > 1.0 + 1e-9 and wide != width:  # partials wider than the output are rounded into the block
+            t += move_seconds(kernels, volume * wide, dtype)
         # otherwise copies and ⊕ write into the block; only atoms already on the reader's device are
         # copied by its recompose, a share too small (and too placement-dependent) to price here
         finish_s = max(finish_s, t)
