@@ -240,6 +240,16 @@ for seed in (0, 1):
     agrees(g, cg, llama_feeds(g, seed), {tol})
 cg.load({{'x': llama_feeds(g, 2)['x']}}); cg.execute()
 agrees(g, cg, {{**llama_feeds(g, 1), 'x': llama_feeds(g, 2)['x']}}, {tol})""", "ok")
+for p in (2, 4):
+    case("runtime", f"float16 sum that cancels on cpu:{p}", f"""
+g = rt.Graph(); g.save(g.sum(g.input('x', [4], 'float16'), 0), name='y'); cg = rt.compileGraph(g, device='cpu:{p}')
+got = cg.run({{'x': np.array([40000.0, 40000.0, -40000.0, -40000.0])}})['y']
+assert got[0] == 0, got""", "ok")
+    case("runtime", f"float16 matmul split on its contraction on cpu:{p}", f"""
+g = rt.Graph(); g.save(g.matmul(g.input('a', [1, 4], 'float16'), g.input('b', [4, 1], 'float16')), name='y')
+cg = rt.compileGraph(g, device='cpu:{p}')
+got = cg.run({{'a': np.array([[40000.0, 40000.0, -40000.0, -40000.0]]), 'b': np.ones((4, 1))}})['y']
+assert float(got[0, 0]) == 0, got""", "ok")
 case("runtime", "NaN and Inf propagate as in the reference", """
 g = rt.Graph(); x = g.input('x', [6, 4]); g.save(g.softmax(x), name='y'); cg = rt.compileGraph(g, device='cpu:3')
 f = {'x': np.array([[np.nan, 1, 2, 3], [np.inf, 0, 0, 0], [-np.inf, 1, 1, 1], [1, 2, 3, 4], [0, 0, 0, 0],
