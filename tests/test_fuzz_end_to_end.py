@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 from cases import check_plan, feeds_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import relational_tensors as rt
+from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.models import chain_feeds, llama_block, llama_feeds
 
 FUZZ = settings(max_examples=int(os.environ.get("RT_FUZZ_EXAMPLES", "30")), deadline=None,
@@ -44,11 +46,14 @@ def blocks(draw: st.DrawFn) -> dict:
                 layers=draw(st.integers(1, 2)))
 
 
+DTYPES = st.sampled_from(["float32", "float16", "bfloat16"])
+
+
 @FUZZ
-@given(blocks(), st.integers(1, 9), options, st.integers(0, 2**16))
-def test_random_llama_blocks_equal_the_reference(block: dict, p: int, opts: dict, seed: int) -> None:
-    g = llama_block(**block, dtype="float32")
-    check_plan(g, llama_feeds(g, seed=seed), p, **opts)
+@given(blocks(), st.integers(1, 9), options, st.integers(0, 2**16), DTYPES)
+def test_random_llama_blocks_equal_the_reference(block: dict, p: int, opts: dict, seed: int, dtype: str) -> None:
+    g = llama_block(**block, dtype=dtype)
+    check_plan(g, llama_feeds(g, seed=seed), p, reruns=(llama_feeds(g, seed=seed + 1),), **opts)
 
 
 @st.composite
@@ -58,9 +63,9 @@ def chains(draw: st.DrawFn) -> tuple[list[int], list[int]]:
     return dims, [draw(st.integers(0, len(dims) - 3 - k)) for k in range(len(dims) - 2)]
 
 
-def chain_graph(dims: list[int], order: list[int]) -> rt.Graph:
+def chain_graph(dims: list[int], order: list[int], dtype: str = "float32") -> rt.Graph:
     g = rt.Graph()
-    mats = [g.input(f"M{i}", [dims[i], dims[i + 1]], "float32") for i in range(len(dims) - 1)]
+    mats = [g.input(f"M{i}", [dims[i], dims[i + 1]], dtype) for i in range(len(dims) - 1)]
     for i in order:
         mats[i:i + 2] = [g.matmul(mats[i], mats[i + 1])]
     g.save(mats[0], name="y")
@@ -68,10 +73,10 @@ def chain_graph(dims: list[int], order: list[int]) -> rt.Graph:
 
 
 @FUZZ
-@given(chains(), st.integers(1, 9), options, st.integers(0, 2**16))
-def test_random_matrix_chains_equal_the_reference(chain: tuple, p: int, opts: dict, seed: int) -> None:
-    g = chain_graph(*chain)
-    check_plan(g, chain_feeds(g, seed=seed), p, **opts)
+@given(chains(), st.integers(1, 9), options, st.integers(0, 2**16), DTYPES)
+def test_random_matrix_chains_equal_the_reference(chain: tuple, p: int, opts: dict, seed: int, dtype: str) -> None:
+    g = chain_graph(*chain, dtype=dtype)
+    check_plan(g, chain_feeds(g, seed=seed), p, reruns=(chain_feeds(g, seed=seed + 1),), **opts)
 
 
 @st.composite
@@ -167,4 +172,30 @@ def soup_graph(steps: list[tuple]) -> rt.Graph:
 @given(op_soups(), st.integers(1, 9), options, st.integers(0, 2**16))
 def test_random_operator_sequences_equal_the_reference(steps: list, p: int, opts: dict, seed: int) -> None:
     g = soup_graph(steps)
-    check_plan(g, feeds_for(g, seed), p, **opts)
+    check_plan(g, feeds_for(g, seed), p, reruns=(feeds_for(g, seed + 1),), **opts)
+
+
+@st.composite
+def adversarial(draw: st.DrawFn) -> tuple[rt.Graph, dict]:
+    """Softmax and attention over scores near 1e4, and sums whose terms cancel, in 32 and 16 bits."""
+    dtype = draw(DTYPES)
+    rows, cols = draw(st.integers(1, 9)), draw(st.integers(2, 24))
+    big = 1e4
+    g = rt.Graph()
+    x = g.input("x", [rows, cols], dtype)
+    g.save(g.softmax(x), name="soft")
+    g.save(g.sum(g.concat([x, g.unary(x, "scale", -1.0)], 1), 1), name="cancel")
+    q = g.input("q", [1, cols, 2, 4], dtype)
+    g.save(g.attention(q, q, q, causal=draw(st.booleans())), name="attn")
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    feeds = {"x": (rng.standard_normal((rows, cols)) * big).astype(numpy_dtype(dtype)),
+             "q": (rng.standard_normal((1, cols, 2, 4)) * 30).astype(numpy_dtype(dtype))}
+    return g, feeds
+
+
+@FUZZ
+@given(adversarial(), st.integers(1, 9), options)
+def test_adversarial_magnitudes_equal_the_reference(case: tuple, p: int, opts: dict) -> None:
+    g, feeds = case
+    terms = float(np.max(np.sum(np.abs(np.asarray(feeds["x"], np.float64)), axis=1))) * 2
+    check_plan(g, feeds, p, magnitudes={"cancel": terms}, **opts)
