@@ -17,23 +17,22 @@ from relational_tensors.catalog import Catalog, load_sql
 from relational_tensors.errors import CatalogError
 
 
-def small_graph() -> rt.Graph:
+def _weights_chain(rows: int, width: int, layers: int) -> rt.Graph:
     g = rt.Graph()
-    x = g.input("x", [16, 64])
-    for n in range(3):
-        x = g.matmul(x, g.parameter(f"w{n}", [64, 64]))
+    x = g.input("x", [rows, width])
+    for n in range(layers):
+        x = g.matmul(x, g.parameter(f"w{n}", [width, width]))
     g.save(x, name="y")
     return g
+
+
+def small_graph() -> rt.Graph:
+    return _weights_chain(16, 64, 3)
 
 
 def refused_graph() -> rt.Graph:
     """Each operator fits a device, the plan as a whole needs more (ten resident weights)."""
-    g = rt.Graph()
-    x = g.input("x", [64, 256])
-    for n in range(10):
-        x = g.matmul(x, g.parameter(f"w{n}", [256, 256]))
-    g.save(x, name="y")
-    return g
+    return _weights_chain(64, 256, 10)
 
 
 def raw(path: Path, *statements: str, read_only: bool = False) -> list[list[tuple]]:

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_cli import MLP
 
 import relational_tensors as rt
 from relational_tensors.target.flows import FlowNetwork
@@ -570,16 +571,7 @@ def test_compile_and_simulate_refuse_a_bad_calibration(compiled: rt.CompiledGrap
 
 # ------------------------------------------------------------------------------ the command line
 
-MODEL = '''
-import relational_tensors as rt
-
-def build():
-    g = rt.Graph()
-    x = g.input("x", [64, 32]); w1 = g.parameter("w1", [32, 64]); w2 = g.parameter("w2", [64, 32])
-    h = g.unary(g.matmul(x, w1, name="up"), "relu", name="act")
-    g.save(g.matmul(h, w2, name="down"), name="y")
-    return g
-'''
+MODEL = MLP  # the command line's test model (tests/test_cli.py)
 
 
 def _cli(*args: object, cwd: Path) -> subprocess.CompletedProcess[str]:
