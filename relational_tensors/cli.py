@@ -142,7 +142,9 @@ def parse_bytes(text: str) -> int:
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if not value >= 1:
         raise argparse.ArgumentTypeError(f"memory per device must be at least one byte; got {text!r}")
-    if not value <= 2**62:
+    from relational_tensors.options import MAX_MEMORY
+
+    if not value <= MAX_MEMORY:
         raise argparse.ArgumentTypeError(f"memory per device must be at most 2**62 bytes (4 EiB); got {text!r}")
     return int(value)
 

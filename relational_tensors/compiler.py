@@ -48,6 +48,7 @@ class _State:
     device: object
     target: Target | None = None
     limits: dict[int, int] | None = None  # bytes each device may use (None: unknown, unchecked)
+    limit: int | None = None              # the least of them: what a spec's working set must fit
     cid: int = -1
     candidates: Candidates | None = None
     pieces: list[Piece] = field(default_factory=list)
@@ -63,17 +64,18 @@ def _pass_target(s: _State) -> None:
     o = s.options
     s.target = Target.resolve(s.device, o.topology, o.calibration)
     s.limits = _device_memory(s)
+    s.limit = min(s.limits.values()) if s.limits else None
     devices = s.target.devices
     s.cid = s.catalog.new_compilation(label=o.label or ",".join(s.graph.outputs), devices=devices.p,
                                       device=str(devices), selector=o.selector, seed=o.seed,
                                       cost_model=o.cost_model,
-                                      memory_per_device=min(s.limits.values()) if s.limits else None)
+                                      memory_per_device=s.limit)
 
 
 def _pass_candidates(s: _State) -> None:
     assert s.target is not None
     model = get_cost_model(s.options.cost_model, s.target)
-    s.candidates = build_candidates(s.graph, s.target.p, model, min(s.limits.values()) if s.limits else None,
+    s.candidates = build_candidates(s.graph, s.target.p, model, s.limit,
                                     "memory_per_device" if s.options.memory_per_device is not None
                                     else s.target.memory_source())
 
@@ -369,15 +371,14 @@ class CompiledGraph:
         array, ...})``, or ``load(x, array)`` for one input given by handle or name.  A dict's first load
         needs every input; later ones may name only those that change (weights stay loaded); inputs
         loaded one at a time must all be there by ``execute()``."""
-        if not isinstance(feeds, (Tensor, str, Mapping)):
-            raise ExecError(f"load takes a dict of input name -> array, or one tensor (or its name) and one array; "
-                            f"got {type(feeds).__name__}.")
         if isinstance(feeds, (Tensor, str)):  # one input: the others may follow before execute
             self.executor.load({self._name(feeds, "load's input"): array}, partial=True)
             return
-        if array is not None:
-            raise GraphError("load takes a dict of name -> array, or one tensor (or name) and one array; "
-                             "got a dict and an array.")
+        if not isinstance(feeds, Mapping) or array is not None:
+            both = isinstance(feeds, Mapping)  # a dict and an array is a misuse of the API, not of the run
+            error = GraphError if both else ExecError
+            raise error("load takes a dict of input name -> array, or one tensor (or its name) and one array; "
+                        f"got {'a dict and an array' if both else type(feeds).__name__}.")
         self.executor.load(feeds)
 
     def execute(self) -> None:

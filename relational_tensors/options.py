@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from relational_tensors.core.numbers import is_integer, is_number
 from relational_tensors.dp_optimizer.costs import COST_MODEL_NAMES
 from relational_tensors.dp_optimizer.select import SELECTORS
 from relational_tensors.dp_optimizer.trees import TACTICS
@@ -65,10 +66,10 @@ class CompileOptions:
             if choices is not None and value not in choices:
                 raise PlanError(f"unknown {f.metadata['what']} {value!r}; choose one of {choices}.")
         seed = self.seed
-        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**31:
+        if not is_integer(seed) or not 0 <= seed < 2**31:
             raise PlanError(f"seed must be an integer in [0, 2**31); got {seed!r}.")
         m = self.memory_per_device
-        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or not 0 < m <= MAX_MEMORY):
+        if m is not None and (not is_integer(m) or not 0 < m <= MAX_MEMORY):
             raise PlanError(f"memory_per_device must be a positive number of bytes, at most 2**62; got {m!r}.")
         if self.label is not None and not isinstance(self.label, str):
             raise PlanError(f"label must be a string or None; got {self.label!r}.")
@@ -78,7 +79,7 @@ class CompileOptions:
             raise PlanError(f"topology must be a topology name, the path of a topology JSON file or a Topology; "
                             f"got {self.topology!r}.")
         b = self.search_budget_s
-        if not isinstance(b, (int, float)) or isinstance(b, bool) or not math.isfinite(b) or b <= 0:
+        if not is_number(b) or not 0 < b < math.inf:
             raise PlanError(f"search_budget_s must be a positive number of seconds; got {b!r}.")
 
     @staticmethod

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 
+from relational_tensors.core.numbers import is_number
 from relational_tensors.core.types import TensorType
 from relational_tensors.errors import GraphError
 
@@ -41,7 +41,7 @@ def finite_number(what: str, value: object, above: float | None = None, at_least
     >>> finite_number("rope base", 500, above=0)
     500.0
     """
-    x = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
+    x = float(value) if is_number(value) else math.nan
     if not math.isfinite(x) or (above is not None and not x > above) or (at_least is not None and not x >= at_least):
         bound = f" > {above:g}" if above is not None else f" >= {at_least:g}" if at_least is not None else ""
         raise GraphError(f"{what} must be a finite number{bound}; got {value!r}.")

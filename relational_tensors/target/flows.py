@@ -34,11 +34,11 @@ whole-plan simulator both drive it with the same five calls.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from relational_tensors.core.numbers import is_number
 from relational_tensors.errors import ExchangeError
 
 __all__ = ["FlowNetwork"]
@@ -46,11 +46,6 @@ __all__ = ["FlowNetwork"]
 _K = TypeVar("_K", bound=Hashable)  # what the caller keys its flows by
 
 _REL = 1e-12  # relative slack when comparing event times and residual capacities
-
-
-def _is_number(x: object) -> bool:
-    """A real number that is not a bool (the float test first: it is what the simulators pass)."""
-    return type(x) is float or (isinstance(x, numbers.Real) and not isinstance(x, bool))
 
 
 def _slack(t: float) -> float:
@@ -76,11 +71,11 @@ class FlowNetwork(Generic[_K]):
     """
 
     def __init__(self, capacities: Mapping[str, float], now: float = 0.0) -> None:
-        bad = {r: c for r, c in capacities.items() if not (_is_number(c) and 0 < c < math.inf)}
+        bad = {r: c for r, c in capacities.items() if not (is_number(c) and 0 < c < math.inf)}
         if bad:
             raise ExchangeError(f"every resource needs a finite positive capacity in bytes/s; got {bad}. "
                                 "A link that never contends is left off the flows' resources.")
-        if not (_is_number(now) and math.isfinite(now)):
+        if not (is_number(now) and math.isfinite(now)):
             raise ExchangeError(f"the network's clock starts at a finite time; got now={now!r}.")
         self.capacities: dict[str, float] = dict(capacities)
         self.now = float(now)
@@ -106,9 +101,9 @@ class FlowNetwork(Generic[_K]):
         if unknown:
             raise ExchangeError(f"flow {key!r} uses unknown resources {unknown}; known: {sorted(self.capacities)}.")
         for what, value in (("nbytes", nbytes), ("latency", latency)):
-            if not (_is_number(value) and 0 <= value < math.inf):  # NaN fails the comparisons
+            if not (is_number(value) and 0 <= value < math.inf):  # NaN fails the comparisons
                 raise ExchangeError(f"flow {key!r} needs {what} to be a finite number >= 0; got {what}={value!r}.")
-        if not (_is_number(cap) and cap > 0):
+        if not (is_number(cap) and cap > 0):
             raise ExchangeError(f"flow {key!r} needs cap to be a number of bytes/s > 0 (inf for no cap); "
                                 f"got cap={cap!r}.")
         self._flows[key] = _Flow(res, float(nbytes), float(cap), self.now + float(latency))
@@ -128,7 +123,7 @@ class FlowNetwork(Generic[_K]):
 
     def advance_to(self, t: float) -> list[_K]:
         """Move the clock to ``t``; the keys of the flows that finished by then, in finishing order."""
-        if not (_is_number(t) and math.isfinite(t)):
+        if not (is_number(t) and math.isfinite(t)):
             raise ExchangeError(f"the clock moves to a finite time only; got t={t!r} while it is at {self.now!r}.")
         if t < self.now - _slack(self.now):
             raise ExchangeError(f"the clock only moves forward; got t={t!r} while it is at {self.now!r}.")

@@ -14,8 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from relational_tensors.core.numbers import is_number
 from relational_tensors.errors import ExchangeError
-from relational_tensors.target.topology import Topology, is_number, load_json, read_text, show
+from relational_tensors.target.topology import Topology, load_json, read_text, show
 
 __all__ = ["KernelModel", "DEFAULT_EFFICIENCY", "CALIBRATIONS", "COST_FAMILIES"]
 

@@ -24,16 +24,16 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 import os
 import re
 import reprlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeGuard
+from typing import Any
 
 import pyarrow as pa
 
+from relational_tensors.core.numbers import is_integer, is_number
 from relational_tensors.errors import ExchangeError
 
 __all__ = ["Route", "Topology", "TOPOLOGIES", "get_topology", "multi_node", "nvswitch", "pcie_server", "dgx_v100"]
@@ -55,18 +55,6 @@ _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlist, _SHOW.maxdict, _SHOW.maxlevel = 
 def show(value: object) -> str:
     """A bounded repr for error messages: a value read from a file may be huge or deeply nested."""
     return _SHOW.repr(value)
-
-
-def is_number(x: object) -> TypeGuard[float]:
-    """A real number that is not a bool (JSON's true is no bandwidth); float and int first, as they are
-    what topologies hold (an ABC check costs more, and a large topology checks thousands of numbers)."""
-    t = type(x)
-    return t is float or t is int or (isinstance(x, numbers.Real) and not isinstance(x, bool))
-
-
-def is_integer(x: object) -> TypeGuard[int]:
-    """An integer that is not a bool."""
-    return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
 
 
 def _positive(where: str, field_: str, value: object, what: str) -> float:
