@@ -5,7 +5,7 @@ and the executor of one join-agg spec (join -> aggregate -> recompose) that prov
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import ml_dtypes
@@ -19,7 +19,7 @@ from relational_tensors.frontend.graph import Graph
 from relational_tensors.sql_specs.base import Operator
 
 __all__ = ["reference", "execute_spec", "run_operator", "coerce_feed", "check_feed_names", "refuse_out_of_range",
-           "refuse_overflow", "STALE_OUTPUTS"]
+           "refuse_overflow", "STALE_OUTPUTS", "check_loaded"]
 
 STALE_OUTPUTS = ("the saved outputs are stale: inputs were loaded after the last execute(), or it did not finish; "
                  "run cg.execute() before offloading.")
@@ -71,6 +71,17 @@ def refuse_overflow(name: str, a: Any, converted: Any, dtype: str, xp: Any = np)
         largest = float(ml_dtypes.finfo(numpy_dtype(dtype)).max)
         raise ExecError(f"input {name!r} is {dtype}, whose largest finite value is {largest:g}; got {bad:g}, which "
                         "would become infinite. Scale the values, or declare the input with a wider dtype.")
+
+
+def check_loaded(loaded: bool, resident: set[str], inputs: Collection[str]) -> None:
+    """Refuse to execute before every input has a value (the executors' shared rule): nothing loaded
+    yet, or inputs loaded one at a time with some still absent.  ``resident`` holds names of ``inputs``
+    only, so comparing sizes settles the common case without a walk (it runs before every replay)."""
+    if not loaded:
+        raise ExecError("load the inputs first: cg.load({name: array, ...}).")
+    if len(resident) < len(inputs):
+        missing = [n for n in inputs if n not in resident]
+        raise ExecError(f"inputs {missing} have no value yet; load them before execute: cg.load(name, array).")
 
 
 def check_feed_names(graph: Graph, feeds: Mapping[str, Any], needed: Iterable[str]) -> dict[str, Any]:

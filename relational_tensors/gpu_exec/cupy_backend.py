@@ -37,7 +37,7 @@ from relational_tensors.physical.tasks import (
     Task,
     TaskDAG,
 )
-from relational_tensors.reference import STALE_OUTPUTS, refuse_out_of_range, refuse_overflow
+from relational_tensors.reference import STALE_OUTPUTS, check_loaded, refuse_out_of_range, refuse_overflow
 from relational_tensors.sql_specs.base import Operator
 from relational_tensors.target.devices import DeviceSet
 
@@ -326,16 +326,9 @@ class CupyExecutor:
         for s in self.streams:
             s.synchronize()
 
-    def _check_loaded(self) -> None:
-        if not self.loaded:
-            raise ExecError("load the inputs first: cg.load({name: array, ...}).")
-        if len(self.resident) < len(self.dag.inputs):  # inputs loaded one at a time, some still absent
-            missing = [n for n in self.dag.inputs if n not in self.resident]
-            raise ExecError(f"inputs {missing} have no value yet; load them before execute: cg.load(name, array).")
-
     def execute(self) -> None:
         """Run the DAG: eagerly the first time, captured into a CUDA graph the second, replayed after."""
-        self._check_loaded()
+        check_loaded(self.loaded, self.resident, self.dag.inputs)
         self.fresh = False  # until this run has been issued whole
         # the memory plan orders tasks within one run; a run starts only after every stream has
         # finished the previous run (and any offload copies issued on them)
@@ -377,7 +370,7 @@ class CupyExecutor:
         """Run the DAG once eagerly with a CUDA event around every task: (task, start ms, end ms)
         measured from a common start on the first device."""
         cp = self.cp
-        self._check_loaded()
+        check_loaded(self.loaded, self.resident, self.dag.inputs)
         self.fresh = False
         self.synchronize()
         t0 = cp.cuda.Event()

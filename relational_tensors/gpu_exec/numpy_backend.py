@@ -20,7 +20,7 @@ from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.errors import ExecError
 from relational_tensors.frontend.graph import Graph
 from relational_tensors.physical.tasks import AggregatePayload, DecomposePayload, Liveness, RecomposePayload, TaskDAG
-from relational_tensors.reference import STALE_OUTPUTS, check_feed_names, coerce_feed
+from relational_tensors.reference import STALE_OUTPUTS, check_feed_names, check_loaded, coerce_feed
 
 __all__ = ["NumpyExecutor"]
 
@@ -42,7 +42,7 @@ class NumpyExecutor:
         self.frees = live.frees_after()
         self.loaded = False
         self.resident: set[str] = set()
-        self.executed = False  # the saved outputs belong to the loaded inputs (an execute finished after the last load)
+        self.fresh = False  # the saved outputs belong to the loaded inputs (an execute finished after the last load)
         self.runs = 0  # executions that finished
         self.peak = [0] * dag.p
 
@@ -82,7 +82,7 @@ class NumpyExecutor:
                                  [] if partial else [n for n in self.dag.inputs if n not in self.resident])
         # every feed is checked before any is placed: a load that fails changes nothing
         wholes = {name: coerce_feed(name, feeds[name], names[name].type) for name in self.dag.inputs if name in feeds}
-        self.executed = False  # the saved outputs no longer belong to the loaded inputs
+        self.fresh = False  # the saved outputs no longer belong to the loaded inputs
         for name, whole in wholes.items():
             for box, buf in self.dag.inputs[name]:
                 self._put(buf, np.array(whole[box.slices()], copy=True))
@@ -90,12 +90,8 @@ class NumpyExecutor:
         self.loaded = True
 
     def execute(self) -> None:
-        if not self.loaded:
-            raise ExecError("load the inputs first: cg.load({name: array, ...}).")
-        if len(self.resident) < len(self.dag.inputs):  # inputs loaded one at a time, some still absent
-            missing = [n for n in self.dag.inputs if n not in self.resident]
-            raise ExecError(f"inputs {missing} have no value yet; load them before execute: cg.load(name, array).")
-        self.executed = False
+        check_loaded(self.loaded, self.resident, self.dag.inputs)
+        self.fresh = False
         try:
             self._execute()
         except BaseException:
@@ -106,7 +102,7 @@ class NumpyExecutor:
                 for b in [b for b in pool if b not in loaded]:
                     del pool[b]
             raise
-        self.executed = True
+        self.fresh = True
         self.runs += 1
 
     def _execute(self) -> None:
@@ -171,7 +167,7 @@ class NumpyExecutor:
         """The saved tensor ``name``, assembled from its blocks."""
         if name not in self.dag.outputs:
             raise ExecError(f"no saved output named {name!r}; saved: {sorted(self.dag.outputs)}.")
-        if not self.executed:
+        if not self.fresh:
             if not self.runs:
                 raise ExecError("execute the program before offloading results: cg.execute().")
             raise ExecError(STALE_OUTPUTS)
