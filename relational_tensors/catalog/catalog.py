@@ -96,7 +96,7 @@ class Catalog:
                 self.version = check_readable(self.con, self.path)
             else:
                 self.version = prepare(self.con, self.path, _memory().schema, load_sql("schema.sql"),
-                                             load_sql("views.sql"))
+                                       load_sql("views.sql"))
         except BaseException:
             self.con.close()
             raise

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import relational_tensors as rt
-from relational_tensors.models import llama_block
+from relational_tensors.models import llama_block, llama_feeds
 from relational_tensors.target import target as target_module
 
 
@@ -69,3 +69,15 @@ def test_a_refused_compilation_is_recorded_with_its_reason_and_is_no_plan(tmp_pa
     assert [r["status"] for r in rows] == ["ok", "refused"]
     assert "needs at least" in rows[1]["error"] and rows[0]["error"] is None
     assert planned == [{"compilation_id": 1}]
+
+
+def test_a_plan_re_chosen_to_fit_runs_and_equals_the_reference() -> None:
+    g = llama_block(batch=1, seq=64, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96)
+    free = rt.compileGraph(g, device="cpu:4", memory_per_device=10**9)
+    limit = int(0.9 * max(free.memory().values()))
+    cg = rt.compileGraph(g, device="cpu:4", memory_per_device=limit)  # the fit_memory pass re-chooses
+    assert max(cg.memory().values()) <= limit < max(free.memory().values())
+    assert any(cg.plan.split(n.name) != free.plan.split(n.name) for n in g.operators)
+    feeds = llama_feeds(g)
+    np.testing.assert_allclose(cg.run(feeds)["y"], rt.reference(g, feeds)["y"], rtol=1e-4, atol=1e-5)
+    assert cg.executor.peak == [cg.memory()[d] for d in range(4)]
