@@ -8,7 +8,7 @@ cost family and whether their GPU kernel allocates; the GPU backend registers a 
 >>> problems()
 []
 >>> print(describe().splitlines()[0])
-kind       class        ⊕       cost family  GPU launcher  GPU allocates
+kind                class               ⊕          cost family  GPU launcher  GPU allocates  gradient
 """
 
 from __future__ import annotations
@@ -32,8 +32,14 @@ def operator_rows(operators: Mapping[str, type[Operator]] | None = None,
     launchers = LAUNCHERS if launchers is None else launchers
     return [dict(kind=kind, op_class=cls.__name__, module=cls.__module__, aggregation=_aggregation(cls),
                  cost_family=cls.cost_family, numpy_kernel=cls.kernel is not Operator.kernel,
-                 gpu_launcher=kind in launchers, gpu_allocates=cls.gpu_allocates)
+                 gpu_launcher=kind in launchers, gpu_allocates=_allocates(cls), gradient=cls.gradient)
             for kind, cls in operators.items()]
+
+
+def _allocates(cls: type[Operator]) -> str:
+    """Whether a kind's GPU kernel allocates: ``yes``, ``no``, or ``per op`` where its parameters decide."""
+    flag = next(k.__dict__["gpu_allocates"] for k in cls.__mro__ if "gpu_allocates" in k.__dict__)
+    return "per op" if isinstance(flag, property) else "yes" if flag else "no"
 
 
 def _aggregation(cls: type[Operator]) -> str:
@@ -50,9 +56,9 @@ def operator_table() -> pa.Table:
 
 def describe() -> str:
     """The registry as plain text, one kind a line."""
-    head = ("kind", "class", "⊕", "cost family", "GPU launcher", "GPU allocates")
+    head = ("kind", "class", "⊕", "cost family", "GPU launcher", "GPU allocates", "gradient")
     lines = [(r["kind"], r["op_class"], r["aggregation"], r["cost_family"], "yes" if r["gpu_launcher"] else "NO",
-              "yes" if r["gpu_allocates"] else "no") for r in operator_rows()]
+              r["gpu_allocates"], r["gradient"]) for r in operator_rows()]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
     return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in (head, *lines))
 

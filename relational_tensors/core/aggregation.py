@@ -1,8 +1,9 @@
 """The aggregations ⊕ that combine partial outputs of a join-agg spec.
 
 ⊕ is per operator: ``sum`` for contractions, ``max``/``min`` for those
-reductions, and ``lse`` for attention split over the key sequence, whose
-partials are pairs ``(out, lse)`` merged by their log-sum-exp weights.
+reductions, ``logsumexp`` (log(e^a + e^b)) for a log-sum-exp reduction split
+over its reduced axis, and ``lse`` for attention split over the key sequence,
+whose partials are pairs ``(out, lse)`` merged by their log-sum-exp weights.
 Each ⊕ is associative and commutative, so partials combine in any order.
 """
 
@@ -14,7 +15,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Aggregation", "SUM", "MAX", "MIN", "LSE", "AGGREGATIONS", "lse_merge"]
+__all__ = ["Aggregation", "SUM", "MAX", "MIN", "LSE", "LOGSUMEXP", "AGGREGATIONS", "lse_merge", "logaddexp"]
+
+
+def logaddexp(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """log(e^a + e^b) elementwise, -inf where both are -inf.
+
+    >>> round(float(logaddexp(np.zeros(1), np.zeros(1))[0]), 6)
+    0.693147
+    """
+    return np.logaddexp(a, b)
 
 
 def lse_merge(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -65,6 +75,8 @@ class Aggregation:
             return np.minimum(a, b)
         if self.name == "lse":
             return lse_merge(a, b)
+        if self.name == "logsumexp":
+            return logaddexp(a, b)
         raise ValueError(f"unknown aggregation {self.name}")
 
     def finalize(self, part: Any) -> np.ndarray:
@@ -84,4 +96,5 @@ SUM = Aggregation("sum")
 MAX = Aggregation("max")
 MIN = Aggregation("min")
 LSE = Aggregation("lse")
-AGGREGATIONS = {a.name: a for a in (SUM, MAX, MIN, LSE)}
+LOGSUMEXP = Aggregation("logsumexp")
+AGGREGATIONS = {a.name: a for a in (SUM, MAX, MIN, LSE, LOGSUMEXP)}

@@ -14,12 +14,15 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.core.types import TensorType
 from relational_tensors.errors import GraphError
+from relational_tensors.frontend import autodiff
 from relational_tensors.sql_specs import (
     AttentionOp,
     BinaryOp,
     ConcatOp,
+    CrossEntropyOp,
     EinsumOp,
     EmbeddingOp,
     LayernormOp,
@@ -34,6 +37,7 @@ from relational_tensors.sql_specs import (
     SoftmaxOp,
     SqlJoinOp,
     SwigluOp,
+    TokenCountOp,
     UnaryOp,
 )
 from relational_tensors.sql_specs.common import normalize_axis
@@ -217,6 +221,11 @@ class Graph:
              name: str | None = None) -> Tensor:
         return self._reduce("mean", x, axis, keepdims, name)
 
+    def logsumexp(self, x: Tensor, axis: int | Sequence[int] = -1, keepdims: bool = False,
+                  name: str | None = None) -> Tensor:
+        """log Σ exp(x) over ``axis``; a split of the axis is merged by ⊕ = logsumexp."""
+        return self._reduce("logsumexp", x, axis, keepdims, name)
+
     def softmax(self, x: Tensor, axis: int = -1, name: str | None = None) -> Tensor:
         return self._op(SoftmaxOp((self._t(x),), axis), (x,), name)
 
@@ -282,6 +291,74 @@ class Graph:
                          scale)
         return self._op(op, (q, k, v), name)
 
+    # --- losses -------------------------------------------------------------------
+    def cross_entropy(self, logits: Tensor, targets: Tensor, ignore_index: int | None = None,
+                      reduction: str = "mean", name: str | None = None) -> Tensor:
+        """Cross-entropy of ``logits[..., vocab]`` against integer ``targets[...]``, torch's
+        ``F.cross_entropy``: per token ``logsumexp(logits) - logits[target]``, targets equal to
+        ``ignore_index`` excluded; ``reduction`` is ``mean`` (over the counted tokens: NaN when none
+        counts, as in torch), ``sum`` or ``none`` (per token).  The vocabulary may be split over devices
+        in the forward and the gradient alike (see ``sql_specs.losses``)."""
+        if reduction not in ("mean", "sum", "none"):
+            raise GraphError(f"cross_entropy reduction must be 'mean', 'sum' or 'none'; got {reduction!r}.")
+        lt, tt = self._t(logits), self._t(targets)
+        lse = self.logsumexp(logits, axis=-1)
+        tok = self._op(CrossEntropyOp((lt, lse.type, tt), ignore_index), (logits, lse, targets),
+                       name if reduction == "none" else None)
+        if reduction == "none":
+            return tok
+        total = self.sum(tok, axis=tuple(range(tok.rank)), name=name if reduction == "sum" else None)
+        if reduction == "sum":
+            return total
+        count = self._op(TokenCountOp((tt,), ignore_index, lt.dtype), (targets,), None)
+        return self.div(total, count, name=name)
+
+    def mse(self, a: Tensor, b: Tensor, reduction: str = "mean", name: str | None = None) -> Tensor:
+        """Mean (or ``sum``) squared error of two tensors of one shape, torch's ``F.mse_loss``."""
+        if reduction not in ("mean", "sum"):
+            raise GraphError(f"mse reduction must be 'mean' or 'sum'; got {reduction!r}.")
+        if self._t(a).shape != self._t(b).shape:
+            raise GraphError(f"mse needs a and b of one shape; got {a.shape} and {b.shape}.")
+        sq = self.unary(self.sub(a, b), "square")
+        return self._reduce(reduction, sq, tuple(range(sq.rank)), False, name)
+
+    # --- gradients -------------------------------------------------------------------
+    def grad(self, loss: Tensor, wrt: Sequence[Tensor] | Tensor, allow_unused: bool = False) -> list[Tensor]:
+        """The gradients of the scalar ``loss`` with respect to each tensor of ``wrt``, appended to this
+        graph as operators (save them with ``g.save``).  A tensor no output depends on is refused, or gets
+        zeros with ``allow_unused=True``; see ``frontend.autodiff``."""
+        return autodiff.grad(self, loss, wrt, allow_unused)
+
+    def vjp(self, outputs: Sequence[Tensor] | Tensor, cotangents: Sequence[Tensor] | Tensor,
+            wrt: Sequence[Tensor] | Tensor, allow_unused: bool = False) -> list[Tensor]:
+        """The gradients with respect to ``wrt`` of ``Σ_i <outputs[i], cotangents[i]>`` (a vector-Jacobian
+        product: the cotangents are tensors of the outputs' shapes, graph inputs or computed)."""
+        return autodiff.vjp(self, outputs, cotangents, wrt, allow_unused)
+
+    def apply(self, op: Operator, *operands: Tensor, name: str | None = None) -> Tensor:
+        """Append the abstract operator ``op`` applied to ``operands`` (whose types it was built from)."""
+        if not isinstance(op, Operator):
+            raise GraphError(f"apply takes an Operator; got {type(op).__name__}.")
+        if len(operands) != len(op.input_types) or any(self._t(t) != ty for t, ty in zip(operands, op.input_types)):
+            raise GraphError(f"{op.kind} was built for inputs {[str(t) for t in op.input_types]}; got "
+                             f"{[str(t.type) if isinstance(t, Tensor) else repr(t) for t in operands]}.")
+        return self._op(op, operands, name)
+
+    def tensor(self, node_id: int) -> Tensor:
+        """The handle of node ``node_id``."""
+        if not isinstance(node_id, int) or not 0 <= node_id < len(self.nodes):
+            raise GraphError(f"no node {node_id!r}; the graph has nodes 0..{len(self.nodes) - 1}.")
+        return Tensor(self, node_id)
+
+    def producer(self, t: Tensor) -> tuple[Operator | None, tuple[Tensor, ...]]:
+        """The operator that makes ``t`` (None for a graph input) and the tensors it reads."""
+        node = self.nodes[self._own_id(t)]
+        return node.op, tuple(Tensor(self, i) for i in node.inputs)
+
+    def parameters(self) -> list[Tensor]:
+        """The floating graph inputs labelled as parameters, in declaration order (what ``grad`` usually takes)."""
+        return [Tensor(self, n.id) for n in self.nodes if n.role == "parameter" and n.type.dtype in FLOAT_DTYPES]
+
     # --- inspection ---------------------------------------------------------------
     @property
     def inputs(self) -> list[Node]:
@@ -324,6 +401,11 @@ class Graph:
         self._own(t)
         assert isinstance(t, Tensor)  # _own refuses anything else
         return t.type
+
+    def _own_id(self, t: object) -> int:
+        self._own(t)
+        assert isinstance(t, Tensor)
+        return t.id
 
     def _own(self, t: object) -> None:
         if not isinstance(t, Tensor) or t.graph is not self:

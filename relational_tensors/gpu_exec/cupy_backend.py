@@ -43,7 +43,7 @@ from relational_tensors.target.devices import DeviceSet
 
 __all__ = ["CupyExecutor"]
 
-AGG_OPS = {"sum": "add", "max": "maximum", "min": "minimum"}
+AGG_OPS = {"sum": "add", "max": "maximum", "min": "minimum", "logsumexp": "logaddexp"}
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction (and the GPUs) from the unified addresses
 
 

@@ -100,27 +100,47 @@ def _matmul(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream:
         matmul(a, b, out, stream)
 
 
-@launcher("einsum", "sql")
-def _einsum_like(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+def host_kernel(op: Any, f: FunctionSpec, ins: list, out: Any, stream: int) -> None:
+    """Run the operator's NumPy kernel on host copies of its blocks and copy the result back: the GPU path
+    of the operators without a device kernel yet (they declare ``gpu_allocates``, which keeps a program that
+    uses them out of CUDA-graph capture)."""
+    import cupy
+
+    bf16 = out.dtype == "bfloat16"
+    with cupy.cuda.ExternalStream(stream):
+        host = op.kernel([cupy.asnumpy(b.cupy()).view(numpy_dtype("bfloat16")) if b.dtype == "bfloat16"
+                          else cupy.asnumpy(b.cupy()) for b in ins], f)
+        host = np.ascontiguousarray(np.asarray(host).astype(numpy_dtype(out.dtype), copy=False))
+        out.cupy().set(host.view(np.uint16) if bf16 else host)
+
+
+@launcher("einsum")
+def _einsum(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     import cupy
 
     bf16 = out.dtype == "bfloat16"
     arrays = [b.cupy() for b in ins]
     dst = out.cupy()
     with cupy.cuda.ExternalStream(stream):
-        if op.kind == "einsum":
-            letters, res = op._parsed()
-            sub = ",".join("".join(x) for x in letters) + "->" + "".join(res)
-            work = compute_dtype(out.dtype)  # 16-bit floats in float32, float64 stays float64
-            operands = [bf16_bits_to_float32(a, cupy) if b.dtype == "bfloat16" else a.astype(work)
-                        for a, b in zip(arrays, ins)]
-            result = cupy.einsum(sub, *operands)
-            dst[...] = float32_to_bf16_bits(result, cupy) if bf16 else result.astype(dst.dtype)
-        else:  # SQL operators: the NumPy kernel, run with CuPy arrays through the same expressions
-            host = op.kernel([cupy.asnumpy(a).view(numpy_dtype("bfloat16")) if b.dtype == "bfloat16"
-                              else cupy.asnumpy(a) for a, b in zip(arrays, ins)], f)
-            host = np.ascontiguousarray(np.asarray(host).astype(numpy_dtype(out.dtype), copy=False))
-            dst.set(host.view(np.uint16) if bf16 else host)
+        letters, res = op._parsed()
+        sub = ",".join("".join(x) for x in letters) + "->" + "".join(res)
+        work = compute_dtype(out.dtype)  # 16-bit floats in float32, float64 stays float64
+        operands = [bf16_bits_to_float32(a, cupy) if b.dtype == "bfloat16" else a.astype(work)
+                    for a, b in zip(arrays, ins)]
+        result = cupy.einsum(sub, *operands)
+        dst[...] = float32_to_bf16_bits(result, cupy) if bf16 else result.astype(dst.dtype)
+
+
+# operators whose GPU kernel is their NumPy kernel on host copies (SQL operators evaluate arbitrary
+# expressions; the gradient operators have no device kernels yet)
+HOST_KINDS = ("sql", "unary_grad", "binary_grad", "swiglu_grad", "softmax_grad", "norm_grad", "norm_weight_grad",
+              "embedding_grad", "pad", "expand", "attention_lse", "attention_delta", "attention_grad",
+              "cross_entropy", "cross_entropy_grad", "token_count")
+
+
+@launcher(*HOST_KINDS)
+def _host(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    host_kernel(op, f, ins, out, stream)
 
 
 SCALAR_UFUNCS = {"scale": "multiply", "add_scalar": "add", "pow": "power"}
@@ -210,6 +230,9 @@ def _rope_constants(op: Any) -> dict[str, np.ndarray]:
 def _rope(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.gpu_exec.kernels.triton_rope import rope
 
+    if op.inverse:  # the gradient's inverse rotation has no device kernel yet
+        host_kernel(op, f, ins, out, stream)
+        return
     rope(ins[0], out, consts["seq_start"], f.inputs[0].lower[1], op.base)
 
 

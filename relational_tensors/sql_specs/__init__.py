@@ -6,19 +6,38 @@ this package imports every module, so the registry is complete as soon as anythi
 """
 
 from relational_tensors.sql_specs.attention import AttentionOp
+from relational_tensors.sql_specs.attention_grad import AttentionDeltaOp, AttentionGradOp, AttentionLseOp
 from relational_tensors.sql_specs.base import OPERATORS, IndexedOp, Operator, register
 from relational_tensors.sql_specs.einsum import EinsumOp, MatmulOp
-from relational_tensors.sql_specs.elementwise import BinaryOp, SwigluOp, UnaryOp
-from relational_tensors.sql_specs.embedding import EmbeddingOp
-from relational_tensors.sql_specs.norms import LayernormOp, RmsnormOp, SoftmaxOp
+from relational_tensors.sql_specs.elementwise import (
+    BinaryGradOp,
+    BinaryOp,
+    SwigluGradOp,
+    SwigluOp,
+    UnaryGradOp,
+    UnaryOp,
+)
+from relational_tensors.sql_specs.embedding import EmbeddingGradOp, EmbeddingOp
+from relational_tensors.sql_specs.losses import CrossEntropyGradOp, CrossEntropyOp, TokenCountOp
+from relational_tensors.sql_specs.norms import (
+    LayernormOp,
+    NormGradOp,
+    NormWeightGradOp,
+    RmsnormOp,
+    SoftmaxGradOp,
+    SoftmaxOp,
+)
 from relational_tensors.sql_specs.reduce import ReduceOp
 from relational_tensors.sql_specs.rope import RopeOp
-from relational_tensors.sql_specs.shape import ConcatOp, PermuteOp, ReshapeOp, SliceOp
+from relational_tensors.sql_specs.shape import ConcatOp, ExpandOp, PadOp, PermuteOp, ReshapeOp, SliceOp
 from relational_tensors.sql_specs.sql_join import SqlJoinOp
 
 __all__ = [
     "OPERATORS", "Operator", "IndexedOp", "register",
     "EinsumOp", "MatmulOp", "SqlJoinOp", "UnaryOp", "BinaryOp", "SwigluOp", "ReduceOp",
     "SoftmaxOp", "RmsnormOp", "LayernormOp", "RopeOp", "ReshapeOp", "PermuteOp", "SliceOp",
-    "ConcatOp", "EmbeddingOp", "AttentionOp",
+    "ConcatOp", "EmbeddingOp", "AttentionOp", "PadOp", "ExpandOp", "CrossEntropyOp", "TokenCountOp",
+    # gradient operators
+    "UnaryGradOp", "BinaryGradOp", "SwigluGradOp", "SoftmaxGradOp", "NormGradOp", "NormWeightGradOp",
+    "EmbeddingGradOp", "AttentionLseOp", "AttentionDeltaOp", "AttentionGradOp", "CrossEntropyGradOp",
 ]

@@ -13,6 +13,9 @@ Shardable indices, in declared order:
   [start(r0), r1); offered in equal lengths and, when causal, in equal work;
 * ``seq_kv``   anywhere; partial outputs over disjoint key blocks carry their
   log-sum-exp and are combined by the ⊕ ``lse``.
+
+The gradient is the FlashAttention backward, built from the operators of
+``attention_grad``: the forward's log-sum-exp, Δ = rowsum(dO·O), dq, and dk with dv.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -28,11 +32,16 @@ from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.core.spec import ANY, FunctionSpec, ShardableIndex
 from relational_tensors.core.types import Box, Interval, TensorType
 from relational_tensors.errors import GraphError
-from relational_tensors.sql_specs.base import Choice, Operator, register
+from relational_tensors.sql_specs.base import Builder, Choice, Grads, Operator, register
 from relational_tensors.sql_specs.common import finite_number, same_dtype
+from relational_tensors.sql_specs.grad import build
 from relational_tensors.sql_specs.packing import check_seq_ends, sequence_bounds
 
-__all__ = ["AttentionOp"]
+__all__ = ["AttentionOp", "KV_GRADIENTS"]
+
+# how the gradients of k and v are built: one "dkv" operator whose output holds dk and dv side by side (one
+# pass over the scores, then two slices), or "separate" dk and dv operators (bench/attention_grad.py compares)
+KV_GRADIENTS = {"mode": "packed"}
 
 _ROW_CHUNK = 512  # query rows per NumPy step, to bound the score matrix
 
@@ -104,7 +113,7 @@ class AttentionOp(Operator):
         return {"causal": self.causal, "seq_ends": self.seq_ends, "scale": self.softmax_scale}
 
     def shardable(self) -> tuple[ShardableIndex, ...]:
-        q, k, _ = self.input_types
+        q, k = self.input_types[:2]
         ends = self.seq_ends
         q_positions = ANY if ends is None else tuple(e for e in ends if e < q.shape[1])
         return (
@@ -188,7 +197,7 @@ class AttentionOp(Operator):
 
     # --- boxes ------------------------------------------------------------------
     def _parts(self, choice: Choice) -> tuple[Interval, Interval, Interval, Interval, Interval]:
-        q, k, _ = self.input_types
+        q, k = self.input_types[:2]
         b = choice.get("batch", Interval(0, q.shape[0]))
         h = choice.get("heads_kv", Interval(0, k.shape[2]))
         rows = choice.get("seq_q", Interval(0, q.shape[1]))
@@ -243,3 +252,23 @@ class AttentionOp(Operator):
             rows = np.where(seen, top[..., 0] + np.log(np.where(seen, total[..., 0], 1.0)), -np.inf)
             lse[:, r0:r1] = np.moveaxis(rows, 3, 1).reshape(nb, r1 - r0, hq)
         return out, lse
+
+    # --- gradient -----------------------------------------------------------------
+    def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any,
+            wanted: tuple[bool, ...]) -> Grads:
+        q, k, v = inputs
+        common = dict(causal=self.causal, seq_ends=self.seq_ends, scale=self.scale)
+        lse = build(b, "attention_lse", (q, k), **common)
+        delta = build(b, "attention_delta", (output, cotangent))
+        operands = (q, k, v, cotangent, lse, delta)
+        dq = build(b, "attention_grad", operands, part="dq", **common) if wanted[0] else None
+        dk = dv = None
+        if (wanted[1] and wanted[2]) and KV_GRADIENTS["mode"] == "packed":
+            dkv = build(b, "attention_grad", operands, part="dkv", **common)
+            d = k.type.shape[3]
+            dk = build(b, "slice", (dkv,), axis=3, start=0, stop=d)
+            dv = build(b, "slice", (dkv,), axis=3, start=d, stop=d + v.type.shape[3])
+        else:
+            dk = build(b, "attention_grad", operands, part="dk", **common) if wanted[1] else None
+            dv = build(b, "attention_grad", operands, part="dv", **common) if wanted[2] else None
+        return dq, dk, dv

@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -21,9 +21,10 @@ from relational_tensors.core.aggregation import SUM, Aggregation
 from relational_tensors.core.dtypes import compute_dtype, numpy_dtype
 from relational_tensors.core.spec import FunctionSpec, IntervalRequest, JoinAggSpec, ShardableIndex
 from relational_tensors.core.types import Box, Interval, TensorType
-from relational_tensors.errors import SpecError
+from relational_tensors.errors import GraphError, SpecError
 
-__all__ = ["Operator", "IndexedOp", "SameIndicesOp", "OPERATORS", "register", "Choice"]
+__all__ = ["Operator", "IndexedOp", "SameIndicesOp", "OPERATORS", "register", "Choice", "Handle", "Builder",
+           "Grads"]
 
 Choice = Mapping[str, Interval]  # the interval of each requested index in one function spec
 
@@ -31,6 +32,27 @@ OPERATORS: dict[str, type[Operator]] = {}
 
 # the dtype ``Operator._result`` writes while a partial kernel runs (None: the output's dtype)
 _RESULT_DTYPE: ContextVar[str | None] = ContextVar("result_dtype", default=None)
+
+
+class Handle(Protocol):
+    """A tensor of the graph a gradient is built in (``frontend.graph.Tensor``)."""
+
+    id: int  # the node that makes it
+
+    @property
+    def type(self) -> TensorType: ...
+
+
+class Builder(Protocol):
+    """The graph a gradient is appended to: ``apply`` appends one operator applied to earlier tensors;
+    ``producer`` says which operator (None for a graph input) made a tensor, from which tensors."""
+
+    def apply(self, op: Operator, *operands: Any, name: str | None = None) -> Any: ...
+
+    def producer(self, t: Any) -> tuple[Operator | None, tuple[Any, ...]]: ...
+
+
+Grads = tuple[Any, ...]  # per input: its gradient (a Handle), or None where none flows or none is wanted
 
 
 def register(cls: type[Operator]) -> type[Operator]:
@@ -117,6 +139,17 @@ class Operator:
             functions.append(FunctionSpec(ins, out, coords, self.flops(ins, out)))
         split = tuple((s.name, len(ivs)) for s, ivs in zip(idx, lists))
         return JoinAggSpec(self.input_types, self.output_type, tuple(functions), self.aggregation, split)
+
+    # --- gradient ------------------------------------------------------------
+    # "yes": ``vjp`` builds the gradient; otherwise why there is none (the registry prints it)
+    gradient: ClassVar[str] = "yes"
+
+    def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any,
+            wanted: tuple[bool, ...]) -> Grads:
+        """Append to ``b`` the operators that compute, for each input ``k`` with ``wanted[k]``, the gradient
+        of a scalar loss with respect to that input from ``cotangent``, its gradient with respect to the
+        output (a tensor of the output's type).  Returns one tensor or None per input."""
+        raise GraphError(f"{self.kind} has no gradient: {self.gradient}.")
 
     # --- concrete kernel ---------------------------------------------------
     def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> Any:

@@ -10,14 +10,16 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import Box, TensorType
 from relational_tensors.errors import GraphError
-from relational_tensors.sql_specs.base import IndexedOp, register
+from relational_tensors.sql_specs.base import Builder, Grads, IndexedOp, register
 from relational_tensors.sql_specs.common import names_or_default, same_dtype
+from relational_tensors.sql_specs.grad import einsum_grads
 
 __all__ = ["EinsumOp", "MatmulOp", "parse_einsum"]
 
@@ -110,6 +112,13 @@ class EinsumOp(IndexedOp):
         ins, out = self._parsed()
         sub = ",".join("".join(i) for i in ins) + "->" + "".join(out)
         return self._result(np.einsum(sub, *(self._compute(b) for b in blocks), optimize=len(blocks) > 2))
+
+    def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any,
+            wanted: tuple[bool, ...]) -> Grads:
+        """Operand k's gradient is the einsum of the output's gradient with the other operands onto k's
+        indices: for ``C = A @ B``, ``dA = dC @ Bᵀ`` and ``dB = Aᵀ @ dC`` (summed over the batch)."""
+        ins, out = self._parsed()
+        return einsum_grads(self.kind, b, ins, out, inputs, cotangent, wanted)
 
 
 @register

@@ -1,7 +1,10 @@
-"""Elementwise operators: ``unary``, ``binary`` (broadcasting add/sub/mul/div/...) and ``swiglu``.
+"""Elementwise operators: ``unary``, ``binary`` (broadcasting add/sub/mul/div/...) and ``swiglu``,
+and their gradient operators ``unary_grad``, ``binary_grad`` and ``swiglu_grad``.
 
 Every index can be split anywhere and nothing is aggregated: a block of the
 output needs the same block of each input (a broadcast dimension is read whole).
+A gradient of a broadcast operand is the gradient of the result summed over the
+dimensions it was broadcast along.
 """
 
 from __future__ import annotations
@@ -9,17 +12,20 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from relational_tensors.core.dtypes import FLOAT_DTYPES, canonical_dtype, numpy_dtype
 from relational_tensors.core.spec import FunctionSpec
-from relational_tensors.core.types import TensorType
+from relational_tensors.core.types import Box, TensorType
 from relational_tensors.errors import GraphError
-from relational_tensors.sql_specs.base import IndexedOp, SameIndicesOp, register
+from relational_tensors.sql_specs.base import Builder, Grads, IndexedOp, SameIndicesOp, register
 from relational_tensors.sql_specs.common import finite_number, same_dtype
+from relational_tensors.sql_specs.grad import build, reduce_to
 
-__all__ = ["UnaryOp", "BinaryOp", "SwigluOp", "UNARY_FUNCTIONS", "BINARY_FUNCTIONS", "silu", "gelu"]
+__all__ = ["UnaryOp", "BinaryOp", "SwigluOp", "UnaryGradOp", "BinaryGradOp", "SwigluGradOp", "UNARY_FUNCTIONS",
+           "BINARY_FUNCTIONS", "UNARY_DERIVATIVES", "silu", "gelu"]
 
 # an object array for an array of rank >= 1 (a 0-d array or a scalar gives a bare float)
 _erf: Callable[[np.ndarray], np.ndarray] = np.frompyfunc(math.erf, 1, 1)
@@ -36,6 +42,26 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 def _gelu_tanh(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def _dgelu(x: np.ndarray) -> np.ndarray:
+    cdf = 0.5 * (1.0 + _erf(x / math.sqrt(2.0)).astype(x.dtype))
+    return cdf + x * np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+
+
+def _dgelu_tanh(x: np.ndarray) -> np.ndarray:
+    c = math.sqrt(2.0 / math.pi)
+    t = np.tanh(c * (x + 0.044715 * x**3))
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * x * x)
+
+
+def _dsilu(x: np.ndarray) -> np.ndarray:
+    s = _sigmoid(x)
+    return s * (1.0 + x * (1.0 - s))
 
 
 # name -> f(x, arg); ``arg`` is the scalar of unary(x, op, arg)
@@ -57,6 +83,25 @@ UNARY_FUNCTIONS: dict[str, Callable[[np.ndarray, float], np.ndarray]] = {
     "add_scalar": lambda x, a: x + a,
     "pow": lambda x, a: x**a,
     "cast": lambda x, a: x,
+    "fill": lambda x, a: np.full_like(x, a),  # the constant ``arg`` in x's shape (a gradient's seed)
+}
+
+# name -> f'(x, arg), for the functions whose gradient is dy·f'(x) (the others are built in UnaryOp.vjp);
+# where f is not differentiable the derivative takes torch's value: relu'(0) = abs'(0) = 0
+UNARY_DERIVATIVES: dict[str, Callable[[np.ndarray, float], np.ndarray]] = {
+    "relu": lambda x, a: (x > 0).astype(x.dtype),
+    "gelu": lambda x, a: _dgelu(x),
+    "gelu_tanh": lambda x, a: _dgelu_tanh(x),
+    "silu": lambda x, a: _dsilu(x),
+    "sigmoid": lambda x, a: _sigmoid(x) * (1.0 - _sigmoid(x)),
+    "tanh": lambda x, a: 1.0 - np.tanh(x) ** 2,
+    "exp": lambda x, a: np.exp(x),
+    "log": lambda x, a: 1.0 / x,
+    "abs": lambda x, a: np.sign(x),
+    "sqrt": lambda x, a: 0.5 / np.sqrt(x),
+    "rsqrt": lambda x, a: -0.5 / (x * np.sqrt(x)),
+    "square": lambda x, a: 2.0 * x,
+    "pow": lambda x, a: a * x ** (a - 1.0),
 }
 
 BINARY_FUNCTIONS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
@@ -66,6 +111,7 @@ BINARY_FUNCTIONS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "div": np.divide,
     "maximum": np.maximum,
     "minimum": np.minimum,
+    "eq": lambda x, y: (x == y).astype(np.result_type(x, y)),  # 1 where equal, else 0 (no gradient)
 }
 
 
@@ -104,6 +150,60 @@ class UnaryOp(SameIndicesOp):
         if self.op == "cast":
             return np.asarray(x).astype(numpy_dtype(self.output_type.dtype))
         return self._result(UNARY_FUNCTIONS[self.op](self._compute(x), float(self.arg)))  # type: ignore[arg-type]
+
+    def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any, wanted: tuple[bool, ...]) -> Grads:
+        (x,) = inputs
+        if self.op == "fill":
+            return (None,)
+        if self.op == "cast":
+            return (build(b, "unary", (cotangent,), op="cast", arg=x.type.dtype),)
+        if self.op == "add_scalar":
+            return (cotangent,)
+        if self.op in ("neg", "scale"):
+            return (build(b, "unary", (cotangent,), op=self.op, arg=self.arg),)
+        return (build(b, "unary_grad", (x, cotangent), op=self.op, arg=self.arg),)
+
+
+@register
+@dataclass(frozen=True, eq=True)
+class UnaryGradOp(IndexedOp):
+    """``dy · f'(x)`` elementwise: the gradient of ``unary(x, op, arg)``.
+
+    >>> from relational_tensors.core.types import TensorType as T
+    >>> UnaryGradOp((T.zero((2, 3)), T.zero((2, 3))), "silu").signature()
+    'd0 d1, d0 d1 -> d0 d1'
+    """
+
+    kind = "unary_grad"
+    gradient = "a gradient operator (second derivatives are not built)"
+    gpu_allocates = True  # the NumPy kernel over host copies
+    op: str = "relu"
+    arg: float = 0.0
+
+    def infer(self) -> TensorType:
+        x, dy = self.input_types
+        if self.op not in UNARY_DERIVATIVES:
+            raise GraphError(f"unary_grad takes one of {sorted(UNARY_DERIVATIVES)}; got {self.op!r}.")
+        if x.shape != dy.shape or same_dtype(self.kind, self.input_types) not in FLOAT_DTYPES:
+            raise GraphError(f"unary_grad needs x and dy of one shape and float dtype; got {x} and {dy}.")
+        return x
+
+    def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
+        names = self.input_types[0].names
+        return (names, names)
+
+    def dims_out(self) -> tuple[str | None, ...]:
+        return self.input_types[0].names
+
+    def params(self) -> dict[str, object]:
+        return {"op": self.op, "arg": self.arg}
+
+    def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
+        return 4.0 * output.volume
+
+    def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
+        x, dy = (self._compute(a) for a in blocks)
+        return self._result(dy * UNARY_DERIVATIVES[self.op](x, float(self.arg)))
 
 
 def broadcast_dims(kind: str, types: Sequence[TensorType]
@@ -165,6 +265,78 @@ class BinaryOp(IndexedOp):
         x, y = (self._compute(b) for b in blocks)
         return self._result(BINARY_FUNCTIONS[self.op](x, y))
 
+    def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any, wanted: tuple[bool, ...]) -> Grads:
+        x, y = inputs
+        if self.op == "eq":
+            return (None, None)
+        grads = []
+        for k, (t, other) in enumerate(((x, y), (y, x))):
+            if not wanted[k]:
+                grads.append(None)
+                continue
+            if self.op == "add" or (self.op == "sub" and k == 0):
+                g = cotangent
+            elif self.op == "sub":
+                g = build(b, "unary", (cotangent,), op="neg")
+            elif self.op == "mul":
+                g = build(b, "binary", (cotangent, other), op="mul")
+            elif self.op == "div" and k == 0:
+                g = build(b, "binary", (cotangent, y), op="div")
+            else:  # d(x/y)/dy, maximum, minimum
+                g = build(b, "binary_grad", (x, y, cotangent), op=self.op, wrt=k)
+            grads.append(reduce_to(b, g, t.type))
+        return tuple(grads)
+
+
+@register
+@dataclass(frozen=True, eq=True)
+class BinaryGradOp(IndexedOp):
+    """The gradient of ``binary(x, y, op)`` with respect to operand ``wrt`` before the sum over its broadcast
+    dimensions: ``dy · ∂(x op y)/∂x_wrt`` in the shape of the result.  At ties of maximum and minimum the
+    gradient is split evenly between the operands (torch's rule).
+
+    >>> from relational_tensors.core.types import TensorType as T
+    >>> BinaryGradOp((T.zero((4, 3)), T.zero((3,)), T.zero((4, 3))), "div", 1).signature()
+    'd0 d1, d1, d0 d1 -> d0 d1'
+    """
+
+    kind = "binary_grad"
+    gradient = "a gradient operator (second derivatives are not built)"
+    gpu_allocates = True  # the NumPy kernel over host copies
+    op: str = "div"
+    wrt: int = 1
+
+    def infer(self) -> TensorType:
+        if self.op not in ("mul", "div", "maximum", "minimum") or self.wrt not in (0, 1):
+            raise GraphError(f"binary_grad takes op mul, div, maximum or minimum and wrt 0 or 1; got {self.op!r}, "
+                             f"wrt={self.wrt!r}.")
+        dtype = same_dtype(self.kind, self.input_types)
+        shape, _, names = broadcast_dims(self.kind, self.input_types)
+        if shape != self.input_types[2].shape:
+            raise GraphError(f"binary_grad needs dy in the broadcast shape {shape}; got {self.input_types[2].shape}.")
+        return TensorType.zero(shape, dtype, names)
+
+    def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
+        return broadcast_dims(self.kind, self.input_types)[1]
+
+    def dims_out(self) -> tuple[str | None, ...]:
+        return self.output_type.names
+
+    def params(self) -> dict[str, object]:
+        return {"op": self.op, "wrt": self.wrt}
+
+    def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
+        x, y, dy = (self._compute(a) for a in blocks)
+        if self.op == "mul":
+            d = y if self.wrt == 0 else x
+        elif self.op == "div":
+            d = 1.0 / y if self.wrt == 0 else -x / (y * y)
+        else:
+            mine, other = (x, y) if self.wrt == 0 else (y, x)
+            wins = mine > other if self.op == "maximum" else mine < other
+            d = np.where(wins, 1.0, np.where(mine == other, 0.5, 0.0)).astype(x.dtype)
+        return self._result(np.broadcast_to(dy * d, dy.shape))
+
 
 @register
 @dataclass(frozen=True, eq=True)
@@ -196,3 +368,45 @@ class SwigluOp(IndexedOp):
     def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
         a, b = (self._compute(x) for x in blocks)
         return self._result(silu(a) * b)
+
+    def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any, wanted: tuple[bool, ...]) -> Grads:
+        return tuple(build(b, "swiglu_grad", (*inputs, cotangent), wrt=k) if w else None
+                     for k, w in enumerate(wanted))
+
+
+@register
+@dataclass(frozen=True, eq=True)
+class SwigluGradOp(IndexedOp):
+    """The gradient of ``swiglu(a, b)`` with respect to a (``wrt=0``: dy·b·silu'(a)) or b (dy·silu(a)).
+
+    >>> from relational_tensors.core.types import TensorType as T
+    >>> SwigluGradOp((T.zero((4, 8)),) * 3, 1).output_type.shape
+    (4, 8)
+    """
+
+    kind = "swiglu_grad"
+    gradient = "a gradient operator (second derivatives are not built)"
+    gpu_allocates = True  # the NumPy kernel over host copies
+    wrt: int = 0
+
+    def infer(self) -> TensorType:
+        a, b, dy = self.input_types
+        if not a.shape == b.shape == dy.shape or self.wrt not in (0, 1):
+            raise GraphError(f"swiglu_grad needs a, b and dy of one shape and wrt 0 or 1; got {a.shape}, {b.shape}, "
+                             f"{dy.shape}, wrt={self.wrt!r}.")
+        same_dtype(self.kind, self.input_types)
+        return a
+
+    def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
+        names = self.input_types[0].names
+        return (names, names, names)
+
+    def dims_out(self) -> tuple[str | None, ...]:
+        return self.input_types[0].names
+
+    def params(self) -> dict[str, object]:
+        return {"wrt": self.wrt}
+
+    def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
+        a, b, dy = (self._compute(x) for x in blocks)
+        return self._result(dy * b * _dsilu(a) if self.wrt == 0 else dy * silu(a))

@@ -3,12 +3,18 @@
 The token indices and the embedding width split anywhere.  The vocabulary
 splits too (vocabulary-parallel embedding): each block returns the rows of the
 ids it holds and zeros elsewhere, and ⊕ = sum puts them together.
+
+The table's gradient ``embedding_grad`` scatter-adds each token's output
+gradient into its row: the vocabulary splits (a block adds only the ids it
+holds) and the tokens split with ⊕ = sum (each block of tokens gives a partial
+table).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -16,9 +22,17 @@ from relational_tensors.core.dtypes import FLOAT_DTYPES, numpy_dtype
 from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import Box, TensorType
 from relational_tensors.errors import ExecError, GraphError
-from relational_tensors.sql_specs.base import IndexedOp, register
+from relational_tensors.sql_specs.base import Builder, Grads, IndexedOp, register
+from relational_tensors.sql_specs.grad import build
 
-__all__ = ["EmbeddingOp"]
+__all__ = ["EmbeddingOp", "EmbeddingGradOp", "check_ids"]
+
+
+def check_ids(ids: np.ndarray, vocab: int) -> None:
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise ExecError(
+            f"embedding ids must lie in [0, {vocab}); got values from {int(ids.min())} to {int(ids.max())}."
+        )
 
 
 @register
@@ -56,13 +70,65 @@ class EmbeddingOp(IndexedOp):
 
     def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
         table, ids = blocks
-        vocab = self.input_types[0].shape[0]
-        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-            raise ExecError(
-                f"embedding ids must lie in [0, {vocab}); got values from {int(ids.min())} to {int(ids.max())}."
-            )
+        check_ids(ids, self.input_types[0].shape[0])
         v0, v1 = f.inputs[0].lower[0], f.inputs[0].upper[0]
         mine = (ids >= v0) & (ids < v1)
         rows = table[np.clip(ids - v0, 0, max(v1 - v0 - 1, 0))]
         out = np.where(mine[..., None], rows, np.zeros((), dtype=table.dtype))
         return out.astype(numpy_dtype(self.output_type.dtype), copy=False)
+
+    def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any,
+            wanted: tuple[bool, ...]) -> Grads:
+        table, ids = inputs
+        return (build(b, "embedding_grad", (ids, cotangent), vocab=table.type.shape[0]), None)
+
+
+@register
+@dataclass(frozen=True, eq=True)
+class EmbeddingGradOp(IndexedOp):
+    """``embedding_grad(ids[...], dy[..., embed]) -> [vocab, embed]``: row v is the sum of dy over the tokens
+    whose id is v.
+
+    >>> from relational_tensors.core.types import TensorType as T
+    >>> EmbeddingGradOp((T.zero((2, 5), "int64"), T.zero((2, 5, 8))), 100).signature()
+    't0 t1, t0 t1 embed -> vocab embed'
+    """
+
+    kind = "embedding_grad"
+    gradient = "a gradient operator (second derivatives are not built)"
+    gpu_allocates = True  # the NumPy kernel over host copies
+    vocab: int = 1
+
+    def infer(self) -> TensorType:
+        ids, dy = self.input_types
+        if ids.dtype not in ("int32", "int64"):
+            raise GraphError(f"embedding_grad ids must be int32 or int64; got dtype {ids.dtype}.")
+        if dy.shape[:-1] != ids.shape or dy.dtype not in FLOAT_DTYPES:
+            raise GraphError(f"embedding_grad needs dy of shape ids.shape + [embed] = {ids.shape} + [embed], "
+                             f"floating; got {dy}.")
+        if not isinstance(self.vocab, int) or self.vocab < 1:
+            raise GraphError(f"embedding_grad needs a vocabulary size >= 1; got {self.vocab!r}.")
+        return TensorType.zero((self.vocab, dy.shape[-1]), dy.dtype, ("vocab", "embed"))
+
+    def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
+        tokens = tuple(f"t{n}" for n in range(self.input_types[0].rank))
+        return (tokens, (*tokens, "embed"))
+
+    def dims_out(self) -> tuple[str | None, ...]:
+        return ("vocab", "embed")
+
+    def params(self) -> dict[str, object]:
+        return {"vocab": self.vocab}
+
+    def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
+        return float(inputs[1].volume)
+
+    def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
+        ids, dy = blocks
+        check_ids(ids, self.vocab)
+        v0, v1 = f.output.lower[0], f.output.upper[0]
+        out = np.zeros(f.output.shape, dtype=np.dtype(self._compute(dy[:0]).dtype))
+        flat = ids.reshape(-1)
+        mine = (flat >= v0) & (flat < v1)
+        np.add.at(out, flat[mine] - v0, self._compute(dy).reshape(-1, dy.shape[-1])[mine])
+        return self._result(out)

@@ -1,8 +1,12 @@
-"""Reductions ``sum``, ``max``, ``min`` and ``mean`` over one or more axes.
+"""Reductions ``sum``, ``max``, ``min``, ``mean`` and ``logsumexp`` over one or more axes.
 
 A reduced axis may be split anywhere: each block reduces its part and ⊕
-(sum, max or min) combines the blocks.  ``mean`` is a sum whose blocks each
-divide by the full extent, so their ⊕-sum is the mean.
+(sum, max, min or logsumexp) combines the blocks.  ``mean`` is a sum whose blocks
+each divide by the full extent, so their ⊕-sum is the mean.
+
+Gradients: sum and mean repeat the output's gradient along the reduced axes;
+max and min give it to the elements equal to the result, split evenly among
+ties (torch's rule for ``amax``); logsumexp gives it weighted by softmax.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -18,18 +23,29 @@ from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import TensorType
 from relational_tensors.errors import GraphError
-from relational_tensors.sql_specs.base import IndexedOp, register
+from relational_tensors.sql_specs.base import Builder, Grads, IndexedOp, register
 from relational_tensors.sql_specs.common import normalize_axis
+from relational_tensors.sql_specs.grad import build, expand_to, reshape_to
 
 __all__ = ["ReduceOp"]
 
-_NUMPY: dict[str, Callable[..., np.ndarray]] = {"sum": np.sum, "max": np.max, "min": np.min, "mean": np.sum}
+
+
+def _logsumexp(x: np.ndarray, axis: tuple[int, ...], keepdims: bool) -> np.ndarray:
+    top = np.max(x, axis=axis, keepdims=True)
+    safe = np.where(np.isfinite(top), top, 0.0)
+    out = safe + np.log(np.sum(np.exp(x - safe), axis=axis, keepdims=True))
+    return out if keepdims else np.squeeze(out, axis)
+
+
+_NUMPY: dict[str, Callable[..., np.ndarray]] = {"sum": np.sum, "max": np.max, "min": np.min, "mean": np.sum,
+                                               "logsumexp": _logsumexp}
 
 
 @register
 @dataclass(frozen=True, eq=True)
 class ReduceOp(IndexedOp):
-    """Reduce ``axes`` of x with ``op`` in {sum, max, min, mean}.
+    """Reduce ``axes`` of x with ``op`` in {sum, max, min, mean, logsumexp}.
 
     >>> from relational_tensors.core.types import TensorType as T
     >>> op = ReduceOp((T.zero((4, 6)),), "max", (1,)); op.signature(), str(op.aggregation)
@@ -92,3 +108,23 @@ class ReduceOp(IndexedOp):
         if self.op == "mean":
             out = out / math.prod(self.input_types[0].shape[a] for a in axes)
         return self._result(out.reshape(f.output.shape))
+
+    def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any,
+            wanted: tuple[bool, ...]) -> Grads:
+        (x,) = inputs
+        t = x.type
+        axes = self._axes()
+        kept = t.with_(shape=tuple(1 if d in axes else n for d, n in enumerate(t.shape)))
+        dy = reshape_to(b, cotangent, kept)
+        if self.op == "sum":
+            return (expand_to(b, dy, t),)
+        if self.op == "mean":
+            return (expand_to(b, build(b, "unary", (dy,), op="scale", arg=1.0 / math.prod(t.shape[a] for a in axes)),
+                              t),)
+        y = reshape_to(b, output, kept)
+        if self.op == "logsumexp":  # dy · exp(x - y)
+            weights = build(b, "unary", (build(b, "binary", (x, y), op="sub"),), op="exp")
+            return (build(b, "binary", (weights, dy), op="mul"),)
+        hit = build(b, "binary", (x, y), op="eq")  # max and min: the elements equal to the result
+        share = build(b, "binary", (dy, build(b, "reduce", (hit,), op="sum", axes=axes, keepdims=True)), op="div")
+        return (build(b, "binary", (hit, share), op="mul"),)

@@ -3,13 +3,15 @@
 out = cat(x1·cos − x2·sin, x2·cos + x1·sin), x1/x2 the halves of d_head and
 angle = position · base^(−2i/d_head).  Positions come from the block's own
 offset in the sequence (restarting at each packed-sequence start), so the
-sequence index splits anywhere; d_head does not split.
+sequence index splits anywhere; d_head does not split.  The gradient is the
+inverse rotation of the output's gradient (``inverse=True``: the angles negated).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -17,8 +19,9 @@ from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import Box, TensorType
 from relational_tensors.errors import GraphError
-from relational_tensors.sql_specs.base import SameIndicesOp, register
+from relational_tensors.sql_specs.base import Builder, Grads, SameIndicesOp, register
 from relational_tensors.sql_specs.common import finite_number
+from relational_tensors.sql_specs.grad import build
 from relational_tensors.sql_specs.packing import check_seq_ends, sequence_bounds
 
 __all__ = ["RopeOp", "rope_tables"]
@@ -44,6 +47,11 @@ class RopeOp(SameIndicesOp):
     kind = "rope"
     base: float = 10000.0
     seq_ends: tuple[int, ...] | None = None
+    inverse: bool = False  # rotate by the negated angles (the gradient of a rotation)
+
+    @property
+    def gpu_allocates(self) -> bool:  # type: ignore[override]
+        return self.inverse  # the inverse rotation runs its NumPy kernel over host copies
 
     def infer(self) -> TensorType:
         (x,) = self.input_types
@@ -61,7 +69,7 @@ class RopeOp(SameIndicesOp):
         return frozenset({self.input_types[0].names[3]})
 
     def params(self) -> dict[str, object]:
-        return {"base": self.base, "seq_ends": self.seq_ends}
+        return {"base": self.base, "seq_ends": self.seq_ends, "inverse": self.inverse}
 
     def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
         return 3.0 * output.volume
@@ -73,7 +81,11 @@ class RopeOp(SameIndicesOp):
         pos = np.arange(box.lower[1], box.upper[1])
         start, _ = sequence_bounds(pos, self.seq_ends, length)
         cos, sin = rope_tables(pos - start, x.shape[3], self.base, x.dtype)
-        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+        cos, sin = cos[None, :, None, :], (-sin if self.inverse else sin)[None, :, None, :]
         half = x.shape[3] // 2
         x1, x2 = x[..., :half], x[..., half:]
         return self._result(np.concatenate((x1 * cos - x2 * sin, x2 * cos + x1 * sin), axis=-1))
+
+    def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any,
+            wanted: tuple[bool, ...]) -> Grads:
+        return (build(b, "rope", (cotangent,), base=self.base, seq_ends=self.seq_ends, inverse=not self.inverse),)

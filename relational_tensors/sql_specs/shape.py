@@ -1,7 +1,10 @@
-"""Data-layout operators: ``reshape``, ``permute``, ``slice`` and ``concat``.
+"""Data-layout operators: ``reshape``, ``permute``, ``slice``, ``concat``, ``pad`` and ``expand``.
 
 None of them computes; their specs say which input block each output block
-is made of, so the optimizer can keep a split through a layout change.
+is made of, so the optimizer can keep a split through a layout change.  Their
+gradients are layout operators too: the inverse reshape or permutation, a slice
+padded back with zeros (``pad``), the slices of a concatenation, and the sum of a
+repeated (``expand``) tensor over its repeated dimensions.
 """
 
 from __future__ import annotations
@@ -9,16 +12,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from relational_tensors.core.spec import FunctionSpec, ShardableIndex
 from relational_tensors.core.types import Box, Interval, TensorType
 from relational_tensors.errors import GraphError
-from relational_tensors.sql_specs.base import Choice, IndexedOp, Operator, register
+from relational_tensors.sql_specs.base import Builder, Choice, Grads, IndexedOp, Operator, register
 from relational_tensors.sql_specs.common import names_or_default, normalize_axis, same_dtype
+from relational_tensors.sql_specs.grad import build, reduce_to
 
-__all__ = ["ReshapeOp", "PermuteOp", "SliceOp", "ConcatOp", "reshape_groups"]
+__all__ = ["ReshapeOp", "PermuteOp", "SliceOp", "ConcatOp", "PadOp", "ExpandOp", "reshape_groups"]
 
 
 def reshape_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int], list[int]]]:
@@ -147,6 +152,10 @@ class ReshapeOp(Operator):
     def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
         return np.ascontiguousarray(blocks[0]).reshape(f.output.shape)
 
+    def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any,
+            wanted: tuple[bool, ...]) -> Grads:
+        return (build(b, "reshape", (cotangent,), shape=inputs[0].type.shape),)
+
 
 @register
 @dataclass(frozen=True, eq=True)
@@ -181,6 +190,13 @@ class PermuteOp(IndexedOp):
 
     def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
         return np.ascontiguousarray(np.transpose(blocks[0], self.perm))
+
+    def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any,
+            wanted: tuple[bool, ...]) -> Grads:
+        inverse = [0] * len(self.perm)
+        for n, d in enumerate(self.perm):
+            inverse[d] = n
+        return (build(b, "permute", (cotangent,), perm=tuple(inverse)),)
 
 
 @register
@@ -239,6 +255,12 @@ class SliceOp(Operator):
 
     def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
         return np.array(blocks[0], copy=True)
+
+    def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any,
+            wanted: tuple[bool, ...]) -> Grads:
+        x = inputs[0].type
+        axis = normalize_axis(self.kind, self.axis, x)
+        return (build(b, "pad", (cotangent,), axis=axis, start=self.start, size=x.shape[axis]),)
 
 
 @register
@@ -303,3 +325,125 @@ class ConcatOp(Operator):
 
     def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
         return np.concatenate([b for b in blocks if b.size or b.shape[self._axis()]], axis=self._axis())
+
+    def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any,
+            wanted: tuple[bool, ...]) -> Grads:
+        off = self.offsets()
+        return tuple(build(b, "slice", (cotangent,), axis=self._axis(), start=off[k], stop=off[k + 1]) if w else None
+                     for k, w in enumerate(wanted))
+
+
+@register
+@dataclass(frozen=True, eq=True)
+class PadOp(Operator):
+    """x placed at ``start`` along ``axis`` of a tensor of extent ``size`` there, zeros elsewhere (the
+    gradient of a slice); every output index splits anywhere.
+
+    >>> from relational_tensors.core.types import TensorType as T
+    >>> op = PadOp((T.zero((4, 5)),), 1, 2, 10)
+    >>> op.output_type.shape, str(op.input_box(0, {"d1": op.shardable()[1].near_equal(2)[1]}))
+    ((4, 10), '[0,4)x[3,5)')
+    """
+
+    kind = "pad"
+    gpu_allocates = True  # the NumPy kernel over host copies
+    axis: int = 0
+    start: int = 0
+    size: int = 0
+
+    def infer(self) -> TensorType:
+        (x,) = self.input_types
+        axis = normalize_axis(self.kind, self.axis, x)
+        n = x.shape[axis]
+        if not (isinstance(self.start, int) and isinstance(self.size, int) and 0 <= self.start
+                and self.start + n <= self.size):
+            raise GraphError(f"pad needs 0 <= start and start + {n} <= size on axis {axis} of shape {x.shape}; "
+                             f"got start={self.start!r}, size={self.size!r}.")
+        shape = list(x.shape)
+        shape[axis] = self.size
+        return TensorType.zero(shape, x.dtype, x.names)
+
+    def shardable(self) -> tuple[ShardableIndex, ...]:
+        return tuple(ShardableIndex(n, s) for n, s in zip(self.output_type.names, self.output_type.shape))
+
+    def signature(self) -> str:
+        names = " ".join(self.output_type.names)
+        return f"{names} -> {names} (axis {normalize_axis(self.kind, self.axis, self.input_types[0])} " \
+               f"offset {self.start}, zeros elsewhere)"
+
+    def params(self) -> dict[str, object]:
+        return {"axis": normalize_axis(self.kind, self.axis, self.input_types[0]), "start": self.start,
+                "size": self.size}
+
+    def output_box(self, choice: Choice) -> Box:
+        y = self.output_type
+        return Box.from_intervals(choice.get(n, Interval(0, s)) for n, s in zip(y.names, y.shape))
+
+    def input_box(self, k: int, choice: Choice) -> Box:
+        axis = normalize_axis(self.kind, self.axis, self.input_types[0])
+        ivs = list(self.output_box(choice).intervals())
+        part = ivs[axis].intersect(Interval(self.start, self.start + self.input_types[0].shape[axis]))
+        ivs[axis] = part.shift(-self.start) if part.size else Interval(0, 0)
+        return Box.from_intervals(ivs)
+
+    def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
+        return 0.0
+
+    def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
+        axis = normalize_axis(self.kind, self.axis, self.input_types[0])
+        out = np.zeros(f.output.shape, dtype=blocks[0].dtype)
+        x = blocks[0]
+        if x.size:
+            at = f.inputs[0].lower[axis] + self.start - f.output.lower[axis]
+            index = [slice(None)] * out.ndim
+            index[axis] = slice(at, at + x.shape[axis])
+            out[tuple(index)] = x
+        return out
+
+    def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any,
+            wanted: tuple[bool, ...]) -> Grads:
+        x = inputs[0].type
+        axis = normalize_axis(self.kind, self.axis, x)
+        return (build(b, "slice", (cotangent,), axis=axis, start=self.start, stop=self.start + x.shape[axis]),)
+
+
+@register
+@dataclass(frozen=True, eq=True)
+class ExpandOp(IndexedOp):
+    """x repeated along its size-1 dimensions to ``shape`` (NumPy's ``broadcast_to`` at equal rank).
+
+    >>> from relational_tensors.core.types import TensorType as T
+    >>> ExpandOp((T.zero((4, 1)),), (4, 6)).signature()
+    'd0 1 -> d0 d1'
+    """
+
+    kind = "expand"
+    gpu_allocates = True  # the NumPy kernel over host copies
+    shape: tuple[int, ...] = ()
+
+    def infer(self) -> TensorType:
+        (x,) = self.input_types
+        shape = tuple(self.shape)
+        if len(shape) != x.rank or any(a not in (1, s) for a, s in zip(x.shape, shape)):
+            raise GraphError(f"expand repeats size-1 dimensions at equal rank; got {x.shape} -> {shape}.")
+        return TensorType.zero(shape, x.dtype, x.names)
+
+    def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
+        x = self.input_types[0]
+        return (tuple(n if a == s else None for n, a, s in zip(x.names, x.shape, self.shape)),)
+
+    def dims_out(self) -> tuple[str | None, ...]:
+        return self.output_type.names
+
+    def params(self) -> dict[str, object]:
+        return {"shape": tuple(self.shape)}
+
+    def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
+        return 0.0
+
+    def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
+        return np.array(np.broadcast_to(blocks[0], f.output.shape), copy=True)
+
+    def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any,
+            wanted: tuple[bool, ...]) -> Grads:
+        return (reduce_to(b, cotangent, inputs[0].type),)

@@ -16,6 +16,7 @@ import math
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import sqlglot
@@ -26,8 +27,9 @@ from relational_tensors.core.aggregation import AGGREGATIONS, SUM, Aggregation
 from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import Box, TensorType
 from relational_tensors.errors import GraphError
-from relational_tensors.sql_specs.base import IndexedOp, register
+from relational_tensors.sql_specs.base import Builder, Grads, IndexedOp, register
 from relational_tensors.sql_specs.common import same_dtype
+from relational_tensors.sql_specs.grad import einsum_grads, not_differentiable
 
 __all__ = ["SqlJoinOp", "parse_join_query", "ParsedQuery"]
 
@@ -359,3 +361,19 @@ class SqlJoinOp(IndexedOp):
             res = reducers[p.agg or "sum"](res, axis=contracted)
         kept = "".join(letters[n] for n in order if n in p.out)
         return self._result(np.einsum(f"{kept}->{out_sub}", res))
+
+    def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any,
+            wanted: tuple[bool, ...]) -> Grads:
+        """A SUM (or a pure join) of the product of every relation's value column is a contraction: each
+        relation's gradient joins the output's gradient with the other relations.  Other queries are refused."""
+        p = self.parsed()
+        if p.agg in ("max", "min"):
+            raise not_differentiable(self.kind, f"its aggregate is {p.agg.upper()}, and only SUM joins are "
+                                     f"differentiated (query {self.query!r})")
+        product = _product_of_values(p.expr)
+        if product is None or sorted(product) != sorted(p.relations):
+            raise not_differentiable(
+                self.kind, f"its value expression {p.expr.sql()} is not the product of each relation's value "
+                f"column taken once, the form whose gradient is a join (query {self.query!r}); write it as "
+                "SUM(A.v * B.v ...) with graph operators around it")
+        return einsum_grads(self.kind, b, p.dims, p.out, inputs, cotangent, wanted)

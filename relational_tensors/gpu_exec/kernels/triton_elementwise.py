@@ -13,8 +13,8 @@ __all__ = ["unary", "binary", "swiglu", "UNARY_CODES", "BINARY_CODES"]
 BLOCK = 1024
 UNARY_CODES = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3, "sigmoid": 4, "tanh": 5, "exp": 6, "log": 7,
                "neg": 8, "abs": 9, "sqrt": 10, "rsqrt": 11, "square": 12, "scale": 13, "add_scalar": 14,
-               "pow": 15, "cast": 16}
-BINARY_CODES = {"add": 0, "sub": 1, "mul": 2, "div": 3, "maximum": 4, "minimum": 5}
+               "pow": 15, "cast": 16, "fill": 17}
+BINARY_CODES = {"add": 0, "sub": 1, "mul": 2, "div": 3, "maximum": 4, "minimum": 5, "eq": 6, "logaddexp": 7}
 
 
 @triton.jit
@@ -60,6 +60,8 @@ def _unary_kernel(x_ptr, out_ptr, n, arg, OP: tl.constexpr, BLOCK_SIZE: tl.const
         y = x + arg
     elif OP == 15:
         y = tl.exp2(arg * tl.log2(x))
+    elif OP == 17:
+        y = tl.zeros_like(x) + arg
     else:
         y = x
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -112,8 +114,14 @@ def _binary_kernel(x_ptr, y_ptr, out_ptr, n, size_1, size_2, size_3,
         r = x / y
     elif OP == 4:
         r = tl.maximum(x, y)
-    else:
+    elif OP == 5:
         r = tl.minimum(x, y)
+    elif OP == 6:
+        r = tl.where(x == y, 1.0, 0.0).to(ACC)
+    else:  # log(e^x + e^y), -inf where both are
+        top = tl.maximum(x, y)
+        safe = tl.where(top == float("-inf"), 0.0, top)
+        r = tl.where(top == float("-inf"), top, safe + tl.log(tl.exp(x - safe) + tl.exp(y - safe)))
     tl.store(out_ptr + i0 * so0 + i1 * so1 + i2 * so2 + i3 * so3, r.to(out_ptr.dtype.element_ty), mask=mask)
 
 

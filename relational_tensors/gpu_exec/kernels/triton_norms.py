@@ -129,8 +129,11 @@ def _row_reduce_kernel(x_ptr, out_ptr, n, count, OP: tl.constexpr, BLOCK_N: tl.c
         acc = tl.zeros([BLOCK_N], dtype=ACC)
     elif OP == 1:
         acc = tl.full([BLOCK_N], float("-inf"), dtype=ACC)
-    else:
+    elif OP == 2:
         acc = tl.full([BLOCK_N], float("inf"), dtype=ACC)
+    else:  # logsumexp: per lane a running maximum and the sum of exponentials below it
+        acc = tl.full([BLOCK_N], float("-inf"), dtype=ACC)
+        total = tl.zeros([BLOCK_N], dtype=ACC)
     for c0 in range(0, n, BLOCK_N):
         cols = c0 + tl.arange(0, BLOCK_N)
         mask = cols < n
@@ -138,22 +141,33 @@ def _row_reduce_kernel(x_ptr, out_ptr, n, count, OP: tl.constexpr, BLOCK_N: tl.c
             acc += tl.load(x_ptr + row * n + cols, mask=mask, other=0.0).to(ACC)
         elif OP == 1:
             acc = tl.maximum(acc, tl.load(x_ptr + row * n + cols, mask=mask, other=float("-inf")).to(ACC))
-        else:
+        elif OP == 2:
             acc = tl.minimum(acc, tl.load(x_ptr + row * n + cols, mask=mask, other=float("inf")).to(ACC))
+        else:
+            xv = tl.load(x_ptr + row * n + cols, mask=mask, other=float("-inf")).to(ACC)
+            top = tl.maximum(acc, xv)
+            safe = tl.where(top == float("-inf"), 0.0, top)
+            total = total * tl.exp(acc - safe) + tl.exp(xv - safe)
+            acc = top
     if OP == 0:
         r = tl.sum(acc, axis=0) / count  # an integer count: exact up to 2**24 in float32
     elif OP == 1:
         r = tl.max(acc, axis=0)
-    else:
+    elif OP == 2:
         r = tl.min(acc, axis=0)
+    else:
+        top = tl.max(acc, axis=0)
+        safe = tl.where(top == float("-inf"), 0.0, top)
+        r = safe + tl.log(tl.sum(total * tl.exp(acc - safe), axis=0))
     tl.store(out_ptr + row, r.to(out_ptr.dtype.element_ty))
 
 
 def row_reduce(x: DevBuf, out: DevBuf, op: str, count: int = 1) -> None:
-    """out[r] = reduce(x[r, :]) for contiguous x viewed as [rows, n]; op in sum, max, min (a sum is divided
-    by ``count``: a mean passes the length of the whole reduced axes)."""
+    """out[r] = reduce(x[r, :]) for contiguous x viewed as [rows, n]; op in sum, max, min, logsumexp (a sum is
+    divided by ``count``: a mean passes the length of the whole reduced axes)."""
     rows = out.size
     n = x.size // rows if rows else 0
     if rows and n:
-        _row_reduce_kernel[(rows,)](Ptr(x), Ptr(out), n, int(count), OP={"sum": 0, "max": 1, "min": 2}[op],
-                                    BLOCK_N=_block(n), ACC=acc_type(x.dtype))
+        code = {"sum": 0, "max": 1, "min": 2, "logsumexp": 3}[op]
+        _row_reduce_kernel[(rows,)](Ptr(x), Ptr(out), n, int(count), OP=code, BLOCK_N=_block(n),
+                                    ACC=acc_type(x.dtype))

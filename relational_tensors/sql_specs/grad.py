@@ -1,0 +1,116 @@
+"""What an operator's vector-Jacobian product builds with, and the helpers the rules share.
+
+An operator's ``vjp`` appends graph operators that compute the gradient of each wanted input from
+the gradient of its output (the cotangent).  It sees the graph only through :class:`Builder`, which
+appends one abstract operator applied to earlier tensors, so the operator modules never import the
+frontend.  Helpers here build operators by kind from the registry (``OPERATORS``), which keeps the
+operator modules free of imports of each other.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from relational_tensors.core.dtypes import FLOAT_DTYPES
+from relational_tensors.core.types import TensorType
+from relational_tensors.errors import GraphError
+from relational_tensors.sql_specs.base import OPERATORS, Builder, Grads, Handle
+
+__all__ = ["build", "reduce_to", "expand_to", "reshape_to", "add_all",
+           "not_differentiable", "differentiable_dtype", "einsum_grads"]
+
+
+def build(b: Builder, kind: str, operands: Sequence[Handle], **params: Any) -> Any:
+    """Append the operator ``kind`` with ``params`` applied to ``operands``."""
+    op = OPERATORS[kind](tuple(t.type for t in operands), **params)  # type: ignore[call-arg]
+    return b.apply(op, *operands)
+
+
+def differentiable_dtype(t: TensorType) -> bool:
+    return t.dtype in FLOAT_DTYPES
+
+
+def not_differentiable(kind: str, why: str) -> GraphError:
+    return GraphError(f"{kind} has no gradient: {why}.")
+
+
+def reshape_to(b: Builder, x: Handle, t: TensorType) -> Any:
+    """``x`` reshaped to the shape of ``t`` (nothing appended when it already has it)."""
+    if x.type.shape == t.shape:
+        return x
+    return build(b, "reshape", (x,), shape=tuple(t.shape))
+
+
+def reduce_to(b: Builder, dy: Handle, t: TensorType) -> Any:
+    """The gradient ``dy`` of a broadcast result, summed back to the shape of the operand ``t``:
+    over the leading dimensions ``t`` lacks and the dimensions where ``t`` has size 1."""
+    full = dy.type.shape
+    lead = len(full) - t.rank
+    axes = [d for d in range(len(full)) if d < lead or (t.shape[d - lead] == 1 and full[d] != 1)]
+    out = build(b, "reduce", (dy,), op="sum", axes=tuple(axes), keepdims=True) if axes else dy
+    return reshape_to(b, out, t)
+
+
+def expand_to(b: Builder, x: Handle, t: TensorType) -> Any:
+    """``x`` (of ``t``'s rank, size 1 where it is broadcast) repeated to the shape of ``t``."""
+    if x.type.shape == t.shape:
+        return x
+    return build(b, "expand", (x,), shape=tuple(t.shape))
+
+
+def add_all(b: Builder, parts: Sequence[Handle]) -> Any:
+    """The sum of ``parts`` (gradients of one tensor used several times), as a balanced tree of adds."""
+    parts = list(parts)
+    while len(parts) > 1:
+        nxt = [build(b, "binary", (x, y), op="add") for x, y in zip(parts[::2], parts[1::2])]
+        if len(parts) % 2:
+            nxt.append(parts[-1])
+        parts = nxt
+    return parts[0]
+
+
+def _letters(dims: Sequence[Sequence[str | None]]) -> dict[str, str]:
+    """A distinct einsum letter per index name (index names such as ``b0`` are not letters)."""
+    names: dict[str, None] = {}
+    for d in dims:
+        for n in d:
+            if n is None:
+                raise GraphError("an einsum gradient needs every dimension named; got a broadcast dimension.")
+            names.setdefault(n)
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    if len(names) > len(alphabet):
+        raise GraphError(f"an einsum gradient takes at most {len(alphabet)} indices; got {len(names)}.")
+    return dict(zip(names, alphabet))
+
+
+def einsum_grads(kind: str, b: Builder, dims_in: Sequence[Sequence[str]], dims_out: Sequence[str],
+                 inputs: Sequence[Handle], cotangent: Handle, wanted: Sequence[bool]) -> Grads:
+    """The gradients of a sum of products ``out[O] = Σ Π_k x_k[L_k]``: for operand k, the einsum of the
+    cotangent with the other operands onto ``L_k``, repeated along the indices only ``x_k`` has."""
+    letters = _letters([*dims_in, dims_out])
+    subs = ["".join(letters[n] for n in d) for d in dims_in]
+    out_sub = "".join(letters[n] for n in dims_out)
+    grads: list[Any] = []
+    for k, (sub, x) in enumerate(zip(subs, inputs)):
+        if not wanted[k]:
+            grads.append(None)
+            continue
+        if len(set(sub)) != len(sub):
+            raise not_differentiable(kind, f"operand {k} repeats an index ({sub!r}, a diagonal); its gradient "
+                                     "would write a diagonal. Write the repeated index as two indices")
+        others = [(s, t) for j, (s, t) in enumerate(zip(subs, inputs)) if j != k]
+        present = set(out_sub).union(*(set(s) for s, _ in others))
+        kept = "".join(c for c in sub if c in present)
+        spec = ",".join([out_sub, *(s for s, _ in others)]) + "->" + kept
+        g = build(b, "einsum", (cotangent, *(t for _, t in others)), subscripts=spec)
+        if kept != sub:  # indices only this operand has: the gradient is the same along them
+            shape = tuple(n if c in present else 1 for c, n in zip(sub, x.type.shape))
+            g = expand_to(b, reshape_to(b, g, x.type.with_(shape=shape)), x.type)
+        grads.append(g)
+    return tuple(grads)
+
+
+def scale_of(t: TensorType, axes: Sequence[int]) -> float:
+    return 1.0 / math.prod(t.shape[a] for a in axes)
