@@ -18,7 +18,7 @@ import numpy as np
 from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.frontend.graph import Graph, Tensor
 
-__all__ = ["llama_block", "add_llama_block", "llama_feeds", "standard_normal", "LLAMA3_8B", "matrix_chain",
+__all__ = ["llama_block", "add_llama_block", "llama_feeds", "llama_training_graph", "llama_training_feeds", "standard_normal", "LLAMA3_8B", "matrix_chain",
            "chain_dims", "chain_feeds", "CHAINS"]
 
 # the paper's LLaMA-3-8B-shaped block
@@ -63,6 +63,39 @@ def llama_block(batch: int, seq: int, d_model: int, n_heads: int, n_kv_heads: in
                             seq_ends=seq_ends, eps=eps, rope_base=rope_base)
     g.save(x, name="y")
     return g
+
+
+def llama_training_graph(batch: int, seq: int, d_model: int, n_heads: int, n_kv_heads: int, d_ff: int,
+                         vocab: int, dtype: str = "float32", seq_ends: Sequence[int] | None = None, layers: int = 1,
+                         ignore_index: int | None = None, eps: float = 1e-5, rope_base: float = 500000.0) -> Graph:
+    """A language model's training graph: token ids -> embedding -> ``layers`` LLaMA-style blocks -> final
+    RMSNorm -> LM head -> cross-entropy against the next-token ``targets``, with the gradient of the loss
+    with respect to every parameter.  Saves ``loss`` and ``grad.<parameter>`` for each parameter."""
+    g = Graph()
+    ids = g.input("ids", [batch, seq], "int64", dims=("batch", "seq"))
+    targets = g.input("targets", [batch, seq], "int64", dims=("batch", "seq"))
+    x = g.embedding(g.parameter("embed", [vocab, d_model], dtype), ids, name="embed_lookup")
+    for n in range(layers):
+        prefix = f"l{n}." if layers > 1 else ""
+        x = add_llama_block(g, x, n_heads=n_heads, n_kv_heads=n_kv_heads, d_ff=d_ff, prefix=prefix,
+                            seq_ends=seq_ends, eps=eps, rope_base=rope_base)
+    h = g.rmsnorm(x, g.parameter("final_norm", [d_model], dtype), eps, name="final_rmsnorm")
+    logits = g.matmul(h, g.parameter("lm_head", [d_model, vocab], dtype), name="lm_head_proj")
+    loss = g.save(g.cross_entropy(logits, targets, ignore_index=ignore_index, name="loss"), name="loss")
+    params = g.parameters()
+    for p, d in zip(params, g.grad(loss, params)):
+        g.save(d, name=f"grad.{p.name}")
+    return g
+
+
+def llama_training_feeds(g: Graph, seed: int = 0) -> dict[str, np.ndarray]:
+    """:func:`llama_feeds` for the parameters, and token ids and targets drawn over the vocabulary."""
+    vocab = g.node("embed").type.shape[0]
+    rng = np.random.default_rng(seed)
+    feeds = llama_feeds(g, seed)
+    for name in ("ids", "targets"):
+        feeds[name] = rng.integers(0, vocab, size=g.node(name).type.shape)
+    return feeds
 
 
 def standard_normal(seed: np.random.SeedSequence, shape: Sequence[int], chunk: int = 1 << 22) -> np.ndarray:

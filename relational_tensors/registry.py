@@ -36,10 +36,10 @@ def operator_rows(operators: Mapping[str, type[Operator]] | None = None,
             for kind, cls in operators.items()]
 
 
-def _allocates(cls: type[Operator]) -> str:
-    """Whether a kind's GPU kernel allocates: ``yes``, ``no``, or ``per op`` where its parameters decide."""
+def _allocates(cls: type[Operator]) -> bool | None:
+    """Whether a kind's GPU kernel allocates; None where each operator's parameters decide."""
     flag = next(k.__dict__["gpu_allocates"] for k in cls.__mro__ if "gpu_allocates" in k.__dict__)
-    return "per op" if isinstance(flag, property) else "yes" if flag else "no"
+    return None if isinstance(flag, property) else bool(flag)
 
 
 def _aggregation(cls: type[Operator]) -> str:
@@ -58,7 +58,8 @@ def describe() -> str:
     """The registry as plain text, one kind a line."""
     head = ("kind", "class", "⊕", "cost family", "GPU launcher", "GPU allocates", "gradient")
     lines = [(r["kind"], r["op_class"], r["aggregation"], r["cost_family"], "yes" if r["gpu_launcher"] else "NO",
-              r["gpu_allocates"], r["gradient"]) for r in operator_rows()]
+              {True: "yes", False: "no", None: "per op"}[r["gpu_allocates"]], r["gradient"])  # type: ignore[index]
+             for r in operator_rows()]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
     return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in (head, *lines))
 

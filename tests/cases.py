@@ -79,7 +79,33 @@ CASES: dict[str, Case] = {
     "attention_negative_scale": _one(lambda g, d: g.attention(g.input("q", [1, 70, 2, 16], d),
                                                               g.input("k", [1, 150, 1, 16], d),
                                                               g.input("v", [1, 150, 1, 16], d), scale=-0.3)),
+    "logsumexp_vocab": _one(lambda g, d: g.logsumexp(g.input("x", [9, 53], d), axis=-1)),
+    "cross_entropy_mean_ignore": _one(lambda g, d: g.cross_entropy(g.input("logits", [2, 19, 53], d),
+                                                                   g.input("t", [2, 19], "int64"), ignore_index=3)),
+    "cross_entropy_sum": _one(lambda g, d: g.cross_entropy(g.input("logits", [37, 41], d), g.input("t", [37], "int64"),
+                                                           reduction="sum")),
+    "mse": _one(lambda g, d: g.mse(g.input("a", [10, 7], d), g.input("b", [10, 7], d))),
 }
+
+# forward cases whose operator has no gradient, with the construct the refusal names
+NOT_DIFFERENTIABLE = {"sql_maxplus": "MAX"}
+
+
+def with_vjp(make: Case) -> Case:
+    """The case's graph with the gradient of ``<out, cot>`` with respect to every floating input appended and
+    saved as ``d_<input>`` (``cot`` a new input of the output's shape)."""
+    def build(dtype: str) -> tuple[rt.Graph, str]:
+        g, name = make(dtype)
+        out = g.tensor(g.outputs["out"])
+        wrt = [g.tensor(n.id) for n in g.inputs if n.type.dtype == out.dtype]
+        cot = g.input("cot", out.shape, out.dtype)
+        for t, d in zip(wrt, g.vjp(out, cot, wrt)):
+            g.save(d, name=f"d_{t.name}")
+        return g, name
+    return build
+
+
+GRAD_CASES: dict[str, Case] = {name: with_vjp(make) for name, make in CASES.items() if name not in NOT_DIFFERENTIABLE}
 
 
 TOL = dict(rtol=1e-4, atol=1e-5)  # float32 plans against the float32 reference
@@ -138,10 +164,10 @@ def feeds_for(g: rt.Graph, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     feeds = {}
     for n in g.inputs:
-        if n.type.dtype.startswith("int"):
-            hi = next(c.type.shape[0] for c in g.operators if c.op is not None and c.inputs[0] != n.id and
-                      n.id in c.inputs)
-            feeds[n.name] = rng.integers(0, hi, size=n.type.shape)
+        if n.type.dtype.startswith("int"):  # ids of the table an embedding reads, or a cross-entropy's classes
+            reader = next(c for c in g.operators if n.id in c.inputs and c.kind in ("embedding", "cross_entropy"))
+            table = g.nodes[reader.inputs[0]].type.shape
+            feeds[n.name] = rng.integers(0, table[0] if reader.kind == "embedding" else table[-1], size=n.type.shape)
         else:
             feeds[n.name] = rng.standard_normal(n.type.shape).astype(rt.core.dtypes.numpy_dtype(n.type.dtype))
     return feeds

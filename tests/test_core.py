@@ -306,7 +306,9 @@ def test_other_aggregations() -> None:
     assert rt.MAX.combine([a, b]).tolist() == [3.0, 5.0]
     assert rt.MIN.combine([a, b]).tolist() == [1.0, 2.0]
     assert rt.SUM.finalize(a) is a
-    assert set(rt.AGGREGATIONS) == {"sum", "max", "min", "lse"}
+    assert set(rt.AGGREGATIONS) == {"sum", "max", "min", "lse", "logsumexp"}
+    np.testing.assert_allclose(rt.AGGREGATIONS["logsumexp"].combine([a, b]), np.logaddexp(a, b))
+    assert np.isneginf(rt.AGGREGATIONS["logsumexp"].combine([np.array([-np.inf])] * 2)).all()
     with pytest.raises(ValueError):
         rt.SUM.combine([])
 

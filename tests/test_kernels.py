@@ -243,6 +243,7 @@ UNARY_EXPECTED: dict[str, tuple[Callable[[np.ndarray, float], np.ndarray], float
     "add_scalar": (lambda x, a: a + x, 3.25, False),
     "pow": (lambda x, a: np.exp(a * np.log(x)), 1.7, True),
     "cast": (lambda x, a: x, "float64", False),
+    "fill": (lambda x, a: np.full(x.shape, a), -1.5, False),
 }
 
 

@@ -30,6 +30,7 @@ __all__ = ["connect", "prepare", "check_readable", "MIGRATIONS"]
 #   1: compilations.status and error (and catalog_version itself): the finished compilations of older
 #      files (those with a plan_cost) are 'ok'; the others never finished (refused, failed or killed)
 #      and keep a NULL status, so the persisted views do not show them as plans.
+#   2: operator_kinds.gradient (a new column; older rows keep NULL).
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: ("UPDATE compilations SET status = 'ok' WHERE status IS NULL AND plan_cost IS NOT NULL",),
 }

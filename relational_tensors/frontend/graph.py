@@ -17,7 +17,8 @@ from typing import Any
 from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.core.types import TensorType
 from relational_tensors.errors import GraphError
-from relational_tensors.frontend import autodiff
+from relational_tensors.frontend.autodiff import grad as _grad
+from relational_tensors.frontend.autodiff import vjp as _vjp
 from relational_tensors.sql_specs import (
     AttentionOp,
     BinaryOp,
@@ -327,13 +328,13 @@ class Graph:
         """The gradients of the scalar ``loss`` with respect to each tensor of ``wrt``, appended to this
         graph as operators (save them with ``g.save``).  A tensor no output depends on is refused, or gets
         zeros with ``allow_unused=True``; see ``frontend.autodiff``."""
-        return autodiff.grad(self, loss, wrt, allow_unused)
+        return _grad(self, loss, wrt, allow_unused)
 
     def vjp(self, outputs: Sequence[Tensor] | Tensor, cotangents: Sequence[Tensor] | Tensor,
             wrt: Sequence[Tensor] | Tensor, allow_unused: bool = False) -> list[Tensor]:
         """The gradients with respect to ``wrt`` of ``Σ_i <outputs[i], cotangents[i]>`` (a vector-Jacobian
         product: the cotangents are tensors of the outputs' shapes, graph inputs or computed)."""
-        return autodiff.vjp(self, outputs, cotangents, wrt, allow_unused)
+        return _vjp(self, outputs, cotangents, wrt, allow_unused)
 
     def apply(self, op: Operator, *operands: Tensor, name: str | None = None) -> Tensor:
         """Append the abstract operator ``op`` applied to ``operands`` (whose types it was built from)."""

@@ -43,7 +43,9 @@ CREATE TABLE IF NOT EXISTS operator_kinds (
     cost_family     VARCHAR,        -- how the kernel model prices it: matmul | attention | compute
     numpy_kernel    BOOLEAN,
     gpu_launcher    BOOLEAN,
-    gpu_allocates   BOOLEAN         -- its GPU kernel allocates (keeps a program out of CUDA-graph capture)
+    gpu_allocates   BOOLEAN,        -- its GPU kernel allocates (keeps a program out of CUDA-graph capture;
+                                    -- NULL: each operator's parameters decide)
+    gradient        VARCHAR         -- 'yes' where it declares its vector-Jacobian product, else why not
 );
 
 CREATE TABLE IF NOT EXISTS tensors (

@@ -109,7 +109,8 @@ class AttentionLseOp(AttentionOp):
                 s = np.where(visible, s, -np.inf)
                 top = s.max(axis=-1, keepdims=True)
                 safe = np.where(np.isfinite(top), top, 0.0)
-                rows = (safe + np.log(np.exp(s - safe).sum(axis=-1, keepdims=True)))[..., 0]  # [b, h, g, q]
+                total = np.exp(s - safe).sum(axis=-1, keepdims=True)
+                rows = np.where(total > 0, safe + np.log(np.where(total > 0, total, 1.0)), -np.inf)[..., 0]
                 lse[:, r0:r1] = np.moveaxis(rows, 3, 1).reshape(nb, r1 - r0, hq)
         return self._result(lse)
 

@@ -1,0 +1,133 @@
+"""A graph evaluated with PyTorch operators, to check gradients against torch autograd.
+
+Each forward operator kind maps to the torch expression of its semantics; the gradients come from
+``torch.autograd.grad``, independent of the operators' own vector-Jacobian products.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import relational_tensors as rt
+from relational_tensors.sql_specs.packing import sequence_bounds
+
+
+def _rope(x: torch.Tensor, op) -> torch.Tensor:
+    length, d = x.shape[1], x.shape[3]
+    pos = np.arange(length)
+    start, _ = sequence_bounds(pos, op.seq_ends, length)
+    inv = op.base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.tensor(pos - start, dtype=torch.float64)[:, None] * inv[None, :]
+    cos, sin = ang.cos().to(x.dtype)[None, :, None, :], ang.sin().to(x.dtype)[None, :, None, :]
+    if op.inverse:
+        sin = -sin
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
+
+
+def _attention(q, k, v, op) -> torch.Tensor:
+    sq, skv = q.shape[1], k.shape[1]
+    rows = np.arange(sq)
+    lo, hi = op._key_limits(rows)
+    cols = np.arange(skv)
+    mask = torch.tensor((cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None]))
+    g = q.shape[2] // k.shape[2]
+    kk, vv = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * op.softmax_scale
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vv)
+
+
+def _node(op, xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    kind = op.kind
+    if kind in ("matmul", "einsum"):
+        ins, out = op._parsed()
+        letters = {n: c for n, c in zip(dict.fromkeys([*(n for d in ins for n in d), *out]), "abcdefghijklmnop")}
+        sub = ",".join("".join(letters[n] for n in d) for d in ins) + "->" + "".join(letters[n] for n in out)
+        return torch.einsum(sub, *xs)
+    if kind == "sql":
+        p = op.parsed()
+        names = dict.fromkeys([*(n for d in p.dims for n in d), *p.out])
+        letters = dict(zip(names, "abcdefghijklmnop"))
+        sub = ",".join("".join(letters[n] for n in d) for d in p.dims) + "->" + "".join(letters[n] for n in p.out)
+        return torch.einsum(sub, *xs)
+    if kind == "unary":
+        x, a = xs[0], op.arg
+        table = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu,
+                 "sigmoid": torch.sigmoid, "tanh": torch.tanh, "exp": torch.exp, "log": torch.log, "neg": torch.neg,
+                 "abs": torch.abs, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "square": torch.square,
+                 "scale": lambda t: t * a, "add_scalar": lambda t: t + a, "pow": lambda t: t ** a,
+                 "cast": lambda t: t.to(getattr(torch, a)), "fill": lambda t: torch.full_like(t, a)}
+        return table[op.op](x)
+    if kind == "binary":
+        x, y = xs
+        return {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "maximum": torch.maximum,
+                "minimum": torch.minimum, "eq": lambda a, b: (a == b).to(a.dtype)}[op.op](x, y)
+    if kind == "swiglu":
+        return F.silu(xs[0]) * xs[1]
+    if kind == "reduce":
+        x, axes = xs[0], op._axes()
+        if op.op in ("max", "min"):
+            out = torch.amax(x, axes, keepdim=op.keepdims) if op.op == "max" else torch.amin(x, axes, op.keepdims)
+        else:
+            fn = {"sum": torch.sum, "mean": torch.mean, "logsumexp": torch.logsumexp}[op.op]
+            out = fn(x, axes, keepdim=op.keepdims)
+        return out.reshape(op.output_type.shape)
+    if kind == "softmax":
+        return torch.softmax(xs[0], op.axis)
+    if kind == "rmsnorm":
+        x, w = xs
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + op.eps) * w
+    if kind == "layernorm":
+        return F.layer_norm(xs[0], (xs[0].shape[-1],), xs[1], xs[2], op.eps)
+    if kind == "rope":
+        return _rope(xs[0], op)
+    if kind == "reshape":
+        return xs[0].reshape(op.output_type.shape)
+    if kind == "permute":
+        return xs[0].permute(op.perm)
+    if kind == "slice":
+        return xs[0].narrow(op.axis % xs[0].ndim, op.start, op.stop - op.start)
+    if kind == "concat":
+        return torch.cat(list(xs), op.axis)
+    if kind == "embedding":
+        return F.embedding(xs[1], xs[0])
+    if kind == "attention":
+        return _attention(*xs, op)
+    if kind == "cross_entropy":  # per token; the graph sums and divides around it
+        logits, _, targets = xs
+        ignore = -100 if op.ignore_index is None else op.ignore_index
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore,
+                               reduction="none").reshape(targets.shape)
+    if kind == "token_count":
+        t = xs[0]
+        n = t.numel() if op.ignore_index is None else int((t != op.ignore_index).sum())
+        return torch.full((1,), float(n), dtype=getattr(torch, op.output_type.dtype))
+    raise NotImplementedError(kind)
+
+
+def torch_gradients(g: rt.Graph, out_name: str, cot: np.ndarray, feeds: dict[str, np.ndarray],
+                    wrt: Sequence[str]) -> dict[str, np.ndarray]:
+    """The gradients of ``<out, cot>`` with respect to the inputs ``wrt``, by torch autograd over the
+    forward nodes of ``g`` (those before the first gradient node)."""
+    values: dict[int, torch.Tensor] = {}
+    leaves = {}
+    target = g.outputs[out_name]
+    for n in g.nodes[: target + 1]:
+        if n.op is None:
+            t = torch.tensor(np.asarray(feeds[n.name]))
+            if n.name in wrt:
+                t.requires_grad_(True)
+                leaves[n.name] = t
+            values[n.id] = t
+        else:
+            values[n.id] = _node(n.op, [values[i] for i in n.inputs])
+    total = (values[target] * torch.tensor(cot)).sum()
+    grads = torch.autograd.grad(total, [leaves[w] for w in wrt], allow_unused=True)
+    return {w: (np.zeros(leaves[w].shape) if gr is None else gr.detach().numpy()) for w, gr in zip(wrt, grads)}
+
+
