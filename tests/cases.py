@@ -97,7 +97,7 @@ def with_vjp(make: Case) -> Case:
     def build(dtype: str) -> tuple[rt.Graph, str]:
         g, name = make(dtype)
         out = g.tensor(g.outputs["out"])
-        wrt = [g.tensor(n.id) for n in g.inputs if n.type.dtype == out.dtype]
+        wrt = [g.tensor(n.id) for n in g.inputs if n.type.dtype in rt.core.dtypes.FLOAT_DTYPES]
         cot = g.input("cot", out.shape, out.dtype)
         for t, d in zip(wrt, g.vjp(out, cot, wrt)):
             g.save(d, name=f"d_{t.name}")
