@@ -135,7 +135,8 @@ def _choose(s: _State, memory_price: float = 0.0) -> tuple[dict[int, int], Logic
     assert s.candidates is not None
     sel = s.options.selector
     if sel == "dp":
-        choice = select_dp(s.catalog, s.cid, s.graph, s.candidates, s.pieces, memory_price=memory_price)
+        choice = select_dp(s.catalog, s.cid, s.graph, s.candidates, s.pieces, memory_price=memory_price,
+                           refine_choice=s.options.refine)
     elif sel == "greedy":
         choice = select_greedy(s.catalog, s.cid)
     else:
@@ -485,7 +486,7 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
                  catalog: str | Path | Catalog | None = None, tactic: str = "tree",
                  label: str | None = None, schedule_mode: str = "naive",
                  topology: str | Topology = "hgx-h200", search_budget_s: float = 0.5,
-                 calibration: str | None = None, attention: str = "triton") -> CompiledGraph:
+                 calibration: str | None = None, attention: str = "triton", refine: bool = True) -> CompiledGraph:
     """Plan ``graph`` for the devices named by ``device`` (see ``relational_tensors.target.devices``).
 
     The options are those of :class:`~relational_tensors.options.CompileOptions`, validated once here;
@@ -501,7 +502,7 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
         options = CompileOptions(selector=selector, seed=seed, cost_model=cost_model,
                                  memory_per_device=memory_per_device, tactic=tactic, label=label,
                                  schedule_mode=schedule_mode, topology=topology, search_budget_s=search_budget_s,
-                                 calibration=calibration, attention=attention)
+                                 calibration=calibration, attention=attention, refine=refine)
         if not graph.operators:
             raise PlanError("the graph has no operators to plan; add some and save an output.")
         if not graph.outputs:

@@ -18,7 +18,8 @@ import numpy as np
 from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.frontend.graph import Graph, Tensor
 
-__all__ = ["llama_block", "add_llama_block", "llama_feeds", "llama_training_graph", "llama_training_feeds", "standard_normal", "LLAMA3_8B", "matrix_chain",
+__all__ = ["llama_block", "add_llama_block", "llama_feeds", "llama_training_graph", "llama_training_feeds",
+           "standard_normal", "LLAMA3_8B", "matrix_chain",
            "chain_dims", "chain_feeds", "CHAINS"]
 
 # the paper's LLaMA-3-8B-shaped block
@@ -82,7 +83,7 @@ def llama_training_graph(batch: int, seq: int, d_model: int, n_heads: int, n_kv_
     h = g.rmsnorm(x, g.parameter("final_norm", [d_model], dtype), eps, name="final_rmsnorm")
     logits = g.matmul(h, g.parameter("lm_head", [d_model, vocab], dtype), name="lm_head_proj")
     loss = g.save(g.cross_entropy(logits, targets, ignore_index=ignore_index, name="loss"), name="loss")
-    params = g.parameters()
+    params = g.trainable()
     for p, d in zip(params, g.grad(loss, params)):
         g.save(d, name=f"grad.{p.name}")
     return g

@@ -39,7 +39,8 @@ def _choice(default: str, choices: tuple[str, ...], what: str) -> Any:
 class CompileOptions:
     """How to plan: the selector, cost model, DP tactic, exchange synthesis, topology and limits.
 
-    ``selector`` is ``dp`` (Algorithm 1), ``greedy`` or ``random`` (with ``seed``); ``cost_model`` is
+    ``selector`` is ``dp`` (Algorithm 1, then with ``refine`` a coordinate descent on the whole-plan cost
+    across the tensors the DP cuts), ``greedy`` or ``random`` (with ``seed``); ``cost_model`` is
     ``paper`` (elements), ``bytes`` or ``calibrated`` (seconds on ``topology`` with the kernel rates of
     ``calibration``, by default the file shipped for the machine); ``memory_per_device`` (bytes) bounds
     each device's working set and peak; ``tactic`` is ``tree`` or ``linear``; ``schedule_mode`` is
@@ -58,6 +59,7 @@ class CompileOptions:
     search_budget_s: float = 0.5
     calibration: str | Path | None = None
     attention: str = _choice("triton", ATTENTION_KERNELS, "attention kernel")
+    refine: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -78,6 +80,8 @@ class CompileOptions:
         if not isinstance(self.topology, (str, Topology)):
             raise PlanError(f"topology must be a topology name, the path of a topology JSON file or a Topology; "
                             f"got {self.topology!r}.")
+        if not isinstance(self.refine, bool):
+            raise PlanError(f"refine must be True or False; got {self.refine!r}.")
         b = self.search_budget_s
         if not is_number(b) or not 0 < b < math.inf:
             raise PlanError(f"search_budget_s must be a positive number of seconds; got {b!r}.")

@@ -4,16 +4,18 @@ family and an entry in the operator test cases, and the check says which part is
 from __future__ import annotations
 
 import pytest
-from cases import CASES
+from cases import CASES, GRAD_CASES
 
 import relational_tensors as rt
 from relational_tensors.gpu_exec import launchers
 from relational_tensors.registry import describe, operator_table, problems
 from relational_tensors.sql_specs import OPERATORS
 
+ALL_CASES = {**CASES, **{f"grad of {name}": make for name, make in GRAD_CASES.items()}}
 
-def case_kinds(cases: dict = CASES) -> set[str]:
-    """The operator kinds the test cases exercise (each case built in float32)."""
+
+def case_kinds(cases: dict = ALL_CASES) -> set[str]:
+    """The operator kinds the forward and gradient test cases exercise (each case built in float32)."""
     kinds = set()
     for make in cases.values():
         g, name = make("float32")
@@ -42,9 +44,10 @@ def test_a_missing_numpy_kernel_is_named(monkeypatch) -> None:
 
 
 def test_a_missing_test_case_is_named(monkeypatch) -> None:
-    cases = {name: make for name, make in CASES.items() if not name.startswith("embedding")}
+    cases = {name: make for name, make in ALL_CASES.items() if "embedding" not in name}
     found = problems(case_kinds(cases))
-    assert found == ["operator 'embedding' has no entry in the operator test cases (tests/cases.py)."]
+    assert found == [f"operator {kind!r} has no entry in the operator test cases (tests/cases.py)."
+                     for kind in ("embedding", "embedding_grad")]
 
 
 def test_an_unknown_cost_family_is_named(monkeypatch) -> None:

@@ -14,6 +14,7 @@ import pyarrow as pa
 
 from relational_tensors.catalog import Catalog, load_sql
 from relational_tensors.dp_optimizer.candidates import Candidates
+from relational_tensors.dp_optimizer.refine import refine
 from relational_tensors.dp_optimizer.trees import Piece
 from relational_tensors.errors import PlanError
 from relational_tensors.frontend.graph import Graph
@@ -52,8 +53,10 @@ def independent_groups(graph: Graph, pieces: list[Piece]) -> list[list[Piece]]:
 
 
 def select_dp(catalog: Catalog, cid: int, graph: Graph, cands: Candidates, pieces: list[Piece],
-              memory_price: float = 0.0) -> dict[int, int]:
-    """Algorithm 1 on each piece in turn, each subject to the pieces fixed before it.
+              memory_price: float = 0.0, refine_choice: bool = True) -> dict[int, int]:
+    """Algorithm 1 on each piece in turn, each subject to the pieces fixed before it; then, with
+    ``refine_choice``, the coordinate descent of ``refine`` across the cut tensors (the ``dp_table`` keeps
+    Algorithm 1's entries, ``chosen`` the final choice).
 
     ``memory_price`` adds that cost per byte of graph input a spec keeps resident on a device."""
     catalog.execute("DELETE FROM dp_table WHERE compilation_id = ?", [cid])
@@ -97,8 +100,14 @@ def select_dp(catalog: Catalog, cid: int, graph: Graph, cands: Candidates, piece
         missing = set(members) - set(picked)
         if missing:
             raise PlanError(f"DP traceback left operators without a spec: {sorted(nodes[m].name for m in missing)}.")
-        _write_chosen(catalog, cid, cands, picked)
+        _write_chosen(catalog, cid, cands, picked)  # the groups after this one read it
         choice.update(picked)
+    if refine_choice:
+        better = refine(graph, cands, choice, memory_price)
+        if better != choice:
+            catalog.execute("DELETE FROM chosen WHERE compilation_id = ?", [cid])
+            _write_chosen(catalog, cid, cands, better)
+            choice = better
     return choice
 
 

@@ -308,11 +308,12 @@ class Graph:
                        name if reduction == "none" else None)
         if reduction == "none":
             return tok
-        total = self.sum(tok, axis=tuple(range(tok.rank)), name=name if reduction == "sum" else None)
+        every = tuple(range(tok.rank))
         if reduction == "sum":
-            return total
+            return self.sum(tok, axis=every, name=name)
+        # each token's loss over the number counted, then summed: the mean, split over tokens like the sum
         count = self._op(TokenCountOp((tt,), ignore_index, lt.dtype), (targets,), None)
-        return self.div(total, count, name=name)
+        return self.sum(self.div(tok, count), axis=every, name=name)
 
     def mse(self, a: Tensor, b: Tensor, reduction: str = "mean", name: str | None = None) -> Tensor:
         """Mean (or ``sum``) squared error of two tensors of one shape, torch's ``F.mse_loss``."""
@@ -356,7 +357,7 @@ class Graph:
         node = self.nodes[self._own_id(t)]
         return node.op, tuple(Tensor(self, i) for i in node.inputs)
 
-    def parameters(self) -> list[Tensor]:
+    def trainable(self) -> list[Tensor]:
         """The floating graph inputs labelled as parameters, in declaration order (what ``grad`` usually takes)."""
         return [Tensor(self, n.id) for n in self.nodes if n.role == "parameter" and n.type.dtype in FLOAT_DTYPES]
 

@@ -92,7 +92,7 @@ class AttentionLseOp(AttentionOp):
         return 2.0 * self.input_types[0].shape[3] * self.row_work(qb.interval(1), kb.interval(1)) * qb.shape[0] \
             * qb.shape[2]
 
-    def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
+    def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> Any:
         q, k = (np.asarray(b).astype(np.float64 if self.output_type.dtype == "float64" else np.float32)
                 for b in blocks)
         qbox, kbox = f.inputs
@@ -267,7 +267,7 @@ class AttentionGradOp(AttentionOp):
         per = {"dq": 2 * d + dv, "dk": 2 * d + dv, "dv": d + dv, "dkv": 2 * d + 2 * dv}[self.part]
         return 2.0 * per * pairs
 
-    def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
+    def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> Any:
         work = np.float64 if self.output_type.dtype == "float64" else np.float32
         q, k, v, do, lse, delta = (np.asarray(x).astype(work) for x in blocks)
         qbox, kbox = f.inputs[0], f.inputs[1]

@@ -269,7 +269,7 @@ class BinaryOp(IndexedOp):
         x, y = inputs
         if self.op == "eq":
             return (None, None)
-        grads = []
+        grads: list[Any] = []
         for k, (t, other) in enumerate(((x, y), (y, x))):
             if not wanted[k]:
                 grads.append(None)
