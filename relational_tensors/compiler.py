@@ -24,7 +24,7 @@ from relational_tensors.core.dtypes import partial_dtype
 from relational_tensors.dp_optimizer.candidates import Candidates, build_candidates
 from relational_tensors.dp_optimizer.costs import cost_model as get_cost_model
 from relational_tensors.dp_optimizer.plan import LogicalPlan
-from relational_tensors.dp_optimizer.select import select_dp, select_greedy, select_random
+from relational_tensors.dp_optimizer.select import select_dp, select_exact, select_greedy, select_random
 from relational_tensors.dp_optimizer.trees import Piece, cut_pieces
 from relational_tensors.errors import ExecError, GraphError, OutOfMemoryPlanError, PlanError
 from relational_tensors.frontend.graph import Graph, Tensor
@@ -137,6 +137,8 @@ def _choose(s: _State, memory_price: float = 0.0) -> tuple[dict[int, int], Logic
     if sel == "dp":
         choice = select_dp(s.catalog, s.cid, s.graph, s.candidates, s.pieces, memory_price=memory_price,
                            refine_choice=s.options.refine)
+    elif sel == "exact":
+        choice = select_exact(s.catalog, s.cid, s.graph, s.candidates, memory_price=memory_price)
     elif sel == "greedy":
         choice = select_greedy(s.catalog, s.cid)
     else:
@@ -223,7 +225,7 @@ def _pass_fit_memory(s: _State) -> None:
         return max(live.peak[d] - limits[d] for d in live.peak)
 
     best = s.live
-    if s.options.selector == "dp":
+    if s.options.selector in ("dp", "exact"):
         resident = sum(s.plan.candidate(o).resident_bytes for o in s.choice) or 1
         price = max(s.plan.cost, 1.0) / resident
         for _ in range(8):

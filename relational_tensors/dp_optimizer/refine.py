@@ -1,18 +1,25 @@
-"""Local refinement of a complete choice: the DP is exact on trees, not across the tensors it cuts.
+"""Refinement of a complete choice: the DP is exact on trees, not across the tensors it cuts.
 
 A training graph reads every forward activation again in the backward, so most of its tensors have
 several consumers and Algorithm 1 fixes the pieces one after another, each seeing only the pieces fixed
-before it.  ``refine`` then lowers the whole-plan cost (``plan.plan_cost``, plus the DP's price on
-resident bytes) by coordinate descent: each operator in turn takes the eligible spec that is cheapest
-given every neighbour's current spec (its own cost, the repartition of each input from its producer,
-and the repartition of each consumer's read of its output), until a sweep changes nothing.  Every step
-lowers the cost, so the result is never worse than the DP's, and it is a local optimum for single
-operator changes.  ``bench/dp_gap.py`` measures both against the exact optimum.
+before it, never the readers of its root that come later.  ``refine`` then lowers the whole-plan cost
+(``plan.plan_cost``, plus the DP's price on resident bytes) by block coordinate descent, in sweeps:
+
+* each piece in turn is solved again exactly, by the tree DP of Algorithm 1, with every operator
+  outside it fixed: now its root's and members' readers in other pieces count too;
+* then each operator in turn takes the eligible spec that is cheapest given its neighbours' specs (its
+  own cost, its inputs' repartitions, and its readers' repartitions).
+
+A step is taken only if it lowers the cost, so the result is never worse than the DP's; sweeps stop
+when one changes nothing.  ``bench/dp_gap.py`` measures both against the exact optimum.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from relational_tensors.dp_optimizer.candidates import Candidates
+from relational_tensors.dp_optimizer.trees import Piece
 from relational_tensors.frontend.graph import Graph
 
 __all__ = ["refine"]
@@ -20,8 +27,10 @@ __all__ = ["refine"]
 _MAX_SWEEPS = 32
 
 
-def refine(graph: Graph, cands: Candidates, choice: dict[int, int], memory_price: float = 0.0) -> dict[int, int]:
-    """``choice`` improved operator by operator until no single change lowers the cost."""
+def refine(graph: Graph, cands: Candidates, choice: dict[int, int], memory_price: float = 0.0,
+           pieces: Sequence[Piece] = ()) -> dict[int, int]:
+    """``choice`` improved piece by piece (``pieces``: the DP's) and operator by operator until a sweep
+    changes nothing."""
     nodes = graph.nodes
     choice = dict(choice)
     consumers: dict[int, list[tuple[int, int]]] = {v: [] for v in choice}
@@ -30,6 +39,59 @@ def refine(graph: Graph, cands: Candidates, choice: dict[int, int], memory_price
             if u in consumers:
                 consumers[u].append((v, k))
     eligible = {v: [s for s, c in enumerate(cands.by_op[v]) if c.eligible] for v in choice}
+
+    def outside(v: int, s: int, inside: set[int]) -> float:
+        """v's own cost on spec s and its edges to operators outside ``inside`` (fixed at their specs)."""
+        c = cands.by_op[v][s]
+        total = c.local_cost + memory_price * c.resident_bytes
+        for k, u in enumerate(nodes[v].inputs):
+            if u in choice and u not in inside:
+                total += cands.edge_price(v, k, cands.by_op[u][choice[u]].output_tiling, c.required[k])
+        for w, k in consumers[v]:
+            if w not in inside:
+                total += cands.edge_price(w, k, c.output_tiling, cands.by_op[w][choice[w]].required[k])
+        return total
+
+    def resolve(pc: Piece) -> bool:
+        """Piece ``pc`` solved exactly with the rest fixed; True if that lowered the cost."""
+        inside = set(pc.members)
+        child_edges = {v: [(k, u) for k, u in enumerate(nodes[v].inputs) if u in inside and u != pc.root
+                           and consumers[u] == [(v, k)]] for v in pc.members}
+        best: dict[int, dict[int, float]] = {}
+        via: dict[int, dict[int, dict[int, int]]] = {}  # v -> spec -> input pos -> the child's spec
+        per_tiling: dict[int, dict[int, tuple[float, int]]] = {}  # u -> output tiling -> (cost, spec)
+        now = 0.0
+        for v in pc.members:  # topological: children first
+            best[v], via[v] = {}, {}
+            for s in eligible[v]:
+                c = cands.by_op[v][s]
+                total = outside(v, s, inside)
+                picks = {}
+                for k, u in child_edges[v]:
+                    cost, spec = min(((t + cands.edge_price(v, k, tiling, c.required[k]), sp)
+                                      for tiling, (t, sp) in per_tiling[u].items()), key=lambda x: x[0])
+                    total += cost
+                    picks[k] = spec
+                best[v][s], via[v][s] = total, picks
+            tilings: dict[int, tuple[float, int]] = {}
+            for s, cost in best[v].items():
+                tiling = cands.by_op[v][s].output_tiling
+                if tiling not in tilings or cost < tilings[tiling][0]:
+                    tilings[tiling] = (cost, s)
+            per_tiling[v] = tilings
+            now += outside(v, choice[v], inside) + sum(
+                cands.edge_price(v, k, cands.by_op[u][choice[u]].output_tiling,
+                                 cands.by_op[v][choice[v]].required[k]) for k, u in child_edges[v])
+        root = pc.root
+        top = min(best[root], key=lambda s: best[root][s])
+        if not best[root][top] < now - 1e-12 * max(abs(now), 1.0):
+            return False
+        stack = [(root, top)]
+        while stack:
+            v, s = stack.pop()
+            choice[v] = s
+            stack.extend((nodes[v].inputs[k], spec) for k, spec in via[v][s].items())
+        return True
 
     def around(v: int, s: int) -> float:
         """The terms of the cost that depend on operator v's spec, with v on spec s."""
@@ -45,6 +107,9 @@ def refine(graph: Graph, cands: Candidates, choice: dict[int, int], memory_price
     order = sorted(choice)
     for _ in range(_MAX_SWEEPS):
         changed = False
+        for pc in pieces:
+            if len(pc.members) > 1:
+                changed |= resolve(pc)
         for v in order:
             if len(eligible[v]) < 2:
                 continue

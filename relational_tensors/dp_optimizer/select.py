@@ -14,14 +14,15 @@ import pyarrow as pa
 
 from relational_tensors.catalog import Catalog, load_sql
 from relational_tensors.dp_optimizer.candidates import Candidates
+from relational_tensors.dp_optimizer.exact import exact_choice
 from relational_tensors.dp_optimizer.refine import refine
 from relational_tensors.dp_optimizer.trees import Piece
 from relational_tensors.errors import PlanError
 from relational_tensors.frontend.graph import Graph
 
-__all__ = ["SELECTORS", "select_dp", "select_greedy", "select_random"]
+__all__ = ["SELECTORS", "select_dp", "select_exact", "select_greedy", "select_random"]
 
-SELECTORS = ("dp", "greedy", "random")
+SELECTORS = ("dp", "exact", "greedy", "random")
 
 
 def _write_chosen(catalog: Catalog, cid: int, cands: Candidates, choice: dict[int, int]) -> None:
@@ -103,11 +104,20 @@ def select_dp(catalog: Catalog, cid: int, graph: Graph, cands: Candidates, piece
         _write_chosen(catalog, cid, cands, picked)  # the groups after this one read it
         choice.update(picked)
     if refine_choice:
-        better = refine(graph, cands, choice, memory_price)
+        better = refine(graph, cands, choice, memory_price, pieces)
         if better != choice:
             catalog.execute("DELETE FROM chosen WHERE compilation_id = ?", [cid])
             _write_chosen(catalog, cid, cands, better)
             choice = better
+    return choice
+
+
+def select_exact(catalog: Catalog, cid: int, graph: Graph, cands: Candidates,
+                 memory_price: float = 0.0) -> dict[int, int]:
+    """The exact optimum of the DP's objective (``exact.exact_choice``, a HiGHS mixed-integer program)."""
+    choice, _ = exact_choice(graph, cands, memory_price)
+    catalog.execute("DELETE FROM chosen WHERE compilation_id = ?", [cid])
+    _write_chosen(catalog, cid, cands, choice)
     return choice
 
 
