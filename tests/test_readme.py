@@ -15,3 +15,13 @@ def test_readme_example_runs() -> None:
     with contextlib.redirect_stdout(io.StringIO()) as out:
         exec(compile(code, "README.md", "exec"), {})
     assert "plan for p=8" in out.getvalue() and "repartition_cost" in out.getvalue()
+
+
+def test_readme_training_example_runs() -> None:
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("## Training: gradients and losses", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert set(scope["out"]) == {"loss"} | {f"grad.{p.name}" for p in scope["lm"].trainable()}
+    assert scope["cg"].plan.p == 8

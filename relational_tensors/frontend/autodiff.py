@@ -67,13 +67,17 @@ def vjp(g: Any, outputs: object, cotangents: object, wrt: object, allow_unused: 
     for n in reversed(nodes):
         if n.id not in needed or n.id not in parts:
             continue
-        total = add_all(g, parts.pop(n.id))
-        grads[n.id] = total
-        wanted = tuple(i in needed for i in n.inputs)
-        if n.op is None or not any(wanted):
-            continue
-        inputs = tuple(g.tensor(i) for i in n.inputs)
-        got = n.op.vjp(g, inputs, g.tensor(n.id), total, wanted)
+        scope, g.name_scope = g.name_scope, f"grad.{n.name}."  # the gradient's nodes are named after n
+        try:
+            total = add_all(g, parts.pop(n.id))
+            grads[n.id] = total
+            wanted = tuple(i in needed for i in n.inputs)
+            if n.op is None or not any(wanted):
+                continue
+            inputs = tuple(g.tensor(i) for i in n.inputs)
+            got = n.op.vjp(g, inputs, g.tensor(n.id), total, wanted)
+        finally:
+            g.name_scope = scope
         for i, w, d in zip(n.inputs, wanted, got):
             if w and d is not None:
                 if d.type.shape != g.nodes[i].type.shape:

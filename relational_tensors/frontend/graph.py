@@ -121,6 +121,7 @@ class Graph:
         self.nodes: list[Node] = []
         self.outputs: dict[str, int] = {}
         self._names: set[str] = set()
+        self.name_scope = ""  # a prefix of the names of nodes made without one (autodiff: "grad.<node>.")
 
     # --- inputs and outputs ------------------------------------------------
     def input(self, name: str, shape: Sequence[int], dtype: object = "float32",
@@ -416,6 +417,7 @@ class Graph:
     def _fresh(self, name: str | None, kind: str) -> str:
         if name is None:
             n = len(self.nodes)
+            kind = getattr(self, "name_scope", "") + kind
             name = f"{kind}_{n}"
             while name in self._names:
                 n += 1
