@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cases import CASES, feeds_for
+from cases import CASES, GRAD_CASES, feeds_for
 
 import relational_tensors as rt
-from relational_tensors.models import llama_block, llama_feeds
+from relational_tensors.models import llama_block, llama_feeds, llama_training_feeds, llama_training_graph
 from relational_tensors.target.devices import visible_gpus
 
 pytestmark = [pytest.mark.gpu,
@@ -83,6 +83,34 @@ def test_llama_block_16_bit(dtype: str, device: str) -> None:
     cg = rt.compileGraph(g, device=device)
     got = cg.run(feeds)["y"]
     _compare(got, want, dtype, reduction=512)
+
+
+def _relative(got: np.ndarray, want: np.ndarray, tol: float, what: str) -> None:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    scale = max(float(np.max(np.abs(want), initial=0.0)), 1e-30)
+    err = float(np.max(np.abs(got - want), initial=0.0)) / scale
+    assert err <= tol, f"{what}: error {err:.2e} of the largest magnitude"
+
+
+@pytest.mark.parametrize("case", sorted(GRAD_CASES))
+def test_every_gradient_on_gpu(case: str) -> None:
+    # the gradient operators without device kernels run their NumPy kernels on host copies, eagerly
+    g, _ = GRAD_CASES[case]("float32")
+    feeds = feeds_for(g, seed=4)
+    want = rt.reference(g, feeds)
+    got = rt.compileGraph(g, device="cuda:0,0,0").run(feeds)
+    for name in g.outputs:
+        _relative(got[name], want[name], 1e-4, f"{case} {name}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_llama_training_graph_on_gpu(dtype: str) -> None:
+    g = llama_training_graph(1, 47, 48, 6, 3, 70, 97, dtype=dtype, seq_ends=(5, 9, 20, 22, 31, 40, 47), ignore_index=5)
+    feeds = llama_training_feeds(g)
+    want = rt.reference(g, feeds)
+    got = rt.compileGraph(g, device="cuda:0,0,0,0").run(feeds)
+    for name in g.outputs:
+        _relative(got[name], want[name], 1e-4 if dtype == "float32" else 3e-2, f"{dtype} {name}")
 
 
 def _flash_or_skip() -> None:
