@@ -190,6 +190,68 @@ for name, code in {"reshape with -1": "g.save(g.reshape(x, [-1, 4]), name='y')",
     case("graph", f"{name} ok", f"g = rt.Graph(); x = g.input('x', [6, 4]); {code}\n"
                                 "agrees(g, rt.compileGraph(g, device='cpu:3'), feeds(g))", "ok")
 
+# ---------------------------------------------------------------------------------------------- gradients
+GRADIENTS = {
+    "grad of a non-scalar": "g = mm(); y = g.tensor(g.outputs['y']); g.grad(y, [g.node('w')])",
+    "grad wrt an int tensor": ("g = rt.Graph(); ids = g.input('ids', [4], 'int64'); t = g.input('t', [9, 3]); "
+                               "l = g.sum(g.embedding(t, ids), axis=(0, 1)); g.grad(l, [ids])"),
+    "grad wrt an unused tensor": ("g = mm(); u = g.parameter('u', [3]); y = g.tensor(g.outputs['y']); "
+                                  "g.grad(g.sum(y, axis=(0, 1)), [u])"),
+    "grad wrt a tensor twice": "g = mm(); y = g.tensor(g.outputs['y']); w = g.node('w'); "
+                               "g.grad(g.sum(y, axis=(0, 1)), [g.tensor(w.id), g.tensor(w.id)])",
+    "grad wrt nothing": "g = mm(); y = g.tensor(g.outputs['y']); g.grad(g.sum(y, axis=(0, 1)), [])",
+    "grad wrt a list of arrays": ("g = mm(); y = g.tensor(g.outputs['y']); "
+                                  "g.grad(g.sum(y, axis=(0, 1)), [np.ones(3)])"),
+    "grad of a list": "g = mm(); y = g.tensor(g.outputs['y']); g.grad([y, y], [g.tensor(g.node('w').id)])",
+    "vjp cotangent shape": ("g = mm(); y = g.tensor(g.outputs['y']); "
+                            "g.vjp(y, g.input('c', [3, 3]), [g.tensor(1)])"),
+    "vjp cotangent dtype": ("g = mm(); y = g.tensor(g.outputs['y']); "
+                            "g.vjp(y, g.input('c', [10, 5], 'float64'), [g.tensor(1)])"),
+    "vjp counts differ": ("g = mm(); y = g.tensor(g.outputs['y']); "
+                          "g.vjp([y, y], [g.input('c', [10, 5])], [g.tensor(1)])"),
+    "second derivative": ("g = mm(); y = g.tensor(g.outputs['y']); w = g.tensor(g.node('w').id); "
+                          "(d,) = g.grad(g.sum(g.unary(y, 'square'), axis=(0, 1)), [w]); "
+                          "g.grad(g.sum(d, axis=(0, 1)), [w])"),
+    "max-plus sql join": ("g = rt.Graph(); a, b = g.input('a', [4, 3]), g.input('b', [3, 5]); "
+                          "y = g.sql('SELECT A.i, B.k, MAX(A.v + B.v) AS v FROM A JOIN B ON A.j = B.j "
+                          "GROUP BY A.i, B.k', "
+                          "A=(a, ('i', 'j')), B=(b, ('j', 'k'))); g.grad(g.sum(y, axis=(0, 1)), [a])"),
+    "diagonal einsum": "g = rt.Graph(); a = g.input('a', [4, 4]); g.grad(g.sum(g.einsum('ii->i', a), axis=0), [a])",
+    "cross_entropy float targets": "g = rt.Graph(); g.cross_entropy(g.input('l', [4, 6]), g.input('t', [4]))",
+    "cross_entropy target shape": "g = rt.Graph(); g.cross_entropy(g.input('l', [4, 6]), g.input('t', [5], 'int64'))",
+    "cross_entropy 1-d logits": "g = rt.Graph(); g.cross_entropy(g.input('l', [6]), g.input('t', [1], 'int64'))",
+    "cross_entropy reduction": ("g = rt.Graph(); g.cross_entropy(g.input('l', [4, 6]), g.input('t', [4], 'int64'), "
+                                "reduction='avg')"),
+    "cross_entropy ignore_index": ("g = rt.Graph(); g.cross_entropy(g.input('l', [4, 6]), g.input('t', [4], 'int64'), "
+                                   "ignore_index='x')"),
+    "cross_entropy target out of range": ("g = rt.Graph(); l, t = g.input('l', [4, 6]), g.input('t', [4], 'int64'); "
+                                          "g.save(g.cross_entropy(l, t), name='y'); "
+                                          "c2(g).run({'l': np.zeros((4, 6), np.float32), "
+                                          "'t': np.array([0, 1, 2, 6])})"),
+    "mse shapes": "g = rt.Graph(); g.mse(g.input('a', [4, 6]), g.input('b', [4, 5]))",
+    "apply with wrong operands": ("g = rt.Graph(); a = g.input('a', [4, 6]); "
+                                  "g.apply(rt.sql_specs.UnaryOp((rt.tensorDesc([3]),), 'relu'), a)"),
+}
+for name, code in GRADIENTS.items():
+    case("gradients", name, code)
+for p in (1, 3, 8):
+    case("gradients", f"mlp with cross-entropy on cpu:{p} ok", f"""
+g = rt.Graph(); x, t = g.input('x', [13, 5]), g.input('t', [13], 'int64')
+w1, w2 = g.parameter('w1', [5, 7]), g.parameter('w2', [7, 11])
+loss = g.save(g.cross_entropy(g.matmul(g.unary(g.matmul(x, w1), 'gelu'), w2), t, ignore_index=2), name='loss')
+for w, d in zip([w1, w2], g.grad(loss, [w1, w2])):
+    g.save(d, name='d' + w.name)
+f = feeds(g); f['t'] = np.arange(13) % 11
+agrees(g, rt.compileGraph(g, device='cpu:{p}'), f)""", "ok")
+case("gradients", "unused tensor with allow_unused gets zeros ok", """
+g = mm(); u = g.parameter('u', [3]); y = g.tensor(g.outputs['y'])
+(du,) = g.grad(g.sum(y, axis=(0, 1)), [u], allow_unused=True); g.save(du, name='du')
+cg = c2(g); out = cg.run(feeds(g)); assert out['du'].tolist() == [0.0, 0.0, 0.0]""", "ok")
+case("gradients", "every target ignored is NaN ok", """
+g = rt.Graph(); l, t = g.input('l', [4, 6]), g.input('t', [4], 'int64')
+g.save(g.cross_entropy(l, t, ignore_index=1), name='y')
+assert np.isnan(c2(g).run({'l': np.zeros((4, 6), np.float32), 't': np.ones(4, np.int64)})['y']).all()""", "ok")
+
 # ---------------------------------------------------------------------------------------------- run time
 RUNTIME = {
     "feed wrong shape": "cg = c2(mm()); cg.load({'x': np.ones((6, 10)), 'w': np.ones((6, 5))})",
