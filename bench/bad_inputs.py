@@ -8,7 +8,7 @@ none came), wrong (a result disagreed, or a valid input was refused), raw except
 outside the project's family), hang (the timeout passed).  The counts are printed by class and
 outcome, and every case that is not typed error/correct is listed.
 
-    python bench/bad_inputs.py [--jobs 2] [--timeout 60] [--only CLASS] [--json results/bad_inputs.json]
+    python bench/bad_inputs.py [--jobs 2] [--timeout 60] [--only CLASS] [--json bench/results/bad_inputs.json]
 """
 
 from __future__ import annotations
