@@ -33,6 +33,8 @@ CASES: dict[str, Case] = {
     "einsum_bij_jk": _one(lambda g, d: g.einsum("bij,jk->bik", g.input("x", [3, 10, 6], d), g.input("w", [6, 9], d))),
     "einsum_three": _one(lambda g, d: g.einsum("ij,jk,kl->il", g.input("a", [5, 6], d), g.input("b", [6, 7], d),
                                                g.input("c", [7, 9], d))),
+    "einsum_summed_operand_index": _one(lambda g, d: g.einsum("ij,jk->i", g.input("a", [9, 5], d),
+                                                              g.input("b", [5, 7], d))),
     "einsum_rowdot": _one(lambda g, d: g.einsum("ij,ij->i", g.input("a", [11, 6], d), g.input("b", [11, 6], d))),
     "sql_matmul": _one(lambda g, d: g.sql(MATMUL_SQL, A=(g.input("a", [10, 7], d), ("i", "j")),
                                           B=(g.input("b", [7, 9], d), ("j", "k")))),
