@@ -39,6 +39,7 @@ from relational_tensors.frontend.parallelize import ParallelModule as ParallelMo
 from relational_tensors.frontend.parallelize import parallelize as parallelize
 from relational_tensors.frontend.torch import TorchGraph as TorchGraph
 from relational_tensors.frontend.torch import from_torch as from_torch
+from relational_tensors import optim as optim
 from relational_tensors.options import CompileOptions as CompileOptions
 from relational_tensors.reference import execute_spec as execute_spec
 from relational_tensors.reference import reference as reference
@@ -54,5 +55,5 @@ __all__ = [
     "RelationalTensorsError", "GraphError", "SpecError", "PlanError", "OutOfMemoryPlanError",
     "ExchangeError", "ExecError", "CatalogError",
     "compileGraph", "compile", "CompiledGraph", "CompileOptions", "Target",
-    "from_torch", "parallelize", "TorchGraph", "ParallelModule",
+    "from_torch", "parallelize", "TorchGraph", "ParallelModule", "optim",
 ]

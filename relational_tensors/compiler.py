@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from relational_tensors.catalog import Catalog
@@ -32,6 +33,7 @@ from relational_tensors.options import CompileOptions
 from relational_tensors.physical.lower import Lowered, lower
 from relational_tensors.physical.simulate import PlanSimResult
 from relational_tensors.physical.tasks import Liveness, liveness
+from relational_tensors.reference import coerce_feed
 from relational_tensors.registry import operator_table
 from relational_tensors.target.devices import visible_gpus
 from relational_tensors.target.target import Target
@@ -316,6 +318,7 @@ class CompiledGraph:
         self.live = state.live
         self._executor: Any = None
         self._simulations: dict[Any, PlanSimResult] = {}
+        self._states: dict[str, np.ndarray] = {}  # host copies of the states' current values
         if self.devices.kind == "cuda" and visible_gpus() > max(self.devices.physical):
             _ = self.executor  # peer access, streams and arenas are set up (and checked) at compile time
 
@@ -375,7 +378,9 @@ class CompiledGraph:
         needs every input; later ones may name only those that change (weights stay loaded); inputs
         loaded one at a time must all be there by ``execute()``."""
         if isinstance(feeds, (Tensor, str)):  # one input: the others may follow before execute
-            self.executor.load({self._name(feeds, "load's input"): array}, partial=True)
+            one = {self._name(feeds, "load's input"): array}
+            self.executor.load(one, partial=True)
+            self._keep_states(one)
             return
         if not isinstance(feeds, Mapping) or array is not None:
             both = isinstance(feeds, Mapping)  # a dict and an array is a misuse of the API, not of the run
@@ -383,15 +388,35 @@ class CompiledGraph:
             raise error("load takes a dict of input name -> array, or one tensor (or its name) and one array; "
                         f"got {'a dict and an array' if both else type(feeds).__name__}.")
         self.executor.load(feeds)
+        self._keep_states(feeds)
+
+    def _keep_states(self, feeds: Mapping[str, Any]) -> None:
+        for name, value in feeds.items():
+            node = self.graph.node(name)
+            if node.role == "state":
+                self._states[name] = coerce_feed(name, value, node.type)
 
     def execute(self) -> None:
-        """Run the task DAG once (inputs stay loaded; run it again after loading new ones)."""
+        """Run the task DAG once (inputs stay loaded; run it again after loading new ones); then every
+        state takes its assigned value (``g.assign``) for the next execution."""
         self.executor.execute()
+        if self.graph.assignments:
+            ex = self.executor
+            nodes = self.graph.nodes
+            new = {nodes[s].name: np.asarray(self.offload(f"{nodes[s].name}.next"))
+                   for s in self.graph.assignments}
+            # the assigned values are gathered and placed back in the state's blocks; the outputs of
+            # the run that made them stay this run's
+            ex.load(new, partial=True)
+            ex.fresh = True
+            self._states.update(new)
 
     def offload(self, output: Tensor | str, like: str = "numpy") -> Any:
         """The saved output ``output`` (its name, or the saved tensor) as one array (``like="cupy"``
         keeps it on the GPU)."""
         name = self._name(output, "offload's output")
+        if name not in self.graph.outputs and name in self._states:  # a state: its current value
+            return self._states[name].copy()
         if isinstance(output, Tensor) and name not in self.graph.outputs:
             saved = [n for n, i in self.graph.outputs.items() if i == output.id]
             if saved:

@@ -55,7 +55,7 @@ class Node:
     type: TensorType
     op: Operator | None = None
     inputs: tuple[int, ...] = ()
-    role: str = "op"  # "input", "parameter" or "op"
+    role: str = "op"  # "input", "parameter", "state" or "op"
 
     @property
     def kind(self) -> str:
@@ -120,6 +120,7 @@ class Graph:
     def __init__(self) -> None:
         self.nodes: list[Node] = []
         self.outputs: dict[str, int] = {}
+        self.assignments: dict[int, int] = {}  # state node -> the node whose value it takes after a run
         self._names: set[str] = set()
         self.name_scope = ""  # a prefix of the names of nodes made without one (autodiff: "grad.<node>.")
 
@@ -133,6 +134,31 @@ class Graph:
                   dims: Sequence[str] | None = None) -> Tensor:
         """A graph input that holds weights; planned like an input, labelled as a parameter."""
         return self._leaf(name, TensorType.zero(shape, dtype, dims), "parameter")
+
+    def state(self, name: str, shape: Sequence[int], dtype: object = "float32",
+              dims: Sequence[str] | None = None) -> Tensor:
+        """A tensor that persists across executions: loaded once (``cg.load``), read back with
+        ``cg.offload(name)``, and given a new value for the next execution by ``g.assign``."""
+        return self._leaf(name, TensorType.zero(shape, dtype, dims), "state")
+
+    def assign(self, state: Tensor, value: Tensor) -> Tensor:
+        """After each execution ``state`` takes the value of ``value`` (computed in this graph, of the
+        state's shape and dtype), which is saved as ``<state>.next``.  Returns ``value``."""
+        sid, vid = self._own_id(state), self._own_id(value)
+        node = self.nodes[sid]
+        if node.role != "state":
+            raise GraphError(f"assign needs a tensor made by g.state; {node.name!r} is of role {node.role!r}.")
+        if sid in self.assignments:
+            raise GraphError(f"state {node.name!r} is assigned twice; assign it once per step.")
+        if self.nodes[vid].op is None:
+            raise GraphError(f"assign takes a computed tensor; {self.nodes[vid].name!r} is a graph "
+                             f"{self.nodes[vid].role}.")
+        if value.type.shape != node.type.shape or value.type.dtype != node.type.dtype:
+            raise GraphError(f"a state keeps its shape and dtype: {node.name!r} is {node.type}, the assigned value "
+                             f"{self.nodes[vid].name!r} is {value.type}.")
+        self.save(value, name=f"{node.name}.next")
+        self.assignments[sid] = vid
+        return value
 
     def insertTensor(self, desc: TensorType, name: str | None = None) -> Tensor:
         """The paper's spelling of ``input``: ``g.insertTensor(rt.tensorDesc(shape, dtype))``."""
@@ -359,8 +385,9 @@ class Graph:
         return node.op, tuple(Tensor(self, i) for i in node.inputs)
 
     def trainable(self) -> list[Tensor]:
-        """The floating graph inputs labelled as parameters, in declaration order (what ``grad`` usually takes)."""
-        return [Tensor(self, n.id) for n in self.nodes if n.role == "parameter" and n.type.dtype in FLOAT_DTYPES]
+        """The floating parameters and states, in declaration order (what ``grad`` usually takes)."""
+        return [Tensor(self, n.id) for n in self.nodes
+                if n.role in ("parameter", "state") and n.type.dtype in FLOAT_DTYPES]
 
     # --- inspection ---------------------------------------------------------------
     @property

@@ -1,0 +1,171 @@
+"""Optimizers as graph code: the update of a training step, with PyTorch's exact rules.
+
+``sgd`` and ``adamw`` append to a graph the operators that compute each parameter's next value from its
+gradient, and assign it (``g.assign``): the parameters must be states (``g.state``), which persist across
+executions.  The optimizer's own states (moments, momentum buffers, the step count) are added as states
+too; :meth:`Optimizer.initial` gives the values to load before the first step (torch's: zeros, step 0).
+``lr`` is a [1] tensor (a graph input, so a schedule changes it without recompiling) or a number.
+``clip_grad_norm`` scales gradients to a global norm, as ``torch.nn.utils.clip_grad_norm_`` does.
+
+>>> import relational_tensors as rt
+>>> g = rt.Graph(); x = g.input("x", [4, 3]); w = g.state("w", [3, 2])
+>>> loss = g.sum(g.unary(g.matmul(x, w), "square"), axis=(0, 1))
+>>> opt = sgd(g, [w], g.grad(loss, [w]), lr=0.1, momentum=0.9)
+>>> sorted(opt.initial())
+['w.momentum_buffer', 'w.sgd_first_step']
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from relational_tensors.core.dtypes import numpy_dtype
+from relational_tensors.core.numbers import is_number
+from relational_tensors.errors import GraphError
+from relational_tensors.frontend.graph import Graph, Tensor
+
+__all__ = ["Optimizer", "sgd", "adamw", "clip_grad_norm"]
+
+
+@dataclass
+class Optimizer:
+    """The states an optimizer added to a graph, with their initial values."""
+
+    kind: str
+    states: dict[str, tuple[Tensor, float]] = field(default_factory=dict)  # name -> (state, initial fill)
+
+    def initial(self) -> dict[str, np.ndarray]:
+        """The values to load into the optimizer's states before the first step."""
+        return {name: np.full(t.shape, fill, dtype=numpy_dtype(t.dtype)) for name, (t, fill) in self.states.items()}
+
+    def _state(self, g: Graph, name: str, like: Tensor, fill: float = 0.0, shape: Sequence[int] | None = None,
+               dtype: str | None = None) -> Tensor:
+        t = g.state(name, list(shape or like.shape), dtype or like.dtype)
+        self.states[name] = (t, fill)
+        return t
+
+
+def _check(g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
+    if len(params) != len(grads) or not params:
+        raise GraphError(f"an optimizer takes one gradient per parameter; got {len(params)} parameters and "
+                         f"{len(grads)} gradients.")
+    for p, d in zip(params, grads):
+        if p.node.role != "state":
+            raise GraphError(f"an optimizer updates states: make {p.name!r} with g.state(...) instead of "
+                             f"g.{p.node.role}(...), so its new value can be assigned.")
+        if d.shape != p.shape:
+            raise GraphError(f"the gradient of {p.name!r} must have its shape {p.shape}; got {d.shape}.")
+
+
+def _rate(g: Graph, lr: Tensor | float, like: Tensor, what: str = "lr") -> Tensor | float:
+    """``lr`` as a [1] tensor of the parameter's dtype, or a finite number."""
+    if isinstance(lr, Tensor):
+        if lr.graph is not g or lr.shape != (1,):
+            raise GraphError(f"{what} must be a number or a [1] tensor of this graph; got {lr!r}.")
+        return lr if lr.dtype == like.dtype else g.cast(lr, like.dtype)
+    if not is_number(lr) or not math.isfinite(float(lr)) or float(lr) < 0:
+        raise GraphError(f"{what} must be a finite number >= 0 or a [1] tensor; got {lr!r}.")
+    return float(lr)
+
+
+def _times(g: Graph, x: Tensor, a: Tensor | float) -> Tensor:
+    """x · a for a number or a [1] tensor a."""
+    return g.unary(x, "scale", a) if isinstance(a, float) else g.mul(x, a)
+
+
+def _number(what: str, value: object, lo: float = 0.0, hi: float = math.inf, hi_open: bool = False) -> float:
+    ok = is_number(value) and lo <= float(value) and (float(value) < hi if hi_open else float(value) <= hi)  # type: ignore[arg-type]
+    if not ok or not math.isfinite(float(value)):  # type: ignore[arg-type]
+        bound = f"[{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        raise GraphError(f"{what} must be a finite number in {bound}; got {value!r}.")
+    return float(value)  # type: ignore[arg-type]
+
+
+def clip_grad_norm(g: Graph, grads: Sequence[Tensor], max_norm: float) -> list[Tensor]:
+    """The gradients scaled by min(1, max_norm / (‖grads‖₂ + 1e-6)), the global 2-norm over all of them
+    (``torch.nn.utils.clip_grad_norm_``)."""
+    max_norm = _number("max_norm", max_norm)
+    if not grads:
+        raise GraphError("clip_grad_norm needs at least one gradient.")
+    squares = [g.sum(g.unary(d, "square"), axis=tuple(range(d.rank))) for d in grads]
+    total = squares[0]
+    for sq in squares[1:]:
+        total = g.add(total, sq)
+    norm = g.unary(g.unary(total, "sqrt"), "add_scalar", 1e-6)
+    coef = g.unary(g.unary(norm, "pow", -1.0), "scale", max_norm)
+    coef = g.binary(coef, g.unary(coef, "fill", 1.0), "minimum")
+    return [g.mul(d, coef if coef.dtype == d.dtype else g.cast(coef, d.dtype)) for d in grads]
+
+
+def sgd(g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Tensor | float, momentum: float = 0.0,
+        dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
+        maximize: bool = False) -> Optimizer:
+    """``torch.optim.SGD``'s update of each parameter, assigned to it."""
+    _check(g, params, grads)
+    momentum, dampening = _number("momentum", momentum), _number("dampening", dampening)
+    weight_decay = _number("weight_decay", weight_decay)
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise GraphError("Nesterov momentum needs momentum > 0 and dampening 0 (torch's rule).")
+    opt = Optimizer("sgd")
+    for p, d in zip(params, grads):
+        rate = _rate(g, lr, p)
+        if maximize:
+            d = g.unary(d, "neg")
+        if weight_decay:
+            d = g.add(d, g.unary(p, "scale", weight_decay))
+        if momentum:
+            buf = opt._state(g, f"{p.name}.momentum_buffer", p)
+            first = opt._state(g, f"{p.name}.sgd_first_step", p, 1.0, shape=[1])  # 1 until the first step
+            later = g.add(g.unary(buf, "scale", momentum), g.unary(d, "scale", 1.0 - dampening))
+            # torch's buffer starts as a copy of the first step's gradient
+            new_buf = g.add(g.mul(d, first), g.mul(later, g.unary(g.unary(first, "neg"), "add_scalar", 1.0)))
+            g.assign(buf, new_buf)
+            g.assign(first, g.unary(first, "scale", 0.0))
+            d = g.add(d, g.unary(new_buf, "scale", momentum)) if nesterov else new_buf
+        g.assign(p, g.sub(p, _times(g, d, rate)))
+    return opt
+
+
+def adamw(g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Tensor | float,
+          betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
+          maximize: bool = False) -> Optimizer:
+    """``torch.optim.AdamW``'s update (decoupled weight decay, bias-corrected moments) of each parameter,
+    assigned to it; the step count is one [1] state shared by the parameters."""
+    _check(g, params, grads)
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise GraphError(f"betas must be a pair of numbers in [0, 1); got {betas!r}.")
+    b1, b2 = (_number("betas", b, 0.0, 1.0, hi_open=True) for b in betas)
+    eps, weight_decay = _number("eps", eps), _number("weight_decay", weight_decay)
+    opt = Optimizer("adamw")
+    step = opt._state(g, "adamw.step", params[0], 0.0, shape=[1], dtype=params[0].dtype)
+    step = g.assign(step, g.unary(step, "add_scalar", 1.0))
+
+    def correction(beta: float, t: Tensor) -> Tensor:  # 1 - beta ** step
+        power = g.unary(g.unary(t, "scale", math.log(beta)), "exp") if beta > 0 else g.unary(t, "scale", 0.0)
+        return g.unary(g.unary(power, "neg"), "add_scalar", 1.0)
+
+    for p, d in zip(params, grads):
+        rate = _rate(g, lr, p)
+        t = step if step.dtype == p.dtype else g.cast(step, p.dtype)
+        if maximize:
+            d = g.unary(d, "neg")
+        m = opt._state(g, f"{p.name}.exp_avg", p)
+        v = opt._state(g, f"{p.name}.exp_avg_sq", p)
+        decayed = p  # torch: param.mul_(1 - lr * weight_decay)
+        if weight_decay and isinstance(rate, Tensor):
+            decayed = g.mul(p, g.unary(g.unary(rate, "scale", -weight_decay), "add_scalar", 1.0))
+        elif weight_decay:
+            decayed = g.unary(p, "scale", 1.0 - float(rate) * weight_decay)
+        new_m = g.add(m, g.unary(g.sub(d, m), "scale", 1.0 - b1))  # torch's lerp
+        new_v = g.add(g.unary(v, "scale", b2), g.unary(g.mul(d, d), "scale", 1.0 - b2))
+        g.assign(m, new_m)
+        g.assign(v, new_v)
+        step_size = g.div(rate, correction(b1, t)) if isinstance(rate, Tensor) else \
+            g.unary(g.unary(correction(b1, t), "pow", -1.0), "scale", rate)
+        denom = g.unary(g.div(g.unary(new_v, "sqrt"), g.unary(correction(b2, t), "sqrt")), "add_scalar", eps)
+        g.assign(p, g.sub(decayed, g.mul(g.div(new_m, denom), step_size)))
+    return opt

@@ -1,0 +1,159 @@
+"""Training steps as graphs: states that persist across executions, and SGD and AdamW with torch's
+exact update rules, run on cpu:p and compared step by step with torch's own optimizers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import relational_tensors as rt
+from relational_tensors.errors import GraphError
+
+
+def _mlp_step(dtype: str, optimizer: str, clip: float | None = None, **hyper):
+    """x -> rmsnorm -> matmul -> gelu -> matmul -> cross-entropy; parameters are states."""
+    g = rt.Graph()
+    x, t = g.input("x", [13, 6], dtype), g.input("t", [13], "int64")
+    lr = g.input("lr", [1], dtype)
+    w1, w2, nw = g.state("w1", [6, 9], dtype), g.state("w2", [9, 7], dtype), g.state("nw", [6], dtype)
+    logits = g.matmul(g.unary(g.matmul(g.rmsnorm(x, nw, 1e-5), w1), "gelu"), w2)
+    loss = g.save(g.cross_entropy(logits, t, ignore_index=3), name="loss")
+    params = [w1, w2, nw]
+    grads = g.grad(loss, params)
+    if clip is not None:
+        grads = rt.optim.clip_grad_norm(g, grads, clip)
+    opt = (rt.optim.adamw if optimizer == "adamw" else rt.optim.sgd)(g, params, grads, lr, **hyper)
+    return g, opt
+
+
+def _torch_run(init: dict, batches: list, lrs: list, optimizer: str, clip: float | None, **hyper):
+    ps = {k: torch.tensor(v, requires_grad=True) for k, v in init.items()}
+    cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
+    opt = cls([ps["w1"], ps["w2"], ps["nw"]], lr=lrs[0], **hyper)
+    losses = []
+    for (x, t), lr in zip(batches, lrs):
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.zero_grad()
+        x = torch.tensor(x)
+        h = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-5) * ps["nw"]
+        loss = F.cross_entropy(F.gelu(h @ ps["w1"]) @ ps["w2"], torch.tensor(t), ignore_index=3)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_([ps["w1"], ps["w2"], ps["nw"]], clip)
+        opt.step()
+        losses.append(loss.item())
+    state = {k: v.detach().numpy() for k, v in ps.items()}
+    for name, p in (("w1", ps["w1"]), ("w2", ps["w2"]), ("nw", ps["nw"])):
+        for key, value in opt.state[p].items():
+            if key != "step":
+                state[f"{name}.{key}"] = value.detach().numpy()
+    return losses, state
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(b))), 1e-30)
+
+
+CONFIGS = {
+    "adamw_decay_clip": ("adamw", 0.05, dict(betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)),
+    "adamw_default": ("adamw", None, dict()),
+    "sgd_momentum_decay": ("sgd", None, dict(momentum=0.9, weight_decay=0.01)),
+    "sgd_dampening_nesterov_off": ("sgd", 0.5, dict(momentum=0.8, dampening=0.3)),
+    "sgd_nesterov": ("sgd", None, dict(momentum=0.9, nesterov=True)),
+    "sgd_plain": ("sgd", None, dict()),
+}
+
+
+@pytest.mark.parametrize("p", [1, 3, 4])
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_five_steps_equal_torch_in_float64(config: str, p: int) -> None:
+    optimizer, clip, hyper = CONFIGS[config]
+    g, opt = _mlp_step("float64", optimizer, clip, **hyper)
+    rng = np.random.default_rng(0)
+    init = {"w1": rng.standard_normal((6, 9)) / 3, "w2": rng.standard_normal((9, 7)) / 3,
+            "nw": 1 + 0.1 * rng.standard_normal(6)}
+    batches = [(rng.standard_normal((13, 6)), rng.integers(0, 7, 13)) for _ in range(5)]
+    lrs = [0.05, 0.04, 0.03, 0.02, 0.01]  # a schedule: lr is an input, the plan stays
+    cg = rt.compileGraph(g, device=f"cpu:{p}")
+    losses = []
+    for k, ((x, t), lr) in enumerate(zip(batches, lrs)):
+        first = {**init, **opt.initial()} if k == 0 else {}  # states are loaded once
+        cg.load({**first, "x": x, "t": t, "lr": np.array([lr])})
+        cg.execute()
+        losses.append(float(cg.offload("loss")[0]))
+    want_losses, want = _torch_run(init, batches, lrs, optimizer, clip, **hyper)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-9)
+    for name, value in want.items():
+        assert _rel(cg.offload(name), value) <= 1e-9, name
+
+
+def test_resuming_from_the_states_after_two_steps_gives_the_same_parameters_after_five() -> None:
+    g, opt = _mlp_step("float64", "adamw", 1.0, weight_decay=0.05)
+    rng = np.random.default_rng(1)
+    init = {"w1": rng.standard_normal((6, 9)) / 3, "w2": rng.standard_normal((9, 7)) / 3,
+            "nw": 1 + 0.1 * rng.standard_normal(6)}
+    batches = [{"x": rng.standard_normal((13, 6)), "t": rng.integers(0, 7, 13), "lr": np.array([0.01])}
+               for _ in range(5)]
+    states = [n.name for n in g.inputs if n.role == "state"]
+    straight = rt.compileGraph(g, device="cpu:3")
+    straight.load({**init, **opt.initial(), **batches[0]})
+    for b in batches:
+        straight.load(b)
+        straight.execute()
+    first = rt.compileGraph(g, device="cpu:2")
+    first.load({**init, **opt.initial(), **batches[0]})
+    for b in batches[:2]:
+        first.load(b)
+        first.execute()
+    saved = {s: first.offload(s) for s in states}
+    resumed = rt.compileGraph(g, device="cpu:4")
+    resumed.load({**saved, **batches[2]})
+    for b in batches[2:]:
+        resumed.load(b)
+        resumed.execute()
+    for s in states:
+        assert _rel(resumed.offload(s), straight.offload(s)) <= 1e-12, s
+
+
+def test_state_and_assign_refusals() -> None:
+    g = rt.Graph()
+    x, w = g.input("x", [4, 3]), g.state("w", [3, 2])
+    p = g.parameter("p", [3, 2])
+    y = g.matmul(x, w)
+    with pytest.raises(GraphError, match="made by g.state"):
+        g.assign(p, g.unary(p, "relu"))
+    with pytest.raises(GraphError, match="computed tensor"):
+        g.assign(w, w)
+    with pytest.raises(GraphError, match="keeps its shape"):
+        g.assign(w, y)
+    g.assign(w, g.unary(w, "scale", 0.5))
+    with pytest.raises(GraphError, match="assigned twice"):
+        g.assign(w, g.unary(w, "scale", 0.5))
+    with pytest.raises(GraphError, match="updates states"):
+        rt.optim.sgd(g, [p], [p], 0.1)
+    with pytest.raises(GraphError, match="one gradient per parameter"):
+        rt.optim.adamw(g, [w], [], 0.1)
+    with pytest.raises(GraphError, match="betas"):
+        rt.optim.adamw(g, [w], [w], 0.1, betas=(0.9, 1.0))
+    with pytest.raises(GraphError, match="lr"):
+        rt.optim.sgd(g, [w], [w], -1.0)
+    with pytest.raises(GraphError, match="Nesterov"):
+        rt.optim.sgd(g, [w], [w], 0.1, nesterov=True)
+
+
+def test_a_state_persists_and_reads_back_before_and_after_steps() -> None:
+    g = rt.Graph()
+    c = g.state("counter", [5])
+    g.save(g.unary(c, "square"), name="sq")
+    g.assign(c, g.unary(c, "add_scalar", 1.0))
+    cg = rt.compileGraph(g, device="cpu:3")
+    cg.load({"counter": np.arange(5, dtype=np.float32)})
+    assert cg.offload("counter").tolist() == [0, 1, 2, 3, 4]
+    for step in range(3):
+        cg.execute()
+        assert cg.offload("sq").tolist() == [(k + step) ** 2 for k in range(5)]
+    assert cg.offload("counter").tolist() == [3, 4, 5, 6, 7]
