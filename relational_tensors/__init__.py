@@ -5,6 +5,7 @@ operator over all devices by its join-agg specs.  This module only re-exports
 the public API; each name lives in the layer that owns it.
 """
 
+from relational_tensors import optim as optim
 from relational_tensors.compiler import CompiledGraph as CompiledGraph
 from relational_tensors.compiler import compile as compile
 from relational_tensors.compiler import compileGraph as compileGraph
@@ -39,7 +40,6 @@ from relational_tensors.frontend.parallelize import ParallelModule as ParallelMo
 from relational_tensors.frontend.parallelize import parallelize as parallelize
 from relational_tensors.frontend.torch import TorchGraph as TorchGraph
 from relational_tensors.frontend.torch import from_torch as from_torch
-from relational_tensors import optim as optim
 from relational_tensors.options import CompileOptions as CompileOptions
 from relational_tensors.reference import execute_spec as execute_spec
 from relational_tensors.reference import reference as reference

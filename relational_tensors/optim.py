@@ -158,8 +158,8 @@ def adamw(g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Tenso
         decayed = p  # torch: param.mul_(1 - lr * weight_decay)
         if weight_decay and isinstance(rate, Tensor):
             decayed = g.mul(p, g.unary(g.unary(rate, "scale", -weight_decay), "add_scalar", 1.0))
-        elif weight_decay:
-            decayed = g.unary(p, "scale", 1.0 - float(rate) * weight_decay)
+        elif weight_decay and isinstance(rate, float):
+            decayed = g.unary(p, "scale", 1.0 - rate * weight_decay)
         new_m = g.add(m, g.unary(g.sub(d, m), "scale", 1.0 - b1))  # torch's lerp
         new_v = g.add(g.unary(v, "scale", b2), g.unary(g.mul(d, d), "scale", 1.0 - b2))
         g.assign(m, new_m)
