@@ -5,7 +5,7 @@ operator over all devices by its join-agg specs.  This module only re-exports
 the public API; each name lives in the layer that owns it.
 """
 
-from relational_tensors import optim as optim
+import relational_tensors.optim as optim
 from relational_tensors.compiler import CompiledGraph as CompiledGraph
 from relational_tensors.compiler import compile as compile
 from relational_tensors.compiler import compileGraph as compileGraph
