@@ -157,3 +157,35 @@ def test_a_state_persists_and_reads_back_before_and_after_steps() -> None:
         cg.execute()
         assert cg.offload("sq").tolist() == [(k + step) ** 2 for k in range(5)]
     assert cg.offload("counter").tolist() == [3, 4, 5, 6, 7]
+
+
+def test_sgd_momentum_with_gradient_accumulation_over_three_micro_batches_equals_torch() -> None:
+    """One step reads three micro-batches: the loss is the mean of theirs, so the gradients of the shared
+    parameters are the sums autodiff makes of each micro-batch's (torch: loss / 3, backward each)."""
+    g = rt.Graph()
+    w1, w2 = g.state("w1", [6, 9], "float64"), g.state("w2", [9, 7], "float64")
+    losses = []
+    for k in range(3):
+        x, t = g.input(f"x{k}", [5, 6], "float64"), g.input(f"t{k}", [5], "int64")
+        losses.append(g.cross_entropy(g.matmul(g.unary(g.matmul(x, w1), "tanh"), w2), t))
+    loss = g.unary(g.add(g.add(losses[0], losses[1]), losses[2]), "scale", 1 / 3)
+    g.save(loss, name="loss")
+    opt = rt.optim.sgd(g, [w1, w2], g.grad(loss, [w1, w2]), 0.1, momentum=0.9, weight_decay=0.01)
+    rng = np.random.default_rng(2)
+    init = {"w1": rng.standard_normal((6, 9)) / 3, "w2": rng.standard_normal((9, 7)) / 3}
+    steps = [[(rng.standard_normal((5, 6)), rng.integers(0, 7, 5)) for _ in range(3)] for _ in range(4)]
+    cg = rt.compileGraph(g, device="cpu:3")
+    for n, micro in enumerate(steps):
+        feeds = {f"{a}{k}": v for k, (x, t) in enumerate(micro) for a, v in (("x", x), ("t", t))}
+        cg.load({**(init | opt.initial() if n == 0 else {}), **feeds})
+        cg.execute()
+    tw1, tw2 = (torch.tensor(init[k], requires_grad=True) for k in ("w1", "w2"))
+    topt = torch.optim.SGD([tw1, tw2], lr=0.1, momentum=0.9, weight_decay=0.01)
+    for micro in steps:
+        topt.zero_grad()
+        for x, t in micro:
+            (F.cross_entropy(torch.tanh(torch.tensor(x) @ tw1) @ tw2, torch.tensor(t)) / 3).backward()
+        topt.step()
+    assert _rel(cg.offload("w1"), tw1.detach().numpy()) <= 1e-9
+    assert _rel(cg.offload("w2"), tw2.detach().numpy()) <= 1e-9
+    assert _rel(cg.offload("w1.momentum_buffer"), topt.state[tw1]["momentum_buffer"].numpy()) <= 1e-9

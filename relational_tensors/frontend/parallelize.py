@@ -1,5 +1,11 @@
 """A PyTorch module, traced, planned over every device and called like the module.
 
+Called with grad enabled and parameters (or inputs) that require grad, the module is differentiable:
+its outputs require grad, and ``loss.backward()`` runs a second compiled program (the traced forward
+with its gradient graph appended, ``g.vjp``) that fills each parameter's ``.grad`` and each input's
+that requires one.  The backward program recomputes the forward from the saved inputs rather than
+keeping its activations between the two calls.
+
 >>> import pytest; torch = pytest.importorskip("torch")
 >>> from relational_tensors.frontend.parallelize import parallelize
 >>> layer = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)).eval()
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.errors import ExecError
 from relational_tensors.frontend.torch.convert import _torch, numpy_to_torch, torch_to_numpy
 from relational_tensors.frontend.torch.translator import TorchGraph, from_torch
@@ -34,11 +41,15 @@ class ParallelModule:
     :meth:`reload_weights` reads the current ones.
     """
 
-    def __init__(self, graph: TorchGraph, compiled: Any, module: Any = None, example_inputs: Any = None) -> None:
+    def __init__(self, graph: TorchGraph, compiled: Any, module: Any = None, example_inputs: Any = None,
+                 device: Any = None, compile_options: dict[str, Any] | None = None) -> None:
         self.graph = graph
         self.compiled = compiled
         self.module = module
         self.example_inputs = example_inputs
+        self.device = device
+        self.compile_options = dict(compile_options or {})
+        self._backwards: dict[tuple[str, ...], tuple[TorchGraph, Any, tuple[str, ...]]] = {}
         self._parameters_loaded = False
         self._partial_loads = True  # whether the executor keeps inputs that a load does not name
         self._state = self._module_state()
@@ -120,22 +131,134 @@ class ParallelModule:
             return out
         return numpy_to_torch(self.compiled.offload(name))
 
+    def _run_forward(self, inputs: tuple[Any, ...]) -> dict[str, Any]:
+        self._load(inputs)
+        self.compiled.execute()
+        return {name: self._offload(name) for kind, name in self.graph.output_leaves if kind == "saved"}
+
+    def _trainable(self) -> list[tuple[str, Any]]:
+        """The module's parameters that require grad and that the traced graph reads."""
+        if self.module is None:
+            return []
+        read = {origin for origin, _ in self.graph.origins.values()}
+        return [(k, t) for k, t in self.module.named_parameters() if t.requires_grad and k in read]
+
+    def _graph_inputs_of(self, param: str) -> list[tuple[str, bool]]:
+        """The graph inputs holding module parameter ``param``, and whether each holds it transposed."""
+        return [(name, t) for name, (origin, t) in self.graph.origins.items() if origin == param]
+
     def __call__(self, *inputs: Any) -> Any:
         torch = _torch()
         self._check(inputs)
-        self._check_weights()
-        self._load(inputs)
-        self.compiled.execute()
-        leaves = []
-        for kind, value in self.graph.output_leaves:
-            leaves.append(self._offload(value) if kind == "saved" else value)
+        params = self._trainable()
+        floating = [x.is_floating_point() and x.requires_grad for x in inputs]
+        if torch.is_grad_enabled() and (params or any(floating)):
+            if self._module_state() != self._state:  # a training step changed them: read them again
+                self.reload_weights()
+            saved = _Differentiable.apply(self, len(inputs), tuple(k for k, _ in params), *inputs,
+                                          *(t for _, t in params))
+            values = dict(zip([n for kind, n in self.graph.output_leaves if kind == "saved"], saved))
+        else:
+            self._check_weights()
+            values = self._run_forward(inputs)
+        leaves = [values[value] if kind == "saved" else value for kind, value in self.graph.output_leaves]
         return torch.utils._pytree.tree_unflatten(leaves, self.graph.out_spec)
+
+    def _backward_program(self, wrt: tuple[str, ...]) -> tuple[TorchGraph, Any, tuple[str, ...]]:
+        """The traced forward with the gradient of every floating output with respect to ``wrt`` (graph
+        input names) appended, compiled like the forward; cotangents are inputs ``cot.<output>``."""
+        if wrt not in self._backwards:
+            from relational_tensors.compiler import compileGraph
+
+            g = from_torch(self.module, self.example_inputs) if self.module is not None else self.graph
+            outs = [n for kind, n in g.output_leaves if kind == "saved"
+                    and g.nodes[g.outputs[n]].type.dtype in FLOAT_DTYPES]
+            if not outs:
+                raise ExecError("the module has no floating output to differentiate.")
+            cots = [g.input(f"cot.{n}", g.nodes[g.outputs[n]].type.shape, g.nodes[g.outputs[n]].type.dtype)
+                    for n in outs]
+            grads = g.vjp([g.tensor(g.outputs[n]) for n in outs], cots, [g.tensor(g.node(w).id) for w in wrt],
+                          allow_unused=True)
+            for w, d in zip(wrt, grads):
+                g.save(d, name=f"grad.{w}")
+            self._backwards[wrt] = (g, compileGraph(g, device=self.device, **self.compile_options), tuple(outs))
+        return self._backwards[wrt]
+
+    def _run_backward(self, inputs: tuple[Any, ...], cotangents: dict[str, Any], wrt: tuple[str, ...]) -> list[Any]:
+        g, compiled, outs = self._backward_program(wrt)
+        torch = _torch()
+        feeds = {**self.graph.parameters}
+        feeds.update({name: self._feed(x) for name, x in zip(g.input_names, inputs) if name is not None})
+        for n in outs:
+            c = cotangents.get(n)
+            t = g.nodes[g.outputs[n]].type
+            feeds[f"cot.{n}"] = (torch_to_numpy(c.detach().contiguous()) if c is not None
+                                 else torch_to_numpy(torch.zeros(t.shape, dtype=getattr(torch, t.dtype))))
+        compiled.load(feeds)
+        compiled.execute()
+        return [numpy_to_torch(compiled.offload(f"grad.{w}")) for w in wrt]
 
     forward = __call__
 
     def __repr__(self) -> str:
         ops = len(self.graph.operators)
         return f"ParallelModule({ops} operators on {self.compiled.devices}, plan cost {self.compiled.plan.cost:,.0f})"
+
+
+def _function() -> Any:
+    """The torch.autograd.Function a differentiable call goes through (made when torch is first needed)."""
+    torch = _torch()
+
+    class Differentiable(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, pm: ParallelModule, n_inputs: int, params: tuple[str, ...], *args: Any) -> Any:
+            inputs = args[:n_inputs]
+            ctx.pm, ctx.n_inputs, ctx.params = pm, n_inputs, params
+            ctx.save_for_backward(*(x.detach() for x in inputs))
+            values = pm._run_forward(inputs)
+            saved = [values[n] for kind, n in pm.graph.output_leaves if kind == "saved"]
+            ctx.names = [n for kind, n in pm.graph.output_leaves if kind == "saved"]
+            ctx.mark_non_differentiable(*(v for v in saved if not v.is_floating_point()))
+            return tuple(saved)
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            pm, inputs = ctx.pm, ctx.saved_tensors
+            wanted_inputs = [k for k in range(ctx.n_inputs) if ctx.needs_input_grad[3 + k]
+                             and pm.graph.input_names[k] is not None]
+            holders = {p: pm._graph_inputs_of(p) for p in ctx.params}
+            wrt = (*(name for p in ctx.params for name, _ in holders[p]),
+                   *(pm.graph.input_names[k] for k in wanted_inputs))
+            got = pm._run_backward(inputs, dict(zip(ctx.names, grads)), wrt) if wrt else []
+            by_name = dict(zip(wrt, got))
+            in_grads = [by_name.get(pm.graph.input_names[k]) if k in wanted_inputs else None
+                        for k in range(ctx.n_inputs)]
+            params = dict(pm.module.named_parameters())
+            param_grads = []
+            for p in ctx.params:  # a parameter read in several layouts gets the sum of their gradients
+                total = None
+                for name, transposed in holders[p]:
+                    d = by_name[name].t() if transposed else by_name[name]
+                    d = d.to(params[p].dtype)
+                    total = d if total is None else total + d
+                param_grads.append(total)
+            return (None, None, None, *in_grads, *param_grads)
+
+    return Differentiable
+
+
+class _Lazy:
+    """``_Differentiable.apply``: the Function class is built on first use, so importing needs no torch."""
+
+    fn: Any = None
+
+    def apply(self, *args: Any) -> Any:
+        if _Lazy.fn is None:
+            _Lazy.fn = _function()
+        return _Lazy.fn.apply(*args)
+
+
+_Differentiable = _Lazy()
 
 
 def parallelize(module: Any, example_inputs: Any, device: Any = None, **compile_options: Any) -> ParallelModule:
@@ -147,4 +270,5 @@ def parallelize(module: Any, example_inputs: Any, device: Any = None, **compile_
     from relational_tensors.compiler import compileGraph
 
     graph = from_torch(module, example_inputs)
-    return ParallelModule(graph, compileGraph(graph, device=device, **compile_options), module, example_inputs)
+    return ParallelModule(graph, compileGraph(graph, device=device, **compile_options), module, example_inputs,
+                          device, compile_options)

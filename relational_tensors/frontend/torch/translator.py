@@ -64,6 +64,7 @@ class TorchGraph(Graph):
     ``parameters``  graph input name -> NumPy value, for every input that is not a user input
                     (weights in graph layout, e.g. Linear weights as ``[in, out]``);
     ``folded``      the names among ``parameters`` computed at trace time (not module state);
+    ``origins``     graph input name -> (the module parameter or buffer it holds, whether transposed);
     ``input_names`` per positional user input, its graph input name (None if the module ignores it);
     ``output_names`` the saved outputs, in the order of the module's flattened outputs;
     ``source``      node name -> the source line of the module it was translated from.
@@ -73,6 +74,7 @@ class TorchGraph(Graph):
         super().__init__()
         self.parameters: dict[str, np.ndarray] = {}
         self.folded: tuple[str, ...] = ()
+        self.origins: dict[str, tuple[str, bool]] = {}
         self.input_names: tuple[str | None, ...] = ()
         self.output_names: tuple[str, ...] = ()
         self.source: dict[str, str] = {}
@@ -102,6 +104,7 @@ class _Translator:
         self.env: dict[Any, Any] = {}
         self.values: dict[str, np.ndarray] = {}
         self.folded: list[str] = []
+        self.origins: dict[str, tuple[str, bool]] = {}
         self.used: set[str] = set()
         self.prefix = ""
         self.current: Any = None
@@ -151,6 +154,8 @@ class _Translator:
         self.values[name] = torch_to_numpy(v)
         if c.name is None:
             self.folded.append(name)
+        else:
+            self.origins[name] = (c.name, transpose)
         self._materialized[key] = t
         return t
 
@@ -534,6 +539,7 @@ def _prune(g: TorchGraph) -> TorchGraph:
     kept = {n.name for n in out.nodes}
     out.parameters = {k: v for k, v in g.parameters.items() if k in kept}
     out.folded = tuple(k for k in g.folded if k in kept)
+    out.origins = {k: v for k, v in g.origins.items() if k in kept}
     out.input_names = tuple(k if k in kept else None for k in g.input_names)
     out.input_types = g.input_types
     out.output_names = g.output_names
@@ -579,5 +585,6 @@ def from_torch(module: Any, example_inputs: Any) -> TorchGraph:
                          "to build.")
     g.parameters = tr.values
     g.folded = tuple(tr.folded)
+    g.origins = dict(tr.origins)
     g.out_spec = ep.call_spec.out_spec
     return _prune(g)

@@ -1,0 +1,137 @@
+"""rt.parallelize is differentiable: loss.backward() through a parallelized module fills its parameters'
+.grad (and its inputs') from our compiled backward, equal to torch's own, on transformers' blocks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the PyTorch frontend needs torch")
+from test_torch_frontend import LlamaWithRotary, llama_config, transformers_or_skip  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+import relational_tensors as rt  # noqa: E402
+
+
+def _rel(a: Any, b: Any, floor: float = 1e-30) -> float:
+    """max |a - b| over the largest magnitude of b (at least ``floor``: a gradient that is zero in exact
+    arithmetic, such as a key bias's under softmax, is rounding noise in both)."""
+    a, b = np.asarray(a.detach(), np.float64), np.asarray(b.detach(), np.float64)
+    return float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(b))), floor)
+
+
+def assert_same_gradients(module: nn.Module, x: Any, loss_fn: Any, device: str = "cpu:4",
+                          tol: float = 1e-4) -> Any:
+    """Our backward's gradients of every parameter (and of x) against torch's, at ``tol`` of the
+    largest magnitude of each."""
+    module.train()  # dropout is 0 in the configs; train mode only turns on gradients' bookkeeping
+    pm = rt.parallelize(module, (x.detach(),), device=device)
+    xs = x.detach().clone().requires_grad_(True)
+    out = pm(xs)
+    assert out.requires_grad
+    loss_fn(out).backward()
+    ours = {k: p.grad.clone() for k, p in module.named_parameters()}
+    ours_x = xs.grad.clone()
+    module.zero_grad()
+    xt = x.detach().clone().requires_grad_(True)
+    loss_fn(module(xt)).backward()
+    floor = 1e-4 * max(float(p.grad.abs().max()) for p in module.parameters())
+    for k, p in module.named_parameters():
+        assert _rel(ours[k], p.grad, floor) <= tol, (k, _rel(ours[k], p.grad, floor))
+    assert _rel(ours_x, xt.grad) <= tol
+    return pm
+
+
+def test_mlp_gradients_and_a_torch_training_loop() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    x = torch.randn(13, 16)
+    pm = assert_same_gradients(m, x, lambda y: y.square().mean(), device="cpu:3")
+    twin = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    twin.load_state_dict(m.state_dict())
+    ours_opt, their_opt = torch.optim.AdamW(m.parameters(), lr=1e-2), torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    for _ in range(3):  # the user's own optimizer and loop: the module's weights are read again each step
+        ours_opt.zero_grad()
+        pm(x).square().mean().backward()
+        ours_opt.step()
+        their_opt.zero_grad()
+        twin(x).square().mean().backward()
+        their_opt.step()
+    for (k, a), b in zip(m.named_parameters(), twin.parameters()):
+        assert _rel(a, b) <= 1e-5, k
+
+
+def test_outputs_require_grad_as_torch_s_would() -> None:
+    m = nn.Linear(4, 3)
+    pm = rt.parallelize(m, (torch.randn(2, 4),), device="cpu:2")
+    assert pm(torch.randn(2, 4)).requires_grad
+    with torch.no_grad():
+        assert not pm(torch.randn(2, 4)).requires_grad
+    for p in m.parameters():
+        p.requires_grad_(False)
+    assert not pm(torch.randn(2, 4)).requires_grad
+    assert pm(torch.randn(2, 4, requires_grad=True)).requires_grad
+
+
+def test_llama_decoder_layer_gradients_equal_torch() -> None:
+    torch.manual_seed(1)
+    assert_same_gradients(LlamaWithRotary(llama_config()), torch.randn(1, 64, 64), lambda y: y.square().mean())
+
+
+def test_gpt2_block_gradients_equal_torch() -> None:
+    transformers = transformers_or_skip()
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    torch.manual_seed(2)
+    config = transformers.GPT2Config(n_embd=64, n_head=4, n_layer=1, n_positions=512, attn_implementation="sdpa",
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    assert_same_gradients(GPT2Block(config, layer_idx=0), torch.randn(2, 32, 64), lambda y: y[0].square().mean())
+
+
+def test_llama_for_causal_lm_with_cross_entropy_gradients_equal_torch() -> None:
+    transformers = transformers_or_skip()
+
+    class Logits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = transformers.LlamaForCausalLM(llama_config(num_hidden_layers=2, vocab_size=97))
+
+        def forward(self, ids: Any) -> Any:
+            return self.lm(input_ids=ids).logits
+
+    torch.manual_seed(3)
+    model = Logits().train()
+    ids = torch.randint(0, 97, (1, 40))
+    targets = torch.randint(0, 97, (1, 40))
+    pm = rt.parallelize(model, (ids,), device="cpu:4")
+    F.cross_entropy(pm(ids).flatten(0, 1), targets.flatten()).backward()
+    ours = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    F.cross_entropy(model(ids).flatten(0, 1), targets.flatten()).backward()
+    assert ours.keys() == {k for k, p in model.named_parameters() if p.grad is not None}
+    for k, p in model.named_parameters():
+        if p.grad is not None:
+            assert _rel(ours[k], p.grad) <= 1e-4, k
+
+
+def test_bert_layer_gradients_equal_torch() -> None:
+    transformers = transformers_or_skip()
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            config = transformers.BertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                             attn_implementation="sdpa")
+            self.layer = BertLayer(config)
+
+        def forward(self, x: Any) -> Any:
+            return self.layer(x)[0]
+
+    torch.manual_seed(4)
+    probe = torch.randn(24, 64)  # the output is layer-normalized: mean(y²) would not depend on the weights
+    assert_same_gradients(Layer(), torch.randn(2, 24, 64), lambda y: (y * probe).sum())
