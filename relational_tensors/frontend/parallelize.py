@@ -208,8 +208,9 @@ class ParallelModule:
 def _function() -> Any:
     """The torch.autograd.Function a differentiable call goes through (made when torch is first needed)."""
     torch = _torch()
+    base: Any = torch.autograd.Function
 
-    class Differentiable(torch.autograd.Function):
+    class Differentiable(base):  # type: ignore[misc, valid-type]
         @staticmethod
         def forward(ctx: Any, pm: ParallelModule, n_inputs: int, params: tuple[str, ...], *args: Any) -> Any:
             inputs = args[:n_inputs]
