@@ -25,3 +25,18 @@ def test_readme_training_example_runs() -> None:
     exec(compile(code, "README.md", "exec"), scope)
     assert set(scope["out"]) == {"loss"} | {f"grad.{p.name}" for p in scope["lm"].trainable()}
     assert scope["cg"].plan.p == 8
+
+
+def test_readme_training_step_example_runs() -> None:
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("### Training steps: states and optimizers", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    import numpy as np
+
+    import relational_tensors as rt
+    scope: dict = {"np": np, "rt": rt}
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        exec(compile(code, "README.md", "exec"), scope)
+    losses = [float(line.strip("[]")) for line in out.getvalue().split()]
+    assert len(losses) == 3 and all(np.isfinite(losses))
+    assert scope["w1_now"].shape == (16, 32) and not np.allclose(scope["w1_now"], scope["states"]["w1"])
