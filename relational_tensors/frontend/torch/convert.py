@@ -62,7 +62,8 @@ def numpy_to_torch(a: Any) -> Any:
     """An array (NumPy, or anything with ``__dlpack__`` such as a CuPy array) as a torch tensor, sharing memory."""
     torch = _torch()
     if isinstance(a, np.ndarray):
+        shape = a.shape  # np.ascontiguousarray makes a 0-d array 1-d: the shape is put back
         if a.dtype == numpy_dtype("bfloat16"):
-            return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(np.ascontiguousarray(a))
+            return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16).reshape(shape)
+        return torch.from_numpy(np.ascontiguousarray(a)).reshape(shape)
     return torch.from_dlpack(a)

@@ -154,3 +154,45 @@ def _embedding(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     ids = tr.materialize(ids, "int64") if isinstance(ids, _Const) else tr.sym(ids)
     return tr.g.embedding(table, ids, name=tr.name("embedding"))
 
+
+
+@register_torch_op("cross_entropy_loss")
+def _cross_entropy(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    """``F.cross_entropy`` on class indices: logits [N, C] or [N, C, d...] (classes on dimension 1)."""
+    if a.get("weight") is not None:
+        raise _fail("cross_entropy with class weights has no translation; drop weight=")
+    if a.get("label_smoothing", 0.0):
+        raise _fail(f"cross_entropy with label_smoothing={a['label_smoothing']} has no translation")
+    logits, targets = tr.sym(a["self"]), a["target"]
+    targets = tr.materialize(targets, "int64") if isinstance(targets, _Const) else tr.sym(targets)
+    if not targets.dtype.startswith("int"):
+        raise _fail("cross_entropy with class probabilities as targets has no translation; pass class indices")
+    if logits.rank < 2:
+        raise _fail(f"cross_entropy of unbatched logits {logits.shape} has no translation; add a batch dimension")
+    if logits.rank > 2:  # classes last, as g.cross_entropy takes them
+        logits = tr.g.permute(logits, (0, *range(2, logits.rank), 1), name=tr.name("permute"))
+    reduction = {0: "none", 1: "mean", 2: "sum"}[int(a["reduction"])]
+    out = tr.g.cross_entropy(logits, targets, ignore_index=int(a["ignore_index"]), reduction=reduction,
+                             name=tr.name("cross_entropy"))
+    return tr.reshape(out, _out_shape(node))
+
+
+@register_torch_op("mse_loss")
+def _mse_loss(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    reduction = {0: "none", 1: "mean", 2: "sum"}[int(a["reduction"])]
+    x, y = tr.sym(a["self"]), tr.sym(a["target"])
+    if reduction == "none":
+        return tr.g.unary(tr.g.sub(x, y), "square", name=tr.name("mse"))
+    return tr.reshape(tr.g.mse(x, y, reduction=reduction, name=tr.name("mse")), _out_shape(node))
+
+
+@register_torch_op("broadcast_tensors")
+def _broadcast_tensors(tr: _Translator, node: Any, a: dict[str, Any]) -> list[Tensor]:
+    """Tensors already of one shape pass through (``F.mse_loss`` broadcasts its operands first); others
+    would need repeating, which the elementwise operators do themselves."""
+    xs = [tr.sym(x) for x in a["tensors"]]
+    shapes = {tuple(v.shape) for v in node.meta["val"]}
+    if any(x.shape not in shapes for x in xs) or len(shapes) != 1:
+        raise _fail(f"broadcast_tensors of shapes {[x.shape for x in xs]} has no translation; broadcast in the "
+                    "elementwise operation instead")
+    return xs
