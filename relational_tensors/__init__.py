@@ -45,6 +45,8 @@ from relational_tensors.reference import execute_spec as execute_spec
 from relational_tensors.reference import reference as reference
 from relational_tensors.sql_specs import OPERATORS as OPERATORS
 from relational_tensors.target.target import Target as Target
+from relational_tensors.training import TrainStep as TrainStep
+from relational_tensors.training import train_step as train_step
 
 __version__ = "0.1.0"
 
@@ -55,5 +57,5 @@ __all__ = [
     "RelationalTensorsError", "GraphError", "SpecError", "PlanError", "OutOfMemoryPlanError",
     "ExchangeError", "ExecError", "CatalogError",
     "compileGraph", "compile", "CompiledGraph", "CompileOptions", "Target",
-    "from_torch", "parallelize", "TorchGraph", "ParallelModule", "optim",
+    "from_torch", "parallelize", "TorchGraph", "ParallelModule", "optim", "train_step", "TrainStep",
 ]

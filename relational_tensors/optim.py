@@ -28,7 +28,7 @@ from relational_tensors.core.numbers import is_number
 from relational_tensors.errors import GraphError
 from relational_tensors.frontend.graph import Graph, Tensor
 
-__all__ = ["Optimizer", "sgd", "adamw", "clip_grad_norm"]
+__all__ = ["Optimizer", "sgd", "adamw", "clip_grad_norm", "AdamW", "SGD"]
 
 
 @dataclass
@@ -169,3 +169,36 @@ def adamw(g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Tenso
         denom = g.unary(g.div(g.unary(new_v, "sqrt"), g.unary(correction(b2, t), "sqrt")), "add_scalar", eps)
         g.assign(p, g.sub(decayed, g.mul(g.div(new_m, denom), step_size)))
     return opt
+
+
+@dataclass(frozen=True)
+class AdamW:
+    """``torch.optim.AdamW``'s arguments, for ``rt.train_step`` (plus ``max_grad_norm``: clip first)."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    max_grad_norm: float | None = None
+
+    def build(self, g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Tensor) -> Optimizer:
+        if self.max_grad_norm is not None:
+            grads = clip_grad_norm(g, grads, self.max_grad_norm)
+        return adamw(g, params, grads, lr, self.betas, self.eps, self.weight_decay)
+
+
+@dataclass(frozen=True)
+class SGD:
+    """``torch.optim.SGD``'s arguments, for ``rt.train_step`` (plus ``max_grad_norm``: clip first)."""
+
+    lr: float = 1e-3
+    momentum: float = 0.0
+    dampening: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+    max_grad_norm: float | None = None
+
+    def build(self, g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Tensor) -> Optimizer:
+        if self.max_grad_norm is not None:
+            grads = clip_grad_norm(g, grads, self.max_grad_norm)
+        return sgd(g, params, grads, lr, self.momentum, self.dampening, self.weight_decay, self.nesterov)

@@ -97,10 +97,13 @@ class TorchGraph(Graph):
 # --- the translator -----------------------------------------------------------------------------------------
 
 class _Translator:
-    def __init__(self, ep: Any) -> None:
+    def __init__(self, ep: Any, casts_in_graph: bool = False) -> None:
         self.ep = ep
         self.fx = ep.graph
         self.g = TorchGraph()
+        # a module tensor needed in another dtype becomes a cast in the graph, not a converted copy (a
+        # training step updates the tensor itself)
+        self.casts_in_graph = casts_in_graph
         self.env: dict[Any, Any] = {}
         self.values: dict[str, np.ndarray] = {}
         self.folded: list[str] = []
@@ -140,6 +143,11 @@ class _Translator:
         key = (id(c), want, "T" if transpose else "")
         if key in self._materialized:
             return self._materialized[key]
+        have = _dtype_name(value.dtype)
+        if self.casts_in_graph and c.name is not None and have is not None and want != have:
+            t = self.g.cast(self.materialize(c, have, transpose), want, name=self.unique(f"{c.name}.{want}"))
+            self._materialized[key] = t
+            return t
         self._keep.append(c)
         v = value.detach()
         if transpose:
@@ -551,14 +559,15 @@ def _prune(g: TorchGraph) -> TorchGraph:
 
 # --- entry point ---------------------------------------------------------------------------------------------------
 
-def from_torch(module: Any, example_inputs: Any) -> TorchGraph:
+def from_torch(module: Any, example_inputs: Any, casts_in_graph: bool = False) -> TorchGraph:
     """Trace ``module`` on ``example_inputs`` (a tensor or a tuple of tensors) into an ``rt.Graph``.
 
     The result is a :class:`TorchGraph`: parameters, buffers and trace-time constants
     are graph inputs of role ``parameter`` whose values are in ``.parameters``;
     user inputs are graph inputs named after the forward arguments; outputs are
     saved as ``output`` (or ``output_0``, ``output_1``, ... for several).  Shapes
-    are static: the graph is for inputs of the example's shapes and dtypes.
+    are static: the graph is for inputs of the example's shapes and dtypes.  With ``casts_in_graph`` a
+    module tensor read in another dtype is a graph input in its own dtype and a cast (for training).
     """
     torch = _torch()
     if not isinstance(module, torch.nn.Module):
@@ -578,7 +587,7 @@ def from_torch(module: Any, example_inputs: Any) -> TorchGraph:
             raise GraphError(f"torch.export could not trace {type(module).__name__}: {type(e).__name__}: "
                              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}. from_torch needs a forward "
                              "without data-dependent control flow; see the torch.export documentation.") from e
-    tr = _Translator(ep)
+    tr = _Translator(ep, casts_in_graph)
     g = tr.run()
     if not g.outputs:
         raise GraphError(f"{type(module).__name__} returns nothing that depends on its inputs; there is no graph "
