@@ -8,10 +8,13 @@ in one process does; the cold first compile is reported separately).
 
     python bench/compile_time.py [--rounds 10] [--layers 32]
     python bench/compile_time.py --grad [--rounds 10]
+    python bench/compile_time.py --step [--rounds 10] [--layers 32]
 
 ``--grad`` times forward + backward instead: the block as a language model's training graph
 (embedding, the block, final norm, LM head over a 128,256-entry vocabulary, cross-entropy, and the
-gradient of every parameter; ``models.llama_training_graph``) for the same workloads.
+gradient of every parameter; ``models.llama_training_graph``) for the same workloads.  ``--step`` times
+the whole training step: the same graph with the parameters as states and AdamW's update (bfloat16), for
+the workloads and for a stack of ``--layers`` blocks at 8K tokens.
 """
 
 from __future__ import annotations
@@ -60,10 +63,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--grad", action="store_true", help="forward + backward (training graphs)")
+    ap.add_argument("--step", action="store_true", help="forward + backward + AdamW (training steps)")
     args = ap.parse_args()
     results = {}
     for name, (b, s) in WORKLOADS.items():
-        if args.grad:
+        if args.step:
+            key = f"train step {name}"
+            results[key] = timed(lambda b=b, s=s: llama_training_graph(b, s, dtype="bfloat16", vocab=VOCAB,
+                                                                       optimizer="adamw", **LLAMA3_8B), args.rounds)
+        elif args.grad:
             key = f"train block {name}"
             results[key] = timed(lambda b=b, s=s: llama_training_graph(b, s, dtype="float16", vocab=VOCAB,
                                                                        **LLAMA3_8B), args.rounds)
@@ -71,7 +79,12 @@ def main() -> None:
             key = f"block {name}"
             results[key] = timed(lambda b=b, s=s: llama_block(b, s, dtype="float16", **LLAMA3_8B), args.rounds)
         print(key, results[key])
-    if not args.grad:
+    if args.step:
+        stack = f"train step, {args.layers} layers 8K"
+        results[stack] = timed(lambda: llama_training_graph(1, 8192, dtype="bfloat16", vocab=VOCAB, layers=args.layers,
+                                                            optimizer="adamw", **LLAMA3_8B), 2, warmups=1)
+        print(stack, results[stack])
+    elif not args.grad:
         stack = f"{args.layers} layers 8K"
         results[stack] = timed(lambda: llama_block(1, 8192, dtype="float16", layers=args.layers, **LLAMA3_8B),
                                max(2, args.rounds // 5), warmups=1)
@@ -79,7 +92,7 @@ def main() -> None:
     out = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}",
            "python": platform.python_version(), "p": 8, "results": results}
     Path("bench/results").mkdir(parents=True, exist_ok=True)
-    stem = "compile_time_grad" if args.grad else "compile_time"
+    stem = "compile_time_step" if args.step else "compile_time_grad" if args.grad else "compile_time"
     Path(f"bench/results/{stem}.json").write_text(json.dumps(out, indent=2))
     lines = ["| graph | ops | compile, cold (s) | compile, warm mean (s) | of which logical planning (s) |",
              "|---|---|---|---|---|"]

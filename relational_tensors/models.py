@@ -16,7 +16,9 @@ from typing import Any, TypeAlias
 import numpy as np
 
 from relational_tensors.core.dtypes import numpy_dtype
+from relational_tensors.errors import GraphError
 from relational_tensors.frontend.graph import Graph, Tensor
+from relational_tensors.optim import adamw, sgd
 
 __all__ = ["llama_block", "add_llama_block", "llama_feeds", "llama_training_graph", "llama_training_feeds",
            "standard_normal", "LLAMA3_8B", "matrix_chain",
@@ -27,14 +29,17 @@ LLAMA3_8B = dict(d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336)
 
 
 def add_llama_block(g: Graph, x: Tensor, *, n_heads: int, n_kv_heads: int, d_ff: int, prefix: str = "",
-                    seq_ends: Sequence[int] | None = None, eps: float = 1e-5, rope_base: float = 500000.0) -> Tensor:
-    """Append one pre-norm block (RMSNorm, GQA attention with RoPE, SwiGLU FFN, two residuals) to ``g``."""
+                    seq_ends: Sequence[int] | None = None, eps: float = 1e-5, rope_base: float = 500000.0,
+                    leaf: Any = None) -> Tensor:
+    """Append one pre-norm block (RMSNorm, GQA attention with RoPE, SwiGLU FFN, two residuals) to ``g``;
+    its weights are made by ``leaf`` (default ``g.parameter``; ``g.state`` for a training step)."""
     b, s, d = x.shape
     dh = d // n_heads
     dtype = x.dtype
+    make = g.parameter if leaf is None else leaf
 
     def param(name: str, shape: Sequence[int]) -> Tensor:
-        return g.parameter(prefix + name, shape, dtype)
+        return make(prefix + name, shape, dtype)
 
     h = g.rmsnorm(x, param("attn_norm", [d]), eps, name=prefix + "attn_rmsnorm")
     q = g.reshape(g.matmul(h, param("wq", [d, n_heads * dh]), name=prefix + "q_proj"), [b, s, n_heads, dh])
@@ -68,34 +73,64 @@ def llama_block(batch: int, seq: int, d_model: int, n_heads: int, n_kv_heads: in
 
 def llama_training_graph(batch: int, seq: int, d_model: int, n_heads: int, n_kv_heads: int, d_ff: int,
                          vocab: int, dtype: str = "float32", seq_ends: Sequence[int] | None = None, layers: int = 1,
-                         ignore_index: int | None = None, eps: float = 1e-5, rope_base: float = 500000.0) -> Graph:
+                         ignore_index: int | None = None, eps: float = 1e-5, rope_base: float = 500000.0,
+                         optimizer: str | None = None) -> Graph:
     """A language model's training graph: token ids -> embedding -> ``layers`` LLaMA-style blocks -> final
     RMSNorm -> LM head -> cross-entropy against the next-token ``targets``, with the gradient of the loss
-    with respect to every parameter.  Saves ``loss`` and ``grad.<parameter>`` for each parameter."""
+    with respect to every parameter.  Saves ``loss`` and ``grad.<parameter>`` for each parameter; with
+    ``optimizer="adamw"`` (or ``"sgd"``) the parameters are states and the step ends with their update
+    (input ``lr``) instead of saving the gradients."""
     g = Graph()
     ids = g.input("ids", [batch, seq], "int64", dims=("batch", "seq"))
     targets = g.input("targets", [batch, seq], "int64", dims=("batch", "seq"))
-    x = g.embedding(g.parameter("embed", [vocab, d_model], dtype), ids, name="embed_lookup")
+    leaf = g.state if optimizer is not None else g.parameter
+
+    def weight(name: str, shape: Sequence[int]) -> Tensor:
+        return leaf(name, shape, dtype)
+
+    x = g.embedding(weight("embed", [vocab, d_model]), ids, name="embed_lookup")
     for n in range(layers):
         prefix = f"l{n}." if layers > 1 else ""
         x = add_llama_block(g, x, n_heads=n_heads, n_kv_heads=n_kv_heads, d_ff=d_ff, prefix=prefix,
-                            seq_ends=seq_ends, eps=eps, rope_base=rope_base)
-    h = g.rmsnorm(x, g.parameter("final_norm", [d_model], dtype), eps, name="final_rmsnorm")
-    logits = g.matmul(h, g.parameter("lm_head", [d_model, vocab], dtype), name="lm_head_proj")
+                            seq_ends=seq_ends, eps=eps, rope_base=rope_base, leaf=leaf)
+    h = g.rmsnorm(x, weight("final_norm", [d_model]), eps, name="final_rmsnorm")
+    logits = g.matmul(h, weight("lm_head", [d_model, vocab]), name="lm_head_proj")
     loss = g.save(g.cross_entropy(logits, targets, ignore_index=ignore_index, name="loss"), name="loss")
     params = g.trainable()
-    for p, d in zip(params, g.grad(loss, params)):
-        g.save(d, name=f"grad.{p.name}")
+    grads = g.grad(loss, params)
+    if optimizer is None:
+        for p, d in zip(params, grads):
+            g.save(d, name=f"grad.{p.name}")
+        return g
+    lr = g.input("lr", [1], dtype)
+    if optimizer == "adamw":
+        adamw(g, params, grads, lr)
+    elif optimizer == "sgd":
+        sgd(g, params, grads, lr, momentum=0.9)
+    else:
+        raise GraphError(f"optimizer must be None, 'adamw' or 'sgd'; got {optimizer!r}.")
     return g
 
 
-def llama_training_feeds(g: Graph, seed: int = 0) -> dict[str, np.ndarray]:
-    """:func:`llama_feeds` for the parameters, and token ids and targets drawn over the vocabulary."""
+# the states rt.optim adds, and their initial values (torch's: zero moments and step, a first-step flag)
+OPTIMIZER_STATES = {".exp_avg": 0.0, ".exp_avg_sq": 0.0, "adamw.step": 0.0, ".momentum_buffer": 0.0,
+                    ".sgd_first_step": 1.0}
+
+
+def llama_training_feeds(g: Graph, seed: int = 0, lr: float = 1e-3) -> dict[str, np.ndarray]:
+    """:func:`llama_feeds` for the parameters, token ids and targets drawn over the vocabulary, and for a
+    training step (``optimizer=``) the optimizer's initial states and the learning rate ``lr``."""
     vocab = g.node("embed").type.shape[0]
     rng = np.random.default_rng(seed)
     feeds = llama_feeds(g, seed)
     for name in ("ids", "targets"):
         feeds[name] = rng.integers(0, vocab, size=g.node(name).type.shape)
+    for n in g.inputs:
+        fill = next((v for suffix, v in OPTIMIZER_STATES.items() if n.name.endswith(suffix)), None)
+        if n.role == "state" and fill is not None:
+            feeds[n.name] = np.full(n.type.shape, fill, dtype=numpy_dtype(n.type.dtype))
+        elif n.name == "lr":
+            feeds[n.name] = np.full(n.type.shape, lr, dtype=numpy_dtype(n.type.dtype))
     return feeds
 
 

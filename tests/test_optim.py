@@ -189,3 +189,25 @@ def test_sgd_momentum_with_gradient_accumulation_over_three_micro_batches_equals
     assert _rel(cg.offload("w1"), tw1.detach().numpy()) <= 1e-9
     assert _rel(cg.offload("w2"), tw2.detach().numpy()) <= 1e-9
     assert _rel(cg.offload("w1.momentum_buffer"), topt.state[tw1]["momentum_buffer"].numpy()) <= 1e-9
+
+
+def test_llama_training_step_with_adamw_equals_the_reference_stepped_on_cpu_devices() -> None:
+    """Two steps of the LLaMA-style training graph with AdamW on cpu:5 equal the single-device reference
+    fed back its own assigned values."""
+    from relational_tensors.models import llama_training_feeds, llama_training_graph
+
+    g = llama_training_graph(1, 20, 32, 4, 2, 40, 37, optimizer="adamw", seq_ends=(7, 20))
+    feeds = llama_training_feeds(g, lr=1e-2)
+    assert not feeds["embed.exp_avg_sq"].any() and feeds["adamw.step"].tolist() == [0.0]
+    cg = rt.compileGraph(g, device="cpu:5")
+    ref_feeds = dict(feeds)
+    for step in range(2):
+        cg.load(feeds if step == 0 else {"lr": feeds["lr"]})
+        cg.execute()
+        want = rt.reference(g, ref_feeds)
+        np.testing.assert_allclose(cg.offload("loss"), want["loss"], rtol=1e-5)
+        for s in g.assignments:
+            ref_feeds[g.nodes[s].name] = want[f"{g.nodes[s].name}.next"]
+    for s in g.assignments:
+        name = g.nodes[s].name
+        assert _rel(cg.offload(name), ref_feeds[name]) <= 1e-4, name
