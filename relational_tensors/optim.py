@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -37,10 +38,20 @@ class Optimizer:
 
     kind: str
     states: dict[str, tuple[Tensor, float]] = field(default_factory=dict)  # name -> (state, initial fill)
+    masters: dict[str, str] = field(default_factory=dict)  # master weight state -> the parameter it copies
 
-    def initial(self) -> dict[str, np.ndarray]:
-        """The values to load into the optimizer's states before the first step."""
-        return {name: np.full(t.shape, fill, dtype=numpy_dtype(t.dtype)) for name, (t, fill) in self.states.items()}
+    def initial(self, params: dict[str, Any] | None = None) -> dict[str, np.ndarray]:
+        """The values to load into the optimizer's states before the first step; master weights
+        (``master_dtype``) start as copies of the parameters' values, given in ``params``."""
+        out = {name: np.full(t.shape, fill, dtype=numpy_dtype(t.dtype)) for name, (t, fill) in self.states.items()
+               if name not in self.masters}
+        for name, param in self.masters.items():
+            if params is None or param not in params:
+                raise GraphError(f"the master weights {name!r} start as a copy of {param!r}: pass the parameters' "
+                                 "initial values, opt.initial({name: array, ...}).")
+            t = self.states[name][0]
+            out[name] = np.asarray(params[param], dtype=np.float64).astype(numpy_dtype(t.dtype))
+        return out
 
     def _state(self, g: Graph, name: str, like: Tensor, fill: float = 0.0, shape: Sequence[int] | None = None,
                dtype: str | None = None) -> Tensor:
@@ -85,6 +96,25 @@ def _number(what: str, value: object, lo: float = 0.0, hi: float = math.inf, hi_
     return float(value)  # type: ignore[arg-type]
 
 
+def _master(g: Graph, opt: Optimizer, p: Tensor, d: Tensor, master_dtype: str | None) -> tuple[Tensor, Tensor]:
+    """The tensor the update works on: ``p`` itself, or its master copy in ``master_dtype`` (mixed precision:
+    16-bit parameters, float32 master weights and optimizer states), with the gradient in that dtype."""
+    if master_dtype is None or master_dtype == p.dtype:
+        return p, d
+    master = opt._state(g, f"{p.name}.master", p, dtype=master_dtype)
+    opt.masters[master.name] = p.name
+    return master, (d if d.dtype == master_dtype else g.cast(d, master_dtype))
+
+
+def _write(g: Graph, p: Tensor, work: Tensor, new: Tensor) -> None:
+    """Assign the update: to the parameter, or to its master copy and the parameter rounded from it."""
+    if work is p:
+        g.assign(p, new)
+    else:
+        g.assign(work, new)
+        g.assign(p, g.cast(new, p.dtype))
+
+
 def clip_grad_norm(g: Graph, grads: Sequence[Tensor], max_norm: float) -> list[Tensor]:
     """The gradients scaled by min(1, max_norm / (‖grads‖₂ + 1e-6)), the global 2-norm over all of them
     (``torch.nn.utils.clip_grad_norm_``)."""
@@ -103,15 +133,17 @@ def clip_grad_norm(g: Graph, grads: Sequence[Tensor], max_norm: float) -> list[T
 
 def sgd(g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Tensor | float, momentum: float = 0.0,
         dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
-        maximize: bool = False) -> Optimizer:
-    """``torch.optim.SGD``'s update of each parameter, assigned to it."""
+        maximize: bool = False, master_dtype: str | None = None) -> Optimizer:
+    """``torch.optim.SGD``'s update of each parameter, assigned to it (with ``master_dtype``, kept in master
+    weights of that dtype and rounded into the parameter)."""
     _check(g, params, grads)
     momentum, dampening = _number("momentum", momentum), _number("dampening", dampening)
     weight_decay = _number("weight_decay", weight_decay)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise GraphError("Nesterov momentum needs momentum > 0 and dampening 0 (torch's rule).")
     opt = Optimizer("sgd")
-    for p, d in zip(params, grads):
+    for p0, d0 in zip(params, grads):
+        p, d = _master(g, opt, p0, d0, master_dtype)
         rate = _rate(g, lr, p)
         if maximize:
             d = g.unary(d, "neg")
@@ -126,29 +158,32 @@ def sgd(g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Tensor 
             g.assign(buf, new_buf)
             g.assign(first, g.unary(first, "scale", 0.0))
             d = g.add(d, g.unary(new_buf, "scale", momentum)) if nesterov else new_buf
-        g.assign(p, g.sub(p, _times(g, d, rate)))
+        _write(g, p0, p, g.sub(p, _times(g, d, rate)))
     return opt
 
 
 def adamw(g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Tensor | float,
           betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
-          maximize: bool = False) -> Optimizer:
+          maximize: bool = False, master_dtype: str | None = None) -> Optimizer:
     """``torch.optim.AdamW``'s update (decoupled weight decay, bias-corrected moments) of each parameter,
-    assigned to it; the step count is one [1] state shared by the parameters."""
+    assigned to it; the step count is one [1] state shared by the parameters.  With ``master_dtype`` (e.g.
+    float32 for bfloat16 parameters) the update, the moments and master weights are in that dtype and the
+    parameters are rounded from the masters after each step."""
     _check(g, params, grads)
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise GraphError(f"betas must be a pair of numbers in [0, 1); got {betas!r}.")
     b1, b2 = (_number("betas", b, 0.0, 1.0, hi_open=True) for b in betas)
     eps, weight_decay = _number("eps", eps), _number("weight_decay", weight_decay)
     opt = Optimizer("adamw")
-    step = opt._state(g, "adamw.step", params[0], 0.0, shape=[1], dtype=params[0].dtype)
+    step = opt._state(g, "adamw.step", params[0], 0.0, shape=[1], dtype=master_dtype or params[0].dtype)
     step = g.assign(step, g.unary(step, "add_scalar", 1.0))
 
     def correction(beta: float, t: Tensor) -> Tensor:  # 1 - beta ** step
         power = g.unary(g.unary(t, "scale", math.log(beta)), "exp") if beta > 0 else g.unary(t, "scale", 0.0)
         return g.unary(g.unary(power, "neg"), "add_scalar", 1.0)
 
-    for p, d in zip(params, grads):
+    for p0, d0 in zip(params, grads):
+        p, d = _master(g, opt, p0, d0, master_dtype)
         rate = _rate(g, lr, p)
         t = step if step.dtype == p.dtype else g.cast(step, p.dtype)
         if maximize:
@@ -167,8 +202,14 @@ def adamw(g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Tenso
         step_size = g.div(rate, correction(b1, t)) if isinstance(rate, Tensor) else \
             g.unary(g.unary(correction(b1, t), "pow", -1.0), "scale", rate)
         denom = g.unary(g.div(g.unary(new_v, "sqrt"), g.unary(correction(b2, t), "sqrt")), "add_scalar", eps)
-        g.assign(p, g.sub(decayed, g.mul(g.div(new_m, denom), step_size)))
+        _write(g, p0, p, g.sub(decayed, g.mul(g.div(new_m, denom), step_size)))
     return opt
+
+
+def _clipped(g: Graph, grads: Sequence[Tensor], max_norm: float | None, master_dtype: str | None) -> list[Tensor]:
+    """The gradients in the master dtype (when there is one), clipped to ``max_norm`` (when given)."""
+    out = [g.cast(d, master_dtype) if master_dtype and d.dtype != master_dtype else d for d in grads]
+    return clip_grad_norm(g, out, max_norm) if max_norm is not None else out
 
 
 @dataclass(frozen=True)
@@ -180,11 +221,11 @@ class AdamW:
     eps: float = 1e-8
     weight_decay: float = 0.01
     max_grad_norm: float | None = None
+    master_dtype: str | None = None
 
     def build(self, g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Tensor) -> Optimizer:
-        if self.max_grad_norm is not None:
-            grads = clip_grad_norm(g, grads, self.max_grad_norm)
-        return adamw(g, params, grads, lr, self.betas, self.eps, self.weight_decay)
+        grads = _clipped(g, grads, self.max_grad_norm, self.master_dtype)
+        return adamw(g, params, grads, lr, self.betas, self.eps, self.weight_decay, master_dtype=self.master_dtype)
 
 
 @dataclass(frozen=True)
@@ -197,8 +238,9 @@ class SGD:
     weight_decay: float = 0.0
     nesterov: bool = False
     max_grad_norm: float | None = None
+    master_dtype: str | None = None
 
     def build(self, g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Tensor) -> Optimizer:
-        if self.max_grad_norm is not None:
-            grads = clip_grad_norm(g, grads, self.max_grad_norm)
-        return sgd(g, params, grads, lr, self.momentum, self.dampening, self.weight_decay, self.nesterov)
+        grads = _clipped(g, grads, self.max_grad_norm, self.master_dtype)
+        return sgd(g, params, grads, lr, self.momentum, self.dampening, self.weight_decay, self.nesterov,
+                   master_dtype=self.master_dtype)

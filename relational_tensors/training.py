@@ -52,7 +52,7 @@ class TrainStep:
         feeds["lr"] = np.array([self.lr], dtype=dtype)
         if self._first:
             feeds.update(self.graph.parameters)  # frozen parameters, buffers, and the states' first values
-            feeds.update(self._opt.initial())
+            feeds.update(self._opt.initial(self.graph.parameters))
         feeds.update(self._pending)
         self.compiled.load(feeds)
         self._first, self._pending = False, {}
@@ -72,7 +72,7 @@ class TrainStep:
         if name in self._pending:
             return self._pending[name]
         if self._first:
-            init = {**self.graph.parameters, **self._opt.initial()}
+            init = {**self.graph.parameters, **self._opt.initial(self.graph.parameters)}
             return np.asarray(init[name])
         return np.asarray(self.compiled.offload(name))
 

@@ -211,3 +211,41 @@ def test_llama_training_step_with_adamw_equals_the_reference_stepped_on_cpu_devi
     for s in g.assignments:
         name = g.nodes[s].name
         assert _rel(cg.offload(name), ref_feeds[name]) <= 1e-4, name
+
+
+def test_mixed_precision_keeps_float32_master_weights_and_rounds_the_bfloat16_parameters_from_them() -> None:
+    """bfloat16 parameters and activations, float32 master weights and moments: after each step the
+    parameters are the masters rounded, and the masters follow the float32 run of the same step closely."""
+    import ml_dtypes
+
+    def build(dtype: str, master: str | None):
+        g = rt.Graph()
+        x, t = g.input("x", [16, 8], dtype), g.input("t", [16], "int64")
+        w1, w2 = g.state("w1", [8, 12], dtype), g.state("w2", [12, 5], dtype)
+        loss = g.save(g.cross_entropy(g.matmul(g.unary(g.matmul(x, w1), "silu"), w2), t), name="loss")
+        grads = rt.optim.clip_grad_norm(g, [g.cast(d, "float32") for d in g.grad(loss, [w1, w2])], 1.0) \
+            if master else rt.optim.clip_grad_norm(g, g.grad(loss, [w1, w2]), 1.0)
+        return g, rt.optim.adamw(g, [w1, w2], grads, 1e-2, master_dtype=master)
+
+    rng = np.random.default_rng(4)
+    init = {"w1": rng.standard_normal((8, 12)) / 3, "w2": rng.standard_normal((12, 5)) / 3}
+    batches = [(rng.standard_normal((16, 8)), rng.integers(0, 5, 16)) for _ in range(4)]
+    results = {}
+    for dtype, master in (("bfloat16", "float32"), ("float32", None)):
+        g, opt = build(dtype, master)
+        assert {t.dtype for t, _ in opt.states.values()} == {"float32"}
+        start = {k: v.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32) for k, v in init.items()}
+        cg = rt.compileGraph(g, device="cpu:3")
+        for k, (x, t) in enumerate(batches):
+            first = {**start, **opt.initial(init)} if k == 0 else {}
+            cg.load({**first, "x": x.astype(start["w1"].dtype), "t": t})
+            cg.execute()
+        results[dtype] = cg
+    mixed, full = results["bfloat16"], results["float32"]
+    for w in ("w1", "w2"):
+        master = mixed.offload(f"{w}.master")
+        assert np.array_equal(mixed.offload(w), master.astype(ml_dtypes.bfloat16))  # the parameter, rounded
+        assert _rel(master, full.offload(w)) <= 5e-2  # bfloat16 activations, float32 updates
+        assert _rel(master, init[w]) > 1e-3  # trained
+    with pytest.raises(GraphError, match="copy of"):
+        build("bfloat16", "float32")[1].initial()

@@ -75,7 +75,12 @@ def vjp(g: Any, outputs: object, cotangents: object, wrt: object, allow_unused: 
             if n.op is None or not any(wanted):
                 continue
             inputs = tuple(g.tensor(i) for i in n.inputs)
-            got = n.op.vjp(g, inputs, g.tensor(n.id), total, wanted)
+            try:
+                got = n.op.vjp(g, inputs, g.tensor(n.id), total, wanted)
+            except GraphError as e:  # say which node, and where a traced module computes it
+                where = getattr(g, "source", {}).get(n.name)
+                raise GraphError(f"cannot differentiate {n.name!r}: {e}" + (f" (at {where})" if where else "")) \
+                    from None
         finally:
             g.name_scope = scope
         for i, w, d in zip(n.inputs, wanted, got):
