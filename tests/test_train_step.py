@@ -22,7 +22,7 @@ def _rel(a: Any, b: Any) -> float:
 
 def torch_steps(module: nn.Module, loss_fn: Any, batches: list, optimizer: Any, clip: float | None) -> list[float]:
     cls = torch.optim.AdamW if isinstance(optimizer, rt.optim.AdamW) else torch.optim.SGD
-    args = {k: v for k, v in vars(optimizer).items() if k != "max_grad_norm"}
+    args = {k: v for k, v in vars(optimizer).items() if k not in ("max_grad_norm", "master_dtype")}
     opt = cls(module.parameters(), **args)
     losses = []
     for batch in batches:
