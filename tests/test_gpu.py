@@ -347,3 +347,48 @@ def test_a_task_that_breaks_capture_is_named_and_the_program_runs_eagerly(monkey
     for _ in range(3):
         cg.execute()  # eager from now on, and right
     _compare(cg.offload("y"), want, "float32")
+
+
+def test_llama_training_step_with_adamw_on_gpu_equals_the_reference_stepped() -> None:
+    g = llama_training_graph(1, 20, 32, 4, 2, 40, 37, optimizer="adamw", seq_ends=(7, 20))
+    feeds = llama_training_feeds(g, lr=1e-2)
+    cg = rt.compileGraph(g, device="cuda:0,0")
+    ref = dict(feeds)
+    for step in range(2):
+        cg.load(feeds if step == 0 else {"lr": feeds["lr"]})
+        cg.execute()
+        want = rt.reference(g, ref)
+        _relative(cg.offload("loss"), want["loss"], 1e-5, f"loss at step {step}")
+        for s in g.assignments:
+            ref[g.nodes[s].name] = want[f"{g.nodes[s].name}.next"]
+    for s in g.assignments:
+        _relative(cg.offload(g.nodes[s].name), ref[g.nodes[s].name], 1e-4, g.nodes[s].name)
+
+
+def test_parallelized_module_backward_and_train_step_on_gpu() -> None:
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    x, t = torch.randn(13, 16), torch.randint(0, 8, (13,))
+    pm = rt.parallelize(m, (x,), device="cuda:0,0")
+    out = pm(x)  # on the GPU the plan ran on
+    F.cross_entropy(out, t.to(out.device)).backward()
+    ours = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    F.cross_entropy(m(x), t).backward()
+    for a, p in zip(ours, m.parameters()):
+        _relative(a.numpy(), p.grad.numpy(), 1e-4, "grad")
+    import copy
+    twin = copy.deepcopy(m)
+    step = rt.train_step(m, lambda mod, x, t: F.cross_entropy(mod(x), t), (x, t),
+                         optimizer=rt.optim.AdamW(lr=1e-2), device="cuda:0,0")
+    opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    for _ in range(3):
+        step(x, t)
+        opt.zero_grad()
+        F.cross_entropy(twin(x), t).backward()
+        opt.step()
+    state = step.state_dict()["params"]
+    for k, p in twin.named_parameters():
+        _relative(state[k].numpy(), p.detach().numpy(), 1e-4, k)

@@ -192,7 +192,7 @@ class ParallelModule:
         for n in outs:
             c = cotangents.get(n)
             t = g.nodes[g.outputs[n]].type
-            feeds[f"cot.{n}"] = (torch_to_numpy(c.detach().contiguous()) if c is not None
+            feeds[f"cot.{n}"] = (self._feed(c.detach().contiguous()) if c is not None
                                  else torch_to_numpy(torch.zeros(t.shape, dtype=getattr(torch, t.dtype))))
         compiled.load(feeds)
         compiled.execute()
@@ -232,7 +232,7 @@ def _function() -> Any:
                    *(pm.graph.input_names[k] for k in wanted_inputs))
             got = pm._run_backward(inputs, dict(zip(ctx.names, grads)), wrt) if wrt else []
             by_name = dict(zip(wrt, got))
-            in_grads = [by_name.get(pm.graph.input_names[k]) if k in wanted_inputs else None
+            in_grads = [by_name[pm.graph.input_names[k]].to(inputs[k].device) if k in wanted_inputs else None
                         for k in range(ctx.n_inputs)]
             params = dict(pm.module.named_parameters())
             param_grads = []
@@ -240,7 +240,7 @@ def _function() -> Any:
                 total = None
                 for name, transposed in holders[p]:
                     d = by_name[name].t() if transposed else by_name[name]
-                    d = d.to(params[p].dtype)
+                    d = d.to(device=params[p].device, dtype=params[p].dtype)
                     total = d if total is None else total + d
                 param_grads.append(total)
             return (None, None, None, *in_grads, *param_grads)
