@@ -226,7 +226,7 @@ def _pass_fit_memory(s: _State) -> None:
     def excess(live: Liveness) -> int:
         return max(live.peak[d] - limits[d] for d in live.peak)
 
-    best = s.live
+    best, best_dag = s.live, s.lowered.dag
     if s.options.selector in ("dp", "exact"):
         resident = sum(s.plan.candidate(o).resident_bytes for o in s.choice) or 1
         price = max(s.plan.cost, 1.0) / resident
@@ -240,13 +240,15 @@ def _pass_fit_memory(s: _State) -> None:
                 s.choice, s.plan, s.lowered, s.live = choice, plan, lowered, live
                 return
             if excess(live) < excess(best):
-                best = live
+                best, best_dag = live, lowered.dag
             price *= 4
     worst = max(best.peak, key=lambda d: best.peak[d] - limits[d])
+    parts = liveness(best_dag, s.graph.memory_category).at_peak.get(worst, {})
+    largest = ", ".join(f"{k} {v:,}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])[:3] if v > 0)
     raise OutOfMemoryPlanError(
         f"device {worst} needs {best.peak[worst]:,} bytes at its peak under the best plan found "
-        f"({best.resident[worst]:,} of them loaded inputs), but has {limits[worst]:,}. Use more devices or a "
-        "larger memory_per_device."
+        f"({best.resident[worst]:,} of them loaded inputs; largest: {largest}), but has {limits[worst]:,}. "
+        "Use more devices or a larger memory_per_device."
     )
 
 
@@ -395,6 +397,11 @@ class CompiledGraph:
             node = self.graph.node(name)
             if node.role == "state":
                 self._states[name] = coerce_feed(name, value, node.type)
+
+    def memory_by_category(self) -> dict[int, dict[str, int]]:
+        """Per device, the bytes live at its peak by what they are (``Graph.memory_category``: parameters,
+        optimizer state, inputs, gradients, activations for the backward, other)."""
+        return liveness(self.dag, self.graph.memory_category).at_peak
 
     def execute(self) -> None:
         """Run the task DAG once (inputs stay loaded; run it again after loading new ones); then every

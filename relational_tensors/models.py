@@ -74,12 +74,13 @@ def llama_block(batch: int, seq: int, d_model: int, n_heads: int, n_kv_heads: in
 def llama_training_graph(batch: int, seq: int, d_model: int, n_heads: int, n_kv_heads: int, d_ff: int,
                          vocab: int, dtype: str = "float32", seq_ends: Sequence[int] | None = None, layers: int = 1,
                          ignore_index: int | None = None, eps: float = 1e-5, rope_base: float = 500000.0,
-                         optimizer: str | None = None) -> Graph:
+                         optimizer: str | None = None, master_dtype: str | None = None) -> Graph:
     """A language model's training graph: token ids -> embedding -> ``layers`` LLaMA-style blocks -> final
     RMSNorm -> LM head -> cross-entropy against the next-token ``targets``, with the gradient of the loss
     with respect to every parameter.  Saves ``loss`` and ``grad.<parameter>`` for each parameter; with
     ``optimizer="adamw"`` (or ``"sgd"``) the parameters are states and the step ends with their update
-    (input ``lr``) instead of saving the gradients."""
+    (input ``lr``) instead of saving the gradients; ``master_dtype`` keeps master weights and moments in that
+    dtype (mixed precision)."""
     g = Graph()
     ids = g.input("ids", [batch, seq], "int64", dims=("batch", "seq"))
     targets = g.input("targets", [batch, seq], "int64", dims=("batch", "seq"))
@@ -104,9 +105,9 @@ def llama_training_graph(batch: int, seq: int, d_model: int, n_heads: int, n_kv_
         return g
     lr = g.input("lr", [1], dtype)
     if optimizer == "adamw":
-        adamw(g, params, grads, lr)
+        adamw(g, params, grads, lr, master_dtype=master_dtype)
     elif optimizer == "sgd":
-        sgd(g, params, grads, lr, momentum=0.9)
+        sgd(g, params, grads, lr, momentum=0.9, master_dtype=master_dtype)
     else:
         raise GraphError(f"optimizer must be None, 'adamw' or 'sgd'; got {optimizer!r}.")
     return g
@@ -114,7 +115,7 @@ def llama_training_graph(batch: int, seq: int, d_model: int, n_heads: int, n_kv_
 
 # the states rt.optim adds, and their initial values (torch's: zero moments and step, a first-step flag)
 OPTIMIZER_STATES = {".exp_avg": 0.0, ".exp_avg_sq": 0.0, "adamw.step": 0.0, ".momentum_buffer": 0.0,
-                    ".sgd_first_step": 1.0}
+                    ".sgd_first_step": 1.0}  # and ".master": a copy of its parameter
 
 
 def llama_training_feeds(g: Graph, seed: int = 0, lr: float = 1e-3) -> dict[str, np.ndarray]:
@@ -129,6 +130,8 @@ def llama_training_feeds(g: Graph, seed: int = 0, lr: float = 1e-3) -> dict[str,
         fill = next((v for suffix, v in OPTIMIZER_STATES.items() if n.name.endswith(suffix)), None)
         if n.role == "state" and fill is not None:
             feeds[n.name] = np.full(n.type.shape, fill, dtype=numpy_dtype(n.type.dtype))
+        elif n.role == "state" and n.name.endswith(".master"):
+            feeds[n.name] = np.asarray(feeds[n.name[: -len(".master")]], np.float64).astype(numpy_dtype(n.type.dtype))
         elif n.name == "lr":
             feeds[n.name] = np.full(n.type.shape, lr, dtype=numpy_dtype(n.type.dtype))
     return feeds

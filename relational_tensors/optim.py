@@ -56,8 +56,23 @@ class Optimizer:
     def _state(self, g: Graph, name: str, like: Tensor, fill: float = 0.0, shape: Sequence[int] | None = None,
                dtype: str | None = None) -> Tensor:
         t = g.state(name, list(shape or like.shape), dtype or like.dtype)
+        g.optimizer_states.add(t.id)
         self.states[name] = (t, fill)
         return t
+
+
+def _scoped(fn: Any) -> Any:
+    """Name the operators ``fn`` appends ``optim.<kind>_<n>`` (memory reports count them as the update)."""
+    import functools
+
+    @functools.wraps(fn)
+    def run(g: Graph, *args: Any, **kwargs: Any) -> Any:
+        scope, g.name_scope = g.name_scope, "optim."
+        try:
+            return fn(g, *args, **kwargs)
+        finally:
+            g.name_scope = scope
+    return run
 
 
 def _check(g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
@@ -115,6 +130,7 @@ def _write(g: Graph, p: Tensor, work: Tensor, new: Tensor) -> None:
         g.assign(p, g.cast(new, p.dtype))
 
 
+@_scoped
 def clip_grad_norm(g: Graph, grads: Sequence[Tensor], max_norm: float) -> list[Tensor]:
     """The gradients scaled by min(1, max_norm / (‖grads‖₂ + 1e-6)), the global 2-norm over all of them
     (``torch.nn.utils.clip_grad_norm_``)."""
@@ -131,6 +147,7 @@ def clip_grad_norm(g: Graph, grads: Sequence[Tensor], max_norm: float) -> list[T
     return [g.mul(d, coef if coef.dtype == d.dtype else g.cast(coef, d.dtype)) for d in grads]
 
 
+@_scoped
 def sgd(g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Tensor | float, momentum: float = 0.0,
         dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
         maximize: bool = False, master_dtype: str | None = None) -> Optimizer:
@@ -162,6 +179,7 @@ def sgd(g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Tensor 
     return opt
 
 
+@_scoped
 def adamw(g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Tensor | float,
           betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
           maximize: bool = False, master_dtype: str | None = None) -> Optimizer:

@@ -121,6 +121,7 @@ class Graph:
         self.nodes: list[Node] = []
         self.outputs: dict[str, int] = {}
         self.assignments: dict[int, int] = {}  # state node -> the node whose value it takes after a run
+        self.optimizer_states: set[int] = set()  # states an optimizer added (moments, steps, master weights)
         self._names: set[str] = set()
         self.name_scope = ""  # a prefix of the names of nodes made without one (autodiff: "grad.<node>.")
 
@@ -388,6 +389,30 @@ class Graph:
         """The floating parameters and states, in declaration order (what ``grad`` usually takes)."""
         return [Tensor(self, n.id) for n in self.nodes
                 if n.role in ("parameter", "state") and n.type.dtype in FLOAT_DTYPES]
+
+    def memory_category(self, node_id: int) -> str:
+        """What a tensor is, for memory reports: ``parameters``, ``optimizer state`` (a state's next value
+        counts as the state), ``inputs``, ``gradients`` (made by autodiff), ``optimizer update`` (its
+        temporaries), ``activations for the backward`` (forward tensors a gradient operator reads), or
+        ``other``."""
+        node = self.nodes[node_id]
+        if node.op is None:
+            if node_id in getattr(self, "optimizer_states", ()):
+                return "optimizer state"
+            return "inputs" if node.role == "input" else "parameters"
+        assigned = {v: k for k, v in getattr(self, "assignments", {}).items()}
+        if node_id in assigned:  # a state's next value
+            return self.memory_category(assigned[node_id])
+        if node.name.startswith("grad."):
+            return "gradients"
+        if node.name.startswith("optim."):
+            return "optimizer update"
+        readers = getattr(self, "_readers", None)
+        if readers is None or len(readers) != len(self.nodes):
+            readers = self._readers = self.consumers()
+        if any(self.nodes[c].name.startswith("grad.") for c in readers[node_id]):
+            return "activations for the backward"
+        return "other"
 
     # --- inspection ---------------------------------------------------------------
     @property

@@ -17,6 +17,7 @@ their own, and keep their root buffer alive.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,6 +191,8 @@ class Liveness:
     peak: dict[int, int]               # device -> peak bytes
     resident: dict[int, int]           # device -> bytes of persistent buffers
     views: frozenset[int] = frozenset()  # buffers that are views (they free nothing)
+    # with liveness(dag, category=...): device -> category -> bytes live at that device's peak
+    at_peak: dict[int, dict[str, int]] = field(default_factory=dict)
 
     def frees_after(self) -> dict[int, list[int]]:
         out: dict[int, list[int]] = defaultdict(list)
@@ -199,12 +202,13 @@ class Liveness:
         return out
 
 
-def liveness(dag: TaskDAG) -> Liveness:
+def liveness(dag: TaskDAG, category: Callable[[int], str] | None = None) -> Liveness:
     """Free each buffer after its last use; report per-device peak bytes.
 
     Loaded inputs stay resident (a program executes many times on one load) and
     saved outputs stay until they are offloaded.  A root is born with the first
     write to it or to any of its views and dies after the last use of any of them.
+    ``category`` (tensor node id -> a name) also splits each device's peak by category.
     """
     views = frozenset(b for b, buf in dag.buffers.items() if buf.parent is not None)
     root = {b: dag.root(b) for b in views}
@@ -232,6 +236,13 @@ def liveness(dag: TaskDAG) -> Liveness:
             resident[dag.buffers[b].device] += dag.buffers[b].nbytes
     live: dict[int, int] = defaultdict(int, resident)
     peak: dict[int, int] = defaultdict(int, resident)
+    by: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))  # device -> category -> live bytes
+    at_peak: dict[int, dict[str, int]] = {}
+    if category is not None:
+        for b in persistent:
+            if b in dag.buffers and b not in views and born.get(b) is not None and dag.tasks[born[b]].kind == "load":
+                by[dag.buffers[b].device][category(dag.buffers[b].tensor)] += dag.buffers[b].nbytes
+        at_peak = {d: dict(c) for d, c in by.items()}
     dies: dict[int, list[int]] = defaultdict(list)
     for b, last in last_use.items():
         if b not in persistent and b not in views:
@@ -247,11 +258,17 @@ def liveness(dag: TaskDAG) -> Liveness:
             counted.add(r)
             buf = dag.buffers[r]
             live[buf.device] += buf.nbytes
+            if category is not None:
+                by[buf.device][category(buf.tensor)] += buf.nbytes
+                if live[buf.device] > peak[buf.device]:
+                    at_peak[buf.device] = dict(by[buf.device])
             peak[buf.device] = max(peak[buf.device], live[buf.device])
         for b in dies.get(t.id, ()):
             buf = dag.buffers[b]
             live[buf.device] -= buf.nbytes
+            if category is not None:
+                by[buf.device][category(buf.tensor)] -= buf.nbytes
     for d in range(dag.p):
         peak.setdefault(d, 0)
         resident.setdefault(d, 0)
-    return Liveness(last_use, frozenset(persistent), dict(peak), dict(resident), views)
+    return Liveness(last_use, frozenset(persistent), dict(peak), dict(resident), views, at_peak)
