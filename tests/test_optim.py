@@ -249,3 +249,19 @@ def test_mixed_precision_keeps_float32_master_weights_and_rounds_the_bfloat16_pa
         assert _rel(master, init[w]) > 1e-3  # trained
     with pytest.raises(GraphError, match="copy of"):
         build("bfloat16", "float32")[1].initial()
+
+
+def test_memory_by_category_adds_up_to_the_peak_and_a_refusal_names_the_largest() -> None:
+    from relational_tensors.models import llama_training_graph
+
+    g = llama_training_graph(1, 64, 64, 4, 2, 96, 101, optimizer="adamw")
+    cg = rt.compileGraph(g, device="cpu:4")
+    cats = cg.memory_by_category()
+    for d, peak in cg.memory().items():
+        assert sum(cats[d].values()) == peak
+        assert cats[d]["parameters"] > 0 and cats[d]["optimizer state"] > 0
+    names = {g.memory_category(n.id) for n in g.nodes}
+    assert {"parameters", "optimizer state", "inputs", "gradients", "activations for the backward",
+            "optimizer update"} <= names
+    with pytest.raises(rt.OutOfMemoryPlanError, match=r"largest: optimizer state [\d,]+"):
+        rt.compileGraph(g, device="cpu:4", memory_per_device=200_000)
