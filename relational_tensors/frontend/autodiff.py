@@ -60,6 +60,28 @@ def vjp(g: Any, outputs: object, cotangents: object, wrt: object, allow_unused: 
             live.update(n.inputs)
     needed = reached & live
 
+    clones: dict[int, Any] = {}  # operators of g.recompute() regions, made again for the backward
+    regions: dict[int, int] = getattr(g, "recomputed", {})
+    readers = g.consumers() if regions else {}
+    outputs = set(g.outputs.values())
+
+    def reread(i: int) -> Any:
+        """Tensor ``i`` as the backward reads it: recomputed from its region's inputs if it was made inside
+        a ``g.recompute()`` region (not one of the region's outputs, the checkpoints, which are kept), else
+        the forward's own."""
+        region = regions.get(i)
+        if region is None or i in outputs or any(regions.get(c) != region for c in readers[i] if c < len(nodes)):
+            return g.tensor(i)
+        if i not in clones:
+            node = g.nodes[i]
+            operands = [reread(j) for j in node.inputs]
+            scope, g.name_scope = g.name_scope, "recompute."
+            try:
+                clones[i] = g.apply(node.op, *operands)
+            finally:
+                g.name_scope = scope
+        return clones[i]
+
     parts: dict[int, list[Any]] = {}
     for o, c in zip(outs, cots):
         parts.setdefault(o.id, []).append(c)
@@ -74,9 +96,9 @@ def vjp(g: Any, outputs: object, cotangents: object, wrt: object, allow_unused: 
             wanted = tuple(i in needed for i in n.inputs)
             if n.op is None or not any(wanted):
                 continue
-            inputs = tuple(g.tensor(i) for i in n.inputs)
+            inputs = tuple(reread(i) for i in n.inputs)
             try:
-                got = n.op.vjp(g, inputs, g.tensor(n.id), total, wanted)
+                got = n.op.vjp(g, inputs, reread(n.id), total, wanted)
             except GraphError as e:  # say which node, and where a traced module computes it
                 where = getattr(g, "source", {}).get(n.name)
                 raise GraphError(f"cannot differentiate {n.name!r}: {e}" + (f" (at {where})" if where else "")) \

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -124,6 +125,8 @@ class Graph:
         self.optimizer_states: set[int] = set()  # states an optimizer added (moments, steps, master weights)
         self._names: set[str] = set()
         self.name_scope = ""  # a prefix of the names of nodes made without one (autodiff: "grad.<node>.")
+        self.recomputed: dict[int, int] = {}  # operator made in a g.recompute() region -> the region
+        self._recomputing = 0  # the region being built (0: none)
 
     # --- inputs and outputs ------------------------------------------------
     def input(self, name: str, shape: Sequence[int], dtype: object = "float32",
@@ -365,6 +368,18 @@ class Graph:
         product: the cotangents are tensors of the outputs' shapes, graph inputs or computed)."""
         return _vjp(self, outputs, cotangents, wrt, allow_unused)
 
+    @contextlib.contextmanager
+    def recompute(self) -> Iterator[None]:
+        """Operators made inside ``with g.recompute():`` are computed again in the backward
+        (``g.grad``) from the region's inputs, instead of holding their outputs from the forward until the
+        backward reads them: activation checkpointing, memory for compute.  The region's outputs (tensors
+        read after it) are kept: they are the checkpoints the next region recomputes from."""
+        was, self._recomputing = self._recomputing, max(self.recomputed.values(), default=0) + 1
+        try:
+            yield
+        finally:
+            self._recomputing = was
+
     def apply(self, op: Operator, *operands: Tensor, name: str | None = None) -> Tensor:
         """Append the abstract operator ``op`` applied to ``operands`` (whose types it was built from)."""
         if not isinstance(op, Operator):
@@ -491,6 +506,8 @@ class Graph:
             self._own(t)
         node = Node(len(self.nodes), self._fresh(name, op.kind), op.output_type, op, tuple(t.id for t in operands))
         self.nodes.append(node)
+        if getattr(self, "_recomputing", 0):
+            self.recomputed[node.id] = self._recomputing
         return Tensor(self, node.id)
 
 
