@@ -34,7 +34,7 @@ class TrainStep:
         self.module = module
         self.graph = graph
         self.compiled = compiled
-        self.optimizer_states = optimizer
+        self.optimizer = optimizer  # the states the optimizer added, with their initial values
         self.holders = holders  # module parameter -> (its state in the graph, whether held transposed)
         self.loss = loss
         self.lr = 0.0  # the learning rate of the next step (an input: changing it needs no recompile)
@@ -52,17 +52,13 @@ class TrainStep:
         feeds["lr"] = np.array([self.lr], dtype=dtype)
         if self._first:
             feeds.update(self.graph.parameters)  # frozen parameters, buffers, and the states' first values
-            feeds.update(self._opt.initial(self.graph.parameters))
+            feeds.update(self.optimizer.initial(self.graph.parameters))
         feeds.update(self._pending)
         self.compiled.load(feeds)
         self._first, self._pending = False, {}
         self.compiled.execute()
         self.steps += 1
         return numpy_to_torch(self.compiled.offload(self.loss))
-
-    @property
-    def _opt(self) -> Optimizer:
-        return self.optimizer_states
 
     def _module_layout(self, param: str, value: np.ndarray) -> Any:
         _, transposed = self.holders[param]
@@ -72,7 +68,7 @@ class TrainStep:
         if name in self._pending:
             return self._pending[name]
         if self._first:
-            init = {**self.graph.parameters, **self._opt.initial(self.graph.parameters)}
+            init = {**self.graph.parameters, **self.optimizer.initial(self.graph.parameters)}
             return np.asarray(init[name])
         return np.asarray(self.compiled.offload(name))
 
@@ -81,7 +77,7 @@ class TrainStep:
         and the number of steps run."""
         params = {p: self._module_layout(p, self._current(state)) for p, (state, _) in self.holders.items()}
         optim: dict[str, Any] = {}
-        for name in self._opt.states:
+        for name in self.optimizer.states:
             owner = next((p for p, (state, _) in self.holders.items() if name.startswith(state + ".")), None)
             if owner is None:
                 optim[name] = numpy_to_torch(self._current(name))
