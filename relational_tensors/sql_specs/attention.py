@@ -196,14 +196,19 @@ class AttentionOp(Operator):
         return cands if work == cands[0] else [*cands, work]
 
     # --- boxes ------------------------------------------------------------------
-    def _parts(self, choice: Choice) -> tuple[Interval, Interval, Interval, Interval, Interval]:
+    def _chosen(self, choice: Choice) -> tuple[Interval, Interval, Interval, Interval, Interval]:
+        """The batch, kv heads, their query heads, query rows and keys of a choice, as requested."""
         q, k = self.input_types[:2]
         b = choice.get("batch", Interval(0, q.shape[0]))
         h = choice.get("heads_kv", Interval(0, k.shape[2]))
-        rows = choice.get("seq_q", Interval(0, q.shape[1]))
-        keys = choice.get("seq_kv", Interval(0, k.shape[1])).intersect(self.key_range(rows))
         g = self.group
-        return b, h, Interval(h.lo * g, h.hi * g), rows, keys
+        return (b, h, Interval(h.lo * g, h.hi * g), choice.get("seq_q", Interval(0, q.shape[1])),
+                choice.get("seq_kv", Interval(0, k.shape[1])))
+
+    def _parts(self, choice: Choice) -> tuple[Interval, Interval, Interval, Interval, Interval]:
+        """``_chosen``, with the keys cut to those the query rows can see."""
+        b, h, hq, rows, keys = self._chosen(choice)
+        return b, h, hq, rows, keys.intersect(self.key_range(rows))
 
     def input_box(self, k: int, choice: Choice) -> Box:
         b, h, hq, rows, keys = self._parts(choice)

@@ -31,10 +31,11 @@ from relational_tensors.errors import GraphError
 from relational_tensors.sql_specs.attention import AttentionOp
 from relational_tensors.sql_specs.base import Builder, Choice, Grads, IndexedOp, register
 from relational_tensors.sql_specs.common import same_dtype
+from relational_tensors.sql_specs.grad import SECOND_ORDER
+from relational_tensors.sql_specs.packing import sequence_bounds
 
 __all__ = ["AttentionLseOp", "AttentionDeltaOp", "AttentionGradOp", "GRAD_PARTS"]
 
-_SECOND_ORDER = "a gradient operator (second derivatives are not built)"
 _ROW_CHUNK = 256  # query rows per NumPy step, to bound the score matrix
 GRAD_PARTS = ("dq", "dk", "dv", "dkv")
 
@@ -171,7 +172,7 @@ class AttentionGradOp(AttentionOp):
 
     kind = "attention_grad"
     aggregation = SUM
-    gradient = _SECOND_ORDER
+    gradient = SECOND_ORDER
     gpu_allocates = True  # the NumPy kernel over host copies
     part: str = "dq"
 
@@ -218,32 +219,17 @@ class AttentionGradOp(AttentionOp):
         length = self.input_types[0].shape[1]
         if keys.size == 0:
             return Interval(0, 0)
-        lo_start, _ = self._bounds(keys.lo)
-        _, hi_end = self._bounds(keys.hi - 1)
-        return Interval(keys.lo if self.causal else lo_start, hi_end if self.seq_ends is not None else length)
+        start, end = sequence_bounds(np.array([keys.lo, keys.hi - 1]), self.seq_ends, length)
+        return Interval(keys.lo if self.causal else int(start[0]), int(end[1]))
 
-    def _bounds(self, pos: int) -> tuple[int, int]:
-        length = self.input_types[0].shape[1]
-        if self.seq_ends is None:
-            return 0, length
-        start = 0
-        for end in self.seq_ends:
-            if pos < end:
-                return start, end
-            start = end
-        return start, length
-
-    def _kv_parts(self, choice: Choice) -> tuple[Interval, Interval, Interval, Interval, Interval]:
-        q, k, _ = self.input_types[:3]
-        b = choice.get("batch", Interval(0, q.shape[0]))
-        h = choice.get("heads_kv", Interval(0, k.shape[2]))
-        keys = choice.get("seq_kv", Interval(0, k.shape[1]))
-        rows = choice.get("seq_q", Interval(0, q.shape[1])).intersect(self.query_range(keys))
-        g = self.group
-        return b, h, Interval(h.lo * g, h.hi * g), rows, keys
+    def _parts(self, choice: Choice) -> tuple[Interval, Interval, Interval, Interval, Interval]:
+        if not self._by_keys:
+            return super()._parts(choice)
+        b, h, hq, rows, keys = self._chosen(choice)  # blocks of keys: the query rows cut to those that see them
+        return b, h, hq, rows.intersect(self.query_range(keys)), keys
 
     def input_box(self, k: int, choice: Choice) -> Box:
-        b, h, hq, rows, keys = self._kv_parts(choice) if self._by_keys else self._parts(choice)
+        b, h, hq, rows, keys = self._parts(choice)
         t = self.input_types[k]
         if k in (1, 2):
             return Box.from_intervals((b, keys, h, Interval(0, t.shape[3])))
@@ -253,10 +239,9 @@ class AttentionGradOp(AttentionOp):
 
     def output_box(self, choice: Choice) -> Box:
         width = Interval(0, self.output_type.shape[3])
+        b, h, hq, rows, keys = self._parts(choice)
         if self._by_keys:
-            b, h, _, _, keys = self._kv_parts(choice)
             return Box.from_intervals((b, keys, h, width))
-        b, _, hq, rows, _ = self._parts(choice)
         return Box.from_intervals((b, rows, hq, width))
 
     def flops(self, inputs: tuple[Box, ...], output: Box) -> float:

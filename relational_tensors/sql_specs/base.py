@@ -244,11 +244,11 @@ class IndexedOp(Operator):
 
 @dataclass(frozen=True, eq=True)
 class SameIndicesOp(IndexedOp):
-    """One input whose indices are the output's, dimension for dimension (unary ops, softmax, rope):
-    subclasses say only which of them cannot be split."""
+    """Inputs whose indices are all the first input's and the output's, dimension for dimension (unary
+    ops, softmax, rope, swiglu, their gradients): subclasses say only which of them cannot be split."""
 
     def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
-        return (self.input_types[0].names,)
+        return (self.input_types[0].names,) * len(self.input_types)
 
     def dims_out(self) -> tuple[str | None, ...]:
         return self.input_types[0].names

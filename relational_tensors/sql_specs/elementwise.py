@@ -22,7 +22,7 @@ from relational_tensors.core.types import Box, TensorType
 from relational_tensors.errors import GraphError
 from relational_tensors.sql_specs.base import Builder, Grads, IndexedOp, SameIndicesOp, register
 from relational_tensors.sql_specs.common import finite_number, same_dtype
-from relational_tensors.sql_specs.grad import build, reduce_to
+from relational_tensors.sql_specs.grad import SECOND_ORDER, build, reduce_to
 
 __all__ = ["UnaryOp", "BinaryOp", "SwigluOp", "UnaryGradOp", "BinaryGradOp", "SwigluGradOp", "UNARY_FUNCTIONS",
            "BINARY_FUNCTIONS", "UNARY_DERIVATIVES", "silu", "gelu"]
@@ -166,7 +166,7 @@ class UnaryOp(SameIndicesOp):
 
 @register
 @dataclass(frozen=True, eq=True)
-class UnaryGradOp(IndexedOp):
+class UnaryGradOp(SameIndicesOp):
     """``dy · f'(x)`` elementwise: the gradient of ``unary(x, op, arg)``.
 
     >>> from relational_tensors.core.types import TensorType as T
@@ -175,7 +175,7 @@ class UnaryGradOp(IndexedOp):
     """
 
     kind = "unary_grad"
-    gradient = "a gradient operator (second derivatives are not built)"
+    gradient = SECOND_ORDER
     gpu_allocates = True  # the NumPy kernel over host copies
     op: str = "relu"
     arg: float = 0.0
@@ -187,13 +187,6 @@ class UnaryGradOp(IndexedOp):
         if x.shape != dy.shape or same_dtype(self.kind, self.input_types) not in FLOAT_DTYPES:
             raise GraphError(f"unary_grad needs x and dy of one shape and float dtype; got {x} and {dy}.")
         return x
-
-    def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
-        names = self.input_types[0].names
-        return (names, names)
-
-    def dims_out(self) -> tuple[str | None, ...]:
-        return self.input_types[0].names
 
     def params(self) -> dict[str, object]:
         return {"op": self.op, "arg": self.arg}
@@ -301,7 +294,7 @@ class BinaryGradOp(IndexedOp):
     """
 
     kind = "binary_grad"
-    gradient = "a gradient operator (second derivatives are not built)"
+    gradient = SECOND_ORDER
     gpu_allocates = True  # the NumPy kernel over host copies
     op: str = "div"
     wrt: int = 1
@@ -340,7 +333,7 @@ class BinaryGradOp(IndexedOp):
 
 @register
 @dataclass(frozen=True, eq=True)
-class SwigluOp(IndexedOp):
+class SwigluOp(SameIndicesOp):
     """``silu(a) * b`` for a and b of one shape: the gate of a SwiGLU FFN in one pass.
 
     >>> from relational_tensors.core.types import TensorType as T
@@ -358,13 +351,6 @@ class SwigluOp(IndexedOp):
             raise GraphError(f"swiglu needs floating tensors; got dtype {a.dtype}. Cast them first.")
         return a
 
-    def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
-        names = self.input_types[0].names
-        return (names, names)
-
-    def dims_out(self) -> tuple[str | None, ...]:
-        return self.input_types[0].names
-
     def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
         a, b = (self._compute(x) for x in blocks)
         return self._result(silu(a) * b)
@@ -376,7 +362,7 @@ class SwigluOp(IndexedOp):
 
 @register
 @dataclass(frozen=True, eq=True)
-class SwigluGradOp(IndexedOp):
+class SwigluGradOp(SameIndicesOp):
     """The gradient of ``swiglu(a, b)`` with respect to a (``wrt=0``: dy·b·silu'(a)) or b (dy·silu(a)).
 
     >>> from relational_tensors.core.types import TensorType as T
@@ -385,7 +371,7 @@ class SwigluGradOp(IndexedOp):
     """
 
     kind = "swiglu_grad"
-    gradient = "a gradient operator (second derivatives are not built)"
+    gradient = SECOND_ORDER
     gpu_allocates = True  # the NumPy kernel over host copies
     wrt: int = 0
 
@@ -396,13 +382,6 @@ class SwigluGradOp(IndexedOp):
                              f"{dy.shape}, wrt={self.wrt!r}.")
         same_dtype(self.kind, self.input_types)
         return a
-
-    def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
-        names = self.input_types[0].names
-        return (names, names, names)
-
-    def dims_out(self) -> tuple[str | None, ...]:
-        return self.input_types[0].names
 
     def params(self) -> dict[str, object]:
         return {"wrt": self.wrt}

@@ -23,7 +23,7 @@ from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import Box, TensorType
 from relational_tensors.errors import ExecError, GraphError
 from relational_tensors.sql_specs.base import Builder, Grads, IndexedOp, register
-from relational_tensors.sql_specs.grad import build
+from relational_tensors.sql_specs.grad import SECOND_ORDER, build
 
 __all__ = ["EmbeddingOp", "EmbeddingGradOp", "check_ids"]
 
@@ -95,7 +95,7 @@ class EmbeddingGradOp(IndexedOp):
     """
 
     kind = "embedding_grad"
-    gradient = "a gradient operator (second derivatives are not built)"
+    gradient = SECOND_ORDER
     gpu_allocates = True  # the NumPy kernel over host copies
     vocab: int = 1
 

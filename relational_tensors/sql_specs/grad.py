@@ -9,27 +9,24 @@ operator modules free of imports of each other.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
-from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.core.types import TensorType
 from relational_tensors.errors import GraphError
 from relational_tensors.sql_specs.base import OPERATORS, Builder, Grads, Handle
 
-__all__ = ["build", "reduce_to", "expand_to", "reshape_to", "add_all",
-           "not_differentiable", "differentiable_dtype", "einsum_grads"]
+__all__ = ["build", "reduce_to", "expand_to", "reshape_to", "add_all", "not_differentiable", "einsum_grads",
+           "SECOND_ORDER"]
+
+# the ``gradient`` of a gradient operator: why it has none
+SECOND_ORDER = "a gradient operator (second derivatives are not built)"
 
 
 def build(b: Builder, kind: str, operands: Sequence[Handle], **params: Any) -> Any:
     """Append the operator ``kind`` with ``params`` applied to ``operands``."""
     op = OPERATORS[kind](tuple(t.type for t in operands), **params)  # type: ignore[call-arg]
     return b.apply(op, *operands)
-
-
-def differentiable_dtype(t: TensorType) -> bool:
-    return t.dtype in FLOAT_DTYPES
 
 
 def not_differentiable(kind: str, why: str) -> GraphError:
@@ -110,7 +107,3 @@ def einsum_grads(kind: str, b: Builder, dims_in: Sequence[Sequence[str]], dims_o
             g = expand_to(b, reshape_to(b, g, x.type.with_(shape=shape)), x.type)
         grads.append(g)
     return tuple(grads)
-
-
-def scale_of(t: TensorType, axes: Sequence[int]) -> float:
-    return 1.0 / math.prod(t.shape[a] for a in axes)

@@ -22,7 +22,7 @@ from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import Box, TensorType
 from relational_tensors.errors import ExecError, GraphError
 from relational_tensors.sql_specs.base import Builder, Grads, IndexedOp, register
-from relational_tensors.sql_specs.grad import build
+from relational_tensors.sql_specs.grad import SECOND_ORDER, build
 
 __all__ = ["CrossEntropyOp", "CrossEntropyGradOp", "TokenCountOp", "check_targets"]
 
@@ -134,7 +134,7 @@ class CrossEntropyGradOp(IndexedOp):
     """
 
     kind = "cross_entropy_grad"
-    gradient = "a gradient operator (second derivatives are not built)"
+    gradient = SECOND_ORDER
     gpu_allocates = True  # the NumPy kernel over host copies
     ignore_index: int | None = None
 

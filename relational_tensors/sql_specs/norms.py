@@ -21,11 +21,10 @@ from relational_tensors.core.types import Box, TensorType
 from relational_tensors.errors import GraphError
 from relational_tensors.sql_specs.base import Builder, Grads, IndexedOp, SameIndicesOp, register
 from relational_tensors.sql_specs.common import finite_number, normalize_axis, same_dtype
-from relational_tensors.sql_specs.grad import build
+from relational_tensors.sql_specs.grad import SECOND_ORDER, build
 
 __all__ = ["SoftmaxOp", "RmsnormOp", "LayernormOp", "SoftmaxGradOp", "NormGradOp", "NormWeightGradOp"]
 
-_SECOND_ORDER = "a gradient operator (second derivatives are not built)"
 
 
 def _need_float(kind: str, t: TensorType) -> None:
@@ -84,13 +83,9 @@ class SoftmaxGradOp(SameIndicesOp):
     """
 
     kind = "softmax_grad"
-    gradient = _SECOND_ORDER
+    gradient = SECOND_ORDER
     gpu_allocates = True  # the NumPy kernel over host copies
     axis: int = -1
-
-    def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
-        names = self.input_types[0].names
-        return (names, names)
 
     def infer(self) -> TensorType:
         y, dy = self.input_types
@@ -219,7 +214,7 @@ def _normalized(norm: str, x: np.ndarray, eps: float) -> tuple[np.ndarray, np.nd
 class _NormGradBase(IndexedOp):
     """Shared rules of the norm gradients: x[..., d] and dy[..., d], the last axis whole."""
 
-    gradient = _SECOND_ORDER
+    gradient = SECOND_ORDER
     gpu_allocates = True  # the NumPy kernel over host copies
     norm: str = "rms"
     eps: float = 1e-6

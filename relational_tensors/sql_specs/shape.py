@@ -199,9 +199,33 @@ class PermuteOp(IndexedOp):
         return (build(b, "permute", (cotangent,), perm=tuple(inverse)),)
 
 
+@dataclass(frozen=True, eq=True)
+class _AlongAxis(Operator):
+    """Slice, concat and pad: every output index splits anywhere, and an output block reads, of each
+    input, the part of its window on the axis that the block covers."""
+
+    def shardable(self) -> tuple[ShardableIndex, ...]:
+        return tuple(ShardableIndex(n, s) for n, s in zip(self.output_type.names, self.output_type.shape))
+
+    def output_box(self, choice: Choice) -> Box:
+        y = self.output_type
+        return Box.from_intervals(choice.get(n, Interval(0, s)) for n, s in zip(y.names, y.shape))
+
+    def window(self, choice: Choice, axis: int, lo: int, hi: int) -> Box:
+        """The input box of an input that fills output positions [lo, hi) of ``axis`` (empty if the block
+        covers none of them)."""
+        ivs = list(self.output_box(choice).intervals())
+        part = ivs[axis].intersect(Interval(lo, hi))
+        ivs[axis] = part.shift(-lo) if part.size else Interval(0, 0)
+        return Box.from_intervals(ivs)
+
+    def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
+        return 0.0
+
+
 @register
 @dataclass(frozen=True, eq=True)
-class SliceOp(Operator):
+class SliceOp(_AlongAxis):
     """``x[..., start:stop, ...]`` along one axis; every index splits anywhere.
 
     >>> from relational_tensors.core.types import TensorType as T
@@ -228,8 +252,6 @@ class SliceOp(Operator):
         shape[axis] = self.stop - self.start
         return TensorType.zero(shape, x.dtype, x.names)
 
-    def shardable(self) -> tuple[ShardableIndex, ...]:
-        return tuple(ShardableIndex(n, s) for n, s in zip(self.output_type.names, self.output_type.shape))
 
     def signature(self) -> str:
         axis = normalize_axis(self.kind, self.axis, self.input_types[0])
@@ -240,18 +262,10 @@ class SliceOp(Operator):
         return {"axis": normalize_axis(self.kind, self.axis, self.input_types[0]), "start": self.start,
                 "stop": self.stop}
 
-    def output_box(self, choice: Choice) -> Box:
-        y = self.output_type
-        return Box.from_intervals(choice.get(n, Interval(0, s)) for n, s in zip(y.names, y.shape))
 
     def input_box(self, k: int, choice: Choice) -> Box:
         axis = normalize_axis(self.kind, self.axis, self.input_types[0])
-        ivs = list(self.output_box(choice).intervals())
-        ivs[axis] = ivs[axis].shift(self.start)
-        return Box.from_intervals(ivs)
-
-    def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
-        return 0.0
+        return self.window(choice, axis, -self.start, self.output_type.shape[axis])
 
     def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
         return np.array(blocks[0], copy=True)
@@ -265,7 +279,7 @@ class SliceOp(Operator):
 
 @register
 @dataclass(frozen=True, eq=True)
-class ConcatOp(Operator):
+class ConcatOp(_AlongAxis):
     """Concatenate along ``axis``; a block of the output reads the parts of each input it overlaps.
 
     >>> from relational_tensors.core.types import TensorType as T
@@ -295,8 +309,6 @@ class ConcatOp(Operator):
         shape[axis] = sum(t.shape[axis] for t in self.input_types)
         return TensorType.zero(shape, dtype, first.names)
 
-    def shardable(self) -> tuple[ShardableIndex, ...]:
-        return tuple(ShardableIndex(n, s) for n, s in zip(self.output_type.names, self.output_type.shape))
 
     def signature(self) -> str:
         names = " ".join(self.output_type.names)
@@ -309,19 +321,10 @@ class ConcatOp(Operator):
         axis = self._axis()
         return [0, *np.cumsum([t.shape[axis] for t in self.input_types]).tolist()]
 
-    def output_box(self, choice: Choice) -> Box:
-        y = self.output_type
-        return Box.from_intervals(choice.get(n, Interval(0, s)) for n, s in zip(y.names, y.shape))
 
     def input_box(self, k: int, choice: Choice) -> Box:
-        axis, off = self._axis(), self.offsets()
-        ivs = list(self.output_box(choice).intervals())
-        part = ivs[axis].intersect(Interval(off[k], off[k + 1]))
-        ivs[axis] = part.shift(-off[k]) if part.size else Interval(0, 0)
-        return Box.from_intervals(ivs)
-
-    def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
-        return 0.0
+        off = self.offsets()
+        return self.window(choice, self._axis(), off[k], off[k + 1])
 
     def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
         return np.concatenate([b for b in blocks if b.size or b.shape[self._axis()]], axis=self._axis())
@@ -335,7 +338,7 @@ class ConcatOp(Operator):
 
 @register
 @dataclass(frozen=True, eq=True)
-class PadOp(Operator):
+class PadOp(_AlongAxis):
     """x placed at ``start`` along ``axis`` of a tensor of extent ``size`` there, zeros elsewhere (the
     gradient of a slice); every output index splits anywhere.
 
@@ -363,8 +366,6 @@ class PadOp(Operator):
         shape[axis] = self.size
         return TensorType.zero(shape, x.dtype, x.names)
 
-    def shardable(self) -> tuple[ShardableIndex, ...]:
-        return tuple(ShardableIndex(n, s) for n, s in zip(self.output_type.names, self.output_type.shape))
 
     def signature(self) -> str:
         names = " ".join(self.output_type.names)
@@ -375,19 +376,10 @@ class PadOp(Operator):
         return {"axis": normalize_axis(self.kind, self.axis, self.input_types[0]), "start": self.start,
                 "size": self.size}
 
-    def output_box(self, choice: Choice) -> Box:
-        y = self.output_type
-        return Box.from_intervals(choice.get(n, Interval(0, s)) for n, s in zip(y.names, y.shape))
 
     def input_box(self, k: int, choice: Choice) -> Box:
         axis = normalize_axis(self.kind, self.axis, self.input_types[0])
-        ivs = list(self.output_box(choice).intervals())
-        part = ivs[axis].intersect(Interval(self.start, self.start + self.input_types[0].shape[axis]))
-        ivs[axis] = part.shift(-self.start) if part.size else Interval(0, 0)
-        return Box.from_intervals(ivs)
-
-    def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
-        return 0.0
+        return self.window(choice, axis, self.start, self.start + self.input_types[0].shape[axis])
 
     def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
         axis = normalize_axis(self.kind, self.axis, self.input_types[0])
