@@ -46,10 +46,11 @@ def main() -> None:
     cg = rt.compileGraph(g, device=8, topology="hgx-h200", memory_per_device=args.memory)
     planned = time.perf_counter() - t0
     kinds: dict[str, Counter] = {}
+    categories = g.memory_categories()
     for n in g.inputs:
         if n.role != "state":
             continue
-        kind = g.memory_category(n.id)
+        kind = categories[n.id]
         if kind == "optimizer state":
             kind = "master weights" if n.name.endswith(".master") else "moments" if "exp_avg" in n.name else "step"
         kinds.setdefault(kind, Counter())[layout(cg, n.name)] += 1

@@ -243,7 +243,7 @@ def _pass_fit_memory(s: _State) -> None:
                 best, best_dag = live, lowered.dag
             price *= 4
     worst = max(best.peak, key=lambda d: best.peak[d] - limits[d])
-    parts = liveness(best_dag, s.graph.memory_category).at_peak.get(worst, {})
+    parts = liveness(best_dag, s.graph.memory_categories().__getitem__).at_peak.get(worst, {})
     largest = ", ".join(f"{k} {v:,}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])[:3] if v > 0)
     raise OutOfMemoryPlanError(
         f"device {worst} needs {best.peak[worst]:,} bytes at its peak under the best plan found "
@@ -399,9 +399,9 @@ class CompiledGraph:
                 self._states[name] = coerce_feed(name, value, node.type)
 
     def memory_by_category(self) -> dict[int, dict[str, int]]:
-        """Per device, the bytes live at its peak by what they are (``Graph.memory_category``: parameters,
-        optimizer state, inputs, gradients, activations for the backward, other)."""
-        return liveness(self.dag, self.graph.memory_category).at_peak
+        """Per device, the bytes live at its peak by what they are (``Graph.memory_categories``: parameters,
+        optimizer state, inputs, gradients, activations for the backward, optimizer update, other)."""
+        return liveness(self.dag, self.graph.memory_categories().__getitem__).at_peak
 
     def execute(self) -> None:
         """Run the task DAG once (inputs stay loaded; run it again after loading new ones); then every

@@ -260,7 +260,7 @@ def test_memory_by_category_adds_up_to_the_peak_and_a_refusal_names_the_largest(
     for d, peak in cg.memory().items():
         assert sum(cats[d].values()) == peak
         assert cats[d]["parameters"] > 0 and cats[d]["optimizer state"] > 0
-    names = {g.memory_category(n.id) for n in g.nodes}
+    names = set(g.memory_categories())
     assert {"parameters", "optimizer state", "inputs", "gradients", "activations for the backward",
             "optimizer update"} <= names
     with pytest.raises(rt.OutOfMemoryPlanError, match=r"largest: optimizer state [\d,]+"):

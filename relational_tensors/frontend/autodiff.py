@@ -61,7 +61,7 @@ def vjp(g: Any, outputs: object, cotangents: object, wrt: object, allow_unused: 
     needed = reached & live
 
     clones: dict[int, Any] = {}  # operators of g.recompute() regions, made again for the backward
-    regions: dict[int, int] = getattr(g, "recomputed", {})
+    regions: dict[int, int] = g.recomputed
     readers = g.consumers() if regions else {}
     outputs = set(g.outputs.values())
 

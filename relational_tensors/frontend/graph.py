@@ -405,29 +405,28 @@ class Graph:
         return [Tensor(self, n.id) for n in self.nodes
                 if n.role in ("parameter", "state") and n.type.dtype in FLOAT_DTYPES]
 
-    def memory_category(self, node_id: int) -> str:
-        """What a tensor is, for memory reports: ``parameters``, ``optimizer state`` (a state's next value
-        counts as the state), ``inputs``, ``gradients`` (made by autodiff), ``optimizer update`` (its
-        temporaries), ``activations for the backward`` (forward tensors a gradient operator reads), or
-        ``other``."""
-        node = self.nodes[node_id]
-        if node.op is None:
-            if node_id in getattr(self, "optimizer_states", ()):
-                return "optimizer state"
-            return "inputs" if node.role == "input" else "parameters"
-        assigned = {v: k for k, v in getattr(self, "assignments", {}).items()}
-        if node_id in assigned:  # a state's next value
-            return self.memory_category(assigned[node_id])
-        if node.name.startswith("grad."):
-            return "gradients"
-        if node.name.startswith("optim."):
-            return "optimizer update"
-        readers = getattr(self, "_readers", None)
-        if readers is None or len(readers) != len(self.nodes):
-            readers = self._readers = self.consumers()
-        if any(self.nodes[c].name.startswith("grad.") for c in readers[node_id]):
-            return "activations for the backward"
-        return "other"
+    def memory_categories(self) -> list[str]:
+        """What each tensor is, by node id, for memory reports: ``parameters``, ``optimizer state`` (a
+        state's next value counts as the state), ``inputs``, ``gradients`` (made by autodiff), ``optimizer
+        update`` (its temporaries), ``activations for the backward`` (forward tensors a gradient operator
+        reads), or ``other``."""
+        readers = self.consumers()
+        out = []
+        for n in self.nodes:
+            if n.op is None:
+                out.append("optimizer state" if n.id in self.optimizer_states
+                           else "inputs" if n.role == "input" else "parameters")
+            elif n.name.startswith("grad."):
+                out.append("gradients")
+            elif n.name.startswith("optim."):
+                out.append("optimizer update")
+            elif any(self.nodes[c].name.startswith("grad.") for c in readers[n.id]):
+                out.append("activations for the backward")
+            else:
+                out.append("other")
+        for state, value in self.assignments.items():  # a state's next value is the state's
+            out[value] = out[state]
+        return out
 
     # --- inspection ---------------------------------------------------------------
     @property
@@ -484,7 +483,7 @@ class Graph:
     def _fresh(self, name: str | None, kind: str) -> str:
         if name is None:
             n = len(self.nodes)
-            kind = getattr(self, "name_scope", "") + kind
+            kind = self.name_scope + kind
             name = f"{kind}_{n}"
             while name in self._names:
                 n += 1
@@ -506,7 +505,7 @@ class Graph:
             self._own(t)
         node = Node(len(self.nodes), self._fresh(name, op.kind), op.output_type, op, tuple(t.id for t in operands))
         self.nodes.append(node)
-        if getattr(self, "_recomputing", 0):
+        if self._recomputing:
             self.recomputed[node.id] = self._recomputing
         return Tensor(self, node.id)
 

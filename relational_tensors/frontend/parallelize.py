@@ -17,11 +17,12 @@ keeping its activations between the two calls.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.errors import ExecError
-from relational_tensors.frontend.torch.convert import _torch, numpy_to_torch, torch_to_numpy
+from relational_tensors.frontend.torch.convert import _torch, _torch_dtype, numpy_to_torch, torch_to_numpy
 from relational_tensors.frontend.torch.translator import TorchGraph, from_torch
 
 __all__ = ["parallelize", "ParallelModule"]
@@ -77,13 +78,32 @@ class ParallelModule:
         if self.module is None:
             raise ExecError("this ParallelModule was built from a traced graph, not a module: there are no "
                             "weights to read again. Use rt.parallelize(module, example_inputs).")
-        again = from_torch(self.module, self.example_inputs)
-        if set(again.parameters) != set(self.graph.parameters):
-            raise ExecError("the module no longer traces to the planned graph (its parameters differ); "
-                            "parallelize it again.")
-        self.graph.parameters = again.parameters
+        values = self._read_origins()
+        if values is None:  # the module's tensors changed shape or names: trace it again
+            again = from_torch(self.module, self.example_inputs)
+            if set(again.parameters) != set(self.graph.parameters):
+                raise ExecError("the module no longer traces to the planned graph (its parameters differ); "
+                                "parallelize it again.")
+            values = again.parameters
+        self.graph.parameters = values
         self._parameters_loaded = False
         self._state = self._module_state()
+
+    def _read_origins(self) -> dict[str, Any] | None:
+        """The graph inputs' values read straight from the module's tensors they hold (transposed and cast
+        as traced), or None where one no longer fits; constants folded at trace time are kept."""
+        tensors = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+        values = dict(self.graph.parameters)
+        for name, (origin, transposed) in self.graph.origins.items():
+            t = tensors.get(origin)
+            node = self.graph.node(name)
+            if t is None:
+                return None
+            v = t.detach().t() if transposed else t.detach()
+            if tuple(v.shape) != node.type.shape:
+                return None
+            values[name] = torch_to_numpy(v.to(_torch_dtype(node.type.dtype)).cpu().contiguous())
+        return values
 
     def explain(self, file: Any = None, width: int = 160) -> str:
         """Print (and return) the plan table of the compiled graph."""
@@ -155,7 +175,7 @@ class ParallelModule:
         if torch.is_grad_enabled() and (params or any(floating)):
             if self._module_state() != self._state:  # a training step changed them: read them again
                 self.reload_weights()
-            saved = _Differentiable.apply(self, len(inputs), tuple(k for k, _ in params), *inputs,
+            saved = _function().apply(self, len(inputs), tuple(k for k, _ in params), *inputs,
                                           *(t for _, t in params))
             values = dict(zip([n for kind, n in self.graph.output_leaves if kind == "saved"], saved))
         else:
@@ -205,8 +225,10 @@ class ParallelModule:
         return f"ParallelModule({ops} operators on {self.compiled.devices}, plan cost {self.compiled.plan.cost:,.0f})"
 
 
+@functools.cache
 def _function() -> Any:
-    """The torch.autograd.Function a differentiable call goes through (made when torch is first needed)."""
+    """The torch.autograd.Function a differentiable call goes through (made when first needed, so importing
+    needs no torch)."""
     torch = _torch()
     base: Any = torch.autograd.Function
 
@@ -246,20 +268,6 @@ def _function() -> Any:
             return (None, None, None, *in_grads, *param_grads)
 
     return Differentiable
-
-
-class _Lazy:
-    """``_Differentiable.apply``: the Function class is built on first use, so importing needs no torch."""
-
-    fn: Any = None
-
-    def apply(self, *args: Any) -> Any:
-        if _Lazy.fn is None:
-            _Lazy.fn = _function()
-        return _Lazy.fn.apply(*args)
-
-
-_Differentiable = _Lazy()
 
 
 def parallelize(module: Any, example_inputs: Any, device: Any = None, **compile_options: Any) -> ParallelModule:
