@@ -60,50 +60,50 @@ class TrainStep:
         self.steps += 1
         return numpy_to_torch(self.compiled.offload(self.loss))
 
-    def _module_layout(self, param: str, value: np.ndarray) -> Any:
-        _, transposed = self.holders[param]
-        return numpy_to_torch(np.ascontiguousarray(value.T if transposed else value))
-
     def _current(self, name: str) -> np.ndarray:
         if name in self._pending:
             return self._pending[name]
         if self._first:
-            init = {**self.graph.parameters, **self.optimizer.initial(self.graph.parameters)}
-            return np.asarray(init[name])
+            return np.asarray({**self.graph.parameters, **self.optimizer.initial(self.graph.parameters)}[name])
         return np.asarray(self.compiled.offload(name))
+
+    def _entries(self) -> list[tuple[str, str | None, str, bool]]:
+        """Every state of the step: (graph name, module parameter or None, key under it, transposed), the
+        parameters themselves under key "" and their optimizer states under "exp_avg", "master", ..."""
+        out: list[tuple[str, str | None, str, bool]] = [
+            (state, p, "", transposed) for p, (state, transposed) in self.holders.items()]
+        for name in self.optimizer.states:
+            owner = next((p for p, (state, _) in self.holders.items() if name.startswith(state + ".")), None)
+            key = name[len(self.holders[owner][0]) + 1:] if owner is not None else name
+            out.append((name, owner, key, owner is not None and self.holders[owner][1]))
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """The parameters under the module's names (in its layout), the optimizer's states per parameter,
         and the number of steps run."""
-        params = {p: self._module_layout(p, self._current(state)) for p, (state, _) in self.holders.items()}
+        params: dict[str, Any] = {}
         optim: dict[str, Any] = {}
-        for name in self.optimizer.states:
-            owner = next((p for p, (state, _) in self.holders.items() if name.startswith(state + ".")), None)
-            if owner is None:
-                optim[name] = numpy_to_torch(self._current(name))
+        for name, owner, key, transposed in self._entries():
+            value = self._current(name)
+            value = numpy_to_torch(np.ascontiguousarray(value.T if transposed and value.ndim == 2 else value))
+            if not key:
+                params[str(owner)] = value
+            elif owner is None:
+                optim[key] = value
             else:
-                optim.setdefault(owner, {})[name[len(self.holders[owner][0]) + 1:]] = \
-                    self._module_layout(owner, self._current(name)) if self._current(name).ndim > 1 \
-                    else numpy_to_torch(self._current(name))
+                optim.setdefault(owner, {})[key] = value
         return {"params": params, "optimizer": optim, "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the values are loaded with the next step."""
-        for p, value in state["params"].items():
-            if p not in self.holders:
-                raise ExecError(f"the state names parameter {p!r}, which this step does not train.")
-            graph_name, transposed = self.holders[p]
-            v = torch_to_numpy(value.detach())
-            self._pending[graph_name] = np.ascontiguousarray(v.T if transposed else v)
-        for key, value in state["optimizer"].items():
-            if isinstance(value, dict):
-                graph_name, transposed = self.holders[key]
-                for sub, v in value.items():
-                    a = torch_to_numpy(v.detach())
-                    self._pending[f"{graph_name}.{sub}"] = np.ascontiguousarray(a.T if transposed and a.ndim > 1
-                                                                                else a)
-            else:
-                self._pending[key] = torch_to_numpy(value.detach())
+        unknown = sorted(set(state["params"]) - set(self.holders))
+        if unknown:
+            raise ExecError(f"the state names parameters {unknown}, which this step does not train.")
+        for name, owner, key, transposed in self._entries():
+            value = state["params"][owner] if not key else \
+                state["optimizer"][key] if owner is None else state["optimizer"][owner][key]
+            a = torch_to_numpy(value.detach())
+            self._pending[name] = np.ascontiguousarray(a.T if transposed and a.ndim == 2 else a)
         self.steps = int(state.get("steps", 0))
 
     def load_into(self, module: Any = None) -> None:
