@@ -21,7 +21,13 @@ from relational_tensors.models import LLAMA3_8B, llama_training_graph
 
 
 def layout(cg: rt.CompiledGraph, name: str) -> str:
-    """How a graph input's blocks lie on the devices: replicated, sharded k ways, or both."""
+    """How a state's kept blocks lie on the devices (replicated, sharded k ways, or both), with how the
+    plan keeps it (as read or sharded) and its DTensor-style placement."""
+    row = next(r for r in cg.state_layouts() if r["state"] == name)
+    return f"{row['kept']} {row['placement']}: {_blocks(cg, name)}"
+
+
+def _blocks(cg: rt.CompiledGraph, name: str) -> str:
     blocks = cg.dag.inputs[name]
     shape = cg.graph.node(name).type.shape
     boxes = Counter((box.lower, box.upper) for box, _ in blocks)

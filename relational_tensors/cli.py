@@ -243,7 +243,8 @@ def _compile(args: argparse.Namespace, ui: _Ui, graph: Any) -> Any:
                                cost_model=args.cost_model, memory_per_device=args.memory_per_device,
                                catalog=args.catalog, tactic=args.tactic, schedule_mode=args.schedule,
                                topology=args.topology_value, search_budget_s=args.search_budget,
-                               calibration=args.calibration, attention=args.attention, refine=not args.no_refine)
+                               calibration=args.calibration, attention=args.attention, refine=not args.no_refine,
+                               keep_states=args.keep_states)
 
 
 def _load_and_compile(args: argparse.Namespace, ui: _Ui) -> Any:
@@ -554,6 +555,9 @@ def _plan_options(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--tactic", default=_default("tactic"), choices=_choices("tactic"), help="DP tactic")
     o.add_argument("--no-refine", action="store_true",
                    help="keep Algorithm 1's choice (no coordinate descent across the tensors it cuts)")
+    o.add_argument("--keep-states", default=_default("keep_states"), choices=_choices("keep_states"),
+                   help="how assigned states stay on the devices between steps (auto: as read, sharded "
+                        "where memory needs it)")
     o.add_argument("--seed", type=int, default=_default("seed"), help="seed of the random selector and the search")
     o.add_argument("--memory-per-device", type=parse_bytes, default=None, metavar="BYTES",
                    help="memory limit per device, e.g. 80GiB")

@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from relational_tensors.catalog import Catalog
-from relational_tensors.core.dtypes import partial_dtype
+from relational_tensors.core.dtypes import itemsize, partial_dtype
 from relational_tensors.dp_optimizer.candidates import Candidates, build_candidates
 from relational_tensors.dp_optimizer.costs import cost_model as get_cost_model
 from relational_tensors.dp_optimizer.plan import LogicalPlan
@@ -30,10 +30,10 @@ from relational_tensors.dp_optimizer.trees import Piece, cut_pieces
 from relational_tensors.errors import ExecError, GraphError, OutOfMemoryPlanError, PlanError
 from relational_tensors.frontend.graph import Graph, Tensor
 from relational_tensors.options import CompileOptions
-from relational_tensors.physical.lower import Lowered, lower
+from relational_tensors.physical.lower import Lowered, covers, lower
 from relational_tensors.physical.simulate import PlanSimResult
 from relational_tensors.physical.tasks import Liveness, liveness
-from relational_tensors.reference import coerce_feed
+from relational_tensors.reference import STALE_OUTPUTS, coerce_feed
 from relational_tensors.registry import operator_table
 from relational_tensors.target.devices import visible_gpus
 from relational_tensors.target.target import Target
@@ -59,6 +59,7 @@ class _State:
     plan: LogicalPlan | None = None
     lowered: Lowered | None = None
     live: Liveness | None = None
+    kept: dict[int, str] = field(default_factory=dict)  # assigned state -> how it is kept (default "as read")
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -116,7 +117,8 @@ def _pass_catalog(s: _State) -> None:
         "aggregation": [str(n.op.aggregation) for n in ops],  # type: ignore[union-attr]
         "tree_id": pa.array([piece_of[n.id] for n in ops], pa.int32()),
     }), cid)
-    edges = [(n.id, k, i, i if g.nodes[i].op is not None else None, s.cut[(n.id, k)])
+    sources, carried = s.candidates.sources, s.candidates.carried
+    edges = [(n.id, k, i, sources.get((n.id, k)), s.cut[(n.id, k)], (n.id, k) in carried)
              for n in ops for k, i in enumerate(n.inputs)]
     cat.insert("edges", pa.table({
         "op_id": pa.array([e[0] for e in edges], pa.int32()),
@@ -124,6 +126,7 @@ def _pass_catalog(s: _State) -> None:
         "tensor_id": pa.array([e[2] for e in edges], pa.int32()),
         "producer_op": pa.array([e[3] for e in edges], pa.int32()),
         "cut": [e[4] for e in edges],
+        "carried": [e[5] for e in edges],
     }), cid)
     cat.insert("tilings", s.candidates.tilings.arrow(), cid)
     cat.insert("candidate_specs", s.candidates.arrow_specs(), cid)
@@ -176,7 +179,7 @@ def _searched(s: _State, plan: LogicalPlan, naive: Lowered) -> Lowered:
     assert s.target is not None
     t = s.target
     synth = make_searcher(t.topology, seed=s.options.seed, budget_s=s.options.search_budget_s)
-    searched = lower(plan, "naive", synth)
+    searched = lower(plan, "naive", synth, kept=s.kept)
     if simulate_plan(naive.dag, s.graph, t.topology, t.kernels).time < simulate_plan(
             searched.dag, s.graph, t.topology, t.kernels).time:
         return naive
@@ -185,7 +188,9 @@ def _searched(s: _State, plan: LogicalPlan, naive: Lowered) -> Lowered:
 
 def _pass_lower(s: _State) -> None:
     assert s.plan is not None
-    s.lowered = lower(s.plan, "naive")
+    if s.options.keep_states != "auto":
+        s.kept = {state: s.options.keep_states for state in s.graph.assignments}
+    s.lowered = lower(s.plan, "naive", kept=s.kept)
 
 
 def _pass_search(s: _State) -> None:
@@ -212,11 +217,64 @@ def _pass_liveness(s: _State) -> None:
     s.live = liveness(s.lowered.dag)
 
 
+def _keep_sharded(s: _State, limits: dict[int, int]) -> bool:
+    """Under memory pressure, assigned states are kept sharded (one copy of their value's blocks,
+    gathered for each reader during the step, like ZeRO-3/FSDP) instead of as their readers read them:
+    first the states whose sharding saves the most bytes on the devices over their limit, until the
+    estimate fits, then every state that saves any.  True if a lowering with those states sharded fits
+    (the state then holds it); otherwise the state holds the leanest one tried."""
+    assert s.lowered is not None and s.plan is not None and s.live is not None
+    graph, dag = s.graph, s.lowered.dag
+    saves: dict[int, dict[int, int]] = {}  # state -> device -> bytes saved by keeping it sharded
+    for state, value in graph.assignments.items():
+        if s.kept.get(state, "as read") == "sharded":
+            continue
+        node = graph.nodes[state]
+        now: dict[int, int] = {}
+        for _, b in dag.inputs.get(node.name, []):
+            now[dag.buffers[b].device] = now.get(dag.buffers[b].device, 0) + dag.buffers[b].nbytes
+        first: dict[Any, int] = {}
+        for g, f in enumerate(s.plan.spec(value).functions):
+            first.setdefault(f.output, g)
+        for box, device in first.items():
+            now[device] = now.get(device, 0) - box.volume * itemsize(node.type.dtype)
+        if any(v > 0 for v in now.values()):
+            saves[state] = now
+    if not saves:
+        return False
+    over = {d: s.live.peak[d] - limits[d] for d in limits if s.live.peak[d] > limits[d]}
+    order = sorted(saves, key=lambda st: (-sum(max(saves[st].get(d, 0), 0) for d in over), st))
+    tried: list[dict[int, str]] = []
+    chosen: dict[int, str] = dict(s.kept)
+    left = dict(over)
+    for state in order:
+        chosen[state] = "sharded"
+        for d in left:
+            left[d] -= saves[state].get(d, 0)
+        if all(v <= 0 for v in left.values()):
+            break
+    tried.append(chosen)
+    everything = {**s.kept, **{st: "sharded" for st in saves}}
+    if everything != chosen:
+        tried.append(everything)
+    for kept in tried:
+        lowered = lower(s.plan, "naive", kept=kept)
+        if s.options.searched:
+            s.kept = kept
+            lowered = _searched(s, s.plan, lowered)
+        live = liveness(lowered.dag)
+        s.kept, s.lowered, s.live = kept, lowered, live
+        if _fits(live, limits):
+            return True
+    return False
+
+
 def _pass_fit_memory(s: _State) -> None:
-    """A DP plan whose peak exceeds a device's memory is re-chosen with a growing price on the graph-input
-    bytes each spec keeps resident (a Lagrangian relaxation of the memory constraint), up to eight
-    times, each re-chosen plan lowered (and searched) as the passes before did; if none fits, the plan
-    is refused with the peak of the best one found."""
+    """A plan whose peak exceeds a device's memory keeps its assigned states sharded (``_keep_sharded``);
+    if that is not enough, a DP plan is re-chosen with a growing price on the graph-input bytes each
+    spec keeps resident (a Lagrangian relaxation of the memory constraint), up to eight times, each
+    re-chosen plan lowered (and searched) as the passes before did; if none fits, the plan is refused
+    with the peak of the best one found."""
     assert s.lowered is not None and s.plan is not None and s.live is not None
     limits = s.limits
     if _fits(s.live, limits):
@@ -227,12 +285,16 @@ def _pass_fit_memory(s: _State) -> None:
         return max(live.peak[d] - limits[d] for d in live.peak)
 
     best, best_dag = s.live, s.lowered.dag
+    if s.options.keep_states == "auto" and _keep_sharded(s, limits):
+        return
+    if s.live.peak != best.peak and excess(s.live) < excess(best):
+        best, best_dag = s.live, s.lowered.dag
     if s.options.selector in ("dp", "exact"):
         resident = sum(s.plan.candidate(o).resident_bytes for o in s.choice) or 1
         price = max(s.plan.cost, 1.0) / resident
         for _ in range(8):
             choice, plan = _choose(s, memory_price=price)
-            lowered = lower(plan, "naive")
+            lowered = lower(plan, "naive", kept=s.kept)
             if s.options.searched:
                 lowered = _searched(s, plan, lowered)
             live = liveness(lowered.dag)
@@ -282,6 +344,34 @@ def _pass_verify(s: _State) -> None:
             check_tiles([box for box, _ in blocks], node.type.box)
         except Exception as e:
             raise PlanError(f"verify after 'lower': the blocks of saved output {name!r} do not tile it: {e}") from e
+    written: dict[int, int] = {}
+    for t in low.dag.tasks:
+        if t.kind == "assign":
+            src, dst = (low.dag.buffers[b] for b in (*t.inputs, *t.outputs))
+            if (src.box, src.dtype, src.device, src.partial) != (dst.box, dst.dtype, dst.device, None):
+                raise PlanError(f"verify after 'lower': {t.label} writes {src.box} ({src.dtype}, device "
+                                f"{src.device}) into the kept block {dst.box} ({dst.dtype}, device {dst.device}).")
+            written[dst.id] = written.get(dst.id, 0) + 1
+    for name in low.dag.assigned:
+        kept = low.dag.inputs[name]
+        if not covers([box for box, _ in kept], s.graph.node(name).type.box) or any(
+                written.get(b) != 1 for _, b in kept):
+            raise PlanError(f"verify after 'lower': state {name!r} must keep blocks covering it, each written "
+                            "once per execution by an assign task.")
+
+
+def _pass_states(s: _State) -> None:
+    from relational_tensors.visualize import kept_layouts
+
+    assert s.lowered is not None
+    rows = kept_layouts(s.graph, s.lowered)
+    if rows:
+        cols = ("state_id", "state", "value_op", "kept", "placement", "blocks", "bytes_per_device", "bytes_total",
+                "write_bytes")
+        types = {"state_id": pa.int32(), "value_op": pa.int32(), "blocks": pa.int32(), "bytes_per_device": pa.int64(),
+                 "bytes_total": pa.int64(), "write_bytes": pa.int64()}
+        s.catalog.insert("state_layouts", pa.table({c: pa.array([r[c] for r in rows], types.get(c, pa.string()))
+                                                    for c in cols}), s.cid)
 
 
 # The pipeline, in order, each with the reason it exists.
@@ -297,6 +387,7 @@ PASSES: tuple[tuple[str, Callable[[_State], None], str], ...] = (
     ("liveness", _pass_liveness, "free buffers after last use; the peak bytes of every device"),
     ("fit_memory", _pass_fit_memory, "re-choose a DP plan that exceeds device memory, else refuse it"),
     ("verify", _pass_verify, "check the physical plan without changing it: valid programs, placed kernels, outputs"),
+    ("states", _pass_states, "record how each assigned state is kept between executions (state_layouts)"),
 )
 
 
@@ -320,7 +411,7 @@ class CompiledGraph:
         self.live = state.live
         self._executor: Any = None
         self._simulations: dict[Any, PlanSimResult] = {}
-        self._states: dict[str, np.ndarray] = {}  # host copies of the states' current values
+        self._states: dict[str, np.ndarray] = {}  # host copies of the states no operator assigns
         if self.devices.kind == "cuda" and visible_gpus() > max(self.devices.physical):
             _ = self.executor  # peer access, streams and arenas are set up (and checked) at compile time
 
@@ -393,9 +484,11 @@ class CompiledGraph:
         self._keep_states(feeds)
 
     def _keep_states(self, feeds: Mapping[str, Any]) -> None:
+        """Host copies of the unassigned states loaded (they never change; assigned ones are read back
+        from the blocks the devices keep)."""
         for name, value in feeds.items():
             node = self.graph.node(name)
-            if node.role == "state":
+            if node.role == "state" and node.id not in self.graph.assignments:
                 self._states[name] = coerce_feed(name, value, node.type)
 
     def memory_by_category(self) -> dict[int, dict[str, int]]:
@@ -404,31 +497,32 @@ class CompiledGraph:
         return liveness(self.dag, self.graph.memory_categories().__getitem__).at_peak
 
     def execute(self) -> None:
-        """Run the task DAG once (inputs stay loaded; run it again after loading new ones); then every
-        state takes its assigned value (``g.assign``) for the next execution."""
+        """Run the task DAG once (inputs stay loaded; run it again after loading new ones); every
+        assigned state (``g.assign``) ends it holding its next value, in the blocks the plan keeps it in
+        (``state_layouts()``), on the devices."""
         self.executor.execute()
-        if self.graph.assignments:
-            ex = self.executor
-            nodes = self.graph.nodes
-            new = {nodes[s].name: np.asarray(self.offload(f"{nodes[s].name}.next"))
-                   for s in self.graph.assignments}
-            # the assigned values are gathered and placed back in the state's blocks; the outputs of
-            # the run that made them stay this run's
-            ex.load(new, partial=True)
-            ex.fresh = True
-            self._states.update(new)
 
     def offload(self, output: Tensor | str, like: str = "numpy") -> Any:
         """The saved output ``output`` (its name, or the saved tensor) as one array (``like="cupy"``
-        keeps it on the GPU)."""
+        keeps it on the GPU); a state's name gives its current value, ``<state>.next`` the value the
+        last execution assigned it."""
         name = self._name(output, "offload's output")
-        if name not in self.graph.outputs and name in self._states:  # a state: its current value
-            return self._states[name].copy()
-        if isinstance(output, Tensor) and name not in self.graph.outputs:
+        ex = self.executor
+        if isinstance(output, Tensor) and name not in self.graph.outputs and name not in self.dag.assigned:
             saved = [n for n, i in self.graph.outputs.items() if i == output.id]
             if saved:
                 name = saved[0]
-        ex = self.executor
+        state = self.graph.next_names().get(name)
+        if state is not None:  # the value assigned: the state's blocks hold it after the execution
+            if not ex.fresh:
+                if not ex.runs:
+                    raise ExecError("execute the program before offloading results: cg.execute().")
+                raise ExecError(STALE_OUTPUTS)
+            name = self.graph.nodes[state].name
+        if name in self.dag.assigned:
+            return ex.state(name, like=like) if self.devices.kind == "cuda" else ex.state(name)
+        if name not in self.graph.outputs and name in self._states:  # an unassigned state: as loaded
+            return self._states[name].copy()
         return ex.offload(name, like=like) if self.devices.kind == "cuda" else ex.offload(name)
 
     def synchronize(self) -> None:
@@ -498,11 +592,20 @@ class CompiledGraph:
 
         return {name: to_text(prog) for name, prog in self.lowered.programs.items()}
 
-    def explain(self, file: Any = None, width: int = 160) -> str:
-        """Print (and return) the plan as a table: op, split, output tiling, placement, costs, repartitions."""
-        from relational_tensors.visualize import plan_table
+    def state_layouts(self) -> list[dict[str, Any]]:
+        """How each assigned state is kept on the devices between executions (the catalog's
+        ``state_layouts``): ``kept`` is "as read" (the blocks its readers read) or "sharded" (its value's
+        blocks, gathered for each reader), with its DTensor-style placement and bytes."""
+        from relational_tensors.visualize import kept_layouts
 
-        text = plan_table(self, width=width)
+        return kept_layouts(self.graph, self.lowered)
+
+    def explain(self, file: Any = None, width: int = 160) -> str:
+        """Print (and return) the plan as a table: op, split, output tiling, placement, costs, repartitions;
+        then the states kept between executions, if any."""
+        from relational_tensors.visualize import plan_table, state_table
+
+        text = plan_table(self, width=width) + state_table(self, width=width)
         print(text, end="", file=file)
         return text
 
@@ -520,7 +623,8 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
                  catalog: str | Path | Catalog | None = None, tactic: str = "tree",
                  label: str | None = None, schedule_mode: str = "naive",
                  topology: str | Topology = "hgx-h200", search_budget_s: float = 0.5,
-                 calibration: str | None = None, attention: str = "triton", refine: bool = True) -> CompiledGraph:
+                 calibration: str | None = None, attention: str = "triton", refine: bool = True,
+                 keep_states: str = "auto") -> CompiledGraph:
     """Plan ``graph`` for the devices named by ``device`` (see ``relational_tensors.target.devices``).
 
     The options are those of :class:`~relational_tensors.options.CompileOptions`, validated once here;
@@ -536,7 +640,8 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
         options = CompileOptions(selector=selector, seed=seed, cost_model=cost_model,
                                  memory_per_device=memory_per_device, tactic=tactic, label=label,
                                  schedule_mode=schedule_mode, topology=topology, search_budget_s=search_budget_s,
-                                 calibration=calibration, attention=attention, refine=refine)
+                                 calibration=calibration, attention=attention, refine=refine,
+                                 keep_states=keep_states)
         if not graph.operators:
             raise PlanError("the graph has no operators to plan; add some and save an output.")
         if not graph.outputs:

@@ -24,9 +24,10 @@ from relational_tensors.dp_optimizer.trees import TACTICS
 from relational_tensors.errors import PlanError
 from relational_tensors.target.topology import Topology
 
-__all__ = ["CompileOptions", "SCHEDULE_MODES", "ATTENTION_KERNELS"]
+__all__ = ["CompileOptions", "SCHEDULE_MODES", "ATTENTION_KERNELS", "KEEP_STATES"]
 
 SCHEDULE_MODES = ("naive", "search", "ai")  # "ai" is the paper's name for "search"
+KEEP_STATES = ("auto", "as read", "sharded")
 ATTENTION_KERNELS = ("triton", "flash")
 MAX_MEMORY = 1 << 62  # bytes: what the catalog's BIGINT columns (and any device) can hold
 
@@ -45,7 +46,10 @@ class CompileOptions:
     ``calibration``, by default the file shipped for the machine); ``memory_per_device`` (bytes) bounds
     each device's working set and peak; ``tactic`` is ``tree`` or ``linear``; ``schedule_mode`` is
     ``naive`` or ``search`` (alias ``ai``, ``search_budget_s`` seconds per program); ``attention`` picks
-    the GPU attention kernel; ``label`` names the compilation in the catalog.
+    the GPU attention kernel; ``label`` names the compilation in the catalog; ``keep_states`` says how
+    assigned states stay on the devices between executions: ``as read`` (the blocks their readers read),
+    ``sharded`` (one copy of their value's blocks, gathered for each reader), or ``auto`` (as read, and
+    sharded where a plan would not fit the memory otherwise).
     """
 
     selector: str = _choice("dp", SELECTORS, "selector")
@@ -60,6 +64,7 @@ class CompileOptions:
     calibration: str | Path | None = None
     attention: str = _choice("triton", ATTENTION_KERNELS, "attention kernel")
     refine: bool = True
+    keep_states: str = _choice("auto", KEEP_STATES, "keep_states")
 
     def __post_init__(self) -> None:
         for f in fields(self):

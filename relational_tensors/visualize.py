@@ -36,7 +36,8 @@ from relational_tensors.errors import GraphError
 if TYPE_CHECKING:
     from relational_tensors.compiler import CompiledGraph
 
-__all__ = ["Layout", "layouts", "show_tiling", "placement_notation", "plan_rows", "plan_table"]
+__all__ = ["Layout", "layouts", "show_tiling", "placement_notation", "plan_rows", "plan_table", "kept_layouts",
+           "state_table"]
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,29 @@ def layouts(cg: CompiledGraph, tensor_name: str) -> list[Layout]:
             out.append(Layout(node.name, space, names, {b: tuple(v) for b, v in reads.items()}, None, source,
                               consumer.name))
     return out
+
+
+def kept_layouts(graph: Any, lowered: Any) -> list[dict[str, Any]]:
+    """How each assigned state is kept on the devices between executions: one dict per state with the
+    catalog's ``state_layouts`` columns (``kept``, DTensor-style ``placement``, ``blocks``,
+    ``bytes_per_device``, ``bytes_total``, ``write_bytes``)."""
+    dag = lowered.dag
+    rows = []
+    for state, value in sorted(graph.assignments.items()):
+        node = graph.nodes[state]
+        blocks: dict[Box, list[int]] = {}
+        per_device: dict[int, int] = {}
+        for box, b in dag.inputs.get(node.name, []):
+            buf = dag.buffers[b]
+            blocks.setdefault(box, []).append(buf.device)
+            per_device[buf.device] = per_device.get(buf.device, 0) + buf.nbytes
+        lay = Layout(node.name, node.type.box, tuple(node.type.names), {b: tuple(v) for b, v in blocks.items()},
+                     None, "kept between executions")
+        rows.append(dict(state_id=state, state=node.name, value_op=value, kept=lowered.kept.get(state, "as read"),
+                         placement=lay.notation(), blocks=sum(len(v) for v in blocks.values()),
+                         bytes_per_device=max(per_device.values(), default=0),
+                         bytes_total=sum(per_device.values()), write_bytes=lowered.write_bytes.get(state, 0)))
+    return rows
 
 
 def _near_equal(ivs: Sequence[Interval]) -> bool:
@@ -307,6 +331,25 @@ def plan_table(cg: CompiledGraph, rows: list[dict[str, Any]] | None = None, widt
     for r in rows:
         table.add_row(r["op_name"], r["op_kind"], r["split"], r["output_tiling"], r["placement"],
                       r["repartitioned_inputs"], *(f"{r[c] * scale:,.{digits}f}" for c in _PLAN_COLUMNS[6:]))
+    buf = io.StringIO()
+    Console(file=buf, width=width, force_terminal=False, color_system=None).print(table)
+    return buf.getvalue()
+
+
+def state_table(cg: CompiledGraph, width: int = 160) -> str:
+    """The states kept between executions as a text table (``explain`` prints it under the plan)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = cg.state_layouts()
+    if not rows:
+        return ""
+    table = Table(title="states kept on the devices between executions (the value is written into them at the end)")
+    for h in ("state", "kept", "placement", "blocks", "bytes/device", "written from", "bytes moved to write"):
+        table.add_column(h, justify="right" if h.startswith(("blocks", "bytes")) else "left", overflow="fold")
+    for r in rows:
+        table.add_row(r["state"], r["kept"], r["placement"], str(r["blocks"]), f"{r['bytes_per_device']:,}",
+                      cg.graph.nodes[r["value_op"]].name, f"{r['write_bytes']:,}")
     buf = io.StringIO()
     Console(file=buf, width=width, force_terminal=False, color_system=None).print(table)
     return buf.getvalue()

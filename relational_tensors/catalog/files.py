@@ -31,6 +31,8 @@ __all__ = ["connect", "prepare", "check_readable", "MIGRATIONS"]
 #      files (those with a plan_cost) are 'ok'; the others never finished (refused, failed or killed)
 #      and keep a NULL status, so the persisted views do not show them as plans.
 #   2: operator_kinds.gradient (a new column; older rows keep NULL).
+#   3: state_layouts, edges.carried and spec_inputs.carried (older rows: false, as they had no states
+#      priced across steps).
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: ("UPDATE compilations SET status = 'ok' WHERE status IS NULL AND plan_cost IS NOT NULL",),
 }

@@ -69,6 +69,17 @@ class Candidates:
     repartition: dict[tuple[int, int], float] = field(default_factory=dict)  # (op, input pos) -> price
     # pairwise models: (op, input pos) -> (producer tiling, required tiling) -> price
     prices: dict[tuple[int, int], dict[tuple[int, int], float]] = field(default_factory=dict)
+    # (op, input pos) -> the operator whose output tiling the edge is priced from (Graph.source_op): its
+    # producer, or for an assigned state the operator of its value; absent for inputs and parameters
+    sources: dict[tuple[int, int], int] = field(default_factory=dict)
+    carried: frozenset[tuple[int, int]] = frozenset()  # the edges reading an assigned state
+
+    def readers(self) -> dict[int, list[tuple[int, int]]]:
+        """Per operator, the (reader, input position) of every edge priced from its output tiling."""
+        out: dict[int, list[tuple[int, int]]] = {v: [] for v in self.by_op}
+        for (w, k), v in sorted(self.sources.items()):
+            out[v].append((w, k))
+        return out
 
     def eligible(self, op_id: int) -> list[Candidate]:
         return [c for c in self.by_op[op_id] if c.eligible]
@@ -141,11 +152,11 @@ class Candidates:
 
     def arrow_inputs(self, graph: Graph, tree_of: Mapping[int, int]) -> pa.Table:
         rows: dict[str, list] = {k: [] for k in ("op_id", "spec_id", "input_pos", "required_tiling", "producer_op",
-                                                 "op_tree", "producer_tree", "repartition", "floor")}
+                                                 "op_tree", "producer_tree", "repartition", "floor", "carried")}
         for op_id, cands in self.by_op.items():
             node = graph.nodes[op_id]
-            for k, i in enumerate(node.inputs):
-                producer = i if graph.nodes[i].op is not None else None
+            for k, _ in enumerate(node.inputs):
+                producer = self.sources.get((op_id, k))
                 floors: dict[int, float] = {}
                 for c in cands:
                     wanted = c.required[k]
@@ -160,10 +171,11 @@ class Candidates:
                     rows["op_tree"].append(tree_of[op_id])
                     rows["producer_tree"].append(tree_of.get(producer) if producer is not None else None)
                     rows["repartition"].append(self.repartition[(op_id, k)])
+                    rows["carried"].append((op_id, k) in self.carried)
         schema = pa.schema([("op_id", pa.int32()), ("spec_id", pa.int32()), ("input_pos", pa.int32()),
                             ("required_tiling", pa.int32()), ("producer_op", pa.int32()),
                             ("op_tree", pa.int32()), ("producer_tree", pa.int32()), ("repartition", pa.float64()),
-                            ("floor", pa.float64())])
+                            ("floor", pa.float64()), ("carried", pa.bool_())])
         return pa.table(rows, schema=schema)
 
 
@@ -173,6 +185,15 @@ def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: 
     working set exceeds ``memory_per_device`` bytes (the limit ``limit_name`` names) are not offered."""
     out = Candidates(p)
     saved_ids = set(graph.outputs.values())
+    carried = []
+    for node in graph.operators:
+        for k, i in enumerate(node.inputs):
+            src = graph.source_op(i)
+            if src is not None:
+                out.sources[(node.id, k)] = src
+                if src != i:
+                    carried.append((node.id, k))
+    out.carried = frozenset(carried)
     for node in graph.operators:
         op = node.op
         assert op is not None
@@ -188,8 +209,9 @@ def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: 
         saved = node.id in saved_ids
         for sid, (request, spec) in enumerate(pairs):
             out_t = out.tilings.intern(node.id, spec.output_tiling, op.output_type.box)
-            required = tuple(out.tilings.intern(i, spec.input_blocks(k), op.input_types[k].box)
-                             for k, i in enumerate(node.inputs))
+            # a carried edge's blocks are interned as blocks of the state's value: its tilings compare
+            required = tuple(out.tilings.intern(out.sources.get((node.id, k), i), spec.input_blocks(k),
+                                                op.input_types[k].box) for k, i in enumerate(node.inputs))
             cands.append(Candidate(sid, request, spec, out_t, required, model.join(spec, graph_inputs),
                                    model.aggregation(spec, saved), spec_memory(spec), spec_resident(spec, graph_inputs),
                                    model.compute(spec, op)))
@@ -214,6 +236,9 @@ def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: 
             out.repartition[(node.id, k)] = model.repartition(graph.nodes[i].type, p)
             if model.pairwise and graph.nodes[i].op is not None:
                 out.prices[(node.id, k)] = _pair_prices(model, out.eligible(i), [c for c in cands if c.eligible], k)
+    if model.pairwise:  # a carried edge's producer comes later in the graph: priced once both are known
+        for w, k in sorted(out.carried):
+            out.prices[(w, k)] = _pair_prices(model, out.eligible(out.sources[(w, k)]), out.eligible(w), k)
     return out
 
 

@@ -61,18 +61,20 @@ def exact_choice(graph: Graph, cands: Candidates, memory_price: float = 0.0,
 
     for v in ops:
         row([(col[("x", v, s)], 1.0) for s in elig[v]], 1.0)
-    for v in ops:
-        for k, u in enumerate(graph.nodes[v].inputs):
-            if graph.nodes[u].op is None:
-                continue
-            for s in elig[u]:
-                for t in elig[v]:
-                    col[("y", v, k, s, t)] = len(cost)
-                    cost.append(cands.edge_price(v, k, cands.by_op[u][s].output_tiling, cands.by_op[v][t].required[k]))
-            for s in elig[u]:
-                row([(col[("y", v, k, s, t)], 1.0) for t in elig[v]] + [(col[("x", u, s)], -1.0)], 0.0)
+    for (v, k), u in sorted(cands.sources.items()):  # carried edges (a state's readers) included
+        if u == v:  # a self-loop (an update reading the state it writes): a term of v's own spec
             for t in elig[v]:
-                row([(col[("y", v, k, s, t)], 1.0) for s in elig[u]] + [(col[("x", v, t)], -1.0)], 0.0)
+                c = cands.by_op[v][t]
+                cost[col[("x", v, t)]] += cands.edge_price(v, k, c.output_tiling, c.required[k])
+            continue
+        for s in elig[u]:
+            for t in elig[v]:
+                col[("y", v, k, s, t)] = len(cost)
+                cost.append(cands.edge_price(v, k, cands.by_op[u][s].output_tiling, cands.by_op[v][t].required[k]))
+        for s in elig[u]:
+            row([(col[("y", v, k, s, t)], 1.0) for t in elig[v]] + [(col[("x", u, s)], -1.0)], 0.0)
+        for t in elig[v]:
+            row([(col[("y", v, k, s, t)], 1.0) for s in elig[u]] + [(col[("x", v, t)], -1.0)], 0.0)
     a = sparse.coo_array((vals, (rows, cols)), shape=(len(rhs), len(cost))).tocsr()
     objective = np.array(cost)
     objective /= max(float(np.abs(objective).max()), 1e-300)  # seconds are ~1e-4: scaled, tolerances are relative

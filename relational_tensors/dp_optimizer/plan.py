@@ -14,9 +14,10 @@ __all__ = ["LogicalPlan", "plan_cost", "edge_repartition"]
 
 def edge_repartition(graph: Graph, cands: Candidates, choice: dict[int, int], op_id: int, k: int) -> float:
     """The repartition an input edge pays under ``choice``: 0 for graph inputs, else the price of the
-    pair (producer's output tiling, tiling the spec reads), see :meth:`Candidates.edge_price`."""
-    i = graph.nodes[op_id].inputs[k]
-    if graph.nodes[i].op is None:
+    pair (producer's output tiling, tiling the spec reads), see :meth:`Candidates.edge_price`; an edge
+    reading an assigned state is priced from the tiling of the state's value (``Graph.source_op``)."""
+    i = cands.sources.get((op_id, k))
+    if i is None:
         return 0.0
     mine = cands.by_op[op_id][choice[op_id]]
     theirs = cands.by_op[i][choice[i]]

@@ -33,20 +33,26 @@ def refine(graph: Graph, cands: Candidates, choice: dict[int, int], memory_price
     changes nothing."""
     nodes = graph.nodes
     choice = dict(choice)
+    # every priced edge, carried ones (a state's readers, from the operator of its value) included
     consumers: dict[int, list[tuple[int, int]]] = {v: [] for v in choice}
-    for v in choice:
-        for k, u in enumerate(nodes[v].inputs):
-            if u in consumers:
-                consumers[u].append((v, k))
+    inputs: dict[int, list[tuple[int, int]]] = {v: [] for v in choice}
+    for (v, k), u in sorted(cands.sources.items()):
+        if u in choice and v in choice:
+            consumers[u].append((v, k))
+            inputs[v].append((k, u))
+    carried = cands.carried
     eligible = {v: [s for s, c in enumerate(cands.by_op[v]) if c.eligible] for v in choice}
 
     def outside(v: int, s: int, inside: set[int]) -> float:
         """v's own cost on spec s and its edges to operators outside ``inside`` (fixed at their specs)."""
         c = cands.by_op[v][s]
         total = c.local_cost + memory_price * c.resident_bytes
-        for k, u in enumerate(nodes[v].inputs):
-            if u in choice and u not in inside:
-                total += cands.edge_price(v, k, cands.by_op[u][choice[u]].output_tiling, c.required[k])
+        for k, u in inputs[v]:
+            if u not in inside or (v, k) in carried:
+                # a carried edge inside the piece is no tree edge: priced at the current choice of its
+                # other end (itself, on a self-loop)
+                tiling = c.output_tiling if u == v else cands.by_op[u][choice[u]].output_tiling
+                total += cands.edge_price(v, k, tiling, c.required[k])
         for w, k in consumers[v]:
             if w not in inside:
                 total += cands.edge_price(w, k, c.output_tiling, cands.by_op[w][choice[w]].required[k])
@@ -55,8 +61,8 @@ def refine(graph: Graph, cands: Candidates, choice: dict[int, int], memory_price
     def resolve(pc: Piece) -> bool:
         """Piece ``pc`` solved exactly with the rest fixed; True if that lowered the cost."""
         inside = set(pc.members)
-        child_edges = {v: [(k, u) for k, u in enumerate(nodes[v].inputs) if u in inside and u != pc.root
-                           and consumers[u] == [(v, k)]] for v in pc.members}
+        child_edges = {v: [(k, u) for k, u in inputs[v] if u in inside and u != pc.root
+                           and consumers[u] == [(v, k)] and (v, k) not in carried] for v in pc.members}
         best: dict[int, dict[int, float]] = {}
         via: dict[int, dict[int, dict[int, int]]] = {}  # v -> spec -> input pos -> the child's spec
         per_tiling: dict[int, dict[int, tuple[float, int]]] = {}  # u -> output tiling -> (cost, spec)
@@ -86,22 +92,45 @@ def refine(graph: Graph, cands: Candidates, choice: dict[int, int], memory_price
         top = min(best[root], key=lambda s: best[root][s])
         if not best[root][top] < now - 1e-12 * max(abs(now), 1.0):
             return False
+        proposal = dict(choice)
         stack = [(root, top)]
         while stack:
             v, s = stack.pop()
-            choice[v] = s
+            proposal[v] = s
             stack.extend((nodes[v].inputs[k], spec) for k, spec in via[v][s].items())
+        if pc_carried[pc.piece_id]:  # the tree DP priced those edges at their other end's old spec
+            before, after = terms(pc.members, choice), terms(pc.members, proposal)
+            if not after < before - 1e-12 * max(abs(before), 1.0):
+                return False
+        choice.update(proposal)
         return True
+
+    def terms(members: Sequence[int], ch: dict[int, int]) -> float:
+        """The part of the whole-plan cost under ``ch`` that depends on ``members``' specs."""
+        total, seen = 0.0, set()
+        for v in members:
+            c = cands.by_op[v][ch[v]]
+            total += c.local_cost + memory_price * c.resident_bytes
+            for w, k, u in [(v, k, u) for k, u in inputs[v]] + [(w, k, v) for w, k in consumers[v]]:
+                if (w, k) not in seen:
+                    seen.add((w, k))
+                    total += cands.edge_price(w, k, cands.by_op[u][ch[u]].output_tiling,
+                                              cands.by_op[w][ch[w]].required[k])
+        return total
+
+    pc_carried = {pc.piece_id: any((w, k) in carried and u in pc.members for v in pc.members
+                                   for w, k, u in [(v, k, u) for k, u in inputs[v]]) for pc in pieces}
 
     def around(v: int, s: int) -> float:
         """The terms of the cost that depend on operator v's spec, with v on spec s."""
         c = cands.by_op[v][s]
         total = c.local_cost + memory_price * c.resident_bytes
-        for k, u in enumerate(nodes[v].inputs):
-            if u in choice:
-                total += cands.edge_price(v, k, cands.by_op[u][choice[u]].output_tiling, c.required[k])
+        for k, u in inputs[v]:
+            tiling = c.output_tiling if u == v else cands.by_op[u][choice[u]].output_tiling
+            total += cands.edge_price(v, k, tiling, c.required[k])
         for w, k in consumers[v]:
-            total += cands.edge_price(w, k, c.output_tiling, cands.by_op[w][choice[w]].required[k])
+            if w != v:  # a self-loop is counted once, above
+                total += cands.edge_price(w, k, c.output_tiling, cands.by_op[w][choice[w]].required[k])
         return total
 
     order = sorted(choice)

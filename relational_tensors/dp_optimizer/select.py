@@ -8,6 +8,7 @@ Python.  Each selector writes its choice into the catalog's ``chosen`` table.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -35,15 +36,18 @@ def _write_chosen(catalog: Catalog, cid: int, cands: Candidates, choice: dict[in
     catalog.insert("chosen", rows, cid)
 
 
-def independent_groups(graph: Graph, pieces: list[Piece]) -> list[list[Piece]]:
+def independent_groups(graph: Graph, pieces: list[Piece],
+                       carried: Mapping[int, Sequence[int]] | None = None) -> list[list[Piece]]:
     """Consecutive pieces with no edge between any two of them: solving them together equals solving
-    them one after another, and costs one SQL statement per wave instead of one per piece and wave."""
+    them one after another, and costs one SQL statement per wave instead of one per piece and wave.
+    ``carried`` (operator -> the operators its edges across steps join it to, both ways) counts too."""
     consumers = graph.consumers()
+    carried = carried or {}
     groups: list[list[Piece]] = []
     members: set[int] = set()
     for piece in pieces:
         touches = {i for v in piece.members for i in graph.nodes[v].inputs} | {
-            c for v in piece.members for c in consumers[v]}
+            c for v in piece.members for c in consumers[v]} | {u for v in piece.members for u in carried.get(v, ())}
         if groups and not (touches & members):
             groups[-1].append(piece)
         else:
@@ -66,7 +70,12 @@ def select_dp(catalog: Catalog, cid: int, graph: Graph, cands: Candidates, piece
     piece_of = {v: pc.piece_id for pc in pieces for v in pc.members}
     nodes = graph.nodes
     choice: dict[int, int] = {}
-    for group in independent_groups(graph, pieces):
+    across: dict[int, list[int]] = {}
+    for w, k in cands.carried:
+        v = cands.sources[(w, k)]
+        across.setdefault(v, []).append(w)
+        across.setdefault(w, []).append(v)
+    for group in independent_groups(graph, pieces, across):
         for h in range(max(len(pc.waves) for pc in group)):
             wave = [v for pc in group if h < len(pc.waves) for v in pc.waves[h]]
             catalog.execute(wave_sql, {"cid": cid, "ops": wave, "memory_price": memory_price})  # type: ignore[arg-type]

@@ -1,7 +1,8 @@
 """Cutting the graph into the pieces Algorithm 1 solves exactly (section 4.5).
 
 Every edge out of a tensor with several consumers is cut; the pieces are trees
-rooted at operators whose output is consumed zero or several times.  With the
+rooted at operators whose output is consumed zero or several times, or assigned
+to a state (the next step's readers of the state price its output tiling).  With the
 ``linear`` tactic every operator also keeps at most one in-piece input (the
 largest), so each piece is a path and each inner minimization ranges over a
 single producer.  Pieces are optimized in decreasing size (operators, then
@@ -41,11 +42,12 @@ def cut_pieces(graph: Graph, tactic: str = "tree") -> tuple[list[Piece], dict[tu
         raise PlanError(f"unknown DP tactic {tactic!r}; choose one of {TACTICS}.")
     consumers = graph.consumers()
     nodes = graph.nodes
+    values = set(graph.assignments.values())  # a state's value is a root: its next-step readers price it
     cut: dict[tuple[int, int], bool] = {}
     for n in graph.operators:
         for k, i in enumerate(n.inputs):
             src = nodes[i]
-            cut[(n.id, k)] = src.op is None or len(consumers[i]) != 1
+            cut[(n.id, k)] = src.op is None or len(consumers[i]) != 1 or i in values
     if tactic == "linear":
         for n in graph.operators:
             inner = [k for k, i in enumerate(n.inputs) if not cut[(n.id, k)]]

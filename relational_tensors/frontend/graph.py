@@ -147,7 +147,10 @@ class Graph:
 
     def assign(self, state: Tensor, value: Tensor) -> Tensor:
         """After each execution ``state`` takes the value of ``value`` (computed in this graph, of the
-        state's shape and dtype), which is saved as ``<state>.next``.  Returns ``value``."""
+        state's shape and dtype), also saved as ``<state>.next``.  Returns ``value``.
+
+        The plan keeps the state on the devices between executions (``CompiledGraph.state_layouts``)
+        and writes the value into the state's blocks at the end of each execution."""
         sid, vid = self._own_id(state), self._own_id(value)
         node = self.nodes[sid]
         if node.role != "state":
@@ -399,6 +402,20 @@ class Graph:
         """The operator that makes ``t`` (None for a graph input) and the tensors it reads."""
         node = self.nodes[self._own_id(t)]
         return node.op, tuple(Tensor(self, i) for i in node.inputs)
+
+    def source_op(self, tensor_id: int) -> int | None:
+        """The operator whose output a reader of ``tensor_id`` reads: its producer, or for an assigned
+        state, the operator that computed its value in the previous execution (a *carried* edge,
+        priced like any other edge from that operator); None for inputs, parameters and states
+        never assigned."""
+        node = self.nodes[tensor_id]
+        if node.op is not None:
+            return tensor_id
+        return self.assignments.get(tensor_id)
+
+    def next_names(self) -> dict[str, int]:
+        """The saved name ``<state>.next`` of each assigned state -> the state's node id."""
+        return {f"{self.nodes[s].name}.next": s for s in self.assignments}
 
     def trainable(self) -> list[Tensor]:
         """The floating parameters and states, in declaration order (what ``grad`` usually takes)."""

@@ -275,19 +275,26 @@ class CupyExecutor:
     def offload(self, name: str, like: str = "numpy") -> Any:
         """The saved tensor ``name``: a NumPy array (bfloat16 through ml_dtypes) or, with like="cupy",
         a CuPy array on the GPU of its first block (bfloat16 as its uint16 bit pattern)."""
-        cp = self.cp
         if name not in self.dag.outputs:
             raise ExecError(f"no saved output named {name!r}; saved: {sorted(self.dag.outputs)}.")
         if self.runs == 0:
             raise ExecError("execute the program before offloading results: cg.execute().")
         if not self.fresh:
             raise ExecError(STALE_OUTPUTS)
+        return self._assemble(self.dag.outputs[name], self.graph.nodes[self.graph.outputs[name]].type, like)
+
+    def state(self, name: str, like: str = "numpy") -> Any:
+        """The current value of a state, assembled from the blocks the GPUs keep of it."""
+        if name not in self.resident:
+            raise ExecError(f"state {name!r} has no value yet; load it first: cg.load({{{name!r}: array}}).")
+        return self._assemble(self.dag.inputs[name], self.graph.node(name).type, like)
+
+    def _assemble(self, blocks: list[tuple[Any, int]], t: Any, like: str) -> Any:
+        cp = self.cp
         self.synchronize()
-        node = self.graph.nodes[self.graph.outputs[name]]
-        t = node.type
         if like not in ("numpy", "cupy"):
             raise ExecError(f"offload(like=...) takes 'numpy' or 'cupy'; got {like!r}.")
-        first = self.views[self.dag.outputs[name][0][1]]
+        first = self.views[blocks[0][1]]
         first = first[0] if isinstance(first, tuple) else first
         dtype = np.uint16 if t.dtype == "bfloat16" else numpy_dtype(t.dtype)
         with cp.cuda.Device(first.device):
@@ -295,7 +302,7 @@ class CupyExecutor:
             caller = cp.cuda.get_current_stream()
         # each block is copied on the stream that owns it, so a later execute() or profile() reuses
         # its arena memory only after the copy; the caller's stream then waits for those copies
-        for box, b in self.dag.outputs[name]:
+        for box, b in blocks:
             view = self.views[b]
             view = view[0] if isinstance(view, tuple) else view
             d = self.dag.buffers[b].device
@@ -484,7 +491,7 @@ class CupyExecutor:
             out = views[t.outputs[0]]
             launcher_for(node.kind).launch(node.op, t.kernel.function, [views[b] for b in t.inputs], out,
                                            self.task_consts.get(t.id, {}), stream.ptr)
-        elif t.kind == "copy":
+        elif t.kind in ("copy", "assign"):  # an assign: a state's next value into its kept block
             src, dst = t.inputs[0], t.outputs[0]
             main, extra = self.slot_bytes[src]
             nbytes = _align(main) + extra if extra else main

@@ -8,7 +8,8 @@ waits computed here; tests check the plan for hazards on any DAG.
   root's lifetime runs from the first write to any of them to the last use of any of them;
 * buffers are placed first-fit over their lifetimes, so buffers alive together never overlap;
 * a task waits for the producers of its inputs on other streams (read after write) and for every
-  earlier task on another stream that touched memory its outputs reuse (write after read/write).
+  earlier task on another stream that touched memory its outputs reuse (write after read/write); an
+  ``assign``, which overwrites a state's loaded block, waits for every earlier task that touched it.
 """
 
 from __future__ import annotations
@@ -158,6 +159,9 @@ def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness) -> MemoryPlan:
         if t.kind == "load":
             continue
         deps = set(read_after_write[t.id])
+        if t.kind == "assign":  # it overwrites a loaded block: after every earlier task that touched it
+            deps.update(x for b in t.outputs for x in touchers[alias.get(b, b)]
+                        if x < t.id and dag.tasks[x].kind != "load")
         for b in t.outputs:
             for old in reuses.get(alias.get(b, b), ()):
                 deps.update(x for x in touchers[old] if x < t.id and dag.tasks[x].kind != "load")

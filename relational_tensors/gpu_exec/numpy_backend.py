@@ -109,8 +109,12 @@ class NumpyExecutor:
         dag = self.dag
         live = [sum(_nbytes(v) for v in pool.values()) for pool in self.pools]
         self.peak = list(live)
+        assigned: list[tuple[int, Any]] = []  # written into the states' blocks once the whole run has finished
         for task in dag.tasks:
             if task.kind == "load":
+                continue
+            if task.kind == "assign":
+                assigned.append((task.outputs[0], self._get(task.inputs[0])))
                 continue
             ins = [self._get(b) for b in task.inputs]
             outs = self._run(task, ins)
@@ -123,6 +127,8 @@ class NumpyExecutor:
                 value = self.pools[d].pop(b, None)
                 if value is not None:
                     live[d] -= _nbytes(value)
+        for b, value in assigned:  # a run that stops part-way leaves every state as it was
+            self._put(b, value)
 
     def _run(self, task: Any, ins: list[Any]) -> list[Any]:
         kind = task.kind
@@ -162,6 +168,16 @@ class NumpyExecutor:
                 out[cell.slices(out_buf.box)] = agg.finalize(value) if final else value
             return [out]
         raise ExecError(f"the numpy executor cannot run task kind {kind!r}.")
+
+    def state(self, name: str) -> np.ndarray:
+        """The current value of a state, assembled from the blocks the devices keep of it."""
+        if name not in self.resident:
+            raise ExecError(f"state {name!r} has no value yet; load it first: cg.load({{{name!r}: array}}).")
+        node = self.graph.node(name)
+        out = np.empty(node.type.shape, dtype=numpy_dtype(node.type.dtype))
+        for box, buf in self.dag.inputs[name]:
+            out[box.slices()] = self._get(buf)
+        return out
 
     def offload(self, name: str) -> np.ndarray:
         """The saved tensor ``name``, assembled from its blocks."""

@@ -20,8 +20,10 @@ Per operator, in topological order:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from relational_tensors.core.dtypes import itemsize, partial_dtype
 from relational_tensors.core.types import Box, Interval
@@ -41,7 +43,7 @@ from relational_tensors.physical.tasks import (
 )
 from relational_tensors.physical.views import fuse_views
 
-__all__ = ["Lowered", "lower", "place", "SCHEDULES"]
+__all__ = ["Lowered", "lower", "place", "covers", "SCHEDULES", "KEPT"]
 
 SCHEDULES = ("naive",)
 
@@ -53,39 +55,48 @@ class _Atom:
     tensor: int
 
 
+KEPT = ("as read", "sharded")
+
+
 @dataclass
 class Lowered:
     """The task DAG, the placement of every operator's function specs, and its exchange programs."""
 
     dag: TaskDAG
     placement: dict[int, tuple[int, ...]]      # op id -> device of each function spec
-    programs: dict[str, ExProg] = field(default_factory=dict)  # op name (or "save:<name>") -> program
+    programs: dict[str, ExProg] = field(default_factory=dict)  # op name, "save:<name>" or "assign:<state>"
     memberships: dict[str, Membership] = field(default_factory=dict)  # the partitions' chosen devices
+    kept: dict[int, str] = field(default_factory=dict)  # assigned state -> how it is kept (KEPT)
+    write_bytes: dict[int, int] = field(default_factory=dict)  # state -> bytes moved to write its value
 
 
 def place(plan: LogicalPlan, op_id: int, placement: dict[int, tuple[int, ...]],
-          memo: dict | None = None) -> tuple[int, ...]:
+          memo: dict | None = None, held: dict[int, tuple[tuple[Box, int], ...]] | None = None) -> tuple[int, ...]:
     """Devices for the function specs of ``op_id``: most co-resident input bytes first, identity on ties.
 
-    ``memo`` caches the answer by the specs and producer placements involved, which repeat across
-    the identical layers of a deep model."""
+    ``held`` gives the (block, device) of inputs that are no operator's output but are kept on the
+    devices (sharded states).  ``memo`` caches the answer by the specs and producer placements
+    involved, which repeat across the identical layers of a deep model."""
     graph = plan.graph
     node = graph.nodes[op_id]
     spec = plan.spec(op_id)
-    inputs = [(k, plan.spec(i), placement[i]) for k, i in enumerate(node.inputs) if graph.nodes[i].op is not None]
-    key = (spec, tuple((k, producer, where) for k, producer, where in inputs))
+    held = held or {}
+    inputs = [(k, tuple((ff.output, w) for ff, w in zip(plan.spec(i).functions, placement[i])))
+              if graph.nodes[i].op is not None else (k, held[i])
+              for k, i in enumerate(node.inputs) if graph.nodes[i].op is not None or i in held]
+    key = (spec, tuple(inputs))
     if memo is not None and key in memo:
         return memo[key]
     p, devices = spec.p, plan.p  # fewer function specs than devices when the operator is too small
     score = [[0] * devices for _ in range(p)]
-    for k, producer, where in inputs:
+    for k, blocks in inputs:
         width = itemsize(spec.input_types[k].dtype)
         for g, fg in enumerate(spec.functions):
             need = fg.inputs[k]
             if need.is_empty:
                 continue
-            for f, ff in enumerate(producer.functions):
-                score[g][where[f]] += need.intersect(ff.output).volume * width
+            for box, device in blocks:
+                score[g][device] += need.intersect(box).volume * width
     pairs = sorted(((g, d) for g in range(p) for d in range(devices)),
                    key=lambda gd: (-score[gd[0]][gd[1]], gd[0] != gd[1], gd))
     out: dict[int, int] = {}
@@ -100,6 +111,25 @@ def place(plan: LogicalPlan, op_id: int, placement: dict[int, tuple[int, ...]],
     return result
 
 
+def covers(boxes: Sequence[Box], space: Box) -> bool:
+    """Whether the union of ``boxes`` (which may overlap) is all of ``space``: every cell of the overlay
+    of their edges lies in one of them."""
+    if space.is_empty:
+        return True
+    boxes = [b for b in boxes if not b.is_empty]
+    if not boxes:
+        return False
+    breaks = [np.unique([space.lower[d], space.upper[d], *(x for b in boxes for x in (b.lower[d], b.upper[d]))])
+              for d in range(space.rank)]
+    hit = np.zeros([len(br) - 1 for br in breaks], dtype=bool)
+    for b in boxes:
+        hit[tuple(slice(int(np.searchsorted(br, b.lower[d])), int(np.searchsorted(br, b.upper[d])))
+                  for d, br in enumerate(breaks))] = True
+    inside = tuple(slice(int(np.searchsorted(br, space.lower[d])), int(np.searchsorted(br, space.upper[d])))
+                   for d, br in enumerate(breaks))
+    return bool(hit[inside].all())
+
+
 def _cells(box: Box, breaks: list[list[int]]) -> list[Box]:
     """The overlay cells inside ``box``, row-major."""
     per_dim = []
@@ -110,7 +140,7 @@ def _cells(box: Box, breaks: list[list[int]]) -> list[Box]:
 
 
 class _Lowering:
-    def __init__(self, plan: LogicalPlan, synthesize: Synthesizer):
+    def __init__(self, plan: LogicalPlan, synthesize: Synthesizer, kept: Mapping[int, str] | None = None):
         self.plan = plan
         self.graph: Graph = plan.graph
         self.p = plan.p
@@ -121,7 +151,30 @@ class _Lowering:
         self.place_memo: dict = {}
         self.kernel_out: dict[int, list[int]] = {}   # op id -> output buffer of each function spec
         self.loaded: dict[tuple[int, Box, int], int] = {}
+        self.loaded_blocks: dict[int, list[tuple[Box, int]]] = {}  # graph input -> (block, device) loaded
         self.synthesize = synthesize
+        graph = self.graph
+        self.kept = {s: (kept or {}).get(s, "as read") for s in graph.assignments}
+        bad = {graph.nodes[s].name: m for s, m in self.kept.items() if m not in KEPT}
+        if bad:
+            raise ExchangeError(f"a state is kept {' or '.join(map(repr, KEPT))}; got {bad}.")
+        # a sharded state keeps its value's output blocks, one copy each, on the devices of the value's
+        # function specs in order (where the update's kernels run unless they are placed elsewhere)
+        self.held: dict[int, tuple[tuple[Box, int], ...]] = {}
+        for s, mode in self.kept.items():
+            if mode == "sharded":
+                first: dict[Box, int] = {}
+                for g, f in enumerate(plan.spec(graph.assignments[s]).functions):
+                    first.setdefault(f.output, g)
+                self.held[s] = tuple(first.items())
+                for box, device in self.held[s]:
+                    self.load(s, box, device)
+        # each state takes its value once the value is made and the state's last reader has run
+        last_reader = {s: max([v, *graph.consumers()[s]]) for s, v in graph.assignments.items()}
+        self.assign_after: dict[int, list[int]] = {}
+        self.write_bytes: dict[int, int] = {}  # state -> bytes its assignment moves between devices
+        for s, at in sorted(last_reader.items()):
+            self.assign_after.setdefault(at, []).append(s)
 
     # --- graph inputs ----------------------------------------------------------
     def load(self, tensor: int, box: Box, device: int) -> int:
@@ -132,16 +185,28 @@ class _Lowering:
             self.dag.add("load", device, (), (b,), payload=LoadPayload(node.name, box), label=f"load {node.name}")
             self.dag.inputs.setdefault(node.name, []).append((box, b))
             self.loaded[key] = b
+            self.loaded_blocks.setdefault(tensor, []).append((box, device))
         return self.loaded[key]
 
     # --- one exchange ------------------------------------------------------------
+    def sources(self, tensor: int) -> list[tuple[Box, int, bool]]:
+        """The blocks a tensor's readers are served from: (box, buffer, whether it is one of several
+        partials of that box): an operator's kernel outputs, or a sharded state's kept blocks."""
+        if tensor in self.held:
+            return [(box, self.load(tensor, box, device), False) for box, device in self.held[tensor]]
+        spec = self.plan.spec(tensor)
+        multiplicity = spec.output_multiplicity()
+        return [(f.output, b, multiplicity[f.output] > 1) for f, b in zip(spec.functions, self.kernel_out[tensor])]
+
     def exchange(self, name: str, wants: Sequence[tuple[object, int, Box, int]], guess: dict[int, int],
-                 op: int | None) -> tuple[dict[tuple[object, int], list[tuple[Box, int]]], dict[int, int]]:
-        """Deliver blocks of op-produced tensors to their readers.
+                 op: int | None, synthesize: Synthesizer | None = None
+                 ) -> tuple[dict[tuple[object, int], list[tuple[Box, int]]], dict[int, int]]:
+        """Deliver blocks of op-produced tensors (or sharded states) to their readers.
 
         ``wants`` holds (key, tensor, block, reader); each reader (a function spec) is a partition of
-        size 1 whose device the synthesizer may choose, starting from ``guess``.  Returns, per
-        (key, tensor), the aggregated atoms of the block (cell, buffer), and the reader placement."""
+        size 1 whose device the synthesizer may choose, starting from ``guess`` (``synthesize``
+        overrides the lowering's synthesizer).  Returns, per (key, tensor), the aggregated atoms of
+        the block (cell, buffer), and the reader placement."""
         atoms: dict[str, _Atom] = {}
         ins: list[InAtom] = []
         reqs: dict[frozenset[str], list[int | str]] = {}
@@ -151,10 +216,10 @@ class _Lowering:
         for key, tensor, block, reader in wants:
             by_tensor.setdefault(tensor, []).append((key, block, reader))
         for n, (tensor, reads) in enumerate(sorted(by_tensor.items())):
-            spec = self.plan.spec(tensor)
+            made = self.sources(tensor)
+            lse_tensor = tensor not in self.held and self.plan.spec(tensor).aggregation.name == "lse"
             rank = self.graph.nodes[tensor].type.rank
-            multiplicity = spec.output_multiplicity()
-            breaks = [sorted({b for f in spec.functions for b in (f.output.lower[d], f.output.upper[d])} |
+            breaks = [sorted({b for box, _, _ in made for b in (box.lower[d], box.upper[d])} |
                              {b for _, blk, _ in reads if not blk.is_empty for b in (blk.lower[d], blk.upper[d])})
                       for d in range(rank)]
             names: dict[tuple[Box, int], str] = {}
@@ -165,15 +230,14 @@ class _Lowering:
                 part = readers.setdefault(reader, f"F{reader}")
                 for cell in _cells(block, breaks):
                     copies = []
-                    for f, ff in enumerate(spec.functions):
-                        if ff.output.contains(cell):
+                    for f, (box, src, several) in enumerate(made):
+                        if box.contains(cell):
                             atom = names.get((cell, f))
                             if atom is None:
                                 atom = f"t{n}.{len(names)}"
                                 names[(cell, f)] = atom
-                                src = self.kernel_out[tensor][f]
                                 atoms[atom] = _Atom(src, cell, tensor)
-                                lse = spec.aggregation.name == "lse" and multiplicity[ff.output] > 1
+                                lse = lse_tensor and several
                                 size = sum(block_bytes(cell, self.dag.buffers[src].dtype, lse))
                                 ins.append(InAtom(atom, self.dag.buffers[src].device, size))
                             copies.append(atom)
@@ -189,7 +253,7 @@ class _Lowering:
                       tuple(ins),
                       tuple(Requirement(agg, tuple(sorted(t, key=str))) for agg, t in reqs.items()))
         membership: Membership = {readers[r]: (guess[r],) for r in readers}
-        body, membership = self.synthesize(prog, membership)
+        body, membership = (synthesize or self.synthesize)(prog, membership)
         prog = prog.with_body(body)
         self.programs[name] = prog
         self.memberships[name] = dict(membership)
@@ -284,11 +348,15 @@ class _Lowering:
         node = self.graph.nodes[op_id]
         assert node.op is not None
         spec = self.plan.spec(op_id)
-        guess = dict(enumerate(place(self.plan, op_id, self.placement, self.place_memo)))
+        # blocks already loaded count as co-resident too: two readers of one input block share its copy
+        held = {i: self.held.get(i) or tuple(self.loaded_blocks.get(i, ())) for i in node.inputs
+                if self.graph.nodes[i].op is None and (i in self.held or i in self.loaded_blocks)}
+        guess = dict(enumerate(place(self.plan, op_id, self.placement, self.place_memo, held)))
+        exchanged = [self.graph.nodes[i].op is not None or i in self.held for i in node.inputs]
         wants = []
         for g, f in enumerate(spec.functions):
             for k, i in enumerate(node.inputs):
-                if self.graph.nodes[i].op is not None:
+                if exchanged[k]:
                     wants.append(((g, k), i, f.inputs[k], g))
         delivered, placed = self.exchange(node.name, wants, guess, op_id)
         where = tuple(placed[g] for g in range(spec.p))
@@ -301,7 +369,7 @@ class _Lowering:
         for g, f in enumerate(spec.functions):
             blocks = []
             for k, i in enumerate(node.inputs):
-                if self.graph.nodes[i].op is None:
+                if not exchanged[k]:
                     blocks.append(self.load(i, f.inputs[k], where[g]))
                 else:
                     blocks.append(self.recompose(f.inputs[k], delivered[((g, k), i)], where[g], i, op_id))
@@ -313,9 +381,42 @@ class _Lowering:
                          payload=KernelPayload(f, g, alone, spec.aggregation), label=f"{node.name}[{g}]")
             outs.append(out)
         self.kernel_out[op_id] = outs
+        for state in self.assign_after.get(op_id, ()):
+            self.lower_assignment(state)
+
+    def lower_assignment(self, state: int) -> None:
+        """Write the state's value into every block the state keeps, on its device (``assign`` tasks),
+        delivered by an exchange program like any reader's: the plan's kept layout at both ends."""
+        value = self.graph.assignments[state]
+        node = self.graph.nodes[state]
+        name = node.name
+        if not covers([box for box, _ in self.dag.inputs.get(name, [])], node.type.box):
+            # its readers read part of it (or none do): it also keeps its value's blocks, so that the
+            # whole state persists and can be read back
+            first: dict[Box, int] = {}
+            for g, f in enumerate(self.plan.spec(value).functions):
+                first.setdefault(f.output, g)
+            for box, device in first.items():
+                self.load(state, box, device)
+        kept = self.dag.inputs[name]
+        # one reader per device (partitions are disjoint sites), at its own device
+        wants = [((n, 0), value, box, self.dag.buffers[b].device) for n, (box, b) in enumerate(kept)]
+        guess = {self.dag.buffers[b].device: self.dag.buffers[b].device for _, b in kept}
+        start = len(self.dag.tasks)
+        delivered, _ = self.exchange(f"assign:{name}", wants, guess, None, synthesize=naive)  # devices fixed
+        self.write_bytes[state] = sum(self.dag.buffers[t.outputs[0]].nbytes for t in self.dag.tasks[start:]
+                                      if t.kind == "copy")
+        for n, (box, b) in enumerate(kept):
+            device = self.dag.buffers[b].device
+            made = self.recompose(box, delivered[((n, 0), value)], device, value, None)
+            self.dag.add("assign", device, (made,), (b,), label=f"assign {name}")
+        self.dag.assigned[name] = value
 
     def lower_outputs(self) -> None:
+        carried = self.graph.next_names()  # <state>.next: its value is written into the state's blocks
         for name, tensor in self.graph.outputs.items():
+            if name in carried:
+                continue
             node = self.graph.nodes[tensor]
             if node.op is None:
                 b = self.load(tensor, node.type.box, 0)
@@ -335,13 +436,17 @@ class _Lowering:
             self.dag.outputs[name] = blocks
 
 
-def lower(plan: LogicalPlan, schedule: str = "naive", synthesize: Synthesizer | None = None) -> Lowered:
+def lower(plan: LogicalPlan, schedule: str = "naive", synthesize: Synthesizer | None = None,
+          kept: Mapping[int, str] | None = None) -> Lowered:
     """Lower ``plan`` to one task DAG, synthesizing each exchange program with ``schedule``
-    (or the given synthesizer, which returns a body and the devices of the readers' partitions)."""
+    (or the given synthesizer, which returns a body and the devices of the readers' partitions).
+
+    ``kept`` says how each assigned state is kept between executions (``KEPT``; default "as read")."""
     if schedule not in SCHEDULES and synthesize is None:
         raise ExchangeError(f"unknown schedule mode {schedule!r}; choose one of {SCHEDULES}.")
-    low = _Lowering(plan, synthesize or naive)
+    low = _Lowering(plan, synthesize or naive, kept or {})
     for node in plan.graph.operators:
         low.lower_op(node.id)
     low.lower_outputs()
-    return Lowered(fuse_views(low.dag), low.placement, low.programs, low.memberships)
+    return Lowered(fuse_views(low.dag), low.placement, low.programs, low.memberships, dict(low.kept),
+                   low.write_bytes)

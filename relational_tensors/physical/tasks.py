@@ -4,8 +4,11 @@ Task kinds: ``load`` (a graph input block, materialized where it is needed),
 ``decompose`` (slice a producer's block into atoms), ``aggregate`` (⊕ of
 aggregates at one device), ``copy`` (a transfer between devices), ``recompose``
 (assemble atoms into the block a kernel reads, finalizing ⊕ partials),
-``kernel`` (a concrete operator on one function spec).  Emission order is a
-topological order and the order each device runs its tasks in.
+``kernel`` (a concrete operator on one function spec), ``assign`` (write an
+assigned state's next value into a block the state keeps, on that block's
+device; the only task that writes a buffer another task made: a loaded one,
+after its last reader).  Emission order is a topological order and the order
+each device runs its tasks in.
 
 A buffer may be a *view*: a sub-box of another buffer on the same device
 (``parent``), sharing its memory with the parent's strides.  Views let a copy
@@ -29,7 +32,7 @@ from relational_tensors.core.types import Box
 __all__ = ["Buffer", "Task", "TaskDAG", "Liveness", "liveness", "block_bytes", "Payload", "LoadPayload",
            "DecomposePayload", "AggregatePayload", "RecomposePayload", "KernelPayload"]
 
-TASK_KINDS = ("load", "decompose", "aggregate", "copy", "recompose", "kernel")
+TASK_KINDS = ("load", "decompose", "aggregate", "copy", "recompose", "kernel", "assign")
 
 
 def block_bytes(box: Box, dtype: str, lse: bool = False) -> tuple[int, int]:
@@ -133,6 +136,7 @@ class TaskDAG:
     inputs: dict[str, list[tuple[Box, int]]] = field(default_factory=dict)        # input name -> (box, buffer)
     outputs: dict[str, list[tuple[Box, int]]] = field(default_factory=dict)       # saved name -> aggregated blocks
     output_aggregation: dict[str, Aggregation] = field(default_factory=dict)
+    assigned: dict[str, int] = field(default_factory=dict)  # assigned state -> the node of its value
 
     def buffer(self, device: int, box: Box, dtype: str, tensor: int, partial: str | None = None) -> int:
         bid = len(self.buffers)
@@ -251,7 +255,7 @@ def liveness(dag: TaskDAG, category: Callable[[int], str] | None = None) -> Live
     for t in dag.tasks:
         if t.kind == "load":
             continue
-        for b in t.outputs:
+        for b in t.outputs if t.kind != "assign" else ():  # an assign writes a loaded (resident) block
             r = root.get(b, b)
             if r in counted:
                 continue

@@ -86,7 +86,7 @@ def fuse_views(dag: TaskDAG) -> TaskDAG:
                                                      finalize=tuple(f for _, _, f in left)))
 
     fused = TaskDAG(dag.p, buffers=buffers, inputs=dag.inputs, outputs=dag.outputs,
-                    output_aggregation=dag.output_aggregation)
+                    output_aggregation=dag.output_aggregation, assigned=dag.assigned)
     for t in dag.tasks:
         if t.id in drop:
             continue

@@ -5,7 +5,8 @@
 --            0                                   graph input (materialized as J needs)
 --            price(F, in_k(J))                   producer fixed by an earlier piece with tiling F
 --            min over T of Opt(P, T) + price(T, in_k(J))   producer in this piece
---            floor(in_k(J))                      producer in a later piece (it pays the rest)
+--            floor(in_k(J))                      producer in a later piece (it pays the rest), or
+--                                                a state's value made in this piece (refine prices it)
 -- and Opt(op, T) = min over specs J with out(J) = T of B(J), ties to the lowest spec id.
 -- price(T, R) is the edge's row of edge_prices for the pair when there is one (pairwise cost
 -- models), else 0 when T = R and spec_inputs.repartition otherwise (the paper's rule); floor(R)
@@ -18,7 +19,8 @@ WITH wave AS (SELECT unnest($ops::INTEGER[]) AS op_id),
 edges AS (
     SELECT si.op_id, si.spec_id, si.input_pos, si.producer_op, si.required_tiling, si.repartition, si.floor,
            f.output_tiling AS fixed_tiling,
-           (si.producer_op IS NOT NULL AND f.output_tiling IS NULL AND si.producer_tree = si.op_tree) AS in_piece
+           (si.producer_op IS NOT NULL AND f.output_tiling IS NULL AND si.producer_tree = si.op_tree
+            AND NOT si.carried) AS in_piece
     FROM spec_inputs si
     JOIN wave USING (op_id)
     LEFT JOIN chosen f ON f.compilation_id = $cid AND f.op_id = si.producer_op

@@ -79,8 +79,9 @@ CREATE TABLE IF NOT EXISTS edges (
     op_id           INTEGER,        -- consumer
     input_pos       INTEGER,
     tensor_id       INTEGER,
-    producer_op     INTEGER,        -- NULL for graph inputs
-    cut             BOOLEAN         -- the edge leaves a multi-consumer tensor (or joins two DP pieces)
+    producer_op     INTEGER,        -- NULL for graph inputs; for an assigned state, the operator of its value
+    cut             BOOLEAN,        -- the edge leaves a multi-consumer tensor (or joins two DP pieces)
+    carried         BOOLEAN DEFAULT false  -- reads a state: priced from producer_op's tiling in the step before
 );
 
 CREATE TABLE IF NOT EXISTS tilings (
@@ -121,8 +122,10 @@ CREATE TABLE IF NOT EXISTS spec_inputs (
     op_tree           INTEGER,      -- the DP piece of the consumer
     producer_tree     INTEGER,      -- the DP piece of the producer
     repartition       DOUBLE,       -- cost charged if the producer's tiling differs (unless edge_prices has the pair)
-    floor             DOUBLE DEFAULT 0.0  -- least price of any producer tiling (edge_prices; else 0): charged
+    floor             DOUBLE DEFAULT 0.0, -- least price of any producer tiling (edge_prices; else 0): charged
                                           -- while the producer is planned later
+    carried           BOOLEAN DEFAULT false  -- reads an assigned state: producer_op made its value in the step
+                                             -- before (never inside the consumer's DP piece)
 );
 
 -- Prices of an edge per pair of tilings, for cost models that price the pair (calibrated: the
@@ -150,4 +153,22 @@ CREATE TABLE IF NOT EXISTS chosen (
     op_id           INTEGER,
     spec_id         INTEGER,
     output_tiling   INTEGER
+);
+
+-- The layout each assigned state keeps on the devices between executions (one row per state):
+-- 'as read' keeps the blocks its readers read (replicated where they read it whole, like DDP; split
+-- like Megatron where they read blocks); 'sharded' keeps its value's output blocks, one copy, and
+-- gathers what each reader reads during the step (like ZeRO-3/FSDP).  The value is written into the
+-- kept blocks at the end of each execution.
+CREATE TABLE IF NOT EXISTS state_layouts (
+    compilation_id  INTEGER,
+    state_id        INTEGER,        -- the state's node id (tensors.tensor_id)
+    state           VARCHAR,
+    value_op        INTEGER,        -- the operator whose output is the state's next value
+    kept            VARCHAR,        -- as read | sharded
+    placement       VARCHAR,        -- DTensor/JAX-style notation of the kept blocks ('-' where none fits)
+    blocks          INTEGER,        -- kept blocks over all devices
+    bytes_per_device BIGINT,        -- the largest bytes kept on one device
+    bytes_total     BIGINT,         -- over all devices (the tensor's bytes times its copies)
+    write_bytes     BIGINT          -- bytes moved between devices to write the next value into the blocks
 );
