@@ -265,6 +265,10 @@ def _rope_tables(cos: np.ndarray, sin: np.ndarray, d: int) -> tuple[float, tuple
         if not 0 < step < 1:
             return None
         base = step ** (-d / 2)
+        # bases are whole numbers (10000, 500000): the tables' rounding moves the fitted one off it
+        near = float(round(base))
+        if near > 0 and abs(base - near) <= 1e-4 * near:
+            base = near
     want_cos, want_sin = rope_tables(positions, d, base, np.dtype(np.float64))
     for got, want in ((cos, want_cos), (sin, want_sin)):
         full = np.concatenate([want, want], axis=1)
@@ -290,7 +294,9 @@ def _emit_rope(tr: _Translator, node: Any, m: dict[str, Any]) -> Tensor | None:
         tc, ts = c[0, :, 0, :], s[0, :, 0, :]
         if not (bool((c == tc[None, :, None, :]).all()) and bool((s == ts[None, :, None, :]).all())):
             continue
-        found = _rope_tables(torch_to_numpy(tc.float()), torch_to_numpy(ts.float()), x.shape[3])
+        wide = str(tc.dtype) == "torch.float64"  # the tables as precise as they come (16-bit ones as float32)
+        found = _rope_tables(torch_to_numpy(tc if wide else tc.float()), torch_to_numpy(ts if wide else ts.float()),
+                             x.shape[3])
         if found is None:
             continue
         xs = tr.cast(tr.permute(x, perm), _out_dtype(node))  # tables of a wider dtype promote x, as in torch
