@@ -219,3 +219,38 @@ def test_train_step_refusals() -> None:
         p.requires_grad_(False)
     with pytest.raises(rt.GraphError, match="requires grad"):
         rt.train_step(model, lambda m, x: m(x).sum(), (torch.randn(3, 8),), device="cpu:2")
+
+
+def _torch_adamw_loop(module: nn.Module, forward: Any, loss_fn: Any, batches: list) -> Any:
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.01)
+    for batch in batches:
+        opt.zero_grad()
+        loss_fn(forward(*batch)).backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 0.5)
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("model", ["llama_layer", "gpt2_block"])
+def test_parallelize_backward_under_torch_adamw_five_float64_steps_equal_torch(model: str, float64_llama: None) -> None:
+    """The user's own loop and optimizer around a parallelized module: its backward fills the parameters'
+    .grad, torch's AdamW updates them, and the module re-reads them at the next call."""
+    torch.manual_seed(6)
+    if model == "llama_layer":
+        module, pick = LlamaWithRotary(llama_config()).double(), (lambda y: y)
+    else:
+        transformers = transformers_or_skip()
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        config = transformers.GPT2Config(n_embd=64, n_head=4, n_layer=1, n_positions=512,
+                                         attn_implementation="sdpa", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        module, pick = GPT2Block(config, layer_idx=0).double(), (lambda y: y[0])
+    twin = pickle_copy(module)
+    batches = _hidden_batches(5, (1, 24, 64), 9)
+    pm = rt.parallelize(module, batches[0], device="cpu:4")
+    ours = _torch_adamw_loop(module, lambda x: pick(pm(x)), lambda y: y.square().mean(), batches)
+    theirs = _torch_adamw_loop(twin, lambda x: pick(twin(x)), lambda y: y.square().mean(), batches)
+    for (k, p), q in zip(module.named_parameters(), twin.parameters()):
+        assert _rel(p, q) <= 1e-9, k
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert _rel(ours.state[p][key], theirs.state[q][key], 1e-15) <= 1e-9, (k, key)
