@@ -179,7 +179,7 @@ def _searched(s: _State, plan: LogicalPlan, naive: Lowered) -> Lowered:
     assert s.target is not None
     t = s.target
     synth = make_searcher(t.topology, seed=s.options.seed, budget_s=s.options.search_budget_s)
-    searched = lower(plan, "naive", synth, kept=s.kept)
+    searched = lower(plan, "naive", synth, kept=s.kept, later=s.options.second_phase_inputs)
     if simulate_plan(naive.dag, s.graph, t.topology, t.kernels).time < simulate_plan(
             searched.dag, s.graph, t.topology, t.kernels).time:
         return naive
@@ -190,7 +190,7 @@ def _pass_lower(s: _State) -> None:
     assert s.plan is not None
     if s.options.keep_states != "auto":
         s.kept = {state: s.options.keep_states for state in s.graph.assignments}
-    s.lowered = lower(s.plan, "naive", kept=s.kept)
+    s.lowered = lower(s.plan, "naive", kept=s.kept, later=s.options.second_phase_inputs)
 
 
 def _pass_search(s: _State) -> None:
@@ -258,7 +258,7 @@ def _keep_sharded(s: _State, limits: dict[int, int]) -> bool:
     if everything != chosen:
         tried.append(everything)
     for kept in tried:
-        lowered = lower(s.plan, "naive", kept=kept)
+        lowered = lower(s.plan, "naive", kept=kept, later=s.options.second_phase_inputs)
         if s.options.searched:
             s.kept = kept
             lowered = _searched(s, s.plan, lowered)
@@ -294,7 +294,7 @@ def _pass_fit_memory(s: _State) -> None:
         price = max(s.plan.cost, 1.0) / resident
         for _ in range(8):
             choice, plan = _choose(s, memory_price=price)
-            lowered = lower(plan, "naive", kept=s.kept)
+            lowered = lower(plan, "naive", kept=s.kept, later=s.options.second_phase_inputs)
             if s.options.searched:
                 lowered = _searched(s, plan, lowered)
             live = liveness(lowered.dag)
@@ -315,17 +315,19 @@ def _pass_fit_memory(s: _State) -> None:
 
 
 def _pass_verify(s: _State) -> None:
-    """Changes nothing: every exchange program is valid (Definition 5.5) with the membership lowering
-    used, every kernel computes its function spec's block on the device it was placed on, and saved
-    outputs are covered by their blocks with their dtypes unchanged."""
+    """Changes nothing: every searched exchange program is valid (Definition 5.5) with the membership
+    lowering used (a naive one is checked for structure: the lowering fired it and found every
+    requirement delivered, which is its closure), every kernel computes its function spec's block on
+    the device it was placed on, saved outputs are covered by their blocks with their dtypes unchanged,
+    and every assigned state's kept blocks cover it and are written once."""
     from relational_tensors.core.tiling import check_tiles
-    from relational_tensors.exchange.closure import check
+    from relational_tensors.exchange.closure import check, check_structure
 
     assert s.lowered is not None and s.plan is not None
     low = s.lowered
     for name, prog in low.programs.items():
         try:
-            check(prog, low.memberships.get(name, {}))
+            (check if name in low.searched else check_structure)(prog, low.memberships.get(name, {}))
         except Exception as e:
             raise PlanError(f"verify after 'lower': the exchange program of {name!r} is invalid: {e}") from e
     for t in low.dag.tasks:
@@ -496,11 +498,16 @@ class CompiledGraph:
         optimizer state, inputs, gradients, activations for the backward, optimizer update, other)."""
         return liveness(self.dag, self.graph.memory_categories().__getitem__).at_peak
 
-    def execute(self) -> None:
+    def execute(self, phase: int | None = None) -> None:
         """Run the task DAG once (inputs stay loaded; run it again after loading new ones); every
         assigned state (``g.assign``) ends it holding its next value, in the blocks the plan keeps it in
-        (``state_layouts()``), on the devices."""
-        self.executor.execute()
+        (``state_layouts()``), on the devices.
+
+        A program compiled with ``second_phase_inputs`` also runs in two phases: ``execute(phase=0)``
+        runs every task that needs none of those inputs (its saved outputs can then be offloaded), and
+        after they are loaded ``execute(phase=1)`` the rest, reading what the first phase left on the
+        devices."""
+        self.executor.execute(phase)
 
     def offload(self, output: Tensor | str, like: str = "numpy") -> Any:
         """The saved output ``output`` (its name, or the saved tensor) as one array (``like="cupy"``
@@ -624,7 +631,7 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
                  label: str | None = None, schedule_mode: str = "naive",
                  topology: str | Topology = "hgx-h200", search_budget_s: float = 0.5,
                  calibration: str | None = None, attention: str = "triton", refine: bool = True,
-                 keep_states: str = "auto") -> CompiledGraph:
+                 keep_states: str = "auto", second_phase_inputs: Any = ()) -> CompiledGraph:
     """Plan ``graph`` for the devices named by ``device`` (see ``relational_tensors.target.devices``).
 
     The options are those of :class:`~relational_tensors.options.CompileOptions`, validated once here;
@@ -641,7 +648,14 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
                                  memory_per_device=memory_per_device, tactic=tactic, label=label,
                                  schedule_mode=schedule_mode, topology=topology, search_budget_s=search_budget_s,
                                  calibration=calibration, attention=attention, refine=refine,
-                                 keep_states=keep_states)
+                                 keep_states=keep_states, second_phase_inputs=frozenset(
+                                     [second_phase_inputs] if isinstance(second_phase_inputs, str)
+                                     else second_phase_inputs))
+        inputs = {n.name for n in graph.inputs}
+        strange = sorted(set(options.second_phase_inputs) - inputs)
+        if strange:
+            raise GraphError(f"second_phase_inputs names graph inputs; {strange} are not inputs of this graph "
+                             f"(its inputs: {sorted(inputs)[:8]}{' ...' if len(inputs) > 8 else ''}).")
         if not graph.operators:
             raise PlanError("the graph has no operators to plan; add some and save an output.")
         if not graph.outputs:

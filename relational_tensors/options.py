@@ -49,7 +49,9 @@ class CompileOptions:
     the GPU attention kernel; ``label`` names the compilation in the catalog; ``keep_states`` says how
     assigned states stay on the devices between executions: ``as read`` (the blocks their readers read),
     ``sharded`` (one copy of their value's blocks, gathered for each reader), or ``auto`` (as read, and
-    sharded where a plan would not fit the memory otherwise).
+    sharded where a plan would not fit the memory otherwise); ``second_phase_inputs`` names inputs loaded
+    only for a second phase of each execution (``execute(phase=1)``, after ``execute(phase=0)`` ran
+    every task that needs none of them: a forward pass whose activations the backward then reads).
     """
 
     selector: str = _choice("dp", SELECTORS, "selector")
@@ -65,6 +67,7 @@ class CompileOptions:
     attention: str = _choice("triton", ATTENTION_KERNELS, "attention kernel")
     refine: bool = True
     keep_states: str = _choice("auto", KEEP_STATES, "keep_states")
+    second_phase_inputs: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -85,6 +88,9 @@ class CompileOptions:
         if not isinstance(self.topology, (str, Topology)):
             raise PlanError(f"topology must be a topology name, the path of a topology JSON file or a Topology; "
                             f"got {self.topology!r}.")
+        later = self.second_phase_inputs
+        if not isinstance(later, frozenset) or not all(isinstance(n, str) for n in later):
+            raise PlanError(f"second_phase_inputs must be input names; got {later!r}.")
         if not isinstance(self.refine, bool):
             raise PlanError(f"refine must be True or False; got {self.refine!r}.")
         b = self.search_budget_s

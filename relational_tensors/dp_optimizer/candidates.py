@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from relational_tensors.core.spec import JoinAggSpec
-from relational_tensors.core.types import Interval
-from relational_tensors.dp_optimizer.costs import CostModel, TilingTable, spec_memory, spec_resident
+from relational_tensors.core.tiling import Tiling
+from relational_tensors.core.types import Box, Interval
+from relational_tensors.dp_optimizer.costs import CostModel, TilingTable, block_set_key, spec_memory, spec_resident
 from relational_tensors.dp_optimizer.enumerate import interval_requests
 from relational_tensors.errors import OutOfMemoryPlanError, PlanError
 from relational_tensors.frontend.graph import Graph
@@ -194,6 +195,8 @@ def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: 
                 if src != i:
                     carried.append((node.id, k))
     out.carried = frozenset(carried)
+    # id(spec) -> (the spec, kept alive for its id; the keys of its output and input block sets)
+    keys: dict[int, tuple[JoinAggSpec, list[Tiling | frozenset[Box]]]] = {}
     for node in graph.operators:
         op = node.op
         assert op is not None
@@ -208,10 +211,14 @@ def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: 
         graph_inputs = tuple(graph.nodes[i].op is None for i in node.inputs)
         saved = node.id in saved_ids
         for sid, (request, spec) in enumerate(pairs):
-            out_t = out.tilings.intern(node.id, spec.output_tiling, op.output_type.box)
+            if id(spec) not in keys:  # the identical layers of a deep model share their specs: keyed once
+                keys[id(spec)] = (spec, [block_set_key(spec.output_tiling, op.output_type.box)] + [
+                    block_set_key(spec.input_blocks(k), op.input_types[k].box) for k in range(len(node.inputs))])
+            block_keys = keys[id(spec)][1]
+            out_t = out.tilings.intern_key(node.id, block_keys[0])
             # a carried edge's blocks are interned as blocks of the state's value: its tilings compare
-            required = tuple(out.tilings.intern(out.sources.get((node.id, k), i), spec.input_blocks(k),
-                                                op.input_types[k].box) for k, i in enumerate(node.inputs))
+            required = tuple(out.tilings.intern_key(out.sources.get((node.id, k), i), block_keys[k + 1])
+                             for k, i in enumerate(node.inputs))
             cands.append(Candidate(sid, request, spec, out_t, required, model.join(spec, graph_inputs),
                                    model.aggregation(spec, saved), spec_memory(spec), spec_resident(spec, graph_inputs),
                                    model.compute(spec, op)))

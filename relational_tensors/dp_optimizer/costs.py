@@ -180,6 +180,11 @@ def spec_resident(spec: JoinAggSpec, graph_inputs: tuple[bool, ...]) -> int:
     return max(sum(b.volume * w for b, w, g in zip(f.inputs, widths, graph_inputs) if g) for f in spec.functions)
 
 
+def block_set_key(boxes: tuple[Box, ...] | Tiling, space: Box) -> Tiling | frozenset[Box]:
+    """A block set as a grid when it is one, else as its set of boxes (how ``TilingTable`` knows it)."""
+    return boxes if isinstance(boxes, Tiling) else as_grid(boxes, space) or frozenset(boxes)
+
+
 @dataclass
 class TilingTable:
     """Interned block sets: grids by their breakpoints, other sets (overlapping key prefixes) by their boxes."""
@@ -188,10 +193,10 @@ class TilingTable:
     rows: list[dict[str, object]] = field(default_factory=list)
 
     def intern(self, tensor_id: int, boxes: tuple[Box, ...] | Tiling, space: Box) -> int:
-        if isinstance(boxes, Tiling):
-            key: Tiling | frozenset[Box] = boxes
-        else:
-            key = as_grid(boxes, space) or frozenset(boxes)
+        return self.intern_key(tensor_id, block_set_key(boxes, space))
+
+    def intern_key(self, tensor_id: int, key: Tiling | frozenset[Box]) -> int:
+        """``intern`` of a block set already turned into its key (``block_set_key``)."""
         tid = self.ids.get((tensor_id, key))
         if tid is None:
             tid = len(self.rows)

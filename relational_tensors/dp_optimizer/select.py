@@ -1,8 +1,9 @@
 """The selectors: ``dp`` (Algorithm 1 over the pieces), ``greedy`` and ``random``.
 
 ``dp`` runs the inner minimization in SQL over the catalog's costed spec
-tables, one statement per wave of a piece, and traces the choices back in
-Python.  Each selector writes its choice into the catalog's ``chosen`` table.
+tables, one recursive statement per group of independent pieces (its waves
+computed in turn), and traces the choices back in Python.  Each selector
+writes its choice into the catalog's ``chosen`` table.
 """
 
 from __future__ import annotations
@@ -38,22 +39,25 @@ def _write_chosen(catalog: Catalog, cid: int, cands: Candidates, choice: dict[in
 
 def independent_groups(graph: Graph, pieces: list[Piece],
                        carried: Mapping[int, Sequence[int]] | None = None) -> list[list[Piece]]:
-    """Consecutive pieces with no edge between any two of them: solving them together equals solving
-    them one after another, and costs one SQL statement per wave instead of one per piece and wave.
-    ``carried`` (operator -> the operators its edges across steps join it to, both ways) counts too."""
+    """The pieces in groups solved together, one SQL statement per group: each piece goes into
+    the group after the last one holding a piece it has an edge with (``carried``: operator -> the
+    operators its edges across steps join it to, both ways, count too).  Two pieces with an edge keep
+    their order, and a piece's DP sees only the choices of the pieces it has an edge with, so this
+    solves exactly what solving them one after another does, in far fewer statements."""
     consumers = graph.consumers()
     carried = carried or {}
+    piece_of = {v: pc.piece_id for pc in pieces for v in pc.members}
+    level: dict[int, int] = {}
     groups: list[list[Piece]] = []
-    members: set[int] = set()
     for piece in pieces:
         touches = {i for v in piece.members for i in graph.nodes[v].inputs} | {
             c for v in piece.members for c in consumers[v]} | {u for v in piece.members for u in carried.get(v, ())}
-        if groups and not (touches & members):
-            groups[-1].append(piece)
-        else:
-            groups.append([piece])
-            members = set()
-        members |= set(piece.members)
+        neighbours = {piece_of[u] for u in touches if u in piece_of} - {piece.piece_id}
+        at = 1 + max((level[n] for n in neighbours if n in level), default=-1)
+        level[piece.piece_id] = at
+        if at == len(groups):
+            groups.append([])
+        groups[at].append(piece)
     return groups
 
 
@@ -66,7 +70,7 @@ def select_dp(catalog: Catalog, cid: int, graph: Graph, cands: Candidates, piece
     ``memory_price`` adds that cost per byte of graph input a spec keeps resident on a device."""
     catalog.execute("DELETE FROM dp_table WHERE compilation_id = ?", [cid])
     catalog.execute("DELETE FROM chosen WHERE compilation_id = ?", [cid])
-    wave_sql, root_sql = load_sql("dp_wave.sql"), load_sql("dp_root.sql")
+    group_sql, root_sql = load_sql("dp_group.sql"), load_sql("dp_root.sql")
     piece_of = {v: pc.piece_id for pc in pieces for v in pc.members}
     nodes = graph.nodes
     choice: dict[int, int] = {}
@@ -76,18 +80,15 @@ def select_dp(catalog: Catalog, cid: int, graph: Graph, cands: Candidates, piece
         across.setdefault(v, []).append(w)
         across.setdefault(w, []).append(v)
     for group in independent_groups(graph, pieces, across):
-        for h in range(max(len(pc.waves) for pc in group)):
-            wave = [v for pc in group if h < len(pc.waves) for v in pc.waves[h]]
-            catalog.execute(wave_sql, {"cid": cid, "ops": wave, "memory_price": memory_price})  # type: ignore[arg-type]
-        roots = {int(r[0]): (int(r[2]), float(r[3])) for r in catalog.execute(
-            root_sql, {"cid": cid, "roots": [pc.root for pc in group]}).fetchall()}  # type: ignore[arg-type]
+        ops = [v for pc in group for wave in pc.waves for v in wave]
+        heights = [h for pc in group for h, wave in enumerate(pc.waves) for _ in wave]
         members = [v for pc in group for v in pc.members]
         table: dict[int, dict[int, tuple[float, int]]] = {v: {} for v in members}
-        for op_id, tiling, cost, spec in catalog.execute(
-            "SELECT op_id, tiling_id, cost, spec_id FROM dp_table WHERE compilation_id = ? AND op_id IN "
-            "(SELECT unnest(?::INTEGER[]))", [cid, members]
-        ).fetchall():
+        for op_id, tiling, cost, spec in catalog.execute(group_sql, {  # the rows it inserts (RETURNING)
+                "cid": cid, "ops": ops, "waves": heights, "memory_price": memory_price}).fetchall():  # type: ignore[arg-type]
             table[op_id][tiling] = (cost, spec)
+        roots = {int(r[0]): (int(r[2]), float(r[3])) for r in catalog.execute(
+            root_sql, {"cid": cid, "roots": [pc.root for pc in group]}).fetchall()}  # type: ignore[arg-type]
         picked: dict[int, int] = {}
         for pc in group:
             if pc.root not in roots or not math.isfinite(roots[pc.root][1]):

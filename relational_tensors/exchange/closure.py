@@ -293,6 +293,13 @@ def _check_semantics(prog: ExProg, membership: Membership) -> None:
                         f"{_held_text(held.get(s, ()))}; add an action that forms it there")
 
 
+def check_structure(prog: ExProg, membership: Membership) -> None:
+    """The checks of ``check`` that need no closure: sites, partitions, atoms and ``membership``.  Enough
+    for a program whose delivery the lowering already proved by firing it (the naive synthesizer's)."""
+    _check_structure(prog)
+    _check_membership(prog, membership)
+
+
 def check(prog: ExProg, membership: Membership | None = None) -> None:
     """Raise ExchangeError unless the program is valid (for ``membership``, or for some membership).
 

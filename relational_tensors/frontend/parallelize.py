@@ -1,10 +1,11 @@
 """A PyTorch module, traced, planned over every device and called like the module.
 
 Called with grad enabled and parameters (or inputs) that require grad, the module is differentiable:
-its outputs require grad, and ``loss.backward()`` runs a second compiled program (the traced forward
-with its gradient graph appended, ``g.vjp``) that fills each parameter's ``.grad`` and each input's
-that requires one.  The backward program recomputes the forward from the saved inputs rather than
-keeping its activations between the two calls.
+its outputs require grad, and ``loss.backward()`` fills each parameter's ``.grad`` and each input's
+that requires one.  Both run one compiled program, the traced forward with its gradient graph appended
+(``g.vjp``), in two phases: the call runs the forward phase, whose activations stay on the devices, and
+the backward loads the output cotangents and runs the rest.  A backward whose forward is no longer the
+program's latest (two calls before one backward) runs its forward phase again from the saved inputs.
 
 >>> import pytest; torch = pytest.importorskip("torch")
 >>> from relational_tensors.frontend.parallelize import parallelize
@@ -51,6 +52,10 @@ class ParallelModule:
         self.device = device
         self.compile_options = dict(compile_options or {})
         self._backwards: dict[tuple[str, ...], tuple[TorchGraph, Any, tuple[str, ...]]] = {}
+        self._weights_version = 0  # bumped when the weights are read again
+        self._loaded_version: dict[tuple[str, ...], int] = {}  # training program -> weights version loaded
+        self._calls = 0  # differentiable calls so far
+        self._latest: dict[tuple[str, ...], int] = {}  # training program -> the call its first phase holds
         self._parameters_loaded = False
         self._partial_loads = True  # whether the executor keeps inputs that a load does not name
         self._state = self._module_state()
@@ -87,6 +92,7 @@ class ParallelModule:
             values = again.parameters
         self.graph.parameters = values
         self._parameters_loaded = False
+        self._weights_version += 1
         self._state = self._module_state()
 
     def _read_origins(self) -> dict[str, Any] | None:
@@ -186,7 +192,8 @@ class ParallelModule:
 
     def _backward_program(self, wrt: tuple[str, ...]) -> tuple[TorchGraph, Any, tuple[str, ...]]:
         """The traced forward with the gradient of every floating output with respect to ``wrt`` (graph
-        input names) appended, compiled like the forward; cotangents are inputs ``cot.<output>``."""
+        input names) appended, compiled like the forward in two phases: the cotangents, inputs
+        ``cot.<output>``, are loaded for the second."""
         if wrt not in self._backwards:
             from relational_tensors.compiler import compileGraph
 
@@ -201,21 +208,43 @@ class ParallelModule:
                           allow_unused=True)
             for w, d in zip(wrt, grads):
                 g.save(d, name=f"grad.{w}")
-            self._backwards[wrt] = (g, compileGraph(g, device=self.device, **self.compile_options), tuple(outs))
+            compiled = compileGraph(g, device=self.device, second_phase_inputs=[c.name for c in cots],
+                                    **self.compile_options)
+            self._backwards[wrt] = (g, compiled, tuple(outs))
         return self._backwards[wrt]
 
-    def _run_backward(self, inputs: tuple[Any, ...], cotangents: dict[str, Any], wrt: tuple[str, ...]) -> list[Any]:
+    def _run_forward_phase(self, inputs: tuple[Any, ...], wrt: tuple[str, ...]) -> dict[str, Any]:
+        """The training program's first phase on ``inputs`` (weights loaded when they changed); its
+        activations stay on the devices for the backward.  Returns the saved outputs."""
+        g, compiled, _ = self._backward_program(wrt)
+        feeds = {name: self._feed(x) for name, x in zip(g.input_names, inputs) if name is not None}
+        if self._loaded_version.get(wrt) != self._weights_version:
+            feeds = {**self.graph.parameters, **feeds}
+            self._loaded_version[wrt] = self._weights_version
+        compiled.load(feeds)
+        compiled.execute(phase=0)
+        out = {}
+        for kind, name in g.output_leaves:
+            if kind == "saved":
+                out[name] = (numpy_to_torch(compiled.offload(name, like="cupy"))
+                             if compiled.devices.kind == "cuda" else numpy_to_torch(compiled.offload(name)))
+        return out
+
+    def _run_backward(self, inputs: tuple[Any, ...], cotangents: dict[str, Any], wrt: tuple[str, ...],
+                      call: int) -> list[Any]:
         g, compiled, outs = self._backward_program(wrt)
         torch = _torch()
-        feeds = {**self.graph.parameters}
-        feeds.update({name: self._feed(x) for name, x in zip(g.input_names, inputs) if name is not None})
+        if self._latest.get(wrt) != call:  # another call's forward holds the devices: this one's again
+            self._run_forward_phase(inputs, wrt)
+            self._latest[wrt] = call
+        feeds = {}
         for n in outs:
             c = cotangents.get(n)
             t = g.nodes[g.outputs[n]].type
             feeds[f"cot.{n}"] = (self._feed(c.detach().contiguous()) if c is not None
                                  else torch_to_numpy(torch.zeros(t.shape, dtype=getattr(torch, t.dtype))))
         compiled.load(feeds)
-        compiled.execute()
+        compiled.execute(phase=1)
         return [numpy_to_torch(compiled.offload(f"grad.{w}")) for w in wrt]
 
     forward = __call__
@@ -238,7 +267,17 @@ def _function() -> Any:
             inputs = args[:n_inputs]
             ctx.pm, ctx.n_inputs, ctx.params = pm, n_inputs, params
             ctx.save_for_backward(*(x.detach() for x in inputs))
-            values = pm._run_forward(inputs)
+            # every gradient the backward may be asked for: the parameters', and the inputs' that need one
+            ctx.wrt = (*(name for p in params for name, _ in pm._graph_inputs_of(p)),
+                       *(pm.graph.input_names[k] for k, x in enumerate(inputs)
+                         if x.is_floating_point() and x.requires_grad and pm.graph.input_names[k] is not None))
+            pm._calls += 1
+            ctx.call = pm._calls
+            if ctx.wrt:
+                values = pm._run_forward_phase(inputs, ctx.wrt)
+                pm._latest[ctx.wrt] = ctx.call
+            else:
+                values = pm._run_forward(inputs)
             saved = [values[n] for kind, n in pm.graph.output_leaves if kind == "saved"]
             ctx.names = [n for kind, n in pm.graph.output_leaves if kind == "saved"]
             ctx.mark_non_differentiable(*(v for v in saved if not v.is_floating_point()))
@@ -248,12 +287,10 @@ def _function() -> Any:
         def backward(ctx: Any, *grads: Any) -> Any:
             pm, inputs = ctx.pm, ctx.saved_tensors
             wanted_inputs = [k for k in range(ctx.n_inputs) if ctx.needs_input_grad[3 + k]
-                             and pm.graph.input_names[k] is not None]
+                             and pm.graph.input_names[k] is not None and pm.graph.input_names[k] in ctx.wrt]
             holders = {p: pm._graph_inputs_of(p) for p in ctx.params}
-            wrt = (*(name for p in ctx.params for name, _ in holders[p]),
-                   *(pm.graph.input_names[k] for k in wanted_inputs))
-            got = pm._run_backward(inputs, dict(zip(ctx.names, grads)), wrt) if wrt else []
-            by_name = dict(zip(wrt, got))
+            got = pm._run_backward(inputs, dict(zip(ctx.names, grads)), ctx.wrt, ctx.call) if ctx.wrt else []
+            by_name = dict(zip(ctx.wrt, got))
             in_grads = [by_name[pm.graph.input_names[k]].to(inputs[k].device) if k in wanted_inputs else None
                         for k in range(ctx.n_inputs)]
             params = dict(pm.module.named_parameters())

@@ -36,6 +36,8 @@ from relational_tensors.physical.tasks import (
     RecomposePayload,
     Task,
     TaskDAG,
+    phase_range,
+    phase_ready,
 )
 from relational_tensors.reference import STALE_OUTPUTS, check_loaded, refuse_out_of_range, refuse_overflow
 from relational_tensors.sql_specs.base import Operator
@@ -87,7 +89,10 @@ class CupyExecutor:
         self.loaded = False
         self.resident: set[str] = set()
         self.runs = 0
-        self.fresh = False  # the saved outputs belong to the loaded inputs (an execute finished after the last load)
+        self.done = 0  # tasks issued, in order, since the inputs they read were loaded (phases: see execute)
+        self.split = dag.phase_split if dag.phase_split is not None else len(dag.tasks)
+        self.ready = phase_ready(dag)
+        self.held = False  # what a first phase left for the second is on the devices
         self.graph_exec: Any = None
         # a kernel task serves an operator node: its op and the node's operator are set
         self.capturable = not any(t.kind == "kernel"
@@ -217,7 +222,8 @@ class CupyExecutor:
         cp = self.cp
         # inputs loaded before (weights) stay loaded: a later load may name only the ones that change
         names = check_feed_names(self.graph, feeds,
-                                 [] if partial else [n for n in self.dag.inputs if n not in self.resident])
+                                 [] if partial else [n for n in self.dag.inputs
+                                                     if n not in self.resident and n not in self.dag.later])
         # every feed is checked before any is copied: a load that fails changes nothing
         checked: dict[str, tuple[Any, Any]] = {}
         for name in self.dag.inputs:
@@ -236,7 +242,10 @@ class CupyExecutor:
                 whole = coerce_feed(name, value, t)
                 self._check_ids(name, whole)
                 checked[name] = (None, whole)
-        self.fresh = False  # the saved outputs no longer belong to the loaded inputs
+        # the saved outputs no longer belong to the loaded inputs; loading only second-phase inputs keeps
+        # what the first phase made
+        self.done = min(self.done, self.split if set(checked) <= self.dag.later else 0)
+        self.held = self.held and set(checked) <= self.dag.later
         for name, (on_device, whole) in checked.items():
             t = names[name].type
             blocks = self.dag.inputs[name]
@@ -277,9 +286,9 @@ class CupyExecutor:
         a CuPy array on the GPU of its first block (bfloat16 as its uint16 bit pattern)."""
         if name not in self.dag.outputs:
             raise ExecError(f"no saved output named {name!r}; saved: {sorted(self.dag.outputs)}.")
-        if self.runs == 0:
-            raise ExecError("execute the program before offloading results: cg.execute().")
-        if not self.fresh:
+        if self.done < self.ready[name]:
+            if self.runs == 0 and not self.done:
+                raise ExecError("execute the program before offloading results: cg.execute().")
             raise ExecError(STALE_OUTPUTS)
         return self._assemble(self.dag.outputs[name], self.graph.nodes[self.graph.outputs[name]].type, like)
 
@@ -333,10 +342,28 @@ class CupyExecutor:
         for s in self.streams:
             s.synchronize()
 
-    def execute(self) -> None:
-        """Run the DAG: eagerly the first time, captured into a CUDA graph the second, replayed after."""
-        check_loaded(self.loaded, self.resident, self.dag.inputs)
-        self.fresh = False  # until this run has been issued whole
+    @property
+    def fresh(self) -> bool:
+        """Every saved output belongs to the loaded inputs (a whole execution was issued after the last load)."""
+        return self.done == len(self.dag.tasks)
+
+    def execute(self, phase: int | None = None) -> None:
+        """Run the DAG: eagerly the first time, captured into a CUDA graph the second, replayed after.
+        With ``phase`` 0 or 1, one phase of a program split in two, eagerly (phase 1 continues a phase 0
+        run since the last load of its inputs)."""
+        lo, hi = phase_range(self.dag, phase, self.held)
+        needed = self.dag.inputs if hi > self.split else {n: v for n, v in self.dag.inputs.items()
+                                                           if n not in self.dag.later}
+        check_loaded(self.loaded, self.resident & set(needed), needed)
+        self.done = min(self.done, lo)  # until this run has been issued
+        self.held = False  # a second phase frees what it reads last
+        if phase is not None:
+            self._barrier(into=range(len(self.streams)))
+            self._issue_all(lo=lo, hi=hi)
+            self.done = hi
+            self.held = phase == 0
+            self.runs += hi == len(self.dag.tasks)
+            return
         # the memory plan orders tasks within one run; a run starts only after every stream has
         # finished the previous run (and any offload copies issued on them)
         if self.graph_exec is not None:
@@ -354,7 +381,7 @@ class CupyExecutor:
             self._barrier(into=range(len(self.streams)))
             self._issue_all()
         self.runs += 1
-        self.fresh = True
+        self.done = len(self.dag.tasks)
 
     def _barrier(self, into: Any) -> None:
         """Make the streams ``into`` wait for everything issued so far on every other stream."""
@@ -378,7 +405,7 @@ class CupyExecutor:
         measured from a common start on the first device."""
         cp = self.cp
         check_loaded(self.loaded, self.resident, self.dag.inputs)
-        self.fresh = False
+        self.done, self.held = 0, False
         self.synchronize()
         t0 = cp.cuda.Event()
         t0.record(self.streams[0])
@@ -388,7 +415,7 @@ class CupyExecutor:
         self._issue_all(marks)
         self.synchronize()
         self.runs += 1
-        self.fresh = True
+        self.done = len(self.dag.tasks)
         return [(tid, cp.cuda.get_elapsed_time(t0, a), cp.cuda.get_elapsed_time(t0, b))
                 for tid, (a, b) in marks.items()]
 
@@ -446,13 +473,14 @@ class CupyExecutor:
         except Exception:  # noqa: BLE001
             return False
 
-    def _issue_all(self, marks: dict[int, tuple[Any, Any]] | None = None, capturing: bool = False) -> None:
+    def _issue_all(self, marks: dict[int, tuple[Any, Any]] | None = None, capturing: bool = False,
+                   lo: int = 0, hi: int | None = None) -> None:
         """Issue every task on its stream after the events it waits for; with ``marks``, bracket each
         task with timing events (for profile()).  While ``capturing``, a task after which its stream's
         capture is invalidated (an operation CUDA graphs cannot hold, which not every library reports
         at once) is named in the error."""
         cp = self.cp
-        for t in self.dag.tasks:
+        for t in self.dag.tasks[lo:hi]:
             if t.kind == "load":
                 continue
             stream = self.streams[t.device]

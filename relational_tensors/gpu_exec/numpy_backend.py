@@ -19,7 +19,15 @@ from relational_tensors.core.aggregation import Aggregation
 from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.errors import ExecError
 from relational_tensors.frontend.graph import Graph
-from relational_tensors.physical.tasks import AggregatePayload, DecomposePayload, Liveness, RecomposePayload, TaskDAG
+from relational_tensors.physical.tasks import (
+    AggregatePayload,
+    DecomposePayload,
+    Liveness,
+    RecomposePayload,
+    TaskDAG,
+    phase_range,
+    phase_ready,
+)
 from relational_tensors.reference import STALE_OUTPUTS, check_feed_names, check_loaded, coerce_feed
 
 __all__ = ["NumpyExecutor"]
@@ -42,9 +50,12 @@ class NumpyExecutor:
         self.frees = live.frees_after()
         self.loaded = False
         self.resident: set[str] = set()
-        self.fresh = False  # the saved outputs belong to the loaded inputs (an execute finished after the last load)
+        self.done = 0  # tasks run, in order, since the inputs they read were loaded (phases: see execute)
         self.runs = 0  # executions that finished
         self.peak = [0] * dag.p
+        self.split = dag.phase_split if dag.phase_split is not None else len(dag.tasks)
+        self.ready = phase_ready(dag)
+        self.held = False  # what a first phase left for the second is on the devices
 
     def _put(self, buf: int, value: Any) -> int:
         """Store ``value`` as buffer ``buf``; returns the bytes newly allocated."""
@@ -79,21 +90,36 @@ class NumpyExecutor:
         """Materialize every graph input straight into the blocks the plan reads, on their devices."""
         # inputs loaded before (weights) stay loaded: a later load may name only the ones that change
         names = check_feed_names(self.graph, feeds,
-                                 [] if partial else [n for n in self.dag.inputs if n not in self.resident])
+                                 [] if partial else [n for n in self.dag.inputs
+                                                     if n not in self.resident and n not in self.dag.later])
         # every feed is checked before any is placed: a load that fails changes nothing
         wholes = {name: coerce_feed(name, feeds[name], names[name].type) for name in self.dag.inputs if name in feeds}
-        self.fresh = False  # the saved outputs no longer belong to the loaded inputs
+        # the saved outputs no longer belong to the loaded inputs; loading only second-phase inputs keeps
+        # what the first phase made
+        self.done = min(self.done, self.split if set(wholes) <= self.dag.later else 0)
+        self.held = self.held and set(wholes) <= self.dag.later
         for name, whole in wholes.items():
             for box, buf in self.dag.inputs[name]:
                 self._put(buf, np.array(whole[box.slices()], copy=True))
         self.resident.update(wholes)
         self.loaded = True
 
-    def execute(self) -> None:
-        check_loaded(self.loaded, self.resident, self.dag.inputs)
-        self.fresh = False
+    @property
+    def fresh(self) -> bool:
+        """Every saved output belongs to the loaded inputs (a whole execution ran after the last load)."""
+        return self.done == len(self.dag.tasks)
+
+    def execute(self, phase: int | None = None) -> None:
+        """Run the program; with ``phase`` 0 or 1, only that phase of a program split in two
+        (``TaskDAG.phase_split``): phase 1 continues a phase 0 run since the last load of its inputs."""
+        lo, hi = phase_range(self.dag, phase, self.held)
+        needed = self.dag.inputs if hi > self.split else {n: v for n, v in self.dag.inputs.items()
+                                                           if n not in self.dag.later}
+        check_loaded(self.loaded, self.resident & set(needed), needed)
+        self.done = min(self.done, lo)
+        self.held = False  # a second phase frees what it reads last; a failed run leaves nothing
         try:
-            self._execute()
+            self._execute(lo, hi)
         except BaseException:
             # a run that stops part-way (an error, Ctrl-C) leaves only the loaded inputs behind: the
             # next execute() starts clean, and offload() refuses until one finishes
@@ -101,16 +127,19 @@ class NumpyExecutor:
             for pool in self.pools:
                 for b in [b for b in pool if b not in loaded]:
                     del pool[b]
+            self.done = 0
             raise
-        self.fresh = True
-        self.runs += 1
+        self.done = hi
+        self.held = phase == 0
+        if hi == len(self.dag.tasks):
+            self.runs += 1
 
-    def _execute(self) -> None:
+    def _execute(self, lo: int, hi: int) -> None:
         dag = self.dag
         live = [sum(_nbytes(v) for v in pool.values()) for pool in self.pools]
         self.peak = list(live)
         assigned: list[tuple[int, Any]] = []  # written into the states' blocks once the whole run has finished
-        for task in dag.tasks:
+        for task in dag.tasks[lo:hi]:
             if task.kind == "load":
                 continue
             if task.kind == "assign":
@@ -183,8 +212,8 @@ class NumpyExecutor:
         """The saved tensor ``name``, assembled from its blocks."""
         if name not in self.dag.outputs:
             raise ExecError(f"no saved output named {name!r}; saved: {sorted(self.dag.outputs)}.")
-        if not self.fresh:
-            if not self.runs:
+        if self.done < self.ready[name]:
+            if not self.runs and not self.done:
                 raise ExecError("execute the program before offloading results: cg.execute().")
             raise ExecError(STALE_OUTPUTS)
         node = self.graph.nodes[self.graph.outputs[name]]

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from relational_tensors.core.dtypes import itemsize, partial_dtype
-from relational_tensors.core.types import Box, Interval
+from relational_tensors.core.types import Box
 from relational_tensors.dp_optimizer.plan import LogicalPlan
 from relational_tensors.errors import ExchangeError
 from relational_tensors.exchange.ast import ExProg, InAtom, Partition, Requirement, aggregate_text, exact_cover
@@ -40,6 +40,7 @@ from relational_tensors.physical.tasks import (
     RecomposePayload,
     TaskDAG,
     block_bytes,
+    split_phases,
 )
 from relational_tensors.physical.views import fuse_views
 
@@ -68,6 +69,7 @@ class Lowered:
     memberships: dict[str, Membership] = field(default_factory=dict)  # the partitions' chosen devices
     kept: dict[int, str] = field(default_factory=dict)  # assigned state -> how it is kept (KEPT)
     write_bytes: dict[int, int] = field(default_factory=dict)  # state -> bytes moved to write its value
+    searched: frozenset[str] = frozenset()  # the programs not written by the naive synthesizer
 
 
 def place(plan: LogicalPlan, op_id: int, placement: dict[int, tuple[int, ...]],
@@ -130,13 +132,41 @@ def covers(boxes: Sequence[Box], space: Box) -> bool:
     return bool(hit[inside].all())
 
 
-def _cells(box: Box, breaks: list[list[int]]) -> list[Box]:
-    """The overlay cells inside ``box``, row-major."""
-    per_dim = []
-    for d in range(box.rank):
-        pts = [x for x in breaks[d] if box.lower[d] <= x <= box.upper[d]]
-        per_dim.append([Interval(a, b) for a, b in zip(pts, pts[1:])])
-    return [Box.from_intervals(c) for c in itertools.product(*per_dim)]
+class _Overlay:
+    """The cells of the overlay of a tensor's breakpoints, and which of its source blocks hold each:
+    per dimension and break interval a bit mask of the blocks spanning it, so a cell's holders are the
+    AND of its intervals' masks (the identical layers of deep models make this the lowering's inner loop)."""
+
+    def __init__(self, breaks: list[list[int]], boxes: Sequence[Box]) -> None:
+        self.breaks = breaks
+        self.index = [{x: j for j, x in enumerate(br)} for br in breaks]
+        self.all = (1 << len(boxes)) - 1
+        self.masks: list[list[int]] = []
+        for d, br in enumerate(breaks):
+            masks = [0] * max(len(br) - 1, 0)
+            for f, box in enumerate(boxes):
+                bit = 1 << f
+                for j in range(self.index[d][box.lower[d]], self.index[d][box.upper[d]]):
+                    masks[j] |= bit
+            self.masks.append(masks)
+
+    def cells(self, block: Box) -> list[tuple[Box, list[int]]]:
+        """Each overlay cell inside ``block`` (row-major), with the blocks holding it in order."""
+        ranges = [range(self.index[d][block.lower[d]], self.index[d][block.upper[d]]) for d in range(block.rank)]
+        out = []
+        for js in itertools.product(*ranges):
+            mask = self.all
+            for d, j in enumerate(js):
+                mask &= self.masks[d][j]
+            holders = []
+            while mask:
+                low = mask & -mask
+                holders.append(low.bit_length() - 1)
+                mask ^= low
+            cell = Box(tuple(self.breaks[d][j] for d, j in enumerate(js)),
+                       tuple(self.breaks[d][j + 1] for d, j in enumerate(js)))
+            out.append((cell, holders))
+        return out
 
 
 class _Lowering:
@@ -170,9 +200,11 @@ class _Lowering:
                 for box, device in self.held[s]:
                     self.load(s, box, device)
         # each state takes its value once the value is made and the state's last reader has run
-        last_reader = {s: max([v, *graph.consumers()[s]]) for s, v in graph.assignments.items()}
+        readers = graph.consumers() if graph.assignments else {}
+        last_reader = {s: max([v, *readers[s]]) for s, v in graph.assignments.items()}
         self.assign_after: dict[int, list[int]] = {}
         self.write_bytes: dict[int, int] = {}  # state -> bytes its assignment moves between devices
+        self.searched: set[str] = set()  # programs a synthesizer other than the naive one wrote
         for s, at in sorted(last_reader.items()):
             self.assign_after.setdefault(at, []).append(s)
 
@@ -222,25 +254,26 @@ class _Lowering:
             breaks = [sorted({b for box, _, _ in made for b in (box.lower[d], box.upper[d])} |
                              {b for _, blk, _ in reads if not blk.is_empty for b in (blk.lower[d], blk.upper[d])})
                       for d in range(rank)]
+            overlay = _Overlay(breaks, [box for box, _, _ in made])
             names: dict[tuple[Box, int], str] = {}
             for key, block, reader in reads:
                 entry = cells_of.setdefault((key, tensor), [])
                 if block.is_empty:
                     continue
                 part = readers.setdefault(reader, f"F{reader}")
-                for cell in _cells(block, breaks):
+                for cell, holders in overlay.cells(block):
                     copies = []
-                    for f, (box, src, several) in enumerate(made):
-                        if box.contains(cell):
-                            atom = names.get((cell, f))
-                            if atom is None:
-                                atom = f"t{n}.{len(names)}"
-                                names[(cell, f)] = atom
-                                atoms[atom] = _Atom(src, cell, tensor)
-                                lse = lse_tensor and several
-                                size = sum(block_bytes(cell, self.dag.buffers[src].dtype, lse))
-                                ins.append(InAtom(atom, self.dag.buffers[src].device, size))
-                            copies.append(atom)
+                    for f in holders:
+                        box, src, several = made[f]
+                        atom = names.get((cell, f))
+                        if atom is None:
+                            atom = f"t{n}.{len(names)}"
+                            names[(cell, f)] = atom
+                            atoms[atom] = _Atom(src, cell, tensor)
+                            lse = lse_tensor and several
+                            size = sum(block_bytes(cell, self.dag.buffers[src].dtype, lse))
+                            ins.append(InAtom(atom, self.dag.buffers[src].device, size))
+                        copies.append(atom)
                     agg = frozenset(copies)
                     targets = reqs.setdefault(agg, [])
                     if part not in targets:
@@ -256,6 +289,8 @@ class _Lowering:
         body, membership = (synthesize or self.synthesize)(prog, membership)
         prog = prog.with_body(body)
         self.programs[name] = prog
+        if (synthesize or self.synthesize) is not naive:
+            self.searched.add(name)
         self.memberships[name] = dict(membership)
         placed = dict(guess)
         placed.update({r: membership[readers[r]][0] for r in readers})
@@ -437,16 +472,20 @@ class _Lowering:
 
 
 def lower(plan: LogicalPlan, schedule: str = "naive", synthesize: Synthesizer | None = None,
-          kept: Mapping[int, str] | None = None) -> Lowered:
+          kept: Mapping[int, str] | None = None, later: frozenset[str] = frozenset()) -> Lowered:
     """Lower ``plan`` to one task DAG, synthesizing each exchange program with ``schedule``
     (or the given synthesizer, which returns a body and the devices of the readers' partitions).
 
-    ``kept`` says how each assigned state is kept between executions (``KEPT``; default "as read")."""
+    ``kept`` says how each assigned state is kept between executions (``KEPT``; default "as read");
+    ``later`` names inputs loaded only for a second phase of each execution (``split_phases``)."""
     if schedule not in SCHEDULES and synthesize is None:
         raise ExchangeError(f"unknown schedule mode {schedule!r}; choose one of {SCHEDULES}.")
     low = _Lowering(plan, synthesize or naive, kept or {})
     for node in plan.graph.operators:
         low.lower_op(node.id)
     low.lower_outputs()
-    return Lowered(fuse_views(low.dag), low.placement, low.programs, low.memberships, dict(low.kept),
-                   low.write_bytes)
+    dag = fuse_views(low.dag)
+    if later:
+        dag = split_phases(dag, later)
+    return Lowered(dag, low.placement, low.programs, low.memberships, dict(low.kept),
+                   low.write_bytes, frozenset(low.searched))

@@ -28,8 +28,10 @@ from relational_tensors.core.aggregation import Aggregation
 from relational_tensors.core.dtypes import itemsize
 from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import Box
+from relational_tensors.errors import ExecError
 
-__all__ = ["Buffer", "Task", "TaskDAG", "Liveness", "liveness", "block_bytes", "Payload", "LoadPayload",
+__all__ = ["Buffer", "Task", "TaskDAG", "Liveness", "liveness", "split_phases", "phase_range", "phase_ready",
+           "block_bytes", "Payload", "LoadPayload",
            "DecomposePayload", "AggregatePayload", "RecomposePayload", "KernelPayload"]
 
 TASK_KINDS = ("load", "decompose", "aggregate", "copy", "recompose", "kernel", "assign")
@@ -137,6 +139,10 @@ class TaskDAG:
     outputs: dict[str, list[tuple[Box, int]]] = field(default_factory=dict)       # saved name -> aggregated blocks
     output_aggregation: dict[str, Aggregation] = field(default_factory=dict)
     assigned: dict[str, int] = field(default_factory=dict)  # assigned state -> the node of its value
+    # a program run in two phases (split_phases): the index of the first task of the second phase, which
+    # holds every task that depends on the inputs ``later`` (the others run in the first)
+    phase_split: int | None = None
+    later: frozenset[str] = frozenset()
 
     def buffer(self, device: int, box: Box, dtype: str, tensor: int, partial: str | None = None) -> int:
         bid = len(self.buffers)
@@ -183,6 +189,66 @@ class TaskDAG:
         moved = self.bytes_moved()
         return (f"{len(self.tasks)} tasks ({', '.join(f'{k} {c[k]}' for k in TASK_KINDS if c[k])}), "
                 f"{len(self.buffers)} buffers, {moved:,} bytes between devices")
+
+
+def split_phases(dag: TaskDAG, later: frozenset[str]) -> TaskDAG:
+    """``dag`` with its tasks in two phases, each in its order: first every task that needs none of the
+    inputs ``later`` (a forward pass), then every task that does (its backward, once the cotangents are
+    loaded).  A task needs an input when it reads a block loaded from it, or memory a task that needs it
+    wrote.  Liveness and memory plans made from the result hold across the pause between the phases:
+    what the second phase reads of the first stays alive until its last reader."""
+    unknown = sorted(later - set(dag.inputs))
+    if unknown:
+        raise ValueError(f"split_phases: {unknown} are not inputs of the program")
+    late_roots: set[int] = set()
+    early: list[Task] = []
+    late: list[Task] = []
+    for t in dag.tasks:
+        is_late = (t.kind == "load" and isinstance(t.payload, LoadPayload) and t.payload.input in later) or any(
+            dag.root(b) in late_roots for b in t.inputs)
+        if is_late:
+            late_roots.update(dag.root(b) for b in t.outputs)
+            late.append(t)
+        else:
+            early.append(t)
+    out = TaskDAG(dag.p, buffers=dag.buffers, inputs=dag.inputs, outputs=dag.outputs,
+                  output_aggregation=dag.output_aggregation, assigned=dag.assigned, phase_split=len(early),
+                  later=later)
+    for n, t in enumerate(early + late):
+        out.tasks.append(t if t.id == n else Task(n, t.kind, t.device, t.inputs, t.outputs, t.op, t.src_device,
+                                                  t.payload, t.label))
+    return out
+
+
+def phase_range(dag: TaskDAG, phase: int | None, held: bool) -> tuple[int, int]:
+    """The tasks [lo, hi) that ``execute(phase)`` runs: all of them, or one phase of a program split in
+    two.  Phase 1 continues a phase 0 whose results are ``held`` (run since its inputs were last
+    loaded, and not yet consumed by a phase 1: the second phase frees what it reads last)."""
+    n = len(dag.tasks)
+    if phase is None:
+        return 0, n
+    if dag.phase_split is None:
+        raise ExecError("execute(phase=...) runs one phase of a program compiled with second_phase_inputs; "
+                        "this one runs whole: call execute().")
+    if phase == 0:
+        return 0, dag.phase_split
+    if phase == 1:
+        if not held:
+            raise ExecError("execute(phase=1) continues a first phase run since its inputs were last loaded "
+                            "(and not yet followed by a second); call execute(phase=0) first.")
+        return dag.phase_split, n
+    raise ExecError(f"phase must be 0, 1 or None; got {phase!r}.")
+
+
+def phase_ready(dag: TaskDAG) -> dict[str, int]:
+    """Per saved output, how many tasks must have run for it to be there: the first phase's end for an
+    output that phase makes (no second-phase task writes its blocks), else all of them."""
+    n = len(dag.tasks)
+    if dag.phase_split is None:
+        return {name: n for name in dag.outputs}
+    late = {dag.root(b) for t in dag.tasks[dag.phase_split:] for b in t.outputs}
+    return {name: n if any(dag.root(b) in late for _, b in blocks) else dag.phase_split
+            for name, blocks in dag.outputs.items()}
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 -- The output tiling of each piece's root: Opt(root, T) plus what the consumers fixed by
 -- earlier pieces pay to read T (their edge's price for the pair, less the floor those
--- consumers already charged themselves, see dp_wave.sql); the cheapest per root, ties to
+-- consumers already charged themselves, see dp_group.sql); the cheapest per root, ties to
 -- the lowest tiling id.
 -- Parameters: $cid, $roots.
 WITH roots AS (SELECT unnest($roots::INTEGER[]) AS op_id),
