@@ -349,12 +349,15 @@ def test_a_task_that_breaks_capture_is_named_and_the_program_runs_eagerly(monkey
     _compare(cg.offload("y"), want, "float32")
 
 
-def test_llama_training_step_with_adamw_on_gpu_equals_the_reference_stepped() -> None:
+@pytest.mark.parametrize("keep", ["as read", "sharded"])
+def test_llama_training_step_with_adamw_on_gpu_equals_the_reference_stepped(keep: str) -> None:
+    """The states are written into their kept blocks by assign tasks on the GPU (captured in the CUDA
+    graph from the second step on), kept as read or sharded."""
     g = llama_training_graph(1, 20, 32, 4, 2, 40, 37, optimizer="adamw", seq_ends=(7, 20))
     feeds = llama_training_feeds(g, lr=1e-2)
-    cg = rt.compileGraph(g, device="cuda:0,0")
+    cg = rt.compileGraph(g, device="cuda:0,0,0" if keep == "sharded" else "cuda:0,0", keep_states=keep)
     ref = dict(feeds)
-    for step in range(2):
+    for step in range(3):
         cg.load(feeds if step == 0 else {"lr": feeds["lr"]})
         cg.execute()
         want = rt.reference(g, ref)

@@ -148,14 +148,16 @@ class ParallelModule:
         self.compiled.load({**self.graph.parameters, **user})
         self._parameters_loaded = True
 
-    def _offload(self, name: str) -> Any:
-        if self.compiled.devices.kind == "cuda":
-            out = numpy_to_torch(self.compiled.offload(name, like="cupy"))  # DLPack: stays on the GPU
-            node = self.graph.nodes[self.graph.outputs[name]]
+    def _offload(self, name: str, compiled: Any = None) -> Any:
+        """Saved output ``name`` of ``compiled`` (default: the forward program) as a torch tensor."""
+        compiled = compiled or self.compiled
+        if compiled.devices.kind == "cuda":
+            out = numpy_to_torch(compiled.offload(name, like="cupy"))  # DLPack: stays on the GPU
+            node = compiled.graph.nodes[compiled.graph.outputs[name]]
             if node.type.dtype == "bfloat16" and out.dtype != _torch().bfloat16:  # CuPy holds bfloat16 as bits
                 out = out.view(_torch().bfloat16)
             return out
-        return numpy_to_torch(self.compiled.offload(name))
+        return numpy_to_torch(compiled.offload(name))
 
     def _run_forward(self, inputs: tuple[Any, ...]) -> dict[str, Any]:
         self._load(inputs)
@@ -223,12 +225,7 @@ class ParallelModule:
             self._loaded_version[wrt] = self._weights_version
         compiled.load(feeds)
         compiled.execute(phase=0)
-        out = {}
-        for kind, name in g.output_leaves:
-            if kind == "saved":
-                out[name] = (numpy_to_torch(compiled.offload(name, like="cupy"))
-                             if compiled.devices.kind == "cuda" else numpy_to_torch(compiled.offload(name)))
-        return out
+        return {name: self._offload(name, compiled) for kind, name in g.output_leaves if kind == "saved"}
 
     def _run_backward(self, inputs: tuple[Any, ...], cotangents: dict[str, Any], wrt: tuple[str, ...],
                       call: int) -> list[Any]:
