@@ -4,7 +4,7 @@ master weights and moments, 8K tokens, planned for 8 H200s (simulated) with ``me
 under which replicated parameters, master weights and moments do not fit.  The table says how each kind of
 tensor is laid out over the devices, the predicted step time, and each device's peak memory by category.
 
-    python bench/train_plan.py [--layers 4] [--memory 8GiB] [--out bench/results/train_plan.md]
+    python bench/train_plan.py [--layers 4] [--memory 8GiB] [--keep-states auto] [--out bench/results/train_plan.md]
 """
 
 from __future__ import annotations
@@ -43,13 +43,15 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--memory", type=parse_bytes, default=8 << 30)
+    ap.add_argument("--keep-states", default="auto", choices=["auto", "as read", "sharded"])
     ap.add_argument("--out", default="bench/results/train_plan.md")
     args = ap.parse_args()
     g = llama_training_graph(1, args.tokens, dtype="bfloat16", vocab=128256, layers=args.layers,
                              optimizer="adamw", master_dtype="float32", **LLAMA3_8B)
     state_bytes = sum(n.type.nbytes for n in g.inputs if n.role == "state")
     t0 = time.perf_counter()
-    cg = rt.compileGraph(g, device=8, topology="hgx-h200", memory_per_device=args.memory)
+    cg = rt.compileGraph(g, device=8, topology="hgx-h200", memory_per_device=args.memory,
+                         keep_states=args.keep_states)
     planned = time.perf_counter() - t0
     kinds: dict[str, Counter] = {}
     categories = g.memory_categories()
