@@ -373,13 +373,27 @@ def _render_table(table: Any, ui: _Ui, caption: str | None) -> str:
     from rich.console import Console
     from rich.table import Table
 
+    rows = [[_cell(v) for v in row.values()] for row in table.to_pylist()]
+    names = table.column_names
+    width = _width(ui)
+    # what each column needs (cells past 40 characters are truncated): a table that cannot fit is shown
+    # vertically, one "column: value" line per field, as DuckDB's own CLI does
+    need = sum(min(max([len(n), *(len(r[k]) for r in rows)]), 40) + 3 for k, n in enumerate(names)) + 1
+    if names and need > width:
+        pad = max(len(n) for n in names)
+        lines = []
+        for k, r in enumerate(rows):
+            lines.append(f"-- row {k + 1} " + "-" * max(0, min(width, 60) - 10 - len(str(k + 1))))
+            lines += [f"{n.rjust(pad)} : {v}" for n, v in zip(names, r)]
+        text = "\n".join(lines) + ("\n" if lines else "")
+        return text + (f"{caption}\n" if caption and ui.people else "")
     out = Table()
-    for col in table.column_names:
-        out.add_column(col, overflow="fold")
-    for row in table.to_pylist():
-        out.add_row(*(_cell(v) for v in row.values()))
+    for col in names:
+        out.add_column(col, overflow="ellipsis", max_width=40)
+    for r in rows:
+        out.add_row(*r)
     buf = io.StringIO()
-    Console(file=buf, width=_width(ui), force_terminal=False, color_system=None).print(out)
+    Console(file=buf, width=width, force_terminal=False, color_system=None).print(out)
     return buf.getvalue() + (f"{caption}\n" if caption and ui.people else "")
 
 
@@ -394,59 +408,117 @@ def _cell(v: Any) -> str:
 
 
 def cmd_sql(args: argparse.Namespace, ui: _Ui) -> int:
+    """SQL on a catalog file: the statements of QUERY, of ``-f FILE`` or of stdin (split by DuckDB's own
+    statement splitter), each result shown; the file is opened read-only unless ``--write``."""
     from relational_tensors.catalog import Catalog
 
     if not Path(args.catalog_file).is_file():
         raise CommandError(f"no catalog file {args.catalog_file!r}; write one with "
                            f"`{PROG} plan MODEL.py --catalog {args.catalog_file}`.")
-    cat = Catalog(args.catalog_file, read_only=True)
+    if args.query is not None and args.file is not None:
+        raise CommandError("give the SQL once: as QUERY or with -f FILE, not both.")
+    script = args.query
+    if args.file is not None:
+        try:
+            script = Path(args.file).read_text()
+        except OSError as e:
+            raise CommandError(f"cannot read the SQL file {args.file!r}: {e.strerror or e}.") from None
+    cat = Catalog(args.catalog_file, read_only=not args.write)
     try:
-        if args.query is not None:
-            _run_query(cat, args.query, ui)
-            return 0
-        return _prompt(cat, ui)
+        if script is None and sys.stdin.isatty():
+            return _prompt(cat, ui, args)
+        if script is None:
+            script = sys.stdin.read()
+        results = []
+        for statement in _statements(script):
+            results.append(_run_statement(cat, statement, ui, args))
+        if ui.json:  # one statement: its rows, as a query always printed; several: each with its rows
+            ui.result(results[0]["rows"] if len(results) == 1 else results)
+        return 0
     finally:
         cat.close()
 
 
-def _run_query(cat: Any, query: str, ui: _Ui) -> None:
+def _statements(script: str) -> list[str]:
+    """The statements of an SQL script, as DuckDB splits them (comments and blank ones dropped)."""
+    import duckdb
+
+    try:
+        found = duckdb.extract_statements(script)
+    except duckdb.Error as e:
+        raise CommandError(f"the SQL does not parse: {' '.join(str(e).split())}") from None
+    return [st.query.strip() for st in found if st.query.strip().rstrip(";").strip()]
+
+
+_WRITES = ("INSERT", "UPDATE", "DELETE", "CREATE", "DROP", "ALTER", "COPY", "ATTACH", "DETACH", "VACUUM",
+           "CHECKPOINT", "COMMENT", "TRUNCATE", "MERGE")
+
+
+def _run_statement(cat: Any, query: str, ui: _Ui, args: argparse.Namespace) -> dict[str, Any]:
+    from relational_tensors.errors import CatalogError
+
     t0 = time.perf_counter()
-    table = cat.sql(query)
+    try:
+        table = cat.sql(query)
+    except CatalogError as e:
+        first = query.lstrip("(").split(None, 1)[0].upper() if query.split() else ""
+        if cat.read_only and ("read-only" in str(e) or "read only" in str(e) or first in _WRITES):
+            raise CommandError(f"the catalog {cat.path!r} is opened read-only, and this statement writes "
+                               f"({first}); add --write to change the file. Got: {_shorten(query)}") from None
+        raise
     took = time.perf_counter() - t0
-    if ui.json:
-        ui.result(table.to_pylist())
-    else:
-        rows = f"{table.num_rows} row{'' if table.num_rows == 1 else 's'}"
-        ui.text(_render_table(table, ui, f"{rows} in {_seconds(took)}"))
+    if not ui.json:
+        if args.csv:
+            ui.text(_csv(table))
+        else:
+            rows = f"{table.num_rows} row{'' if table.num_rows == 1 else 's'}"
+            ui.text(_render_table(table, ui, f"{rows} in {_seconds(took)}"))
+    return {"statement": query, "rows": table.to_pylist()}
 
 
-def _prompt(cat: Any, ui: _Ui) -> int:
-    """Read queries line by line until EOF or ``.quit``; errors are reported and reading goes on."""
-    interactive = sys.stdin.isatty()
-    if interactive and ui.people:
-        ui.say(f"catalog {_escape(cat.path)}: one SQL query per line; views plan, specs, plan_inputs; "
-               ".tables lists tables, .quit ends.")
-    failed = 0
+def _shorten(query: str, n: int = 80) -> str:
+    text = " ".join(query.split())
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _csv(table: Any) -> str:
+    import io
+
+    import pyarrow.csv as pacsv
+
+    buf = io.BytesIO()
+    pacsv.write_csv(table, buf)
+    return buf.getvalue().decode()
+
+
+def _prompt(cat: Any, ui: _Ui, args: argparse.Namespace) -> int:
+    """Read statements from the terminal until EOF or ``.quit``: a statement runs once a line ends it with
+    ``;``; errors are reported and reading goes on."""
+    if ui.people:
+        ui.say(f"catalog {_escape(cat.path)}{' (read-only)' if cat.read_only else ''}: SQL statements end "
+               "with ';'; views plan, specs, plan_inputs, op_times; .tables lists tables, .quit ends.")
+    pending = ""
     while True:
-        if interactive:
-            sys.stdout.write("sql> ")
-            sys.stdout.flush()
+        sys.stdout.write("sql> " if not pending else "...> ")
+        sys.stdout.flush()
         line = sys.stdin.readline()
         if not line:
             break
-        query = line.strip().rstrip(";").strip()
-        if not query or query.startswith("--"):
-            continue
-        if query in (".quit", ".exit", "\\q"):
+        command = line.strip()
+        if not pending and command in (".quit", ".exit", "\\q"):
             break
-        if query == ".tables":
-            query = "SELECT table_name, table_type FROM information_schema.tables ORDER BY table_name"
+        if not pending and command == ".tables":
+            command = "SELECT table_name, table_type FROM information_schema.tables ORDER BY table_name;"
+        pending += command + "\n"
+        if not pending.rstrip().endswith(";"):
+            continue
         try:
-            _run_query(cat, query, ui)
+            for statement in _statements(pending):
+                _run_statement(cat, statement, ui, args)
         except RelationalTensorsError as e:
-            failed += 1
             _error_line(e)
-    return 1 if failed and not interactive else 0
+        pending = ""
+    return 0
 
 
 def cmd_calibrate(args: argparse.Namespace, ui: _Ui) -> int:
@@ -606,9 +678,14 @@ def build_parser() -> argparse.ArgumentParser:
     e = add("exchange", cmd_exchange, "print one operator's exchange program (ExProg text)")
     _plan_options(e)
     e.add_argument("op", metavar="OP_NAME", help="an operator name (or a saved output's name)")
-    s = add("sql", cmd_sql, "run SQL on a catalog file; without a query, read queries from stdin")
+    s = add("sql", cmd_sql, "run SQL statements on a catalog file: QUERY, -f FILE or stdin (read-only "
+            "unless --write)")
     s.add_argument("catalog_file", metavar="CATALOG.duckdb")
-    s.add_argument("query", nargs="?", default=None, metavar="QUERY")
+    s.add_argument("query", nargs="?", default=None, metavar="QUERY",
+                   help="one or more statements separated by ';'")
+    s.add_argument("-f", "--file", default=None, metavar="FILE", help="read the statements from FILE")
+    s.add_argument("--write", action="store_true", help="open the file for writing (statements may change it)")
+    s.add_argument("--csv", action="store_true", help="print each result as CSV")
     c = add("calibrate", cmd_calibrate, "measure this GPU's kernels for the simulator (needs a GPU); "
             "arguments after it go to the calibration module", add_help=False)
     c.set_defaults(rest=[])

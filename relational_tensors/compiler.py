@@ -69,10 +69,16 @@ def _pass_target(s: _State) -> None:
     s.limits = _device_memory(s)
     s.limit = min(s.limits.values()) if s.limits else None
     devices = s.target.devices
+    from relational_tensors import __version__
+
     s.cid = s.catalog.new_compilation(label=o.label or ",".join(s.graph.outputs), devices=devices.p,
                                       device=str(devices), selector=o.selector, seed=o.seed,
                                       cost_model=o.cost_model,
-                                      memory_per_device=s.limit)
+                                      memory_per_device=s.limit, topology=s.target.topology.name,
+                                      schedule_mode="search" if o.searched else "naive", tactic=o.tactic,
+                                      calibration=s.target.kernels.source, keep_states=o.keep_states,
+                                      graph_fingerprint=s.graph.fingerprint(), version=__version__,
+                                      cost_unit=COST_UNITS.get(o.cost_model, o.cost_model))
 
 
 def _pass_candidates(s: _State) -> None:
@@ -214,7 +220,7 @@ def _fits(live: Liveness, limits: dict[int, int] | None) -> bool:
 
 def _pass_liveness(s: _State) -> None:
     assert s.lowered is not None
-    s.live = liveness(s.lowered.dag)
+    s.live = liveness(s.lowered.dag, s.graph.memory_categories().__getitem__)
 
 
 def _keep_sharded(s: _State, limits: dict[int, int]) -> bool:
@@ -325,9 +331,15 @@ def _pass_verify(s: _State) -> None:
 
     assert s.lowered is not None and s.plan is not None
     low = s.lowered
+    checked: set[tuple[int, int, bool]] = set()  # identical layers share one program object: checked once
     for name, prog in low.programs.items():
+        membership = low.memberships.get(name, {})
+        key = (id(prog), id(membership), name in low.searched)
+        if key in checked:
+            continue
+        checked.add(key)
         try:
-            (check if name in low.searched else check_structure)(prog, low.memberships.get(name, {}))
+            (check if name in low.searched else check_structure)(prog, membership)
         except Exception as e:
             raise PlanError(f"verify after 'lower': the exchange program of {name!r} is invalid: {e}") from e
     for t in low.dag.tasks:
@@ -362,10 +374,18 @@ def _pass_verify(s: _State) -> None:
                             "once per execution by an assign task.")
 
 
-def _pass_states(s: _State) -> None:
+def _pass_record(s: _State) -> None:
+    """The physical plan into the catalog: placements, exchange programs and their actions, tasks, edge
+    traffic, device memory by category, and the layouts states keep between executions."""
+    from relational_tensors.physical.record import physical_tables
     from relational_tensors.visualize import kept_layouts
 
-    assert s.lowered is not None
+    assert s.lowered is not None and s.plan is not None and s.live is not None
+    if not s.live.at_peak and s.lowered.dag.buffers:  # a lowering re-chosen for memory: split it by category
+        s.live = liveness(s.lowered.dag, s.graph.memory_categories().__getitem__)
+    for table, rows in physical_tables(s.plan, s.lowered, s.live).items():
+        if rows.num_rows:
+            s.catalog.insert(table, rows, s.cid)
     rows = kept_layouts(s.graph, s.lowered)
     if rows:
         cols = ("state_id", "state", "value_op", "kept", "placement", "blocks", "bytes_per_device", "bytes_total",
@@ -374,6 +394,9 @@ def _pass_states(s: _State) -> None:
                  "bytes_total": pa.int64(), "write_bytes": pa.int64()}
         s.catalog.insert("state_layouts", pa.table({c: pa.array([r[c] for r in rows], types.get(c, pa.string()))
                                                     for c in cols}), s.cid)
+
+
+COST_UNITS = {"paper": "elements", "bytes": "bytes", "calibrated": "seconds"}  # plan_cost's unit per model
 
 
 # The pipeline, in order, each with the reason it exists.
@@ -389,7 +412,8 @@ PASSES: tuple[tuple[str, Callable[[_State], None], str], ...] = (
     ("liveness", _pass_liveness, "free buffers after last use; the peak bytes of every device"),
     ("fit_memory", _pass_fit_memory, "re-choose a DP plan that exceeds device memory, else refuse it"),
     ("verify", _pass_verify, "check the physical plan without changing it: valid programs, placed kernels, outputs"),
-    ("states", _pass_states, "record how each assigned state is kept between executions (state_layouts)"),
+    ("record", _pass_record, "write the physical plan into the catalog: placements, exchanges, tasks, "
+                             "traffic, memory, kept state layouts"),
 )
 
 
@@ -544,13 +568,18 @@ class CompiledGraph:
         self.execute()
         return {name: self.offload(name) for name in self.graph.outputs}
 
-    def simulate(self, topology: str | Topology | None = None, calibration: str | None = None) -> float:
-        """Predicted seconds for one execution on ``topology`` (default: the one compiled for)."""
-        return self.simulation(topology, calibration).time
+    def simulate(self, topology: str | Topology | None = None, calibration: str | None = None,
+                 record: bool = False) -> float:
+        """Predicted seconds for one execution on ``topology`` (default: the one compiled for); with
+        ``record``, every task's predicted start and end go into the catalog's ``task_times`` (source
+        ``simulated:<topology>``)."""
+        return self.simulation(topology, calibration, record).time
 
-    def simulation(self, topology: str | Topology | None = None, calibration: str | None = None) -> PlanSimResult:
+    def simulation(self, topology: str | Topology | None = None, calibration: str | None = None,
+                   record: bool = False) -> PlanSimResult:
         """The simulated timeline of one execution on ``topology`` (default: the target compiled for,
-        with its kernel model), every task with its predicted start and end."""
+        with its kernel model), every task with its predicted start and end.  The first simulation of the
+        compiled-for target sets the compilation's ``predicted_seconds``."""
         from relational_tensors.physical.simulate import simulate_plan
 
         target = self.target if topology is None and calibration is None else Target.on(
@@ -559,7 +588,21 @@ class CompiledGraph:
         key = (target.topology, target.kernels.source)
         if key not in self._simulations:
             self._simulations[key] = simulate_plan(self.dag, self.graph, target.topology, target.kernels)
-        return self._simulations[key]
+            if target is self.target and not self.catalog.read_only:
+                self.catalog.update_compilation(self.compilation_id, predicted_seconds=self._simulations[key].time)
+        result = self._simulations[key]
+        if record:
+            self._record_times(result, f"simulated:{target.topology.name}")
+        return result
+
+    def _record_times(self, result: PlanSimResult, source: str) -> None:
+        """A timeline into ``task_times`` (replacing one recorded before from the same source)."""
+        from relational_tensors.physical.record import task_time_table
+
+        self.catalog.execute("DELETE FROM task_times WHERE compilation_id = ? AND source = ?",
+                             [self.compilation_id, source])
+        self.catalog.insert("task_times", task_time_table(result.tasks, lambda t: self.dag.tasks[t].op, source),
+                            self.compilation_id)
 
     def trace(self, path: str, topology: str | None = None, calibration: str | None = None,
               measured: bool | None = None) -> str:
@@ -575,8 +618,9 @@ class CompiledGraph:
         except OSError as e:
             raise ExecError(f"cannot write the trace to {str(path)!r}: {e.strerror or e}. Give a writable path.") from e
 
-    def profile(self) -> PlanSimResult:
-        """Run once on the GPUs with a CUDA event around every task; the measured timeline."""
+    def profile(self, record: bool = False) -> PlanSimResult:
+        """Run once on the GPUs with a CUDA event around every task; the measured timeline (with ``record``
+        also in the catalog's ``task_times``, source ``measured:<devices>``)."""
         from relational_tensors.physical.simulate import TaskTime
 
         ex = self.executor
@@ -587,7 +631,10 @@ class CompiledGraph:
             t = self.dag.tasks[tid]
             times.append(TaskTime(tid, t.kind, t.label, t.device, t.src_device, start * 1e-3, end * 1e-3,
                                   sum(self.dag.buffers[b].nbytes for b in t.outputs)))
-        return PlanSimResult(max((t.end for t in times), default=0.0), tuple(times), f"measured on {self.devices}")
+        result = PlanSimResult(max((t.end for t in times), default=0.0), tuple(times), f"measured on {self.devices}")
+        if record:
+            self._record_times(result, f"measured:{self.devices}")
+        return result
 
     def memory(self) -> dict[int, int]:
         """Peak bytes per device under this plan (loaded inputs included)."""
@@ -676,7 +723,8 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
                 cat.finish_compilation(state.cid, status, error=e, planning_seconds=sum(state.timings.values()))
             raise
         cat.finish_compilation(state.cid, "ok", plan_cost=state.plan.cost,
-                               planning_seconds=sum(state.timings.values()))
+                               planning_seconds=sum(state.timings.values()),
+                               peak_bytes=max(compiled.memory().values(), default=0))
         return compiled
     finally:
         if collecting:

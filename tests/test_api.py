@@ -71,7 +71,7 @@ def test_one_target_per_compilation() -> None:
     assert cg.simulation("dgx-v100").topology.startswith("dgx-v100")
     assert [name for name, _, _ in rt.compiler.PASSES] == [
         "target", "candidates", "pieces", "catalog", "select", "check", "lower", "search", "liveness",
-        "fit_memory", "verify", "states"]
+        "fit_memory", "verify", "record"]
 
 
 def test_inputs_loaded_one_at_a_time_must_all_be_there_by_execute() -> None:

@@ -216,11 +216,44 @@ def test_sql_errors(catalog: Path, tmp_path: Path) -> None:
     one_line_error(run_cli("sql", tmp_path / "none.duckdb", "SELECT 1"), "no catalog file")
 
 
-def test_sql_prompt_reads_queries_until_quit(catalog: Path) -> None:
-    r = run_cli("sql", catalog, stdin="SELECT count(*) AS n_ops FROM plan;\n\nbad query\n"
-                                      "SELECT 41 + 1 AS answer\n.quit\nSELECT 'never' AS unreached\n")
-    assert "n_ops" in r.stdout and "42" in r.stdout and "unreached" not in r.stdout
-    one_line_error(r, "syntax error")  # the bad line is reported and the prompt goes on; the status says so
+def test_sql_runs_a_script_of_multi_line_statements_from_stdin_a_file_or_the_argument(catalog: Path,
+                                                                                       tmp_path: Path) -> None:
+    script = ("-- two statements over several lines, each result shown\n"
+              "SELECT count(*) AS n_ops\n  FROM plan\n WHERE compilation_id = 1;\n\n"
+              "SELECT 41 + 1\n    AS answer;\n")
+    for r in (run_cli("sql", catalog, stdin=script), run_cli("sql", catalog, script)):
+        out = ok(r)
+        assert "n_ops" in out and "answer" in out and "42" in out
+    f = tmp_path / "script.sql"
+    f.write_text(script)
+    got = json.loads(ok(run_cli("--json", "sql", catalog, "-f", f)))  # several statements: each with its rows
+    assert [list(res["rows"][0]) for res in got] == [["n_ops"], ["answer"]]
+    # the project's own multi-line named query, through stdin
+    from relational_tensors.catalog import load_sql
+
+    out = ok(run_cli("sql", catalog, stdin=load_sql("queries/repartitions.sql").replace("$cid", "1")))
+    assert "rows in" in out
+    # a script that does not parse runs nothing; one that fails stops there, after the results before it
+    r = run_cli("sql", catalog, "SELECT 7 AS seven; SELEC nonsense; SELECT 'never' AS unreached")
+    assert "seven" not in r.stdout
+    one_line_error(r, "syntax error")
+    r = run_cli("sql", catalog, "SELECT 7 AS seven; SELECT * FROM no_such_table; SELECT 'never' AS unreached")
+    assert "seven" in r.stdout and "unreached" not in r.stdout
+    one_line_error(r, "no_such_table")
+
+
+def test_sql_reads_never_change_the_file_and_writes_need_write(catalog: Path) -> None:
+    import hashlib
+
+    before = hashlib.sha256(catalog.read_bytes()).hexdigest()
+    ok(run_cli("sql", catalog, "SELECT * FROM plan; SELECT * FROM compilations; FROM tasks LIMIT 3"))
+    assert hashlib.sha256(catalog.read_bytes()).hexdigest() == before
+    one_line_error(run_cli("sql", catalog, "DELETE FROM chosen WHERE compilation_id = 1"), "--write")
+    assert hashlib.sha256(catalog.read_bytes()).hexdigest() == before
+    out = ok(run_cli("sql", "--csv", catalog, "SELECT compilation_id, device FROM compilations ORDER BY 1"))
+    assert out.splitlines()[:3] == ['"compilation_id","device"', '1,"cpu:2"', '2,"cpu:4"']
+    wide = ok(run_cli("sql", catalog, "SELECT * FROM compilations WHERE compilation_id = 1"))
+    assert "-- row 1" in wide and "graph_fingerprint :" in wide  # too wide for a table: shown vertically
 
 
 def test_calibrate_without_a_gpu_is_a_clear_error() -> None:

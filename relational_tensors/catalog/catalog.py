@@ -21,7 +21,7 @@ import duckdb
 import pyarrow as pa
 
 from relational_tensors.catalog.files import check_readable, connect, prepare
-from relational_tensors.catalog.memory import VERSION, shared, views_sql
+from relational_tensors.catalog.memory import VERSION, VIEWS, shared, views_sql
 from relational_tensors.errors import CatalogError
 
 __all__ = ["Catalog", "load_sql"]
@@ -117,8 +117,7 @@ class Catalog:
         connection; ``None`` shows the persisted views again (every compilation with status ``ok``)."""
         if compilation_id is None:
             if self._narrowed is not None:
-                self.con.execute("DROP VIEW IF EXISTS temp.specs; DROP VIEW IF EXISTS temp.plan; "
-                                 "DROP VIEW IF EXISTS temp.plan_inputs")
+                self.con.execute("; ".join(f"DROP VIEW IF EXISTS temp.{v}" for v in reversed(VIEWS)))
                 self._narrowed = None
             return
         cid = _cid(compilation_id)
@@ -208,7 +207,7 @@ class Catalog:
         name = f"_arrow_{next(_counter)}"
         self.con.register(name, rows)
         try:
-            cols = ", ".join(rows.column_names)
+            cols = ", ".join(f'"{c}"' for c in rows.column_names)  # quoted: a column may be a keyword (end)
             self.con.execute(f"INSERT INTO {table} (compilation_id, {cols}) SELECT {cid}, {cols} FROM {name}")
         finally:
             self.con.unregister(name)

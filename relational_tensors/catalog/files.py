@@ -33,6 +33,10 @@ __all__ = ["connect", "prepare", "check_readable", "MIGRATIONS"]
 #   2: operator_kinds.gradient (a new column; older rows keep NULL).
 #   3: state_layouts, edges.carried and spec_inputs.carried (older rows: false, as they had no states
 #      priced across steps).
+#   4: the physical plan (placements, exchange_programs, exchange_actions, tasks, edge_traffic,
+#      device_memory, task_times, the op_times view) and compilations' topology, schedule_mode,
+#      tactic, calibration, keep_states, graph_fingerprint, version, cost_unit, predicted_seconds and
+#      peak_bytes (older compilations keep NULL: they were not recorded).
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: ("UPDATE compilations SET status = 'ok' WHERE status IS NULL AND plan_cost IS NOT NULL",),
 }
@@ -144,7 +148,8 @@ def check_readable(con: duckdb.DuckDBPyConnection, path: str) -> int:
 def _is_ours(view: str, found: _Found, schema: Schema) -> bool:
     if found.view_sql.get(view) == schema.views[view] or (found.comments.get(view) or "").startswith(_MARK):
         return True
-    return found.version == 0 and not found.comments.get(view) and _LEGACY_VIEWS[view] in found.view_sql[view]
+    legacy = _LEGACY_VIEWS.get(view)  # a view no version before 1 wrote is never a legacy one
+    return found.version == 0 and not found.comments.get(view) and legacy is not None and legacy in found.view_sql[view]
 
 
 def _rename_hint(name: str, kind: str) -> str:

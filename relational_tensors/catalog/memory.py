@@ -22,9 +22,9 @@ import duckdb
 
 __all__ = ["Column", "Schema", "shared", "views_sql", "VERSION", "PACKAGE", "VIEWS", "SEQUENCES", "SHOWN"]
 
-VERSION = 3  # the catalog version this package writes (see files.MIGRATIONS)
+VERSION = 4  # the catalog version this package writes (see files.MIGRATIONS)
 PACKAGE = "relational_tensors"
-VIEWS = ("plan_inputs", "plan", "specs")  # in views.sql's order (plan reads plan_inputs)
+VIEWS = ("plan_inputs", "plan", "specs", "op_times")  # in views.sql's order (plan reads plan_inputs)
 SEQUENCES = ("compilation_seq",)
 SHOWN = "SELECT compilation_id FROM compilations WHERE status = 'ok'"  # what the persisted views show
 _TEMPLATE = "rt_template"

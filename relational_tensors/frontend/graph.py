@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -412,6 +413,21 @@ class Graph:
         if node.op is not None:
             return tensor_id
         return self.assignments.get(tensor_id)
+
+    def fingerprint(self) -> str:
+        """A sha256 of the whole graph, names included: every node (name, role, operator with its
+        parameters, type, inputs), the saved outputs, the assignments and the recompute regions.  Equal
+        graphs, equal fingerprint, in any process."""
+        h = hashlib.sha256()
+        shown: dict[object, str] = {}  # equal operators (identical layers) are written out once
+        for n in self.nodes:
+            op = shown.get(n.op) if n.op is not None else "-"
+            if op is None:
+                op = shown[n.op] = repr(n.op)
+            h.update(f"{n.name}\0{n.role}\0{op}\0{n.type!r}\0{n.inputs}\n".encode())
+        h.update(repr((sorted(self.outputs.items()), sorted(self.assignments.items()),
+                       sorted(self.recomputed.items()))).encode())
+        return h.hexdigest()
 
     def next_names(self) -> dict[str, int]:
         """The saved name ``<state>.next`` of each assigned state -> the state's node id."""

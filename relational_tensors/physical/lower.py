@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -179,6 +180,7 @@ class _Lowering:
         self.programs: dict[str, ExProg] = {}
         self.memberships: dict[str, Membership] = {}
         self.place_memo: dict = {}
+        self.exchange_memo: dict = {}  # an exchange's geometry -> its synthesized program (see exchange)
         self.kernel_out: dict[int, list[int]] = {}   # op id -> output buffer of each function spec
         self.loaded: dict[tuple[int, Box, int], int] = {}
         self.loaded_blocks: dict[int, list[tuple[Box, int]]] = {}  # graph input -> (block, device) loaded
@@ -238,65 +240,36 @@ class _Lowering:
         ``wants`` holds (key, tensor, block, reader); each reader (a function spec) is a partition of
         size 1 whose device the synthesizer may choose, starting from ``guess`` (``synthesize``
         overrides the lowering's synthesizer).  Returns, per (key, tensor), the aggregated atoms of
-        the block (cell, buffer), and the reader placement."""
-        atoms: dict[str, _Atom] = {}
-        ins: list[InAtom] = []
-        reqs: dict[frozenset[str], list[int | str]] = {}
-        readers: dict[int, str] = {}
-        cells_of: dict[tuple[object, int], list[tuple[Box, frozenset[str], int]]] = {}
+        the block (cell, buffer), and the reader placement.
+
+        The program depends only on the geometry (the sources' blocks, devices and dtypes, the blocks
+        read, the readers' devices), so the identical layers of a deep model share one program and
+        its synthesis; only its tasks are made per call."""
+        synth = synthesize or self.synthesize
         by_tensor: dict[int, list[tuple[object, Box, int]]] = {}
         for key, tensor, block, reader in wants:
             by_tensor.setdefault(tensor, []).append((key, block, reader))
-        for n, (tensor, reads) in enumerate(sorted(by_tensor.items())):
-            made = self.sources(tensor)
-            lse_tensor = tensor not in self.held and self.plan.spec(tensor).aggregation.name == "lse"
-            rank = self.graph.nodes[tensor].type.rank
-            breaks = [sorted({b for box, _, _ in made for b in (box.lower[d], box.upper[d])} |
-                             {b for _, blk, _ in reads if not blk.is_empty for b in (blk.lower[d], blk.upper[d])})
-                      for d in range(rank)]
-            overlay = _Overlay(breaks, [box for box, _, _ in made])
-            names: dict[tuple[Box, int], str] = {}
-            for key, block, reader in reads:
-                entry = cells_of.setdefault((key, tensor), [])
-                if block.is_empty:
-                    continue
-                part = readers.setdefault(reader, f"F{reader}")
-                for cell, holders in overlay.cells(block):
-                    copies = []
-                    for f in holders:
-                        box, src, several = made[f]
-                        atom = names.get((cell, f))
-                        if atom is None:
-                            atom = f"t{n}.{len(names)}"
-                            names[(cell, f)] = atom
-                            atoms[atom] = _Atom(src, cell, tensor)
-                            lse = lse_tensor and several
-                            size = sum(block_bytes(cell, self.dag.buffers[src].dtype, lse))
-                            ins.append(InAtom(atom, self.dag.buffers[src].device, size))
-                        copies.append(atom)
-                    agg = frozenset(copies)
-                    targets = reqs.setdefault(agg, [])
-                    if part not in targets:
-                        targets.append(part)
-                    entry.append((cell, agg, reader))
-        if not ins:
-            return {k: [] for k in cells_of}, dict(guess)
-        prog = ExProg(tuple(range(self.p)),
-                      tuple(Partition(readers[r], 1) for r in sorted(readers)),
-                      tuple(ins),
-                      tuple(Requirement(agg, tuple(sorted(t, key=str))) for agg, t in reqs.items()))
-        membership: Membership = {readers[r]: (guess[r],) for r in readers}
-        body, membership = (synthesize or self.synthesize)(prog, membership)
-        prog = prog.with_body(body)
+        tensors = sorted(by_tensor)
+        made_all = [self.sources(t) for t in tensors]
+        buffers = self.dag.buffers
+        sig = (synth, tuple(sorted(guess.items())), tuple(
+            (tuple((box, buffers[b].device, buffers[b].dtype, several) for box, b, several in made),
+             t not in self.held and self.plan.spec(t).aggregation.name == "lse", self.graph.nodes[t].type.rank,
+             tuple(by_tensor[t])) for t, made in zip(tensors, made_all)))
+        geo = self.exchange_memo.get(sig)
+        if geo is None:
+            geo = self.exchange_memo[sig] = self._geometry(sig[2], guess, synth)
+        prog, membership, placed, atom_src, cells = geo
+        if prog is None:  # nothing to deliver
+            return {(key, tensors[n]): [] for n, key, _ in cells}, dict(guess)
+        atoms = {a: _Atom(made_all[n][f][1], cell, tensors[n]) for a, (n, f, cell) in atom_src.items()}
         self.programs[name] = prog
-        if (synthesize or self.synthesize) is not naive:
+        if synth is not naive:
             self.searched.add(name)
-        self.memberships[name] = dict(membership)
-        placed = dict(guess)
-        placed.update({r: membership[readers[r]][0] for r in readers})
-        state = self.run_program(prog, atoms, membership, op)
+        self.memberships[name] = membership
+        state = self.run_program(prog, atoms, membership, op, name)
         out: dict[tuple[object, int], list[tuple[Box, int]]] = {}
-        for k, entries in cells_of.items():
+        for n, key, entries in cells:
             blocks = []
             for cell, agg, reader in entries:
                 device = placed[reader]
@@ -304,11 +277,61 @@ class _Lowering:
                     raise ExchangeError(f"exchange program of {name} does not deliver "
                                         f"{aggregate_text(agg)} @ {device}.")
                 blocks.append((cell, state[(agg, device)]))
-            out[k] = blocks
-        return out, placed
+            out[(key, tensors[n])] = blocks
+        return out, dict(placed)
+
+    def _geometry(self, per_tensor: tuple[Any, ...], guess: dict[int, int], synth: Synthesizer) -> tuple[Any, ...]:
+        """The exchange program of one delivery, synthesized, and where its atoms and cells lie: (program
+        or None when nothing moves, membership, reader placement, atom -> (tensor index, source index,
+        cell), [(tensor index, key, [(cell, aggregate, reader)])])."""
+        ins: list[InAtom] = []
+        reqs: dict[frozenset[str], list[int | str]] = {}
+        readers: dict[int, str] = {}
+        atom_src: dict[str, tuple[int, int, Box]] = {}
+        cells: list[tuple[int, object, list[tuple[Box, frozenset[str], int]]]] = []
+        for n, (made, lse_tensor, rank, reads) in enumerate(per_tensor):
+            breaks = [sorted({b for box, *_ in made for b in (box.lower[d], box.upper[d])} |
+                             {b for _, blk, _ in reads if not blk.is_empty for b in (blk.lower[d], blk.upper[d])})
+                      for d in range(rank)]
+            overlay = _Overlay(breaks, [box for box, *_ in made])
+            names: dict[tuple[Box, int], str] = {}
+            for key, block, reader in reads:
+                entry: list[tuple[Box, frozenset[str], int]] = []
+                cells.append((n, key, entry))
+                if block.is_empty:
+                    continue
+                part = readers.setdefault(reader, f"F{reader}")
+                for cell, holders in overlay.cells(block):
+                    copies = []
+                    for f in holders:
+                        _, device, dtype, several = made[f]
+                        atom = names.get((cell, f))
+                        if atom is None:
+                            atom = f"t{n}.{len(names)}"
+                            names[(cell, f)] = atom
+                            atom_src[atom] = (n, f, cell)
+                            size = sum(block_bytes(cell, dtype, lse_tensor and several))
+                            ins.append(InAtom(atom, device, size))
+                        copies.append(atom)
+                    agg = frozenset(copies)
+                    targets = reqs.setdefault(agg, [])
+                    if part not in targets:
+                        targets.append(part)
+                    entry.append((cell, agg, reader))
+        if not ins:
+            return None, {}, dict(guess), atom_src, cells
+        prog = ExProg(tuple(range(self.p)),
+                      tuple(Partition(readers[r], 1) for r in sorted(readers)),
+                      tuple(ins),
+                      tuple(Requirement(agg, tuple(sorted(t, key=str))) for agg, t in reqs.items()))
+        membership: Membership = {readers[r]: (guess[r],) for r in readers}
+        body, membership = synth(prog, membership)
+        placed = dict(guess)
+        placed.update({r: membership[readers[r]][0] for r in readers})
+        return prog.with_body(body), dict(membership), placed, atom_src, cells
 
     def run_program(self, prog: ExProg, atoms: dict[str, _Atom], membership: Membership,
-                    op: int | None) -> dict[tuple[frozenset[str], int], int]:
+                    op: int | None, program: str = "") -> dict[tuple[frozenset[str], int], int]:
         """Tasks for a valid program: decompose, then fire actions in dataflow order."""
         dag = self.dag
         state: dict[tuple[frozenset[str], int], int] = {}
@@ -357,7 +380,7 @@ class _Lowering:
                             src_buf = dag.buffers[state[(act.aggregate, s)]]
                             b = dag.buffer(d, src_buf.box, src_buf.dtype, src_buf.tensor, src_buf.partial)
                             dag.add("copy", d, (src_buf.id,), (b,), op=op, src_device=s,
-                                    label=f"{aggregate_text(act.aggregate)} {s}->{d}")
+                                    label=f"{program}: {aggregate_text(act.aggregate)} {s}->{d}")
                             hold(act.aggregate, d, b)
                 fired.append(act)
             if not fired:

@@ -30,7 +30,17 @@ CREATE TABLE IF NOT EXISTS compilations (
     planning_seconds   DOUBLE,
     status             VARCHAR,     -- ok | refused (no plan fits the memory) | failed; NULL while planning
                                     -- (or when the process ended before the compilation finished)
-    error              VARCHAR      -- the error that refused or failed it
+    error              VARCHAR,     -- the error that refused or failed it
+    topology           VARCHAR,     -- the machine planned for (hgx-h200, dgx-a100, a topology file's name)
+    schedule_mode      VARCHAR,     -- naive | search
+    tactic             VARCHAR,     -- tree | linear
+    calibration        VARCHAR,     -- the kernel rates' source (a calibration file, or the topology's defaults)
+    keep_states        VARCHAR,     -- auto | as read | sharded
+    graph_fingerprint  VARCHAR,     -- sha256 of the whole graph, names included: equal graphs, equal fingerprint
+    version            VARCHAR,     -- the relational_tensors version that planned it
+    cost_unit          VARCHAR,     -- plan_cost's unit: elements (paper) | bytes | seconds (calibrated)
+    predicted_seconds  DOUBLE,      -- the simulated time of one execution on topology (NULL until simulated)
+    peak_bytes         BIGINT       -- the largest per-device peak of the plan
 );
 
 -- the operator registry each compilation was planned with (relational_tensors.registry)
@@ -171,4 +181,93 @@ CREATE TABLE IF NOT EXISTS state_layouts (
     bytes_per_device BIGINT,        -- the largest bytes kept on one device
     bytes_total     BIGINT,         -- over all devices (the tensor's bytes times its copies)
     write_bytes     BIGINT          -- bytes moved between devices to write the next value into the blocks
+);
+
+-- The physical plan, written by the compiler's record pass (one row set per compilation).
+
+-- where each function spec of each operator runs
+CREATE TABLE IF NOT EXISTS placements (
+    compilation_id  INTEGER,
+    op_id           INTEGER,
+    function_index  INTEGER,        -- the function spec's index in the operator's chosen spec
+    device          INTEGER,
+    output_block    VARCHAR,        -- the block of the output it computes
+    flops           DOUBLE
+);
+
+-- every exchange program: an operator's inputs (program = the operator's name), a saved output
+-- ('save:<name>') or an assigned state's write ('assign:<state>')
+CREATE TABLE IF NOT EXISTS exchange_programs (
+    compilation_id  INTEGER,
+    program         VARCHAR,
+    op_id           INTEGER,        -- the operator whose inputs it delivers (NULL for save: and assign:)
+    atoms           INTEGER,
+    actions         INTEGER,
+    text            VARCHAR         -- the program in ExProg text
+);
+
+-- every action of every exchange program, at each site it fires from
+CREATE TABLE IF NOT EXISTS exchange_actions (
+    compilation_id  INTEGER,
+    program         VARCHAR,
+    op_id           INTEGER,
+    action          INTEGER,        -- its index in the program's body, in the order the lowering fires them
+    source_device   INTEGER,
+    dest_devices    INTEGER[],      -- where it sends the aggregate (empty: it only forms it)
+    atoms           VARCHAR,        -- the aggregate, e.g. t0.1+t0.2
+    aggregated      BOOLEAN,        -- more than one atom: a ⊕ at the source
+    bytes           BIGINT          -- the aggregate's bytes (sent once to each destination)
+);
+
+-- the task DAG in the order each device runs it
+CREATE TABLE IF NOT EXISTS tasks (
+    compilation_id  INTEGER,
+    task_id         INTEGER,
+    kind            VARCHAR,        -- load | decompose | aggregate | copy | recompose | kernel | assign
+    op_id           INTEGER,        -- the operator it serves (NULL: a load, or a save's or assignment's exchange)
+    device          INTEGER,        -- where it runs (a copy: its destination)
+    src_device      INTEGER,        -- copies: the source
+    bytes           BIGINT,         -- of its outputs
+    inputs          INTEGER[],      -- the tasks whose outputs it reads (loads aside)
+    label           VARCHAR
+);
+
+-- bytes moved between devices per edge (producer tensor -> consumer) and device pair
+CREATE TABLE IF NOT EXISTS edge_traffic (
+    compilation_id  INTEGER,
+    producer_tensor INTEGER,        -- tensors.tensor_id of what moves (an operator's output or a sharded state)
+    producer_op     INTEGER,        -- the operator that made it (NULL for a state)
+    consumer_op     INTEGER,        -- the operator reading it (NULL for a save or an assignment)
+    program         VARCHAR,        -- the exchange program that moves it
+    src_device      INTEGER,
+    dst_device      INTEGER,
+    bytes           BIGINT
+);
+
+-- each device's peak memory, split at the peak as the memory report does (CompiledGraph.memory_by_category)
+CREATE TABLE IF NOT EXISTS device_memory (
+    compilation_id  INTEGER,
+    device          INTEGER,
+    peak_bytes      BIGINT,
+    resident_bytes  BIGINT,         -- loaded inputs and kept states
+    parameters      BIGINT,
+    optimizer_state BIGINT,
+    inputs          BIGINT,
+    activations_for_the_backward BIGINT,
+    gradients       BIGINT,
+    optimizer_update BIGINT,
+    other           BIGINT
+);
+
+-- per task, its simulated or measured start and end (cg.simulate(..., record=True), cg.profile(record=True))
+CREATE TABLE IF NOT EXISTS task_times (
+    compilation_id  INTEGER,
+    task_id         INTEGER,
+    op_id           INTEGER,
+    device          INTEGER,
+    kind            VARCHAR,
+    start           DOUBLE,         -- seconds from the start of the execution
+    "end"           DOUBLE,
+    seconds         DOUBLE,
+    source          VARCHAR         -- simulated:<topology> | measured:<devices>
 );

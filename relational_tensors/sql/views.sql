@@ -70,3 +70,14 @@ LEFT JOIN (
 ) rc ON rc.compilation_id = s.compilation_id AND rc.op_id = s.op_id AND rc.spec_id = s.spec_id
 WHERE s.compilation_id IN ({shown})
 ORDER BY o.compilation_id, o.op_id, s.spec_id;
+
+-- Seconds per operator and device, from the recorded task times (cg.simulate(..., record=True) and
+-- cg.profile(record=True)), per source of the times.
+CREATE OR REPLACE {temp} VIEW op_times AS
+SELECT tt.compilation_id, tt.source, tt.op_id, o.op_name, o.op_kind, tt.device,
+       count(*) AS tasks, sum(tt.seconds) AS seconds, min(tt.start) AS first_start, max(tt."end") AS last_end
+FROM task_times tt
+LEFT JOIN operators o ON o.compilation_id = tt.compilation_id AND o.op_id = tt.op_id
+WHERE tt.compilation_id IN ({shown})
+GROUP BY ALL
+ORDER BY tt.compilation_id, tt.source, tt.op_id, tt.device;

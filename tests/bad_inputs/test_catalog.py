@@ -220,6 +220,7 @@ def old_catalog(path: Path) -> None:
     every = "SELECT compilation_id FROM compilations"
     old_views = load_sql("views.sql").replace("{temp}", "").replace("{shown}", every)
     con.execute(old_views)
+    con.execute("DROP VIEW op_times")  # a view of a later version
     con.execute("INSERT INTO compilations (compilation_id, label, devices, plan_cost, planning_seconds) "
                 "VALUES (1, 'finished', 2, 10.0, 0.5), (2, 'refused', 2, NULL, NULL)")
     con.execute("SELECT nextval('compilation_seq'), nextval('compilation_seq')")
