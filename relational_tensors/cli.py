@@ -521,6 +521,42 @@ def _prompt(cat: Any, ui: _Ui, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_query(args: argparse.Namespace, ui: _Ui) -> int:
+    """A named query of ``sql/queries`` over one compilation of a catalog file (the latest by default)."""
+    from relational_tensors.catalog import Catalog
+
+    if not Path(args.catalog_file).is_file():
+        raise CommandError(f"no catalog file {args.catalog_file!r}; write one with "
+                           f"`{PROG} plan MODEL.py --catalog {args.catalog_file}`.")
+    params: dict[str, Any] = {}
+    for item in args.param:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise CommandError(f"--param takes NAME=VALUE; got {item!r}.")
+        params[key] = int(value) if value.lstrip("-").isdigit() else value
+    cat = Catalog(args.catalog_file, read_only=True)
+    try:
+        cid = args.compilation
+        if cid is None:
+            (cid,), = cat.execute("SELECT coalesce(max(compilation_id), 0) FROM compilations").fetchall()
+            if not cid:
+                raise CommandError(f"the catalog {args.catalog_file!r} holds no compilation yet.")
+        cat.narrow(int(cid))
+        t0 = time.perf_counter()
+        table = cat.query(args.name, defaults={"cid": int(cid)}, **params)
+        took = time.perf_counter() - t0
+        if ui.json:
+            ui.result(table.to_pylist())
+        elif args.csv:
+            ui.text(_csv(table))
+        else:
+            rows = f"{table.num_rows} row{'' if table.num_rows == 1 else 's'}"
+            ui.text(_render_table(table, ui, f"{args.name} on compilation {cid}: {rows} in {_seconds(took)}"))
+        return 0
+    finally:
+        cat.close()
+
+
 def cmd_calibrate(args: argparse.Namespace, ui: _Ui) -> int:
     name = "relational_tensors.gpu_exec.calibrate"
     try:
@@ -686,10 +722,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-f", "--file", default=None, metavar="FILE", help="read the statements from FILE")
     s.add_argument("--write", action="store_true", help="open the file for writing (statements may change it)")
     s.add_argument("--csv", action="store_true", help="print each result as CSV")
+    q = add("query", cmd_query, "run a named query (sql/queries) on one compilation of a catalog file")
+    q.add_argument("catalog_file", metavar="CATALOG.duckdb")
+    q.add_argument("name", metavar="NAME", help="a named query: " + ", ".join(_query_list()))
+    q.add_argument("--compilation", type=int, default=None, metavar="ID", help="default: the latest")
+    q.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a $NAME of the query")
+    q.add_argument("--csv", action="store_true", help="print the result as CSV")
     c = add("calibrate", cmd_calibrate, "measure this GPU's kernels for the simulator (needs a GPU); "
             "arguments after it go to the calibration module", add_help=False)
     c.set_defaults(rest=[])
     return parser
+
+
+def _query_list() -> list[str]:
+    from importlib import resources
+
+    return sorted(p.name.removesuffix(".sql") for p in resources.files("relational_tensors.sql").joinpath(
+        "queries").iterdir() if p.name.endswith(".sql"))
 
 
 def _error_line(e: BaseException) -> None:

@@ -451,9 +451,11 @@ class CompiledGraph:
         return self.catalog.sql(query)
 
     def query(self, name: str, **params: Any) -> pa.Table:
-        """A named query from ``sql/queries`` (repartitions, cheapest_candidates, plan_cost, compilations)."""
+        """A named query from ``sql/queries`` (repartitions, cheapest_candidates, plan_cost, compilations,
+        plan_diff, chosen_vs_cheapest, traffic_by_device_pair, time_by_kind) over this compilation
+        (``$cid`` defaults to its id)."""
         self.catalog.narrow(self.compilation_id)
-        return self.catalog.query(name, **params)
+        return self.catalog.query(name, defaults={"cid": self.compilation_id}, **params)
 
     def spec(self, op: str) -> Any:
         return self.plan.spec(op)

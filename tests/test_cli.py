@@ -381,3 +381,21 @@ def test_notation_of_uneven_mixed_and_overlapping_layouts() -> None:
     assert layout({Box((0, 0), (8, 4)): (0, 1, 2)}).notation() == "R"
     assert layout({Box((0, 0), (8, 4)): (0,)}).notation() == "R"
     assert layout({Box((0, 0), (4, 4)): (0, 2), Box((4, 0), (8, 4)): (1, 3)}, "max").notation() == "S(0)P(max)"
+
+
+def test_every_named_query_runs_from_the_command_line(catalog: Path) -> None:
+    from relational_tensors.cli import _query_list
+
+    params = {"plan_diff": ["--param", "a=1", "--param", "b=2"], "cheapest_candidates": ["--param", "kind=matmul"]}
+    names = _query_list()
+    assert {"plan_diff", "chosen_vs_cheapest", "traffic_by_device_pair", "time_by_kind", "repartitions"} <= set(names)
+    for name in names:
+        out = ok(run_cli("query", catalog, name, *params.get(name, [])))
+        assert f"{name} on compilation 2" in out, name  # the latest compilation by default
+    rows = json.loads(ok(run_cli("--json", "query", catalog, "plan_diff", "--param", "a=1", "--param", "b=2")))
+    assert rows and {"split_a", "split_b", "changed"} <= set(rows[0])
+    first = json.loads(ok(run_cli("--json", "query", catalog, "traffic_by_device_pair", "--compilation", "1")))
+    assert all(r["src_device"] in (0, 1) for r in first)  # compilation 1 was planned for 2 devices
+    one_line_error(run_cli("query", catalog, "plan_diff"), "not given")
+    one_line_error(run_cli("query", catalog, "no_such_query"), "no named query")
+    one_line_error(run_cli("query", catalog, "repartitions", "--param", "bad"), "NAME=VALUE")

@@ -12,6 +12,7 @@ import datetime
 import functools
 import itertools
 import os
+import re
 import weakref
 from importlib import resources
 from pathlib import Path
@@ -225,13 +226,26 @@ class Catalog:
         except duckdb.Error as e:
             raise CatalogError(f"catalog query failed: {_first_line(e)}; got {query!r}.") from None
 
-    def query(self, name: str, **params: Any) -> pa.Table:
-        """Run the named query ``sql/queries/<name>.sql`` with ``$param`` values."""
+    def query(self, name: str, defaults: dict[str, Any] | None = None, **params: Any) -> pa.Table:
+        """Run the named query ``sql/queries/<name>.sql`` with ``$param`` values; ``defaults`` fill the
+        parameters the query uses that ``params`` do not give (``cid``: the compilation shown)."""
         known = _query_names()
         if not isinstance(name, str) or name not in known:
             raise CatalogError(f"no named query {name!r}: a named query is the name of a file in sql/queries, "
                                f"without .sql; known: {', '.join(known)}. Run any other SQL with cg.sql(...).")
         text = load_sql(f"queries/{name}.sql")
+        for key, value in (defaults or {}).items():
+            if f"${key}" in text and key not in params:
+                params[key] = value
+        wanted = sorted(set(re.findall(r"\$([A-Za-z_]\w*)", text)))
+        missing = [k for k in wanted if k not in params]
+        extra = sorted(set(params) - set(wanted))
+        if missing:
+            raise CatalogError(f"named query {name!r} takes the parameters {wanted}; {missing} not given. Give "
+                               f"each one: cg.query({name!r}, {missing[0]}=...), or --param {missing[0]}=VALUE.")
+        if extra:
+            takes = f"the parameters {wanted}" if wanted else "no parameters"
+            raise CatalogError(f"named query {name!r} takes {takes}; got {extra} as well. Leave those out.")
         try:
             rel = self.con.sql(text, params=params) if params else self.con.sql(text)
             return rel.to_arrow_table()
