@@ -131,3 +131,44 @@ def test_copy_tasks_are_labelled_with_their_exchange_program() -> None:
     feeds = {n.name: np.random.default_rng(0).standard_normal(n.type.shape).astype(np.float32) for n in g.inputs}
     np.testing.assert_allclose(cg.run(feeds)[next(iter(g.outputs))], rt.reference(g, feeds)[next(iter(g.outputs))],
                                rtol=1e-4, atol=1e-4)
+
+
+def test_every_table_and_column_carries_its_meaning_and_the_docs_say_the_same() -> None:
+    from relational_tensors.catalog import Catalog
+    from relational_tensors.catalog.dictionary import data_dictionary
+
+    cat = Catalog()
+    (db,), = cat.con.execute("SELECT current_database()").fetchall()
+    bare = cat.con.execute("SELECT table_name FROM duckdb_tables() WHERE database_name = ? AND schema_name = 'main' "
+                           "AND (comment IS NULL OR comment = '')", [db]).fetchall()
+    assert bare == []
+    bare = cat.con.execute(
+        "SELECT c.table_name, c.column_name FROM duckdb_columns() c JOIN duckdb_tables() t "
+        "ON t.database_name = c.database_name AND t.table_name = c.table_name "
+        "WHERE c.database_name = ? AND c.schema_name = 'main' AND (c.comment IS NULL OR c.comment = '')",
+        [db]).fetchall()
+    assert bare == []
+    committed = (Path(__file__).parent.parent / "docs" / "catalog.md").read_text()
+    assert data_dictionary(cat.con) == committed, (
+        "docs/catalog.md is stale: python -m relational_tensors.catalog.dictionary > docs/catalog.md")
+
+
+def test_stock_duckdb_reads_every_view_and_comment_of_a_persisted_catalog(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from relational_tensors.catalog.memory import VIEWS
+
+    path = tmp_path / "one.duckdb"
+    cg = rt.compileGraph(llama_block(1, 16, 32, 4, 2, 48, dtype="float32"), device="cpu:2", catalog=str(path))
+    cg.simulate(record=True)
+    cg.catalog.close()
+    script = ("import duckdb, sys\n"
+              "con = duckdb.connect(sys.argv[1], read_only=True)\n"
+              "for v in sys.argv[2:]:\n"
+              "    print(v, len(con.execute(f'SELECT * FROM {v}').fetchall()))\n"
+              "q = \"SELECT count(*) FROM duckdb_columns() WHERE comment <> ''\"\n"
+              "print('comments', con.execute(q).fetchall()[0][0])\n")
+    out = subprocess.run([sys.executable, "-c", script, str(path), *VIEWS], capture_output=True, text=True, check=True)
+    counts = dict(line.split() for line in out.stdout.splitlines())
+    assert all(int(counts[v]) > 0 for v in VIEWS) and int(counts["comments"]) >= 150

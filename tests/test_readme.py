@@ -40,3 +40,14 @@ def test_readme_training_step_example_runs() -> None:
     losses = [float(line.strip("[]")) for line in out.getvalue().split()]
     assert len(losses) == 3 and all(np.isfinite(losses))
     assert scope["w1_now"].shape == (16, 32) and not np.allclose(scope["w1_now"], scope["states"]["w1"])
+
+
+def test_readme_research_queries_run_and_print_what_the_readme_shows(tmp_path: Path, monkeypatch) -> None:
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("## Research with SQL", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    shown = re.search(r"```text\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)  # the example writes plans.duckdb in the working directory
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        exec(compile(code, "README.md", "exec"), {})
+    assert out.getvalue().rstrip("\n") == shown.rstrip("\n")

@@ -36,7 +36,8 @@ __all__ = ["connect", "prepare", "check_readable", "MIGRATIONS"]
 #   4: the physical plan (placements, exchange_programs, exchange_actions, tasks, edge_traffic,
 #      device_memory, task_times, the op_times view) and compilations' topology, schedule_mode,
 #      tactic, calibration, keep_states, graph_fingerprint, version, cost_unit, predicted_seconds and
-#      peak_bytes (older compilations keep NULL: they were not recorded).
+#      peak_bytes (older compilations keep NULL: they were not recorded); a COMMENT ON every table and
+#      column (from sql/schema.sql, applied by every migration).
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: ("UPDATE compilations SET status = 'ok' WHERE status IS NULL AND plan_cost IS NOT NULL",),
 }
@@ -210,6 +211,10 @@ def prepare(con: duckdb.DuckDBPyConnection, path: str, schema: Schema, schema_sq
     if any(found.view_sql.get(v) != schema.views[v] for v in VIEWS):
         steps.append(views_sql(views_text, temp=False, shown=SHOWN))
         steps += [f"COMMENT ON VIEW {v} IS '{_MARK} (catalog version {VERSION})'" for v in VIEWS]
+    if found.version != VERSION:  # every table and column carries its meaning (catalog.dictionary)
+        from relational_tensors.catalog.dictionary import comment_statements
+
+        steps += comment_statements(schema_sql)
     row: list[object] | None = None
     if found.version != VERSION:
         note = "created" if found.version is None else f"migrated from version {found.version}" + (

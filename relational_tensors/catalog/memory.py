@@ -72,6 +72,9 @@ class _Memory:
         """Attach database ``name`` and create the schema in it with ``con`` (left using it)."""
         con.execute(f"ATTACH ':memory:' AS {name}; USE {name}")
         con.execute(self.schema_sql)
+        from relational_tensors.catalog.dictionary import comment_statements
+
+        con.execute(";\n".join(comment_statements(self.schema_sql)))
         con.execute(views_sql(self.views_text, temp=False, shown=SHOWN))
         con.execute("INSERT INTO catalog_version VALUES (?, ?, ?, 'created')",
                     [VERSION, PACKAGE, datetime.datetime.now()])

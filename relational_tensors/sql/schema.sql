@@ -8,26 +8,27 @@
 
 -- one row per catalog version a file was created at or migrated to; the newest is the file's
 CREATE TABLE IF NOT EXISTS catalog_version (
-    version   INTEGER,
+    version   INTEGER,                        -- the catalog version the file was created at or migrated to
     package   VARCHAR,              -- relational_tensors: marks the file as a catalog of this project
-    applied   TIMESTAMP,
+    applied   TIMESTAMP,                      -- when
     note      VARCHAR               -- created, or what the migration added
 );
 
 CREATE SEQUENCE IF NOT EXISTS compilation_seq START 1;
 
+-- one row per compilation: how it was planned, what it cost, whether it made a plan
 CREATE TABLE IF NOT EXISTS compilations (
     compilation_id     INTEGER PRIMARY KEY,
-    created            TIMESTAMP,
+    created            TIMESTAMP,             -- when the compilation started
     label              VARCHAR,     -- a name the user gave, or the graph's output names
     devices            INTEGER,     -- p, the number of function specs per join-agg spec
     device             VARCHAR,     -- what the device argument named (cpu:8, cuda:0,1, ...)
     selector           VARCHAR,     -- dp | greedy | random
-    seed               INTEGER,
+    seed               INTEGER,               -- the seed of the random selector and of the exchange search
     cost_model         VARCHAR,     -- paper | bytes | calibrated
-    memory_per_device  BIGINT,
-    plan_cost          DOUBLE,
-    planning_seconds   DOUBLE,
+    memory_per_device  BIGINT,                -- the bytes each device may use (the least over the devices)
+    plan_cost          DOUBLE,                -- the chosen plan's cost under cost_model, in cost_unit
+    planning_seconds   DOUBLE,                -- the seconds the passes took
     status             VARCHAR,     -- ok | refused (no plan fits the memory) | failed; NULL while planning
                                     -- (or when the process ended before the compilation finished)
     error              VARCHAR,     -- the error that refused or failed it
@@ -47,36 +48,38 @@ CREATE TABLE IF NOT EXISTS compilations (
 CREATE TABLE IF NOT EXISTS operator_kinds (
     compilation_id  INTEGER,
     kind            VARCHAR,        -- the operator kind (operators.op_kind)
-    op_class        VARCHAR,
+    op_class        VARCHAR,                  -- the Python class declaring it
     module          VARCHAR,        -- where the operator is declared
     aggregation     VARCHAR,        -- its ⊕ (per op: chosen by the operator's parameters)
     cost_family     VARCHAR,        -- how the kernel model prices it: matmul | attention | compute
-    numpy_kernel    BOOLEAN,
-    gpu_launcher    BOOLEAN,
+    numpy_kernel    BOOLEAN,                  -- it has a NumPy kernel (virtual CPU devices)
+    gpu_launcher    BOOLEAN,                  -- it has a GPU launcher
     gpu_allocates   BOOLEAN,        -- its GPU kernel allocates (keeps a program out of CUDA-graph capture;
                                     -- NULL: each operator's parameters decide)
     gradient        VARCHAR         -- 'yes' where it declares its vector-Jacobian product, else why not
 );
 
+-- every tensor of the graph (inputs, parameters, states and operator outputs)
 CREATE TABLE IF NOT EXISTS tensors (
     compilation_id  INTEGER,
     tensor_id       INTEGER,        -- the id of the node that produces it
-    name            VARCHAR,
+    name            VARCHAR,                  -- the node's name
     role            VARCHAR,        -- input | parameter | op
-    dtype           VARCHAR,
-    shape           VARCHAR,
-    dims            VARCHAR,
-    elements        BIGINT,
+    dtype           VARCHAR,                  -- element type
+    shape           VARCHAR,                  -- the shape, e.g. [1, 8192, 4096]
+    dims            VARCHAR,                  -- the index names of its dimensions
+    elements        BIGINT,                   -- number of elements
     bytes           BIGINT,
-    consumers       INTEGER,
-    saved           BOOLEAN
+    consumers       INTEGER,                  -- how many operators read it
+    saved           BOOLEAN                   -- it is a saved output
 );
 
+-- every operator of the graph, with its DP piece
 CREATE TABLE IF NOT EXISTS operators (
     compilation_id  INTEGER,
     op_id           INTEGER,        -- = tensor_id of its output
-    op_name         VARCHAR,
-    op_kind         VARCHAR,
+    op_name         VARCHAR,                  -- the node's name
+    op_kind         VARCHAR,                  -- the operator kind (operator_kinds.kind)
     signature       VARCHAR,        -- einsum-like picture of its indices
     params          VARCHAR,        -- JSON
     shardable       VARCHAR,        -- requestable indices in declared order, name=extent
@@ -84,6 +87,7 @@ CREATE TABLE IF NOT EXISTS operators (
     tree_id         INTEGER         -- the DP piece (cut at multi-consumer tensors), numbered in optimization order
 );
 
+-- every input edge of every operator
 CREATE TABLE IF NOT EXISTS edges (
     compilation_id  INTEGER,
     op_id           INTEGER,        -- consumer
@@ -94,6 +98,7 @@ CREATE TABLE IF NOT EXISTS edges (
     carried         BOOLEAN DEFAULT false  -- reads a state: priced from producer_op's tiling in the step before
 );
 
+-- the block sets (tilings) the candidate specs make and read, interned per tensor
 CREATE TABLE IF NOT EXISTS tilings (
     compilation_id  INTEGER,
     tiling_id       INTEGER,
@@ -101,9 +106,10 @@ CREATE TABLE IF NOT EXISTS tilings (
     is_grid         BOOLEAN,        -- false for overlapping block sets (causal key prefixes)
     grid            VARCHAR,        -- per-dimension breakpoints, or the list of blocks
     counts          VARCHAR,        -- blocks per dimension, e.g. 1x8x1
-    blocks          INTEGER
+    blocks          INTEGER                   -- how many blocks
 );
 
+-- every candidate join-agg spec of every operator, costed (Algorithm 1's input)
 CREATE TABLE IF NOT EXISTS candidate_specs (
     compilation_id    INTEGER,
     op_id             INTEGER,
@@ -116,12 +122,13 @@ CREATE TABLE IF NOT EXISTS candidate_specs (
     compute_cost      DOUBLE,       -- 0 under the paper's model; kernel seconds under "calibrated"
     flops             DOUBLE,
     imbalance         DOUBLE,       -- max/min FLOPs over function specs, minus one
-    balanced          BOOLEAN,
+    balanced          BOOLEAN,                -- its function specs' FLOPs are within the balance rule
     memory_bytes      BIGINT,       -- largest per-device working set (input blocks + output block)
     resident_bytes    BIGINT,       -- largest per-device bytes of graph-input blocks (they stay loaded)
     eligible          BOOLEAN       -- offered to the selectors (balance and memory rules)
 );
 
+-- per candidate spec and input, the blocks it reads and what reading them may cost
 CREATE TABLE IF NOT EXISTS spec_inputs (
     compilation_id    INTEGER,
     op_id             INTEGER,
@@ -147,9 +154,10 @@ CREATE TABLE IF NOT EXISTS edge_prices (
     input_pos         INTEGER,
     producer_tiling   INTEGER,      -- the producer's output tiling
     required_tiling   INTEGER,      -- in_k(J) of a consumer spec
-    price             DOUBLE
+    price             DOUBLE                  -- the price of the pair, in the cost model's unit
 );
 
+-- Algorithm 1's table: Opt(op, T), the least cost of the operator's sub-tree with output tiling T
 CREATE TABLE IF NOT EXISTS dp_table (
     compilation_id  INTEGER,
     op_id           INTEGER,
@@ -158,6 +166,7 @@ CREATE TABLE IF NOT EXISTS dp_table (
     spec_id         INTEGER         -- the cheapest spec inducing it
 );
 
+-- the spec the selector chose for each operator
 CREATE TABLE IF NOT EXISTS chosen (
     compilation_id  INTEGER,
     op_id           INTEGER,
@@ -173,7 +182,7 @@ CREATE TABLE IF NOT EXISTS chosen (
 CREATE TABLE IF NOT EXISTS state_layouts (
     compilation_id  INTEGER,
     state_id        INTEGER,        -- the state's node id (tensors.tensor_id)
-    state           VARCHAR,
+    state           VARCHAR,                  -- the state's name
     value_op        INTEGER,        -- the operator whose output is the state's next value
     kept            VARCHAR,        -- as read | sharded
     placement       VARCHAR,        -- DTensor/JAX-style notation of the kept blocks ('-' where none fits)
@@ -199,20 +208,20 @@ CREATE TABLE IF NOT EXISTS placements (
 -- ('save:<name>') or an assigned state's write ('assign:<state>')
 CREATE TABLE IF NOT EXISTS exchange_programs (
     compilation_id  INTEGER,
-    program         VARCHAR,
+    program         VARCHAR,                  -- the operator's name, save:<output> or assign:<state>
     op_id           INTEGER,        -- the operator whose inputs it delivers (NULL for save: and assign:)
-    atoms           INTEGER,
-    actions         INTEGER,
+    atoms           INTEGER,                  -- how many atoms (cells of the producer's blocks) it moves or combines
+    actions         INTEGER,                  -- how many actions its body has
     text            VARCHAR         -- the program in ExProg text
 );
 
 -- every action of every exchange program, at each site it fires from
 CREATE TABLE IF NOT EXISTS exchange_actions (
     compilation_id  INTEGER,
-    program         VARCHAR,
+    program         VARCHAR,                  -- the exchange program (exchange_programs.program)
     op_id           INTEGER,
     action          INTEGER,        -- its index in the program's body, in the order the lowering fires them
-    source_device   INTEGER,
+    source_device   INTEGER,                  -- where the action forms its aggregate and sends it from
     dest_devices    INTEGER[],      -- where it sends the aggregate (empty: it only forms it)
     atoms           VARCHAR,        -- the aggregate, e.g. t0.1+t0.2
     aggregated      BOOLEAN,        -- more than one atom: a ⊕ at the source
@@ -222,7 +231,7 @@ CREATE TABLE IF NOT EXISTS exchange_actions (
 -- the task DAG in the order each device runs it
 CREATE TABLE IF NOT EXISTS tasks (
     compilation_id  INTEGER,
-    task_id         INTEGER,
+    task_id         INTEGER,                  -- its position in the task DAG (the order each device runs its tasks in)
     kind            VARCHAR,        -- load | decompose | aggregate | copy | recompose | kernel | assign
     op_id           INTEGER,        -- the operator it serves (NULL: a load, or a save's or assignment's exchange)
     device          INTEGER,        -- where it runs (a copy: its destination)
@@ -239,8 +248,8 @@ CREATE TABLE IF NOT EXISTS edge_traffic (
     producer_op     INTEGER,        -- the operator that made it (NULL for a state)
     consumer_op     INTEGER,        -- the operator reading it (NULL for a save or an assignment)
     program         VARCHAR,        -- the exchange program that moves it
-    src_device      INTEGER,
-    dst_device      INTEGER,
+    src_device      INTEGER,                  -- the device the bytes leave
+    dst_device      INTEGER,                  -- the device they reach
     bytes           BIGINT
 );
 
@@ -248,26 +257,26 @@ CREATE TABLE IF NOT EXISTS edge_traffic (
 CREATE TABLE IF NOT EXISTS device_memory (
     compilation_id  INTEGER,
     device          INTEGER,
-    peak_bytes      BIGINT,
+    peak_bytes      BIGINT,                   -- the device's peak
     resident_bytes  BIGINT,         -- loaded inputs and kept states
-    parameters      BIGINT,
-    optimizer_state BIGINT,
-    inputs          BIGINT,
-    activations_for_the_backward BIGINT,
-    gradients       BIGINT,
-    optimizer_update BIGINT,
-    other           BIGINT
+    parameters      BIGINT,                   -- bytes of parameters live at the peak
+    optimizer_state BIGINT,                   -- bytes of optimizer state (moments, master weights, step) at the peak
+    inputs          BIGINT,                   -- bytes of graph inputs at the peak
+    activations_for_the_backward BIGINT,      -- bytes of forward tensors a gradient operator reads, at the peak
+    gradients       BIGINT,                   -- bytes of gradients at the peak
+    optimizer_update BIGINT,                  -- bytes of the optimizer update's temporaries at the peak
+    other           BIGINT                    -- every other byte live at the peak
 );
 
 -- per task, its simulated or measured start and end (cg.simulate(..., record=True), cg.profile(record=True))
 CREATE TABLE IF NOT EXISTS task_times (
     compilation_id  INTEGER,
-    task_id         INTEGER,
+    task_id         INTEGER,                  -- the task (tasks.task_id)
     op_id           INTEGER,
     device          INTEGER,
-    kind            VARCHAR,
+    kind            VARCHAR,                  -- the task's kind
     start           DOUBLE,         -- seconds from the start of the execution
-    "end"           DOUBLE,
-    seconds         DOUBLE,
+    "end"           DOUBLE,                   -- seconds from the start of the execution
+    seconds         DOUBLE,                   -- end - start
     source          VARCHAR         -- simulated:<topology> | measured:<devices>
 );

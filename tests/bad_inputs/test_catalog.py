@@ -315,7 +315,8 @@ def test_a_named_query_is_a_plain_name(name: str) -> None:
     with pytest.raises(rt.PlanError, match=re.escape(f"no named query {name!r}")) as e:
         Catalog().query(name)
     msg = str(e.value)
-    assert "known: cheapest_candidates, compilations, plan_cost, repartitions" in msg and "cg.sql" in msg
+    assert ("known: cheapest_candidates, chosen_vs_cheapest, compilations, plan_cost, plan_diff, repartitions, "
+            "time_by_kind, traffic_by_device_pair") in msg and "cg.sql" in msg
 
 
 def test_in_memory_catalogs_are_independent() -> None:
