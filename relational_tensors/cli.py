@@ -243,6 +243,7 @@ def _compile(args: argparse.Namespace, ui: _Ui, graph: Any) -> Any:
                                cost_model=args.cost_model, memory_per_device=args.memory_per_device,
                                catalog=args.catalog, tactic=args.tactic, schedule_mode=args.schedule,
                                topology=args.topology_value, search_budget_s=args.search_budget,
+                               search_steps=args.search_steps,
                                calibration=args.calibration, attention=args.attention, refine=not args.no_refine,
                                keep_states=args.keep_states)
 
@@ -656,6 +657,8 @@ def _plan_options(parser: argparse.ArgumentParser) -> None:
                    help="cost model (calibrated: seconds on --topology with --calibration's kernel rates)")
     o.add_argument("--schedule", default=_default("schedule_mode"), choices=_choices("schedule_mode"),
                    help="exchange-program synthesis")
+    o.add_argument("--search-steps", type=int, default=None, metavar="N",
+                   help="with --schedule search: proposals judged per program (reproducible for a --seed)")
     o.add_argument("--search-budget", type=float, default=_default("search_budget_s"), metavar="S",
                    help="seconds of search per exchange program with --schedule search")
     o.add_argument("--attention", default=_default("attention"), choices=_choices("attention"),

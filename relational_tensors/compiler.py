@@ -60,6 +60,8 @@ class _State:
     lowered: Lowered | None = None
     live: Liveness | None = None
     kept: dict[int, str] = field(default_factory=dict)  # assigned state -> how it is kept (default "as read")
+    searched_programs: int = 0  # schedule_mode="search": programs searched, and how many the budget stopped
+    search_timeouts: int = 0
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -184,8 +186,11 @@ def _searched(s: _State, plan: LogicalPlan, naive: Lowered) -> Lowered:
 
     assert s.target is not None
     t = s.target
-    synth = make_searcher(t.topology, seed=s.options.seed, budget_s=s.options.search_budget_s)
+    synth = make_searcher(t.topology, seed=s.options.seed, budget_s=s.options.search_budget_s,
+                          max_steps=s.options.search_steps)
     searched = lower(plan, "naive", synth, kept=s.kept, later=s.options.second_phase_inputs)
+    s.search_timeouts = sum(r.out_of_time for r in synth.results)
+    s.searched_programs = len(synth.results)
     if simulate_plan(naive.dag, s.graph, t.topology, t.kernels).time < simulate_plan(
             searched.dag, s.graph, t.topology, t.kernels).time:
         return naive
@@ -431,6 +436,7 @@ class CompiledGraph:
         self.compilation_id = state.cid
         self.options = state.options
         self.timings = state.timings
+        self.search = (state.searched_programs, state.search_timeouts)  # programs searched, stopped by the clock
         self.pieces = state.pieces
         self.lowered = state.lowered
         self.dag = state.lowered.dag
@@ -678,7 +684,7 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
                  cost_model: str = "paper", memory_per_device: int | None = None,
                  catalog: str | Path | Catalog | None = None, tactic: str = "tree",
                  label: str | None = None, schedule_mode: str = "naive",
-                 topology: str | Topology = "hgx-h200", search_budget_s: float = 0.5,
+                 topology: str | Topology = "hgx-h200", search_budget_s: float = 0.5, search_steps: int | None = None,
                  calibration: str | None = None, attention: str = "triton", refine: bool = True,
                  keep_states: str = "auto", second_phase_inputs: Any = ()) -> CompiledGraph:
     """Plan ``graph`` for the devices named by ``device`` (see ``relational_tensors.target.devices``).
@@ -696,6 +702,7 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
         options = CompileOptions(selector=selector, seed=seed, cost_model=cost_model,
                                  memory_per_device=memory_per_device, tactic=tactic, label=label,
                                  schedule_mode=schedule_mode, topology=topology, search_budget_s=search_budget_s,
+                                 search_steps=search_steps,
                                  calibration=calibration, attention=attention, refine=refine,
                                  keep_states=keep_states, second_phase_inputs=frozenset(
                                      [second_phase_inputs] if isinstance(second_phase_inputs, str)

@@ -318,6 +318,10 @@ def plan_table(cg: CompiledGraph, rows: list[dict[str, Any]] | None = None, widt
         cg.plan.cost_model, ("bytes", 1.0, 0))
     small = [n.name for n in cg.graph.operators if cg.plan.spec(n.id).p < cg.p]
     few = (f"; on fewer than {cg.p} devices (too small to split {cg.p} ways): {', '.join(small)}" if small else "")
+    searched, late = cg.search
+    if late:  # a search stopped by the wall clock depends on the machine's speed: say so
+        few += (f"; the search budget ({cg.options.search_budget_s:g} s) stopped {late} of {searched} searched "
+                "exchange programs: set search_steps for a reproducible search")
     table = Table(
         title=(f"plan for p={cg.p} ({cg.devices}), selector={cg.plan.selector}, cost model={cg.plan.cost_model} "
                f"({unit})") if titled else None,

@@ -312,3 +312,22 @@ def test_a_searched_plan_is_never_slower_than_the_naive_plan(chain: str) -> None
         assert searched.simulate() <= naive.simulate()
         if machine == "dgx-v100" and chain == "A":  # where search pays (the paper's 1.41x), it is kept
             assert searched.simulate() < naive.simulate()
+
+
+def test_a_searched_plan_is_reproducible_given_its_seed_and_step_limit() -> None:
+    """With search_steps the search stops on proposals judged, not on the clock: two compilations with
+    the same seed give the same exchange programs; a clock that stops searches is reported."""
+    from relational_tensors.models import llama_block
+
+    g = llama_block(1, 48, 64, 4, 2, 96, dtype="float32")
+    opts = dict(device="cpu:4", topology="dgx-v100", schedule_mode="search", seed=3, search_steps=25,
+                search_budget_s=120.0)
+    a, b = rt.compileGraph(g, **opts), rt.compileGraph(g, **opts)
+    assert a.exchange_programs() == b.exchange_programs()
+    assert a.search[0] > 0 and a.search[1] == 0
+    assert "search budget" not in a.explain(file=open("/dev/null", "w"))
+    rushed = rt.compileGraph(g, device="cpu:4", topology="dgx-v100", schedule_mode="search", search_budget_s=1e-9)
+    assert rushed.search[1] > 0
+    assert "set search_steps" in rushed.explain(file=open("/dev/null", "w"), width=400)
+    with pytest.raises(rt.PlanError, match="search_steps"):
+        rt.compileGraph(g, device="cpu:4", schedule_mode="search", search_steps=0)

@@ -106,6 +106,7 @@ class SearchResult:
     evaluated: int
     accepted: tuple[str, ...] = ()
     elapsed: float = field(default=0.0, compare=False)
+    out_of_time: bool = field(default=False, compare=False)  # the wall-clock budget, not the steps, stopped it
 
     @property
     def speedup(self) -> float:
@@ -582,8 +583,14 @@ def search_program(prog: ExProg, topology: Topology | str, membership: Membershi
     accepted: list[str] = []
     idle = 0
 
+    timed_out = False
+
     def spent() -> bool:
-        return time.perf_counter() - t0 > budget_s or (max_steps is not None and steps >= max_steps)
+        nonlocal timed_out
+        if max_steps is not None and steps >= max_steps:
+            return True
+        timed_out = time.perf_counter() - t0 > budget_s
+        return timed_out
 
     while state.sim.time > 0 and idle < _PATIENCE and not spent():
         placement = bool(problem.sized) and (idle > 0 or not accepted)
@@ -615,7 +622,7 @@ def search_program(prog: ExProg, topology: Topology | str, membership: Membershi
                 break
         idle = 0 if improved else idle + 1
     return SearchResult(_actions(state.body), dict(state.membership), state.sim.time, base.time, steps, evaluated,
-                        tuple(accepted), time.perf_counter() - t0)
+                        tuple(accepted), time.perf_counter() - t0, timed_out)
 
 
 # --- lowering --------------------------------------------------------------------------------------------
