@@ -83,12 +83,36 @@ def _pass_target(s: _State) -> None:
                                       cost_unit=COST_UNITS.get(o.cost_model, o.cost_model))
 
 
+def _parse_constraints(s: _State) -> dict[int, dict[str, int]]:
+    """The options' constraints as operator id -> index -> count, each checked against the graph."""
+    out: dict[int, dict[str, int]] = {}
+    names = {n.name: n for n in s.graph.nodes}
+    for target, value in s.options.constraints:
+        node = names.get(target)
+        if node is None:
+            raise GraphError(f"constraints name operators of the graph; {target!r} is none (operators: "
+                             f"{', '.join(n.name for n in s.graph.operators[:6])}, ...).")
+        if node.op is None:
+            raise GraphError(f"{target!r} is a graph {node.role}: constraining the layout of inputs and states is "
+                             "not supported yet; constrain the operators that read it instead.")
+        indices = {x.name: x.extent for x in node.op.requestable()}
+        want: dict[str, int] = {}
+        for part in str(value).replace(" ", "").split(","):
+            key, sep, count = part.partition("=")
+            if not sep or key not in indices or not count.isdigit() or int(count) < 1:
+                raise GraphError(f"a constraint on {target!r} is idx=n,... over its shardable indices "
+                                 f"({', '.join(f'{k}={v}' for k, v in indices.items()) or 'none'}); got {value!r}.")
+            want[key] = int(count)
+        out[node.id] = want
+    return out
+
+
 def _pass_candidates(s: _State) -> None:
     assert s.target is not None
     model = get_cost_model(s.options.cost_model, s.target)
     s.candidates = build_candidates(s.graph, s.target.p, model, s.limit,
                                     "memory_per_device" if s.options.memory_per_device is not None
-                                    else s.target.memory_source())
+                                    else s.target.memory_source(), constraints=_parse_constraints(s))
 
 
 def _pass_pieces(s: _State) -> None:
@@ -136,6 +160,12 @@ def _pass_catalog(s: _State) -> None:
         "cut": [e[4] for e in edges],
         "carried": [e[5] for e in edges],
     }), cid)
+    pinned = s.options.constraints
+    if pinned:
+        cat.insert("constraints", pa.table({"target": [t for t, _ in pinned],
+                                            "target_id": pa.array([g.node(t).id for t, _ in pinned], pa.int32()),
+                                            "kind": ["split"] * len(pinned),
+                                            "value": [v for _, v in pinned]}), cid)
     cat.insert("tilings", s.candidates.tilings.arrow(), cid)
     cat.insert("candidate_specs", s.candidates.arrow_specs(), cid)
     cat.insert("spec_inputs", s.candidates.arrow_inputs(g, piece_of), cid)
@@ -654,6 +684,11 @@ class CompiledGraph:
 
         return {name: to_text(prog) for name, prog in self.lowered.programs.items()}
 
+    def constraints(self) -> dict[str, str]:
+        """The constraints that reproduce this plan: every operator's chosen split (pass them as
+        ``compileGraph(graph, constraints=cg.constraints())``, with the same options)."""
+        return {n.name: self.plan.split(n.id) for n in self.graph.operators}
+
     def state_layouts(self) -> list[dict[str, Any]]:
         """How each assigned state is kept on the devices between executions (the catalog's
         ``state_layouts``): ``kept`` is "as read" (the blocks its readers read) or "sharded" (its value's
@@ -680,13 +715,24 @@ class CompiledGraph:
         return text
 
 
+def _constraint_pairs(constraints: Mapping[str, str] | None) -> tuple[tuple[str, str], ...]:
+    if constraints is None:
+        return ()
+    if not isinstance(constraints, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
+                                                        for k, v in constraints.items()):
+        raise GraphError("constraints maps operator names to splits, e.g. {'attention': 'heads_kv=8'}; got "
+                         f"{constraints!r}.")
+    return tuple(sorted(constraints.items()))
+
+
 def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed: int = 0,
                  cost_model: str = "paper", memory_per_device: int | None = None,
                  catalog: str | Path | Catalog | None = None, tactic: str = "tree",
                  label: str | None = None, schedule_mode: str = "naive",
                  topology: str | Topology = "hgx-h200", search_budget_s: float = 0.5, search_steps: int | None = None,
                  calibration: str | None = None, attention: str = "triton", refine: bool = True,
-                 keep_states: str = "auto", second_phase_inputs: Any = ()) -> CompiledGraph:
+                 keep_states: str = "auto", second_phase_inputs: Any = (),
+                 constraints: Mapping[str, str] | None = None) -> CompiledGraph:
     """Plan ``graph`` for the devices named by ``device`` (see ``relational_tensors.target.devices``).
 
     The options are those of :class:`~relational_tensors.options.CompileOptions`, validated once here;
@@ -706,7 +752,8 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
                                  calibration=calibration, attention=attention, refine=refine,
                                  keep_states=keep_states, second_phase_inputs=frozenset(
                                      [second_phase_inputs] if isinstance(second_phase_inputs, str)
-                                     else second_phase_inputs))
+                                     else second_phase_inputs),
+                                 constraints=_constraint_pairs(constraints))
         inputs = {n.name for n in graph.inputs}
         strange = sorted(set(options.second_phase_inputs) - inputs)
         if strange:

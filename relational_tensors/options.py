@@ -53,7 +53,9 @@ class CompileOptions:
     ``sharded`` (one copy of their value's blocks, gathered for each reader), or ``auto`` (as read, and
     sharded where a plan would not fit the memory otherwise); ``second_phase_inputs`` names inputs loaded
     only for a second phase of each execution (``execute(phase=1)``, after ``execute(phase=0)`` ran
-    every task that needs none of them: a forward pass whose activations the backward then reads).
+    every task that needs none of them: a forward pass whose activations the backward then reads);
+    ``constraints`` pins operators' splits (operator name -> ``idx=n,...`` in ``candidate_specs.split``'s
+    notation; the indices not named stay the optimizer's).
     """
 
     selector: str = _choice("dp", SELECTORS, "selector")
@@ -71,6 +73,7 @@ class CompileOptions:
     refine: bool = True
     keep_states: str = _choice("auto", KEEP_STATES, "keep_states")
     second_phase_inputs: frozenset[str] = frozenset()
+    constraints: tuple[tuple[str, str], ...] = ()  # (operator name, split such as "heads_kv=8")
 
     def __post_init__(self) -> None:
         for f in fields(self):

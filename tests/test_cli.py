@@ -252,6 +252,10 @@ def test_sql_reads_never_change_the_file_and_writes_need_write(catalog: Path) ->
     assert hashlib.sha256(catalog.read_bytes()).hexdigest() == before
     out = ok(run_cli("sql", "--csv", catalog, "SELECT compilation_id, device FROM compilations ORDER BY 1"))
     assert out.splitlines()[:3] == ['"compilation_id","device"', '1,"cpu:2"', '2,"cpu:4"']
+    notes = catalog.parent / "notes.duckdb"
+    notes.write_bytes(catalog.read_bytes())  # a copy: --write changes it, the module's file stays as planned
+    ok(run_cli("sql", "--write", notes, "CREATE TABLE my_notes AS SELECT 'fast' AS remark"))
+    assert "fast" in ok(run_cli("sql", notes, "SELECT remark FROM my_notes"))
     wide = ok(run_cli("sql", catalog, "SELECT * FROM compilations WHERE compilation_id = 1"))
     assert "-- row 1" in wide and "graph_fingerprint :" in wide  # too wide for a table: shown vertically
 

@@ -10,6 +10,7 @@ of (producer output tiling, required tiling) that eligible specs can meet.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -181,9 +182,14 @@ class Candidates:
 
 
 def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: int | None = None,
-                     limit_name: str = "memory_per_device") -> Candidates:
+                     limit_name: str = "memory_per_device",
+                     constraints: Mapping[int, Mapping[str, int]] | None = None) -> Candidates:
     """Enumerate, cost and filter the specs of every operator of ``graph`` for ``p`` devices; specs whose
-    working set exceeds ``memory_per_device`` bytes (the limit ``limit_name`` names) are not offered."""
+    working set exceeds ``memory_per_device`` bytes (the limit ``limit_name`` names) are not offered.
+
+    ``constraints`` (operator id -> index -> count) keeps only the specs of an operator that split
+    those indices that many ways, the balance rule applied among them (so a split that is only offered
+    unbalanced is still honoured)."""
     out = Candidates(p)
     saved_ids = set(graph.outputs.values())
     carried = []
@@ -235,9 +241,13 @@ def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: 
                 c.eligible = c.memory_bytes <= memory_per_device
         # the paper's cost model assumes balanced work: offer balanced specs, else the least unbalanced
         live = [c for c in cands if c.eligible]
-        floor = min(c.spec.imbalance for c in live)
-        for c in live:
-            c.eligible = c.spec.balanced or c.spec.imbalance <= floor
+        want = (constraints or {}).get(node.id)
+        if want is not None:
+            _constrain(node.name, live, want)
+        else:
+            floor = min(c.spec.imbalance for c in live)
+            for c in live:
+                c.eligible = c.spec.balanced or c.spec.imbalance <= floor
         out.by_op[node.id] = cands
         for k, i in enumerate(node.inputs):
             out.repartition[(node.id, k)] = model.repartition(graph.nodes[i].type, p)
@@ -247,6 +257,30 @@ def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: 
         for w, k in sorted(out.carried):
             out.prices[(w, k)] = _pair_prices(model, out.eligible(out.sources[(w, k)]), out.eligible(w), k)
     return out
+
+
+def _constrain(name: str, live: list[Candidate], want: Mapping[str, int]) -> None:
+    """Keep eligible only the specs in ``live`` (those that fit the memory) that split as ``want`` says;
+    refuse, naming the nearest legal splits, when none does."""
+    def misses(c: Candidate) -> int:
+        split = dict(c.spec.split)
+        return sum(split.get(k) != v for k, v in want.items())
+
+    def distance(c: Candidate) -> tuple[int, float]:  # indices off, then how far off (in factors of two)
+        split = dict(c.spec.split)
+        return misses(c), sum(abs(math.log2(split.get(k, 1) / v)) for k, v in want.items())
+
+    matching = [c for c in live if misses(c) == 0]
+    if not matching:
+        ranked = sorted(live, key=lambda c: (*distance(c), c.spec.split_text))
+        near = list(dict.fromkeys(c.spec.split_text for c in ranked))
+        asked = ",".join(f"{k}={v}" for k, v in want.items())
+        raise PlanError(f"operator {name!r} has no spec that splits {asked} (among those that fit the memory); "
+                        f"the nearest legal splits: {', '.join(near[:4])}. Constrain it to one of those.")
+    floor = min(c.spec.imbalance for c in matching)  # the balance rule, among the splits asked for
+    keep = {id(c) for c in matching if c.spec.balanced or c.spec.imbalance <= floor}
+    for c in live:
+        c.eligible = id(c) in keep
 
 
 def _pair_prices(model: CostModel, producers: list[Candidate], readers: list[Candidate],

@@ -280,3 +280,12 @@ CREATE TABLE IF NOT EXISTS task_times (
     seconds         DOUBLE,                   -- end - start
     source          VARCHAR         -- simulated:<topology> | measured:<devices>
 );
+
+-- the constraints a compilation was planned under (compileGraph(..., constraints=...))
+CREATE TABLE IF NOT EXISTS constraints (
+    compilation_id  INTEGER,
+    target          VARCHAR,        -- the operator constrained
+    target_id       INTEGER,        -- its node id (operators.op_id)
+    kind            VARCHAR,        -- split: the counts of the indices named, the others left to the optimizer
+    value           VARCHAR         -- idx=n,... in candidate_specs.split's notation
+);
