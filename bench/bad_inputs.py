@@ -252,6 +252,56 @@ g = rt.Graph(); l, t = g.input('l', [4, 6]), g.input('t', [4], 'int64')
 g.save(g.cross_entropy(l, t, ignore_index=1), name='y')
 assert np.isnan(c2(g).run({'l': np.zeros((4, 6), np.float32), 't': np.ones(4, np.int64)})['y']).all()""", "ok")
 
+# ---------------------------------------------------------------------------------------------- steps and plans
+STEP = """
+g = rt.Graph(); x = g.input('x', [9, 4], 'float64'); w = g.state('w', [4, 3], 'float64')
+loss = g.save(g.sum(g.unary(g.matmul(x, w), 'square'), axis=(0, 1)), name='loss')
+opt = rt.optim.sgd(g, [w], g.grad(loss, [w]), lr=0.1, momentum=0.9)
+"""
+PHASED = """
+g = mm(); y = g.tensor(g.outputs['y']); c = g.input('cot', [10, 5]); (d,) = g.vjp(y, c, [g.tensor(g.node('w').id)])
+g.save(d, name='dw'); cg = rt.compileGraph(g, device='cpu:2', second_phase_inputs=['cot'])
+"""
+PLANS = {
+    "keep_states unknown": STEP + "rt.compileGraph(g, device='cpu:2', keep_states='replicated')",
+    "second_phase_inputs not an input": "rt.compileGraph(mm(), device='cpu:2', second_phase_inputs=['nope'])",
+    "phase 1 before phase 0": PHASED + "f = feeds(g); cg.load(f); cg.execute(phase=1)",
+    "phase 2": PHASED + "cg.load(feeds(g)); cg.execute(phase=2)",
+    "phase on a whole program": "cg = c2(mm()); cg.load(feeds(mm())); cg.execute(phase=0)",
+    "second backward without its forward": PHASED + "cg.load(feeds(g)); cg.execute(phase=0); cg.execute(phase=1); "
+                                           "cg.execute(phase=1)",
+    "offload a gradient after phase 0": PHASED + "cg.load(feeds(g)); cg.execute(phase=0); cg.offload('dw')",
+    "offload a next value before a run": STEP + "cg = c2(g); cg.load({'x': np.ones((9, 4)), 'w': np.ones((4, 3)), "
+                                          "**opt.initial()}); cg.offload('w.next')",
+    "offload a state never loaded": STEP + "cg = c2(g); cg.offload('w')",
+    "constraint impossible split": ("g = mm(); "
+                                    "rt.compileGraph(g, device='cpu:4', constraints={g.operators[0].name: 'i=3'})"),
+    "constraint unknown operator": "rt.compileGraph(mm(), device='cpu:4', constraints={'nope': 'i=2'})",
+    "constraint unknown index": ("g = mm(); "
+                                 "rt.compileGraph(g, device='cpu:4', constraints={g.operators[0].name: 'z=2'})"),
+    "constraint on an input": "rt.compileGraph(mm(), device='cpu:4', constraints={'x': 'i=2'})",
+    "constraint not a dict": "rt.compileGraph(mm(), device='cpu:4', constraints=[('x', 'i=2')])",
+    "constraint zero ways": ("g = mm(); "
+                             "rt.compileGraph(g, device='cpu:4', constraints={g.operators[0].name: 'i=0'})"),
+    "search_steps zero": "rt.compileGraph(mm(), device='cpu:2', schedule_mode='search', search_steps=0)",
+    "named query without its parameters": "c2(mm()).query('plan_diff')",
+    "named query with an unknown parameter": "c2(mm()).query('plan_cost', cid=1)",
+}
+for name, code in PLANS.items():
+    case("steps and plans", name, code)
+case("steps and plans", "sharded states step like the reference ok", STEP + """
+cg = rt.compileGraph(g, device='cpu:3', keep_states='sharded')
+f = {'x': np.arange(36.0).reshape(9, 4) / 36, 'w': np.ones((4, 3)), **opt.initial()}
+cg.load(f); cg.execute(); want = rt.reference(g, f)
+assert np.allclose(cg.offload('w'), want['w.next'])""", "ok")
+case("steps and plans", "two phases like the reference ok", PHASED + """
+f = feeds(g); cg.load({k: v for k, v in f.items() if k != 'cot'}); cg.execute(phase=0)
+cg.load({'cot': f['cot']}); cg.execute(phase=1)
+assert np.allclose(cg.offload('dw'), rt.reference(g, f)['dw'], atol=1e-4)""", "ok")
+case("steps and plans", "a constraint honoured ok", """
+g = mm(); op = g.operators[0].name; cg = rt.compileGraph(g, device='cpu:4', constraints={op: 'k=2'})
+assert 'k=2' in cg.plan.split(op); agrees(g, cg, feeds(g))""", "ok")
+
 # ---------------------------------------------------------------------------------------------- run time
 RUNTIME = {
     "feed wrong shape": "cg = c2(mm()); cg.load({'x': np.ones((6, 10)), 'w': np.ones((6, 5))})",
