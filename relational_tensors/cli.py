@@ -738,10 +738,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _query_list() -> list[str]:
-    from importlib import resources
+    from relational_tensors.catalog.catalog import _query_names
 
-    return sorted(p.name.removesuffix(".sql") for p in resources.files("relational_tensors.sql").joinpath(
-        "queries").iterdir() if p.name.endswith(".sql"))
+    return list(_query_names())
 
 
 def _error_line(e: BaseException) -> None:

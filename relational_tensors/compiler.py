@@ -30,7 +30,7 @@ from relational_tensors.dp_optimizer.trees import Piece, cut_pieces
 from relational_tensors.errors import ExecError, GraphError, OutOfMemoryPlanError, PlanError
 from relational_tensors.frontend.graph import Graph, Tensor
 from relational_tensors.options import CompileOptions
-from relational_tensors.physical.lower import Lowered, covers, lower
+from relational_tensors.physical.lower import Lowered, covers, lower, value_blocks
 from relational_tensors.physical.simulate import PlanSimResult
 from relational_tensors.physical.tasks import Liveness, liveness
 from relational_tensors.reference import STALE_OUTPUTS, coerce_feed
@@ -274,10 +274,7 @@ def _keep_sharded(s: _State, limits: dict[int, int]) -> bool:
         now: dict[int, int] = {}
         for _, b in dag.inputs.get(node.name, []):
             now[dag.buffers[b].device] = now.get(dag.buffers[b].device, 0) + dag.buffers[b].nbytes
-        first: dict[Any, int] = {}
-        for g, f in enumerate(s.plan.spec(value).functions):
-            first.setdefault(f.output, g)
-        for box, device in first.items():
+        for box, device in value_blocks(s.plan.spec(value)):
             now[device] = now.get(device, 0) - box.volume * itemsize(node.type.dtype)
         if any(v > 0 for v in now.values()):
             saves[state] = now

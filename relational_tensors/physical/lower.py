@@ -45,7 +45,7 @@ from relational_tensors.physical.tasks import (
 )
 from relational_tensors.physical.views import fuse_views
 
-__all__ = ["Lowered", "lower", "place", "covers", "SCHEDULES", "KEPT"]
+__all__ = ["Lowered", "lower", "place", "covers", "value_blocks", "SCHEDULES", "KEPT"]
 
 SCHEDULES = ("naive",)
 
@@ -112,6 +112,15 @@ def place(plan: LogicalPlan, op_id: int, placement: dict[int, tuple[int, ...]],
     if memo is not None:
         memo[key] = result
     return result
+
+
+def value_blocks(spec: Any) -> tuple[tuple[Box, int], ...]:
+    """The blocks a state keeps when kept sharded: each distinct output block of its value's spec, on
+    the device of the first function spec making it (where the update's kernels run, identity placed)."""
+    first: dict[Box, int] = {}
+    for g, f in enumerate(spec.functions):
+        first.setdefault(f.output, g)
+    return tuple(first.items())
 
 
 def covers(boxes: Sequence[Box], space: Box) -> bool:
@@ -195,10 +204,7 @@ class _Lowering:
         self.held: dict[int, tuple[tuple[Box, int], ...]] = {}
         for s, mode in self.kept.items():
             if mode == "sharded":
-                first: dict[Box, int] = {}
-                for g, f in enumerate(plan.spec(graph.assignments[s]).functions):
-                    first.setdefault(f.output, g)
-                self.held[s] = tuple(first.items())
+                self.held[s] = value_blocks(plan.spec(graph.assignments[s]))
                 for box, device in self.held[s]:
                     self.load(s, box, device)
         # each state takes its value once the value is made and the state's last reader has run
@@ -451,10 +457,7 @@ class _Lowering:
         if not covers([box for box, _ in self.dag.inputs.get(name, [])], node.type.box):
             # its readers read part of it (or none do): it also keeps its value's blocks, so that the
             # whole state persists and can be read back
-            first: dict[Box, int] = {}
-            for g, f in enumerate(self.plan.spec(value).functions):
-                first.setdefault(f.output, g)
-            for box, device in first.items():
+            for box, device in value_blocks(self.plan.spec(value)):
                 self.load(state, box, device)
         kept = self.dag.inputs[name]
         # one reader per device (partitions are disjoint sites), at its own device
