@@ -23,6 +23,7 @@ import pyarrow as pa
 from relational_tensors.catalog import Catalog
 from relational_tensors.core.dtypes import itemsize, partial_dtype
 from relational_tensors.dp_optimizer.candidates import Candidates, build_candidates
+from relational_tensors.dp_optimizer.constraints import Constraints, parse_constraints
 from relational_tensors.dp_optimizer.costs import cost_model as get_cost_model
 from relational_tensors.dp_optimizer.plan import LogicalPlan
 from relational_tensors.dp_optimizer.select import select_dp, select_exact, select_greedy, select_random
@@ -60,6 +61,7 @@ class _State:
     lowered: Lowered | None = None
     live: Liveness | None = None
     kept: dict[int, str] = field(default_factory=dict)  # assigned state -> how it is kept (default "as read")
+    constraints: Constraints = field(default_factory=Constraints)
     searched_programs: int = 0  # schedule_mode="search": programs searched, and how many the budget stopped
     search_timeouts: int = 0
     timings: dict[str, float] = field(default_factory=dict)
@@ -83,36 +85,14 @@ def _pass_target(s: _State) -> None:
                                       cost_unit=COST_UNITS.get(o.cost_model, o.cost_model))
 
 
-def _parse_constraints(s: _State) -> dict[int, dict[str, int]]:
-    """The options' constraints as operator id -> index -> count, each checked against the graph."""
-    out: dict[int, dict[str, int]] = {}
-    names = {n.name: n for n in s.graph.nodes}
-    for target, value in s.options.constraints:
-        node = names.get(target)
-        if node is None:
-            raise GraphError(f"constraints name operators of the graph; {target!r} is none (operators: "
-                             f"{', '.join(n.name for n in s.graph.operators[:6])}, ...).")
-        if node.op is None:
-            raise GraphError(f"{target!r} is a graph {node.role}: constraining the layout of inputs and states is "
-                             "not supported yet; constrain the operators that read it instead.")
-        indices = {x.name: x.extent for x in node.op.requestable()}
-        want: dict[str, int] = {}
-        for part in str(value).replace(" ", "").split(","):
-            key, sep, count = part.partition("=")
-            if not sep or key not in indices or not count.isdigit() or int(count) < 1:
-                raise GraphError(f"a constraint on {target!r} is idx=n,... over its shardable indices "
-                                 f"({', '.join(f'{k}={v}' for k, v in indices.items()) or 'none'}); got {value!r}.")
-            want[key] = int(count)
-        out[node.id] = want
-    return out
-
-
 def _pass_candidates(s: _State) -> None:
     assert s.target is not None
     model = get_cost_model(s.options.cost_model, s.target)
+    s.constraints = parse_constraints(s.graph.nodes, s.options.constraints, s.target.p)
     s.candidates = build_candidates(s.graph, s.target.p, model, s.limit,
                                     "memory_per_device" if s.options.memory_per_device is not None
-                                    else s.target.memory_source(), constraints=_parse_constraints(s))
+                                    else s.target.memory_source(), constraints=s.constraints.splits,
+                                    layouts=s.constraints.layouts)
 
 
 def _pass_pieces(s: _State) -> None:
@@ -164,7 +144,7 @@ def _pass_catalog(s: _State) -> None:
     if pinned:
         cat.insert("constraints", pa.table({"target": [t for t, _ in pinned],
                                             "target_id": pa.array([g.node(t).id for t, _ in pinned], pa.int32()),
-                                            "kind": ["split"] * len(pinned),
+                                            "kind": [s.constraints.kinds[t] for t, _ in pinned],
                                             "value": [v for _, v in pinned]}), cid)
     cat.insert("tilings", s.candidates.tilings.arrow(), cid)
     cat.insert("candidate_specs", s.candidates.arrow_specs(), cid)
@@ -218,7 +198,7 @@ def _searched(s: _State, plan: LogicalPlan, naive: Lowered) -> Lowered:
     t = s.target
     synth = make_searcher(t.topology, seed=s.options.seed, budget_s=s.options.search_budget_s,
                           max_steps=s.options.search_steps)
-    searched = lower(plan, "naive", synth, kept=s.kept, later=s.options.second_phase_inputs)
+    searched = _lower(s, plan, synth)
     s.search_timeouts = sum(r.out_of_time for r in synth.results)
     s.searched_programs = len(synth.results)
     if simulate_plan(naive.dag, s.graph, t.topology, t.kernels).time < simulate_plan(
@@ -227,11 +207,18 @@ def _searched(s: _State, plan: LogicalPlan, naive: Lowered) -> Lowered:
     return searched
 
 
+def _lower(s: _State, plan: LogicalPlan, synthesize: Any = None, kept: dict[int, str] | None = None) -> Lowered:
+    """``plan`` lowered under the compilation's kept states (or ``kept``), pinned layouts and phases."""
+    return lower(plan, "naive", synthesize, kept=s.kept if kept is None else kept,
+                 later=s.options.second_phase_inputs, layouts=s.constraints.layouts)
+
+
 def _pass_lower(s: _State) -> None:
     assert s.plan is not None
     if s.options.keep_states != "auto":
         s.kept = {state: s.options.keep_states for state in s.graph.assignments}
-    s.lowered = lower(s.plan, "naive", kept=s.kept, later=s.options.second_phase_inputs)
+    s.kept.update({state: "pinned" for state in s.graph.assignments if state in s.constraints.layouts})
+    s.lowered = _lower(s, s.plan)
 
 
 def _pass_search(s: _State) -> None:
@@ -268,7 +255,7 @@ def _keep_sharded(s: _State, limits: dict[int, int]) -> bool:
     graph, dag = s.graph, s.lowered.dag
     saves: dict[int, dict[int, int]] = {}  # state -> device -> bytes saved by keeping it sharded
     for state, value in graph.assignments.items():
-        if s.kept.get(state, "as read") == "sharded":
+        if s.kept.get(state, "as read") in ("sharded", "pinned"):
             continue
         node = graph.nodes[state]
         now: dict[int, int] = {}
@@ -296,7 +283,7 @@ def _keep_sharded(s: _State, limits: dict[int, int]) -> bool:
     if everything != chosen:
         tried.append(everything)
     for kept in tried:
-        lowered = lower(s.plan, "naive", kept=kept, later=s.options.second_phase_inputs)
+        lowered = _lower(s, s.plan, kept=kept)
         if s.options.searched:
             s.kept = kept
             lowered = _searched(s, s.plan, lowered)
@@ -332,7 +319,7 @@ def _pass_fit_memory(s: _State) -> None:
         price = max(s.plan.cost, 1.0) / resident
         for _ in range(8):
             choice, plan = _choose(s, memory_price=price)
-            lowered = lower(plan, "naive", kept=s.kept, later=s.options.second_phase_inputs)
+            lowered = _lower(s, plan)
             if s.options.searched:
                 lowered = _searched(s, plan, lowered)
             live = liveness(lowered.dag)
@@ -462,6 +449,7 @@ class CompiledGraph:
         self.catalog = state.catalog
         self.compilation_id = state.cid
         self.options = state.options
+        self.layouts = state.constraints.layouts  # pinned input or state id -> the (block, device) it is held in
         self.timings = state.timings
         self.search = (state.searched_programs, state.search_timeouts)  # programs searched, stopped by the clock
         self.pieces = state.pieces
@@ -682,9 +670,11 @@ class CompiledGraph:
         return {name: to_text(prog) for name, prog in self.lowered.programs.items()}
 
     def constraints(self) -> dict[str, str]:
-        """The constraints that reproduce this plan: every operator's chosen split (pass them as
+        """The constraints that reproduce this plan: every operator's chosen split, and the layouts the
+        plan was given for graph inputs and states (pass them as
         ``compileGraph(graph, constraints=cg.constraints())``, with the same options)."""
-        return {n.name: self.plan.split(n.id) for n in self.graph.operators}
+        given = {t: v for t, v in self.options.constraints if self.graph.node(t).id in self.layouts}
+        return {**given, **{n.name: self.plan.split(n.id) for n in self.graph.operators}}
 
     def state_layouts(self) -> list[dict[str, Any]]:
         """How each assigned state is kept on the devices between executions (the catalog's
@@ -717,8 +707,8 @@ def _constraint_pairs(constraints: Mapping[str, str] | None) -> tuple[tuple[str,
         return ()
     if not isinstance(constraints, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
                                                         for k, v in constraints.items()):
-        raise GraphError("constraints maps operator names to splits, e.g. {'attention': 'heads_kv=8'}; got "
-                         f"{constraints!r}.")
+        raise GraphError("constraints maps operator names to splits and input or state names to layouts, e.g. "
+                         f"{{'attention': 'heads_kv=8', 'x': 'S(0)', 'wq': 'R'}}; got {constraints!r}.")
     return tuple(sorted(constraints.items()))
 
 

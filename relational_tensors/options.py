@@ -55,7 +55,8 @@ class CompileOptions:
     only for a second phase of each execution (``execute(phase=1)``, after ``execute(phase=0)`` ran
     every task that needs none of them: a forward pass whose activations the backward then reads);
     ``constraints`` pins operators' splits (operator name -> ``idx=n,...`` in ``candidate_specs.split``'s
-    notation; the indices not named stay the optimizer's).
+    notation; the indices not named stay the optimizer's) and the layouts of graph inputs and states
+    (name -> ``R``, ``S(d)`` or ``dim=n,...``; see ``dp_optimizer.constraints``).
     """
 
     selector: str = _choice("dp", SELECTORS, "selector")
@@ -73,7 +74,7 @@ class CompileOptions:
     refine: bool = True
     keep_states: str = _choice("auto", KEEP_STATES, "keep_states")
     second_phase_inputs: frozenset[str] = frozenset()
-    constraints: tuple[tuple[str, str], ...] = ()  # (operator name, split such as "heads_kv=8")
+    constraints: tuple[tuple[str, str], ...] = ()  # (name, split such as "heads_kv=8" or layout such as "S(0)")
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -19,6 +19,7 @@ import pyarrow as pa
 from relational_tensors.core.spec import JoinAggSpec
 from relational_tensors.core.tiling import Tiling
 from relational_tensors.core.types import Box, Interval
+from relational_tensors.dp_optimizer.constraints import Held
 from relational_tensors.dp_optimizer.costs import CostModel, TilingTable, block_set_key, spec_memory, spec_resident
 from relational_tensors.dp_optimizer.enumerate import interval_requests
 from relational_tensors.errors import OutOfMemoryPlanError, PlanError
@@ -55,10 +56,11 @@ class Candidate:
     resident_bytes: int
     compute_cost: float = 0.0
     eligible: bool = True
+    layout_cost: float = 0.0  # moving pinned inputs' and states' layouts to and from this spec's blocks
 
     @property
     def local_cost(self) -> float:
-        return self.join_cost + self.aggregation_cost + self.compute_cost
+        return self.join_cost + self.aggregation_cost + self.compute_cost + self.layout_cost
 
 
 @dataclass
@@ -116,7 +118,7 @@ class Candidates:
     def arrow_specs(self) -> pa.Table:
         rows: dict[str, list] = {k: [] for k in ("op_id", "spec_id", "split", "intervals", "output_tiling", "join_cost",
                                                  "aggregation_cost", "compute_cost", "flops", "imbalance", "balanced",
-                                                 "memory_bytes", "resident_bytes", "eligible")}
+                                                 "memory_bytes", "resident_bytes", "eligible", "layout_cost")}
         for op_id, cands in self.by_op.items():
             for c in cands:
                 rows["op_id"].append(op_id)
@@ -134,12 +136,14 @@ class Candidates:
                 rows["memory_bytes"].append(c.memory_bytes)
                 rows["resident_bytes"].append(c.resident_bytes)
                 rows["eligible"].append(c.eligible)
+                rows["layout_cost"].append(c.layout_cost)
         schema = pa.schema([("op_id", pa.int32()), ("spec_id", pa.int32()), ("split", pa.string()),
                             ("intervals", pa.string()), ("output_tiling", pa.int32()), ("join_cost", pa.float64()),
                             ("aggregation_cost", pa.float64()), ("compute_cost", pa.float64()),
                             ("flops", pa.float64()), ("imbalance", pa.float64()),
                             ("balanced", pa.bool_()), ("memory_bytes", pa.int64()),
-                            ("resident_bytes", pa.int64()), ("eligible", pa.bool_())])
+                            ("resident_bytes", pa.int64()), ("eligible", pa.bool_()),
+                            ("layout_cost", pa.float64())])
         return pa.table(rows, schema=schema)
 
     def floor(self, op_id: int, k: int, required_tiling: int) -> float:
@@ -183,19 +187,26 @@ class Candidates:
 
 def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: int | None = None,
                      limit_name: str = "memory_per_device",
-                     constraints: Mapping[int, Mapping[str, int]] | None = None) -> Candidates:
+                     constraints: Mapping[int, Mapping[str, int]] | None = None,
+                     layouts: Mapping[int, Held] | None = None) -> Candidates:
     """Enumerate, cost and filter the specs of every operator of ``graph`` for ``p`` devices; specs whose
     working set exceeds ``memory_per_device`` bytes (the limit ``limit_name`` names) are not offered.
 
     ``constraints`` (operator id -> index -> count) keeps only the specs of an operator that split
     those indices that many ways, the balance rule applied among them (so a split that is only offered
-    unbalanced is still honoured)."""
+    unbalanced is still honoured).
+
+    ``layouts`` (graph input or state id -> the blocks it is held in) pins tensors' layouts: each
+    reader's specs pay for moving the held blocks to the blocks they read, and the operator making a
+    pinned state's value pays for writing it into them (``Candidate.layout_cost``); an edge reading a
+    pinned state is not carried (it reads the pinned blocks, not its value's tiling)."""
     out = Candidates(p)
     saved_ids = set(graph.outputs.values())
+    layouts = layouts or {}
     carried = []
     for node in graph.operators:
         for k, i in enumerate(node.inputs):
-            src = graph.source_op(i)
+            src = graph.source_op(i) if i not in layouts else None
             if src is not None:
                 out.sources[(node.id, k)] = src
                 if src != i:
@@ -249,6 +260,7 @@ def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: 
             for c in live:
                 c.eligible = c.spec.balanced or c.spec.imbalance <= floor
         out.by_op[node.id] = cands
+        _price_layouts(graph, node.id, cands, layouts, model, out.tilings, p)
         for k, i in enumerate(node.inputs):
             out.repartition[(node.id, k)] = model.repartition(graph.nodes[i].type, p)
             if model.pairwise and graph.nodes[i].op is not None:
@@ -257,6 +269,42 @@ def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: 
         for w, k in sorted(out.carried):
             out.prices[(w, k)] = _pair_prices(model, out.eligible(out.sources[(w, k)]), out.eligible(w), k)
     return out
+
+
+def _price_layouts(graph: Graph, op_id: int, cands: list[Candidate], layouts: Mapping[int, Held],
+                   model: CostModel, tilings: TilingTable, p: int) -> None:
+    """Charge each candidate of ``op_id`` for reading the pinned tensors among its inputs (from their held
+    blocks) and for writing the value of a pinned state it makes (into the state's blocks): under a
+    pairwise model the exchange's price, else the paper's rule (nothing when the blocks agree or the
+    held copy is whole on every device, else the tensor's repartition price)."""
+    node = graph.nodes[op_id]
+    writes = [s for s, v in graph.assignments.items() if v == op_id and s in layouts]
+    reads = [(k, i) for k, i in enumerate(node.inputs) if i in layouts]
+    if not writes and not reads:
+        return
+    distinct = {i: tuple(dict.fromkeys(box for box, _ in layouts[i])) for i in {i for _, i in reads} | set(writes)}
+    keys = {i: block_set_key(distinct[i], graph.nodes[i].type.box) for i in distinct}
+    for c in cands:
+        total = 0.0
+        for k, i in reads:
+            t = graph.nodes[i].type
+            if distinct[i] == (t.box,):  # whole on every device: each reader slices its own copy
+                continue
+            if model.pairwise:  # from one copy of each block
+                total += model.move(distinct[i], tuple(f.inputs[k] for f in c.spec.functions), t.dtype, "sum")
+            elif tilings.ids.get((i, keys[i])) != c.required[k]:
+                total += model.repartition(t, p)
+        for s in writes:
+            held, t = layouts[s], graph.nodes[s].type
+            if model.pairwise:
+                per_device = {d: box for box, d in held}
+                empty = Box((0,) * t.rank, (0,) * t.rank)
+                total += model.move(tuple(f.output for f in c.spec.functions),
+                                    tuple(per_device.get(d, empty) for d in range(p)), t.dtype,
+                                    c.spec.aggregation.name)
+            elif block_set_key(c.spec.output_tiling, t.box) != keys[s]:
+                total += model.repartition(t, p)
+        c.layout_cost = total
 
 
 def _constrain(name: str, live: list[Candidate], want: Mapping[str, int]) -> None:

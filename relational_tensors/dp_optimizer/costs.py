@@ -54,6 +54,12 @@ class CostModel:
         raise PlanError(f"cost model {self.name!r} prices an edge by one number (repartition), not per pair "
                         "of tilings; only pairwise models (calibrated) implement exchange().")
 
+    def move(self, blocks: tuple[Box, ...], reads: tuple[Box, ...], dtype: str, aggregation: str) -> float:
+        """The price of delivering ``blocks`` (one per source; repeated: partial copies) as ``reads`` (one
+        per reader; empty: none); pairwise models only, like :meth:`exchange`."""
+        raise PlanError(f"cost model {self.name!r} prices an edge by one number (repartition), not per pair "
+                        "of block sets; only pairwise models (calibrated) implement move().")
+
     def join(self, spec: JoinAggSpec, graph_inputs: tuple[bool, ...] = ()) -> float:
         total = 0.0
         for k, t in enumerate(spec.input_types):
@@ -118,6 +124,9 @@ class CalibratedCostModel(CostModel):
         return self._exchange(tuple(f.output for f in producer.functions),
                               tuple(f.inputs[k] for f in consumer.functions),
                               producer.output_type.dtype, producer.aggregation.name)
+
+    def move(self, blocks: tuple[Box, ...], reads: tuple[Box, ...], dtype: str, aggregation: str) -> float:
+        return self._exchange(blocks, reads, dtype, aggregation)
 
     def _exchange(self, blocks: tuple[Box, ...], reads: tuple[Box, ...], dtype: str, aggregation: str) -> float:
         key = (blocks, reads, dtype, aggregation)

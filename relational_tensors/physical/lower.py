@@ -57,7 +57,7 @@ class _Atom:
     tensor: int
 
 
-KEPT = ("as read", "sharded")
+KEPT = ("as read", "sharded", "pinned")  # pinned: in the layout a constraint gave it
 
 
 @dataclass
@@ -180,7 +180,8 @@ class _Overlay:
 
 
 class _Lowering:
-    def __init__(self, plan: LogicalPlan, synthesize: Synthesizer, kept: Mapping[int, str] | None = None):
+    def __init__(self, plan: LogicalPlan, synthesize: Synthesizer, kept: Mapping[int, str] | None = None,
+                 layouts: Mapping[int, tuple[tuple[Box, int], ...]] | None = None):
         self.plan = plan
         self.graph: Graph = plan.graph
         self.p = plan.p
@@ -195,13 +196,21 @@ class _Lowering:
         self.loaded_blocks: dict[int, list[tuple[Box, int]]] = {}  # graph input -> (block, device) loaded
         self.synthesize = synthesize
         graph = self.graph
-        self.kept = {s: (kept or {}).get(s, "as read") for s in graph.assignments}
-        bad = {graph.nodes[s].name: m for s, m in self.kept.items() if m not in KEPT}
+        layouts = layouts or {}
+        self.kept = {s: "pinned" if s in layouts else (kept or {}).get(s, "as read") for s in graph.assignments}
+        bad = {graph.nodes[s].name: m for s, m in self.kept.items()
+               if m not in KEPT or (m == "pinned") != (s in layouts)}
         if bad:
-            raise ExchangeError(f"a state is kept {' or '.join(map(repr, KEPT))}; got {bad}.")
+            raise ExchangeError(f"a state is kept {' or '.join(map(repr, KEPT))} (pinned: only with a layout "
+                                f"constraint); got {bad}.")
         # a sharded state keeps its value's output blocks, one copy each, on the devices of the value's
         # function specs in order (where the update's kernels run unless they are placed elsewhere)
+        # a pinned input or state is held in its constraint's blocks (copies of a block are replicas)
         self.held: dict[int, tuple[tuple[Box, int], ...]] = {}
+        for t, blocks in sorted(layouts.items()):
+            self.held[t] = tuple(blocks)
+            for box, device in blocks:
+                self.load(t, box, device)
         for s, mode in self.kept.items():
             if mode == "sharded":
                 self.held[s] = value_blocks(plan.spec(graph.assignments[s]))
@@ -308,6 +317,9 @@ class _Lowering:
                     continue
                 part = readers.setdefault(reader, f"F{reader}")
                 for cell, holders in overlay.cells(block):
+                    if len(holders) > 1 and not any(made[f][3] for f in holders):
+                        # replicas of a held block, not partials: read one, the reader's own if it has it
+                        holders = [f for f in holders if made[f][1] == guess.get(reader)][:1] or holders[:1]
                     copies = []
                     for f in holders:
                         _, device, dtype, several = made[f]
@@ -498,15 +510,17 @@ class _Lowering:
 
 
 def lower(plan: LogicalPlan, schedule: str = "naive", synthesize: Synthesizer | None = None,
-          kept: Mapping[int, str] | None = None, later: frozenset[str] = frozenset()) -> Lowered:
+          kept: Mapping[int, str] | None = None, later: frozenset[str] = frozenset(),
+          layouts: Mapping[int, tuple[tuple[Box, int], ...]] | None = None) -> Lowered:
     """Lower ``plan`` to one task DAG, synthesizing each exchange program with ``schedule``
     (or the given synthesizer, which returns a body and the devices of the readers' partitions).
 
     ``kept`` says how each assigned state is kept between executions (``KEPT``; default "as read");
-    ``later`` names inputs loaded only for a second phase of each execution (``split_phases``)."""
+    ``later`` names inputs loaded only for a second phase of each execution (``split_phases``);
+    ``layouts`` holds pinned inputs and states in the (block, device) copies a constraint gave them."""
     if schedule not in SCHEDULES and synthesize is None:
         raise ExchangeError(f"unknown schedule mode {schedule!r}; choose one of {SCHEDULES}.")
-    low = _Lowering(plan, synthesize or naive, kept or {})
+    low = _Lowering(plan, synthesize or naive, kept or {}, layouts)
     for node in plan.graph.operators:
         low.lower_op(node.id)
     low.lower_outputs()

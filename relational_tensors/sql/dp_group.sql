@@ -2,7 +2,7 @@
 -- another), in one statement: a recursive CTE keyed by (op, tiling) computes the waves in turn, each
 -- wave's operators (their in-piece producers in earlier waves, read from the rows the recursion has
 -- kept: recurring.dp) for every eligible spec J,
---   B(J) = join(J) + aggregation(J) + compute(J) + sum over inputs k of
+--   B(J) = join(J) + aggregation(J) + compute(J) + layout(J) + sum over inputs k of
 --            0                                   graph input (materialized as J needs)
 --            price(F, in_k(J))                   producer fixed by an earlier piece with tiling F
 --            min over T of Opt(P, T) + price(T, in_k(J))   producer in this piece
@@ -64,7 +64,7 @@ dp(op_id, tiling_id, cost, spec_id, h) USING KEY (op_id, tiling_id) AS (
     ),
     costed AS (
         SELECT s.op_id, s.spec_id, s.output_tiling, w.h,
-               s.join_cost + s.aggregation_cost + s.compute_cost + $memory_price * s.resident_bytes
+               s.join_cost + s.aggregation_cost + s.compute_cost + s.layout_cost + $memory_price * s.resident_bytes
                + coalesce(ic.cost, 0.0) AS cost
         FROM candidate_specs s
         JOIN wave w USING (op_id)

@@ -125,7 +125,8 @@ CREATE TABLE IF NOT EXISTS candidate_specs (
     balanced          BOOLEAN,                -- its function specs' FLOPs are within the balance rule
     memory_bytes      BIGINT,       -- largest per-device working set (input blocks + output block)
     resident_bytes    BIGINT,       -- largest per-device bytes of graph-input blocks (they stay loaded)
-    eligible          BOOLEAN       -- offered to the selectors (balance and memory rules)
+    eligible          BOOLEAN,      -- offered to the selectors (balance and memory rules)
+    layout_cost       DOUBLE DEFAULT 0.0  -- moving pinned input/state layouts (constraints) to the blocks it reads, and its value into a pinned state's blocks
 );
 
 -- per candidate spec and input, the blocks it reads and what reading them may cost
@@ -284,8 +285,8 @@ CREATE TABLE IF NOT EXISTS task_times (
 -- the constraints a compilation was planned under (compileGraph(..., constraints=...))
 CREATE TABLE IF NOT EXISTS constraints (
     compilation_id  INTEGER,
-    target          VARCHAR,        -- the operator constrained
-    target_id       INTEGER,        -- its node id (operators.op_id)
-    kind            VARCHAR,        -- split: the counts of the indices named, the others left to the optimizer
-    value           VARCHAR         -- idx=n,... in candidate_specs.split's notation
+    target          VARCHAR,        -- the operator, graph input or state constrained
+    target_id       INTEGER,        -- its node id (tensors.tensor_id; operators.op_id for an operator)
+    kind            VARCHAR,        -- split: the counts of the indices named, the others left to the optimizer; layout: the blocks an input or state is held in
+    value           VARCHAR         -- a split: idx=n,... in candidate_specs.split's notation; a layout: R, S(d) or dim=n,...
 );

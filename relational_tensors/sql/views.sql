@@ -22,8 +22,9 @@ CREATE OR REPLACE {temp} VIEW plan AS
 SELECT o.compilation_id, o.op_id, o.op_name, o.op_kind, s.split, s.spec_id,
        t.counts AS output_tiling, t.grid AS output_grid,
        COALESCE(r.repartition_cost, 0.0) AS repartition_cost,
-       s.join_cost, s.aggregation_cost, s.compute_cost,
-       COALESCE(r.repartition_cost, 0.0) + s.join_cost + s.aggregation_cost + s.compute_cost AS total_cost,
+       s.join_cost, s.aggregation_cost, s.compute_cost, s.layout_cost,
+       COALESCE(r.repartition_cost, 0.0) + s.join_cost + s.aggregation_cost + s.compute_cost + s.layout_cost
+           AS total_cost,
        COALESCE(r.repartitioned_inputs, '') AS repartitioned_inputs,
        s.flops, s.imbalance, s.memory_bytes
 FROM chosen c
@@ -47,8 +48,9 @@ ORDER BY o.compilation_id, o.op_id;
 CREATE OR REPLACE {temp} VIEW specs AS
 SELECT o.compilation_id, o.op_id, o.op_name, o.op_kind, s.spec_id, s.split, s.intervals,
        t.counts AS output_tiling, rc.repartition_cost,
-       s.join_cost, s.aggregation_cost, s.compute_cost,
-       COALESCE(rc.repartition_cost, 0.0) + s.join_cost + s.aggregation_cost + s.compute_cost AS total_cost,
+       s.join_cost, s.aggregation_cost, s.compute_cost, s.layout_cost,
+       COALESCE(rc.repartition_cost, 0.0) + s.join_cost + s.aggregation_cost + s.compute_cost + s.layout_cost
+           AS total_cost,
        s.flops, s.imbalance, s.balanced, s.memory_bytes, s.eligible,
        (c.spec_id IS NOT NULL) AS chosen
 FROM candidate_specs s

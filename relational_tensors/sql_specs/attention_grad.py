@@ -271,7 +271,8 @@ class AttentionGradOp(AttentionOp):
                 r1 = min(sq, r0 + _ROW_CHUNK)
                 s, visible = _scores(self, qg[:, r0:r1], k, np.arange(qbox.lower[1] + r0, qbox.lower[1] + r1), cols)
                 top = lse_g[..., r0:r1, None]
-                p = np.where(visible & np.isfinite(top), np.exp(s - np.where(np.isfinite(top), top, 0.0)), 0.0)
+                live = visible & np.isfinite(top)  # exponents of masked scores never computed: no overflow
+                p = np.exp(np.where(live, s - np.where(np.isfinite(top), top, 0.0), -np.inf))
                 if self.part in ("dv", "dkv"):
                     dv += np.einsum("bhgqk,bqhgd->bkhd", p, dog[:, r0:r1])
                 if self.part == "dv":

@@ -2,7 +2,7 @@
 -- split, output tiling and cost each chose, and whether they differ.
 WITH side AS (
     SELECT c.compilation_id, o.op_id, o.op_name, o.op_kind, s.split, t.counts AS output_tiling,
-           s.join_cost + s.aggregation_cost + s.compute_cost AS local_cost
+           s.join_cost + s.aggregation_cost + s.compute_cost + s.layout_cost AS local_cost
     FROM chosen c
     JOIN operators o USING (compilation_id, op_id)
     JOIN candidate_specs s ON s.compilation_id = c.compilation_id AND s.op_id = c.op_id AND s.spec_id = c.spec_id
