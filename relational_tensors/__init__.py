@@ -6,6 +6,7 @@ the public API; each name lives in the layer that owns it.
 """
 
 import relational_tensors.optim as optim
+import relational_tensors.plans as plans
 from relational_tensors.compiler import CompiledGraph as CompiledGraph
 from relational_tensors.compiler import compile as compile
 from relational_tensors.compiler import compileGraph as compileGraph
@@ -57,5 +58,5 @@ __all__ = [
     "RelationalTensorsError", "GraphError", "SpecError", "PlanError", "OutOfMemoryPlanError",
     "ExchangeError", "ExecError", "CatalogError",
     "compileGraph", "compile", "CompiledGraph", "CompileOptions", "Target",
-    "from_torch", "parallelize", "TorchGraph", "ParallelModule", "optim", "train_step", "TrainStep",
+    "from_torch", "parallelize", "TorchGraph", "ParallelModule", "optim", "plans", "train_step", "TrainStep",
 ]

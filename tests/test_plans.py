@@ -1,0 +1,96 @@
+"""Hand plans (``rt.plans``): Megatron tensor parallelism, sequence parallelism, data parallelism and
+DDP/FSDP training layouts, built from a graph's structure as constraint sets; each compiles, computes
+what the single-device reference computes, and is what its name says it is."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import relational_tensors as rt
+from relational_tensors.frontend.graph import Graph
+from relational_tensors.models import add_llama_block, llama_block, llama_training_feeds, llama_training_graph
+
+
+def _block(prefix: str = "", batch: int = 2) -> Graph:
+    g = Graph()
+    x = g.input("tokens" if prefix else "x", [batch, 48, 64], dims=("batch", "seq", "model"))
+    g.save(add_llama_block(g, x, n_heads=8, n_kv_heads=4, d_ff=96, prefix=prefix), name="y")
+    return g
+
+
+def _split(cg: rt.CompiledGraph, op: str) -> dict[str, int]:
+    return {k: int(v) for k, v in (kv.split("=") for kv in cg.plan.split(op).split(","))}
+
+
+def test_megatron_tp_is_column_then_row_parallel_with_the_heads_split() -> None:
+    g = _block()
+    plan = rt.plans.megatron_tp(g, 4)
+    cg = rt.compileGraph(g, device="cpu:4", constraints=plan)
+    for op in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):  # the weight's output features
+        assert _split(cg, op)["k"] == 4 and max(cg.plan.spec(op).output_multiplicity().values()) == 1, op
+    for op in ("o_proj", "down_proj"):  # the contracted features: partial sums, combined once
+        assert _split(cg, op)["j"] == 4 and max(cg.plan.spec(op).output_multiplicity().values()) == 4, op
+    assert _split(cg, "attention")["heads_kv"] == 4 and _split(cg, "swiglu")["d1"] == 4
+    assert "attn_rmsnorm" not in plan and "attn_residual" not in plan  # left to the optimizer
+    sp = rt.plans.sequence_parallel(g, 4)
+    assert sp["attn_rmsnorm"] == sp["ffn_residual"] == "seq=4" and {k: sp[k] for k in plan} == plan
+
+
+def test_plans_are_read_from_the_structure_not_the_names() -> None:
+    plain, renamed = _block(), _block(prefix="layer7.")
+    for name in ("megatron_tp", "sequence_parallel", "data_parallel"):
+        a, b = rt.plans.PLANS[name](plain, 4), rt.plans.PLANS[name](renamed, 4)
+        assert list(a.values()) == list(b.values()) and all(k2 == "layer7." + k1 or k2.startswith("reshape")
+                                                            for k1, k2 in zip(a, b)), name
+
+
+@pytest.mark.parametrize("p", [4, 6])
+@pytest.mark.parametrize("name", ["megatron_tp", "sequence_parallel", "data_parallel"])
+def test_every_hand_plan_of_the_block_computes_the_reference(name: str, p: int) -> None:
+    g = _block(batch=6)
+    cg = rt.compileGraph(g, device=f"cpu:{p}", constraints=rt.plans.PLANS[name](g, p))
+    feeds = {n.name: np.random.default_rng(3).standard_normal(n.type.shape).astype(np.float32) for n in g.inputs}
+    got, want = cg.run(feeds)["y"], rt.reference(g, feeds)["y"]
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()  # float32: contraction splits round only
+    if name == "data_parallel":  # a batch of 6 splits p ways on 4 and on 6 devices
+        assert _split(cg, "attention")["batch"] == p and _split(cg, "down_proj")["b0"] == p
+
+
+def test_data_parallel_splits_the_batch_and_finds_none_in_one_sequence() -> None:
+    cg = rt.compileGraph(llama_block(8, 16, 64, 4, 2, 96), device="cpu:8",
+                         constraints=rt.plans.data_parallel(llama_block(8, 16, 64, 4, 2, 96), 8))
+    assert all(_split(cg, n.name).get(x, 8) == 8 for n in cg.graph.operators for x in ("batch", "b0"))
+    assert rt.plans.data_parallel(llama_block(1, 64, 64, 4, 2, 96), 8) == {}
+
+
+@pytest.mark.parametrize("name,layout", [("ddp", "R"), ("fsdp", "S(0)"), ("zero3", "S(0)"), ("megatron_tp", None)])
+def test_training_plans_keep_their_layouts_and_train_like_the_free_plan(name: str, layout: str | None) -> None:
+    g = llama_training_graph(4, 16, 32, 4, 2, 48, 64, optimizer="adamw")
+    feeds = llama_training_feeds(g)
+    states = [n.name for n in g.inputs if n.role == "state"]
+    free = rt.compileGraph(g, device="cpu:4")
+    cg = rt.compileGraph(g, device="cpu:4", constraints=rt.plans.PLANS[name](g, 4))
+    got = {}
+    for c in (free, cg):
+        c.load(feeds)
+        c.execute()
+        got[c] = {s: c.offload(s) for s in states}
+    for s in states:  # one AdamW step in float32, its sums split differently: rounding relative to the largest
+        assert np.abs(got[cg][s] - got[free][s]).max() <= 1e-5 * np.abs(got[free][s]).max() + 1e-7, s
+    rows = {r["state"]: r for r in cg.state_layouts()}
+    if layout is not None:
+        assert {r["kept"] for r in rows.values()} == {"pinned"}
+        assert rows["wq"]["placement"] == layout and rows["l0.wq.exp_avg" if "l0.wq.exp_avg" in rows
+                                                         else "wq.exp_avg"]["placement"] == layout
+    else:  # tensor parallel: the backward follows the forward (dX of a column-parallel matmul is row-parallel)
+        assert _split(cg, "q_proj")["k"] == 4
+    if name == "ddp":
+        assert all(rows[s]["bytes_per_device"] == g.node(s).type.nbytes for s in states)
+
+
+def test_a_hand_plan_needs_a_graph_and_a_device_count() -> None:
+    with pytest.raises(rt.GraphError, match="p >= 1"):
+        rt.plans.megatron_tp(_block(), 0)
+    with pytest.raises(rt.GraphError, match="rt.Graph"):
+        rt.plans.data_parallel("block", 4)  # type: ignore[arg-type]
