@@ -42,6 +42,7 @@ from relational_tensors.frontend.parallelize import parallelize as parallelize
 from relational_tensors.frontend.torch import TorchGraph as TorchGraph
 from relational_tensors.frontend.torch import from_torch as from_torch
 from relational_tensors.options import CompileOptions as CompileOptions
+from relational_tensors.plan_file import load_plan as load_plan
 from relational_tensors.reference import execute_spec as execute_spec
 from relational_tensors.reference import reference as reference
 from relational_tensors.sql_specs import OPERATORS as OPERATORS
@@ -57,6 +58,6 @@ __all__ = [
     "Aggregation", "SUM", "MAX", "MIN", "LSE", "AGGREGATIONS", "OPERATORS",
     "RelationalTensorsError", "GraphError", "SpecError", "PlanError", "OutOfMemoryPlanError",
     "ExchangeError", "ExecError", "CatalogError",
-    "compileGraph", "compile", "CompiledGraph", "CompileOptions", "Target",
+    "compileGraph", "compile", "CompiledGraph", "load_plan", "CompileOptions", "Target",
     "from_torch", "parallelize", "TorchGraph", "ParallelModule", "optim", "plans", "train_step", "TrainStep",
 ]

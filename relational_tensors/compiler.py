@@ -446,8 +446,9 @@ class CompiledGraph:
         self.target = state.target
         self.devices = state.target.devices
         self.plan = state.plan
-        self.catalog = state.catalog
-        self.compilation_id = state.cid
+        self._catalog = state.catalog
+        self._compilation_id = state.cid
+        self._restore: Callable[[], tuple[Catalog, int]] | None = None  # a loaded plan's rows, put in on demand
         self.options = state.options
         self.layouts = state.constraints.layouts  # pinned input or state id -> the (block, device) it is held in
         self.timings = state.timings
@@ -466,6 +467,20 @@ class CompiledGraph:
     def p(self) -> int:
         return self.devices.p
 
+    @property
+    def catalog(self) -> Catalog:
+        """The catalog that explains this plan (a loaded plan's rows are put into it when first asked for)."""
+        if self._restore is not None:
+            self._catalog, self._compilation_id = self._restore()
+            self._restore = None
+        return self._catalog
+
+    @property
+    def compilation_id(self) -> int:
+        """This plan's id in ``catalog`` (its ``compilations`` row)."""
+        _ = self.catalog
+        return self._compilation_id
+
     def sql(self, query: str) -> pa.Table:
         """Run SQL over the catalog; ``plan``, ``specs`` and ``plan_inputs`` show this compilation."""
         self.catalog.narrow(self.compilation_id)
@@ -480,6 +495,13 @@ class CompiledGraph:
 
     def spec(self, op: str) -> Any:
         return self.plan.spec(op)
+
+    def save(self, path: str | Path) -> None:
+        """Write this compiled plan to ``path``; ``rt.load_plan(path, graph)`` rebuilds it without planning
+        (see ``relational_tensors.plan_file``)."""
+        from relational_tensors.plan_file import save_plan
+
+        save_plan(self, path)
 
     # --- execution -----------------------------------------------------------------
     @property

@@ -1,0 +1,216 @@
+"""Compiled plans saved to a file and loaded again without planning.
+
+``cg.save(path)`` writes the compiled program (the logical plan, the lowered task DAG with its exchange
+programs, the liveness and memory plan, the options) and the compilation's catalog rows;
+``rt.load_plan(path, graph)`` rebuilds the :class:`~relational_tensors.compiler.CompiledGraph` for
+``graph`` (the graph object the caller holds, so its tensor handles work) after checking that the
+graph's fingerprint is the one the plan was made for, and restores the rows into a catalog (in memory
+by default), so ``cg.sql`` and the named queries explain the loaded plan as they did the original.
+
+The file is a short header (a magic line and one JSON line: format, package version, graph
+fingerprint, device) followed by a pickle of the program.  The header is checked before anything is
+unpickled; like any pickle, load only plan files you trust (your own).
+
+>>> import os, tempfile, numpy as np, relational_tensors as rt
+>>> g = rt.Graph(); a = g.input("a", [8, 8]); _ = g.save(g.matmul(a, a), name="c")
+>>> path = os.path.join(tempfile.mkdtemp(), "mm.plan")
+>>> cg = rt.compileGraph(g, device="cpu:4"); cg.save(path)
+>>> again = rt.load_plan(path, g)
+>>> out = again.run({"a": np.eye(8, dtype=np.float32)})["c"]
+>>> again.plan.split("matmul_1") == cg.plan.split("matmul_1"), float(out.trace())
+(True, 8.0)
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import io
+import json
+import pickle
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from relational_tensors.catalog import Catalog
+from relational_tensors.errors import CatalogError, GraphError, PlanError
+from relational_tensors.frontend.graph import Graph
+
+if TYPE_CHECKING:
+    from relational_tensors.compiler import CompiledGraph
+
+__all__ = ["save_plan", "load_plan", "FORMAT"]
+
+MAGIC = b"relational_tensors plan\n"
+FORMAT = 1  # the layout of a plan file (header fields, pickled members); a new layout is a new number
+# remade on load, or empty (nothing is loaded into a loaded plan)
+_SKIP = ("_catalog", "_compilation_id", "_restore", "_executor", "_simulations", "_states")
+
+
+_SLOTS: dict[type, tuple[tuple[str, Any], ...]] = {}
+
+
+def _slots(cls: type) -> tuple[tuple[str, Any], ...]:
+    """Every slot of a slotted class, its bases' first (the fields of a ``slots=True`` dataclass), with
+    the slot's own setter (a frozen dataclass's ``__setattr__`` refuses; its slots do not)."""
+    found = _SLOTS.get(cls)
+    if found is None:
+        out: list[tuple[str, Any]] = []
+        for klass in reversed(cls.__mro__):
+            own = klass.__dict__.get("__slots__", ())
+            for name in [own] if isinstance(own, str) else own:
+                if not name.startswith("__"):
+                    out.append((name, klass.__dict__[name].__set__))
+        found = _SLOTS[cls] = tuple(out)
+    return found
+
+
+def _rebuild(cls: type, values: tuple[Any, ...]) -> Any:
+    obj: Any = object.__new__(cls)
+    for (_, setter), value in zip(_slots(cls), values):
+        setter(obj, value)
+    return obj
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a compiled graph's members, leaving out its graph (the caller's graph takes its place).
+
+    Slotted dataclasses (boxes, intervals, function specs, tasks: most of a program) are pickled as
+    their slot values and rebuilt by setting them, which loads several times faster than the
+    dataclass's own ``__setstate__``."""
+
+    def __init__(self, file: Any, graph: Graph) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.graph = graph
+
+    def persistent_id(self, obj: Any) -> str | None:
+        return "graph" if obj is self.graph else None
+
+    def reducer_override(self, obj: Any) -> Any:
+        cls = type(obj)
+        if "__dataclass_fields__" in cls.__dict__ and "__slots__" in cls.__dict__:
+            return _rebuild, (cls, tuple(getattr(obj, n) for n, _ in _slots(cls)))
+        return NotImplemented
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: Any, graph: Graph) -> None:
+        super().__init__(file)
+        self.graph = graph
+
+    def persistent_load(self, pid: Any) -> Any:
+        if pid != "graph":
+            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+        return self.graph
+
+
+def _catalog_rows(cg: CompiledGraph) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The compilation's row of ``compilations`` and its rows of every other table, as Arrow tables."""
+    cat, cid = cg.catalog, cg.compilation_id
+    (row,) = cat.sql("SELECT * EXCLUDE (compilation_id, created) FROM compilations WHERE compilation_id = ?",
+                     [cid]).to_pylist()
+    tables = {}
+    from relational_tensors.catalog.catalog import _memory
+
+    for name, columns in _memory().schema.tables.items():
+        if name == "compilations" or "compilation_id" not in {c.name for c in columns}:
+            continue
+        rows = cat.sql(f"SELECT * EXCLUDE (compilation_id) FROM {name} WHERE compilation_id = ?", [cid])
+        if rows.num_rows:
+            tables[name] = rows
+    return row, tables
+
+
+def save_plan(cg: CompiledGraph, path: str | Path) -> None:
+    """Write ``cg``'s program and catalog rows to ``path`` (see the module's docstring)."""
+    from relational_tensors import __version__
+
+    members = {k: v for k, v in vars(cg).items() if k not in _SKIP}
+    row, tables = _catalog_rows(cg)
+    header = {"format": FORMAT, "package": __version__, "fingerprint": cg.graph.fingerprint(),
+              "device": str(cg.devices), "saved": datetime.datetime.now().isoformat(timespec="seconds")}
+    buf = io.BytesIO()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        _Pickler(buf, cg.graph).dump({"members": members, "compilation": row, "tables": tables})
+    finally:
+        if collecting:
+            gc.enable()
+    try:
+        with open(path, "wb") as f:
+            f.write(MAGIC + json.dumps(header).encode() + b"\n")
+            f.write(buf.getbuffer())
+    except OSError as e:
+        raise PlanError(f"cannot write the plan to {str(path)!r}: {e.strerror or e}. Give a writable path.") from None
+
+
+def read_header(path: str | Path) -> dict[str, Any]:
+    """The header of a plan file, checked (a file that is not a plan is refused)."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(len(MAGIC))
+            line = f.readline(1 << 16)
+    except OSError as e:
+        raise PlanError(f"cannot read the plan file {str(path)!r}: {e.strerror or e}.") from None
+    if magic != MAGIC:
+        raise PlanError(f"{str(path)!r} is not a relational_tensors plan file (it does not start with the plan "
+                        "header); write one with cg.save(path).")
+    try:
+        header = json.loads(line)
+    except ValueError:
+        raise PlanError(f"the plan file {str(path)!r} has a damaged header; save the plan again.") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        found = header.get("format") if isinstance(header, dict) else "?"
+        raise PlanError(f"the plan file {str(path)!r} has format {found}; this package reads format {FORMAT}. "
+                        "Plan the graph again and save it.")
+    return header
+
+
+def load_plan(path: str | Path, graph: Graph, catalog: str | Path | Catalog | None = None) -> CompiledGraph:
+    """The compiled plan saved at ``path``, for ``graph`` (which must be the graph it was planned for:
+    equal fingerprints), without planning again; its catalog rows go into ``catalog`` (default: a new
+    in-memory catalog) as a new compilation."""
+    from relational_tensors import __version__
+    from relational_tensors.compiler import CompiledGraph
+    from relational_tensors.target.devices import visible_gpus
+
+    if not isinstance(graph, Graph):
+        raise GraphError(f"load_plan needs the rt.Graph the plan was made for; got {type(graph).__name__}.")
+    header = read_header(path)
+    if header.get("package") != __version__:
+        raise PlanError(f"the plan {str(path)!r} was saved by relational_tensors {header.get('package')}; this is "
+                        f"{__version__}, whose programs may differ. Plan the graph again and save it.")
+    if header.get("fingerprint") != graph.fingerprint():
+        raise PlanError(f"the plan {str(path)!r} was made for another graph (fingerprint "
+                        f"{str(header.get('fingerprint'))[:12]}…, this graph's is {graph.fingerprint()[:12]}…): "
+                        "a changed name, shape, dtype or operator changes it. Plan this graph with compileGraph.")
+    with open(path, "rb") as f:
+        f.read(len(MAGIC))
+        f.readline(1 << 16)
+        collecting = gc.isenabled()
+        gc.disable()  # tens of thousands of small acyclic objects: the cyclic collector would only rescan them
+        try:
+            saved = _Unpickler(f, graph).load()
+        except Exception as e:  # a truncated or damaged body
+            raise PlanError(f"the plan file {str(path)!r} is damaged ({type(e).__name__}); save the plan "
+                            "again.") from None
+        finally:
+            if collecting:
+                gc.enable()
+    if isinstance(catalog, Catalog) and catalog.read_only:
+        raise CatalogError("load_plan writes the plan's rows into its catalog; give one opened for writing.")
+
+    def restore() -> tuple[Catalog, int]:  # the rows go in when the plan is first explained (cg.catalog)
+        cat = catalog if isinstance(catalog, Catalog) else Catalog(catalog)
+        cid = cat.new_compilation(**saved["compilation"])
+        for name, rows in saved["tables"].items():
+            cat.insert(name, rows, cid)
+        return cat, cid
+
+    cg = CompiledGraph.__new__(CompiledGraph)
+    vars(cg).update(saved["members"])
+    cg._compilation_id, cg._restore = -1, restore  # cg.catalog puts the rows in
+    cg._executor, cg._simulations, cg._states = None, {}, {}
+    if cg.devices.kind == "cuda" and visible_gpus() > max(cg.devices.physical):
+        _ = cg.executor  # as compileGraph does: streams and arenas set up (and checked) before the first run
+    return cg
