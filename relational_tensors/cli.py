@@ -238,14 +238,27 @@ def _compile(args: argparse.Namespace, ui: _Ui, graph: Any) -> Any:
     import relational_tensors as rt
 
     device = _device_arg(args.devices)
+    constraints: dict[str, str] = {}
+    if args.hand_plan:
+        p = rt.Target.resolve(device, args.topology_value, args.calibration).p
+        constraints.update(rt.plans.PLANS[args.hand_plan](graph, p))
+    for text in args.constraint:
+        target, sep, value = text.partition("=")
+        if not sep or not target or not value:
+            raise CommandError(f"--constraint is NAME=VALUE (an operator's split or an input's layout, e.g. "
+                               f"attention=heads_kv=8 or x=S(0)); got {text!r}.")
+        constraints[target] = value
     with ui.status(f"planning {len(graph.operators)} operators for {device or 'every GPU'}"):
-        return rt.compileGraph(graph, device=device, selector=args.selector, seed=args.seed,
-                               cost_model=args.cost_model, memory_per_device=args.memory_per_device,
-                               catalog=args.catalog, tactic=args.tactic, schedule_mode=args.schedule,
-                               topology=args.topology_value, search_budget_s=args.search_budget,
-                               search_steps=args.search_steps,
-                               calibration=args.calibration, attention=args.attention, refine=not args.no_refine,
-                               keep_states=args.keep_states)
+        cg = rt.compileGraph(graph, device=device, selector=args.selector, seed=args.seed,
+                             cost_model=args.cost_model, memory_per_device=args.memory_per_device,
+                             catalog=args.catalog, tactic=args.tactic, schedule_mode=args.schedule,
+                             topology=args.topology_value, search_budget_s=args.search_budget,
+                             search_steps=args.search_steps,
+                             calibration=args.calibration, attention=args.attention, refine=not args.no_refine,
+                             keep_states=args.keep_states, constraints=constraints or None)
+    if args.save_plan:
+        cg.save(args.save_plan)
+    return cg
 
 
 def _load_and_compile(args: argparse.Namespace, ui: _Ui) -> Any:
@@ -644,6 +657,12 @@ def _default(option: str) -> Any:
     return CompileOptions.default(option)
 
 
+def _hand_plans() -> tuple[str, ...]:
+    from relational_tensors.plans import PLANS
+
+    return tuple(PLANS)
+
+
 def _plan_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE", help="Python file defining build() -> rt.Graph, or graph")
     o = parser.add_argument_group("planning")
@@ -672,6 +691,13 @@ def _plan_options(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--seed", type=int, default=_default("seed"), help="seed of the random selector and the search")
     o.add_argument("--memory-per-device", type=parse_bytes, default=None, metavar="BYTES",
                    help="memory limit per device, e.g. 80GiB")
+    o.add_argument("--plan", dest="hand_plan", default=None, choices=sorted(_hand_plans()),
+                   help="constrain the plan to a hand-written strategy (rt.plans), the rest the optimizer's")
+    o.add_argument("--constraint", action="append", default=[], metavar="NAME=VALUE",
+                   help="pin an operator's split (attention=heads_kv=8) or an input's or state's layout "
+                        "(x=S(0), wq=R); repeatable, applied after --plan")
+    o.add_argument("--save-plan", default=None, metavar="PATH",
+                   help="save the compiled plan (rt.load_plan(PATH, graph) reloads it without planning)")
     o.add_argument("--catalog", default=None, metavar="PATH", help="persist the catalog in this DuckDB file")
     o.add_argument("--calibration", default=None, metavar="PATH",
                    help="kernel calibration file (relational-tensors calibrate) for simulation and cost models")

@@ -488,7 +488,7 @@ class CompiledGraph:
 
     def query(self, name: str, **params: Any) -> pa.Table:
         """A named query from ``sql/queries`` (repartitions, cheapest_candidates, plan_cost, compilations,
-        plan_diff, chosen_vs_cheapest, traffic_by_device_pair, time_by_kind) over this compilation
+        plan_diff, chosen_vs_cheapest, traffic_by_device_pair, time_by_kind, plan_times) over this compilation
         (``$cid`` defaults to its id)."""
         self.catalog.narrow(self.compilation_id)
         return self.catalog.query(name, defaults={"cid": self.compilation_id}, **params)

@@ -168,7 +168,28 @@ def test_stock_duckdb_reads_every_view_and_comment_of_a_persisted_catalog(tmp_pa
               "for v in sys.argv[2:]:\n"
               "    print(v, len(con.execute(f'SELECT * FROM {v}').fetchall()))\n"
               "q = \"SELECT count(*) FROM duckdb_columns() WHERE comment <> ''\"\n"
-              "print('comments', con.execute(q).fetchall()[0][0])\n")
+              "print('comments', con.execute(q).fetchall()[0][0])\n"
+              "for m in ('plan_diff(1, 1)', 'chosen_vs_cheapest(1)', 'traffic_by_device_pair(1)', 'time_by_kind(1)'):\n"
+              "    print(m.split('(')[0], len(con.execute(f'SELECT * FROM {m}').fetchall()))\n")
     out = subprocess.run([sys.executable, "-c", script, str(path), *VIEWS], capture_output=True, text=True, check=True)
     counts = dict(line.split() for line in out.stdout.splitlines())
     assert all(int(counts[v]) > 0 for v in VIEWS) and int(counts["comments"]) >= 150
+    # the table macros are in the file too, so the stock client runs the research questions as well
+    ops = len(cg.graph.operators)
+    assert [int(counts[m]) for m in ("plan_diff", "chosen_vs_cheapest")] == [ops, ops]
+    assert int(counts["traffic_by_device_pair"]) > 0 and int(counts["time_by_kind"]) > 0
+
+
+def test_the_table_macros_answer_what_the_named_queries_answer(compiled: tuple[Path, list]) -> None:
+    _, (a, b, step) = compiled
+    step.simulate(record=True)
+    for cg, name, params, call in [
+            (b, "plan_diff", {"a": a.compilation_id, "b": b.compilation_id},
+             f"plan_diff({a.compilation_id}, {b.compilation_id})"),
+            (b, "chosen_vs_cheapest", {}, f"chosen_vs_cheapest({b.compilation_id})"),
+            (step, "traffic_by_device_pair", {}, f"traffic_by_device_pair({step.compilation_id})"),
+            (step, "time_by_kind", {}, f"time_by_kind({step.compilation_id})")]:
+        got = cg.sql(f"SELECT * FROM {call}").to_pylist()
+        assert got and got == cg.query(name, **params).to_pylist(), name
+    diff = b.sql(f"SELECT * FROM plan_diff({a.compilation_id}, {b.compilation_id})").to_pylist()
+    assert len(diff) == len(a.graph.operators) and any(r["changed"] for r in diff)  # p=2 against p=5

@@ -130,6 +130,20 @@ def test_plan_with_the_calibrated_model_and_search(models: Path) -> None:
     assert "cost model=calibrated (µs)" in out and "total cost" in out
 
 
+def test_plan_with_a_hand_plan_constraints_and_a_saved_plan(models: Path, tmp_path: Path) -> None:
+    saved = tmp_path / "mlp.plan"
+    doc = json.loads(ok(run_cli("--json", "plan", models / "mlp.py", "--devices", "cpu:4", "--plan", "megatron_tp",
+                                "--constraint", "x=S(0)", "--save-plan", saved)))
+    splits = {row["op_name"]: row["split"] for row in doc["rows"]}
+    assert splits["up"].endswith("k=4") and "j=4" in splits["down"]  # column- then row-parallel
+    g = cli.load_graph(str(models / "mlp.py"))
+    again = rt.load_plan(saved, g)
+    assert {n.name: again.plan.split(n.id) for n in g.operators} == splits and again.constraints()["x"] == "S(0)"
+    one_line_error(run_cli("plan", models / "mlp.py", "--devices", "cpu:4", "--constraint", "x"), "NAME=VALUE")
+    r = run_cli("plan", models / "mlp.py", "--devices", "cpu:4", "--plan", "tp")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
 def test_module_level_graph_with_a_memory_limit(models: Path) -> None:
     out = ok(run_cli("plan", models / "small.py", "--devices", "cpu:2", "--memory-per-device", "1MiB", "--quiet"))
     assert " r " in out and "predicted_s" in out

@@ -27,6 +27,8 @@ from relational_tensors.errors import CatalogError
 
 __all__ = ["Catalog", "load_sql"]
 
+MACROS_SINCE = 5  # the catalog version whose files hold the table macros (sql/macros.sql)
+
 _counter = itertools.count()
 STATUSES = ("ok", "refused", "failed")
 
@@ -43,8 +45,13 @@ def _query_names() -> tuple[str, ...]:
     return tuple(sorted(p.name[:-4] for p in queries.iterdir() if p.name.endswith(".sql")))
 
 
+def _views() -> str:
+    """The views, then the table macros (sql/macros.sql), as the catalog writes them."""
+    return load_sql("views.sql") + "\n" + load_sql("macros.sql")
+
+
 def _memory() -> Any:
-    return shared(load_sql("schema.sql"), load_sql("views.sql"))
+    return shared(load_sql("schema.sql"), _views())
 
 
 def _first_line(e: BaseException) -> str:
@@ -95,9 +102,14 @@ class Catalog:
         try:
             if self.read_only:
                 self.version = check_readable(self.con, self.path)
+                if self.version < MACROS_SINCE:  # a file from before the macros: this connection has them
+                    for statement in duckdb.extract_statements(views_sql(load_sql("macros.sql"), True, "")):
+                        try:
+                            self.con.execute(statement.query)
+                        except duckdb.Error:  # it reads what the old file lacks: that macro stays missing
+                            pass
             else:
-                self.version = prepare(self.con, self.path, _memory().schema, load_sql("schema.sql"),
-                                       load_sql("views.sql"))
+                self.version = prepare(self.con, self.path, _memory().schema, load_sql("schema.sql"), _views())
         except BaseException:
             self.con.close()
             raise

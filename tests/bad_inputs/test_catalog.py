@@ -237,7 +237,9 @@ def test_an_old_file_gains_the_new_columns_and_keeps_its_rows(tmp_path: Path) ->
     assert reader.version == 0
     assert reader.sql("SELECT label FROM compilations ORDER BY 1").column("label").to_pylist() == [
         "finished", "refused"]
+    assert reader.sql("SELECT * FROM plan_diff(1, 1)").num_rows == 0  # the macros, for this connection only
     reader.close()
+    assert raw(path, "SELECT count(*) FROM duckdb_functions() WHERE function_name = 'plan_diff'") == [[(0,)]]
     cat = Catalog(path)
     assert cat.version == Catalog.VERSION
     rows = cat.sql("SELECT compilation_id, label, plan_cost, status, error FROM compilations ORDER BY 1").to_pylist()
@@ -249,6 +251,9 @@ def test_an_old_file_gains_the_new_columns_and_keeps_its_rows(tmp_path: Path) ->
     assert cat.sql("SELECT max(version) AS v FROM catalog_version").column("v").to_pylist() == [Catalog.VERSION]
     assert cat.new_compilation(label="new") == 3  # the sequence goes on
     cat.close()
+    assert raw(path, "SELECT count(*) FROM duckdb_functions() WHERE function_type = 'table_macro' "
+                     "AND function_name IN ('plan_diff', 'chosen_vs_cheapest', 'traffic_by_device_pair', "
+                     "'time_by_kind')") == [[(4,)]]  # written with the migration
     cg = rt.compileGraph(small_graph(), device="cpu:2", catalog=path)
     assert cg.sql("SELECT count(*) AS n FROM plan").column("n").to_pylist()[0] == 3
     cg.catalog.close()
@@ -315,8 +320,8 @@ def test_a_named_query_is_a_plain_name(name: str) -> None:
     with pytest.raises(rt.PlanError, match=re.escape(f"no named query {name!r}")) as e:
         Catalog().query(name)
     msg = str(e.value)
-    assert ("known: cheapest_candidates, chosen_vs_cheapest, compilations, plan_cost, plan_diff, repartitions, "
-            "time_by_kind, traffic_by_device_pair") in msg and "cg.sql" in msg
+    assert ("known: cheapest_candidates, chosen_vs_cheapest, compilations, plan_cost, plan_diff, plan_times, "
+            "repartitions, time_by_kind, traffic_by_device_pair") in msg and "cg.sql" in msg
 
 
 def test_in_memory_catalogs_are_independent() -> None:
