@@ -52,10 +52,10 @@ def main() -> None:
     rows = []
     folder = Path(tempfile.mkdtemp())
     for name, g, device, options in cases:
-        plan_s, cg = rounds(lambda: rt.compileGraph(g, device=device, **options))
+        plan_s, cg = rounds(lambda g=g, device=device, options=options: rt.compileGraph(g, device=device, **options))
         path = folder / "plan.rt"
         cg.save(path)  # type: ignore[attr-defined]
-        load_s, again = rounds(lambda: rt.load_plan(path, g))
+        load_s, again = rounds(lambda path=path, g=g: rt.load_plan(path, g))
         same = None
         if str(device).startswith("cpu"):
             feeds = {n.name: np.random.default_rng(0).standard_normal(n.type.shape).astype(np.float32)

@@ -657,13 +657,9 @@ def _default(option: str) -> Any:
     return CompileOptions.default(option)
 
 
-def _hand_plans() -> tuple[str, ...]:
+def _plan_options(parser: argparse.ArgumentParser) -> None:
     from relational_tensors.plans import PLANS
 
-    return tuple(PLANS)
-
-
-def _plan_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE", help="Python file defining build() -> rt.Graph, or graph")
     o = parser.add_argument_group("planning")
     o.add_argument("--devices", "--device", dest="devices", metavar="DEV",
@@ -691,7 +687,7 @@ def _plan_options(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--seed", type=int, default=_default("seed"), help="seed of the random selector and the search")
     o.add_argument("--memory-per-device", type=parse_bytes, default=None, metavar="BYTES",
                    help="memory limit per device, e.g. 80GiB")
-    o.add_argument("--plan", dest="hand_plan", default=None, choices=sorted(_hand_plans()),
+    o.add_argument("--plan", dest="hand_plan", default=None, choices=sorted(PLANS),
                    help="constrain the plan to a hand-written strategy (rt.plans), the rest the optimizer's")
     o.add_argument("--constraint", action="append", default=[], metavar="NAME=VALUE",
                    help="pin an operator's split (attention=heads_kv=8) or an input's or state's layout "
