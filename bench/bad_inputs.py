@@ -258,6 +258,7 @@ g = rt.Graph(); x = g.input('x', [9, 4], 'float64'); w = g.state('w', [4, 3], 'f
 loss = g.save(g.sum(g.unary(g.matmul(x, w), 'square'), axis=(0, 1)), name='loss')
 opt = rt.optim.sgd(g, [w], g.grad(loss, [w]), lr=0.1, momentum=0.9)
 """
+SAVED = "path = os.path.join(TMP, 'mm.plan'); rt.compileGraph(mm(), device='cpu:3').save(path)\n"
 PHASED = """
 g = mm(); y = g.tensor(g.outputs['y']); c = g.input('cot', [10, 5]); (d,) = g.vjp(y, c, [g.tensor(g.node('w').id)])
 g.save(d, name='dw'); cg = rt.compileGraph(g, device='cpu:2', second_phase_inputs=['cot'])
@@ -279,10 +280,25 @@ PLANS = {
     "constraint unknown operator": "rt.compileGraph(mm(), device='cpu:4', constraints={'nope': 'i=2'})",
     "constraint unknown index": ("g = mm(); "
                                  "rt.compileGraph(g, device='cpu:4', constraints={g.operators[0].name: 'z=2'})"),
-    "constraint on an input": "rt.compileGraph(mm(), device='cpu:4', constraints={'x': 'i=2'})",
+    "layout written as a split": "rt.compileGraph(mm(), device='cpu:4', constraints={'x': 'i=2'})",
     "constraint not a dict": "rt.compileGraph(mm(), device='cpu:4', constraints=[('x', 'i=2')])",
     "constraint zero ways": ("g = mm(); "
                              "rt.compileGraph(g, device='cpu:4', constraints={g.operators[0].name: 'i=0'})"),
+    "layout partial sums": "rt.compileGraph(mm(), device='cpu:4', constraints={'x': 'P(sum)'})",
+    "layout dimension out of range": "rt.compileGraph(mm(), device='cpu:4', constraints={'x': 'S(5)'})",
+    "layout more blocks than devices": "rt.compileGraph(mm(), device='cpu:4', constraints={'x': 'd0=3,d1=2'})",
+    "layout more blocks than the extent": "rt.compileGraph(mm(), device='cpu:4', constraints={'w': 'd0=7'})",
+    "layout unknown dimension": "rt.compileGraph(mm(), device='cpu:4', constraints={'x': 'rows=2'})",
+    "layout not a string": "rt.compileGraph(mm(), device='cpu:4', constraints={'x': 0})",
+    "load a plan for another graph": SAVED + "rt.load_plan(path, mm(rows=11))",
+    "load a file that is no plan": "p = os.path.join(TMP, 'no.plan'); open(p, 'w').write('x'); rt.load_plan(p, mm())",
+    "load a truncated plan": SAVED + "d = open(path, 'rb').read(); open(path, 'wb').write(d[:len(d) // 3]); "
+                                     "rt.load_plan(path, mm())",
+    "load a missing plan": "rt.load_plan(os.path.join(TMP, 'missing.plan'), mm())",
+    "load a plan for no graph": SAVED + "rt.load_plan(path, None)",
+    "save a plan nowhere": "c2(mm()).save(os.path.join(TMP, 'no', 'such', 'dir.plan'))",
+    "hand plan for zero devices": "rt.plans.megatron_tp(mm(), 0)",
+    "hand plan of no graph": "rt.plans.data_parallel([1, 2], 4)",
     "search_steps zero": "rt.compileGraph(mm(), device='cpu:2', schedule_mode='search', search_steps=0)",
     "named query without its parameters": "c2(mm()).query('plan_diff')",
     "named query with an unknown parameter": "c2(mm()).query('plan_cost', cid=1)",
@@ -298,6 +314,18 @@ case("steps and plans", "two phases like the reference ok", PHASED + """
 f = feeds(g); cg.load({k: v for k, v in f.items() if k != 'cot'}); cg.execute(phase=0)
 cg.load({'cot': f['cot']}); cg.execute(phase=1)
 assert np.allclose(cg.offload('dw'), rt.reference(g, f)['dw'], atol=1e-4)""", "ok")
+case("steps and plans", "layouts honoured ok", """
+for lay in ('R', 'S(0)', 'S(1)', 'd0=2'):
+    g = mm(); cg = rt.compileGraph(g, device='cpu:4', constraints={'x': lay, 'w': lay}); agrees(g, cg, feeds(g))""",
+     "ok")
+case("steps and plans", "a reloaded plan gives the same bits ok", SAVED + """
+g = mm(); again = rt.load_plan(path, g); f = feeds(g)
+assert np.array_equal(again.run(f)['y'], rt.compileGraph(g, device='cpu:3').run(f)['y'])""", "ok")
+case("steps and plans", "hand plans of a block run like the reference ok", """
+from relational_tensors.models import llama_block
+g = llama_block(2, 12, 16, 4, 2, 24)
+for name in ('megatron_tp', 'sequence_parallel', 'data_parallel'):
+    agrees(g, rt.compileGraph(g, device='cpu:4', constraints=rt.plans.PLANS[name](g, 4)), feeds(g))""", "ok")
 case("steps and plans", "a constraint honoured ok", """
 g = mm(); op = g.operators[0].name; cg = rt.compileGraph(g, device='cpu:4', constraints={op: 'k=2'})
 assert 'k=2' in cg.plan.split(op); agrees(g, cg, feeds(g))""", "ok")
@@ -511,6 +539,9 @@ CLI = {
     "trace to an unwritable path": ["trace", "__MODEL__", "/nonexistent/dir/t.json"],
     "sql on a missing file": ["sql", "/nonexistent.duckdb", "SELECT 1"],
     "sql bad query": ["sql", "__CATALOG__", "SELEC 1"],
+    "constraint without a value": ["plan", "__MODEL__", "--constraint", "x"],
+    "unknown hand plan": ["plan", "__MODEL__", "--plan", "tp"],
+    "save a plan nowhere": ["plan", "__MODEL__", "--save-plan", "/nonexistent/dir/m.plan"],
 }
 for name, args in CLI.items():
     code = f"""
