@@ -79,7 +79,8 @@ def _pass_target(s: _State) -> None:
                                       schedule_mode="search" if o.searched else "naive", tactic=o.tactic,
                                       calibration=s.target.kernels.source, keep_states=o.keep_states,
                                       graph_fingerprint=s.graph.fingerprint(), version=__version__,
-                                      cost_unit=COST_UNITS.get(o.cost_model, o.cost_model))
+                                      cost_unit=COST_UNITS.get(o.cost_model, o.cost_model),
+                                      memory_limit=o.memory_per_device)
 
 
 def _pass_candidates(s: _State) -> None:

@@ -104,6 +104,8 @@ def test_compilations_say_how_each_plan_was_made(compiled: tuple[Path, list]) ->
     assert all(r["topology"] and r["schedule_mode"] == "naive" and r["tactic"] == "tree" and r["version"]
                for r in rows)
     assert rows[2]["keep_states"] == "sharded"
+    limits = con.sql("SELECT memory_limit, memory_per_device FROM compilations ORDER BY 1").to_pylist()
+    assert all(r["memory_limit"] is None and r["memory_per_device"] > 0 for r in limits)  # the devices' memory
     # every physical table has rows for every compilation, in one file
     for table in ("placements", "exchange_programs", "tasks", "device_memory"):
         n = con.sql(f"SELECT count(DISTINCT compilation_id) AS n FROM {table}").to_pylist()[0]["n"]

@@ -94,3 +94,30 @@ def test_a_hand_plan_needs_a_graph_and_a_device_count() -> None:
         rt.plans.megatron_tp(_block(), 0)
     with pytest.raises(rt.GraphError, match="rt.Graph"):
         rt.plans.data_parallel("block", 4)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_the_hand_plans_of_the_8b_block_and_step_plan_at_p8_as_they_say() -> None:
+    """The shapes of the benchmark (planning only): Megatron TP and sequence parallelism on the 8K
+    LLaMA-3-8B-shaped block, data parallelism on 8 x 1K, and DDP/FSDP/TP layouts of the 4-layer step."""
+    from relational_tensors.models import LLAMA3_8B
+
+    block = llama_block(1, 8192, dtype="bfloat16", **LLAMA3_8B)
+    tp = rt.compileGraph(block, device=8, constraints=rt.plans.megatron_tp(block, 8))
+    sp = rt.compileGraph(block, device=8, constraints=rt.plans.sequence_parallel(block, 8))
+    for cg in (tp, sp):
+        assert _split(cg, "q_proj")["k"] == _split(cg, "o_proj")["j"] == _split(cg, "attention")["heads_kv"] == 8
+    assert _split(sp, "attn_rmsnorm")["seq"] == _split(sp, "ffn_residual")["seq"] == 8
+    wide = llama_block(8, 1024, dtype="bfloat16", **LLAMA3_8B)
+    dp = rt.compileGraph(wide, device=8, constraints=rt.plans.data_parallel(wide, 8))
+    assert all(_split(dp, n.name).get("batch", _split(dp, n.name).get("b0")) == 8 for n in wide.operators)
+    step = llama_training_graph(8, 1024, dtype="bfloat16", vocab=128256, layers=4, optimizer="adamw",
+                                master_dtype="float32", **LLAMA3_8B)
+    states = [n.name for n in step.inputs if n.role == "state"]
+    for name, placement in (("ddp", "R"), ("fsdp", "S(0)"), ("megatron_tp", None)):
+        cg = rt.compileGraph(step, device=8, constraints=rt.plans.PLANS[name](step, 8))
+        rows = {r["state"]: r for r in cg.state_layouts()}
+        if placement is not None:
+            assert all(rows[s]["placement"] == placement for s in states if step.node(s).type.shape[0] >= 8)
+        else:
+            assert _split(cg, "l0.q_proj")["k"] == 8 and rows["l0.wq"]["placement"] == "S(1)"

@@ -38,7 +38,8 @@ __all__ = ["connect", "prepare", "check_readable", "MIGRATIONS"]
 #      tactic, calibration, keep_states, graph_fingerprint, version, cost_unit, predicted_seconds and
 #      peak_bytes (older compilations keep NULL: they were not recorded); a COMMENT ON every table and
 #      column (from sql/schema.sql, applied by every migration).
-#   5: candidate_specs.layout_cost (older rows: 0, as no layout was pinned) and layout constraints.
+#   5: candidate_specs.layout_cost (older rows: 0, as no layout was pinned), layout constraints,
+#      compilations.memory_limit (older rows: NULL) and the table macros (sql/macros.sql).
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: ("UPDATE compilations SET status = 'ok' WHERE status IS NULL AND plan_cost IS NOT NULL",),
 }

@@ -41,7 +41,8 @@ CREATE TABLE IF NOT EXISTS compilations (
     version            VARCHAR,     -- the relational_tensors version that planned it
     cost_unit          VARCHAR,     -- plan_cost's unit: elements (paper) | bytes | seconds (calibrated)
     predicted_seconds  DOUBLE,      -- the simulated time of one execution on topology (NULL until simulated)
-    peak_bytes         BIGINT       -- the largest per-device peak of the plan
+    peak_bytes         BIGINT,      -- the largest per-device peak of the plan
+    memory_limit       BIGINT       -- the memory_per_device option in bytes (NULL: planned against each device's own memory)
 );
 
 -- the operator registry each compilation was planned with (relational_tensors.registry)
