@@ -172,12 +172,19 @@ class CompiledGraph:
         devices."""
         self.executor.execute(phase)
 
-    def offload(self, output: Tensor | str, like: str = "numpy") -> Any:
+    def offload(self, output: Tensor | str, like: str = "numpy", rank: int | None = None) -> Any:
         """The saved output ``output`` (its name, or the saved tensor) as one array (``like="cupy"``
         keeps it on the GPU); a state's name gives its current value, ``<state>.next`` the value the
-        last execution assigned it."""
+        last execution assigned it.  A plan run with ``device="dist"`` assembles it on every rank (every
+        rank calls offload), or with ``rank=`` on that rank only (the others get None)."""
         name = self._name(output, "offload's output")
         ex = self.executor
+        distributed = hasattr(ex, "world")
+        if rank is not None and (not distributed or isinstance(rank, bool) or not isinstance(rank, int)
+                                 or not 0 <= rank < ex.world):
+            raise ExecError(f"offload(rank=...) names a rank of a plan run with device='dist' (0..world-1); got "
+                            f"rank={rank!r} for a plan on {self.devices}.")
+        where = {"rank": rank} if distributed else {"like": like} if self.devices.kind == "cuda" else {}
         if isinstance(output, Tensor) and name not in self.graph.outputs and name not in self.dag.assigned:
             saved = [n for n, i in self.graph.outputs.items() if i == output.id]
             if saved:
@@ -190,10 +197,10 @@ class CompiledGraph:
                 raise ExecError(STALE_OUTPUTS)
             name = self.graph.nodes[state].name
         if name in self.dag.assigned:
-            return ex.state(name, like=like) if self.devices.kind == "cuda" else ex.state(name)
+            return ex.state(name, **where)
         if name not in self.graph.outputs and name in self._states:  # an unassigned state: as loaded
             return self._states[name].copy()
-        return ex.offload(name, like=like) if self.devices.kind == "cuda" else ex.offload(name)
+        return ex.offload(name, **where)
 
     def synchronize(self) -> None:
         """Wait for every device to finish what execute() queued."""

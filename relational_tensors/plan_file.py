@@ -38,7 +38,7 @@ from relational_tensors.frontend.graph import Graph
 if TYPE_CHECKING:
     from relational_tensors.compiler import CompiledGraph
 
-__all__ = ["save_plan", "load_plan", "FORMAT"]
+__all__ = ["save_plan", "load_plan", "dumps", "loads", "FORMAT"]
 
 MAGIC = b"relational_tensors plan\n"
 FORMAT = 1  # the layout of a plan file (header fields, pickled members); a new layout is a new number
@@ -120,8 +120,8 @@ def _catalog_rows(cg: CompiledGraph) -> tuple[dict[str, Any], dict[str, Any]]:
     return row, tables
 
 
-def save_plan(cg: CompiledGraph, path: str | Path) -> None:
-    """Write ``cg``'s program and catalog rows to ``path`` (see the module's docstring)."""
+def dumps(cg: CompiledGraph) -> bytes:
+    """``cg``'s program and catalog rows as the bytes of a plan file (see the module's docstring)."""
     from relational_tensors import __version__
 
     members = {k: v for k, v in vars(cg).items() if k not in _SKIP}
@@ -129,6 +129,7 @@ def save_plan(cg: CompiledGraph, path: str | Path) -> None:
     header = {"format": FORMAT, "package": __version__, "fingerprint": cg.graph.fingerprint(),
               "device": str(cg.devices), "saved": datetime.datetime.now().isoformat(timespec="seconds")}
     buf = io.BytesIO()
+    buf.write(MAGIC + json.dumps(header).encode() + b"\n")
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -136,67 +137,64 @@ def save_plan(cg: CompiledGraph, path: str | Path) -> None:
     finally:
         if collecting:
             gc.enable()
+    return buf.getvalue()
+
+
+def save_plan(cg: CompiledGraph, path: str | Path) -> None:
+    """Write ``cg``'s program and catalog rows to ``path``."""
+    data = dumps(cg)
     try:
         with open(path, "wb") as f:
-            f.write(MAGIC + json.dumps(header).encode() + b"\n")
-            f.write(buf.getbuffer())
+            f.write(data)
     except OSError as e:
         raise PlanError(f"cannot write the plan to {str(path)!r}: {e.strerror or e}. Give a writable path.") from None
 
 
-def read_header(path: str | Path) -> dict[str, Any]:
-    """The header of a plan file, checked (a file that is not a plan is refused)."""
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(len(MAGIC))
-            line = f.readline(1 << 16)
-    except OSError as e:
-        raise PlanError(f"cannot read the plan file {str(path)!r}: {e.strerror or e}.") from None
-    if magic != MAGIC:
-        raise PlanError(f"{str(path)!r} is not a relational_tensors plan file (it does not start with the plan "
+def _header(data: bytes, where: str) -> tuple[dict[str, Any], int]:
+    """The checked header of a plan's bytes, and where its body starts (a file that is not a plan is refused)."""
+    if not data.startswith(MAGIC):
+        raise PlanError(f"{where} is not a relational_tensors plan file (it does not start with the plan "
                         "header); write one with cg.save(path).")
+    end = data.find(b"\n", len(MAGIC))
     try:
-        header = json.loads(line)
+        header = json.loads(data[len(MAGIC):end if end >= 0 else len(data)])
     except ValueError:
-        raise PlanError(f"the plan file {str(path)!r} has a damaged header; save the plan again.") from None
+        raise PlanError(f"the plan file {where} has a damaged header; save the plan again.") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         found = header.get("format") if isinstance(header, dict) else "?"
-        raise PlanError(f"the plan file {str(path)!r} has format {found}; this package reads format {FORMAT}. "
+        raise PlanError(f"the plan file {where} has format {found}; this package reads format {FORMAT}. "
                         "Plan the graph again and save it.")
-    return header
+    return header, end + 1
 
 
-def load_plan(path: str | Path, graph: Graph, catalog: str | Path | Catalog | None = None) -> CompiledGraph:
-    """The compiled plan saved at ``path``, for ``graph`` (which must be the graph it was planned for:
-    equal fingerprints), without planning again; its catalog rows go into ``catalog`` (default: a new
-    in-memory catalog) as a new compilation."""
+def loads(data: bytes, graph: Graph, catalog: str | Path | Catalog | None = None, where: str = "the plan"
+          ) -> CompiledGraph:
+    """The compiled plan in ``data`` (a plan file's bytes), for ``graph`` (which must be the graph it was
+    planned for: equal fingerprints), without planning again; its catalog rows go into ``catalog``
+    (default: a new in-memory catalog) as a new compilation when the plan is first explained."""
     from relational_tensors import __version__
-    from relational_tensors.compiler import CompiledGraph
+    from relational_tensors.compiled import CompiledGraph
     from relational_tensors.target.devices import visible_gpus
 
     if not isinstance(graph, Graph):
         raise GraphError(f"load_plan needs the rt.Graph the plan was made for; got {type(graph).__name__}.")
-    header = read_header(path)
+    header, start = _header(data, where)
     if header.get("package") != __version__:
-        raise PlanError(f"the plan {str(path)!r} was saved by relational_tensors {header.get('package')}; this is "
+        raise PlanError(f"{where} was saved by relational_tensors {header.get('package')}; this is "
                         f"{__version__}, whose programs may differ. Plan the graph again and save it.")
     if header.get("fingerprint") != graph.fingerprint():
-        raise PlanError(f"the plan {str(path)!r} was made for another graph (fingerprint "
+        raise PlanError(f"{where} was made for another graph (fingerprint "
                         f"{str(header.get('fingerprint'))[:12]}…, this graph's is {graph.fingerprint()[:12]}…): "
                         "a changed name, shape, dtype or operator changes it. Plan this graph with compileGraph.")
-    with open(path, "rb") as f:
-        f.read(len(MAGIC))
-        f.readline(1 << 16)
-        collecting = gc.isenabled()
-        gc.disable()  # tens of thousands of small acyclic objects: the cyclic collector would only rescan them
-        try:
-            saved = _Unpickler(f, graph).load()
-        except Exception as e:  # a truncated or damaged body
-            raise PlanError(f"the plan file {str(path)!r} is damaged ({type(e).__name__}); save the plan "
-                            "again.") from None
-        finally:
-            if collecting:
-                gc.enable()
+    collecting = gc.isenabled()
+    gc.disable()  # tens of thousands of small acyclic objects: the cyclic collector would only rescan them
+    try:
+        saved = _Unpickler(io.BytesIO(memoryview(data)[start:]), graph).load()
+    except Exception as e:  # a truncated or damaged body
+        raise PlanError(f"the plan file {where} is damaged ({type(e).__name__}); save the plan again.") from None
+    finally:
+        if collecting:
+            gc.enable()
     if isinstance(catalog, Catalog) and catalog.read_only:
         raise CatalogError("load_plan writes the plan's rows into its catalog; give one opened for writing.")
 
@@ -214,3 +212,15 @@ def load_plan(path: str | Path, graph: Graph, catalog: str | Path | Catalog | No
     if cg.devices.kind == "cuda" and visible_gpus() > max(cg.devices.physical):
         _ = cg.executor  # as compileGraph does: streams and arenas set up (and checked) before the first run
     return cg
+
+
+def load_plan(path: str | Path, graph: Graph, catalog: str | Path | Catalog | None = None) -> CompiledGraph:
+    """The compiled plan saved at ``path``, for ``graph`` (see :func:`loads`)."""
+    if not isinstance(graph, Graph):
+        raise GraphError(f"load_plan needs the rt.Graph the plan was made for; got {type(graph).__name__}.")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise PlanError(f"cannot read the plan file {str(path)!r}: {e.strerror or e}.") from None
+    return loads(data, graph, catalog, where=repr(str(path)))

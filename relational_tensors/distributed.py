@@ -1,0 +1,91 @@
+"""One process per device: the same plan run by every rank of a ``torch.distributed`` process group.
+
+``compileGraph(graph, device="dist")`` inside a ``torchrun`` launch (or any initialized process group)
+plans for as many devices as the group has ranks: every rank checks that it holds the same graph
+(equal fingerprints, else every rank refuses before anything runs), rank 0 plans, and the others load
+its plan (``plan_file.dumps``, broadcast) instead of planning again; the point-to-point schedule is
+checked (``physical.p2p``) and each rank gets an executor for its own device
+(``gpu_exec.dist_backend``).  ``cg.load``, ``cg.execute`` and ``cg.offload`` are then called on every
+rank, in the same order.  CPU ranks use gloo.  Where no process group is initialized, the environment
+``torchrun`` sets (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) initializes one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+from relational_tensors.errors import ExecError, GraphError
+from relational_tensors.frontend.graph import Graph
+
+__all__ = ["compile_distributed", "DEFAULT_TIMEOUT_S"]
+
+DEFAULT_TIMEOUT_S = 300.0  # seconds a rank waits for a transfer before the run ends with an ExecError
+
+
+def _group(process_group: Any, timeout: float) -> tuple[Any, Any]:
+    """torch.distributed and the process group to run in (initializing the default one from torchrun's
+    environment when none is)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        raise ExecError("device='dist' runs one process per device with torch.distributed; install torch "
+                        "(pip install 'relational_tensors[torch]') and launch with torchrun.") from None
+    if process_group is not None:
+        mesh = getattr(process_group, "get_group", None)  # a DeviceMesh: its one-dimensional group
+        group = mesh() if callable(mesh) and getattr(process_group, "ndim", 1) == 1 else process_group
+        if callable(mesh) and getattr(process_group, "ndim", 1) != 1:
+            raise GraphError(f"process_group takes a process group or a one-dimensional DeviceMesh; got a mesh of "
+                             f"{process_group.ndim} dimensions. Pass mesh.get_group(dim) for the axis to plan over.")
+        return dist, group
+    if not dist.is_initialized():
+        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:
+            raise ExecError(f"device='dist' needs a torch.distributed launch: no process group is initialized and "
+                            f"{', '.join(missing)} are not set. Run under torchrun (torchrun --nproc-per-node N "
+                            "script.py), or initialize a group and pass process_group=.")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+    return dist, None
+
+
+def compile_distributed(graph: Graph, process_group: Any = None, timeout: float | None = None,
+                        **options: Any) -> Any:
+    """The plan of ``graph`` for every rank of the process group, planned once on rank 0 (``options`` as
+    for ``compileGraph``; ``timeout`` in seconds bounds each transfer of a group this call initializes)."""
+    from relational_tensors.compiler import compileGraph
+    from relational_tensors.gpu_exec.dist_backend import DistExecutor
+    from relational_tensors.physical.p2p import check_schedule
+    from relational_tensors.plan_file import dumps, loads
+
+    if not isinstance(graph, Graph):
+        raise GraphError(f"compileGraph takes an rt.Graph; got {type(graph).__name__}.")
+    wait = DEFAULT_TIMEOUT_S if timeout is None else timeout
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait > 0:
+        raise GraphError(f"timeout is the seconds a rank waits for a transfer, a positive number; got {timeout!r}.")
+    dist, group = _group(process_group, float(wait))
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    first = 0 if group is None else dist.get_global_rank(group, 0)
+    prints: list[Any] = [None] * world
+    dist.all_gather_object(prints, graph.fingerprint(), group=group)
+    if len(set(prints)) != 1:
+        odd = [r for r, f in enumerate(prints) if f != prints[0]]
+        raise ExecError(f"rank {rank}: the ranks hold different graphs (ranks {odd} differ from rank 0: another "
+                        "name, shape, dtype or operator); every rank must build the same graph.")
+    blob: list[Any] = [None]
+    if rank == 0:
+        try:
+            cg = compileGraph(graph, device=f"cpu:{world}", **options)
+            blob = [dumps(cg)]
+        except Exception as e:  # the other ranks must not wait for a plan that never comes
+            blob = [e]
+            dist.broadcast_object_list(blob, src=first, group=group)
+            raise
+    dist.broadcast_object_list(blob, src=first, group=group)
+    if isinstance(blob[0], Exception):
+        raise ExecError(f"rank {rank}: rank 0 could not plan the graph: {blob[0]}") from None
+    if rank != 0:
+        cg = loads(blob[0], graph, where="the plan rank 0 sent")
+    check_schedule(cg.dag)
+    cg._executor = DistExecutor(graph, cg.dag, cg.live, group=group)
+    return cg
