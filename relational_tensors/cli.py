@@ -20,7 +20,6 @@ import importlib
 import json
 import math
 import re
-import runpy
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,16 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from relational_tensors.errors import RelationalTensorsError
+from relational_tensors.errors import CommandError, RelationalTensorsError
+from relational_tensors.model_file import load_graph, load_model
 
 __all__ = ["main", "CommandError", "load_graph", "parse_bytes"]
 
 PROG = "relational-tensors"
 DEMO_TRACE = "relational_tensors_demo_trace.json"
-
-
-class CommandError(RelationalTensorsError):
-    """A command line argument that names nothing usable: a missing file, an unknown operator."""
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -179,58 +175,6 @@ def _topology_name(topology: Any) -> str:
     return topology if isinstance(topology, str) else topology.name
 
 
-def load_graph(path: str) -> Any:
-    """The graph a model file defines: ``build()`` (a Graph, or a torch module and example inputs) or ``graph``."""
-    from relational_tensors.frontend.graph import Graph
-
-    file = Path(path)
-    if not file.is_file():
-        raise CommandError(f"no such file {path!r}; give a Python file that defines build() returning an "
-                           "rt.Graph, or a module-level graph.")
-    sys.path.insert(0, str(file.resolve().parent))  # so the file can import its neighbours
-    try:
-        try:
-            ns = runpy.run_path(str(file), run_name="__relational_tensors_model__")
-        except RelationalTensorsError:
-            raise
-        except SystemExit as e:
-            raise CommandError(f"running {path} called sys.exit({e.code!r}); a model file defines build() "
-                               "and returns from it (an rt.Graph, or a torch module and example inputs).") from e
-        except Exception as e:
-            raise CommandError(f"running {path} failed with {type(e).__name__}: {e}") from e
-        build = ns.get("build")
-        if callable(build):
-            try:
-                made, source = build(), "build()"
-            except RelationalTensorsError:
-                raise
-            except SystemExit as e:
-                raise CommandError(f"{path}: build() called sys.exit({e.code!r}); it must return an rt.Graph "
-                                   "(or a torch module and example inputs).") from e
-            except Exception as e:
-                raise CommandError(f"{path}: build() failed with {type(e).__name__}: {e}") from e
-        elif "graph" in ns:
-            made, source = ns["graph"], "graph"
-        else:
-            raise CommandError(f"{path} defines neither build() nor a module-level graph; define build() "
-                               "returning an rt.Graph (or a (torch module, example inputs) pair).")
-    finally:
-        sys.path.remove(str(file.resolve().parent))
-    if isinstance(made, Graph):
-        return made
-    if isinstance(made, (tuple, list)) and len(made) == 2 and _is_torch_module(made[0]):
-        import relational_tensors as rt
-
-        return rt.from_torch(made[0], made[1])
-    raise CommandError(f"{path}: {source} must be an rt.Graph or a (torch.nn.Module, example inputs) pair; "
-                       f"got {type(made).__name__}.")
-
-
-def _is_torch_module(x: Any) -> bool:
-    torch = sys.modules.get("torch")  # a file that made a torch module has imported torch
-    return torch is not None and isinstance(x, torch.nn.Module)
-
-
 # ---------------------------------------------------------------------------------------------- compiling
 
 
@@ -280,6 +224,55 @@ def _width(ui: _Ui) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- commands
+
+
+def cmd_run(args: argparse.Namespace, ui: _Ui) -> int:
+    """Plan and run a model file (--devices dist under torchrun: one process per device, rank 0 reports)."""
+    import numpy as np
+
+    import relational_tensors as rt
+
+    args.topology_value = _topology_arg(args.topology)
+    with ui.status(f"loading {args.file}"), contextlib.redirect_stdout(sys.stderr if ui.json else sys.stdout):
+        graph, feeds_of = load_model(args.file)
+        feeds = feeds_of()
+    cg = _compile(args, ui, graph)
+    ex = cg.executor
+    lead = getattr(ex, "rank", 0) == 0  # a distributed run: every rank runs, rank 0 reports
+    t0 = time.perf_counter()
+    with ui.status(f"running on {cg.p} devices"):
+        cg.load(feeds)
+        times = []
+        for _ in range(args.rounds):
+            t1 = time.perf_counter()
+            cg.execute()
+            cg.synchronize()
+            times.append(time.perf_counter() - t1)
+        outs = {name: np.asarray(cg.offload(name)) for name in graph.outputs}
+    ran = time.perf_counter() - t0
+    want = rt.reference(graph, feeds) if args.check else {}
+    rows, ok = [], True
+    for name, out in outs.items():
+        row = {"output": name, "shape": list(out.shape), "dtype": str(out.dtype),
+               "sum": float(np.sum(out, dtype=np.float64)), "max_abs": float(np.max(np.abs(out), initial=0))}
+        if args.check:
+            ref = np.asarray(want[name], dtype=np.float64)
+            row["max_relative_difference"] = err = float(np.max(np.abs(out - ref), initial=0) / max(
+                float(np.max(np.abs(ref), initial=0)), 1e-30))
+            ok = ok and err <= args.tolerance
+        rows.append(row)
+    if not lead:
+        return 0 if ok else 1
+    if ui.json:
+        ui.result({**_summary(cg, args), "ran_s": ran, "execute_s": times, "outputs": rows, "ok": ok})
+    else:
+        for r, out in zip(rows, outs.values()):
+            check = f"; max relative difference {r['max_relative_difference']:.1e}" if args.check else ""
+            ui.say(f"{r['output']}: {out.dtype} {out.shape}, sum {r['sum']:.6g}, max |x| {r['max_abs']:.4g}{check}")
+        ui.say(f"ran on {cg.p} devices ({cg.devices}{', one process each' if hasattr(ex, 'rank') else ''}) "
+               f"in {ran:.2f}s; execute {_seconds(min(times))} (best of {len(times)})"
+               + ("" if not args.check else " [green]OK[/]" if ok else " [red]MISMATCH[/]"))
+    return 0 if ok else 1
 
 
 def cmd_plan(args: argparse.Namespace, ui: _Ui) -> int:
@@ -731,6 +724,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--trace", default=f"./{DEMO_TRACE}", metavar="PATH", help="where to write the Chrome trace")
 
     _plan_options(add("plan", cmd_plan, "print the plan table (with placements) and the predicted time"))
+    r = add("run", cmd_run, "plan and run a model file (--devices dist: one process per device under torchrun)")
+    _plan_options(r)
+    r.add_argument("--rounds", type=int, default=1, metavar="N", help="executions to run (and time)")
+    r.add_argument("--check", action="store_true", help="compare every output with the single-device reference")
+    r.add_argument("--tolerance", type=float, default=1e-4, metavar="T",
+                   help="--check's largest relative difference (to the output's largest magnitude)")
     _plan_options(add("explain", cmd_explain, "print the plan table only"))
     _plan_options(add("simulate", cmd_simulate, "print the predicted seconds of one execution on --topology"))
     t = add("trace", cmd_trace, "write a Chrome/Perfetto trace of the simulated execution")

@@ -15,6 +15,7 @@ __all__ = [
     "ExchangeError",
     "ExecError",
     "CatalogError",
+    "CommandError",
 ]
 
 
@@ -50,3 +51,7 @@ class ExchangeError(RelationalTensorsError):
 
 class ExecError(RelationalTensorsError):
     """A compiled program cannot be executed (missing inputs, absent hardware)."""
+
+
+class CommandError(RelationalTensorsError):
+    """A command line argument that names nothing usable: a missing file, an unknown operator."""

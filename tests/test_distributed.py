@@ -50,6 +50,29 @@ def test_every_rank_computes_what_the_reference_computes(tmp_path: Path, world: 
         assert results["mismatch"]["ok"] and results["mismatch"]["refused"], results["mismatch"]
     losses = {results["step"]["loss"] for results in data["ranks"]}
     assert len(losses) == 1  # every rank offloads the same loss
+    for rank, results in enumerate(data["ranks"]):  # a plan over a group of the first two ranks
+        sub = results["subgroup"]
+        assert sub["ok"] and sub["member"] == (rank < 2), sub
+        assert not sub["member"] or (sub["p"] == 2 and sub["err"] <= 1e-5), sub
+
+
+@pytest.mark.slow
+def test_the_run_command_under_torchrun(tmp_path: Path) -> None:
+    model = tmp_path / "mlp.py"
+    model.write_text("import relational_tensors as rt\n\n\ndef build():\n    g = rt.Graph()\n"
+                     "    x = g.input('x', [64, 32])\n"
+                     "    w1 = g.parameter('w1', [32, 64]); w2 = g.parameter('w2', [64, 32])\n"
+                     "    h = g.unary(g.matmul(x, w1, name='up'), 'relu', name='act')\n"
+                     "    g.save(g.matmul(h, w2, name='down'), name='y')\n    return g\n")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "relational_tensors", "--json", "run", str(model), "--devices", "dist", "--check",
+                        "--rounds", "2"], capture_output=True, text=True, timeout=240, env=env, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    doc = json.loads(r.stdout)  # rank 0 reports, rank 1 prints nothing
+    assert doc["ok"] and doc["p"] == 2 and len(doc["execute_s"]) == 2
+    assert doc["outputs"][0]["output"] == "y" and doc["outputs"][0]["max_relative_difference"] <= 1e-5
 
 
 @pytest.mark.slow
