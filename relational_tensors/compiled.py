@@ -148,13 +148,38 @@ class CompiledGraph:
         self.executor.load(feeds)
         self._keep_states(feeds)
 
+    def load_checkpoint(self, path: str | Path) -> list[str]:
+        """Load every graph input that the safetensors checkpoint at ``path`` holds, each process reading
+        only the slices of the blocks it keeps (``relational_tensors.checkpoint``); returns the names
+        loaded (the others are left for ``load``).  Under ``device="dist"`` every rank calls it."""
+        from relational_tensors.checkpoint import read_pieces
+
+        ex = self.executor
+        holds = getattr(ex, "_holds", None)  # the GPU executor loads whole tensors (read slice by slice)
+        wanted = {}
+        for name, blocks in self.dag.inputs.items():
+            t = self.graph.node(name).type
+            boxes = list(dict.fromkeys(box for box, b in blocks if holds(b))) if holds else [t.box]
+            if boxes:
+                wanted[name] = (t.shape, boxes)
+        pieces = read_pieces(path, wanted, getattr(self.graph, "origins", {}))
+        if holds:
+            ex.load(pieces, partial=True, owned=True)
+        else:
+            ex.load({name: parts[0][1] for name, parts in pieces.items()}, partial=True)
+        self._keep_states(pieces)
+        return sorted(pieces)
+
     def _keep_states(self, feeds: Mapping[str, Any]) -> None:
         """Host copies of the unassigned states loaded (they never change; assigned ones are read back
         from the blocks the devices keep)."""
+        from relational_tensors.gpu_exec.numpy_backend import block_pieces
+
         for name, value in feeds.items():
             node = self.graph.node(name)
             if node.role == "state" and node.id not in self.graph.assignments:
-                self._states[name] = coerce_feed(name, value, node.type)
+                if block_pieces(name, value, node.type) is None:  # pieces: offload reads the devices' blocks
+                    self._states[name] = coerce_feed(name, value, node.type)
 
     def memory_by_category(self) -> dict[int, dict[str, int]]:
         """Per device, the bytes live at its peak by what they are (``Graph.memory_categories``: parameters,
@@ -200,6 +225,8 @@ class CompiledGraph:
             return ex.state(name, **where)
         if name not in self.graph.outputs and name in self._states:  # an unassigned state: as loaded
             return self._states[name].copy()
+        if name not in self.graph.outputs and name in self.dag.inputs and self.graph.node(name).role == "state":
+            return ex.state(name, **where)  # loaded in pieces: from the blocks the devices keep
         return ex.offload(name, **where)
 
     def synchronize(self) -> None:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import relational_tensors as rt
@@ -24,9 +25,10 @@ PROGRAMS = Path(__file__).parent / "dist" / "programs.py"
 ROOT = Path(__file__).parent.parent
 
 
-def torchrun(n: int, out: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def torchrun(n: int, out: Path, *args: str, timeout: float = 240,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
            str(PROGRAMS), str(out), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(ROOT))
@@ -92,6 +94,25 @@ def test_a_stalled_rank_ends_the_others_within_the_timeout(tmp_path: Path) -> No
         res = json.loads(Path(f"{out}.{rank}").read_text())
         assert res["error"] and f"rank {rank}" in res["error"] and "copy task" in res["error"], res
         assert 2.5 <= res["seconds"] <= 11, res  # the 3 s timeout, not the 12 s the stalled rank sleeps
+
+
+@pytest.mark.slow
+def test_a_checkpoint_is_read_shard_by_shard(tmp_path: Path) -> None:
+    """Each of 4 ranks reads only its quarter of a 256 MiB checkpoint: its resident set grows by less than
+    its blocks plus 64 MiB (a whole-file read would grow by the file)."""
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "big.safetensors"
+    rng = np.random.default_rng(1)
+    save_file({f"w{i}": rng.standard_normal((2048, 4096), dtype=np.float32) for i in range(8)}, str(path))
+    out = tmp_path / "res.json"
+    r = torchrun(4, out, "--only", "checkpoint", env={"RT_CHECKPOINT": str(path)})
+    for rank in range(4):
+        res = json.loads(Path(f"{out}.{rank}").read_text()) if Path(f"{out}.{rank}").exists() else r.stderr[-3000:]
+        assert isinstance(res, dict), res
+        assert res["loaded"] and res["err"] <= 1e-3, res  # float32 dot products of 2048 terms
+        assert res["kept"] == 8 * 2048 * 1024 * 4, res  # a quarter of each weight's columns
+        assert res["growth"] < res["kept"] + (64 << 20), res
 
 
 def _dag(copies: list[tuple[int, int]], p: int = 3) -> TaskDAG:

@@ -13,7 +13,6 @@ an output or a state is assembled on every rank (or on one) by broadcasting each
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -23,7 +22,7 @@ from relational_tensors.errors import ExecError
 from relational_tensors.frontend.graph import Graph
 from relational_tensors.gpu_exec.numpy_backend import NumpyExecutor
 from relational_tensors.physical.tasks import Liveness, TaskDAG
-from relational_tensors.reference import STALE_OUTPUTS, check_feed_names, coerce_feed
+from relational_tensors.reference import STALE_OUTPUTS
 
 __all__ = ["DistExecutor"]
 
@@ -121,23 +120,8 @@ class DistExecutor(NumpyExecutor):
                                     "same program; see the other ranks' errors.") from None
 
     # --- inputs and results ----------------------------------------------------------------------
-    def load(self, feeds: Mapping[str, Any], partial: bool = False) -> None:
-        """Keep this rank's blocks of the inputs given; an input it holds none of need not be given."""
-        dag = self.dag
-        mine = {name for name, blocks in dag.inputs.items()
-                if any(dag.buffers[b].device == self.rank for _, b in blocks)}
-        required = [] if partial else [n for n in mine if n not in self.resident and n not in dag.later]
-        names = check_feed_names(self.graph, feeds, required)
-        wholes = {name: coerce_feed(name, feeds[name], names[name].type) for name in dag.inputs if name in feeds}
-        self.done = min(self.done, self.split if set(wholes) <= dag.later else 0)
-        self.held = self.held and set(wholes) <= dag.later
-        for name, whole in wholes.items():
-            for box, buf in dag.inputs[name]:
-                if dag.buffers[buf].device == self.rank:
-                    self._put(buf, np.array(whole[box.slices()], copy=True))
-        self.resident.update(wholes)
-        self.resident.update(n for n in dag.inputs if n not in mine)  # nothing of it lives here
-        self.loaded = True
+    def _holds(self, buf: int) -> bool:
+        return self.dag.buffers[buf].device == self.rank
 
     def _assemble(self, name: str, node: Any, blocks: list[tuple[Any, int]], rank: int | None) -> np.ndarray | None:
         """The tensor ``name`` (of graph node ``node``) from its blocks, broadcast from each block's rank to

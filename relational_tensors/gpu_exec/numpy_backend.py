@@ -17,6 +17,7 @@ import numpy as np
 
 from relational_tensors.core.aggregation import Aggregation
 from relational_tensors.core.dtypes import numpy_dtype
+from relational_tensors.core.types import Box, TensorType
 from relational_tensors.errors import ExecError
 from relational_tensors.frontend.graph import Graph
 from relational_tensors.physical.tasks import (
@@ -30,7 +31,7 @@ from relational_tensors.physical.tasks import (
 )
 from relational_tensors.reference import STALE_OUTPUTS, check_feed_names, check_loaded, coerce_feed
 
-__all__ = ["NumpyExecutor"]
+__all__ = ["NumpyExecutor", "block_pieces"]
 
 
 def _nbytes(x: Any) -> int:
@@ -86,22 +87,43 @@ class NumpyExecutor:
             return pool[buf]
         return pool[root][dag.buffers[buf].box.slices(dag.buffers[root].box)]
 
-    def load(self, feeds: Mapping[str, Any], partial: bool = False) -> None:
-        """Materialize every graph input straight into the blocks the plan reads, on their devices."""
+    def _holds(self, buf: int) -> bool:
+        """Whether this executor keeps buffer ``buf`` (every device is this process's here)."""
+        return True
+
+    def load(self, feeds: Mapping[str, Any], partial: bool = False, owned: bool = False) -> None:
+        """Materialize every graph input straight into the blocks the plan reads, on their devices.
+
+        A feed is a whole array, or a list of ``(offset, array)`` pieces of the tensor (see
+        :func:`block_pieces`) that together cover every block this executor keeps of it; ``owned``
+        pieces (read for this load alone) are kept as they are where one is a whole block."""
+        dag = self.dag
+        held = {name for name, blocks in dag.inputs.items() if any(self._holds(b) for _, b in blocks)}
         # inputs loaded before (weights) stay loaded: a later load may name only the ones that change
-        names = check_feed_names(self.graph, feeds,
-                                 [] if partial else [n for n in self.dag.inputs
-                                                     if n not in self.resident and n not in self.dag.later])
+        names = check_feed_names(self.graph, feeds, [] if partial else [
+            n for n in dag.inputs if n in held and n not in self.resident and n not in dag.later])
         # every feed is checked before any is placed: a load that fails changes nothing
-        wholes = {name: coerce_feed(name, feeds[name], names[name].type) for name in self.dag.inputs if name in feeds}
+        values: dict[str, list[tuple[int, Any]]] = {}
+        for name in dag.inputs:
+            if name not in feeds:
+                continue
+            t = names[name].type
+            pieces = block_pieces(name, feeds[name], t)
+            mine = [(box, buf) for box, buf in dag.inputs[name] if self._holds(buf)]
+            if pieces is None:
+                whole = coerce_feed(name, feeds[name], t)
+                values[name] = [(buf, np.array(whole[box.slices()], copy=True)) for box, buf in mine]
+            else:
+                values[name] = [(buf, _cover(name, box, pieces, t.dtype, owned)) for box, buf in mine]
         # the saved outputs no longer belong to the loaded inputs; loading only second-phase inputs keeps
         # what the first phase made
-        self.done = min(self.done, self.split if set(wholes) <= self.dag.later else 0)
-        self.held = self.held and set(wholes) <= self.dag.later
-        for name, whole in wholes.items():
-            for box, buf in self.dag.inputs[name]:
-                self._put(buf, np.array(whole[box.slices()], copy=True))
-        self.resident.update(wholes)
+        self.done = min(self.done, self.split if set(values) <= dag.later else 0)
+        self.held = self.held and set(values) <= dag.later
+        for blocks in values.values():
+            for buf, value in blocks:
+                self._put(buf, value)
+        self.resident.update(values)
+        self.resident.update(n for n in dag.inputs if n not in held)  # nothing of it is kept here
         self.loaded = True
 
     @property
@@ -229,6 +251,48 @@ class NumpyExecutor:
             value = self._get(buf)
             out[box.slices()] = value[0] if isinstance(value, tuple) else value
         return out
+
+
+def block_pieces(name: str, value: Any, t: Any) -> list[tuple[Box, np.ndarray]] | None:
+    """A feed given as pieces, ``[(offset, array), ...]`` (each array the part of the tensor that starts at
+    ``offset``), as (box, array of the tensor's dtype) pairs, each checked to lie inside the tensor; None
+    for a feed that is a whole array."""
+    if not isinstance(value, (list, tuple)) or not value or not all(
+            isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], np.ndarray)
+            and isinstance(p[0], (tuple, list)) for p in value):
+        return None
+    out = []
+    for offset, array in value:
+        if len(offset) != t.rank or not all(isinstance(o, (int, np.integer)) and not isinstance(o, bool)
+                                            for o in offset) or array.ndim != t.rank:
+            raise ExecError(f"a piece of input {name!r} is (offset, array) with {t.rank} offsets and a {t.rank}-d "
+                            f"array; got offset {tuple(offset)} and an array of shape {array.shape}.")
+        box = Box(tuple(int(o) for o in offset), tuple(int(o) + n for o, n in zip(offset, array.shape)))
+        if not t.box.contains(box) or any(o < 0 for o in box.lower):
+            raise ExecError(f"a piece of input {name!r} at {tuple(offset)} of shape {array.shape} lies outside the "
+                            f"tensor's shape {t.shape}.")
+        out.append((box, coerce_feed(name, array, TensorType.zero(array.shape, t.dtype))))
+    return out
+
+
+def _cover(name: str, block: Box, pieces: list[tuple[Box, np.ndarray]], dtype: str, owned: bool) -> np.ndarray:
+    """Block ``block`` of input ``name`` assembled from ``pieces``, refused unless they cover it (``owned``:
+    the pieces are this executor's to keep, so a piece that is the whole block is kept, not copied)."""
+    for box, array in pieces:
+        if owned and box == block and array.dtype == numpy_dtype(dtype):
+            return array  # the piece is the block, and no one else holds it (a checkpoint's read): not copied
+    out = np.empty(block.shape, dtype=numpy_dtype(dtype))
+    covered = np.zeros(block.shape, dtype=bool)
+    for box, array in pieces:
+        part = box.intersect(block)
+        if not part.is_empty:
+            out[part.slices(block)] = array[part.slices(box)]
+            covered[part.slices(block)] = True
+    if not covered.all():
+        raise ExecError(f"the pieces given for input {name!r} do not cover its block {block} (that this process "
+                        f"keeps): {int(covered.size - covered.sum())} of its {covered.size} elements are missing. "
+                        "Give pieces that cover it, or the whole array.")
+    return out
 
 
 def _slice(value: Any, index: tuple[slice, ...]) -> Any:
