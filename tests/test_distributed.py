@@ -49,6 +49,8 @@ def test_every_rank_computes_what_the_reference_computes(tmp_path: Path, world: 
             # float32, contractions split up to `world` ways: rounding relative to the largest magnitude
             assert res["err"] <= 1e-5, (rank, name, res["err"])
         assert results["block"]["rank0_only"]
+        mod = results["module"]  # rt.parallelize(..., device="dist"), float64: forward and backward
+        assert mod["ok"] and mod["err"] <= 1e-12 and mod["grad_err"] <= 1e-12, mod
         assert results["mismatch"]["ok"] and results["mismatch"]["refused"], results["mismatch"]
     losses = {results["step"]["loss"] for results in data["ranks"]}
     assert len(losses) == 1  # every rank offloads the same loss
@@ -75,6 +77,28 @@ def test_the_run_command_under_torchrun(tmp_path: Path) -> None:
     doc = json.loads(r.stdout)  # rank 0 reports, rank 1 prints nothing
     assert doc["ok"] and doc["p"] == 2 and len(doc["execute_s"]) == 2
     assert doc["outputs"][0]["output"] == "y" and doc["outputs"][0]["max_relative_difference"] <= 1e-5
+
+
+@pytest.mark.slow
+def test_two_nodes_rendezvous_on_localhost(tmp_path: Path) -> None:
+    """Two torchrun launches of two ranks each, joined as two nodes (--nnodes 2): one world of four."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "res.json"
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+                               str(node), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+                               str(port), str(PROGRAMS), str(out), "--only", "chain"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT))
+             for node in (0, 1)]
+    logs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in logs]
+    data = json.loads(out.read_text())
+    assert data["world"] == 4 and all(r["chain"]["ok"] and r["chain"]["err"] <= 1e-5 for r in data["ranks"])
 
 
 @pytest.mark.slow
