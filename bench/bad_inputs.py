@@ -297,6 +297,21 @@ PLANS = {
     "load a missing plan": "rt.load_plan(os.path.join(TMP, 'missing.plan'), mm())",
     "load a plan for no graph": SAVED + "rt.load_plan(path, None)",
     "save a plan nowhere": "c2(mm()).save(os.path.join(TMP, 'no', 'such', 'dir.plan'))",
+    "dist outside a launch": "[os.environ.pop(v, None) for v in ('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')]; "
+                             "rt.compileGraph(mm(), device='dist')",
+    "timeout without dist": "rt.compileGraph(mm(), device='cpu:2', timeout=5)",
+    "offload rank= without dist": "g = mm(); cg = c2(g); cg.run(feeds(g)); cg.offload('y', rank=0)",
+    "pieces that do not cover": ("g = mm(); cg = c2(g); "
+                                 "cg.load({'x': [((0, 0), np.ones((3, 6)))], 'w': np.ones((6, 5))})"),
+    "a piece outside the tensor": ("g = mm(); cg = c2(g); "
+                                 "cg.load({'x': [((8, 0), np.ones((3, 6)))], 'w': np.ones((6, 5))})"),
+    "a piece of the wrong rank": ("g = mm(); cg = c2(g); "
+                                 "cg.load({'x': [((0,), np.ones((10, 6)))], 'w': np.ones((6, 5))})"),
+    "checkpoint missing": "c2(mm()).load_checkpoint(os.path.join(TMP, 'none.safetensors'))",
+    "checkpoint not safetensors": "p = os.path.join(TMP, 'x.safetensors'); open(p, 'w').write('no'); "
+                                  "c2(mm()).load_checkpoint(p)",
+    "checkpoint of another shape": "from safetensors.numpy import save_file; p = os.path.join(TMP, 'w.safetensors'); "
+                                   "save_file({'w': np.ones((5, 6), np.float32)}, p); c2(mm()).load_checkpoint(p)",
     "hand plan for zero devices": "rt.plans.megatron_tp(mm(), 0)",
     "hand plan of no graph": "rt.plans.data_parallel([1, 2], 4)",
     "search_steps zero": "rt.compileGraph(mm(), device='cpu:2', schedule_mode='search', search_steps=0)",
@@ -326,6 +341,12 @@ from relational_tensors.models import llama_block
 g = llama_block(2, 12, 16, 4, 2, 24)
 for name in ('megatron_tp', 'sequence_parallel', 'data_parallel'):
     agrees(g, rt.compileGraph(g, device='cpu:4', constraints=rt.plans.PLANS[name](g, 4)), feeds(g))""", "ok")
+case("steps and plans", "pieces and a checkpoint load like whole arrays ok", """
+from safetensors.numpy import save_file
+g = mm(); f = feeds(g); p = os.path.join(TMP, 'ok.safetensors'); save_file({'w': f['w']}, p)
+cg = rt.compileGraph(g, device='cpu:3'); assert cg.load_checkpoint(p) == ['w']
+cg.load({'x': [((0, 0), f['x'][:4]), ((4, 0), f['x'][4:])]}); cg.execute()
+assert np.allclose(cg.offload('y'), rt.reference(g, f)['y'], atol=1e-5)""", "ok")
 case("steps and plans", "a constraint honoured ok", """
 g = mm(); op = g.operators[0].name; cg = rt.compileGraph(g, device='cpu:4', constraints={op: 'k=2'})
 assert 'k=2' in cg.plan.split(op); agrees(g, cg, feeds(g))""", "ok")
