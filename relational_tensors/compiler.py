@@ -452,27 +452,28 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
                  calibration: str | None = None, attention: str = "triton", refine: bool = True,
                  keep_states: str = "auto", second_phase_inputs: Any = (),
                  constraints: Mapping[str, str] | None = None, process_group: Any = None,
-                 timeout: float | None = None) -> CompiledGraph:
+                 timeout: float | None = None, transport: str | None = None) -> CompiledGraph:
     """Plan ``graph`` for the devices named by ``device`` (see ``relational_tensors.target.devices``).
 
     The options are those of :class:`~relational_tensors.options.CompileOptions`, validated once here;
     ``catalog`` is a path to persist the catalog (default: in memory).  ``device="dist"`` plans for every
     rank of a torch.distributed launch (``process_group``: the group to run in, default the world;
-    ``timeout``: seconds a rank waits for a transfer), see ``relational_tensors.distributed``.
+    ``timeout``: seconds a rank waits for a transfer; ``transport``: ``nccl`` or ``gloo``, for GPU ranks), see
+    ``relational_tensors.distributed``.
     """
-    if isinstance(device, str) and device == "dist":
+    if isinstance(device, str) and device.startswith("dist"):
         from relational_tensors.distributed import compile_distributed
 
-        return compile_distributed(graph, process_group, timeout, selector=selector, seed=seed,
+        return compile_distributed(graph, process_group, timeout, device, transport, selector=selector, seed=seed,
                                    cost_model=cost_model, memory_per_device=memory_per_device, catalog=catalog,
                                    tactic=tactic, label=label, schedule_mode=schedule_mode, topology=topology,
                                    search_budget_s=search_budget_s, search_steps=search_steps,
                                    calibration=calibration, attention=attention, refine=refine,
                                    keep_states=keep_states, second_phase_inputs=second_phase_inputs,
                                    constraints=constraints)
-    if process_group is not None or timeout is not None:
-        raise GraphError("process_group= and timeout= are for device='dist' (one process per device under "
-                         f"torchrun); got device={device!r}.")
+    if process_group is not None or timeout is not None or transport is not None:
+        raise GraphError("process_group=, timeout= and transport= are for device='dist' (one process per device "
+                         f"under torchrun); got device={device!r}.")
     # planning builds large graphs of small objects with no cycles to reclaim: the cyclic collector would
     # only rescan them (a third of a 32-layer compile), so it waits until the compilation is done
     collecting = gc.isenabled()

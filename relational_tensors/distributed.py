@@ -49,10 +49,38 @@ def _group(process_group: Any, timeout: float) -> tuple[Any, Any]:
     return dist, None
 
 
+def _gpu(kind: str, transport: str | None) -> tuple[int | None, str]:
+    """This rank's GPU (None: a CPU rank) and the transport, from ``device="dist[:cpu|:cuda]"``."""
+    from relational_tensors.target.devices import visible_gpus
+
+    if kind not in ("dist", "dist:cpu", "dist:cuda"):
+        raise GraphError(f"device names one process per device as 'dist' (GPU ranks where GPUs are visible, else "
+                         f"CPU ranks), 'dist:cpu' or 'dist:cuda'; got {kind!r}.")
+    gpus = 0 if kind == "dist:cpu" else visible_gpus()
+    if kind == "dist:cuda" and not gpus:
+        raise ExecError("device='dist:cuda' needs a visible GPU (and CuPy); none is visible here. Use 'dist:cpu'.")
+    if transport not in (None, "gloo", "nccl"):
+        raise GraphError(f"transport is 'nccl' (GPU ranks, one GPU each) or 'gloo' (CPU ranks, or GPU ranks "
+                         f"staged through the host); got {transport!r}.")
+    if not gpus:
+        if transport == "nccl":
+            raise GraphError("transport='nccl' is for GPU ranks; these are CPU ranks (no GPU visible, or "
+                             "device='dist:cpu'). Leave transport out, or give 'gloo'.")
+        return None, "gloo"
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    transport = transport or "nccl"
+    per_gpu = -(-int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // gpus)
+    if transport == "nccl" and per_gpu > 1:
+        raise ExecError(f"{os.environ.get('LOCAL_WORLD_SIZE')} ranks share {gpus} GPUs here and NCCL needs a GPU "
+                        "per rank; give transport='gloo' (transfers staged through the host) to share GPUs.")
+    return local % gpus, transport
+
+
 def compile_distributed(graph: Graph, process_group: Any = None, timeout: float | None = None,
-                        **options: Any) -> Any:
+                        kind: str = "dist", transport: str | None = None, **options: Any) -> Any:
     """The plan of ``graph`` for every rank of the process group, planned once on rank 0 (``options`` as
-    for ``compileGraph``; ``timeout`` in seconds bounds each transfer of a group this call initializes)."""
+    for ``compileGraph``; ``timeout`` in seconds bounds each transfer of a group this call initializes;
+    ``kind`` and ``transport``: see :func:`_gpu`)."""
     from relational_tensors.compiler import compileGraph
     from relational_tensors.gpu_exec.dist_backend import DistExecutor
     from relational_tensors.physical.p2p import check_schedule
@@ -63,6 +91,7 @@ def compile_distributed(graph: Graph, process_group: Any = None, timeout: float 
     wait = DEFAULT_TIMEOUT_S if timeout is None else timeout
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait > 0:
         raise GraphError(f"timeout is the seconds a rank waits for a transfer, a positive number; got {timeout!r}.")
+    gpu, transport = _gpu(kind, transport)
     dist, group = _group(process_group, float(wait))
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     first = 0 if group is None else dist.get_global_rank(group, 0)
@@ -73,8 +102,13 @@ def compile_distributed(graph: Graph, process_group: Any = None, timeout: float 
         raise ExecError(f"rank {rank}: the ranks hold different graphs (ranks {odd} differ from rank 0: another "
                         "name, shape, dtype or operator); every rank must build the same graph.")
     blob: list[Any] = [None]
+    if gpu is not None and options.get("memory_per_device") is None:  # each rank's share of its GPU
+        import cupy
+
+        sharing = -(-int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // max(1, cupy.cuda.runtime.getDeviceCount()))
+        options["memory_per_device"] = cupy.cuda.Device(gpu).mem_info[1] // sharing
     if rank == 0:
-        try:
+        try:  # planned for virtual devices: the same DAG, and no executor built for them here
             cg = compileGraph(graph, device=f"cpu:{world}", **options)
             blob = [dumps(cg)]
         except Exception as e:  # the other ranks must not wait for a plan that never comes
@@ -87,5 +121,13 @@ def compile_distributed(graph: Graph, process_group: Any = None, timeout: float 
     if rank != 0:
         cg = loads(blob[0], graph, where="the plan rank 0 sent")
     check_schedule(cg.dag)
-    cg._executor = DistExecutor(graph, cg.dag, cg.live, group=group)
+    if gpu is None:
+        cg._executor = DistExecutor(graph, cg.dag, cg.live, group=group)
+    else:
+        from relational_tensors.gpu_exec.dist_cupy import DistCupyExecutor
+        from relational_tensors.target.devices import parse_devices
+
+        devices = parse_devices("cuda:" + ",".join([str(gpu)] * world))
+        cg._executor = DistCupyExecutor(graph, cg.dag, cg.live, devices, group, transport,
+                                        attention=options.get("attention", "triton"))
     return cg

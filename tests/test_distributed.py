@@ -139,6 +139,27 @@ def test_a_checkpoint_is_read_shard_by_shard(tmp_path: Path) -> None:
         assert res["growth"] < res["kept"] + (64 << 20), res
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpu_ranks_sharing_one_gpu_give_the_single_process_results(tmp_path: Path, world: int) -> None:
+    from relational_tensors.target.devices import visible_gpus
+
+    if not visible_gpus():
+        pytest.skip("no CUDA GPU visible (or CuPy not installed)")
+    out = tmp_path / "res.json"
+    r = torchrun(world, out, "--only", "gpu", timeout=540)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for rank, results in enumerate(json.loads(out.read_text())["ranks"]):
+        res = results["gpu"]
+        assert res["ok"], (rank, res.get("trace"))
+        assert res["float32"]["executor"] == "DistCupyExecutor"
+        # the same kernels, split the same way: float32 rounding only; bf16 against the reference at the
+        # bf16 tolerance the single-process GPU tests use (4 eps * sqrt(256) relative to the largest value)
+        assert res["float32"]["vs_single"] <= 1e-5 and res["float32"]["vs_reference"] <= 1e-4, res
+        assert res["bfloat16"]["vs_reference"] <= 4 * 8e-3 * 16, res
+        assert res["step"] <= 1e-4, res
+
+
 def _dag(copies: list[tuple[int, int]], p: int = 3) -> TaskDAG:
     dag = TaskDAG(p)
     for src, dst in copies:

@@ -101,6 +101,14 @@ class CupyExecutor:
                                   for t in dag.tasks)
 
     # --- setup ---------------------------------------------------------------------
+    def _keeps(self, device: int) -> bool:
+        """Whether this executor holds logical device ``device``'s memory and runs its tasks (all here)."""
+        return True
+
+    def _mine(self, t: Task) -> bool:
+        """Whether this executor issues task ``t`` (every task here)."""
+        return True
+
     def _enable_peers(self) -> None:
         rt = self.cp.cuda.runtime
         gpus = sorted(set(self.phys))
@@ -126,9 +134,12 @@ class CupyExecutor:
         plan = plan_memory(self.graph, dag, self.live)
         self.plan = plan
         self.arena_bytes = dict(plan.arena_bytes)
-        self.arenas = []
+        self.arenas: list[Any] = []  # None for a device another process holds
         self.views: dict[int, Any] = {}
         for d in range(dag.p):
+            if not self._keeps(d):
+                self.arenas.append(None)
+                continue
             total = plan.arena_bytes[d]
             with cp.cuda.Device(self.phys[d]):
                 try:
@@ -138,7 +149,7 @@ class CupyExecutor:
                                     f"{self.phys[d]} failed: {e}") from None
             self.arenas.append(arena)
         for b, buf in dag.buffers.items():
-            if b in plan.alias:
+            if b in plan.alias or not self._keeps(buf.device):
                 continue
             ptr = self.arenas[buf.device].data.ptr + plan.slots[b].offset
             main, _ = buffer_bytes(dag, b)
@@ -150,6 +161,8 @@ class CupyExecutor:
         # reshape outputs reinterpret their root's bytes; views are strided sub-boxes of it
         for b, (offset, strides) in view_geometry(dag, plan).items():
             buf = dag.buffers[b]
+            if not self._keeps(buf.device):
+                continue
             root = self.views[plan.alias[b]]
             self.views[b] = DevBuf(root.ptr + offset * itemsize(buf.dtype), buf.box.shape, buf.dtype, root.device,
                                    strides)
@@ -165,6 +178,8 @@ class CupyExecutor:
         # per task: DevBufs by name, an lse pair (out, lse) "ping", the packed sequences "flash"
         self.task_consts: dict[int, dict[str, Any]] = {}
         for t in self.dag.tasks:
+            if not self._keeps(t.device):
+                continue
             if t.kind == "aggregate" and isinstance(t.payload, AggregatePayload) and \
                     t.payload.aggregation.name == "lse" and len(t.inputs) > 2:
                 out = self.views[t.outputs[0]]
@@ -210,6 +225,8 @@ class CupyExecutor:
         self.waits = self.plan.waits
         self.events = {}
         for tid in sorted({w for ws in self.waits.values() for w in ws}):
+            if not self._keeps(self.dag.tasks[tid].device):
+                continue  # another process's task: its transfer orders what depends on it
             with self.cp.cuda.Device(self.phys[self.dag.tasks[tid].device]):
                 self.events[tid] = self.cp.cuda.Event(block=False, disable_timing=True, interprocess=False)
 
@@ -249,6 +266,7 @@ class CupyExecutor:
         for name, (on_device, whole) in checked.items():
             t = names[name].type
             blocks = self.dag.inputs[name]
+            blocks = [(box, b) for box, b in blocks if self._keeps(self.dag.buffers[b].device)]
             if on_device is not None:
                 for box, b in blocks:
                     view = self.views[b]
@@ -481,12 +499,13 @@ class CupyExecutor:
         at once) is named in the error."""
         cp = self.cp
         for t in self.dag.tasks[lo:hi]:
-            if t.kind == "load":
+            if t.kind == "load" or not self._mine(t):
                 continue
             stream = self.streams[t.device]
             with cp.cuda.Device(self.phys[t.device]), stream:
                 for dep in self.waits[t.id]:
-                    stream.wait_event(self.events[dep])
+                    if dep in self.events:
+                        stream.wait_event(self.events[dep])
                 if marks is not None:
                     marks[t.id] = (cp.cuda.Event(), cp.cuda.Event())
                     marks[t.id][0].record(stream)
