@@ -251,6 +251,8 @@ def main() -> None:
             results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
     import torch.distributed as dist
 
+    if not dist.is_initialized():  # a program failed before device='dist' made the group: report it anyway
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     gathered: list = [None] * world
     dist.all_gather_object(gathered, results)
