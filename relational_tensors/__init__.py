@@ -26,6 +26,7 @@ from relational_tensors.core.types import Interval as Interval
 from relational_tensors.core.types import TensorType as TensorType
 from relational_tensors.core.types import tensorDesc as tensorDesc
 from relational_tensors.errors import CatalogError as CatalogError
+from relational_tensors.errors import CommandError as CommandError
 from relational_tensors.errors import ExchangeError as ExchangeError
 from relational_tensors.errors import ExecError as ExecError
 from relational_tensors.errors import GraphError as GraphError
@@ -57,7 +58,7 @@ __all__ = [
     "TensorType", "Interval", "Box", "Tiling", "FunctionSpec", "JoinAggSpec", "ShardableIndex", "ANY",
     "Aggregation", "SUM", "MAX", "MIN", "LSE", "AGGREGATIONS", "OPERATORS",
     "RelationalTensorsError", "GraphError", "SpecError", "PlanError", "OutOfMemoryPlanError",
-    "ExchangeError", "ExecError", "CatalogError",
+    "ExchangeError", "ExecError", "CatalogError", "CommandError",
     "compileGraph", "compile", "CompiledGraph", "load_plan", "CompileOptions", "Target",
     "from_torch", "parallelize", "TorchGraph", "ParallelModule", "optim", "plans", "train_step", "TrainStep",
 ]
