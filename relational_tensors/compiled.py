@@ -155,18 +155,14 @@ class CompiledGraph:
         from relational_tensors.checkpoint import read_pieces
 
         ex = self.executor
-        holds = getattr(ex, "_holds", None)  # the GPU executor loads whole tensors (read slice by slice)
         wanted = {}
         for name, blocks in self.dag.inputs.items():
             t = self.graph.node(name).type
-            boxes = list(dict.fromkeys(box for box, b in blocks if holds(b))) if holds else [t.box]
+            boxes = list(dict.fromkeys(box for box, b in blocks if ex._holds(b)))
             if boxes:
                 wanted[name] = (t.shape, boxes)
         pieces = read_pieces(path, wanted, getattr(self.graph, "origins", {}))
-        if holds:
-            ex.load(pieces, partial=True, owned=True)
-        else:
-            ex.load({name: parts[0][1] for name, parts in pieces.items()}, partial=True)
+        ex.load(pieces, partial=True, owned=True)
         self._keep_states(pieces)
         return sorted(pieces)
 

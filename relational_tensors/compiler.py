@@ -448,7 +448,7 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
                  cost_model: str = "paper", memory_per_device: int | None = None,
                  catalog: str | Path | Catalog | None = None, tactic: str = "tree",
                  label: str | None = None, schedule_mode: str = "naive",
-                 topology: str | Topology = "hgx-h200", search_budget_s: float = 0.5, search_steps: int | None = None,
+                 topology: str | Topology | None = None, search_budget_s: float = 0.5, search_steps: int | None = None,
                  calibration: str | None = None, attention: str = "triton", refine: bool = True,
                  keep_states: str = "auto", second_phase_inputs: Any = (),
                  constraints: Mapping[str, str] | None = None, process_group: Any = None,
@@ -456,7 +456,8 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
     """Plan ``graph`` for the devices named by ``device`` (see ``relational_tensors.target.devices``).
 
     The options are those of :class:`~relational_tensors.options.CompileOptions`, validated once here;
-    ``catalog`` is a path to persist the catalog (default: in memory).  ``device="dist"`` plans for every
+    ``catalog`` is a path to persist the catalog (default: in memory); ``topology`` None is hgx-h200
+    (under ``device="dist"``: the measured topology file, else the GPUs' kind).  ``device="dist"`` plans for every
     rank of a torch.distributed launch (``process_group``: the group to run in, default the world;
     ``timeout``: seconds a rank waits for a transfer; ``transport``: ``nccl`` or ``gloo``, for GPU ranks), see
     ``relational_tensors.distributed``.
@@ -483,7 +484,8 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
             raise GraphError(f"compileGraph takes an rt.Graph; got {type(graph).__name__}.")
         options = CompileOptions(selector=selector, seed=seed, cost_model=cost_model,
                                  memory_per_device=memory_per_device, tactic=tactic, label=label,
-                                 schedule_mode=schedule_mode, topology=topology, search_budget_s=search_budget_s,
+                                 schedule_mode=schedule_mode, topology=CompileOptions.default("topology")
+                                 if topology is None else topology, search_budget_s=search_budget_s,
                                  search_steps=search_steps,
                                  calibration=calibration, attention=attention, refine=refine,
                                  keep_states=keep_states, second_phase_inputs=frozenset(

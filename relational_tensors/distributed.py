@@ -76,6 +76,33 @@ def _gpu(kind: str, transport: str | None) -> tuple[int | None, str]:
     return local % gpus, transport
 
 
+TOPOLOGY_FILE = "RELATIONAL_TENSORS_TOPOLOGY"  # environment: a measured topology file (bench/measure_topology.py)
+_KINDS = (("H200", "hgx-h200"), ("H100", "hgx-h200"), ("A100", "dgx-a100"), ("V100", "dgx-v100"))
+
+
+def _topology(gpu: int | None) -> Any:
+    """The machine a distributed plan is priced on when ``topology=`` is not given: the measured topology
+    file named by $RELATIONAL_TENSORS_TOPOLOGY, else the switch topology of this rank's GPU kind
+    (H100-class GPUs priced as the H200 machine), else hgx-h200."""
+    path = os.environ.get(TOPOLOGY_FILE)
+    if path:
+        from relational_tensors.target.topology import Topology
+
+        if not os.path.isfile(path):
+            raise GraphError(f"${TOPOLOGY_FILE} names {path!r}, which is no file; write one with "
+                             "bench/measure_topology.py or unset it.")
+        return Topology.from_json(path)
+    if gpu is not None:
+        import cupy
+
+        name = cupy.cuda.runtime.getDeviceProperties(gpu)["name"]
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        for key, topology in _KINDS:
+            if key in name:
+                return topology
+    return "hgx-h200"
+
+
 def compile_distributed(graph: Graph, process_group: Any = None, timeout: float | None = None,
                         kind: str = "dist", transport: str | None = None, **options: Any) -> Any:
     """The plan of ``graph`` for every rank of the process group, planned once on rank 0 (``options`` as
@@ -92,6 +119,8 @@ def compile_distributed(graph: Graph, process_group: Any = None, timeout: float 
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait > 0:
         raise GraphError(f"timeout is the seconds a rank waits for a transfer, a positive number; got {timeout!r}.")
     gpu, transport = _gpu(kind, transport)
+    if options.get("topology") is None:
+        options["topology"] = _topology(gpu)
     dist, group = _group(process_group, float(wait))
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     first = 0 if group is None else dist.get_global_rank(group, 0)

@@ -49,6 +49,8 @@ def test_every_rank_computes_what_the_reference_computes(tmp_path: Path, world: 
             # float32, contractions split up to `world` ways: rounding relative to the largest magnitude
             assert res["err"] <= 1e-5, (rank, name, res["err"])
         assert results["block"]["rank0_only"]
+        assert results["mesh"]["ok"] and results["mesh"]["p"] == world and results["mesh"]["err"] <= 1e-5
+        assert results["chain"]["topology"].startswith("hgx-h200")  # no GPU, no measured file: the default
         mod = results["module"]  # rt.parallelize(..., device="dist"), float64: forward and backward
         assert mod["ok"] and mod["err"] <= 1e-12 and mod["grad_err"] <= 1e-12, mod
         assert results["mismatch"]["ok"] and results["mismatch"]["refused"], results["mismatch"]
@@ -99,6 +101,16 @@ def test_two_nodes_rendezvous_on_localhost(tmp_path: Path) -> None:
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in logs]
     data = json.loads(out.read_text())
     assert data["world"] == 4 and all(r["chain"]["ok"] and r["chain"]["err"] <= 1e-5 for r in data["ranks"])
+
+
+@pytest.mark.slow
+def test_a_measured_topology_file_prices_the_distributed_plan(tmp_path: Path) -> None:
+    measured = ROOT / "bench" / "results" / "multigpu" / "topology.json"
+    out = tmp_path / "res.json"
+    r = torchrun(2, out, "--only", "chain", env={"RELATIONAL_TENSORS_TOPOLOGY": str(measured)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    name = json.loads(measured.read_text())["name"]
+    assert all(res["chain"]["ok"] and res["chain"]["topology"] == name for res in json.loads(out.read_text())["ranks"])
 
 
 @pytest.mark.slow

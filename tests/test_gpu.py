@@ -426,3 +426,18 @@ def test_a_training_step_with_pinned_state_layouts_on_logical_devices() -> None:
     for s in states:  # float32 AdamW steps, the same arithmetic split and ordered differently
         w = want.offload(s)
         assert np.abs(got.offload(s) - w).max() <= 1e-4 * np.abs(w).max() + 1e-6, s
+
+
+def test_a_checkpoint_loads_block_by_block_on_logical_devices(tmp_path) -> None:
+    from safetensors.numpy import save_file
+
+    g = llama_block(2, 64, 128, 8, 4, 256, dtype="float32")
+    feeds = llama_feeds(g)
+    weights = {k: v for k, v in feeds.items() if g.node(k).role == "parameter"}
+    save_file(weights, str(tmp_path / "w.safetensors"))
+    cg = rt.compileGraph(g, device="cuda:0,0,0,0", constraints={"wq": "S(1)", "w2": "d0=2"})
+    assert cg.load_checkpoint(tmp_path / "w.safetensors") == sorted(weights)
+    cg.load({"x": [((0, 0, 0), feeds["x"][:1]), ((1, 0, 0), feeds["x"][1:])]})  # the input in two pieces
+    cg.execute()
+    assert np.array_equal(cg.offload("y"), rt.compileGraph(g, device="cuda:0,0,0,0", constraints={
+        "wq": "S(1)", "w2": "d0=2"}).run(feeds)["y"])

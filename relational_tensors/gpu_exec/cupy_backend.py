@@ -231,9 +231,16 @@ class CupyExecutor:
                 self.events[tid] = self.cp.cuda.Event(block=False, disable_timing=True, interprocess=False)
 
     # --- inputs and outputs ---------------------------------------------------------------
-    def load(self, feeds: Mapping[str, Any], partial: bool = False) -> None:
+    def _holds(self, buf: int) -> bool:
+        """Whether this executor keeps buffer ``buf`` (its device's memory is this process's)."""
+        return self._keeps(self.dag.buffers[buf].device)
+
+    def load(self, feeds: Mapping[str, Any], partial: bool = False, owned: bool = False) -> None:
         """Copy every graph input into the blocks the plan reads: NumPy arrays from the host, CuPy
-        arrays and any ``__dlpack__`` tensor (a torch CUDA tensor) device to device without a host trip."""
+        arrays and any ``__dlpack__`` tensor (a torch CUDA tensor) device to device without a host trip,
+        or ``(offset, array)`` pieces of it on the host (``numpy_backend.block_pieces``; ``owned``: read
+        for this load alone) assembled block by block."""
+        from relational_tensors.gpu_exec.numpy_backend import _cover, block_pieces
         from relational_tensors.reference import check_feed_names, coerce_feed
 
         cp = self.cp
@@ -243,11 +250,20 @@ class CupyExecutor:
                                                      if n not in self.resident and n not in self.dag.later])
         # every feed is checked before any is copied: a load that fails changes nothing
         checked: dict[str, tuple[Any, Any]] = {}
+        pieced: dict[str, Any] = {}
         for name in self.dag.inputs:
             if name not in feeds:
                 continue
             t = names[name].type
             value = feeds[name]
+            pieces = block_pieces(name, value, t)
+            if pieces is not None:
+                pieced[name] = [(box, b, _cover(name, box, pieces, t.dtype, owned)) for box, b in self.dag.inputs[name]
+                                if self._holds(b)]
+                for _, _, host in pieced[name]:
+                    self._check_ids(name, host)
+                checked[name] = (None, None)
+                continue
             on_device = _as_device_array(cp, value)
             if on_device is not None:
                 if tuple(on_device.shape) != t.shape:
@@ -265,6 +281,13 @@ class CupyExecutor:
         self.held = self.held and set(checked) <= self.dag.later
         for name, (on_device, whole) in checked.items():
             t = names[name].type
+            if name in pieced:
+                for _, b, host in pieced[name]:
+                    view = self.views[b]
+                    with cp.cuda.Device(view.device):
+                        view.cupy().set(np.ascontiguousarray(host).view(np.uint16) if t.dtype == "bfloat16"
+                                        else np.ascontiguousarray(host))
+                continue
             blocks = self.dag.inputs[name]
             blocks = [(box, b) for box, b in blocks if self._keeps(self.dag.buffers[b].device)]
             if on_device is not None:

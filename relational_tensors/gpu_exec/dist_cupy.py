@@ -131,12 +131,12 @@ class DistCupyExecutor(CupyExecutor):
                     raise ExecError(f"rank {self.rank}: a send did not complete: {_first_line(e)}.") from None
 
     # --- inputs and results ----------------------------------------------------------------------
-    def load(self, feeds: Mapping[str, Any], partial: bool = False) -> None:
+    def load(self, feeds: Mapping[str, Any], partial: bool = False, owned: bool = False) -> None:
         """Keep this rank's blocks of the inputs given; an input it holds none of need not be given."""
         mine = {name for name, blocks in self.dag.inputs.items()
                 if any(self.dag.buffers[b].device == self.rank for _, b in blocks)}
         self.resident.update(n for n in self.dag.inputs if n not in mine)
-        super().load(feeds, partial)
+        super().load(feeds, partial, owned)
 
     def _gather(self, name: str, t: Any, blocks: list[tuple[Any, int]], rank: int | None) -> np.ndarray | None:
         import torch

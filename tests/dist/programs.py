@@ -41,7 +41,21 @@ def chain() -> dict:
     cg = rt.compileGraph(g, device="dist", cost_model="calibrated")
     name = next(iter(g.outputs))
     got, want = cg.run(feeds)[name], rt.reference(g, feeds)[name]
-    return {"err": float(np.abs(got - want).max() / np.abs(want).max())}
+    return {"err": float(np.abs(got - want).max() / np.abs(want).max()), "topology": cg.target.topology.name}
+
+
+def mesh() -> dict:
+    """A one-dimensional DeviceMesh as the process group."""
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    m = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+    g = matrix_chain("C", dtype="float32", scale=128)
+    feeds = chain_feeds(g, seed=5)
+    cg = rt.compileGraph(g, device="dist", process_group=m)
+    got, want = cg.run(feeds)["y"], rt.reference(g, feeds)["y"]
+    return {"p": cg.p, "err": float(np.abs(got - want).max() / np.abs(want).max())}
 
 
 def step() -> dict:
@@ -192,7 +206,7 @@ def module() -> dict:
 
 
 PROGRAMS = {"block": block, "chain": chain, "step": step, "mismatch": mismatch, "subgroup": subgroup,
-            "module": module}
+            "module": module, "mesh": mesh}
 SOLO = {"killed": killed, "stalled": stalled, "checkpoint": checkpoint}
 
 
