@@ -88,7 +88,6 @@ OPTION_CASES = {
     "budget nan": (dict(search_budget_s=float("nan")), rt.PlanError, "search_budget_s must be a positive number"),
     "label not a string": (dict(label=3), rt.PlanError, "label must be a string"),
     "calibration not a path": (dict(calibration=3), rt.PlanError, "calibration must be the path"),
-    "topology None": (dict(topology=None), rt.PlanError, "topology must be a topology name"),
     "topology a number": (dict(topology=42), rt.PlanError, "topology must be a topology name"),
     "topology empty": (dict(topology=""), rt.ExchangeError, "unknown topology ''"),
     "topology unknown": (dict(topology="no-such-machine"), rt.ExchangeError, "unknown topology 'no-such-machine'"),

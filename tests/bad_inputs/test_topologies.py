@@ -475,7 +475,11 @@ def test_compile_refuses_an_unknown_topology_at_compile_time(tmp_path: Path, top
         rt.compileGraph(_graph(), device="cpu:2", topology=topology)
 
 
-@pytest.mark.parametrize("topology", [None, 42])
+def test_no_topology_is_the_default_machine() -> None:
+    assert rt.compileGraph(_graph(), device="cpu:2", topology=None).target.topology.name.startswith("hgx-h200")
+
+
+@pytest.mark.parametrize("topology", [42, 4.5])
 def test_compile_refuses_a_topology_that_is_no_name_with_a_typed_error(topology: Any) -> None:
     # CompileOptions checks the argument's type first (a PlanError); get_topology's own answer to these
     # is an ExchangeError (test_get_topology_of_an_unknown_name_lists_the_known_ones)

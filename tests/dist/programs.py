@@ -273,7 +273,15 @@ def main() -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"world": world, "ranks": gathered}, f, indent=1)
+    dist.barrier()  # every rank is done with every group before any tears its own down
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # gloo's threads of the groups made above (a subgroup, a DeviceMesh) can abort the interpreter's own
+    # exit on a loaded machine ("terminate called without an active exception"); the results are out
+    import os
+
+    os._exit(0)
 
 
 if __name__ == "__main__":
