@@ -700,3 +700,27 @@ def test_shape_only_operations_are_constants() -> None:
 
     fast = assert_matches(Shapes(), (x3(4, 16),))
     assert "slice" not in kinds(fast.graph)  # x[0] feeds only zeros_like, so it is never translated
+
+
+def test_an_hf_model_with_its_default_cache_is_traced_without_it_and_says_so() -> None:
+    transformers = transformers_or_skip()
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    assert model.config.use_cache  # the default
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match="use_cache=True: its key/value cache is left out of the graph"):
+        fast = parallelize(model, (ids,), device="cpu:2")
+    assert model.config.use_cache  # the user's setting is as it was
+    with torch.no_grad():
+        got, want = fast(ids).logits, model(ids).logits
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+def test_a_mixture_of_experts_model_is_refused_as_such() -> None:
+    transformers = transformers_or_skip()
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    with pytest.raises(rt.GraphError, match="mixture-of-experts layer .*MoE routing .* is not supported yet"):
+        from_torch(model, (torch.zeros(1, 8, dtype=torch.long),))

@@ -559,6 +559,17 @@ def _prune(g: TorchGraph) -> TorchGraph:
 
 # --- entry point ---------------------------------------------------------------------------------------------------
 
+def _refuse_moe(module: Any) -> None:
+    """Mixture-of-experts layers route each token to its top-k experts, a data-dependent dispatch the
+    graph cannot hold yet: refused by name before tracing (the trace would fail on a guard or on topk)."""
+    for name, sub in module.named_modules():
+        kind = type(sub).__name__
+        if "moe" in kind.lower() or (hasattr(sub, "experts") and hasattr(sub, "gate")):
+            raise GraphError(f"{type(module).__name__} has a mixture-of-experts layer ({name or 'the module'}: "
+                             f"{kind}); MoE routing (each token sent to its top-k experts) is not supported yet. "
+                             "Dense models are.")
+
+
 def from_torch(module: Any, example_inputs: Any, casts_in_graph: bool = False) -> TorchGraph:
     """Trace ``module`` on ``example_inputs`` (a tensor or a tuple of tensors) into an ``rt.Graph``.
 
@@ -577,16 +588,29 @@ def from_torch(module: Any, example_inputs: Any, casts_in_graph: bool = False) -
         if not isinstance(x, torch.Tensor):
             raise GraphError(f"from_torch takes tensor example inputs; input {k} is {type(x).__name__}. Bind "
                              "other arguments in the module (a small wrapper module, or functools.partial).")
-    with warnings.catch_warnings():  # torch.export's own deprecation chatter, not the user's
-        warnings.simplefilter("ignore", FutureWarning)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        try:
-            ep = torch.export.export(module, args, strict=False)
-            ep = ep.run_decompositions({})  # functionalize (in-place ops become pure) without decomposing
-        except Exception as e:  # noqa: BLE001 - any tracing failure is reported the same way
-            raise GraphError(f"torch.export could not trace {type(module).__name__}: {type(e).__name__}: "
-                             f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}. from_torch needs a forward "
-                             "without data-dependent control flow; see the torch.export documentation.") from e
+    _refuse_moe(module)
+    config: Any = getattr(module, "config", None)
+    cached = bool(getattr(config, "use_cache", False))
+    if cached:  # an HF model's key/value cache is no tensor output: traced without it, and said so
+        warnings.warn(f"{type(module).__name__} has use_cache=True: its key/value cache is left out of the graph "
+                      "(traced with use_cache=False, the outputs are the rest). Set model.config.use_cache = False "
+                      "to silence this.", stacklevel=2)
+        config.use_cache = False
+    try:
+        with warnings.catch_warnings():  # torch.export's own deprecation chatter, not the user's
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            try:
+                ep = torch.export.export(module, args, strict=False)
+                ep = ep.run_decompositions({})  # functionalize (in-place ops become pure) without decomposing
+            except Exception as e:  # noqa: BLE001 - any tracing failure is reported the same way
+                raise GraphError(f"torch.export could not trace {type(module).__name__}: {type(e).__name__}: "
+                                 f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}. from_torch needs a "
+                                 "forward without data-dependent control flow; see the torch.export documentation."
+                                 ) from e
+    finally:
+        if cached:
+            config.use_cache = True
     tr = _Translator(ep, casts_in_graph)
     g = tr.run()
     if not g.outputs:
