@@ -402,3 +402,12 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (set, tuple, Path)):
         return list(value) if not isinstance(value, Path) else str(value)
     return str(value)
+
+
+def write_table(out: str | Path, lines: Sequence[str], data: Any) -> None:
+    """A Markdown table at ``out`` (and printed), and its data as JSON beside it (``out`` with .json)."""
+    text = "\n".join(lines) + "\n"
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(text)
+    Path(out).with_suffix(".json").write_text(json.dumps(data, indent=2))
+    print(text)

@@ -20,9 +20,10 @@ records ``compilations.predicted_seconds``.  The table is one named query over t
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
+
+from common import write_table  # bench/common.py
 
 import relational_tensors as rt
 from relational_tensors.catalog import Catalog
@@ -69,11 +70,7 @@ def main() -> None:
     for row in table.to_pylist():
         lines.append(f"| {row['label']} | " + " | ".join(f"{row[c]:.2f}" if row[c] is not None else "-"
                                                           for c in cols[1:]) + " |")
-    text = "\n".join(lines) + "\n"
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    Path(args.out).with_suffix(".json").write_text(json.dumps(timings, indent=2))
-    print(text)
+    write_table(args.out, lines, timings)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ bit for bit against the original's where it runs here (CPU virtual devices).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -18,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from common import write_table  # bench/common.py
 
 import relational_tensors as rt
 from relational_tensors.models import LLAMA3_8B, llama_block, llama_training_graph
@@ -71,11 +71,7 @@ def main() -> None:
         same = "-" if r["bit_identical"] is None else "yes" if r["bit_identical"] else "NO"
         lines.append(f"| {r['workload']} | {r['plan_s']:.3f} | {r['load_s']:.3f} | {100 * r['ratio']:.0f}% | "
                      f"{r['file_mb']:.1f} | {same} |")
-    text = "\n".join(lines) + "\n"
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    Path(args.out).with_suffix(".json").write_text(json.dumps(rows, indent=2))
-    print(text)
+    write_table(args.out, lines, rows)
 
 
 if __name__ == "__main__":

@@ -49,8 +49,9 @@ def _group(process_group: Any, timeout: float) -> tuple[Any, Any]:
     return dist, None
 
 
-def _gpu(kind: str, transport: str | None) -> tuple[int | None, str]:
-    """This rank's GPU (None: a CPU rank) and the transport, from ``device="dist[:cpu|:cuda]"``."""
+def _gpu(kind: str, transport: str | None) -> tuple[int | None, str, int]:
+    """This rank's GPU (None: a CPU rank), the transport, and how many ranks of this host share a GPU,
+    from ``device="dist[:cpu|:cuda]"``."""
     from relational_tensors.target.devices import visible_gpus
 
     if kind not in ("dist", "dist:cpu", "dist:cuda"):
@@ -66,14 +67,14 @@ def _gpu(kind: str, transport: str | None) -> tuple[int | None, str]:
         if transport == "nccl":
             raise GraphError("transport='nccl' is for GPU ranks; these are CPU ranks (no GPU visible, or "
                              "device='dist:cpu'). Leave transport out, or give 'gloo'.")
-        return None, "gloo"
+        return None, "gloo", 1
     local = int(os.environ.get("LOCAL_RANK", "0"))
     transport = transport or "nccl"
     per_gpu = -(-int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // gpus)
     if transport == "nccl" and per_gpu > 1:
         raise ExecError(f"{os.environ.get('LOCAL_WORLD_SIZE')} ranks share {gpus} GPUs here and NCCL needs a GPU "
                         "per rank; give transport='gloo' (transfers staged through the host) to share GPUs.")
-    return local % gpus, transport
+    return local % gpus, transport, per_gpu
 
 
 TOPOLOGY_FILE = "RELATIONAL_TENSORS_TOPOLOGY"  # environment: a measured topology file (bench/measure_topology.py)
@@ -118,7 +119,7 @@ def compile_distributed(graph: Graph, process_group: Any = None, timeout: float 
     wait = DEFAULT_TIMEOUT_S if timeout is None else timeout
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait > 0:
         raise GraphError(f"timeout is the seconds a rank waits for a transfer, a positive number; got {timeout!r}.")
-    gpu, transport = _gpu(kind, transport)
+    gpu, transport, sharing = _gpu(kind, transport)
     if options.get("topology") is None:
         options["topology"] = _topology(gpu)
     dist, group = _group(process_group, float(wait))
@@ -134,7 +135,6 @@ def compile_distributed(graph: Graph, process_group: Any = None, timeout: float 
     if gpu is not None and options.get("memory_per_device") is None:  # each rank's share of its GPU
         import cupy
 
-        sharing = -(-int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // max(1, cupy.cuda.runtime.getDeviceCount()))
         options["memory_per_device"] = cupy.cuda.Device(gpu).mem_info[1] // sharing
     if rank == 0:
         try:  # planned for virtual devices: the same DAG, and no executor built for them here

@@ -216,8 +216,6 @@ def loads(data: bytes, graph: Graph, catalog: str | Path | Catalog | None = None
 
 def load_plan(path: str | Path, graph: Graph, catalog: str | Path | Catalog | None = None) -> CompiledGraph:
     """The compiled plan saved at ``path``, for ``graph`` (see :func:`loads`)."""
-    if not isinstance(graph, Graph):
-        raise GraphError(f"load_plan needs the rt.Graph the plan was made for; got {type(graph).__name__}.")
     try:
         with open(path, "rb") as f:
             data = f.read()

@@ -277,6 +277,8 @@ def _price_layouts(graph: Graph, op_id: int, cands: list[Candidate], layouts: Ma
     blocks) and for writing the value of a pinned state it makes (into the state's blocks): under a
     pairwise model the exchange's price, else the paper's rule (nothing when the blocks agree or the
     held copy is whole on every device, else the tensor's repartition price)."""
+    if not layouts:  # the common case: nothing pinned, nothing to price
+        return
     node = graph.nodes[op_id]
     writes = [s for s, v in graph.assignments.items() if v == op_id and s in layouts]
     reads = [(k, i) for k, i in enumerate(node.inputs) if i in layouts]

@@ -325,13 +325,17 @@ class CupyExecutor:
     def offload(self, name: str, like: str = "numpy") -> Any:
         """The saved tensor ``name``: a NumPy array (bfloat16 through ml_dtypes) or, with like="cupy",
         a CuPy array on the GPU of its first block (bfloat16 as its uint16 bit pattern)."""
+        self._check_offload(name)
+        return self._assemble(self.dag.outputs[name], self.graph.nodes[self.graph.outputs[name]].type, like)
+
+    def _check_offload(self, name: str) -> None:
+        """Refuse to offload ``name`` unless it is a saved output that a finished execution made."""
         if name not in self.dag.outputs:
             raise ExecError(f"no saved output named {name!r}; saved: {sorted(self.dag.outputs)}.")
         if self.done < self.ready[name]:
             if self.runs == 0 and not self.done:
                 raise ExecError("execute the program before offloading results: cg.execute().")
             raise ExecError(STALE_OUTPUTS)
-        return self._assemble(self.dag.outputs[name], self.graph.nodes[self.graph.outputs[name]].type, like)
 
     def state(self, name: str, like: str = "numpy") -> Any:
         """The current value of a state, assembled from the blocks the GPUs keep of it."""

@@ -22,14 +22,39 @@ from relational_tensors.errors import ExecError
 from relational_tensors.frontend.graph import Graph
 from relational_tensors.gpu_exec.numpy_backend import NumpyExecutor
 from relational_tensors.physical.tasks import Liveness, TaskDAG
-from relational_tensors.reference import STALE_OUTPUTS
 
-__all__ = ["DistExecutor"]
+__all__ = ["DistExecutor", "Ranks", "buffer_parts", "move_block", "first_line"]
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """An exception's first line (torch.distributed's errors run to many)."""
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def buffer_parts(b: Any, raw16: bool = False) -> list[tuple[tuple[int, ...], np.dtype]]:
+    """The arrays a buffer's value is: its block, and for an lse partial its float32 row per output row
+    (``raw16``: bfloat16 as its uint16 bit patterns, as the GPU holds it)."""
+    dtype = np.dtype(np.uint16) if raw16 and b.dtype == "bfloat16" else numpy_dtype(b.dtype)
+    parts = [(b.box.shape, dtype)]
+    if b.partial == "lse":
+        parts.append((b.box.shape[:-1], np.dtype(np.float32)))
+    return parts
+
+
+def move_block(ex: Any, data: Any, owner: int, rank: int | None, what: str) -> None:
+    """One block of an output or state from the rank that owns it to every rank (``rank`` None: a
+    broadcast) or to ``rank`` only; ``data`` is the owner's bytes, or the bytes the others receive into."""
+    try:
+        if rank is None:
+            ex.dist.broadcast(data, ex._global(owner), group=ex.group)
+        elif owner != rank and ex.rank in (owner, rank):
+            if ex.rank == owner:
+                ex.dist.send(data, ex._global(rank), group=ex.group)
+            else:
+                ex.dist.recv(data, ex._global(owner), group=ex.group)
+    except Exception as e:
+        raise ExecError(f"rank {ex.rank}: gathering {what} from rank {owner} failed: {first_line(e)}.") from None
 
 
 def _bytes_of(a: np.ndarray) -> Any:
@@ -38,7 +63,24 @@ def _bytes_of(a: np.ndarray) -> Any:
     return torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
 
 
-class DistExecutor(NumpyExecutor):
+class Ranks:
+    """What both kinds of ranks share: which tasks are this rank's, and ranks of the group as global ranks
+    (``dist``, ``group`` and ``rank`` are set by the executor)."""
+
+    dist: Any
+    group: Any
+    rank: int
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else self.dist.get_global_rank(self.group, rank)
+
+    def _mine(self, task: Any) -> bool:
+        if task.kind == "copy" and task.src_device is not None and task.src_device != task.device:
+            return self.rank in (task.src_device, task.device)
+        return bool(task.device == self.rank)
+
+
+class DistExecutor(Ranks, NumpyExecutor):
     """Runs this rank's share of a TaskDAG; ``load``, ``execute``, ``offload`` are called on every rank."""
 
     def __init__(self, graph: Graph, dag: TaskDAG, live: Liveness, group: Any = None,
@@ -56,14 +98,6 @@ class DistExecutor(NumpyExecutor):
         self.sends: list[tuple[Any, Any, Any]] = []  # (work, the bytes it sends, its copy task) until done
 
     # --- which tasks are this rank's -------------------------------------------------------------
-    def _global(self, rank: int) -> int:
-        return rank if self.group is None else self.dist.get_global_rank(self.group, rank)
-
-    def _mine(self, task: Any) -> bool:
-        if task.kind == "copy" and task.src_device is not None and task.src_device != task.device:
-            return self.rank in (task.src_device, task.device)
-        return task.device == self.rank
-
     def _outputs(self, task: Any) -> list[Any]:
         if task.kind != "copy" or task.src_device is None or task.src_device == task.device:
             return super()._outputs(task)
@@ -75,19 +109,11 @@ class DistExecutor(NumpyExecutor):
             return []  # the block is the destination's
         return [self._receive(task.outputs[0], task.src_device, task)]
 
-    def _shapes(self, buf: int) -> list[tuple[tuple[int, ...], Any]]:
-        """The arrays a buffer's value is: its block, and for an lse partial the float32 row per output row."""
-        b = self.dag.buffers[buf]
-        shapes = [(b.box.shape, numpy_dtype(b.dtype))]
-        if b.partial == "lse":
-            shapes.append((b.box.shape[:-1], np.dtype(np.float32)))
-        return shapes
-
     def _receive(self, buf: int, src: int, task: Any) -> Any:
         import torch
 
         parts = []
-        for k, (shape, dtype) in enumerate(self._shapes(buf)):
+        for k, (shape, dtype) in enumerate(buffer_parts(self.dag.buffers[buf])):
             data = torch.empty(int(np.prod(shape)) * dtype.itemsize, dtype=torch.uint8)
             self._p2p("recv", data, src, task, k)
             parts.append(data.numpy().view(dtype).reshape(shape))
@@ -103,7 +129,7 @@ class DistExecutor(NumpyExecutor):
         except Exception as e:  # a rank that died, a timeout, a broken connection
             verb = "send to" if how == "isend" else "receive from"
             raise ExecError(f"rank {self.rank}: the {verb} rank {peer} of copy task {task.id} ({task.label}) "
-                            f"failed: {_first_line(e)}. Every rank must run the same program; see the other "
+                            f"failed: {first_line(e)}. Every rank must run the same program; see the other "
                             "ranks' errors.") from None
 
     def _execute(self, lo: int, hi: int) -> None:
@@ -116,7 +142,7 @@ class DistExecutor(NumpyExecutor):
                     work.wait()
                 except Exception as e:
                     raise ExecError(f"rank {self.rank}: the send to rank {task.device} of copy task {task.id} "
-                                    f"({task.label}) did not complete: {_first_line(e)}. Every rank must run the "
+                                    f"({task.label}) did not complete: {first_line(e)}. Every rank must run the "
                                     "same program; see the other ranks' errors.") from None
 
     # --- inputs and results ----------------------------------------------------------------------
@@ -135,35 +161,20 @@ class DistExecutor(NumpyExecutor):
                 continue
             seen.add(box)
             owner = self.dag.buffers[buf].device
-            shape, dtype = self._shapes(buf)[0]
+            shape, dtype = buffer_parts(self.dag.buffers[buf])[0]
             if owner == self.rank:
                 value = self._get(buf)
                 data = _bytes_of(np.asarray(value[0] if isinstance(value, tuple) else value, dtype=dtype))
             else:
                 data = torch.empty(int(np.prod(shape)) * dtype.itemsize, dtype=torch.uint8)
-            try:
-                if rank is None:
-                    self.dist.broadcast(data, self._global(owner), group=self.group)
-                elif owner != rank and self.rank in (owner, rank):
-                    if self.rank == owner:
-                        self.dist.send(data, self._global(rank), group=self.group)
-                    else:
-                        self.dist.recv(data, self._global(owner), group=self.group)
-            except Exception as e:
-                raise ExecError(f"rank {self.rank}: gathering block {box} of {name!r} from rank {owner} failed: "
-                                f"{_first_line(e)}.") from None
+            move_block(self, data, owner, rank, f"block {box} of {name!r}")
             if rank is None or self.rank == rank:
                 out[box.slices()] = data.numpy().view(dtype).reshape(shape)
         return out if rank is None or self.rank == rank else None
 
     def offload(self, name: str, rank: int | None = None) -> np.ndarray | None:  # type: ignore[override]
         """The saved tensor ``name`` on every rank (collective: every rank calls it), or on ``rank`` only."""
-        if name not in self.dag.outputs:
-            raise ExecError(f"no saved output named {name!r}; saved: {sorted(self.dag.outputs)}.")
-        if self.done < self.ready[name]:
-            if not self.runs and not self.done:
-                raise ExecError("execute the program before offloading results: cg.execute().")
-            raise ExecError(STALE_OUTPUTS)
+        self._check_offload(name)
         return self._assemble(name, self.graph.nodes[self.graph.outputs[name]], self.dag.outputs[name], rank)
 
     def state(self, name: str, rank: int | None = None) -> np.ndarray | None:  # type: ignore[override]

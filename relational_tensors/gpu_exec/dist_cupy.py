@@ -24,8 +24,8 @@ from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.errors import ExecError
 from relational_tensors.frontend.graph import Graph
 from relational_tensors.gpu_exec.cupy_backend import CupyExecutor
+from relational_tensors.gpu_exec.dist_backend import Ranks, buffer_parts, first_line, move_block
 from relational_tensors.physical.tasks import Liveness, TaskDAG
-from relational_tensors.reference import STALE_OUTPUTS
 from relational_tensors.target.devices import DeviceSet
 
 __all__ = ["DistCupyExecutor", "TRANSPORTS"]
@@ -33,12 +33,7 @@ __all__ = ["DistCupyExecutor", "TRANSPORTS"]
 TRANSPORTS = ("nccl", "gloo")
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-class DistCupyExecutor(CupyExecutor):
+class DistCupyExecutor(Ranks, CupyExecutor):
     """This rank's share of a TaskDAG on its GPU; ``load``, ``execute``, ``offload`` on every rank."""
 
     def __init__(self, graph: Graph, dag: TaskDAG, live: Liveness, devices: DeviceSet, group: Any,
@@ -58,24 +53,7 @@ class DistCupyExecutor(CupyExecutor):
     def _keeps(self, device: int) -> bool:
         return device == self.rank
 
-    def _mine(self, t: Any) -> bool:
-        if t.kind == "copy" and t.src_device is not None and t.src_device != t.device:
-            return self.rank in (t.src_device, t.device)
-        return t.device == self.rank
-
-    def _global(self, rank: int) -> int:
-        return rank if self.group is None else self.dist.get_global_rank(self.group, rank)
-
     # --- transfers ---------------------------------------------------------------------------
-    def _parts(self, buf: int) -> list[tuple[tuple[int, ...], Any]]:
-        """The arrays a buffer's value is (its block; an lse partial's float32 rows too), as stored."""
-        b = self.dag.buffers[buf]
-        dtype = np.dtype(np.uint16) if b.dtype == "bfloat16" else numpy_dtype(b.dtype)
-        parts = [(b.box.shape, dtype)]
-        if b.partial == "lse":
-            parts.append((b.box.shape[:-1], np.dtype(np.float32)))
-        return parts
-
     def _run(self, t: Any, stream: Any) -> None:
         if t.kind != "copy" or t.src_device is None or t.src_device == t.device:
             super()._run(t, stream)
@@ -88,7 +66,7 @@ class DistCupyExecutor(CupyExecutor):
         view = self.views[buf] if buf in self.views else None
         views = (view if isinstance(view, tuple) else (view,)) if view is not None else ()
         peer = t.device if src else t.src_device
-        for k, (shape, dtype) in enumerate(self._parts(buf)):
+        for k, (shape, dtype) in enumerate(buffer_parts(self.dag.buffers[buf], raw16=True)):
             tag = 2 * t.id + k
             try:
                 if self.transport == "nccl":
@@ -115,7 +93,7 @@ class DistCupyExecutor(CupyExecutor):
             except Exception as e:
                 verb = "send to" if src else "receive from"
                 raise ExecError(f"rank {self.rank}: the {verb} rank {peer} of copy task {t.id} ({t.label}) failed: "
-                                f"{_first_line(e)}. Every rank must run the same program; see the other ranks' "
+                                f"{first_line(e)}. Every rank must run the same program; see the other ranks' "
                                 "errors.") from None
 
     def execute(self, phase: int | None = None) -> None:
@@ -128,7 +106,7 @@ class DistCupyExecutor(CupyExecutor):
                 try:
                     work.wait()
                 except Exception as e:
-                    raise ExecError(f"rank {self.rank}: a send did not complete: {_first_line(e)}.") from None
+                    raise ExecError(f"rank {self.rank}: a send did not complete: {first_line(e)}.") from None
 
     # --- inputs and results ----------------------------------------------------------------------
     def load(self, feeds: Mapping[str, Any], partial: bool = False, owned: bool = False) -> None:
@@ -156,17 +134,7 @@ class DistCupyExecutor(CupyExecutor):
                 data = torch.from_numpy(host.reshape(-1).view(np.uint8))
             else:
                 data = torch.empty(box.volume * dtype.itemsize, dtype=torch.uint8)
-            try:
-                if rank is None:
-                    self.dist.broadcast(data, self._global(owner), group=self.group)
-                elif owner != rank and self.rank in (owner, rank):
-                    if self.rank == owner:
-                        self.dist.send(data, self._global(rank), group=self.group)
-                    else:
-                        self.dist.recv(data, self._global(owner), group=self.group)
-            except Exception as e:
-                raise ExecError(f"rank {self.rank}: gathering block {box} of {name!r} from rank {owner} failed: "
-                                f"{_first_line(e)}.") from None
+            move_block(self, data, owner, rank, f"block {box} of {name!r}")
             if rank is None or self.rank == rank:
                 out[box.slices()] = data.numpy().view(dtype).reshape(box.shape)
         if rank is not None and self.rank != rank:
@@ -174,12 +142,7 @@ class DistCupyExecutor(CupyExecutor):
         return out.view(numpy_dtype("bfloat16")) if t.dtype == "bfloat16" else out
 
     def offload(self, name: str, rank: int | None = None) -> np.ndarray | None:  # type: ignore[override]
-        if name not in self.dag.outputs:
-            raise ExecError(f"no saved output named {name!r}; saved: {sorted(self.dag.outputs)}.")
-        if self.done < self.ready[name]:
-            if self.runs == 0 and not self.done:
-                raise ExecError("execute the program before offloading results: cg.execute().")
-            raise ExecError(STALE_OUTPUTS)
+        self._check_offload(name)
         return self._gather(name, self.graph.nodes[self.graph.outputs[name]].type, self.dag.outputs[name], rank)
 
     def state(self, name: str, rank: int | None = None) -> np.ndarray | None:  # type: ignore[override]

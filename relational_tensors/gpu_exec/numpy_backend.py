@@ -237,14 +237,18 @@ class NumpyExecutor:
             out[box.slices()] = self._get(buf)
         return out
 
-    def offload(self, name: str) -> np.ndarray:
-        """The saved tensor ``name``, assembled from its blocks."""
+    def _check_offload(self, name: str) -> None:
+        """Refuse to offload ``name`` unless it is a saved output that a finished execution made."""
         if name not in self.dag.outputs:
             raise ExecError(f"no saved output named {name!r}; saved: {sorted(self.dag.outputs)}.")
         if self.done < self.ready[name]:
             if not self.runs and not self.done:
                 raise ExecError("execute the program before offloading results: cg.execute().")
             raise ExecError(STALE_OUTPUTS)
+
+    def offload(self, name: str) -> np.ndarray:
+        """The saved tensor ``name``, assembled from its blocks."""
+        self._check_offload(name)
         node = self.graph.nodes[self.graph.outputs[name]]
         out = np.empty(node.type.shape, dtype=numpy_dtype(node.type.dtype))
         for box, buf in self.dag.outputs[name]:

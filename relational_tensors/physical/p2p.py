@@ -15,8 +15,8 @@ can break that without a test failing.
 >>> dag = TaskDAG(2)
 >>> a, b = dag.buffer(0, Box((0,), (4,)), "float32", 0), dag.buffer(1, Box((0,), (4,)), "float32", 0)
 >>> _ = dag.add("copy", 1, (a,), (b,), src_device=0)
->>> [(op.kind, op.peer) for op in rank_schedule(dag, 0) + rank_schedule(dag, 1)]
-[('send', 1), ('recv', 0)]
+>>> [[(op.kind, op.peer) for op in ops] for ops in schedules(dag)]
+[[('send', 1)], [('recv', 0)]]
 >>> check_schedule(dag)
 """
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from relational_tensors.errors import ExchangeError
 from relational_tensors.physical.tasks import TaskDAG
 
-__all__ = ["P2POp", "rank_schedule", "schedules", "check_schedule"]
+__all__ = ["P2POp", "schedules", "check_schedule"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,11 +48,6 @@ def schedules(dag: TaskDAG, lo: int = 0, hi: int | None = None) -> list[list[P2P
         out[task.src_device].append(P2POp(task.id, "send", task.device))
         out[task.device].append(P2POp(task.id, "recv", task.src_device))
     return out
-
-
-def rank_schedule(dag: TaskDAG, rank: int) -> list[P2POp]:
-    """One rank's sends and receives, in order."""
-    return schedules(dag)[rank]
 
 
 def check_schedule(dag: TaskDAG, lo: int = 0, hi: int | None = None) -> None:
