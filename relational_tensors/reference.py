@@ -31,6 +31,12 @@ def coerce_feed(name: str, value: Any, t: TensorType) -> np.ndarray:
     if a.shape != t.shape:
         raise ExecError(f"input {name!r} must have shape {t.shape}; got {a.shape}.")
     want = numpy_dtype(t.dtype)
+    if (a.dtype.kind == "b") != (want.kind == "b"):
+        hint = ("Pass a boolean array (e.g. mask != 0)." if want.kind == "b" else
+                "Convert it first (e.g. mask.astype(np.float32)), or declare the input bool.")
+        raise ExecError(f"input {name!r} must be {t.dtype}; got an array of dtype {a.dtype}. {hint}")
+    if want.kind == "b":
+        return a
     is_int = want.kind in "iu"
     known = a.dtype.kind in "iuf" or a.dtype == numpy_dtype("bfloat16")  # bfloat16 is a float, of kind "V"
     if (a.dtype.kind in "iu") != is_int or not known:

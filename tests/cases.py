@@ -81,6 +81,57 @@ CASES: dict[str, Case] = {
     "attention_negative_scale": _one(lambda g, d: g.attention(g.input("q", [1, 70, 2, 16], d),
                                                               g.input("k", [1, 150, 1, 16], d),
                                                               g.input("v", [1, 150, 1, 16], d), scale=-0.3)),
+    # cross-attention, both causal alignments (bottom-right with fewer keys than queries: rows that see none)
+    "attention_cross_top_left": _one(lambda g, d: g.attention(g.input("q", [2, 9, 4, 8], d),
+                                                              g.input("k", [2, 14, 2, 8], d),
+                                                              g.input("v", [2, 14, 2, 8], d), causal="top_left")),
+    "attention_cross_bottom_right": _one(lambda g, d: g.attention(g.input("q", [2, 5, 4, 8], d),
+                                                                  g.input("k", [2, 14, 2, 8], d),
+                                                                  g.input("v", [2, 14, 2, 8], d),
+                                                                  causal="bottom_right")),
+    "attention_bottom_right_unseen_rows": _one(lambda g, d: g.attention(g.input("q", [1, 12, 2, 4], d),
+                                                                        g.input("k", [1, 7, 1, 4], d),
+                                                                        g.input("v", [1, 7, 1, 4], d),
+                                                                        causal="bottom_right")),
+    "attention_window_causal": _one(lambda g, d: g.attention(g.input("q", [1, 37, 4, 8], d),
+                                                             g.input("k", [1, 37, 2, 8], d),
+                                                             g.input("v", [1, 37, 2, 8], d), causal=True, window=6)),
+    "attention_window_both_sides": _one(lambda g, d: g.attention(g.input("q", [1, 29, 2, 4], d),
+                                                                 g.input("k", [1, 29, 2, 4], d),
+                                                                 g.input("v", [1, 29, 2, 4], d), window=5)),
+    "attention_packed_window": _one(lambda g, d: g.attention(g.input("q", [1, 47, 4, 4], d),
+                                                             g.input("k", [1, 47, 2, 4], d),
+                                                             g.input("v", [1, 47, 2, 4], d), causal=True,
+                                                             seq_ends=PACKED_ENDS, window=3)),
+    "attention_key_padding": _one(lambda g, d: g.attention(g.input("q", [3, 11, 4, 8], d),
+                                                           g.input("k", [3, 11, 2, 8], d),
+                                                           g.input("v", [3, 11, 2, 8], d), causal=True,
+                                                           key_padding=g.input("pad", [3, 11], "bool"))),
+    "attention_key_lengths": _one(lambda g, d: g.attention(g.input("q", [3, 10, 4, 8], d),
+                                                           g.input("k", [3, 13, 2, 8], d),
+                                                           g.input("v", [3, 13, 2, 8], d), key_padding=[13, 4, 0])),
+    "attention_mask_per_head": _one(lambda g, d: g.attention(g.input("q", [2, 10, 4, 8], d),
+                                                             g.input("k", [2, 13, 2, 8], d),
+                                                             g.input("v", [2, 13, 2, 8], d),
+                                                             mask=g.input("m", [1, 4, 10, 13], "bool"))),
+    "attention_mask_per_batch": _one(lambda g, d: g.attention(g.input("q", [2, 10, 4, 8], d),
+                                                              g.input("k", [2, 13, 2, 8], d),
+                                                              g.input("v", [2, 13, 2, 8], d),
+                                                              mask=g.input("m", [2, 1, 10, 13], "bool"))),
+    "attention_bias": _one(lambda g, d: g.attention(g.input("q", [2, 10, 4, 8], d), g.input("k", [2, 13, 4, 8], d),
+                                                    g.input("v", [2, 13, 4, 8], d),
+                                                    bias=g.input("bias", [1, 4, 10, 13], d))),
+    "attention_everything": _one(lambda g, d: g.attention(g.input("q", [2, 12, 8, 4], d),
+                                                          g.input("k", [2, 12, 2, 4], d),
+                                                          g.input("v", [2, 12, 2, 4], d), causal=True, window=5,
+                                                          key_padding=g.input("pad", [2, 12], "bool"),
+                                                          mask=g.input("m", [2, 8, 12, 12], "bool"),
+                                                          bias=g.input("bias", [2, 1, 12, 12], d))),
+    "where_broadcast": _one(lambda g, d: g.where(g.input("c", [9, 1, 5], "bool"), g.input("x", [9, 7, 5], d),
+                                                 g.input("y", [5], d))),
+    "compare_and_logic": _one(lambda g, d: g.binary(
+        g.binary(g.input("a", [9, 1, 5], d), g.input("b", [7, 5], d), "less_equal"),
+        g.unary(g.input("c", [9, 7, 1], "bool"), "logical_not"), "logical_xor")),
     "logsumexp_vocab": _one(lambda g, d: g.logsumexp(g.input("x", [9, 53], d), axis=-1)),
     "cross_entropy_tokens_ignore": _one(lambda g, d: g.cross_entropy(g.input("logits", [2, 19, 53], d),
                                                                      g.input("t", [2, 19], "int64"), ignore_index=3,
@@ -93,7 +144,7 @@ CASES: dict[str, Case] = {
 }
 
 # forward cases whose operator has no gradient, with the construct the refusal names
-NOT_DIFFERENTIABLE = {"sql_maxplus": "MAX"}
+NOT_DIFFERENTIABLE = {"sql_maxplus": "MAX", "compare_and_logic": "its output.s shape and dtype; output .* is bool"}
 
 
 def with_vjp(make: Case) -> Case:
@@ -169,7 +220,9 @@ def feeds_for(g: rt.Graph, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     feeds = {}
     for n in g.inputs:
-        if n.type.dtype.startswith("int"):  # ids of the table an embedding reads, or a cross-entropy's classes
+        if n.type.dtype == "bool":  # masks: most positions on, some rows off
+            feeds[n.name] = rng.random(n.type.shape) < 0.75
+        elif n.type.dtype.startswith("int"):  # ids of the table an embedding reads, or a cross-entropy's classes
             reader = next(c for c in g.operators if n.id in c.inputs and c.kind in ("embedding", "cross_entropy"))
             table = g.nodes[reader.inputs[0]].type.shape
             feeds[n.name] = rng.integers(0, table[0] if reader.kind == "embedding" else table[-1], size=n.type.shape)

@@ -76,8 +76,11 @@ def test_attention_other_shape_rules(g) -> None:
         g.attention(q, g.input("k3", [2, 8, 2, 4]), g.input("v3", [2, 8, 2, 4]))
     with pytest.raises(rt.GraphError, match="same d_head"):
         g.attention(q, g.input("k4", [1, 8, 2, 3]), v)
-    with pytest.raises(rt.GraphError, match="seq_q == seq_kv.*got 8 and 9"):
+    with pytest.raises(rt.GraphError, match="causal=True is the equal-length case; got seq_q=8 and seq_kv=9"):
         g.attention(q, g.input("k5", [1, 9, 2, 4]), g.input("v5", [1, 9, 2, 4]), causal=True)
+    with pytest.raises(rt.GraphError, match="seq_q == seq_kv.*got 8 and 9"):
+        g.attention(q, g.input("k6", [1, 9, 2, 4]), g.input("v6", [1, 9, 2, 4]), causal="top_left",
+                    seq_ends=[8])
 
 
 @pytest.mark.parametrize("kind", ["attention", "rope"])
@@ -348,8 +351,8 @@ def test_duplicate_node_names(g) -> None:
 def test_bad_tensor_types(g) -> None:
     with pytest.raises(rt.GraphError, match=esc("tensor dimensions must be positive integers; got shape (3, 0)")):
         g.input("x", [3, 0])
-    with pytest.raises(rt.GraphError, match=esc("dtype must be one of ['bfloat16', 'float16', 'float32', 'float64', "
-                                                "'int32', 'int64']; got 'int8'")):
+    with pytest.raises(rt.GraphError, match=esc("dtype must be one of ['bfloat16', 'bool', 'float16', 'float32', "
+                                                "'float64', 'int32', 'int64']; got 'int8'")):
         g.input("y", [3], "int8")
     with pytest.raises(rt.GraphError, match=esc("give one name per dimension; got shape (3, 2) and names ('a',)")):
         g.input("z", [3, 2], dims=("a",))

@@ -248,7 +248,45 @@ UNARY_EXPECTED: dict[str, tuple[Callable[[np.ndarray, float], np.ndarray], float
 
 
 def test_every_unary_op_has_an_expected_formula() -> None:
-    assert set(UNARY_EXPECTED) == set(UNARY_FUNCTIONS)
+    assert set(UNARY_EXPECTED) == set(UNARY_FUNCTIONS) - {"logical_not"}  # the boolean one: below
+
+
+def test_comparisons_logic_and_where_follow_numpy(rng) -> None:
+    g = rt.Graph()
+    a, b = g.input("a", [6, 1, 5], "bfloat16"), g.input("b", [4, 5], "bfloat16")
+    c = g.input("c", [6, 4, 1], "bool")
+    for op in ("equal", "not_equal", "less", "less_equal", "greater", "greater_equal"):
+        g.save(g.binary(a, b, op), name=op)
+    lt = g.binary(a, b, "less")
+    for op in ("logical_and", "logical_or", "logical_xor"):
+        g.save(g.binary(lt, c, op), name=op)
+    g.save(g.unary(c, "logical_not"), name="not")
+    g.save(g.where(c, a, b), name="where")
+    bf = rt.core.dtypes.numpy_dtype("bfloat16")
+    f = {"a": np.round(rng.standard_normal((6, 1, 5))).astype(bf),
+         "b": np.round(rng.standard_normal((4, 5))).astype(bf), "c": rng.random((6, 4, 1)) < 0.5}
+    out = rt.compileGraph(g, device="cpu:3").run(f)
+    x, y = f["a"].astype(np.float32), f["b"].astype(np.float32)  # ties included: the values are small integers
+    for op in ("equal", "not_equal", "less", "less_equal", "greater", "greater_equal"):
+        assert out[op].dtype == np.bool_ and np.array_equal(out[op], getattr(np, op)(x, y)), op
+    for op in ("logical_and", "logical_or", "logical_xor"):
+        assert np.array_equal(out[op], getattr(np, op)(x < y, f["c"])), op
+    assert np.array_equal(out["not"], ~f["c"])
+    assert np.array_equal(out["where"].astype(np.float32), np.where(f["c"], x, y))
+
+
+@pytest.mark.parametrize("bad", [
+    lambda g: g.binary(g.input("a", [3], "bool"), g.input("b", [3], "bool"), "add"),
+    lambda g: g.binary(g.input("a", [3]), g.input("b", [3]), "logical_and"),
+    lambda g: g.unary(g.input("a", [3]), "logical_not"),
+    lambda g: g.sum(g.input("a", [3], "bool")),
+    lambda g: g.matmul(g.input("a", [3, 2], "bool"), g.input("b", [2, 3], "bool")),
+    lambda g: g.where(g.input("c", [3]), g.input("a", [3]), g.input("b", [3])),
+    lambda g: g.unary(g.input("a", [3], "bool"), "exp"),
+])
+def test_booleans_are_refused_where_they_mean_nothing(bad) -> None:
+    with pytest.raises(rt.GraphError, match="bool|boolean"):
+        bad(rt.Graph())
 
 
 @pytest.mark.parametrize("name", sorted(UNARY_EXPECTED))

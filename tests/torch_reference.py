@@ -29,17 +29,41 @@ def _rope(x: torch.Tensor, op) -> torch.Tensor:
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
 
 
-def _attention(q, k, v, op) -> torch.Tensor:
+def attention_mask(op, extra: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Where each query may see each key, [b|1, hq|1, sq, skv], from the operator's options by first principles
+    (positions, sequence ids, distances; not the operator's own key ranges)."""
+    q, k = op.input_types[:2]
     sq, skv = q.shape[1], k.shape[1]
-    rows = np.arange(sq)
-    lo, hi = op._key_limits(rows)
-    cols = np.arange(skv)
-    mask = torch.tensor((cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None]))
+    pos = torch.arange(sq) + (skv - sq if op.causal == "bottom_right" else 0)
+    cols = torch.arange(skv)
+    allowed = torch.ones(sq, skv, dtype=torch.bool)
+    if op.seq_ends is not None:
+        ends = torch.tensor(op.seq_ends)
+        allowed &= torch.searchsorted(ends, pos, right=True)[:, None] == torch.searchsorted(ends, cols, right=True)
+    if op.causal is not False:
+        allowed &= cols[None, :] <= pos[:, None]
+    if op.window is not None:
+        allowed &= (pos[:, None] - cols[None, :]).abs() < op.window
+    allowed = allowed[None, None]
+    if op.key_lengths is not None:
+        allowed = allowed & (cols[None, :] < torch.tensor(op.key_lengths)[:, None])[:, None, None, :]
+    if "key_padding" in extra:
+        allowed = allowed & extra["key_padding"][:, None, None, :]
+    if "mask" in extra:
+        allowed = allowed & extra["mask"]
+    return allowed
+
+
+def _attention(q, k, v, *rest, op=None) -> torch.Tensor:
+    extra = dict(zip(op.extras, rest))
+    allowed = attention_mask(op, extra)
     g = q.shape[2] // k.shape[2]
     kk, vv = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * op.softmax_scale
-    s = s.masked_fill(~mask, float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vv)
+    if "bias" in extra:
+        s = s + extra["bias"]
+    p = torch.softmax(s.masked_fill(~allowed, -1e30), -1) * allowed.any(-1, keepdim=True)  # unseen rows: 0
+    return torch.einsum("bhqk,bkhd->bqhd", p, vv)
 
 
 def _node(op, xs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -61,12 +85,16 @@ def _node(op, xs: Sequence[torch.Tensor]) -> torch.Tensor:
                  "sigmoid": torch.sigmoid, "tanh": torch.tanh, "exp": torch.exp, "log": torch.log, "neg": torch.neg,
                  "abs": torch.abs, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "square": torch.square,
                  "scale": lambda t: t * a, "add_scalar": lambda t: t + a, "pow": lambda t: t ** a,
-                 "cast": lambda t: t.to(getattr(torch, a)), "fill": lambda t: torch.full_like(t, a)}
+                 "cast": lambda t: t.to(getattr(torch, a)), "fill": lambda t: torch.full_like(t, a),
+                 "logical_not": torch.logical_not}
         return table[op.op](x)
     if kind == "binary":
         x, y = xs
         return {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "maximum": torch.maximum,
-                "minimum": torch.minimum, "eq": lambda a, b: (a == b).to(a.dtype)}[op.op](x, y)
+                "minimum": torch.minimum, "eq": lambda a, b: (a == b).to(a.dtype), "equal": torch.eq,
+                "not_equal": torch.ne, "less": torch.lt, "less_equal": torch.le, "greater": torch.gt,
+                "greater_equal": torch.ge, "logical_and": torch.logical_and, "logical_or": torch.logical_or,
+                "logical_xor": torch.logical_xor}[op.op](x, y)
     if kind == "swiglu":
         return F.silu(xs[0]) * xs[1]
     if kind == "reduce":
@@ -97,7 +125,9 @@ def _node(op, xs: Sequence[torch.Tensor]) -> torch.Tensor:
     if kind == "embedding":
         return F.embedding(xs[1], xs[0])
     if kind == "attention":
-        return _attention(*xs, op)
+        return _attention(*xs, op=op)
+    if kind == "where":
+        return torch.where(*xs)
     if kind == "cross_entropy":  # per token; the graph sums and divides around it
         logits, _, targets = xs
         ignore = -100 if op.ignore_index is None else op.ignore_index

@@ -22,10 +22,12 @@ DTYPES: dict[str, np.dtype] = {
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
     "int64": np.dtype(np.int64),
     "int32": np.dtype(np.int32),
+    "bool": np.dtype(np.bool_),
 }
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
 _ALIASES = {"fp64": "float64", "double": "float64", "fp32": "float32", "float": "float32",
-            "fp16": "float16", "half": "float16", "bf16": "bfloat16", "long": "int64", "int": "int32"}
+            "fp16": "float16", "half": "float16", "bf16": "bfloat16", "long": "int64", "int": "int32",
+            "bool_": "bool"}
 
 
 def canonical_dtype(dtype: object) -> str:

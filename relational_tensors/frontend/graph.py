@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import operator
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.core.types import TensorType
@@ -42,6 +45,7 @@ from relational_tensors.sql_specs import (
     SwigluOp,
     TokenCountOp,
     UnaryOp,
+    WhereOp,
 )
 from relational_tensors.sql_specs.common import normalize_axis
 
@@ -216,6 +220,9 @@ class Graph:
         return self.unary(x, "cast", dtype, name)
 
     def binary(self, x: Tensor, y: Tensor, op: str, name: str | None = None) -> Tensor:
+        """Elementwise ``x op y`` with broadcasting: add, sub, mul, div, maximum, minimum; the comparisons
+        equal, not_equal, less, less_equal, greater, greater_equal (a boolean result); logical_and,
+        logical_or, logical_xor of booleans."""
         return self._op(BinaryOp((self._t(x), self._t(y)), op), (x, y), name)
 
     def add(self, x: Tensor, y: Tensor, name: str | None = None) -> Tensor:
@@ -229,6 +236,10 @@ class Graph:
 
     def div(self, x: Tensor, y: Tensor, name: str | None = None) -> Tensor:
         return self.binary(x, y, "div", name)
+
+    def where(self, cond: Tensor, x: Tensor, y: Tensor, name: str | None = None) -> Tensor:
+        """``x`` where the boolean ``cond`` holds, else ``y`` (all three broadcast like NumPy)."""
+        return self._op(WhereOp((self._t(cond), self._t(x), self._t(y))), (cond, x, y), name)
 
     def swiglu(self, a: Tensor, b: Tensor, name: str | None = None) -> Tensor:
         """``silu(a) * b``."""
@@ -318,14 +329,39 @@ class Graph:
         return self._op(EmbeddingOp((self._t(table), self._t(ids))), (table, ids), name)
 
     # --- attention --------------------------------------------------------------
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, causal: bool | str = False,
                   seq_ends: Sequence[int] | None = None, scale: float | None = None,
-                  name: str | None = None) -> Tensor:
-        """Attention over q[b, s, hq, d], k/v[b, s_kv, hkv, d] (GQA, causal, packed sequences)."""
-        ends = _ends(seq_ends)
-        op = AttentionOp((self._t(q), self._t(k), self._t(v)), bool(causal), ends,
-                         scale)
-        return self._op(op, (q, k, v), name)
+                  key_padding: Tensor | Sequence[int] | None = None, mask: Tensor | None = None,
+                  bias: Tensor | None = None, window: int | None = None, name: str | None = None) -> Tensor:
+        """Attention over q[b, s_q, hq, d], k/v[b, s_kv, hkv, d] (GQA; self- or cross-attention).
+
+        ``causal``: False, True (seq_q == seq_kv), ``"top_left"`` (query i sees keys up to i, PyTorch
+        SDPA's alignment) or ``"bottom_right"`` (the queries are the last seq_q positions: decoding after
+        a key cache).  ``seq_ends``: packed sequences.  ``key_padding``: a boolean [b, s_kv] tensor, True
+        for a real key (HF's ``attention_mask``), or one key length per batch row.  ``mask``: a boolean
+        [b or 1, hq or 1, s_q, s_kv] tensor, True where a query may see a key.  ``bias``: a float tensor of
+        that shape added to the scaled scores.  ``window``: keys at distance >= window are masked.  A query
+        that sees no key gives 0."""
+        extras: list[str] = []
+        operands: list[Tensor] = [q, k, v]
+        lengths = None
+        if key_padding is not None:
+            if isinstance(key_padding, Tensor):
+                extras.append("key_padding")
+                operands.append(key_padding)
+            else:
+                lengths = _lengths(key_padding)
+        for label, t in (("mask", mask), ("bias", bias)):
+            if t is not None:
+                if not isinstance(t, Tensor):
+                    raise GraphError(f"attention {label} must be a tensor of this graph; got {type(t).__name__}.")
+                extras.append(label)
+                operands.append(t)
+        if isinstance(causal, (bool, np.bool_)):
+            causal = bool(causal)
+        op = AttentionOp(tuple(self._t(x) for x in operands), causal, _ends(seq_ends), scale, window,
+                         lengths, tuple(extras))
+        return self._op(op, tuple(operands), name)
 
     # --- losses -------------------------------------------------------------------
     def cross_entropy(self, logits: Tensor, targets: Tensor, ignore_index: int | None = None,
@@ -546,6 +582,15 @@ class Graph:
 def createGraph() -> Graph:
     """The paper's spelling of ``Graph()``."""
     return Graph()
+
+
+def _lengths(values: Sequence[int]) -> tuple[int, ...]:
+    """Key lengths per batch row, as a tuple of integers."""
+    try:
+        return tuple(operator.index(n) for n in values)
+    except TypeError:
+        raise GraphError(f"attention key_padding takes a boolean [batch, seq_kv] tensor or one integer key "
+                         f"length per batch row; got {values!r}.") from None
 
 
 def _ends(seq_ends: object) -> Any:

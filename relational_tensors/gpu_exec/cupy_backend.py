@@ -629,6 +629,12 @@ def _device_coerce(cp: Any, name: str, arr: Any, dtype: str, original: Any) -> A
     rounding to its 16-bit pattern), ints among ints; anything else is refused, as on the host."""
     was_bf16 = str(getattr(original, "dtype", "")).endswith("bfloat16")
     kind = "f" if was_bf16 else arr.dtype.kind
+    if (kind == "b") != (dtype == "bool"):
+        raise ExecError(f"input {name!r} must be {dtype}; got an array of dtype "
+                        f"{getattr(original, 'dtype', arr.dtype)}. Pass a boolean array for a mask, and cast one "
+                        "for a number.")
+    if dtype == "bool":
+        return arr
     want_int = dtype.startswith("int")
     if (kind in "iu") != want_int or kind not in "iuf":
         raise ExecError(f"input {name!r} must be {dtype}; got an array of dtype "

@@ -106,12 +106,14 @@ def host_kernel(op: Any, f: FunctionSpec, ins: list, out: Any, stream: int) -> N
     uses them out of CUDA-graph capture)."""
     import cupy
 
-    bf16 = out.dtype == "bfloat16"
     with cupy.cuda.ExternalStream(stream):
         host = op.kernel([cupy.asnumpy(b.cupy()).view(numpy_dtype("bfloat16")) if b.dtype == "bfloat16"
                           else cupy.asnumpy(b.cupy()) for b in ins], f)
-        host = np.ascontiguousarray(np.asarray(host).astype(numpy_dtype(out.dtype), copy=False))
-        out.cupy().set(host.view(np.uint16) if bf16 else host)
+        # an operator with a log-sum-exp returns (block, lse); out is that pair only where the ⊕ needs it
+        pairs = zip(out, host) if isinstance(out, tuple) else [(out, host[0] if isinstance(host, tuple) else host)]
+        for buf, value in pairs:
+            value = np.ascontiguousarray(np.asarray(value).astype(numpy_dtype(buf.dtype), copy=False))
+            buf.cupy().set(value.view(np.uint16) if buf.dtype == "bfloat16" else value)
 
 
 @launcher("einsum")
@@ -135,7 +137,7 @@ def _einsum(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream:
 # expressions; the gradient operators have no device kernels yet)
 HOST_KINDS = ("sql", "unary_grad", "binary_grad", "swiglu_grad", "softmax_grad", "norm_grad", "norm_weight_grad",
               "embedding_grad", "pad", "expand", "attention_lse", "attention_delta", "attention_grad",
-              "cross_entropy", "cross_entropy_grad", "token_count")
+              "cross_entropy", "cross_entropy_grad", "token_count", "where")
 
 
 @launcher(*HOST_KINDS)
@@ -150,6 +152,9 @@ SCALAR_UFUNCS = {"scale": "multiply", "add_scalar": "add", "pow": "power"}
 def _unary(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.gpu_exec.kernels import triton_elementwise as te
 
+    if "bool" in (out.dtype, ins[0].dtype):  # masks: built once per call, on host copies
+        host_kernel(op, f, ins, out, stream)
+        return
     if out.dtype == "float64" and op.op in SCALAR_UFUNCS:
         # Triton passes a Python float as a float32 argument: a float64 scalar goes through CuPy
         import cupy
@@ -164,6 +169,9 @@ def _unary(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: 
 def _binary(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.gpu_exec.kernels import triton_elementwise as te
 
+    if op.op not in te.BINARY_CODES:  # comparisons and logic make boolean masks: on host copies
+        host_kernel(op, f, ins, out, stream)
+        return
     te.binary(ins[0], ins[1], out, op.op)
 
 
@@ -292,6 +300,9 @@ def _attention(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stre
     from relational_tensors.gpu_exec.kernels import triton_copy as tc
     from relational_tensors.gpu_exec.kernels.triton_attention import attention
 
+    if op.extras or op.key_lengths is not None:  # key padding, masks and biases: the NumPy kernel for now
+        host_kernel(op, f, ins, out, stream)
+        return
     q, k, v = ins
     o, lse = out if isinstance(out, tuple) else (out, None)
     if k.shape[1] == 0:  # this query block sees none of these keys

@@ -16,6 +16,7 @@ from relational_tensors.sql_specs.elementwise import (
     SwigluOp,
     UnaryGradOp,
     UnaryOp,
+    WhereOp,
 )
 from relational_tensors.sql_specs.embedding import EmbeddingGradOp, EmbeddingOp
 from relational_tensors.sql_specs.losses import CrossEntropyGradOp, CrossEntropyOp, TokenCountOp
@@ -37,6 +38,7 @@ __all__ = [
     "EinsumOp", "MatmulOp", "SqlJoinOp", "UnaryOp", "BinaryOp", "SwigluOp", "ReduceOp",
     "SoftmaxOp", "RmsnormOp", "LayernormOp", "RopeOp", "ReshapeOp", "PermuteOp", "SliceOp",
     "ConcatOp", "EmbeddingOp", "AttentionOp", "PadOp", "ExpandOp", "CrossEntropyOp", "TokenCountOp",
+    "WhereOp",
     # gradient operators
     "UnaryGradOp", "BinaryGradOp", "SwigluGradOp", "SoftmaxGradOp", "NormGradOp", "NormWeightGradOp",
     "EmbeddingGradOp", "AttentionLseOp", "AttentionDeltaOp", "AttentionGradOp", "CrossEntropyGradOp",

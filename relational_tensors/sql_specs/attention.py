@@ -1,7 +1,18 @@
-"""Scaled dot-product attention with grouped-query heads, causal masks and packed sequences.
+"""Scaled dot-product attention with grouped-query heads, causal masks, sliding windows, packed
+sequences, key padding, boolean masks and additive biases, for self- and cross-attention.
 
 q [batch, seq_q, heads_q, d_head], k [batch, seq_kv, heads_kv, d_head],
-v [batch, seq_kv, heads_kv, d_v] -> out [batch, seq_q, heads_q, d_v].
+v [batch, seq_kv, heads_kv, d_v] -> out [batch, seq_q, heads_q, d_v]; then, named by ``extras`` in
+the order ``EXTRAS``, the optional inputs ``key_padding`` (bool [batch, seq_kv], True for a real key),
+``mask`` (bool [batch or 1, heads_q or 1, seq_q, seq_kv], True where a query may see a key) and
+``bias`` (float, the same broadcastable shape, added to the scaled scores: T5's relative bias, ALiBi).
+
+Which keys a query row r sees, before the masks: its position is r + offset, the offset being
+seq_kv - seq_q when ``causal="bottom_right"`` (a query block after a key cache) and 0 otherwise
+(``"top_left"``, PyTorch SDPA's alignment; ``True`` is the equal-length case).  A causal row sees the
+keys up to its position; a ``window`` w keeps keys at distance < w (with causal: the w keys ending at
+the position); packed ``seq_ends`` keep a row inside its sequence; ``key_lengths`` (static, per batch
+row) and the masks cut further.  A row that sees no key gives 0 (as SDPA does) and log-sum-exp -inf.
 
 Shardable indices, in declared order:
 
@@ -9,13 +20,16 @@ Shardable indices, in declared order:
 * ``heads_kv`` anywhere; ``heads_q`` inherits it (kv head m owns query heads
   [m·g, (m+1)·g), g = heads_q / heads_kv);
 * ``seq_q``    anywhere, or only at ``seq_ends`` for packed sequences.  A query
-  block reads only the keys it can see: a causal block [r0, r1) needs keys
-  [start(r0), r1); offered in equal lengths and, when causal, in equal work;
+  block reads only the keys its rows' ranges can reach (a causal prefix, a window);
+  offered in equal lengths and, when causal or windowed, in equal work;
 * ``seq_kv``   anywhere; partial outputs over disjoint key blocks carry their
   log-sum-exp and are combined by the ⊕ ``lse``.
 
+A mask or bias block is the projection of the query and key blocks (and of batch and query heads where
+it is not broadcast); a key-padding block follows batch and keys.
+
 The gradient is the FlashAttention backward, built from the operators of
-``attention_grad``: the forward's log-sum-exp, Δ = rowsum(dO·O), dq, and dk with dv.
+``attention_grad``: the forward's log-sum-exp, Δ = rowsum(dO·O), dq, dk with dv, and the bias's.
 """
 
 from __future__ import annotations
@@ -23,6 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -37,39 +52,64 @@ from relational_tensors.sql_specs.common import finite_number, same_dtype
 from relational_tensors.sql_specs.grad import build
 from relational_tensors.sql_specs.packing import check_seq_ends, sequence_bounds
 
-__all__ = ["AttentionOp", "KV_GRADIENTS"]
+__all__ = ["AttentionOp", "KV_GRADIENTS", "EXTRAS", "CAUSAL_MODES"]
 
 # how the gradients of k and v are built: one "dkv" operator whose output holds dk and dv side by side (one
 # pass over the scores, then two slices), or "separate" dk and dv operators (bench/attention_grad.py compares)
 KV_GRADIENTS = {"mode": "packed"}
 
+EXTRAS = ("key_padding", "mask", "bias")  # the optional inputs after q, k, v, in this order
+CAUSAL_MODES = (False, True, "top_left", "bottom_right")
+
 _ROW_CHUNK = 512  # query rows per NumPy step, to bound the score matrix
+
+
+@lru_cache(maxsize=64)
+def _all_limits(op: AttentionOp) -> tuple[np.ndarray, np.ndarray]:
+    """Every query row's key range (an operator is hashable: its type and parameters)."""
+    lo, hi = op._key_limits(np.arange(op.input_types[0].shape[1]))
+    lo.setflags(write=False)
+    hi.setflags(write=False)
+    return lo, hi
 
 
 @register
 @dataclass(frozen=True, eq=True)
 class AttentionOp(Operator):
-    """FlashAttention semantics with GQA, causal masking and packed sequences.
+    """FlashAttention semantics with GQA, causal masks, windows, packed sequences, key padding, masks and biases.
 
     >>> from relational_tensors.core.types import TensorType as T
     >>> q, kv = T.zero((1, 16, 8, 4)), T.zero((1, 16, 2, 4))
     >>> op = AttentionOp((q, kv, kv), causal=True)
     >>> [s.name for s in op.requestable()], op.spec({"heads_kv": op.shardable()[1].near_equal(2)}).p
     (['batch', 'heads_kv', 'seq_q', 'seq_kv'], 2)
+    >>> AttentionOp((q, kv, kv), causal=True, window=4).key_range(Interval(8, 12))
+    [5,12)
     """
 
     kind = "attention"
     cost_family = "attention"
     aggregation = LSE
-    causal: bool = False
+    accepts_bool = True  # its key padding and mask
+    causal: bool | str = False
     seq_ends: tuple[int, ...] | None = None
     scale: float | None = None
+    window: int | None = None
+    key_lengths: tuple[int, ...] | None = None
+    extras: tuple[str, ...] = ()
+
+    _MAIN = 3  # q, k, v come first; the extras follow
+
+    @property
+    def gpu_allocates(self) -> bool:  # type: ignore[override]
+        return bool(self.extras) or self.key_lengths is not None  # run on host copies
 
     # --- shape rules -------------------------------------------------------
     def infer(self) -> TensorType:
-        if len(self.input_types) != 3:
-            raise GraphError(f"attention takes q, k and v; got {len(self.input_types)} tensors.")
-        q, k, v = self.input_types
+        if len(self.input_types) != 3 + len(self.extras):
+            raise GraphError(f"attention takes q, k and v{self._extras_words()}; got {len(self.input_types)} "
+                             "tensors.")
+        q, k, v = self.input_types[:3]
         shapes = f"q {q.shape}, k {k.shape}, v {v.shape}"
         if not q.rank == k.rank == v.rank == 4:
             raise GraphError(f"attention takes rank-4 q, k, v as [batch, seq, heads, d_head]; got {shapes}.")
@@ -85,17 +125,84 @@ class AttentionOp(Operator):
                 f"attention needs heads_q to be a multiple of heads_kv (grouped-query attention); "
                 f"got heads_q={hq}, heads_kv={hkv} ({shapes})."
             )
-        if (self.causal or self.seq_ends is not None) and q.shape[1] != k.shape[1]:
-            raise GraphError(
-                f"causal or packed attention needs seq_q == seq_kv (self-attention); got {q.shape[1]} and {k.shape[1]}."
-            )
-        dtype = same_dtype(self.kind, self.input_types)
+        dtype = same_dtype(self.kind, self.input_types[:3])
         if dtype not in FLOAT_DTYPES:
             raise GraphError(f"attention needs floating tensors; got dtype {dtype}.")
-        check_seq_ends(self.kind, self.seq_ends, q.shape[1])
+        self._check_options(q.shape[0], q.shape[1], k.shape[1])
         if self.scale is not None:
             finite_number("attention scale", self.scale)
+        self._check_extras(self.input_types[self._MAIN:], q.shape[0], hq, q.shape[1], k.shape[1])
         return TensorType.zero((*q.shape[:3], v.shape[3]), dtype, q.names)
+
+    def _extras_words(self) -> str:
+        return "".join(f", {e}" for e in self.extras)
+
+    def _check_options(self, batch: int, sq: int, skv: int) -> None:
+        if not (self.causal is False or self.causal is True or self.causal in CAUSAL_MODES[2:]):
+            raise GraphError(f"attention causal must be one of False, True, 'top_left' or 'bottom_right'; got "
+                             f"{self.causal!r}.")
+        if self.causal is True and sq != skv:
+            raise GraphError(
+                f"causal=True is the equal-length case; got seq_q={sq} and seq_kv={skv}. For cross-attention "
+                "say where the queries sit: causal='top_left' (query i sees keys up to i, PyTorch SDPA's "
+                "alignment) or causal='bottom_right' (the queries are the last seq_q positions, as when "
+                "decoding after a key cache)."
+            )
+        if self.seq_ends is not None and sq != skv:
+            raise GraphError(f"packed attention (seq_ends) needs seq_q == seq_kv (self-attention); got {sq} and "
+                             f"{skv}.")
+        check_seq_ends(self.kind, self.seq_ends, sq)
+        if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
+                                        or self.window < 1):
+            raise GraphError(f"attention window must be a positive integer (keys at distance >= window are "
+                             f"masked); got {self.window!r}.")
+        if self.key_lengths is not None:
+            lens = self.key_lengths
+            if (len(lens) != batch or any(isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= skv
+                                          for n in lens)):
+                raise GraphError(f"attention key_lengths must give one length in [0, {skv}] per batch row "
+                                 f"({batch} rows); got {list(lens)}.")
+        bad = [e for e in self.extras if e not in EXTRAS]
+        if bad or len(set(self.extras)) != len(self.extras) or \
+                list(self.extras) != [e for e in EXTRAS if e in self.extras]:
+            raise GraphError(f"attention extras must name distinct inputs among {EXTRAS}, in that order; got "
+                             f"{self.extras!r}.")
+        if "key_padding" in self.extras and self.key_lengths is not None:
+            raise GraphError("attention takes key padding as a boolean tensor or as key_lengths, not both.")
+
+    def _check_extras(self, types: Sequence[TensorType], batch: int, hq: int, sq: int, skv: int) -> None:
+        for name, t in zip(self.extras, types):
+            if name == "key_padding":
+                if t.dtype != "bool" or t.shape != (batch, skv):
+                    raise GraphError(f"attention key_padding must be a boolean [batch, seq_kv] = [{batch}, {skv}] "
+                                     f"tensor (True marks a real key, as HF's attention_mask); got {t.dtype} "
+                                     f"{t.shape}. Compare an integer mask first: g.binary(m, one, 'equal').")
+                continue
+            want = "boolean" if name == "mask" else "floating"
+            ok_dtype = t.dtype == "bool" if name == "mask" else t.dtype in FLOAT_DTYPES
+            if (not ok_dtype or t.rank != 4 or t.shape[0] not in (1, batch) or t.shape[1] not in (1, hq)
+                    or t.shape[2:] != (sq, skv)):
+                raise GraphError(
+                    f"attention {name} must be a {want} tensor of shape [batch or 1, heads_q or 1, seq_q, seq_kv] "
+                    f"= [{batch} or 1, {hq} or 1, {sq}, {skv}] (heads are query heads); got {t.dtype} {t.shape}. "
+                    "Reshape or expand it to that rank-4 form."
+                )
+
+    @property
+    def is_causal(self) -> bool:
+        return self.causal is not False
+
+    @property
+    def offset(self) -> int:
+        """Where query row 0 sits among the keys: seq_kv - seq_q when aligned bottom-right, else 0."""
+        if self.causal != "bottom_right":
+            return 0
+        return self.input_types[1].shape[1] - self.input_types[0].shape[1]
+
+    @property
+    def ranged(self) -> bool:
+        """Whether a row's keys are its sequence's, cut at most by a top-left causal prefix (closed forms)."""
+        return self.offset == 0 and self.window is None
 
     @property
     def group(self) -> int:
@@ -106,11 +213,19 @@ class AttentionOp(Operator):
         return self.scale if self.scale is not None else 1.0 / math.sqrt(self.input_types[0].shape[3])
 
     def signature(self) -> str:
-        return ("batch seq_q heads_q d_head, batch seq_kv heads_kv d_head, batch seq_kv heads_kv d_v "
-                "-> batch seq_q heads_q d_v")
+        extra = {"key_padding": ", batch seq_kv", "mask": ", batch heads_q seq_q seq_kv",
+                 "bias": ", batch heads_q seq_q seq_kv"}
+        return ("batch seq_q heads_q d_head, batch seq_kv heads_kv d_head, batch seq_kv heads_kv d_v"
+                + "".join(extra[e] for e in self.extras) + " -> batch seq_q heads_q d_v")
 
     def params(self) -> dict[str, object]:
-        return {"causal": self.causal, "seq_ends": self.seq_ends, "scale": self.softmax_scale}
+        out: dict[str, object] = {"causal": self.causal, "seq_ends": self.seq_ends, "scale": self.softmax_scale}
+        for name in ("window", "key_lengths"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        if self.extras:
+            out["extras"] = self.extras
+        return out
 
     def shardable(self) -> tuple[ShardableIndex, ...]:
         q, k = self.input_types[:2]
@@ -126,16 +241,28 @@ class AttentionOp(Operator):
 
     # --- which keys a query block sees ---------------------------------------
     def _key_limits(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per query row, the half-open range of keys it may attend to."""
+        """Per query row, the half-open range of keys it may attend to (before key padding and masks);
+        both ends are non-decreasing in the row, and lo <= hi."""
         length = self.input_types[1].shape[1]
-        lo, hi = sequence_bounds(rows, self.seq_ends, length)
-        if self.causal:
-            hi = np.minimum(hi, rows + 1)
-        return lo, hi
+        if self.seq_ends is None:
+            lo, hi = np.zeros_like(rows), np.full_like(rows, length)
+        else:
+            lo, hi = sequence_bounds(rows, self.seq_ends, length)
+        pos = rows + self.offset
+        if self.is_causal:
+            hi = np.minimum(hi, pos + 1)
+        if self.window is not None:
+            lo = np.maximum(lo, pos - self.window + 1)
+            if not self.is_causal:
+                hi = np.minimum(hi, pos + self.window)
+        lo = np.clip(lo, 0, length)
+        return lo, np.clip(hi, lo, length)
 
     def key_range(self, rows: Interval) -> Interval:
+        if rows.size == 0:
+            return Interval(0, 0)
         lo, hi = self._key_limits(np.array([rows.lo, rows.hi - 1]))
-        return Interval(int(lo[0]), int(hi[1]))
+        return Interval(int(lo[0]), int(max(hi[1], lo[0])))
 
     def _segments(self, rows: Interval) -> list[tuple[int, int, int, int]]:
         """The rows split by packed sequence: (r0, r1, seq_start, seq_end) per piece."""
@@ -151,8 +278,12 @@ class AttentionOp(Operator):
         return out
 
     def row_work(self, rows: Interval, keys: Interval) -> int:
-        """Visible (query, key) pairs between a query block and a key block, in closed form."""
-        total = 0
+        """Visible (query, key) pairs between a query block and a key block (before key padding and masks)."""
+        if not self.ranged:
+            starts, ends = _all_limits(self)
+            starts, ends = starts[rows.lo:rows.hi], ends[rows.lo:rows.hi]
+            return int(np.maximum(0, np.minimum(ends, keys.hi) - np.maximum(starts, keys.lo)).sum())
+        total = 0  # in closed form
         for r0, r1, a, b in self._segments(rows):
             lo = max(a, keys.lo)
             if not self.causal:
@@ -173,18 +304,22 @@ class AttentionOp(Operator):
 
     def interval_candidates(self, index: ShardableIndex, n: int) -> list[tuple[Interval, ...]]:
         cands = super().interval_candidates(index, n)
-        if index.name != "seq_q" or not self.causal or not cands:
+        if index.name != "seq_q" or not (self.is_causal or self.window is not None) or not cands:
             return cands
-        # equal causal work: cut where the running count of visible keys reaches k/n of the total
+        # equal work: cut where the running count of visible keys reaches k/n of the total
         length = index.extent
-        keys = Interval(0, length)
+        keys = Interval(0, self.input_types[1].shape[1])
         legal = np.array(list(index.legal_cuts()), dtype=np.int64)
-        if self.seq_ends is None:
+        if self.seq_ends is None and self.ranged and length == keys.hi:
             cum = legal * (legal + 1) // 2  # work of rows [0, cut)
             total = length * (length + 1) // 2
-        else:  # legal cuts are the few sequence ends
+        elif self.seq_ends is not None and self.ranged:  # legal cuts are the few sequence ends
             cum = np.array([self.row_work(Interval(0, int(c)), keys) for c in legal], dtype=np.int64)
             total = self.row_work(Interval(0, length), keys)
+        else:
+            lo, hi = _all_limits(self)
+            run = np.concatenate(([0], np.cumsum(hi - lo)))
+            cum, total = run[legal], int(run[-1])
         cuts, start = [0], 0
         for k in range(1, n):
             stop = len(legal) - (n - 1 - k)
@@ -210,9 +345,19 @@ class AttentionOp(Operator):
         b, h, hq, rows, keys = self._chosen(choice)
         return b, h, hq, rows, keys.intersect(self.key_range(rows))
 
+    def _extra_box(self, name: str, t: TensorType, b: Interval, hq: Interval, rows: Interval,
+                   keys: Interval) -> Box:
+        """The block of a key padding, mask or bias that a function spec reads (a broadcast dimension whole)."""
+        if name == "key_padding":
+            return Box.from_intervals((b, keys))
+        one = Interval(0, 1)
+        return Box.from_intervals((b if t.shape[0] > 1 else one, hq if t.shape[1] > 1 else one, rows, keys))
+
     def input_box(self, k: int, choice: Choice) -> Box:
         b, h, hq, rows, keys = self._parts(choice)
         t = self.input_types[k]
+        if k >= self._MAIN:
+            return self._extra_box(self.extras[k - self._MAIN], t, b, hq, rows, keys)
         if k == 0:
             return Box.from_intervals((b, rows, hq, Interval(0, t.shape[3])))
         return Box.from_intervals((b, keys, h, Interval(0, t.shape[3])))
@@ -222,15 +367,46 @@ class AttentionOp(Operator):
         return Box.from_intervals((b, rows, hq, Interval(0, self.output_type.shape[3])))
 
     def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
-        qb, kb, _ = inputs
+        qb, kb = inputs[0], inputs[1]
         pairs = self.row_work(qb.interval(1), kb.interval(1))
         d, dv = self.input_types[0].shape[3], self.input_types[2].shape[3]
         return 2.0 * (d + dv) * pairs * qb.shape[0] * qb.shape[2]
 
     # --- concrete kernel --------------------------------------------------------
+    def _extra_blocks(self, blocks: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(zip(self.extras, blocks[self._MAIN:]))
+
+    def chunk_scores(self, qg: np.ndarray, k: np.ndarray, extra: dict[str, np.ndarray], qbox: Box, kbox: Box,
+                     r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
+        """The scaled scores plus bias [b, hkv, g, rows, keys] of the block's rows [r0, r1) (qg as
+        [b, rows, hkv, g, d]) and where each is visible (broadcastable to the scores)."""
+        rows = np.arange(qbox.lower[1] + r0, qbox.lower[1] + r1)
+        cols = np.arange(kbox.lower[1], kbox.upper[1])
+        lo, hi = self._key_limits(rows)
+        visible = ((cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None]))[None, None, None]
+        if self.key_lengths is not None:
+            lengths = np.asarray(self.key_lengths)[qbox.lower[0]:qbox.upper[0]]
+            visible = visible & (cols[None, :] < lengths[:, None])[:, None, None, None, :]
+        if "key_padding" in extra:
+            visible = visible & np.asarray(extra["key_padding"], dtype=bool)[:, None, None, None, :]
+        if "mask" in extra:
+            visible = visible & self._grouped(np.asarray(extra["mask"], dtype=bool)[:, :, r0:r1])
+        s = np.einsum("bqhgd,bkhd->bhgqk", qg, k) * self.softmax_scale
+        if "bias" in extra:
+            s = s + self._grouped(np.asarray(extra["bias"])[:, :, r0:r1].astype(s.dtype))
+        return s, visible
+
+    def _grouped(self, m: np.ndarray) -> np.ndarray:
+        """A mask or bias block [b|1, heads_q|1, rows, keys] as [b|1, hkv|1, g|1, rows, keys]."""
+        if m.shape[1] == 1:
+            return m[:, :, None]
+        g = self.group
+        return m.reshape(m.shape[0], m.shape[1] // g, g, *m.shape[2:])
+
     def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> tuple[np.ndarray, np.ndarray]:
-        q, k, v = (self._compute(b) for b in blocks)
-        qbox, kbox, _ = f.inputs
+        q, k, v = (self._compute(b) for b in blocks[:3])
+        extra = self._extra_blocks(blocks)
+        qbox, kbox = f.inputs[0], f.inputs[1]
         nb, sq, hq, d = q.shape
         hkv, dv = k.shape[2], v.shape[3]
         g = hq // hkv if hkv else self.group
@@ -238,14 +414,10 @@ class AttentionOp(Operator):
         lse = np.full((nb, sq, hq), -np.inf, dtype=q.dtype)
         if k.shape[1] == 0 or sq == 0:
             return out, lse
-        cols = np.arange(kbox.lower[1], kbox.upper[1])
         qg = q.reshape(nb, sq, hkv, g, d)
         for r0 in range(0, sq, _ROW_CHUNK):
             r1 = min(sq, r0 + _ROW_CHUNK)
-            rows = np.arange(qbox.lower[1] + r0, qbox.lower[1] + r1)
-            lo, hi = self._key_limits(rows)
-            visible = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])  # [rows, keys]
-            s = np.einsum("bqhgd,bkhd->bhgqk", qg[:, r0:r1], k) * self.softmax_scale
+            s, visible = self.chunk_scores(qg[:, r0:r1], k, extra, qbox, kbox, r0, r1)
             s = np.where(visible, s, -np.inf)
             top = s.max(axis=-1, keepdims=True)
             top = np.where(np.isfinite(top), top, 0.0)
@@ -259,13 +431,19 @@ class AttentionOp(Operator):
         return out, lse
 
     # --- gradient -----------------------------------------------------------------
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments that rebuild this attention's key visibility in its gradient operators."""
+        return dict(causal=self.causal, seq_ends=self.seq_ends, scale=self.scale, window=self.window,
+                    key_lengths=self.key_lengths, extras=self.extras)
+
     def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any,
             wanted: tuple[bool, ...]) -> Grads:
-        q, k, v = inputs
-        common = dict(causal=self.causal, seq_ends=self.seq_ends, scale=self.scale)
-        lse = build(b, "attention_lse", (q, k), **common)
+        q, k, v = inputs[:3]
+        extra = tuple(inputs[3:])
+        common = self.options()
+        lse = build(b, "attention_lse", (q, k, *extra), **common)
         delta = build(b, "attention_delta", (output, cotangent))
-        operands = (q, k, v, cotangent, lse, delta)
+        operands = (q, k, v, cotangent, lse, delta, *extra)
         dq = build(b, "attention_grad", operands, part="dq", **common) if wanted[0] else None
         dk = dv = None
         if (wanted[1] and wanted[2]) and KV_GRADIENTS["mode"] == "packed":
@@ -276,4 +454,8 @@ class AttentionOp(Operator):
         else:
             dk = build(b, "attention_grad", operands, part="dk", **common) if wanted[1] else None
             dv = build(b, "attention_grad", operands, part="dv", **common) if wanted[2] else None
-        return dq, dk, dv
+        rest: list[Any] = []
+        for name, w in zip(self.extras, wanted[3:]):  # key padding and masks are boolean: no gradient
+            rest.append(build(b, "attention_grad", operands, part="dbias", **common) if w and name == "bias"
+                        else None)
+        return (dq, dk, dv, *rest)

@@ -3,8 +3,10 @@ products Δ = rowsum(dO·O), and the gradients dq, dk, dv.
 
 Each is an operator of its own with one output that shares its inputs with the others (the paper's
 multi-output operator is not needed): ``attention_lse`` (q, k), ``attention_delta`` (o, dO) and
-``attention_grad`` (q, k, v, dO, lse, Δ) with ``part`` one of ``dq``, ``dk``, ``dv`` or ``dkv`` (dk and dv
-side by side on the last axis, one pass over the scores, then sliced apart).
+``attention_grad`` (q, k, v, dO, lse, Δ) with ``part`` one of ``dq``, ``dk``, ``dv``, ``dkv`` (dk and dv
+side by side on the last axis, one pass over the scores, then sliced apart) or ``dbias`` (the score
+gradient summed over the bias's broadcast dimensions).  The forward's key padding, mask and bias
+follow each of them as extra inputs, split as the forward splits them.
 
 * ``attention_lse`` splits like the forward: batch, kv heads (query heads inherit), query blocks
   (a causal block reads its key prefix), and keys, whose partial log-sum-exps are merged by ⊕ =
@@ -28,7 +30,7 @@ from relational_tensors.core.dtypes import FLOAT_DTYPES, partial_dtype
 from relational_tensors.core.spec import FunctionSpec, ShardableIndex
 from relational_tensors.core.types import Box, Interval, TensorType
 from relational_tensors.errors import GraphError
-from relational_tensors.sql_specs.attention import AttentionOp
+from relational_tensors.sql_specs.attention import AttentionOp, _all_limits
 from relational_tensors.sql_specs.base import Builder, Choice, Grads, IndexedOp, register
 from relational_tensors.sql_specs.common import same_dtype
 from relational_tensors.sql_specs.grad import SECOND_ORDER
@@ -37,7 +39,7 @@ from relational_tensors.sql_specs.packing import sequence_bounds
 __all__ = ["AttentionLseOp", "AttentionDeltaOp", "AttentionGradOp", "GRAD_PARTS"]
 
 _ROW_CHUNK = 256  # query rows per NumPy step, to bound the score matrix
-GRAD_PARTS = ("dq", "dk", "dv", "dkv")
+GRAD_PARTS = ("dq", "dk", "dv", "dkv", "dbias")
 
 
 def _check_qk(kind: str, q: TensorType, k: TensorType) -> None:
@@ -48,14 +50,6 @@ def _check_qk(kind: str, q: TensorType, k: TensorType) -> None:
         raise GraphError(f"{kind} needs heads_q to be a multiple of heads_kv; got q {q.shape}, k {k.shape}.")
     if q.dtype not in FLOAT_DTYPES:
         raise GraphError(f"{kind} needs floating tensors; got dtype {q.dtype}.")
-
-
-def _scores(op: AttentionOp, q: np.ndarray, k: np.ndarray, rows: np.ndarray,
-            cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Scaled scores [b, hkv, g, rows, keys] of a row chunk (q as [b, rows, hkv, g, d]) and the visibility mask."""
-    lo, hi = op._key_limits(rows)
-    visible = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
-    return np.einsum("bqhgd,bkhd->bhgqk", q, k) * op.softmax_scale, visible
 
 
 @register
@@ -73,12 +67,16 @@ class AttentionLseOp(AttentionOp):
     aggregation = LOGSUMEXP
     gpu_allocates = True  # the NumPy kernel over host copies
     gradient = "an auxiliary of the attention gradient"
+    _MAIN = 2
 
     def infer(self) -> TensorType:
-        if len(self.input_types) != 2:
-            raise GraphError(f"attention_lse takes q and k; got {len(self.input_types)} tensors.")
-        q, k = self.input_types
+        if len(self.input_types) != 2 + len(self.extras):
+            raise GraphError(f"attention_lse takes q and k{self._extras_words()}; got {len(self.input_types)} "
+                             "tensors.")
+        q, k = self.input_types[:2]
         _check_qk(self.kind, q, k)
+        self._check_options(q.shape[0], q.shape[1], k.shape[1])
+        self._check_extras(self.input_types[2:], q.shape[0], q.shape[2], q.shape[1], k.shape[1])
         return TensorType.zero(q.shape[:3], partial_dtype(q.dtype), q.names[:3])
 
     def signature(self) -> str:
@@ -89,24 +87,24 @@ class AttentionLseOp(AttentionOp):
         return Box.from_intervals((b, rows, hq))
 
     def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
-        qb, kb = inputs
+        qb, kb = inputs[0], inputs[1]
         return 2.0 * self.input_types[0].shape[3] * self.row_work(qb.interval(1), kb.interval(1)) * qb.shape[0] \
             * qb.shape[2]
 
     def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> Any:
         q, k = (np.asarray(b).astype(np.float64 if self.output_type.dtype == "float64" else np.float32)
-                for b in blocks)
-        qbox, kbox = f.inputs
+                for b in blocks[:2])
+        extra = self._extra_blocks(blocks)
+        qbox, kbox = f.inputs[0], f.inputs[1]
         nb, sq, hq, d = q.shape
         hkv = k.shape[2]
         g = self.group
         lse = np.full((nb, sq, hq), -np.inf, dtype=q.dtype)
         if k.shape[1] and sq:
-            cols = np.arange(kbox.lower[1], kbox.upper[1])
             qg = q.reshape(nb, sq, hkv, g, d)
             for r0 in range(0, sq, _ROW_CHUNK):
                 r1 = min(sq, r0 + _ROW_CHUNK)
-                s, visible = _scores(self, qg[:, r0:r1], k, np.arange(qbox.lower[1] + r0, qbox.lower[1] + r1), cols)
+                s, visible = self.chunk_scores(qg[:, r0:r1], k, extra, qbox, kbox, r0, r1)
                 s = np.where(visible, s, -np.inf)
                 top = s.max(axis=-1, keepdims=True)
                 safe = np.where(np.isfinite(top), top, 0.0)
@@ -175,14 +173,18 @@ class AttentionGradOp(AttentionOp):
     gradient = SECOND_ORDER
     gpu_allocates = True  # the NumPy kernel over host copies
     part: str = "dq"
+    _MAIN = 6
 
     def infer(self) -> TensorType:
-        if len(self.input_types) != 6:
-            raise GraphError(f"attention_grad takes q, k, v, dO, lse and delta; got {len(self.input_types)} tensors.")
+        if len(self.input_types) != 6 + len(self.extras):
+            raise GraphError(f"attention_grad takes q, k, v, dO, lse and delta{self._extras_words()}; got "
+                             f"{len(self.input_types)} tensors.")
         if self.part not in GRAD_PARTS:
             raise GraphError(f"attention_grad part must be one of {GRAD_PARTS}; got {self.part!r}.")
-        q, k, v, do, lse, delta = self.input_types
+        q, k, v, do, lse, delta = self.input_types[:6]
         _check_qk(self.kind, q, k)
+        self._check_options(q.shape[0], q.shape[1], k.shape[1])
+        self._check_extras(self.input_types[6:], q.shape[0], q.shape[2], q.shape[1], k.shape[1])
         same_dtype(self.kind, (q, k, v, do))
         if v.shape[:3] != k.shape[:3] or do.shape != (*q.shape[:3], v.shape[3]):
             raise GraphError(f"attention_grad needs v [batch, seq_kv, heads_kv, d_v] and dO [batch, seq_q, heads_q, "
@@ -192,6 +194,10 @@ class AttentionGradOp(AttentionOp):
                              f"{delta.shape}.")
         if self.part == "dq":
             return q
+        if self.part == "dbias":
+            if "bias" not in self.extras:
+                raise GraphError("attention_grad part 'dbias' needs the forward's bias among its inputs.")
+            return self.input_types[6 + self.extras.index("bias")]
         width = {"dk": k.shape[3], "dv": v.shape[3], "dkv": k.shape[3] + v.shape[3]}[self.part]
         return TensorType.zero((*k.shape[:3], width), q.dtype, k.names)
 
@@ -204,7 +210,7 @@ class AttentionGradOp(AttentionOp):
 
     @property
     def _by_keys(self) -> bool:
-        return self.part != "dq"
+        return self.part not in ("dq", "dbias")
 
     def shardable(self) -> tuple[ShardableIndex, ...]:
         found = super().shardable()
@@ -219,10 +225,17 @@ class AttentionGradOp(AttentionOp):
         length = self.input_types[0].shape[1]
         if keys.size == 0:
             return Interval(0, 0)
+        if not self.ranged or length != self.input_types[1].shape[1]:
+            # the rows whose ranges (non-decreasing at both ends) meet the keys
+            lo, hi = _all_limits(self)
+            first = int(np.searchsorted(hi, keys.lo, side="right"))
+            return Interval(first, max(first, int(np.searchsorted(lo, keys.hi, side="left"))))
         start, end = sequence_bounds(np.array([keys.lo, keys.hi - 1]), self.seq_ends, length)
-        return Interval(keys.lo if self.causal else int(start[0]), int(end[1]))
+        return Interval(min(keys.lo, length) if self.causal else int(start[0]), int(end[1]))
 
     def _parts(self, choice: Choice) -> tuple[Interval, Interval, Interval, Interval, Interval]:
+        if self.part == "dbias":  # every score of the block, visible or not, is written
+            return self._chosen(choice)
         if not self._by_keys:
             return super()._parts(choice)
         b, h, hq, rows, keys = self._chosen(choice)  # blocks of keys: the query rows cut to those that see them
@@ -231,6 +244,8 @@ class AttentionGradOp(AttentionOp):
     def input_box(self, k: int, choice: Choice) -> Box:
         b, h, hq, rows, keys = self._parts(choice)
         t = self.input_types[k]
+        if k >= self._MAIN:
+            return self._extra_box(self.extras[k - self._MAIN], t, b, hq, rows, keys)
         if k in (1, 2):
             return Box.from_intervals((b, keys, h, Interval(0, t.shape[3])))
         if k in (0, 3):
@@ -240,6 +255,8 @@ class AttentionGradOp(AttentionOp):
     def output_box(self, choice: Choice) -> Box:
         width = Interval(0, self.output_type.shape[3])
         b, h, hq, rows, keys = self._parts(choice)
+        if self.part == "dbias":
+            return self._extra_box("bias", self.output_type, b, hq, rows, keys)
         if self._by_keys:
             return Box.from_intervals((b, keys, h, width))
         return Box.from_intervals((b, rows, hq, width))
@@ -249,12 +266,14 @@ class AttentionGradOp(AttentionOp):
         pairs = self.row_work(qb.interval(1), kb.interval(1)) * qb.shape[0] * qb.shape[2]
         d, dv = self.input_types[0].shape[3], self.input_types[2].shape[3]
         # scores, dP = dO·vᵀ, then dq = dS·k; dk = dSᵀ·q; dv = Pᵀ·dO
-        per = {"dq": 2 * d + dv, "dk": 2 * d + dv, "dv": d + dv, "dkv": 2 * d + 2 * dv}[self.part]
+        per = {"dq": 2 * d + dv, "dk": 2 * d + dv, "dv": d + dv, "dkv": 2 * d + 2 * dv,
+               "dbias": d + dv}[self.part]
         return 2.0 * per * pairs
 
     def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> Any:
         work = np.float64 if self.output_type.dtype == "float64" else np.float32
-        q, k, v, do, lse, delta = (np.asarray(x).astype(work) for x in blocks)
+        q, k, v, do, lse, delta = (np.asarray(x).astype(work) for x in blocks[:6])
+        extra = self._extra_blocks(blocks)
         qbox, kbox = f.inputs[0], f.inputs[1]
         nb, sq, hq, d = q.shape
         hkv, dv_width = k.shape[2], v.shape[3]
@@ -262,14 +281,14 @@ class AttentionGradOp(AttentionOp):
         dq = np.zeros(q.shape, dtype=work)
         dk = np.zeros(k.shape, dtype=work)
         dv = np.zeros(v.shape, dtype=work)
+        dbias = np.zeros(f.output.shape if self.part == "dbias" else (0,), dtype=work)
         if k.shape[1] and sq:
-            cols = np.arange(kbox.lower[1], kbox.upper[1])
             qg, dog = q.reshape(nb, sq, hkv, g, d), do.reshape(nb, sq, hkv, g, dv_width)
             lse_g = np.moveaxis(lse.reshape(nb, sq, hkv, g), 1, 3)  # [b, h, g, q]
             delta_g = np.moveaxis(delta.reshape(nb, sq, hkv, g), 1, 3)
             for r0 in range(0, sq, _ROW_CHUNK):
                 r1 = min(sq, r0 + _ROW_CHUNK)
-                s, visible = _scores(self, qg[:, r0:r1], k, np.arange(qbox.lower[1] + r0, qbox.lower[1] + r1), cols)
+                s, visible = self.chunk_scores(qg[:, r0:r1], k, extra, qbox, kbox, r0, r1)
                 top = lse_g[..., r0:r1, None]
                 live = visible & np.isfinite(top)  # exponents of masked scores never computed: no overflow
                 p = np.exp(np.where(live, s - np.where(np.isfinite(top), top, 0.0), -np.inf))
@@ -278,13 +297,24 @@ class AttentionGradOp(AttentionOp):
                 if self.part == "dv":
                     continue
                 dp = np.einsum("bqhgd,bkhd->bhgqk", dog[:, r0:r1], v)
-                ds = p * (dp - delta_g[..., r0:r1, None]) * self.softmax_scale
+                ds = p * (dp - delta_g[..., r0:r1, None])  # the gradient of the (scaled, biased) scores
+                if self.part == "dbias":
+                    dbias[:, :, r0:r1] += self._ungrouped(ds, dbias.shape)
+                    continue
+                ds = ds * self.softmax_scale
                 if self.part == "dq":
                     dq[:, r0:r1] = np.einsum("bhgqk,bkhd->bqhgd", ds, k).reshape(nb, r1 - r0, hq, d)
                 else:
                     dk += np.einsum("bhgqk,bqhgd->bkhd", ds, qg[:, r0:r1])
-        out = {"dq": dq, "dk": dk, "dv": dv}.get(self.part)
+        out = {"dq": dq, "dk": dk, "dv": dv, "dbias": dbias}.get(self.part)
         return self._result(np.concatenate((dk, dv), axis=-1) if out is None else out)
+
+    @staticmethod
+    def _ungrouped(ds: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        """Score gradients [b, hkv, g, rows, keys] summed to a bias block [b|1, heads_q|1, rows, keys]."""
+        nb, hkv, g, rows, keys = ds.shape
+        full = ds.reshape(nb, hkv * g, rows, keys)
+        return full.sum(axis=tuple(d for d in (0, 1) if shape[d] == 1 and full.shape[d] != 1), keepdims=True)
 
     def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any,
             wanted: tuple[bool, ...]) -> Grads:

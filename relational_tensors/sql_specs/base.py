@@ -80,11 +80,20 @@ class Operator:
     cost_family: ClassVar[str] = "compute"
     # its GPU kernel allocates scratch through library routines, which keeps a program out of CUDA-graph capture
     gpu_allocates: ClassVar[bool] = False
+    # it takes boolean tensors (masks): layout operators, comparisons and logic, where, attention's masks;
+    # every other kind refuses them by rule (a sum of booleans or a matmul of them says cast first)
+    accepts_bool: ClassVar[bool] = False
 
     input_types: tuple[TensorType, ...]
     output_type: TensorType = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not self.accepts_bool:
+            for k, t in enumerate(self.input_types):
+                if t.dtype == "bool":
+                    raise GraphError(
+                        f"{self.kind} does not take boolean tensors; input {k} is bool of shape {t.shape}. "
+                        "Cast it first (g.cast(x, 'float32') or 'int64'), or use where/the comparisons.")
         object.__setattr__(self, "output_type", self.infer())
 
     # --- description -------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Elementwise operators: ``unary``, ``binary`` (broadcasting add/sub/mul/div/...) and ``swiglu``,
-and their gradient operators ``unary_grad``, ``binary_grad`` and ``swiglu_grad``.
+"""Elementwise operators: ``unary``, ``binary`` (broadcasting add/sub/mul/div/..., comparisons and
+boolean logic), ``where`` and ``swiglu``, and their gradient operators ``unary_grad``, ``binary_grad``
+and ``swiglu_grad``.
 
 Every index can be split anywhere and nothing is aggregated: a block of the
 output needs the same block of each input (a broadcast dimension is read whole).
@@ -24,8 +25,9 @@ from relational_tensors.sql_specs.base import Builder, Grads, IndexedOp, SameInd
 from relational_tensors.sql_specs.common import finite_number, same_dtype
 from relational_tensors.sql_specs.grad import SECOND_ORDER, build, reduce_to
 
-__all__ = ["UnaryOp", "BinaryOp", "SwigluOp", "UnaryGradOp", "BinaryGradOp", "SwigluGradOp", "UNARY_FUNCTIONS",
-           "BINARY_FUNCTIONS", "UNARY_DERIVATIVES", "silu", "gelu"]
+__all__ = ["UnaryOp", "BinaryOp", "WhereOp", "SwigluOp", "UnaryGradOp", "BinaryGradOp", "SwigluGradOp",
+           "UNARY_FUNCTIONS",
+           "BINARY_FUNCTIONS", "COMPARISONS", "LOGICAL", "UNARY_DERIVATIVES", "silu", "gelu"]
 
 # an object array for an array of rank >= 1 (a 0-d array or a scalar gives a bare float)
 _erf: Callable[[np.ndarray], np.ndarray] = np.frompyfunc(math.erf, 1, 1)
@@ -84,6 +86,7 @@ UNARY_FUNCTIONS: dict[str, Callable[[np.ndarray, float], np.ndarray]] = {
     "pow": lambda x, a: x**a,
     "cast": lambda x, a: x,
     "fill": lambda x, a: np.full_like(x, a),  # the constant ``arg`` in x's shape (a gradient's seed)
+    "logical_not": lambda x, a: np.logical_not(x),  # booleans only
 }
 
 # name -> f'(x, arg), for the functions whose gradient is dy·f'(x) (the others are built in UnaryOp.vjp);
@@ -113,6 +116,16 @@ BINARY_FUNCTIONS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "minimum": np.minimum,
     "eq": lambda x, y: (x == y).astype(np.result_type(x, y)),  # 1 where equal, else 0 (no gradient)
 }
+# comparisons of two tensors of one dtype, and the logic of two booleans: a boolean result, no gradient
+COMPARISONS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    "equal": np.equal, "not_equal": np.not_equal, "less": np.less, "less_equal": np.less_equal,
+    "greater": np.greater, "greater_equal": np.greater_equal,
+}
+LOGICAL: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    "logical_and": np.logical_and, "logical_or": np.logical_or, "logical_xor": np.logical_xor,
+}
+BINARY_FUNCTIONS.update(COMPARISONS)
+BINARY_FUNCTIONS.update(LOGICAL)
 
 
 @register
@@ -126,8 +139,13 @@ class UnaryOp(SameIndicesOp):
     """
 
     kind = "unary"
+    accepts_bool = True  # cast and logical_not; the rest refuse them below
     op: str = "relu"
     arg: float | str = 0.0
+
+    @property
+    def gpu_allocates(self) -> bool:  # type: ignore[override]
+        return "bool" in (self.input_types[0].dtype, self.output_type.dtype)  # masks run on host copies
 
     def infer(self) -> TensorType:
         (x,) = self.input_types
@@ -135,6 +153,11 @@ class UnaryOp(SameIndicesOp):
             raise GraphError(f"unknown unary op {self.op!r}; supported: {sorted(UNARY_FUNCTIONS)}.")
         if self.op == "cast":
             return x.with_(dtype=canonical_dtype(self.arg))
+        if self.op == "logical_not":
+            if x.dtype != "bool":
+                raise GraphError(f"unary 'logical_not' needs a boolean tensor; got dtype {x.dtype}. Compare it "
+                                 "first (e.g. g.binary(x, zero, 'not_equal')).")
+            return x
         if x.dtype not in FLOAT_DTYPES:
             raise GraphError(f"unary {self.op!r} needs a floating tensor; got dtype {x.dtype}. Cast it first.")
         if not isinstance(self.arg, (int, float)):
@@ -149,12 +172,14 @@ class UnaryOp(SameIndicesOp):
         (x,) = blocks
         if self.op == "cast":
             return np.asarray(x).astype(numpy_dtype(self.output_type.dtype))
+        if self.op == "logical_not":
+            return np.logical_not(x)
         return self._result(UNARY_FUNCTIONS[self.op](self._compute(x), float(self.arg)))  # type: ignore[arg-type]
 
     def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any, wanted: tuple[bool, ...]) -> Grads:
         (x,) = inputs
-        if self.op == "fill":
-            return (None,)
+        if self.op in ("fill", "logical_not") or "bool" in (x.type.dtype, self.output_type.dtype):
+            return (None,)  # a boolean carries no gradient
         if self.op == "cast":
             return (build(b, "unary", (cotangent,), op="cast", arg=x.type.dtype),)
         if self.op == "add_scalar":
@@ -225,7 +250,8 @@ def broadcast_dims(kind: str, types: Sequence[TensorType]
 @register
 @dataclass(frozen=True, eq=True)
 class BinaryOp(IndexedOp):
-    """``x op y`` elementwise with NumPy broadcasting (add, sub, mul, div, maximum, minimum).
+    """``x op y`` elementwise with NumPy broadcasting (add, sub, mul, div, maximum, minimum), a comparison
+    (``COMPARISONS``: a boolean result) or the logic of two booleans (``LOGICAL``).
 
     >>> from relational_tensors.core.types import TensorType as T
     >>> BinaryOp((T.zero((4, 3)), T.zero((3,))), "add").signature()
@@ -233,12 +259,25 @@ class BinaryOp(IndexedOp):
     """
 
     kind = "binary"
+    accepts_bool = True  # the comparisons and logic; arithmetic refuses booleans below
     op: str = "add"
+
+    @property
+    def gpu_allocates(self) -> bool:  # type: ignore[override]
+        return self.op in COMPARISONS or self.op in LOGICAL  # masks run on host copies
 
     def infer(self) -> TensorType:
         if self.op not in BINARY_FUNCTIONS:
             raise GraphError(f"unknown binary op {self.op!r}; supported: {sorted(BINARY_FUNCTIONS)}.")
         dtype = same_dtype(self.op, self.input_types)
+        if self.op in LOGICAL and dtype != "bool":
+            raise GraphError(f"{self.op} takes boolean tensors; got dtype {dtype}. Compare them first "
+                             "(g.binary(x, y, 'not_equal')).")
+        if dtype == "bool" and self.op not in LOGICAL and self.op not in ("equal", "not_equal"):
+            raise GraphError(f"binary {self.op!r} does not take boolean tensors; got dtype bool. Use "
+                             f"{sorted(LOGICAL)}, or cast them (g.cast(x, 'float32')).")
+        if self.op in COMPARISONS or self.op in LOGICAL:
+            dtype = "bool"
         if self.op == "div" and dtype not in FLOAT_DTYPES:
             raise GraphError(f"div needs floating tensors (integer division would truncate); got dtype {dtype}. "
                              "Cast the operands to a float dtype first.")
@@ -255,12 +294,14 @@ class BinaryOp(IndexedOp):
         return {"op": self.op}
 
     def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
+        if self.output_type.dtype == "bool":  # compared in the inputs' own dtype (bfloat16 included)
+            return BINARY_FUNCTIONS[self.op](*(np.asarray(b) for b in blocks))
         x, y = (self._compute(b) for b in blocks)
         return self._result(BINARY_FUNCTIONS[self.op](x, y))
 
     def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any, wanted: tuple[bool, ...]) -> Grads:
         x, y = inputs
-        if self.op == "eq":
+        if self.op == "eq" or self.output_type.dtype == "bool":
             return (None, None)
         grads: list[Any] = []
         for k, (t, other) in enumerate(((x, y), (y, x))):
@@ -329,6 +370,55 @@ class BinaryGradOp(IndexedOp):
             wins = mine > other if self.op == "maximum" else mine < other
             d = np.where(wins, 1.0, np.where(mine == other, 0.5, 0.0)).astype(x.dtype)
         return self._result(np.broadcast_to(dy * d, dy.shape))
+
+
+@register
+@dataclass(frozen=True, eq=True)
+class WhereOp(IndexedOp):
+    """``where(cond, x, y)``: x where the boolean cond holds, else y, with NumPy broadcasting of all three
+    (``masked_fill`` is a where with a scalar).  Its gradient flows to x where cond holds and to y elsewhere.
+
+    >>> from relational_tensors.core.types import TensorType as T
+    >>> WhereOp((T.zero((4, 1), "bool"), T.zero((4, 3)), T.zero((3,)))).signature()
+    'd0 1, d0 d1, d1 -> d0 d1'
+    """
+
+    kind = "where"
+    accepts_bool = True
+    gpu_allocates = True  # the NumPy kernel over host copies
+
+    def infer(self) -> TensorType:
+        if len(self.input_types) != 3:
+            raise GraphError(f"where takes cond, x and y; got {len(self.input_types)} tensors.")
+        cond, x, y = self.input_types
+        if cond.dtype != "bool":
+            raise GraphError(f"where needs a boolean condition; got dtype {cond.dtype} of shape {cond.shape}. "
+                             "Compare it first (g.binary(c, zero, 'not_equal')).")
+        dtype = same_dtype(self.kind, (x, y))
+        shape, _, names = broadcast_dims(self.kind, self.input_types)
+        return TensorType.zero(shape, dtype, names)
+
+    def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
+        return broadcast_dims(self.kind, self.input_types)[1]
+
+    def dims_out(self) -> tuple[str | None, ...]:
+        return self.output_type.names
+
+    def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
+        cond, x, y = (np.asarray(b) for b in blocks)
+        return self._result(np.where(cond, x, y))
+
+    def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any, wanted: tuple[bool, ...]) -> Grads:
+        cond, x, y = inputs
+        zero = build(b, "unary", (cotangent,), op="fill", arg=0.0)
+        grads: list[Any] = [None]
+        for k, t in ((1, x), (2, y)):
+            if not wanted[k]:
+                grads.append(None)
+                continue
+            g = build(b, "where", (cond, cotangent, zero) if k == 1 else (cond, zero, cotangent))
+            grads.append(reduce_to(b, g, t.type))
+        return tuple(grads)
 
 
 @register

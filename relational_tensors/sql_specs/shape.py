@@ -80,6 +80,7 @@ class ReshapeOp(Operator):
     """
 
     kind = "reshape"
+    accepts_bool = True
     shape: tuple[int, ...] = ()
     names: tuple[str, ...] | None = None
 
@@ -168,6 +169,7 @@ class PermuteOp(IndexedOp):
     """
 
     kind = "permute"
+    accepts_bool = True
     perm: tuple[int, ...] = ()
 
     def infer(self) -> TensorType:
@@ -203,6 +205,8 @@ class PermuteOp(IndexedOp):
 class _AlongAxis(Operator):
     """Slice, concat and pad: every output index splits anywhere, and an output block reads, of each
     input, the part of its window on the axis that the block covers."""
+
+    accepts_bool = True
 
     def shardable(self) -> tuple[ShardableIndex, ...]:
         return tuple(ShardableIndex(n, s) for n, s in zip(self.output_type.names, self.output_type.shape))
@@ -410,6 +414,7 @@ class ExpandOp(IndexedOp):
     """
 
     kind = "expand"
+    accepts_bool = True
     gpu_allocates = True  # the NumPy kernel over host copies
     shape: tuple[int, ...] = ()
 

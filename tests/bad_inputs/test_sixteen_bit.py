@@ -38,7 +38,7 @@ def _check_against_truth(build, feeds: dict, device: str, dtype: str) -> None:
     g = build(dtype)
     got = rt.compileGraph(g, device=device).run(feeds)
     ref = rt.reference(g, feeds)
-    truth = rt.reference(build("float64"), {k: v if np.asarray(v).dtype.kind in "iu" else np.asarray(v, np.float64)
+    truth = rt.reference(build("float64"), {k: v if np.asarray(v).dtype.kind in "iub" else np.asarray(v, np.float64)
                                             for k, v in feeds.items()})
     for name in g.outputs:
         ours, theirs = _relative_error(got[name], truth[name]), _relative_error(ref[name], truth[name])
@@ -97,6 +97,6 @@ def test_every_operator_case_in_16_bits(case: str, dtype: str, device: str) -> N
     g, _ = CASES[case](dtype)
     feeds = {}
     for n in g.inputs:  # ids as the operator cases draw them, values in the dtype (exactly widened for the truth)
-        feeds[n.name] = feeds_for(g)[n.name] if n.type.dtype.startswith("int") else \
+        feeds[n.name] = feeds_for(g)[n.name] if n.type.dtype.startswith(("int", "bool")) else \
             rng.standard_normal(n.type.shape).astype(numpy_dtype(dtype))
     _check_against_truth(lambda dt: CASES[case](dt)[0], feeds, device, dtype)

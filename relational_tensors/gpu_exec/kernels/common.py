@@ -94,6 +94,8 @@ class Ptr:
             self._ptr, self.dtype = buf.ptr, dtype or buf.dtype
         else:
             self._ptr, self.dtype = int(buf), dtype or "float32"
+        if self.dtype == "bool":  # one byte each: copied as int8
+            self.dtype = "int8"
 
     def data_ptr(self) -> int:
         return self._ptr

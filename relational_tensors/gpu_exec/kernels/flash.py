@@ -54,6 +54,8 @@ def segments(op: Any, f: Any, dtype: str, lse: bool) -> tuple[tuple[int, int], .
     d, dv = qb.shape[-1], vb.shape[-1]
     if lse or dtype not in ("float16", "bfloat16") or d != dv or d % 8 or d > 256:
         return None
+    if op.window is not None or op.offset or op.extras or op.key_lengths is not None:
+        return None  # windows, bottom-right alignment, padding, masks and biases: our kernels
     if op.scale is not None and op.scale <= 0:  # PyTorch's kernel returned NaN for scale -0.3 on an H200
         return None
     r0, r1 = qb.lower[1], qb.upper[1]
