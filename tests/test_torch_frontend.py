@@ -425,6 +425,30 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[Any, ...]], s
                                          lambda: (x3(2, 4, 32, 8),), {"slice", "concat", "unary"}),
     "swiglu": (lambda: Lambda(lambda m, a, b: F.silu(a) * b + b * F.silu(a)), lambda: (x3(4, 16), x3(4, 16)),
                {"swiglu"}),
+    # empty tensors (a rotary slice of nothing) and masks: constant, from the inputs, boolean and float
+    "empty_slice_and_split": (lambda: Lambda(lambda m, x: torch.cat([x[:, 3:3] + 1, torch.split(x, [0, 16], -1)[1],
+                                                                    x[..., 16:] * 2, x], -1)),
+                              lambda: (x3(4, 16),), {"concat"}),
+    "sdpa_arbitrary_constant_mask": (lambda: RandomMask(), lambda: (x3(1, 2, 16, 8),), {"attention"}),
+    "sdpa_float_mask_from_inputs": (lambda: InputMask(), lambda: (x3(1, 2, 16, 8), x3(16, 16)), {"attention"}),
+    "sdpa_bool_mask_from_inputs": (
+        lambda: Lambda(lambda m, q, x: F.scaled_dot_product_attention(q, q, q, attn_mask=(x > -1.0) | torch.eye(
+            16, dtype=torch.bool))), lambda: (x3(1, 2, 16, 8), x3(1, 1, 16, 16)), {"attention"}),
+    "sdpa_key_padding_from_inputs": (
+        lambda: Lambda(lambda m, q, k, ids: F.scaled_dot_product_attention(
+            q, k, k, attn_mask=(ids != 0)[:, None, None, :].expand(2, 1, 9, 11) & torch.ones(9, 11, dtype=torch.bool))),
+        lambda: (x3(2, 4, 9, 8), x3(2, 4, 11, 8), torch.tensor([[1] * 11, [1] * 6 + [0] * 5])), {"attention"}),
+    "sdpa_cross_attention_causal_top_left": (
+        lambda: Lambda(lambda m, q, k: F.scaled_dot_product_attention(q, k, k, is_causal=True)),
+        lambda: (x3(2, 4, 5, 8), x3(2, 4, 11, 8)), {"attention"}),
+    "sdpa_sliding_window_constant_mask": (
+        lambda: Lambda(lambda m, q: F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(
+            16, 16, dtype=torch.bool).tril() & ~torch.ones(16, 16, dtype=torch.bool).tril(-4))),
+        lambda: (x3(1, 2, 16, 8),), {"attention"}),
+    "masked_fill_by_the_input": (lambda: MaskedByInput(), lambda: (x3(4, 16),), {"where", "binary"}),
+    "where_comparisons_and_logic": (
+        lambda: Lambda(lambda m, x, y: torch.where((x > 0.5) ^ (y <= x) | ~(x == y), x, -y)),
+        lambda: (x3(4, 16), x3(1, 16)), {"where", "binary", "unary"}),
     "dropout_in_eval_mode": (lambda: Lambda(lambda m, x: m.d(x) + F.dropout(x, 0.5, training=False), d=nn.Dropout(0.3)),
                              lambda: (x3(4, 16),), {"binary"}),
 }
@@ -585,15 +609,6 @@ UNSUPPORTED: dict[str, tuple[type, Callable[[], tuple[Any, ...]], str, str, str]
                           r"\(from `cumsum`\).*no translation rule for this operation"),
     "strided_slice": (Strided, lambda: (x3(4, 16),), "aten.slice.Tensor", "x[:, ::2]",
                       "a slice with step 2; supported: step 1"),
-    "empty_slice": (EmptySlice, lambda: (x3(4, 16),), "aten.slice.Tensor", "x[:, 3:3] + 1",
-                    r"an empty slice \[3:3\] of axis 1 of shape \(4, 16\)"),
-    "empty_split": (EmptySplit, lambda: (x3(4, 16),), "aten.split_with_sizes.default",
-                    "torch.split(x, [0, 16], dim=-1)[1]", "a split into an empty part along axis 1"),
-    "arbitrary_constant_mask": (RandomMask, lambda: (x3(1, 2, 16, 8),), "aten.scaled_dot_product_attention.default",
-                                "attn_mask=self.mask", "neither causal, block-diagonal .packed sequences. nor empty"),
-    "mask_from_inputs": (InputMask, lambda: (x3(1, 2, 16, 8), x3(16, 16)),
-                         "aten.scaled_dot_product_attention.default", "attn_mask=mask)",
-                         "an attention mask computed from the inputs"),
     "attention_dropout": (AttentionDropout, lambda: (x3(1, 2, 16, 8),),
                           "aten.scaled_dot_product_attention.default", "dropout_p=0.1",
                           r"attention dropout \(dropout_p=0.1\) draws random numbers"),
@@ -610,8 +625,6 @@ UNSUPPORTED: dict[str, tuple[type, Callable[[], tuple[Any, ...]], str, str, str]
                     "it produces a torch.int8 tensor"),
     "complex_constant": (ComplexBuffer, lambda: (x3(4, 16),), "aten.mul.Tensor", "x * self.phase",
                          r"a constant of dtype torch.complex64 \(phase, shape \(16,\)\)"),
-    "mask_from_the_input": (MaskedByInput, lambda: (x3(4, 16),), "aten.gt.Scalar", "x.masked_fill(x > 0, 0.0)",
-                            "no translation rule"),
     "tensor_exponent": (TensorPower, lambda: (x3(4, 16), x3(4, 16)), "aten.pow.Tensor_Tensor", "x ** y",
                         r"pow with a tensor exponent; supported: tensor \*\* number"),
     "scalar_base": (ScalarBase, lambda: (x3(4, 16),), "aten.pow.Scalar", "2 ** x",

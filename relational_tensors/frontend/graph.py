@@ -283,10 +283,11 @@ class Graph:
         return self._op(LayernormOp((self._t(x), self._t(w), self._t(b)), eps), (x, w, b), name)
 
     def rope(self, x: Tensor, base: float = 10000.0, seq_ends: Sequence[int] | None = None,
-             name: str | None = None) -> Tensor:
-        """Rotary embedding of x[batch, seq, heads, d_head] (rotate-half convention)."""
+             name: str | None = None, freq_dtype: str | None = None) -> Tensor:
+        """Rotary embedding of x[batch, seq, heads, d_head] (rotate-half convention); ``freq_dtype``
+        rounds the frequencies to that dtype (as a module whose frequency buffer is 16-bit computes them)."""
         ends = _ends(seq_ends)
-        return self._op(RopeOp((self._t(x),), base, ends), (x,), name)
+        return self._op(RopeOp((self._t(x),), base, ends, freq_dtype=freq_dtype), (x,), name)
 
     # --- layout ---------------------------------------------------------------
     def reshape(self, x: Tensor, shape: Sequence[int], name: str | None = None,

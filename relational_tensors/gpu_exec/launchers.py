@@ -238,7 +238,7 @@ def _rope_constants(op: Any) -> dict[str, np.ndarray]:
 def _rope(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.gpu_exec.kernels.triton_rope import rope
 
-    if op.inverse:  # the gradient's inverse rotation has no device kernel yet
+    if op.inverse or op.freq_dtype is not None:  # the inverse rotation, rounded frequencies: no device kernel yet
         host_kernel(op, f, ins, out, stream)
         return
     rope(ins[0], out, consts["seq_start"], f.inputs[0].lower[1], op.base)
@@ -294,14 +294,33 @@ def _attention_constants(op: Any) -> dict[str, np.ndarray]:
     return {"row_lo": lo.astype(np.int32), "row_hi": hi.astype(np.int32)}
 
 
+def _dense_attention(op: Any, f: FunctionSpec, ins: list, out: Any, stream: int) -> None:
+    """The operator's chunked kernel with CuPy arrays (float32 scores, cuBLAS contractions): the GPU path of
+    key padding, masks and biases, which the Triton kernel's per-row key ranges cannot express."""
+    import cupy
+
+    def load(b: Any) -> Any:
+        a = b.cupy()
+        if b.dtype == "bfloat16":
+            return bf16_bits_to_float32(a, cupy)
+        return a if b.dtype in ("bool", "float64") else a.astype(cupy.float32)
+
+    with cupy.cuda.ExternalStream(stream):
+        o, lse = op.dense([load(b) for b in ins], f, cupy)
+        for buf, value in (zip(out, (o, lse)) if isinstance(out, tuple) else [(out, o)]):
+            dst = buf.cupy()
+            dst[...] = float32_to_bf16_bits(value.astype(cupy.float32), cupy) if buf.dtype == "bfloat16" \
+                else value.astype(dst.dtype)
+
+
 @launcher("attention", constants=_attention_constants)
 def _attention(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.gpu_exec.kernels import flash
     from relational_tensors.gpu_exec.kernels import triton_copy as tc
     from relational_tensors.gpu_exec.kernels.triton_attention import attention
 
-    if op.extras or op.key_lengths is not None:  # key padding, masks and biases: the NumPy kernel for now
-        host_kernel(op, f, ins, out, stream)
+    if op.extras or op.key_lengths is not None:  # key padding, masks and biases: dense chunks on the device
+        _dense_attention(op, f, ins, out, stream)
         return
     q, k, v = ins
     o, lse = out if isinstance(out, tuple) else (out, None)

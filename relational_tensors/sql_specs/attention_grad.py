@@ -94,7 +94,7 @@ class AttentionLseOp(AttentionOp):
     def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> Any:
         q, k = (np.asarray(b).astype(np.float64 if self.output_type.dtype == "float64" else np.float32)
                 for b in blocks[:2])
-        extra = self._extra_blocks(blocks)
+        extra = {name: np.asarray(b) for name, b in self._extra_blocks(blocks).items()}
         qbox, kbox = f.inputs[0], f.inputs[1]
         nb, sq, hq, d = q.shape
         hkv = k.shape[2]
@@ -273,7 +273,7 @@ class AttentionGradOp(AttentionOp):
     def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> Any:
         work = np.float64 if self.output_type.dtype == "float64" else np.float32
         q, k, v, do, lse, delta = (np.asarray(x).astype(work) for x in blocks[:6])
-        extra = self._extra_blocks(blocks)
+        extra = {name: np.asarray(b) for name, b in self._extra_blocks(blocks).items()}
         qbox, kbox = f.inputs[0], f.inputs[1]
         nb, sq, hq, d = q.shape
         hkv, dv_width = k.shape[2], v.shape[3]

@@ -1,7 +1,9 @@
 """Rotary position embedding on x[batch, seq, heads, d_head], rotate-half convention.
 
 out = cat(x1·cos − x2·sin, x2·cos + x1·sin), x1/x2 the halves of d_head and
-angle = position · base^(−2i/d_head).  Positions come from the block's own
+angle = position · base^(−2i/d_head) (with ``freq_dtype``, the frequencies rounded to that dtype and the
+angles computed in float32, as a module whose frequency buffer was cast to 16 bits computes them).
+Positions come from the block's own
 offset in the sequence (restarting at each packed-sequence start), so the
 sequence index splits anywhere; d_head does not split.  The gradient is the
 inverse rotation of the output's gradient (``inverse=True``: the angles negated).
@@ -15,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from relational_tensors.core.dtypes import FLOAT_DTYPES
+from relational_tensors.core.dtypes import FLOAT_DTYPES, numpy_dtype
 from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import Box, TensorType
 from relational_tensors.errors import GraphError
@@ -27,10 +29,16 @@ from relational_tensors.sql_specs.packing import check_seq_ends, sequence_bounds
 __all__ = ["RopeOp", "rope_tables"]
 
 
-def rope_tables(positions: np.ndarray, d_head: int, base: float, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(positions: np.ndarray, d_head: int, base: float, dtype: np.dtype,
+                freq_dtype: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin of shape [len(positions), d_head // 2]."""
     inv = base ** (-np.arange(0, d_head, 2, dtype=np.float64) / d_head)
-    ang = positions.astype(np.float64)[:, None] * inv[None, :]
+    ang: np.ndarray
+    if freq_dtype is None:
+        ang = positions.astype(np.float64)[:, None] * inv[None, :]
+    else:
+        inv32 = inv.astype(numpy_dtype(freq_dtype)).astype(np.float32)
+        ang = positions.astype(np.float32)[:, None] * inv32[None, :]
     return np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
 
 
@@ -48,10 +56,12 @@ class RopeOp(SameIndicesOp):
     base: float = 10000.0
     seq_ends: tuple[int, ...] | None = None
     inverse: bool = False  # rotate by the negated angles (the gradient of a rotation)
+    freq_dtype: str | None = None  # the frequencies rounded to this dtype (a module's 16-bit buffer)
 
     @property
     def gpu_allocates(self) -> bool:  # type: ignore[override]
-        return self.inverse  # the inverse rotation runs its NumPy kernel over host copies
+        # the inverse rotation and rounded frequencies run the NumPy kernel over host copies
+        return self.inverse or self.freq_dtype is not None
 
     def infer(self) -> TensorType:
         (x,) = self.input_types
@@ -62,6 +72,8 @@ class RopeOp(SameIndicesOp):
         if x.dtype not in FLOAT_DTYPES:
             raise GraphError(f"rope needs a floating tensor; got dtype {x.dtype}.")
         finite_number("rope base", self.base, above=0)
+        if self.freq_dtype is not None and self.freq_dtype not in FLOAT_DTYPES:
+            raise GraphError(f"rope freq_dtype must be a float dtype or None; got {self.freq_dtype!r}.")
         check_seq_ends(self.kind, self.seq_ends, x.shape[1])
         return x
 
@@ -69,7 +81,10 @@ class RopeOp(SameIndicesOp):
         return frozenset({self.input_types[0].names[3]})
 
     def params(self) -> dict[str, object]:
-        return {"base": self.base, "seq_ends": self.seq_ends, "inverse": self.inverse}
+        out: dict[str, object] = {"base": self.base, "seq_ends": self.seq_ends, "inverse": self.inverse}
+        if self.freq_dtype is not None:
+            out["freq_dtype"] = self.freq_dtype
+        return out
 
     def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
         return 3.0 * output.volume
@@ -80,7 +95,7 @@ class RopeOp(SameIndicesOp):
         length = self.input_types[0].shape[1]
         pos = np.arange(box.lower[1], box.upper[1])
         start, _ = sequence_bounds(pos, self.seq_ends, length)
-        cos, sin = rope_tables(pos - start, x.shape[3], self.base, x.dtype)
+        cos, sin = rope_tables(pos - start, x.shape[3], self.base, x.dtype, self.freq_dtype)
         cos, sin = cos[None, :, None, :], (-sin if self.inverse else sin)[None, :, None, :]
         half = x.shape[3] // 2
         x1, x2 = x[..., :half], x[..., half:]
@@ -88,4 +103,5 @@ class RopeOp(SameIndicesOp):
 
     def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any,
             wanted: tuple[bool, ...]) -> Grads:
-        return (build(b, "rope", (cotangent,), base=self.base, seq_ends=self.seq_ends, inverse=not self.inverse),)
+        return (build(b, "rope", (cotangent,), base=self.base, seq_ends=self.seq_ends, inverse=not self.inverse,
+                      freq_dtype=self.freq_dtype),)

@@ -37,13 +37,13 @@ def _is_torch_tensor(x: Any) -> bool:
 def _dtype_name(dtype: Any) -> str | None:
     torch = _torch()
     return {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
-            torch.bfloat16: "bfloat16", torch.int64: "int64", torch.int32: "int32"}.get(dtype)
+            torch.bfloat16: "bfloat16", torch.int64: "int64", torch.int32: "int32", torch.bool: "bool"}.get(dtype)
 
 
 def _torch_dtype(name: str) -> Any:
     torch = _torch()
     return {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-            "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32}[name]
+            "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}[name]
 
 
 def torch_to_numpy(t: Any) -> np.ndarray:

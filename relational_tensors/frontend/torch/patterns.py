@@ -42,6 +42,11 @@ _CASTS = ("aten.to.dtype", "aten._to_copy.default", "aten.to.dtype_layout", "ate
           "aten.contiguous.default", "aten.alias.default")
 
 
+def _dtype(node: Any) -> Any:
+    val: Any = getattr(node, "meta", {}).get("val")
+    return val.dtype if _is_torch_tensor(val) else None
+
+
 def _strip(node: Any) -> Any:
     while _is(node, *_CASTS) and _shape(node) == _shape(node.args[0]):
         node = node.args[0]
@@ -96,7 +101,8 @@ def _match_rmsnorm(node: Any, symbolic: set[Any]) -> dict[str, Any] | None:
         if m is not None and m[0] in symbolic and hasattr(w, "op"):
             d = (_shape(m[0]) or (None,))[-1]
             if _shape(w) == (d,) and _shape(node) == _shape(m[0]):
-                return {"x": m[0], "w": w, "eps": m[1]}
+                x = _strip(m[0])  # x.float() normalized, then cast back: the operator in x's own dtype
+                return {"x": x if _dtype(x) == _dtype(node) else m[0], "w": w, "eps": m[1]}
     return None
 
 
@@ -154,6 +160,8 @@ def _repeat_source(node: Any) -> tuple[Any, int] | None:
         return None
     if _is(node, "aten.reshape.default", "aten.view.default", "aten._unsafe_view.default"):
         e = node.args[0]
+        if _is(e, "aten.clone.default"):  # expand, then a contiguous copy
+            e = e.args[0]
         if _is(e, "aten.expand.default") and _is(e.args[0], "aten.unsqueeze.default"):
             u = e.args[0]
             src = u.args[0]
@@ -247,18 +255,25 @@ def _is_rotate_half(node: Any, x: Any) -> bool:
     return is_half(parts[0].args[0], half, shape[-1]) and is_half(parts[1], 0, half)
 
 
-def _rope_tables(cos: np.ndarray, sin: np.ndarray, d: int) -> tuple[float, tuple[int, ...] | None] | None:
-    """(base, seq_ends) when ``cos``/``sin`` [s, d] are the standard rotate-half tables of positions 0..s-1,
-    or of positions that restart at 0 at each packed sequence (rows equal to position 0's start one)."""
+_COMMON_BASES = (10000.0, 500000.0, 1000000.0, 100000.0, 50000.0, 5000000.0)  # tried when a 16-bit fit is loose
+
+
+def _rope_tables(cos: np.ndarray, sin: np.ndarray, d: int, table_dtype: str
+                 ) -> tuple[float, tuple[int, ...] | None, str | None] | None:
+    """(base, seq_ends, freq_dtype) when ``cos``/``sin`` [s, d] (held in ``table_dtype``, given here as
+    float32 or float64) are the standard rotate-half tables of positions 0..s-1, or of positions that
+    restart at 0 at each packed sequence (rows equal to position 0's start one).  Tables of a module
+    whose frequency buffer is 16-bit have frequencies rounded to that dtype: ``freq_dtype``."""
     from relational_tensors.sql_specs.rope import rope_tables
 
     s, half = cos.shape[0], d // 2
-    tol = 4 * float(np.finfo(np.float32).eps) * max(s, 8) if cos.dtype.itemsize >= 4 else 2e-2
+    sixteen = table_dtype in ("float16", "bfloat16")
+    tol = 2e-2 if sixteen else 4 * float(np.finfo(np.float32).eps) * max(s, 8)
     starts = [r for r in range(s) if np.allclose(cos[r], 1, atol=tol) and np.allclose(sin[r], 0, atol=tol)]
     if not starts or starts[0] != 0:
         return None
     positions = np.arange(s) - np.array(starts)[np.searchsorted(starts, np.arange(s), side="right") - 1]
-    base = 10000.0  # irrelevant when every position is 0 or d = 2
+    bases = [10000.0]  # irrelevant when every position is 0 or d = 2
     ones = np.flatnonzero(positions == 1)
     if half > 1 and ones.size:
         step = math.atan2(float(sin[ones[0], 1]), float(cos[ones[0], 1]))  # position 1, frequency base^(-2/d)
@@ -267,14 +282,22 @@ def _rope_tables(cos: np.ndarray, sin: np.ndarray, d: int) -> tuple[float, tuple
         base = step ** (-d / 2)
         # bases are whole numbers (10000, 500000): the tables' rounding moves the fitted one off it
         near = float(round(base))
-        if near > 0 and abs(base - near) <= 1e-4 * near:
-            base = near
-    want_cos, want_sin = rope_tables(positions, d, base, np.dtype(np.float64))
-    for got, want in ((cos, want_cos), (sin, want_sin)):
-        full = np.concatenate([want, want], axis=1)
-        if not np.allclose(got.astype(np.float64), full, rtol=0, atol=tol):
-            return None
-    return base, (tuple(starts[1:]) + (s,) if len(starts) > 1 else None)
+        bases = [near if near > 0 and abs(base - near) <= 1e-4 * near else base]
+        if sixteen:  # a loose fit: the whole-number bases models use come first, the fit itself last
+            bases = [b for b in _COMMON_BASES if b != bases[0]] + bases
+    best: tuple[float, float, str | None] | None = None
+    for base in bases:
+        for freq in (None, table_dtype) if sixteen else (None,):
+            want_cos, want_sin = rope_tables(positions, d, base, np.dtype(np.float64), freq)
+            err = max(float(np.max(np.abs(got.astype(np.float64) - np.concatenate([want, want], axis=1))))
+                      for got, want in ((cos, want_cos), (sin, want_sin)))
+            if err <= tol and (best is None or err < best[0]):
+                best = (err, base, freq)
+        if best is not None and base in _COMMON_BASES:
+            break  # the first whole-number base that fits
+    if best is None:
+        return None
+    return best[1], (tuple(starts[1:]) + (s,) if len(starts) > 1 else None), best[2]
 
 
 def _emit_rope(tr: _Translator, node: Any, m: dict[str, Any]) -> Tensor | None:
@@ -296,11 +319,11 @@ def _emit_rope(tr: _Translator, node: Any, m: dict[str, Any]) -> Tensor | None:
             continue
         wide = str(tc.dtype) == "torch.float64"  # the tables as precise as they come (16-bit ones as float32)
         found = _rope_tables(torch_to_numpy(tc if wide else tc.float()), torch_to_numpy(ts if wide else ts.float()),
-                             x.shape[3])
+                             x.shape[3], _dtype_name(tc.dtype) or "float32")
         if found is None:
             continue
         xs = tr.cast(tr.permute(x, perm), _out_dtype(node))  # tables of a wider dtype promote x, as in torch
-        y = tr.g.rope(xs, found[0], seq_ends=found[1], name=tr.name("rope"))
+        y = tr.g.rope(xs, found[0], seq_ends=found[1], name=tr.name("rope"), freq_dtype=found[2])
         return tr.permute(y, perm)
     return None
 

@@ -1,7 +1,8 @@
 """Translation rules for elementwise operations: unary functions (``relu``, ``silu``, ``exp``, ...,
 ``gelu``, ``pow`` by a number), copies and casts (``to``, ``clone``, ``contiguous``, ...), binary
 arithmetic with torch broadcasting (``add``, ``sub``, ``rsub``, ``mul``, ``div``, ``maximum``,
-``minimum``; a number operand becomes a unary op) and ``masked_fill`` with a constant mask.
+``minimum``; a number operand becomes a unary op), ``masked_fill``, and the boolean operations masks
+are built with: comparisons, ``&``/``|``/``^``/``~`` of booleans, ``where``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from relational_tensors.frontend.graph import Tensor
 from relational_tensors.frontend.torch.common import _Const, _fail, _out_dtype, _out_shape, _packet, _scalar
-from relational_tensors.frontend.torch.convert import _torch, _torch_dtype
+from relational_tensors.frontend.torch.convert import _dtype_name, _torch, _torch_dtype
 from relational_tensors.frontend.torch.registry import register_torch_op
 
 if TYPE_CHECKING:
@@ -133,10 +134,13 @@ def _max_min(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
 @register_torch_op("masked_fill")
 def _masked_fill(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     mask, value = a["mask"], _scalar(a["value"])
-    if not isinstance(mask, _Const) or value is None:
-        raise _fail("masked_fill with a mask computed from the inputs or a tensor fill value; supported: a "
-                    "constant mask (e.g. from torch.triu/tril of constants) and a number")
+    if value is None and not (isinstance(a["value"], Tensor) and a["value"].shape in ((), (1,))):
+        raise _fail("masked_fill with a fill value that is not one number; supported: a number or a "
+                    "one-element tensor")
     x = tr.sym(a["self"], _out_dtype(node))
+    if not isinstance(mask, _Const):  # a mask computed from the inputs: where(mask, value, x)
+        fill = tr.sym(value, x.dtype) if value is not None else tr.sym(a["value"], x.dtype)
+        return tr.g.where(tr.sym(mask, "bool"), fill, x, name=tr.name("masked_fill"))
     torch = _torch()
     m = mask.value.to(torch.bool)
     if value == -math.inf:  # x + (0 or -inf): exact for finite x
@@ -147,3 +151,58 @@ def _masked_fill(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     y = tr.binary(x, tr.materialize(_Const(keep, None, f"{tr.prefix}.mask_keep")), "mul")
     return tr.binary(y, tr.materialize(_Const(fill, None, f"{tr.prefix}.mask_fill")), "add")
 
+
+
+# --- booleans: comparisons, logic, where (the masks models build from their inputs) -----------------------
+
+_COMPARE = {"eq": "equal", "ne": "not_equal", "lt": "less", "le": "less_equal", "gt": "greater",
+            "ge": "greater_equal"}
+_LOGIC = {"__and__": "logical_and", "bitwise_and": "logical_and", "logical_and": "logical_and",
+          "__or__": "logical_or", "bitwise_or": "logical_or", "logical_or": "logical_or",
+          "__xor__": "logical_xor", "bitwise_xor": "logical_xor", "logical_xor": "logical_xor"}
+
+
+def _meta(v: Any) -> Any:
+    """What torch's type promotion reads of an operand: its recorded value, or the number."""
+    return v.meta["val"] if hasattr(v, "meta") else v
+
+
+def _promoted(node: Any, *names: str) -> str:
+    """The dtype torch compares (or selects) the named operands in."""
+    torch = _torch()
+    args = dict(zip((arg.name for arg in node.target._schema.arguments), node.args)) | dict(node.kwargs)
+    vals = [_meta(args[n]) for n in names]
+    name = _dtype_name(torch.result_type(*vals))
+    if name is None:
+        raise _fail(f"operands of dtype {torch.result_type(*vals)}; supported: float, int and bool tensors")
+    return name
+
+
+@register_torch_op(*_COMPARE)
+def _compare(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    dtype = _promoted(node, "self", "other")
+    return tr.binary(tr.sym(a["self"], dtype), tr.sym(a["other"], dtype), _COMPARE[_packet(node)])  # type: ignore[index]
+
+
+@register_torch_op(*_LOGIC)
+def _logic(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    if _out_dtype(node) != "bool":
+        raise _fail(f"bitwise logic on {_out_dtype(node)} tensors; supported: boolean masks")
+    return tr.binary(tr.sym(a["self"], "bool"), tr.sym(a["other"], "bool"), _LOGIC[_packet(node)])  # type: ignore[index]
+
+
+@register_torch_op("logical_not", "bitwise_not")
+def _logical_not(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    if _out_dtype(node) != "bool":
+        raise _fail(f"bitwise not of a {_out_dtype(node)} tensor; supported: boolean masks")
+    return tr.unary(tr.sym(a["self"], "bool"), "logical_not")
+
+
+@register_torch_op("where")
+def _where(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    if a.get("self") is None or a.get("other") is None:
+        raise _fail("where(condition) with one argument gives data-dependent indices; supported: "
+                    "where(condition, x, y)")
+    dtype = _out_dtype(node)
+    return tr.g.where(tr.sym(a["condition"], "bool"), tr.sym(a["self"], dtype), tr.sym(a["other"], dtype),
+                      name=tr.name("where"))

@@ -1,7 +1,7 @@
 """Translation rules for neural-network layers: ``dropout`` (in eval mode only), ``layer_norm``,
-``rms_norm``, ``scaled_dot_product_attention`` (no mask, causal, or a constant causal or
-block-diagonal mask; grouped-query heads) and ``embedding``.  ``_sdpa`` is shared with the
-grouped-query attention pattern.
+``rms_norm``, ``scaled_dot_product_attention`` (grouped-query heads; its mask read by ``masks``
+as causal alignment, packed sequences, window, key padding, mask and bias) and ``embedding``.
+``_sdpa`` is shared with the grouped-query attention pattern.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from relational_tensors.frontend.graph import Tensor
 from relational_tensors.frontend.torch.common import _Const, _fail, _out_dtype, _out_shape, _packet
 from relational_tensors.frontend.torch.convert import _torch, _torch_dtype
+from relational_tensors.frontend.torch.masks import attention_form
 from relational_tensors.frontend.torch.registry import register_torch_op
 
 if TYPE_CHECKING:
@@ -68,43 +69,12 @@ def _rms_norm(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     return tr.reshape(y, _out_shape(node))
 
 
-def _mask_structure(mask: Any, sq: int, skv: int) -> tuple[bool, tuple[int, ...] | None] | None:
-    """A constant attention mask as (causal, seq_ends), or None when it is neither causal, block-diagonal
-    (packed sequences, causal or not) nor empty."""
-    torch = _torch()
-    m = mask
-    if m.dtype == torch.bool:
-        allowed = m
-    elif m.is_floating_point():
-        allowed = m == 0
-        blocked = torch.isneginf(m) | (m <= torch.finfo(m.dtype).min / 2)
-        if not bool((allowed | blocked).all()):
-            return None
-    else:
-        return None
-    if allowed.dim() < 2:
-        allowed = allowed.reshape((1,) * (2 - allowed.dim()) + tuple(allowed.shape))
-    try:
-        allowed = allowed.broadcast_to((*allowed.shape[:-2], sq, skv)).reshape(-1, sq, skv)
-    except RuntimeError:
-        return None
-    first = allowed[0]
-    if not bool((allowed == first).all()):
-        return None
-    if bool(first.all()):
-        return (False, None)
-    if sq != skv or not bool(first.any(dim=1).all()):
-        return None
-    starts = first.int().argmax(dim=1)  # first visible key of each row
-    ends = sorted({int(s) for s in starts.tolist()} - {0}) + [sq]
-    seg = torch.zeros(sq, dtype=torch.int64)
-    for e in ends[:-1]:
-        seg[e:] += 1
-    same = seg[:, None] == seg[None, :]
-    causal = same & (torch.arange(sq)[None, :] <= torch.arange(sq)[:, None])
-    for is_causal, want in ((True, causal), (False, same)):
-        if bool((first == want).all()):
-            return (is_causal, tuple(ends) if len(ends) > 1 else None)
+def _argument_node(node: Any, name: str) -> Any:
+    """The fx node passed as argument ``name`` of ``node``, or None (a number, None, or absent)."""
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == name:
+            v = node.args[i] if i < len(node.args) and not arg.kwarg_only else node.kwargs.get(name)
+            return v if hasattr(v, "meta") else None
     return None
 
 
@@ -122,18 +92,14 @@ def _sdpa(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     if not (q.rank == k.rank == v.rank) or q.rank not in (3, 4):
         raise _fail(f"attention on q {q.shape}, k {k.shape}, v {v.shape}; supported: [batch, heads, seq, d] "
                     "or [batch, seq, d] for all three")
-    causal, ends = bool(a["is_causal"]), None
-    mask = a["attn_mask"]
     sq, skv = q.shape[-2], k.shape[-2]
-    if isinstance(mask, Tensor):
-        raise _fail("an attention mask computed from the inputs; supported: no mask, is_causal=True, or a "
-                    "constant causal or block-diagonal (packed sequences) mask")
-    if isinstance(mask, _Const):
-        structure = _mask_structure(mask.value, sq, skv)
-        if structure is None:
-            raise _fail(f"a constant attention mask of shape {tuple(mask.value.shape)} that is neither causal, "
-                        "block-diagonal (packed sequences) nor empty; supported: those three")
-        causal, ends = causal or structure[0], structure[1]
+    heads = q.shape[1] if q.rank == 4 else 1
+    mask_node = _argument_node(node, "attn_mask")
+    form = attention_form(tr, a["attn_mask"], mask_node, q.shape[0], heads, sq, skv, q.dtype, q.rank)
+    if a["is_causal"]:
+        if form.causal is not False or form.extra:
+            raise _fail("is_causal=True together with an attn_mask (SDPA refuses that too); pass one of them")
+        form.causal = True if sq == skv else "top_left"  # SDPA aligns is_causal top-left
     if q.rank == 3:  # one head: [b, s, d] -> [b, s, 1, d]
         q, k, v = (tr.reshape(t, (t.shape[0], t.shape[1], 1, t.shape[2])) for t in (q, k, v))
     else:
@@ -141,7 +107,7 @@ def _sdpa(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
         if hq != hkv and not a["enable_gqa"]:
             raise _fail(f"{hq} query heads and {hkv} key/value heads without enable_gqa=True")
         q, k, v = (tr.permute(t, (0, 2, 1, 3)) for t in (q, k, v))
-    out = tr.g.attention(q, k, v, causal=causal, seq_ends=ends, scale=a["scale"], name=tr.name("attention"))
+    out = tr.g.attention(q, k, v, scale=a["scale"], name=tr.name("attention"), **form.kwargs())
     if len(_out_shape(node)) == 3:
         return tr.reshape(out, _out_shape(node))
     return tr.permute(out, (0, 2, 1, 3))

@@ -1,7 +1,7 @@
 """Translation rules for layout and shape operations: ``view``/``reshape`` and their kin,
 ``transpose``/``permute``, ``expand``, ``repeat``, ``repeat_interleave``, ``slice``, ``select``,
-``narrow``, ``split``/``chunk``/``unbind`` (with ``getitem`` on their results), ``cat`` and
-``stack``.
+``narrow``, ``split``/``chunk``/``unbind`` (with ``getitem`` on their results), ``cat``, ``stack``
+and ``index`` by constant aranges (a broadcast).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from relational_tensors.frontend.graph import Tensor
 from relational_tensors.frontend.torch.common import _axis, _bounds, _Const, _fail, _out_dtype, _out_shape, _packet
+from relational_tensors.frontend.torch.convert import _torch
 from relational_tensors.frontend.torch.registry import register_torch_op
 
 if TYPE_CHECKING:
@@ -83,9 +84,7 @@ def _slice(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     if a["step"] != 1:
         raise _fail(f"a slice with step {a['step']}; supported: step 1")
     start, stop = _bounds(a["start"], a["end"], x.shape[axis])
-    if stop <= start:
-        raise _fail(f"an empty slice [{start}:{stop}] of axis {axis} of shape {x.shape}")
-    return tr.slice(x, axis, start, stop)
+    return tr.slice(x, axis, start, stop)  # an empty slice never gets here: it is an empty constant
 
 
 @register_torch_op("select")
@@ -105,14 +104,16 @@ def _narrow(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
 
 
 @register_torch_op("split", "split_with_sizes", "chunk", "unbind")
-def _split(tr: _Translator, node: Any, a: dict[str, Any]) -> list[Tensor]:
+def _split(tr: _Translator, node: Any, a: dict[str, Any]) -> list[Any]:
     x = tr.sym(a["self"])
     axis = _axis(a.get("dim", 0), x.rank)
-    parts, start = [], 0
+    parts: list[Any] = []
+    start = 0
     for val in node.meta["val"]:
         size = 1 if _packet(node) == "unbind" else int(val.shape[axis])
-        if size == 0:
-            raise _fail(f"a split into an empty part along axis {axis} of shape {x.shape}")
+        if size == 0:  # an empty part: a constant, as every empty tensor
+            parts.append(_Const(_torch().zeros(tuple(val.shape), dtype=val.dtype), None, tr.prefix))
+            continue
         part = tr.slice(x, axis, start, start + size)
         parts.append(tr.reshape(part, tuple(val.shape)))
         start += size
@@ -141,3 +142,41 @@ def _stack(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     xs = [tr.reshape(x, (*x.shape[:axis], 1, *x.shape[axis:])) for x in xs]
     return tr.concat(xs, axis)
 
+
+
+@register_torch_op("index")
+def _index(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    """``x[i0, i1, ...]`` where each index is a constant ``arange`` over its whole dimension, laid along
+    its own axis of the broadcast index shape, in order: the values of x, with unit axes inserted (how
+    HF broadcasts ``attention_mask[batch, key]`` to [batch, 1, 1, key]).  Other gathers are refused."""
+    x = tr.sym(a["self"])
+    indices = list(a["indices"])
+    out = _out_shape(node)
+    if len(indices) > x.rank or any(not isinstance(i, _Const) for i in indices):
+        raise _fail("indexing with indices computed from the inputs (a gather); supported: constant aranges that "
+                    "broadcast dimensions")
+    rank = len(out) - (x.rank - len(indices))
+    placed: list[int] = []
+    for d, idx in enumerate(indices):
+        v = idx.value
+        lead = rank - v.dim()
+        along = [k for k, n in enumerate(v.shape) if n != 1]
+        size = x.shape[d]
+        if v.dtype.is_floating_point or len(along) > 1 or (size > 1 and not along):
+            raise _fail(f"indexing dimension {d} with a constant index of shape {tuple(v.shape)} that is not an "
+                        "arange along one axis; supported: x[arange(n)[:, None, ...], ...] that broadcasts")
+        axis = lead + along[0] if along else (placed[-1] + 1 if placed else 0)
+        flat = v.reshape(-1)
+        if flat.numel() != size or bool((flat != _torch().arange(size, dtype=flat.dtype)).any()):
+            raise _fail(f"indexing dimension {d} with constant indices other than arange({size}); supported: "
+                        "aranges over whole dimensions")
+        if placed and axis <= placed[-1]:
+            raise _fail("indexing with aranges that reorder dimensions; supported: aranges in dimension order")
+        placed.append(axis)
+    shape = [1] * rank
+    for d, axis in enumerate(placed):
+        shape[axis] = x.shape[d]
+    if tuple(shape) != tuple(out[:rank]):
+        raise _fail(f"indexing that gives shape {out} from broadcast aranges; supported: aranges that only "
+                    "insert unit axes")
+    return tr.reshape(x, (*shape, *x.shape[len(indices):]))

@@ -139,7 +139,7 @@ class _Translator:
         want = dtype or _dtype_name(value.dtype)
         if want is None:
             raise _fail(f"a constant of dtype {value.dtype} ({c.name or c.origin}, shape {tuple(value.shape)}) "
-                        "would enter the graph; only float16/bfloat16/float32/float64/int32/int64 tensors can")
+                        "would enter the graph; only float16/bfloat16/float32/float64/int32/int64/bool tensors can")
         key = (id(c), want, "T" if transpose else "")
         if key in self._materialized:
             return self._materialized[key]
@@ -349,7 +349,7 @@ class _Translator:
             dtype = _dtype_name(val.dtype)
             if dtype is None:
                 raise GraphError(f"input {node.name!r} has dtype {val.dtype}; graph inputs are float16, bfloat16, "
-                                 "float32, float64, int32 or int64.")
+                                 "float32, float64, int32, int64 or bool.")
             self.env[node] = self.g.input(self.unique(node.name), tuple(val.shape), dtype)
             user_inputs.append(self.env[node].name)
             input_types.append((tuple(val.shape), dtype))
@@ -372,6 +372,12 @@ class _Translator:
         try:
             if node not in self.symbolic:
                 self.env[node] = self._fold(node)
+                return
+            val = node.meta.get("val")
+            static = _is_torch_tensor(val) and all(isinstance(n, int) for n in val.shape)
+            if static and 0 in tuple(val.shape):  # an empty tensor (a rotary slice of nothing): a constant,
+                torch = _torch()  # which concatenation drops and every consumer sees as empty
+                self.env[node] = _Const(torch.zeros(tuple(val.shape), dtype=val.dtype), None, self.prefix)
                 return
             result = None
             if node in self.rewrites:
@@ -479,7 +485,7 @@ class _Translator:
             want = _dtype_name(val.dtype)
             if want is None:
                 raise _fail(f"it produces a {val.dtype} tensor; tensors in a graph are float16, bfloat16, float32, "
-                            "float64, int32 or int64")
+                            "float64, int32, int64 or bool")
             return self.cast(result, want)
         if isinstance(result, (list, tuple)) and isinstance(val, (list, tuple)):
             return type(result)(self._check_item(node, r, v) for r, v in zip(result, val))
