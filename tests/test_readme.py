@@ -51,3 +51,48 @@ def test_readme_research_queries_run_and_print_what_the_readme_shows(tmp_path: P
     with contextlib.redirect_stdout(io.StringIO()) as out:
         exec(compile(code, "README.md", "exec"), {})
     assert out.getvalue().rstrip("\n") == shown.rstrip("\n")
+
+
+def test_readme_rule_example_adds_an_operation_the_frontend_does_not_know() -> None:
+    import numpy as np
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    import relational_tensors as rt
+    from relational_tensors.frontend.torch.registry import _RULES
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("## From PyTorch", 1)[1]
+    code = next(c for c in re.findall(r"```python\n(.*?)```", section, re.S) if "register_torch_op(" in c)
+
+    class Softplus(torch.nn.Module):
+        def forward(self, x, beta: float = 1.0):
+            return torch.nn.functional.softplus(x * 2.0, beta=self.beta) + x
+
+    x = torch.randn(6, 10)
+    m = Softplus()
+    m.beta = 1.0
+    assert "softplus" not in _RULES
+    with pytest.raises(rt.GraphError, match="aten.softplus.default.*no translation rule"):
+        rt.from_torch(m, (x,))
+    try:
+        exec(compile(code, "README.md", "exec"), {})
+        fast = rt.parallelize(m, (x,), device="cpu:3")
+        np.testing.assert_allclose(fast(x).numpy(), m(x).numpy(), rtol=1e-5, atol=1e-6)
+        m.beta = 2.0
+        with pytest.raises(rt.GraphError, match="softplus with beta=2.0; supported: beta=1"):
+            rt.from_torch(m, (x,))
+    finally:
+        _RULES.pop("softplus", None)
+
+
+def test_readme_lists_the_torch_operations_the_registry_has() -> None:
+    import pytest
+
+    pytest.importorskip("torch")
+    from relational_tensors.frontend.torch.support import support_markdown
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    listed = text.split("<!-- torch-ops -->\n", 1)[1].split("\n<!-- /torch-ops -->", 1)[0]
+    assert listed == support_markdown(), ("the README's list of torch operations is stale; regenerate it with "
+                                          "python -m relational_tensors.frontend.torch.support")

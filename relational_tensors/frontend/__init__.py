@@ -5,6 +5,6 @@ traced into a ``Graph``; its translation rules are registered with ``register_to
 Importing this package does not import torch; the torch frontend imports it when it traces.
 """
 
-from relational_tensors.frontend.torch.registry import register_torch_op
+from relational_tensors.frontend.torch.registry import register_torch_op, unsupported
 
-__all__ = ["register_torch_op"]
+__all__ = ["register_torch_op", "unsupported"]

@@ -15,10 +15,36 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from relational_tensors.frontend.torch.translator import _Translator
 
-__all__ = ["register_torch_op"]
+__all__ = ["register_torch_op", "unsupported", "REFUSED"]
 
 _Rule = Callable[["_Translator", Any, dict[str, Any]], Any]
 _RULES: dict[str, _Rule] = {}
+
+# operations refused by rule (not merely unknown): why, as the error message says it
+_DATA_DEPENDENT = "it selects by values computed from the inputs, which gives data-dependent indices or shapes"
+REFUSED: dict[str, str] = {
+    "topk": "top-k selection is mixture-of-experts routing or sampling, and MoE routing is not supported yet",
+    "sort": _DATA_DEPENDENT, "argsort": _DATA_DEPENDENT, "argmax": _DATA_DEPENDENT, "argmin": _DATA_DEPENDENT,
+    "nonzero": _DATA_DEPENDENT, "masked_select": _DATA_DEPENDENT, "unique": _DATA_DEPENDENT,
+    "gather": _DATA_DEPENDENT, "scatter": _DATA_DEPENDENT, "scatter_add": _DATA_DEPENDENT,
+    "index_select": _DATA_DEPENDENT, "index_put": _DATA_DEPENDENT, "index_add": _DATA_DEPENDENT,
+    "multinomial": "it draws random numbers, and a graph computes the same values on every call",
+    "bernoulli": "it draws random numbers, and a graph computes the same values on every call",
+    "convolution": "convolution has no operator yet", "conv1d": "convolution has no operator yet",
+    "conv2d": "convolution has no operator yet", "conv3d": "convolution has no operator yet",
+    "conv_transpose2d": "transposed convolution has no operator yet",
+    "batch_norm": "batch norm has no operator yet", "group_norm": "group norm has no operator yet",
+    "max_pool2d": "pooling has no operator yet", "avg_pool2d": "pooling has no operator yet",
+    "adaptive_avg_pool2d": "pooling has no operator yet",
+}
+
+
+def unsupported(reason: str) -> Exception:
+    """The error a rule raises for a case it cannot translate (``raise unsupported("softplus with beta != 1")``):
+    the translator turns it into a ``GraphError`` naming the operation, its source line and ``reason``."""
+    from relational_tensors.frontend.torch.common import _fail
+
+    return _fail(reason)
 
 
 def _definition(fn: Any) -> tuple[Any, ...]:

@@ -48,7 +48,7 @@ from relational_tensors.frontend.torch.patterns import (
     _match_rope,
     _match_swiglu,
 )
-from relational_tensors.frontend.torch.registry import _RULES
+from relational_tensors.frontend.torch.registry import _RULES, REFUSED
 
 __all__ = ["from_torch", "TorchGraph", "SUPPORTED_OPS"]
 
@@ -386,7 +386,7 @@ class _Translator:
             if result is None:
                 rule = _RULES.get(packet) if packet is not None else None
                 if rule is None:
-                    raise _fail("no translation rule for this operation")
+                    raise _fail(REFUSED.get(packet or "", "no translation rule for this operation"))
                 result = rule(self, node, self._bind(node) if packet != "getitem" else {})
             self.env[node] = self._check(node, result)
         except _Unsupported as e:
