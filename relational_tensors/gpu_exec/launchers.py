@@ -330,7 +330,7 @@ def _attention(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stre
             tc.fill(lse, float("-inf"))
         return
     if "flash" in consts:  # a library FlashAttention kernel computes this block exactly
-        flash.attention(q, k, v, o, consts["flash"], op.causal, op.softmax_scale, stream)
+        flash.attention(q, k, v, o, consts["flash"], op.is_causal, op.softmax_scale, stream)
         return
     attention(q, k, v, o, lse, consts["row_lo"], consts["row_hi"], f.inputs[0].lower[1], f.inputs[1].lower[1],
               op.softmax_scale)

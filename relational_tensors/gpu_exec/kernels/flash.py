@@ -50,12 +50,12 @@ def backend() -> str | None:
 def segments(op: Any, f: Any, dtype: str, lse: bool) -> tuple[tuple[int, int], ...] | None:
     """Per packed sequence of this function spec's query rows, (query rows, keys); None when the
     library kernels cannot compute the block exactly."""
+    if op.window is not None or op.offset or op.extras or op.key_lengths is not None:
+        return None  # windows, bottom-right alignment, padding, masks and biases: our kernels
     qb, kb, vb = f.inputs
     d, dv = qb.shape[-1], vb.shape[-1]
     if lse or dtype not in ("float16", "bfloat16") or d != dv or d % 8 or d > 256:
         return None
-    if op.window is not None or op.offset or op.extras or op.key_lengths is not None:
-        return None  # windows, bottom-right alignment, padding, masks and biases: our kernels
     if op.scale is not None and op.scale <= 0:  # PyTorch's kernel returned NaN for scale -0.3 on an H200
         return None
     r0, r1 = qb.lower[1], qb.upper[1]
@@ -65,7 +65,7 @@ def segments(op: Any, f: Any, dtype: str, lse: bool) -> tuple[tuple[int, int], .
     out = []
     first = last = None
     for lo, hi, ss, se in op._segments(Interval(r0, r1)):
-        keys_end = hi if op.causal else se
+        keys_end = hi if op.is_causal else se  # a causal block's keys end at its last row: aligned bottom-right
         out.append((hi - lo, keys_end - ss))
         first = ss if first is None else first
         last = keys_end
