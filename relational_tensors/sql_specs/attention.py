@@ -84,7 +84,7 @@ class AttentionOp(Operator):
     >>> [s.name for s in op.requestable()], op.spec({"heads_kv": op.shardable()[1].near_equal(2)}).p
     (['batch', 'heads_kv', 'seq_q', 'seq_kv'], 2)
     >>> AttentionOp((q, kv, kv), causal=True, window=4).key_range(Interval(8, 12))
-    [5,12)
+    Interval(lo=5, hi=12)
     """
 
     kind = "attention"

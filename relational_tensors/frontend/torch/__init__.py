@@ -20,8 +20,9 @@ carries the values of its parameters.
   tables are the standard ones for positions 0..s-1 (the base is read from
   them), else slices, ``neg``, ``concat`` and products with the tables; k/v
   heads repeated by ``repeat_interleave`` or ``unsqueeze/expand/reshape`` before
-  attention -> grouped-query ``attention``; a constant causal or block-diagonal
-  attention mask -> ``causal``/``seq_ends``.
+  attention -> grouped-query ``attention``; SDPA's attention mask -> ``causal``
+  (either alignment), ``seq_ends``, ``window`` and ``key_padding`` where it has that
+  structure, else ``mask``/``bias`` inputs (``masks``); an empty tensor -> a constant.
 * Every translated node is checked against the shape torch recorded for it; a
   dtype that differs is cast to torch's.
 
@@ -31,9 +32,11 @@ adds a rule.
 
 Modules: ``translator`` (tracing, the walk over the fx graph, ``TorchGraph``,
 ``from_torch``), ``patterns`` (the recognized multi-op idioms), ``registry`` (the rule
-table and ``register_torch_op``), the rules by family (``rules_elementwise``,
-``rules_linalg``, ``rules_reduce``, ``rules_nn``, ``rules_shape``), ``convert``
-(torch <-> NumPy) and ``common`` (what the translator, rules and patterns share).
+table, ``register_torch_op`` and the refused operations), the rules by family
+(``rules_elementwise``, ``rules_linalg``, ``rules_reduce``, ``rules_nn``, ``rules_shape``),
+``masks`` (attention masks read as structure), ``support`` (the README's list of operations,
+generated), ``convert`` (torch <-> NumPy) and ``common`` (what the translator, rules and
+patterns share).
 
 >>> import pytest; torch = pytest.importorskip("torch")
 >>> from relational_tensors.frontend.torch import from_torch
