@@ -28,6 +28,7 @@ from relational_tensors.sql_specs import (
     AttentionOp,
     BinaryOp,
     ConcatOp,
+    ConvOp,
     CrossEntropyOp,
     EinsumOp,
     EmbeddingOp,
@@ -35,6 +36,7 @@ from relational_tensors.sql_specs import (
     MatmulOp,
     Operator,
     PermuteOp,
+    PoolOp,
     ReduceOp,
     ReshapeOp,
     RmsnormOp,
@@ -364,6 +366,56 @@ class Graph:
                          lengths, tuple(extras))
         return self._op(op, tuple(operands), name)
 
+    # --- convolution and pooling --------------------------------------------------------
+    def conv(self, x: Tensor, w: Tensor, bias: Tensor | None = None, stride: int | Sequence[int] = 1,
+             padding: int | str | Sequence[int] = 0, dilation: int | Sequence[int] = 1, groups: int = 1,
+             name: str | None = None) -> Tensor:
+        """Convolution of x [batch, in_channels, *spatial] (1 to 3 spatial dimensions) with w [out_channels,
+        in_channels/groups, *kernel], PyTorch's ``conv1d/2d/3d``: ``padding`` an integer, one per
+        dimension, ``"valid"`` or ``"same"`` (stride 1, symmetric); ``bias`` [out_channels] is added."""
+        xt, wt = self._t(x), self._t(w)
+        rank = max(xt.rank - 2, 1)
+        stride_t, dilation_t = _per_dim("stride", stride, rank), _per_dim("dilation", dilation, rank)
+        if padding == "valid":
+            padding = 0
+        elif padding == "same":
+            extra = [d * (k - 1) for d, k in zip(dilation_t, wt.shape[2:])]
+            if any(s != 1 for s in stride_t) or any(e % 2 for e in extra):
+                raise GraphError(f"conv padding='same' is supported for stride 1 and an even dilation·(kernel-1) "
+                                 f"(symmetric padding); got stride {stride_t}, kernel {wt.shape[2:]}, dilation "
+                                 f"{dilation_t}. Pass explicit padding.")
+            padding = tuple(e // 2 for e in extra)
+        elif isinstance(padding, str):
+            raise GraphError(f"conv padding must be an integer, one per dimension, 'valid' or 'same'; got {padding!r}.")
+        op = ConvOp((xt, wt), stride_t, _per_dim("padding", padding, rank, 0), dilation_t, groups)
+        y = self._op(op, (x, w), name if bias is None else None)
+        if bias is None:
+            return y
+        bt = self._t(bias)
+        if bt.shape != (wt.shape[0],):
+            raise GraphError(f"conv bias must have shape [out_channels] = [{wt.shape[0]}]; got {bt.shape}.")
+        b = self.reshape(bias, [wt.shape[0], *([1] * rank)])
+        return self.add(y, b, name=name)
+
+    def max_pool(self, x: Tensor, kernel_size: int | Sequence[int], stride: int | Sequence[int] | None = None,
+                 padding: int | Sequence[int] = 0, name: str | None = None) -> Tensor:
+        """Max pooling of x [batch, channels, *spatial], PyTorch's ``max_pool1d/2d/3d`` (stride defaults to
+        the kernel; padding pads with -inf)."""
+        return self._pool("max", x, kernel_size, stride, padding, True, name)
+
+    def avg_pool(self, x: Tensor, kernel_size: int | Sequence[int], stride: int | Sequence[int] | None = None,
+                 padding: int | Sequence[int] = 0, count_include_pad: bool = True, name: str | None = None) -> Tensor:
+        """Average pooling of x [batch, channels, *spatial], PyTorch's ``avg_pool1d/2d/3d``."""
+        return self._pool("avg", x, kernel_size, stride, padding, bool(count_include_pad), name)
+
+    def _pool(self, op: str, x: Tensor, kernel_size: Any, stride: Any, padding: Any, count_include_pad: bool,
+              name: str | None) -> Tensor:
+        rank = max(self._t(x).rank - 2, 1)
+        k = _per_dim("kernel_size", kernel_size, rank)
+        s = k if stride is None else _per_dim("stride", stride, rank)
+        pool = PoolOp((self._t(x),), op, k, s, _per_dim("padding", padding, rank, 0), count_include_pad)
+        return self._op(pool, (x,), name)
+
     # --- losses -------------------------------------------------------------------
     def cross_entropy(self, logits: Tensor, targets: Tensor, ignore_index: int | None = None,
                       reduction: str = "mean", name: str | None = None) -> Tensor:
@@ -583,6 +635,18 @@ class Graph:
 def createGraph() -> Graph:
     """The paper's spelling of ``Graph()``."""
     return Graph()
+
+
+def _per_dim(what: str, value: Any, rank: int, least: int = 1) -> tuple[int, ...]:
+    """An integer or one per spatial dimension, as a tuple of ``rank`` integers >= ``least``."""
+    vals = (value,) * rank if isinstance(value, int) and not isinstance(value, bool) else value
+    try:
+        vals = tuple(operator.index(v) for v in vals)
+    except TypeError:
+        vals = None
+    if vals is None or len(vals) != rank or any(v < least for v in vals):
+        raise GraphError(f"{what} must be an integer >= {least} or one per spatial dimension ({rank}); got {value!r}.")
+    return vals
 
 
 def _lengths(values: Sequence[int]) -> tuple[int, ...]:

@@ -137,7 +137,7 @@ def _einsum(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream:
 # expressions; the gradient operators have no device kernels yet)
 HOST_KINDS = ("sql", "unary_grad", "binary_grad", "swiglu_grad", "softmax_grad", "norm_grad", "norm_weight_grad",
               "embedding_grad", "pad", "expand", "attention_lse", "attention_delta", "attention_grad",
-              "cross_entropy", "cross_entropy_grad", "token_count", "where")
+              "cross_entropy", "cross_entropy_grad", "token_count", "where", "conv_grad", "pool", "pool_grad")
 
 
 @launcher(*HOST_KINDS)
@@ -311,6 +311,21 @@ def _dense_attention(op: Any, f: FunctionSpec, ins: list, out: Any, stream: int)
             dst = buf.cupy()
             dst[...] = float32_to_bf16_bits(value.astype(cupy.float32), cupy) if buf.dtype == "bfloat16" \
                 else value.astype(dst.dtype)
+
+
+@launcher("conv")
+def _conv(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    """One contraction per kernel position over CuPy arrays (cuBLAS, float32 accumulation for 16 bits)."""
+    import cupy
+
+    def load(b: Any) -> Any:
+        a = b.cupy()
+        return bf16_bits_to_float32(a, cupy) if b.dtype == "bfloat16" else a.astype(compute_dtype(b.dtype))
+
+    with cupy.cuda.ExternalStream(stream):
+        y = op.dense(load(ins[0]), load(ins[1]), f, cupy)
+        dst = out.cupy()
+        dst[...] = float32_to_bf16_bits(y, cupy) if out.dtype == "bfloat16" else y.astype(dst.dtype)
 
 
 @launcher("attention", constants=_attention_constants)

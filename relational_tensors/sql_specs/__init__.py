@@ -8,6 +8,7 @@ this package imports every module, so the registry is complete as soon as anythi
 from relational_tensors.sql_specs.attention import AttentionOp
 from relational_tensors.sql_specs.attention_grad import AttentionDeltaOp, AttentionGradOp, AttentionLseOp
 from relational_tensors.sql_specs.base import OPERATORS, IndexedOp, Operator, register
+from relational_tensors.sql_specs.conv import ConvGradOp, ConvOp
 from relational_tensors.sql_specs.einsum import EinsumOp, MatmulOp
 from relational_tensors.sql_specs.elementwise import (
     BinaryGradOp,
@@ -28,6 +29,7 @@ from relational_tensors.sql_specs.norms import (
     SoftmaxGradOp,
     SoftmaxOp,
 )
+from relational_tensors.sql_specs.pool import PoolGradOp, PoolOp
 from relational_tensors.sql_specs.reduce import ReduceOp
 from relational_tensors.sql_specs.rope import RopeOp
 from relational_tensors.sql_specs.shape import ConcatOp, ExpandOp, PadOp, PermuteOp, ReshapeOp, SliceOp
@@ -38,8 +40,9 @@ __all__ = [
     "EinsumOp", "MatmulOp", "SqlJoinOp", "UnaryOp", "BinaryOp", "SwigluOp", "ReduceOp",
     "SoftmaxOp", "RmsnormOp", "LayernormOp", "RopeOp", "ReshapeOp", "PermuteOp", "SliceOp",
     "ConcatOp", "EmbeddingOp", "AttentionOp", "PadOp", "ExpandOp", "CrossEntropyOp", "TokenCountOp",
-    "WhereOp",
+    "WhereOp", "ConvOp", "PoolOp",
     # gradient operators
     "UnaryGradOp", "BinaryGradOp", "SwigluGradOp", "SoftmaxGradOp", "NormGradOp", "NormWeightGradOp",
     "EmbeddingGradOp", "AttentionLseOp", "AttentionDeltaOp", "AttentionGradOp", "CrossEntropyGradOp",
+    "ConvGradOp", "PoolGradOp",
 ]

@@ -30,12 +30,13 @@ REFUSED: dict[str, str] = {
     "index_select": _DATA_DEPENDENT, "index_put": _DATA_DEPENDENT, "index_add": _DATA_DEPENDENT,
     "multinomial": "it draws random numbers, and a graph computes the same values on every call",
     "bernoulli": "it draws random numbers, and a graph computes the same values on every call",
-    "convolution": "convolution has no operator yet", "conv1d": "convolution has no operator yet",
-    "conv2d": "convolution has no operator yet", "conv3d": "convolution has no operator yet",
+    "conv_transpose1d": "transposed convolution has no operator yet",
     "conv_transpose2d": "transposed convolution has no operator yet",
-    "batch_norm": "batch norm has no operator yet", "group_norm": "group norm has no operator yet",
-    "max_pool2d": "pooling has no operator yet", "avg_pool2d": "pooling has no operator yet",
-    "adaptive_avg_pool2d": "pooling has no operator yet",
+    "conv_transpose3d": "transposed convolution has no operator yet",
+    "_native_batch_norm_legit": "batch norm in training mode updates running statistics; call module.eval()",
+    "group_norm": "group norm has no operator yet", "native_group_norm": "group norm has no operator yet",
+    "max_pool2d_with_indices": "max pooling that returns its indices (return_indices=True) is not supported",
+    "adaptive_max_pool2d": "adaptive max pooling has no operator yet",
 }
 
 

@@ -13,7 +13,8 @@ from relational_tensors.frontend.torch.registry import _RULES, REFUSED
 
 __all__ = ["support_markdown"]
 
-_FAMILIES = {"rules_elementwise": "elementwise and boolean", "rules_linalg": "matrix products",
+_FAMILIES = {"rules_conv": "convolution and pooling", "rules_elementwise": "elementwise and boolean",
+             "rules_linalg": "matrix products",
              "rules_nn": "layers", "rules_reduce": "reductions", "rules_shape": "layout and shape"}
 
 

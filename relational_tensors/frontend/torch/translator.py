@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+import relational_tensors.frontend.torch.rules_conv as rules_conv
 import relational_tensors.frontend.torch.rules_elementwise as rules_elementwise
 import relational_tensors.frontend.torch.rules_linalg as rules_linalg
 import relational_tensors.frontend.torch.rules_nn as rules_nn
@@ -53,7 +54,7 @@ from relational_tensors.frontend.torch.registry import _RULES, REFUSED
 __all__ = ["from_torch", "TorchGraph", "SUPPORTED_OPS"]
 
 # the modules that register the translation rules when imported (SUPPORTED_OPS below lists them)
-_RULE_MODULES = (rules_elementwise, rules_linalg, rules_nn, rules_reduce, rules_shape)
+_RULE_MODULES = (rules_conv, rules_elementwise, rules_linalg, rules_nn, rules_reduce, rules_shape)
 
 
 # --- the graph a module becomes ---------------------------------------------------------------------

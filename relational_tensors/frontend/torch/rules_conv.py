@@ -1,0 +1,105 @@
+"""Translation rules for convolutions and pooling: ``conv1d/2d/3d`` and ``convolution`` (not transposed),
+``max_pool1d/2d/3d`` and ``avg_pool1d/2d/3d`` (``ceil_mode=False``), ``adaptive_avg_pool1d/2d/3d``
+(a global average is a mean; an output size that divides the input is an average pool; others are
+refused), and batch norm in eval mode (``_native_batch_norm_legit_no_training``: an elementwise affine
+from the running statistics, folded at trace time).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from relational_tensors.frontend.graph import Tensor
+from relational_tensors.frontend.torch.common import _Const, _fail, _out_dtype
+from relational_tensors.frontend.torch.convert import _torch
+from relational_tensors.frontend.torch.registry import register_torch_op
+
+if TYPE_CHECKING:
+    from relational_tensors.frontend.torch.translator import _Translator
+
+
+def _bias(tr: _Translator, b: Any, dtype: str | None) -> Tensor | None:
+    return None if b is None else tr.sym(b, dtype)
+
+
+@register_torch_op("conv1d", "conv2d", "conv3d")
+def _conv(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    dtype = _out_dtype(node)
+    x, w = tr.sym(a["input"], dtype), tr.sym(a["weight"], dtype)
+    padding = a["padding"]
+    padding = padding if isinstance(padding, str) else list(padding)
+    return tr.g.conv(x, w, _bias(tr, a.get("bias"), dtype), stride=list(a["stride"]), padding=padding,
+                     dilation=list(a["dilation"]), groups=int(a["groups"]), name=tr.name("conv"))
+
+
+@register_torch_op("convolution")
+def _convolution(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    if a["transposed"]:
+        raise _fail("a transposed convolution; supported: convolution (transposed convolution has no operator yet)")
+    if any(int(p) for p in a["output_padding"]):
+        raise _fail(f"output_padding {list(a['output_padding'])} of a convolution; supported: 0")
+    dtype = _out_dtype(node)
+    x, w = tr.sym(a["input"], dtype), tr.sym(a["weight"], dtype)
+    return tr.g.conv(x, w, _bias(tr, a.get("bias"), dtype), stride=list(a["stride"]), padding=list(a["padding"]),
+                     dilation=list(a["dilation"]), groups=int(a["groups"]), name=tr.name("conv"))
+
+
+def _pool_args(a: dict[str, Any]) -> tuple[list[int], list[int] | None, list[int]]:
+    if a.get("ceil_mode"):
+        raise _fail("pooling with ceil_mode=True; supported: ceil_mode=False")
+    if any(int(d) != 1 for d in (a.get("dilation") or [1])):
+        raise _fail(f"pooling with dilation {list(a['dilation'])}; supported: 1")
+    stride = list(a["stride"]) if a.get("stride") else None
+    return list(a["kernel_size"]), stride, list(a["padding"])
+
+
+@register_torch_op("max_pool1d", "max_pool2d", "max_pool3d")
+def _max_pool(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    k, s, p = _pool_args(a)
+    return tr.g.max_pool(tr.sym(a["self"]), k, s, p, name=tr.name("max_pool"))
+
+
+@register_torch_op("avg_pool1d", "avg_pool2d", "avg_pool3d")
+def _avg_pool(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    k, s, p = _pool_args(a)
+    if a.get("divisor_override") is not None:
+        raise _fail("avg_pool with divisor_override; supported: the window's count")
+    return tr.g.avg_pool(tr.sym(a["self"]), k, s, p, count_include_pad=bool(a.get("count_include_pad", True)),
+                         name=tr.name("avg_pool"))
+
+
+@register_torch_op("adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d")
+def _adaptive_avg_pool(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    x = tr.sym(a["self"])
+    sizes = [int(o) for o in a["output_size"]]
+    spatial = x.shape[x.rank - len(sizes):]
+    if all(o == 1 for o in sizes):  # a global average
+        axes = tuple(range(x.rank - len(sizes), x.rank))
+        return tr.g.mean(x, axis=axes, keepdims=True, name=tr.name("global_avg_pool"))
+    if any(n % o for n, o in zip(spatial, sizes)) or x.rank != len(sizes) + 2:
+        raise _fail(f"adaptive average pooling of spatial size {tuple(spatial)} to {tuple(sizes)}, which does not "
+                    "divide it (windows of different sizes); supported: output sizes that divide the input, or 1")
+    k = [n // o for n, o in zip(spatial, sizes)]
+    return tr.g.avg_pool(x, k, k, 0, name=tr.name("adaptive_avg_pool"))
+
+
+@register_torch_op("_native_batch_norm_legit_no_training")
+def _batch_norm_eval(tr: _Translator, node: Any, a: dict[str, Any]) -> list[Any]:
+    """y = (x - mean) / sqrt(var + eps) * weight + bias = x * scale + shift, per channel (axis 1)."""
+    torch = _torch()
+    x = tr.sym(a["input"])
+    stats = {k: a[k] for k in ("weight", "bias", "running_mean", "running_var")}
+    if any(v is not None and not isinstance(v, _Const) for v in stats.values()):
+        raise _fail("batch norm with statistics or affine parameters computed from the inputs; supported: "
+                    "module buffers and parameters (eval mode)")
+    mean, var = stats["running_mean"].value.double(), stats["running_var"].value.double()
+    weight = stats["weight"].value.double() if stats["weight"] is not None else torch.ones_like(mean)
+    bias = stats["bias"].value.double() if stats["bias"] is not None else torch.zeros_like(mean)
+    scale = weight / torch.sqrt(var + float(a["eps"]))
+    shift = bias - mean * scale
+    shape = (x.shape[1], *([1] * (x.rank - 2)))
+    y = tr.binary(x, tr.materialize(_Const(scale.reshape(shape), None, f"{tr.prefix}.bn_scale"), x.dtype), "mul")
+    y = tr.binary(y, tr.materialize(_Const(shift.reshape(shape), None, f"{tr.prefix}.bn_shift"), x.dtype), "add")
+    empty = _Const(torch.zeros(0), None, f"{tr.prefix}.bn_unused")
+    return [y, empty, empty]
+
