@@ -150,6 +150,24 @@ def test_attention_cases_with_library_flash_attention(case: str, device: str) ->
         _compare(got[name], want[name], "float16", reduction=g.nodes[g.outputs[name]].type.shape[1])
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_convolution_is_captured_and_replays_its_result(dtype: str) -> None:
+    """im2col into scratch and cuBLAS: nothing allocated, so a CNN's convolutions replay in the CUDA graph."""
+    g = rt.Graph()
+    x = g.input("x", [3, 5, 19, 17], dtype)
+    y = g.conv(x, g.input("w", [7, 5, 3, 3], dtype), stride=2, padding=1)
+    y = g.conv(g.unary(y, "relu"), g.input("w2", [6, 7, 1, 1], dtype), g.input("b", [6], dtype))
+    g.save(y, name="y")
+    feeds = feeds_for(g)
+    cg = rt.compileGraph(g, device="cuda:0,0,0,0")
+    first = cg.run(feeds)["y"]
+    cg.execute()
+    cg.execute()
+    assert cg.executor.graph_exec is not None
+    assert np.array_equal(cg.offload("y").view(np.uint16), first.view(np.uint16))
+    _compare(first, rt.reference(g, feeds)["y"], dtype, reduction=45)
+
+
 def test_replay_is_bit_identical_and_memory_stays_flat() -> None:
     import cupy
 

@@ -14,6 +14,7 @@ without a GPU.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from relational_tensors.core.dtypes import bf16_bits_to_float32, compute_dtype, float32_to_bf16_bits, numpy_dtype
+from relational_tensors.core.dtypes import (
+    bf16_bits_to_float32,
+    compute_dtype,
+    float32_to_bf16_bits,
+    itemsize,
+    numpy_dtype,
+)
 from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.errors import ExecError
 from relational_tensors.sql_specs.base import Operator
@@ -30,7 +37,7 @@ __all__ = ["Launcher", "LAUNCHERS", "launcher", "launcher_for", "op_constants", 
 
 LaunchFn = Callable[[Any, FunctionSpec, list, Any, dict, int], None]
 Constants = Callable[[Any], dict[str, np.ndarray]]
-Scratch = Callable[[Any, FunctionSpec], tuple[tuple[int, ...], str]]
+Scratch = Callable[[Any, FunctionSpec], tuple[tuple[int, ...], str] | None]  # None: no scratch for this one
 
 
 @dataclass(frozen=True)
@@ -313,9 +320,72 @@ def _dense_attention(op: Any, f: FunctionSpec, ins: list, out: Any, stream: int)
                 else value.astype(dst.dtype)
 
 
-@launcher("conv")
+def _conv_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str] | None:
+    """im2col columns [batch, in_channels, *kernel, *out] of one function spec (groups == 1)."""
+    if op.groups != 1:
+        return None
+    x, out = f.inputs[0], f.output
+    return (x.shape[0], x.shape[1], *op.kernel_size, *out.shape[2:]), op.input_types[0].dtype
+
+
+@launcher("conv", scratch=_conv_scratch)
 def _conv(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
-    """One contraction per kernel position over CuPy arrays (cuBLAS, float32 accumulation for 16 bits)."""
+    """im2col into scratch (one strided copy per kernel position), then one cuBLAS GEMM per batch row:
+    out[n] [f, o] = w [f, c·k] @ cols[n] [c·k, o], float32 accumulation; nothing allocated, so it is
+    captured with the rest.  Grouped convolutions run the contractions over CuPy arrays instead."""
+    from relational_tensors.gpu_exec.kernels import triton_copy as tc
+    from relational_tensors.gpu_exec.kernels.blas import matmul
+    from relational_tensors.gpu_exec.kernels.common import DevBuf
+
+    x, w = ins
+    if op.groups != 1:
+        _conv_dense(op, f, ins, out, stream)
+        return
+    if x.shape[1] == 0 or out.size == 0:
+        tc.fill(out, 0.0)
+        return
+    rank = op.rank
+    cols = consts["scratch"]
+    n, c = x.shape[:2]
+    kernel, n_out = op.kernel_size, out.shape[2:]
+    tc.fill(cols, 0.0)  # the padding
+    box, obox = f.inputs[0], f.output
+    ck = c * math.prod(kernel)
+    for kk in itertools.product(*(range(k) for k in kernel)):
+        src_lo, dst_lo, size = [], [], []
+        for i in range(rank):
+            s, p, d = op.stride[i], op.padding[i], op.dilation[i]
+            lo, hi, o0 = box.lower[2 + i], box.upper[2 + i], obox.lower[2 + i]
+            shift = p - kk[i] * d  # output o reads input o·s - shift
+            j_lo = max(0, -(-(lo + shift) // s) - o0)
+            j_hi = min(n_out[i], -(-(hi + shift) // s) - o0)
+            size.append(max(0, j_hi - j_lo))
+            src_lo.append((o0 + j_lo) * s - shift - lo)
+            dst_lo.append(j_lo)
+        if 0 in size:
+            continue
+        src = x.sub((0, 0, *src_lo), (n, c, *size))
+        src = DevBuf(src.ptr, src.shape, src.dtype, src.device,
+                     (*x.strides[:2], *(st * op.stride[i] for i, st in enumerate(x.strides[2:]))))
+        dst = cols.sub((0, 0, *kk, *dst_lo), (n, c, *((1,) * rank), *size))
+        dst = DevBuf(dst.ptr, (n, c, *size), dst.dtype, dst.device, (*dst.strides[:2], *dst.strides[2 + rank:]))
+        if len(src.shape) <= 4:
+            tc.copy_box(src, dst)
+        else:  # 3-D: one batch row at a time keeps the copy at rank 4
+            for b in range(n):
+                tc.copy_box(src.sub((b,) + (0,) * (rank + 1), (1, *src.shape[1:])),
+                            dst.sub((b,) + (0,) * (rank + 1), (1, *dst.shape[1:])))
+    positions = math.prod(n_out)
+    weights = DevBuf(w.ptr, (w.shape[0], ck), w.dtype, w.device)
+    for b in range(n):
+        col = DevBuf(cols.ptr + b * ck * positions * itemsize(cols.dtype), (ck, positions), cols.dtype, cols.device)
+        row = DevBuf(out.ptr + b * out.shape[1] * positions * itemsize(out.dtype), (out.shape[1], positions),
+                     out.dtype, out.device)
+        matmul(weights, col, row, stream)
+
+
+def _conv_dense(op: Any, f: FunctionSpec, ins: list, out: Any, stream: int) -> None:
+    """The operator's contractions over CuPy arrays (float32 for 16 bits): grouped convolutions."""
     import cupy
 
     def load(b: Any) -> Any:

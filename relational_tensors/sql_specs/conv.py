@@ -206,7 +206,10 @@ class ConvOp(_Geometry):
 
     kind = "conv"
     aggregation = SUM
-    gpu_allocates = True  # its GPU path is the same contractions over CuPy arrays (cuBLAS), which allocate
+
+    @property
+    def gpu_allocates(self) -> bool:  # type: ignore[override]
+        return self.groups != 1  # grouped: the contractions over CuPy arrays; else im2col in scratch + cuBLAS
 
     def _shapes(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         x, w = self.input_types
