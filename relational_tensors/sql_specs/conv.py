@@ -153,6 +153,12 @@ class _Geometry(Operator):
         g0, g1 = f.lo // per_out, -(-f.hi // per_out)
         return Interval(g0 * per_in, g1 * per_in), Interval(0, per_in)
 
+    def _blocks(self, choice: Choice) -> tuple[Interval, Interval, Interval, Interval]:
+        """(batch, out channels, x's channels, w's input channels) of a choice."""
+        x, w, _ = self._shapes()
+        cx, cw = self._in_channels(choice)
+        return choice.get("batch", Interval(0, x[0])), choice.get("out_channels", Interval(0, w[0])), cx, cw
+
     def _windows(self, outs: Sequence[Interval]) -> list[Interval]:
         x, w, _ = self._shapes()
         return [input_window(o, w[2 + i], self.stride[i], self.padding[i], self.dilation[i], x[2 + i])
@@ -239,10 +245,8 @@ class ConvOp(_Geometry):
         return [choice.get(f"o{i}", Interval(0, y[2 + i])) for i in range(self.rank)]
 
     def input_box(self, k: int, choice: Choice) -> Box:
-        x, w, _ = self._shapes()
-        b = choice.get("batch", Interval(0, x[0]))
-        f = choice.get("out_channels", Interval(0, w[0]))
-        cx, cw = self._in_channels(choice)
+        w = self._shapes()[1]
+        b, f, cx, cw = self._blocks(choice)
         if k == 0:
             return Box.from_intervals((b, cx, *self._windows(self._outs(choice))))
         return Box.from_intervals((f, cw, *(Interval(0, n) for n in w[2:])))
@@ -352,12 +356,8 @@ class ConvGradOp(_Geometry):
         return [choice.get(f"o{i}", Interval(0, y[2 + i])) for i in range(self.rank)]
 
     def input_box(self, k: int, choice: Choice) -> Box:
-        x, w, _ = self._shapes()
-        b = choice.get("batch", Interval(0, x[0]))
-        f = choice.get("out_channels", Interval(0, w[0]))
-        cx, cw = self._in_channels(choice)
-        if self.part == "dx" and self.groups > 1 and "out_channels" not in choice:
-            f = Interval(cx.lo // w[1] * (w[0] // self.groups), cx.hi // w[1] * (w[0] // self.groups))
+        w = self._shapes()[1]
+        b, f, cx, cw = self._blocks(choice)
         outs = self._outs(choice)
         if (self.part == "dx" and k == 0) or (self.part == "dw" and k == 1):  # dy
             return Box.from_intervals((b, f, *outs))
