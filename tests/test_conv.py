@@ -69,9 +69,27 @@ def test_random_convolutions_decompose_exactly(form: dict, data) -> None:
     op = g.node(name).op
     want = _torch_conv(form, feeds["x"], feeds["w"])
     np.testing.assert_allclose(rt.reference(g, feeds)["out"], want, rtol=1e-10, atol=1e-10)
+    if op.kind != "conv":  # stride = kernel, no padding: the patchify matmul, planned whole
+        got = rt.compileGraph(g, device=f"cpu:{data.draw(st.integers(2, 8))}").run(feeds)["out"]
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10, err_msg=str(form))
+        return
     spec = op.spec(data.draw(request_for(op)))
     np.testing.assert_allclose(execute_spec(op, spec, [feeds["x"], feeds["w"]]), want, rtol=1e-10, atol=1e-10,
                                err_msg=f"{form} {spec.split_text}")
+
+
+def test_a_patchify_convolution_is_a_matmul() -> None:
+    """Non-overlapping windows (ViT's patch embedding): im2col is a permutation, so the matmul form does the
+    convolution's FLOPs with one copy, where the convolution makes one per kernel position."""
+    g = rt.Graph()
+    x = g.input("x", [2, 3, 35, 32], "float64")  # 35 = 4·8 + 3: the last rows reach no window
+    y = g.conv(x, g.input("w", [6, 3, 8, 8], "float64"), g.input("b", [6], "float64"), stride=8)
+    g.save(y, name="out")
+    kinds = [n.kind for n in g.operators]
+    assert "conv" not in kinds and kinds.count("matmul") == 1
+    feeds = feeds_for(g)
+    want = F.conv2d(*(torch.tensor(feeds[k]) for k in ("x", "w", "b")), stride=8).numpy()
+    np.testing.assert_allclose(rt.compileGraph(g, device="cpu:4").run(feeds)["out"], want, rtol=1e-10, atol=1e-10)
 
 
 @st.composite

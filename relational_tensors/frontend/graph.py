@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import operator
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -387,8 +388,14 @@ class Graph:
             padding = tuple(e // 2 for e in extra)
         elif isinstance(padding, str):
             raise GraphError(f"conv padding must be an integer, one per dimension, 'valid' or 'same'; got {padding!r}.")
-        op = ConvOp((xt, wt), stride_t, _per_dim("padding", padding, rank, 0), dilation_t, groups)
-        y = self._op(op, (x, w), name if bias is None else None)
+        padding_t = _per_dim("padding", padding, rank, 0)
+        if (groups == 1 and stride_t == tuple(wt.shape[2:]) and not any(padding_t) and set(dilation_t) == {1}
+                and xt.rank == rank + 2 and wt.rank == rank + 2 and wt.shape[1] == xt.shape[1]
+                and all(s >= k for s, k in zip(xt.shape[2:], wt.shape[2:]))):
+            y = self._patchify(x, w, name if bias is None else None)
+        else:
+            op = ConvOp((xt, wt), stride_t, padding_t, dilation_t, groups)
+            y = self._op(op, (x, w), name if bias is None else None)
         if bias is None:
             return y
         bt = self._t(bias)
@@ -396,6 +403,24 @@ class Graph:
             raise GraphError(f"conv bias must have shape [out_channels] = [{wt.shape[0]}]; got {bt.shape}.")
         b = self.reshape(bias, [wt.shape[0], *([1] * rank)])
         return self.add(y, b, name=name)
+
+    def _patchify(self, x: Tensor, w: Tensor, name: str | None) -> Tensor:
+        """A convolution whose stride is its kernel (ViT's patch embedding) as the matmul it is: the windows do
+        not overlap, so im2col is a permutation; patches [n·positions, c·kernel] @ w [c·kernel, f]."""
+        n, c, *sizes = x.shape
+        f, _, *kernel = w.shape
+        r = len(kernel)
+        outs = [s // k for s, k in zip(sizes, kernel)]
+        for d, (o, k) in enumerate(zip(outs, kernel)):
+            if o * k != sizes[d]:  # the rows no window reaches
+                x = self.slice(x, 2 + d, 0, o * k)
+        split = [n, c] + [v for o, k in zip(outs, kernel) for v in (o, k)]
+        x = self.reshape(x, split)
+        x = self.permute(x, [0, *(2 + 2 * d for d in range(r)), 1, *(3 + 2 * d for d in range(r))])
+        patches = self.reshape(x, [n * math.prod(outs), c * math.prod(kernel)])
+        wt = self.transpose(self.reshape(w, [f, c * math.prod(kernel)]), 0, 1)
+        y = self.reshape(self.matmul(patches, wt), [n, *outs, f])
+        return self.permute(y, [0, r + 1, *range(1, r + 1)], name=name)
 
     def max_pool(self, x: Tensor, kernel_size: int | Sequence[int], stride: int | Sequence[int] | None = None,
                  padding: int | Sequence[int] = 0, name: str | None = None) -> Tensor:
