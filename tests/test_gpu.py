@@ -150,8 +150,9 @@ def test_attention_cases_with_library_flash_attention(case: str, device: str) ->
         _compare(got[name], want[name], "float16", reduction=g.nodes[g.outputs[name]].type.shape[1])
 
 
+@pytest.mark.parametrize("device", ["cuda:0", "cuda:0,0,0,0"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_convolution_is_captured_and_replays_its_result(dtype: str) -> None:
+def test_convolution_is_captured_and_replays_its_result(dtype: str, device: str) -> None:
     """im2col into scratch and cuBLAS: nothing allocated, so a CNN's convolutions replay in the CUDA graph."""
     g = rt.Graph()
     x = g.input("x", [3, 5, 19, 17], dtype)
@@ -159,7 +160,7 @@ def test_convolution_is_captured_and_replays_its_result(dtype: str) -> None:
     y = g.conv(g.unary(y, "relu"), g.input("w2", [6, 7, 1, 1], dtype), g.input("b", [6], dtype))
     g.save(y, name="y")
     feeds = feeds_for(g)
-    cg = rt.compileGraph(g, device="cuda:0,0,0,0")
+    cg = rt.compileGraph(g, device=device)
     first = cg.run(feeds)["y"]
     cg.execute()
     cg.execute()
