@@ -603,13 +603,13 @@ class TopK(nn.Module):
         return torch.topk(x, 2).values
 
 
-class Conv(nn.Module):
+class TransposedConv(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.w = nn.Parameter(torch.randn(4, 3, 3, 3))
+        self.w = nn.Parameter(torch.randn(3, 4, 3, 3))
 
     def forward(self, x: Any) -> Any:
-        return F.conv2d(x, self.w)
+        return F.conv_transpose2d(x, self.w)
 
 
 class VarianceOfOne(nn.Module):
@@ -649,8 +649,8 @@ UNSUPPORTED: dict[str, tuple[type, Callable[[], tuple[Any, ...]], str, str, str]
                                  "x.repeat_interleave(torch.tensor([1, 2]), dim=0)", "per-element repeats"),
     "bit_cast": (BitCast, lambda: (x3(2, 16),), "aten.view.dtype", "x.view(torch.int32)", "view as another dtype"),
     "top_k": (TopK, lambda: (x3(4, 16),), "aten.topk.default", "torch.topk(x, 2)", "MoE routing is not supported yet"),
-    "convolution": (Conv, lambda: (x3(1, 3, 8, 8),), "aten.conv2d.default", "F.conv2d(x, self.w)",
-                    "convolution has no operator yet"),
+    "transposed_convolution": (TransposedConv, lambda: (x3(1, 3, 8, 8),), "aten.conv_transpose2d.input",
+                               "F.conv_transpose2d(x, self.w)", "transposed convolution has no operator yet"),
     "variance_of_one_element": (VarianceOfOne, lambda: (x3(4, 1),), "aten.var.dim", "x.var(-1)",
                                 "variance over 1 elements with correction 1.0"),
 }
