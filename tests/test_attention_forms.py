@@ -134,7 +134,7 @@ def _form_graph(form: dict, dtype: str = "float64") -> tuple[rt.Graph, str]:
     return g, out.name
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(form=attention_form(), p=st.integers(1, 8), data=st.data())
 def test_random_forms_decompose_exactly(form: dict, p: int, data) -> None:
     g, name = _form_graph(form)

@@ -61,7 +61,7 @@ def request_for(draw, op):
     return request
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(form=conv_form(), data=st.data())
 def test_random_convolutions_decompose_exactly(form: dict, data) -> None:
     g, name = _conv_graph(form)
@@ -103,7 +103,7 @@ def pool_form(draw):
                 count=draw(st.booleans()), n=draw(st.integers(1, 2)), c=draw(st.integers(1, 3)))
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(form=pool_form(), data=st.data())
 def test_random_pools_decompose_exactly(form: dict, data) -> None:
     g = rt.Graph()
