@@ -301,19 +301,24 @@ def _attention_constants(op: Any) -> dict[str, np.ndarray]:
     return {"row_lo": lo.astype(np.int32), "row_hi": hi.astype(np.int32)}
 
 
+def _computable(b: Any) -> Any:
+    """A block as a CuPy array in its compute dtype (16-bit floats as float32; bool and float64 as they are),
+    for the operators whose GPU path is their own NumPy-style code over CuPy."""
+    import cupy
+
+    a = b.cupy()
+    if b.dtype == "bfloat16":
+        return bf16_bits_to_float32(a, cupy)
+    return a if b.dtype == "bool" else a.astype(compute_dtype(b.dtype), copy=False)
+
+
 def _dense_attention(op: Any, f: FunctionSpec, ins: list, out: Any, stream: int) -> None:
     """The operator's chunked kernel with CuPy arrays (float32 scores, cuBLAS contractions): the GPU path of
     key padding, masks and biases, which the Triton kernel's per-row key ranges cannot express."""
     import cupy
 
-    def load(b: Any) -> Any:
-        a = b.cupy()
-        if b.dtype == "bfloat16":
-            return bf16_bits_to_float32(a, cupy)
-        return a if b.dtype in ("bool", "float64") else a.astype(cupy.float32)
-
     with cupy.cuda.ExternalStream(stream):
-        o, lse = op.dense([load(b) for b in ins], f, cupy)
+        o, lse = op.dense([_computable(b) for b in ins], f, cupy)
         for buf, value in (zip(out, (o, lse)) if isinstance(out, tuple) else [(out, o)]):
             dst = buf.cupy()
             dst[...] = float32_to_bf16_bits(value.astype(cupy.float32), cupy) if buf.dtype == "bfloat16" \
@@ -388,12 +393,8 @@ def _conv_dense(op: Any, f: FunctionSpec, ins: list, out: Any, stream: int) -> N
     """The operator's contractions over CuPy arrays (float32 for 16 bits): grouped convolutions."""
     import cupy
 
-    def load(b: Any) -> Any:
-        a = b.cupy()
-        return bf16_bits_to_float32(a, cupy) if b.dtype == "bfloat16" else a.astype(compute_dtype(b.dtype))
-
     with cupy.cuda.ExternalStream(stream):
-        y = op.dense(load(ins[0]), load(ins[1]), f, cupy)
+        y = op.dense(_computable(ins[0]), _computable(ins[1]), f, cupy)
         dst = out.cupy()
         dst[...] = float32_to_bf16_bits(y, cupy) if out.dtype == "bfloat16" else y.astype(dst.dtype)
 
