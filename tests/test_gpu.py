@@ -169,6 +169,24 @@ def test_convolution_is_captured_and_replays_its_result(dtype: str, device: str)
     _compare(first, rt.reference(g, feeds)["y"], dtype, reduction=45)
 
 
+@pytest.mark.parametrize("device", ["cuda:0", "cuda:0,0,0"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_views_past_rank_four_are_copied_and_combined(dtype: str, device: str) -> None:
+    """A patch embedding's rank-6 permutation, a rank-7 one (one launch per leading index) and a
+    broadcasting binary at rank 6: the strided kernels split what they cannot index at once."""
+    g = rt.Graph()
+    x = g.input("x", [4, 3, 5, 16, 6, 16], dtype)
+    p6 = g.permute(x, [0, 2, 4, 1, 3, 5])
+    g.save(g.add(p6, g.input("b", [1, 5, 1, 3, 1, 16], dtype)), name="six")
+    z = g.input("z", [3, 2, 5, 2, 3, 4, 2], dtype)
+    g.save(g.permute(z, [6, 0, 4, 2, 1, 5, 3]), name="seven")
+    feeds = feeds_for(g)
+    got = rt.compileGraph(g, device=device).run(feeds)
+    want = rt.reference(g, feeds)
+    assert np.array_equal(got["seven"], want["seven"])
+    _compare(got["six"], want["six"], dtype)
+
+
 def test_replay_is_bit_identical_and_memory_stays_flat() -> None:
     import cupy
 

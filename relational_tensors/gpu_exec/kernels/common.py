@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from relational_tensors.core.dtypes import itemsize
 
-__all__ = ["DevBuf", "Ptr", "acc_type", "contiguous_strides", "pad4", "merge_dims"]
+__all__ = ["DevBuf", "Ptr", "acc_type", "contiguous_strides", "pad4", "merge_dims", "outer_split"]
 
 
 def acc_type(dtype: str, exact_ints: bool = False):
@@ -123,6 +125,22 @@ def pad4(shape: tuple[int, ...], *strides: tuple[int, ...]) -> tuple[tuple[int, 
         raise ValueError(f"strided kernels handle rank <= 4 after merging; got shape {shape}")
     pad = 4 - len(shape)
     return (1,) * pad + shape, [(0,) * pad + s for s in strides_l]
+
+
+def outer_split(shape: tuple[int, ...], strides: tuple[tuple[int, ...], ...],
+                rank: int) -> Iterator[tuple[list[int], tuple[int, ...], list[tuple[int, ...]]]]:
+    """The pieces a rank-``rank`` strided kernel covers a view in: merged, left-padded to ``rank``, and
+    where more dimensions than that are left, one piece per index of the leading ones.  Yields (the
+    element offset of the piece in each stride set, its shape, its strides)."""
+    merged, strides_l = merge_dims(shape, *strides)
+    lead = len(merged) - rank
+    if lead <= 0:
+        yield [0] * len(strides_l), (1,) * -lead + merged, [(0,) * -lead + s for s in strides_l]
+        return
+    inner = merged[lead:]
+    for idx in itertools.product(*(range(n) for n in merged[:lead])):
+        yield ([sum(i * st for i, st in zip(idx, s[:lead])) for s in strides_l], inner,
+               [s[lead:] for s in strides_l])
 
 
 _BOUND = False

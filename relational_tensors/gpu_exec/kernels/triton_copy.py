@@ -8,7 +8,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, pad4
+from relational_tensors.core.dtypes import itemsize
+from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, merge_dims, outer_split, pad4
 
 __all__ = ["copy_box", "lse_merge", "embedding", "fill"]
 
@@ -37,6 +38,33 @@ def _copy4_kernel(src_ptr, dst_ptr, n,
 
 
 @triton.jit
+def _copy6_kernel(src_ptr, dst_ptr, n, size_1, size_2, size_3, size_4, size_5,
+                  stride_s0, stride_s1, stride_s2, stride_s3, stride_s4, stride_s5,
+                  stride_d0, stride_d1, stride_d2, stride_d3, stride_d4, stride_d5,
+                  BLOCK_SIZE: tl.constexpr):
+    # the permutations of a patch embedding (b, c, h/p, p, w/p, p) and other rank-5/6 views
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offs < n
+    i5 = offs % size_5
+    rest = offs // size_5
+    i4 = rest % size_4
+    rest = rest // size_4
+    i3 = rest % size_3
+    rest = rest // size_3
+    i2 = rest % size_2
+    rest = rest // size_2
+    i1 = rest % size_1
+    i0 = rest // size_1
+    src_off = (i0 * stride_s0 + i1 * stride_s1 + i2 * stride_s2 + i3 * stride_s3 + i4 * stride_s4
+               + i5 * stride_s5)
+    dst_off = (i0 * stride_d0 + i1 * stride_d1 + i2 * stride_d2 + i3 * stride_d3 + i4 * stride_d4
+               + i5 * stride_d5)
+    x = tl.load(src_ptr + src_off, mask=mask)
+    tl.store(dst_ptr + dst_off, x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _copy_rows_kernel(src_ptr, dst_ptr, rows, cols, col_blocks, size_1, size_2,
                       stride_s0, stride_s1, stride_s2, stride_d0, stride_d1, stride_d2,
                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -57,11 +85,15 @@ def _copy_rows_kernel(src_ptr, dst_ptr, rows, cols, col_blocks, size_1, size_2,
 
 
 def copy_box(src: DevBuf, dst: DevBuf) -> None:
-    """dst[...] = src[...] for two views of one shape (any strides, rank <= 4 after merging)."""
+    """dst[...] = src[...] for two views of one shape (any strides; past rank 6 after merging, one launch
+    per index of the leading dimensions)."""
     if src.shape != dst.shape:
         raise ValueError(f"copy_box needs equal shapes; got {src.shape} and {dst.shape}")
     n = src.size
     if n == 0:
+        return
+    if len(merge_dims(src.shape, src.strides, dst.strides)[0]) > 4:
+        _copy_high_rank(src, dst)
         return
     shape, (ss, ds) = pad4(src.shape, src.strides, dst.strides)
     if ss[3] == 1 and ds[3] == 1 and shape[3] >= 64:  # the usual case: contiguous rows
@@ -75,6 +107,14 @@ def copy_box(src: DevBuf, dst: DevBuf) -> None:
         return
     grid = (triton.cdiv(n, BLOCK),)
     _copy4_kernel[grid](Ptr(src), Ptr(dst), n, shape[1], shape[2], shape[3], *ss, *ds, BLOCK_SIZE=BLOCK)
+
+
+def _copy_high_rank(src: DevBuf, dst: DevBuf) -> None:
+    si, di = itemsize(src.dtype), itemsize(dst.dtype)
+    for (so, do), shape, (ss, ds) in outer_split(src.shape, (src.strides, dst.strides), 6):
+        n = shape[0] * shape[1] * shape[2] * shape[3] * shape[4] * shape[5]
+        _copy6_kernel[(triton.cdiv(n, BLOCK),)](Ptr(src.ptr + so * si, src.dtype), Ptr(dst.ptr + do * di, dst.dtype),
+                                                n, *shape[1:], *ss, *ds, BLOCK_SIZE=BLOCK)
 
 
 @triton.jit

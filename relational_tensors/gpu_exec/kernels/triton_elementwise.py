@@ -6,7 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type, pad4
+from relational_tensors.core.dtypes import itemsize
+from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type, outer_split
 
 __all__ = ["unary", "binary", "swiglu", "UNARY_CODES", "BINARY_CODES"]
 
@@ -142,10 +143,13 @@ def binary(x: DevBuf, y: DevBuf, out: DevBuf, op: str) -> None:
                 res.append(v.strides[i - pad])
         return tuple(res)
 
-    shape, (so, sx, sy) = pad4(out.shape, out.strides, bstrides(x), bstrides(y))
-    _binary_kernel[(triton.cdiv(n, BLOCK),)](Ptr(x), Ptr(y), Ptr(out), n, shape[1], shape[2], shape[3], *sx, *sy,
-                                            *so, OP=BINARY_CODES[op], BLOCK_SIZE=BLOCK,
-                                            ACC=acc_type(out.dtype, exact_ints=True))
+    sizes = (itemsize(out.dtype), itemsize(x.dtype), itemsize(y.dtype))
+    for offs, shape, (so, sx, sy) in outer_split(out.shape, (out.strides, bstrides(x), bstrides(y)), 4):
+        po, px, py = (Ptr(v.ptr + o * size, v.dtype) for v, o, size in zip((out, x, y), offs, sizes))
+        m = shape[0] * shape[1] * shape[2] * shape[3]
+        _binary_kernel[(triton.cdiv(m, BLOCK),)](px, py, po, m, shape[1], shape[2], shape[3], *sx, *sy, *so,
+                                                OP=BINARY_CODES[op], BLOCK_SIZE=BLOCK,
+                                                ACC=acc_type(out.dtype, exact_ints=True))
 
 
 @triton.jit
