@@ -15,15 +15,31 @@ in one process does; the cold first compile is reported separately).
 gradient of every parameter; ``models.llama_training_graph``) for the same workloads.  ``--step`` times
 the whole training step: the same graph with the parameters as states and AdamW's update (bfloat16), for
 the workloads and for a stack of ``--layers`` blocks at 8K tokens.
+
+``--scale`` times planning as the device count and the depth grow: every combination of ``--p``,
+``--depths``, ``--schedules`` and ``--graphs`` (``block``: the forward stack at ``--tokens`` tokens;
+``train``: its training graph, forward and backward) in a subprocess of its own, so that the peak
+resident set is that case's alone.  Each case reports the cold compile (the first in the process, spec
+cache empty), the warm ones (``--warm`` rounds), the passes of the last, optionally a simulation of the
+plan (``--simulate``), CPU seconds (the process's, all threads) and the peak RSS; and the growth
+exponent of the compile time in p.
+
+    python bench/compile_time.py --scale --p 8,16,32,64,72,128 [--depths 1] [--schedules naive]
+        [--graphs block] [--warm 2] [--simulate] [--topology hgx-h200] [--out bench/results/compile_scale]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
+import math
 import platform
+import resource
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -61,13 +77,113 @@ def timed(build, rounds: int, warmups: int = 2) -> dict[str, float]:
             "passes": {k: round(v, 4) for k, v in cg.timings.items()}}
 
 
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def scale_case(case: dict) -> dict:
+    """One case of ``--scale``, in this process: cold compile, warm compiles, optional simulation."""
+    p, layers = case["p"], case["layers"]
+    if case["graph"] == "train":
+        g = llama_training_graph(1, case["tokens"], dtype="bfloat16", vocab=VOCAB, layers=layers, **LLAMA3_8B)
+    else:
+        g = llama_block(1, case["tokens"], dtype="float16", layers=layers, **LLAMA3_8B)
+    options = dict(device=f"cpu:{p}", memory_per_device=H200_MEMORY, schedule_mode=case["schedule"],
+                   topology=case["topology"])
+    if case["schedule"] == "search":
+        options.update(search_steps=case["search_steps"])
+    before = _rss_mib()
+
+    def compile_once() -> tuple[rt.CompiledGraph, float, float]:
+        c0, w0 = time.process_time(), time.perf_counter()
+        cg = rt.compileGraph(g, **options)
+        return cg, time.process_time() - c0, time.perf_counter() - w0
+
+    cg, cold_cpu, cold_wall = compile_once()
+    warm = []
+    for _ in range(case["warm"]):
+        cg = None
+        gc.collect()
+        cg, cpu, _ = compile_once()
+        warm.append(cpu)
+    out = {**case, "ops": len(g.operators), "cold_cpu_s": cold_cpu, "cold_wall_s": cold_wall,
+           "warm_cpu_s": min(warm) if warm else None, "passes": {k: round(v, 4) for k, v in cg.timings.items()},
+           "rss_graph_mib": before, "rss_peak_mib": _rss_mib(), "tasks": len(cg.lowered.dag.tasks)}
+    if case["simulate"]:
+        c0 = time.process_time()
+        sim = cg.simulate()
+        out["simulate_cpu_s"] = time.process_time() - c0
+        out["predicted_ms"] = sim * 1e3  # seconds per execution
+    return out
+
+
+def scale(args: argparse.Namespace) -> None:
+    cases = [dict(p=p, layers=d, schedule=sch, graph=gr, tokens=args.tokens, warm=args.warm, simulate=args.simulate,
+                  topology=args.topology, search_steps=args.search_steps)
+             for gr, sch, d, p in itertools.product(args.graphs.split(","), args.schedules.split(","),
+                                                    map(int, args.depths.split(",")), map(int, args.p.split(",")))]
+    rows = []
+    for case in cases:  # each in a fresh interpreter: its own cold start and its own peak RSS
+        run = subprocess.run([sys.executable, __file__, "--case", json.dumps(case)], capture_output=True, text=True)
+        if run.returncode != 0:
+            raise SystemExit(f"case {case} failed:\n{run.stderr[-3000:]}")
+        r = json.loads(run.stdout.strip().splitlines()[-1])
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    by = {(r["graph"], r["schedule"], r["layers"]): [] for r in rows}
+    for r in rows:
+        by[(r["graph"], r["schedule"], r["layers"])].append(r)
+    growth = {}
+    for key, rs in by.items():
+        rs = sorted(rs, key=lambda r: r["p"])
+        if len(rs) > 1 and rs[0]["warm_cpu_s"] and rs[-1]["warm_cpu_s"]:
+            growth["/".join(map(str, key))] = math.log(rs[-1]["warm_cpu_s"] / rs[0]["warm_cpu_s"]) / math.log(
+                rs[-1]["p"] / rs[0]["p"])
+    lines = ["| graph | layers | schedule | p | ops | tasks | cold (CPU s) | warm (CPU s) | lower | verify | select "
+             "| simulate (CPU s) | peak RSS (MiB) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ps = r["passes"]
+        sim = f"{r['simulate_cpu_s']:.2f}" if "simulate_cpu_s" in r else "-"
+        warm = f"{r['warm_cpu_s']:.2f}" if r["warm_cpu_s"] is not None else "-"
+        lines.append(f"| {r['graph']} | {r['layers']} | {r['schedule']} | {r['p']} | {r['ops']} | {r['tasks']} | "
+                     f"{r['cold_cpu_s']:.2f} | {warm} | {ps.get('lower', 0):.2f} | {ps.get('verify', 0):.2f} | "
+                     f"{ps.get('select', 0):.2f} | {sim} | {r['rss_peak_mib']:.0f} |")
+    for key, e in growth.items():
+        lines.append(f"\nGrowth of the warm compile in p ({key}): p^{e:.2f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}",
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "growth": growth}
+    out.with_suffix(".json").write_text(json.dumps({**meta, "cases": rows}, indent=2))
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--grad", action="store_true", help="forward + backward (training graphs)")
     ap.add_argument("--step", action="store_true", help="forward + backward + AdamW (training steps)")
+    ap.add_argument("--scale", action="store_true", help="planning time against p and depth, a subprocess per case")
+    ap.add_argument("--p", default="8,16,32,64,72,128")
+    ap.add_argument("--depths", default="1")
+    ap.add_argument("--schedules", default="naive")
+    ap.add_argument("--graphs", default="block", help="block (forward) and/or train (forward + backward)")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--warm", type=int, default=2, help="warm compiles after the cold one")
+    ap.add_argument("--simulate", action="store_true")
+    ap.add_argument("--topology", default="hgx-h200")
+    ap.add_argument("--search-steps", type=int, default=None)
+    ap.add_argument("--out", default="bench/results/compile_scale")
+    ap.add_argument("--case", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.case:
+        print(json.dumps(scale_case(json.loads(args.case))))
+        return
+    if args.scale:
+        scale(args)
+        return
     results = {}
     for name, (b, s) in WORKLOADS.items():
         if args.step:

@@ -1,12 +1,16 @@
-"""The command line, end to end in subprocesses, and the plan views it prints (placements, tiling grids)."""
+"""The command line, end to end (its main in this process, the entry point in subprocesses), and the
+plan views it prints (placements, tiling grids)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
 import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +64,36 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def run_cli(*args: object, cwd: Path | None = None, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+def run_cli_process(*args: object, cwd: Path | None = None, stdin: str | None = None
+                    ) -> subprocess.CompletedProcess[str]:
+    """The command line as users run it: ``python -m relational_tensors`` in a process of its own."""
     return subprocess.run([sys.executable, "-m", "relational_tensors", *map(str, args)], capture_output=True,
                           text=True, cwd=cwd, input=stdin, timeout=120)
+
+
+def run_cli(*args: object, cwd: Path | None = None, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """The command line's ``main`` in this process (a process start costs more than most commands), its
+    output and exit status captured as a subprocess's; with a working directory, in a subprocess."""
+    if cwd is not None:
+        return run_cli_process(*args, cwd=cwd, stdin=stdin)
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+            _stdin(io.StringIO(stdin if stdin is not None else "")):
+        try:
+            code = cli.main(argv)
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+@contextlib.contextmanager
+def _stdin(stream: io.StringIO) -> Iterator[None]:
+    saved, sys.stdin = sys.stdin, stream
+    try:
+        yield
+    finally:
+        sys.stdin = saved
 
 
 def ok(r: subprocess.CompletedProcess[str]) -> str:

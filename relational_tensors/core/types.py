@@ -74,8 +74,8 @@ class Box:
 
     @staticmethod
     def from_intervals(intervals: Iterable[Interval]) -> Box:
-        ivs = tuple(intervals)
-        return Box(tuple(i.lo for i in ivs), tuple(i.hi for i in ivs))
+        ivs = tuple(intervals)  # each interval is ordered already
+        return Box._made(tuple(i.lo for i in ivs), tuple(i.hi for i in ivs))
 
     @staticmethod
     def of_shape(shape: Sequence[int]) -> Box:
@@ -98,11 +98,28 @@ class Box:
     def contains(self, other: Box) -> bool:
         return all(a <= c and d <= b for a, b, c, d in zip(self.lower, self.upper, other.lower, other.upper))
 
+    @staticmethod
+    def _made(lower: tuple[int, ...], upper: tuple[int, ...]) -> Box:
+        """A box from bounds already known to be ordered (the planner's inner loops make millions)."""
+        box = object.__new__(Box)
+        shape = tuple(map(operator.sub, upper, lower))
+        _SET_LOWER(box, lower)
+        _SET_UPPER(box, upper)
+        _SET_SHAPE(box, shape)
+        _SET_VOLUME(box, math.prod(shape))
+        return box
+
     def intersect(self, other: Box) -> Box:
-        return Box.from_intervals(a.intersect(b) for a, b in zip(self.intervals(), other.intervals()))
+        lower = tuple(map(max, self.lower, other.lower))
+        return Box._made(lower, tuple(map(max, lower, map(min, self.upper, other.upper))))
+
+    def overlap_volume(self, other: Box) -> int:
+        """The volume of the intersection, without making it."""
+        return math.prod(max(0, min(b, d) - max(a, c)) for a, b, c, d in zip(self.lower, self.upper, other.lower,
+                                                                            other.upper))
 
     def overlaps(self, other: Box) -> bool:
-        return not self.intersect(other).is_empty
+        return all(max(a, c) < min(b, d) for a, b, c, d in zip(self.lower, self.upper, other.lower, other.upper))
 
     def slices(self, within: Box | None = None) -> tuple[slice, ...]:
         """Index of this box inside an array that holds ``within`` (default: origin 0)."""
@@ -111,6 +128,11 @@ class Box:
 
     def __str__(self) -> str:
         return "x".join(str(i) for i in self.intervals())
+
+
+# the slots' own setters: what a frozen dataclass's __post_init__ does, without its __setattr__ check
+_SET_LOWER, _SET_UPPER, _SET_SHAPE, _SET_VOLUME = (vars(Box)[name].__set__ for name in ("lower", "upper", "shape",
+                                                                                        "volume"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +147,9 @@ class TensorType:
     upper: tuple[int, ...]
     dtype: str
     names: tuple[str, ...]
+    # derived once: the planner reads shapes and boxes of types in its innermost loops
+    shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    box: Box = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not (len(self.lower) == len(self.upper) == len(self.names)):
@@ -134,6 +159,9 @@ class TensorType:
             )
         if len(set(self.names)) != len(self.names):
             raise GraphError(f"the dimension names of a tensor must be distinct; got {self.names}.")
+        box = Box(self.lower, self.upper)
+        object.__setattr__(self, "box", box)
+        object.__setattr__(self, "shape", box.shape)
 
     @staticmethod
     def zero(shape: Sequence[int], dtype: object = "float32", names: Sequence[str] | None = None) -> TensorType:
@@ -167,16 +195,8 @@ class TensorType:
         return len(self.upper)
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(hi - lo for lo, hi in zip(self.lower, self.upper))
-
-    @property
-    def box(self) -> Box:
-        return Box(self.lower, self.upper)
-
-    @property
     def volume(self) -> int:
-        return math.prod(self.shape)
+        return self.box.volume
 
     @property
     def nbytes(self) -> int:

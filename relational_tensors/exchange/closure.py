@@ -211,7 +211,7 @@ def _check_structure(prog: ExProg) -> None:
             raise ExchangeError(f"{where}: unknown partition {place}; declared: {', '.join(names) or 'none'}")
 
     def aggregate_ok(agg: frozenset[str], where: str) -> None:
-        unknown = sorted(agg - set(sizes))
+        unknown = sorted(a for a in agg if a not in sizes)
         if unknown:
             raise ExchangeError(f"{where}: atom {unknown[0]} is not in IN (IN atoms: "
                                 f"{', '.join(sorted(sizes)) or 'none'}); place it with IN or drop it")

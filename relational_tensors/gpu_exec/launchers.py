@@ -22,13 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from relational_tensors.core.dtypes import (
-    bf16_bits_to_float32,
-    compute_dtype,
-    float32_to_bf16_bits,
-    itemsize,
-    numpy_dtype,
-)
+from relational_tensors.core.dtypes import bf16_bits_to_float32, compute_dtype, float32_to_bf16_bits, numpy_dtype
 from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.errors import ExecError
 from relational_tensors.sql_specs.base import Operator
@@ -335,9 +329,9 @@ def _conv_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str] | Non
 
 @launcher("conv", scratch=_conv_scratch)
 def _conv(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
-    """im2col into scratch (one strided copy per kernel position), then one cuBLAS GEMM per batch row:
-    out[n] [f, o] = w [f, c·k] @ cols[n] [c·k, o], float32 accumulation; nothing allocated, so it is
-    captured with the rest.  Grouped convolutions run the contractions over CuPy arrays instead."""
+    """im2col into scratch (one strided copy per kernel position), then one strided-batched cuBLAS GEMM:
+    out[n] [f, o] = w [f, c·k] @ cols[n] [c·k, o] for every batch row n, float32 accumulation; nothing
+    allocated, so it is captured with the rest.  Grouped convolutions run the contractions over CuPy arrays instead."""
     from relational_tensors.gpu_exec.kernels import triton_copy as tc
     from relational_tensors.gpu_exec.kernels.blas import matmul
     from relational_tensors.gpu_exec.kernels.common import DevBuf
@@ -374,19 +368,12 @@ def _conv(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: i
                      (*x.strides[:2], *(st * op.stride[i] for i, st in enumerate(x.strides[2:]))))
         dst = cols.sub((0, 0, *kk, *dst_lo), (n, c, *((1,) * rank), *size))
         dst = DevBuf(dst.ptr, (n, c, *size), dst.dtype, dst.device, (*dst.strides[:2], *dst.strides[2 + rank:]))
-        if len(src.shape) <= 4:
-            tc.copy_box(src, dst)
-        else:  # 3-D: one batch row at a time keeps the copy at rank 4
-            for b in range(n):
-                tc.copy_box(src.sub((b,) + (0,) * (rank + 1), (1, *src.shape[1:])),
-                            dst.sub((b,) + (0,) * (rank + 1), (1, *dst.shape[1:])))
+        tc.copy_box(src, dst)
     positions = math.prod(n_out)
-    weights = DevBuf(w.ptr, (w.shape[0], ck), w.dtype, w.device)
-    for b in range(n):
-        col = DevBuf(cols.ptr + b * ck * positions * itemsize(cols.dtype), (ck, positions), cols.dtype, cols.device)
-        row = DevBuf(out.ptr + b * out.shape[1] * positions * itemsize(out.dtype), (out.shape[1], positions),
-                     out.dtype, out.device)
-        matmul(weights, col, row, stream)
+    # one strided-batched GEMM: the weights shared by every batch row's columns
+    matmul(DevBuf(w.ptr, (w.shape[0], ck), w.dtype, w.device),
+           DevBuf(cols.ptr, (n, ck, positions), cols.dtype, cols.device),
+           DevBuf(out.ptr, (n, out.shape[1], positions), out.dtype, out.device), stream)
 
 
 def _conv_dense(op: Any, f: FunctionSpec, ins: list, out: Any, stream: int) -> None:

@@ -98,8 +98,9 @@ def place(plan: LogicalPlan, op_id: int, placement: dict[int, tuple[int, ...]],
             need = fg.inputs[k]
             if need.is_empty:
                 continue
+            row = score[g]
             for box, device in blocks:
-                score[g][device] += need.intersect(box).volume * width
+                row[device] += need.overlap_volume(box) * width
     pairs = sorted(((g, d) for g in range(p) for d in range(devices)),
                    key=lambda gd: (-score[gd[0]][gd[1]], gd[0] != gd[1], gd))
     out: dict[int, int] = {}
@@ -375,8 +376,8 @@ class _Lowering:
         pending = sorted(prog.body,
                          key=lambda a: (aggregate_text(a.aggregate), str(a.source), [str(d) for d in a.dests]))
         while pending:
-            fired = []
-            for act in pending:
+            fired: list[int] = []  # positions in pending
+            for at, act in enumerate(pending):
                 sources = prog.sites_of(act.source, membership)
                 covers = {s: exact_cover(act.aggregate, held.get(s, ())) for s in sources}
                 if not sources or any(c is None for c in covers.values()):
@@ -400,11 +401,12 @@ class _Lowering:
                             dag.add("copy", d, (src_buf.id,), (b,), op=op, src_device=s,
                                     label=f"{program}: {aggregate_text(act.aggregate)} {s}->{d}")
                             hold(act.aggregate, d, b)
-                fired.append(act)
+                fired.append(at)
             if not fired:
                 raise ExchangeError(f"exchange program is not well-formed: {len(pending)} actions never fire, "
                                     f"e.g. {aggregate_text(pending[0].aggregate)} @ {pending[0].source}.")
-            pending = [a for a in pending if a not in fired]
+            done = set(fired)
+            pending = [a for at, a in enumerate(pending) if at not in done]
         return state
 
     def recompose(self, block: Box, pieces: list[tuple[Box, int]], device: int, tensor: int, op: int | None) -> int:

@@ -34,8 +34,9 @@ The gradient is the FlashAttention backward, built from the operators of
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -258,11 +259,29 @@ class AttentionOp(Operator):
         lo = np.clip(lo, 0, length)
         return lo, np.clip(hi, lo, length)
 
+    def _row_limits(self, row: int) -> tuple[int, int]:
+        """``_key_limits`` of one row, in plain integers (the planner asks for two rows per function spec)."""
+        length = self.input_types[1].shape[1]
+        lo, hi = 0, length
+        if self.seq_ends is not None:
+            which = bisect.bisect_right(self.seq_ends, row)
+            lo, hi = (0, *self.seq_ends)[which], self.seq_ends[which]
+        pos = row + self.offset
+        if self.is_causal:
+            hi = min(hi, pos + 1)
+        if self.window is not None:
+            lo = max(lo, pos - self.window + 1)
+            if not self.is_causal:
+                hi = min(hi, pos + self.window)
+        lo = min(max(lo, 0), length)
+        return lo, min(max(hi, lo), length)
+
     def key_range(self, rows: Interval) -> Interval:
         if rows.size == 0:
             return Interval(0, 0)
-        lo, hi = self._key_limits(np.array([rows.lo, rows.hi - 1]))
-        return Interval(int(lo[0]), int(max(hi[1], lo[0])))
+        lo, _ = self._row_limits(rows.lo)
+        _, hi = self._row_limits(rows.hi - 1)
+        return Interval(lo, max(hi, lo))
 
     def _segments(self, rows: Interval) -> list[tuple[int, int, int, int]]:
         """The rows split by packed sequence: (r0, r1, seq_start, seq_end) per piece."""
@@ -353,8 +372,8 @@ class AttentionOp(Operator):
         one = Interval(0, 1)
         return Box.from_intervals((b if t.shape[0] > 1 else one, hq if t.shape[1] > 1 else one, rows, keys))
 
-    def input_box(self, k: int, choice: Choice) -> Box:
-        b, h, hq, rows, keys = self._parts(choice)
+    def _box_of(self, k: int, parts: tuple[Interval, ...]) -> Box:
+        b, h, hq, rows, keys = parts
         t = self.input_types[k]
         if k >= self._MAIN:
             return self._extra_box(self.extras[k - self._MAIN], t, b, hq, rows, keys)
@@ -362,9 +381,24 @@ class AttentionOp(Operator):
             return Box.from_intervals((b, rows, hq, Interval(0, t.shape[3])))
         return Box.from_intervals((b, keys, h, Interval(0, t.shape[3])))
 
+    def input_box(self, k: int, choice: Choice) -> Box:
+        return self._box_of(k, self._parts(choice))
+
     def output_box(self, choice: Choice) -> Box:
         b, _, hq, rows, _ = self._parts(choice)
         return Box.from_intervals((b, rows, hq, Interval(0, self.output_type.shape[3])))
+
+    def box_maker(self) -> Callable[[Choice], tuple[tuple[Box, ...], Box]]:
+        if type(self).input_box is not AttentionOp.input_box or type(self).output_box is not AttentionOp.output_box:
+            return super().box_maker()  # the lse and gradient operators have blocks of their own
+        n, d = len(self.input_types), self.output_type.shape[3]
+
+        def boxes(choice: Choice) -> tuple[tuple[Box, ...], Box]:
+            parts = self._parts(choice)  # once for every block of the choice
+            b, _, hq, rows, _ = parts
+            return (tuple(self._box_of(k, parts) for k in range(n)),
+                    Box.from_intervals((b, rows, hq, Interval(0, d))))
+        return boxes
 
     def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
         qb, kb = inputs[0], inputs[1]

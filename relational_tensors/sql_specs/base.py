@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
@@ -129,6 +129,12 @@ class Operator:
     def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
         return float(output.volume)
 
+    def box_maker(self) -> Callable[[Choice], tuple[tuple[Box, ...], Box]]:
+        """(input blocks, output block) of a choice: ``input_box`` and ``output_box``, or a faster
+        equivalent that works out once what every function spec of one ``spec`` call shares."""
+        n = len(self.input_types)
+        return lambda choice: (tuple(self.input_box(k, choice) for k in range(n)), self.output_box(choice))
+
     def spec(self, request: IntervalRequest | None = None) -> JoinAggSpec:
         """The join-agg spec for ``request`` (index name -> intervals); absent indices stay whole."""
         request = dict(request or {})
@@ -141,10 +147,10 @@ class Operator:
             )
         lists = [s.check(request[s.name]) if s.name in request else (Interval(0, s.extent),) for s in idx]
         functions = []
+        boxes = self.box_maker()
         for coords in itertools.product(*(range(len(ivs)) for ivs in lists)):
             choice = {s.name: ivs[c] for s, ivs, c in zip(idx, lists, coords)}
-            ins = tuple(self.input_box(k, choice) for k in range(len(self.input_types)))
-            out = self.output_box(choice)
+            ins, out = boxes(choice)
             functions.append(FunctionSpec(ins, out, coords, self.flops(ins, out)))
         split = tuple((s.name, len(ivs)) for s, ivs in zip(idx, lists))
         return JoinAggSpec(self.input_types, self.output_type, tuple(functions), self.aggregation, split)
@@ -235,6 +241,25 @@ class IndexedOp(Operator):
 
     def input_box(self, k: int, choice: Choice) -> Box:
         return self._box(self.dims_in()[k], self.input_types[k].shape, choice)
+
+    def box_maker(self) -> Callable[[Choice], tuple[tuple[Box, ...], Box]]:
+        if type(self).input_box is not IndexedOp.input_box or type(self).output_box is not IndexedOp.output_box:
+            return super().box_maker()  # a subclass with boxes of its own
+        # per dimension: its index name (or None: whole) and size, for every input and the output
+        layouts = [tuple(zip(dims, t.shape)) for dims, t in zip((*self.dims_in(), self.dims_out()),
+                                                                 (*self.input_types, self.output_type))]
+
+        def boxes(choice: Choice) -> tuple[tuple[Box, ...], Box]:
+            made = []
+            for layout in layouts:
+                lower, upper = [], []
+                for name, size in layout:
+                    iv = choice.get(name) if name is not None else None
+                    lower.append(0 if iv is None else iv.lo)
+                    upper.append(size if iv is None else iv.hi)
+                made.append(Box._made(tuple(lower), tuple(upper)))
+            return tuple(made[:-1]), made[-1]
+        return boxes
 
     def output_box(self, choice: Choice) -> Box:
         return self._box(self.dims_out(), self.output_type.shape, choice)

@@ -7,6 +7,7 @@ matmul names its indices i, j, k as in the paper: ``i j, j k -> i k``.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +31,11 @@ def parse_einsum(subscripts: str, ranks: Sequence[int]) -> tuple[tuple[tuple[str
     >>> parse_einsum("ij,jk->ik", [2, 2])
     ((('i', 'j'), ('j', 'k')), ('i', 'k'))
     """
+    return _parse_einsum(subscripts, tuple(ranks))
+
+
+@functools.lru_cache(maxsize=1024)  # the planner asks for an operator's letters once per function spec
+def _parse_einsum(subscripts: str, ranks: tuple[int, ...]) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
     spec = subscripts.replace(" ", "")
     if "." in spec:
         raise GraphError(f"einsum ellipses are not supported; got {subscripts!r}. Write every index out.")
@@ -121,6 +127,13 @@ class EinsumOp(IndexedOp):
         return einsum_grads(self.kind, b, ins, out, inputs, cotangent, wanted)
 
 
+@functools.lru_cache(maxsize=64)
+def _matmul_letters(a_rank: int, b_rank: int) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
+    batch = tuple(f"b{n}" for n in range(a_rank - 2))
+    b_batch = batch if b_rank > 2 else ()
+    return ((*batch, "i", "j"), (*b_batch, "j", "k")), (*batch, "i", "k")
+
+
 @register
 @dataclass(frozen=True, eq=True)
 class MatmulOp(EinsumOp):
@@ -136,9 +149,7 @@ class MatmulOp(EinsumOp):
 
     def _parsed(self) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
         a, b = self.input_types
-        batch = tuple(f"b{n}" for n in range(a.rank - 2))
-        b_batch = batch if b.rank > 2 else ()
-        return ((*batch, "i", "j"), (*b_batch, "j", "k")), (*batch, "i", "k")
+        return _matmul_letters(a.rank, b.rank)
 
     def infer(self) -> TensorType:
         if len(self.input_types) != 2:

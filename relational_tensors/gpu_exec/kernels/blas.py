@@ -76,10 +76,12 @@ def _check(status: int, what: str) -> None:
 
 
 def matmul(a: DevBuf, b: DevBuf, out: DevBuf, stream_ptr: int) -> None:
-    """out[..., m, n] = a[..., m, k] @ b[k, n] or batched b[..., k, n]; all contiguous."""
+    """out[..., m, n] = a[..., m, k] @ b[k, n], batched a[..., m, k] @ b[..., k, n], or one a[m, k] shared
+    by batched b[..., k, n] (a convolution's weights against its im2col columns); all contiguous."""
     m, k = a.shape[-2], a.shape[-1]
     n = b.shape[-1]
-    batch = a.size // (m * k) if m * k else 0
+    shared_a = len(a.shape) == 2 and len(b.shape) > 2
+    batch = (b.size // (k * n) if shared_a else a.size // (m * k)) if m * k and k * n else 0
     if out.size == 0:
         return
     if k == 0:
@@ -98,7 +100,7 @@ def matmul(a: DevBuf, b: DevBuf, out: DevBuf, stream_ptr: int) -> None:
     status = lib.cublasGemmStridedBatchedEx(
         ctypes.c_void_p(handle), 0, 0, n, m, k, ctypes.c_void_p(_ONE[ctype].ctypes.data),
         ctypes.c_void_p(b.ptr), dt, n, stride_b,
-        ctypes.c_void_p(a.ptr), dt, k, m * k,
+        ctypes.c_void_p(a.ptr), dt, k, 0 if shared_a else m * k,
         ctypes.c_void_p(_ZERO[ctype].ctypes.data),
         ctypes.c_void_p(out.ptr), _CUDA_TYPE[out.dtype], n, m * n,
         batch, ctype, _GEMM_DEFAULT,
