@@ -91,24 +91,33 @@ def place(plan: LogicalPlan, op_id: int, placement: dict[int, tuple[int, ...]],
     if memo is not None and key in memo:
         return memo[key]
     p, devices = spec.p, plan.p  # fewer function specs than devices when the operator is too small
-    score = [[0] * devices for _ in range(p)]
+    # score[g, d]: bytes of the inputs of function spec g already on device d (integer overlap volumes of
+    # every needed block with every held block, on arrays: p x p intersections per input at p = 128)
+    score = np.zeros((p, devices), dtype=np.int64)
     for k, blocks in inputs:
-        width = itemsize(spec.input_types[k].dtype)
-        for g, fg in enumerate(spec.functions):
-            need = fg.inputs[k]
-            if need.is_empty:
-                continue
-            row = score[g]
-            for box, device in blocks:
-                row[device] += need.overlap_volume(box) * width
-    pairs = sorted(((g, d) for g in range(p) for d in range(devices)),
-                   key=lambda gd: (-score[gd[0]][gd[1]], gd[0] != gd[1], gd))
+        if not blocks:
+            continue
+        width, rank = itemsize(spec.input_types[k].dtype), spec.input_types[k].rank
+        need_lo, need_hi = (np.array([getattr(f.inputs[k], side) for f in spec.functions], dtype=np.int64)
+                            .reshape(p, rank) for side in ("lower", "upper"))
+        held_lo, held_hi = (np.array([getattr(box, side) for box, _ in blocks], dtype=np.int64)
+                            .reshape(len(blocks), rank) for side in ("lower", "upper"))
+        sides = (np.minimum(need_hi[:, None, :], held_hi[None, :, :])
+                 - np.maximum(need_lo[:, None, :], held_lo[None, :, :]))
+        overlap = np.prod(np.maximum(sides, 0), axis=2) * width  # [p, blocks]
+        np.add.at(score.T, np.array([d for _, d in blocks]), overlap.T)
+    gs, ds = np.divmod(np.arange(p * devices), devices)
+    # most co-resident bytes first, then the identity (g on device g), then by (g, d)
+    order = np.lexsort((ds, gs, gs != ds, -score.ravel()))
     out: dict[int, int] = {}
     used: set[int] = set()
-    for g, d in pairs:
+    for at in order.tolist():
+        g, d = divmod(at, devices)
         if g not in out and d not in used:
             out[g] = d
             used.add(d)
+            if len(out) == p:
+                break
     result = tuple(out[g] for g in range(p))
     if memo is not None:
         memo[key] = result
@@ -354,11 +363,15 @@ class _Lowering:
         """Tasks for a valid program: decompose, then fire actions in dataflow order."""
         dag = self.dag
         state: dict[tuple[frozenset[str], int], int] = {}
-        held: dict[int, list[frozenset[str]]] = {}  # site -> the aggregates it holds (state, indexed)
+        held: dict[int, set[frozenset[str]]] = {}  # site -> the aggregates it holds (state, indexed)
 
         def hold(agg: frozenset[str], site: int, buffer: int) -> None:
             state[(agg, site)] = buffer
-            held.setdefault(site, []).append(agg)
+            held.setdefault(site, set()).add(agg)
+
+        def cover_at(agg: frozenset[str], site: int) -> list[frozenset[str]] | None:
+            there = held.get(site, ())
+            return [agg] if agg in there else exact_cover(agg, there)  # mostly the aggregate itself
 
         by_buffer: dict[int, list[str]] = {}
         for name in sorted(atoms):
@@ -379,7 +392,7 @@ class _Lowering:
             fired: list[int] = []  # positions in pending
             for at, act in enumerate(pending):
                 sources = prog.sites_of(act.source, membership)
-                covers = {s: exact_cover(act.aggregate, held.get(s, ())) for s in sources}
+                covers = {s: cover_at(act.aggregate, s) for s in sources}
                 if not sources or any(c is None for c in covers.values()):
                     continue
                 for s in sources:

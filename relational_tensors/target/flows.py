@@ -80,6 +80,7 @@ class FlowNetwork(Generic[_K]):
         self.capacities: dict[str, float] = dict(capacities)
         self.now = float(now)
         self._flows: dict[_K, _Flow] = {}
+        self._stale = False  # flows started since the rates were last allocated
 
     # ---------------------------------------------------------------- public calls
 
@@ -107,12 +108,16 @@ class FlowNetwork(Generic[_K]):
             raise ExchangeError(f"flow {key!r} needs cap to be a number of bytes/s > 0 (inf for no cap); "
                                 f"got cap={cap!r}.")
         self._flows[key] = _Flow(res, float(nbytes), float(cap), self.now + float(latency))
-        self._allocate()
+        self._stale = True  # rates are a function of the flows present: the flows started together share one allocation
 
     def next_completion(self) -> float | None:
         """When the next flow will finish if no other flow starts; None when the network is empty."""
         if not self._flows:
             return None
+        self._fresh()
+        t = self._next_event()
+        if t is not None and self._finishing_by(t + _slack(t)):
+            return t  # the next event finishes a flow: no need to step a copy of the network to it
         probe = self._clone()
         while True:
             t = probe._next_event()
@@ -127,6 +132,7 @@ class FlowNetwork(Generic[_K]):
             raise ExchangeError(f"the clock moves to a finite time only; got t={t!r} while it is at {self.now!r}.")
         if t < self.now - _slack(self.now):
             raise ExchangeError(f"the clock only moves forward; got t={t!r} while it is at {self.now!r}.")
+        self._fresh()
         done: list[_K] = []
         while True:
             te = self._next_event()
@@ -142,12 +148,14 @@ class FlowNetwork(Generic[_K]):
 
     def active(self) -> dict[_K, float]:
         """Every unfinished flow and its current rate in bytes/s (0.0 while it waits out its latency)."""
+        self._fresh()
         return {k: f.rate for k, f in self._flows.items()}
 
     def rate(self, key: _K) -> float:
         """The current rate of one unfinished flow."""
         if key not in self._flows:
             raise ExchangeError(f"no unfinished flow is keyed {key!r}.")
+        self._fresh()
         return self._flows[key].rate
 
     def __len__(self) -> int:
@@ -155,10 +163,16 @@ class FlowNetwork(Generic[_K]):
 
     # ---------------------------------------------------------------- internals
 
+    def _fresh(self) -> None:
+        """Allocate the rates if flows started since they were last allocated."""
+        if self._stale:
+            self._allocate()
+
     def _clone(self) -> FlowNetwork[_K]:
         other: FlowNetwork[_K] = FlowNetwork.__new__(FlowNetwork)
         other.capacities = self.capacities
         other.now = self.now
+        other._stale = False
         other._flows = {k: _Flow(f.resources, f.remaining, f.cap, f.ready_at, f.rate) for k, f in self._flows.items()}
         return other
 
@@ -169,11 +183,28 @@ class FlowNetwork(Generic[_K]):
             return self.now
         return self.now + f.remaining / f.rate if f.rate > 0 else math.inf
 
+    def _finishing_by(self, limit: float) -> list[_K]:
+        """The flows that finish by ``limit``, in the network's order (``_finish_time`` inlined: the
+        whole-plan simulator asks at every event, over thousands of flows)."""
+        now, out = self.now, []
+        for k, f in self._flows.items():
+            if f.ready_at > now:
+                if f.remaining == 0 and f.ready_at <= limit:
+                    out.append(k)
+            elif f.remaining == 0 or f.rate == math.inf or (f.rate > 0 and now + f.remaining / f.rate <= limit):
+                out.append(k)
+        return out
+
     def _next_event(self) -> float | None:
         """The next time a flow starts drawing bandwidth or finishes."""
-        times = [f.ready_at for f in self._flows.values() if f.ready_at > self.now]
-        times += [self._finish_time(f) for f in self._flows.values()]
-        t = min(times, default=math.inf)
+        now, t = self.now, math.inf
+        for f in self._flows.values():  # min over ready times ahead and finish times (_finish_time inlined)
+            if f.ready_at > now:
+                t = min(t, f.ready_at)
+            elif f.remaining == 0 or f.rate == math.inf:
+                t = min(t, now)
+            elif f.rate > 0:
+                t = min(t, now + f.remaining / f.rate)
         return None if t == math.inf else t
 
     def _drain(self, t: float) -> None:
@@ -188,7 +219,7 @@ class FlowNetwork(Generic[_K]):
     def _step(self, t: float) -> list[_K]:
         """Advance to the event time ``t``: finish what ends there, then reallocate."""
         before = self.now
-        ending = [k for k, f in self._flows.items() if self._finish_time(f) <= t + _slack(t)]
+        ending = self._finishing_by(t + _slack(t))
         self._drain(max(t, self.now))
         if not ending and self.now == before:  # an event that is no event (a NaN time): it would repeat forever
             raise self._no_progress(f"the next event time is {t!r}")
@@ -211,6 +242,7 @@ class FlowNetwork(Generic[_K]):
 
     def _allocate(self) -> None:
         """Max-min fair rates by progressive filling over the flows that are drawing bandwidth."""
+        self._stale = False
         live = {k: f for k, f in self._flows.items() if f.ready_at <= self.now and f.remaining > 0}
         for f in self._flows.values():
             f.rate = 0.0
