@@ -5,6 +5,8 @@ operator over all devices by its join-agg specs.  This module only re-exports
 the public API; each name lives in the layer that owns it.
 """
 
+import logging as _logging
+
 import relational_tensors.optim as optim
 import relational_tensors.plans as plans
 from relational_tensors.compiler import CompiledGraph as CompiledGraph
@@ -62,3 +64,7 @@ __all__ = [
     "compileGraph", "compile", "CompiledGraph", "load_plan", "CompileOptions", "Target",
     "from_torch", "parallelize", "TorchGraph", "ParallelModule", "optim", "plans", "train_step", "TrainStep",
 ]
+
+# a library prints nothing unless asked: its loggers ("relational_tensors.compile": per-pass timings at INFO)
+# reach the application's handlers, never Python's last-resort stderr handler
+_logging.getLogger("relational_tensors").addHandler(_logging.NullHandler())

@@ -18,15 +18,16 @@ import argparse
 import contextlib
 import importlib
 import json
+import logging
 import math
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from relational_tensors.cli_output import Ui
 from relational_tensors.errors import CommandError, RelationalTensorsError
 from relational_tensors.model_file import load_graph, load_model
 
@@ -37,69 +38,6 @@ DEMO_TRACE = "relational_tensors_demo_trace.json"
 
 
 # ---------------------------------------------------------------------------------------------- output
-
-
-@dataclass
-class _Ui:
-    """Where output goes: rich text for people, JSON for programs, errors on stderr."""
-
-    json: bool
-    quiet: bool
-    debug: bool
-
-    def __post_init__(self) -> None:
-        from rich.console import Console
-
-        # piped output gets a width that fits the plan table instead of rich's default 80 columns
-        self.out = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
-        self.err = Console(stderr=True, highlight=False)
-
-    @property
-    def people(self) -> bool:
-        """True when decorated, human output is wanted."""
-        return not (self.json or self.quiet)
-
-    def say(self, text: str, markup: bool = True) -> None:
-        if self.people:
-            self.out.print(text, markup=markup)
-
-    def text(self, text: str) -> None:
-        """Already-formatted text (tables), printed unchanged unless --json."""
-        if not self.json:
-            self.out.file.write(text if text.endswith("\n") else text + "\n")
-
-    def result(self, obj: Any) -> None:
-        print(json.dumps(_strict_json(obj), indent=1, default=_jsonable, allow_nan=False))
-
-    @contextlib.contextmanager
-    def status(self, what: str) -> Iterator[None]:
-        """A spinner on stderr while something runs, for people at a terminal only."""
-        if self.people and self.err.is_terminal:
-            with self.err.status(what):
-                yield
-        else:
-            yield
-
-
-def _strict_json(x: Any) -> Any:
-    """``x`` with every NaN or infinite float as null: JSON has no spelling for them."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _strict_json(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_strict_json(v) for v in x]
-    return x
-
-
-def _jsonable(x: Any) -> Any:
-    if hasattr(x, "isoformat"):
-        return x.isoformat()
-    if hasattr(x, "item"):
-        return _strict_json(x.item())
-    if isinstance(x, (bytes, bytearray)):
-        return x.hex()
-    return str(x)
 
 
 def _seconds(t: float) -> str:
@@ -178,7 +116,7 @@ def _topology_name(topology: Any) -> str:
 # ---------------------------------------------------------------------------------------------- compiling
 
 
-def _compile(args: argparse.Namespace, ui: _Ui, graph: Any) -> Any:
+def _compile(args: argparse.Namespace, ui: Ui, graph: Any) -> Any:
     import relational_tensors as rt
 
     device = _device_arg(args.devices)
@@ -192,7 +130,7 @@ def _compile(args: argparse.Namespace, ui: _Ui, graph: Any) -> Any:
             raise CommandError(f"--constraint is NAME=VALUE (an operator's split or an input's layout, e.g. "
                                f"attention=heads_kv=8 or x=S(0)); got {text!r}.")
         constraints[target] = value
-    with ui.status(f"planning {len(graph.operators)} operators for {device or 'every GPU'}"):
+    with ui.compiling(f"planning {len(graph.operators)} operators for {device or 'every GPU'}"):
         cg = rt.compileGraph(graph, device=device, selector=args.selector, seed=args.seed,
                              cost_model=args.cost_model, memory_per_device=args.memory_per_device,
                              catalog=args.catalog, tactic=args.tactic, schedule_mode=args.schedule,
@@ -205,7 +143,7 @@ def _compile(args: argparse.Namespace, ui: _Ui, graph: Any) -> Any:
     return cg
 
 
-def _load_and_compile(args: argparse.Namespace, ui: _Ui) -> Any:
+def _load_and_compile(args: argparse.Namespace, ui: Ui) -> Any:
     args.topology_value = _topology_arg(args.topology)  # an unknown topology fails before any work
     # whatever the model file prints goes to stderr, so that --json output stays parseable
     with ui.status(f"loading {args.file}"), contextlib.redirect_stdout(sys.stderr if ui.json else sys.stdout):
@@ -219,14 +157,14 @@ def _summary(cg: Any, args: argparse.Namespace) -> dict[str, Any]:
             "planning_s": sum(cg.timings.values())}
 
 
-def _width(ui: _Ui) -> int:
+def _width(ui: Ui) -> int:
     return max(ui.out.width, 100)
 
 
 # ---------------------------------------------------------------------------------------------- commands
 
 
-def cmd_run(args: argparse.Namespace, ui: _Ui) -> int:
+def cmd_run(args: argparse.Namespace, ui: Ui) -> int:
     """Plan and run a model file (--devices dist under torchrun: one process per device, rank 0 reports)."""
     import numpy as np
 
@@ -275,7 +213,7 @@ def cmd_run(args: argparse.Namespace, ui: _Ui) -> int:
     return 0 if ok else 1
 
 
-def cmd_plan(args: argparse.Namespace, ui: _Ui) -> int:
+def cmd_plan(args: argparse.Namespace, ui: Ui) -> int:
     from relational_tensors.visualize import plan_rows, plan_table
 
     cg = _load_and_compile(args, ui)
@@ -302,7 +240,7 @@ def cmd_plan(args: argparse.Namespace, ui: _Ui) -> int:
     return 0
 
 
-def cmd_explain(args: argparse.Namespace, ui: _Ui) -> int:
+def cmd_explain(args: argparse.Namespace, ui: Ui) -> int:
     from relational_tensors.visualize import plan_rows, plan_table
 
     cg = _load_and_compile(args, ui)
@@ -314,7 +252,7 @@ def cmd_explain(args: argparse.Namespace, ui: _Ui) -> int:
     return 0
 
 
-def cmd_simulate(args: argparse.Namespace, ui: _Ui) -> int:
+def cmd_simulate(args: argparse.Namespace, ui: Ui) -> int:
     cg = _load_and_compile(args, ui)
     topo = _topology_name(args.topology_value)
     with ui.status(f"simulating on {topo}"):
@@ -329,7 +267,7 @@ def cmd_simulate(args: argparse.Namespace, ui: _Ui) -> int:
     return 0
 
 
-def cmd_trace(args: argparse.Namespace, ui: _Ui) -> int:
+def cmd_trace(args: argparse.Namespace, ui: Ui) -> int:
     cg = _load_and_compile(args, ui)
     topo = _topology_name(args.topology_value)
     with ui.status(f"simulating on {topo}"):
@@ -346,7 +284,7 @@ def cmd_trace(args: argparse.Namespace, ui: _Ui) -> int:
     return 0
 
 
-def cmd_exchange(args: argparse.Namespace, ui: _Ui) -> int:
+def cmd_exchange(args: argparse.Namespace, ui: Ui) -> int:
     cg = _load_and_compile(args, ui)
     programs = cg.exchange_programs()
     name = args.op
@@ -374,7 +312,7 @@ def cmd_exchange(args: argparse.Namespace, ui: _Ui) -> int:
     return 0
 
 
-def _render_table(table: Any, ui: _Ui, caption: str | None) -> str:
+def _render_table(table: Any, ui: Ui, caption: str | None) -> str:
     import io
 
     from rich.console import Console
@@ -414,7 +352,7 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
-def cmd_sql(args: argparse.Namespace, ui: _Ui) -> int:
+def cmd_sql(args: argparse.Namespace, ui: Ui) -> int:
     """SQL on a catalog file: the statements of QUERY, of ``-f FILE`` or of stdin (split by DuckDB's own
     statement splitter), each result shown; the file is opened read-only unless ``--write``."""
     from relational_tensors.catalog import Catalog
@@ -461,7 +399,7 @@ _WRITES = ("INSERT", "UPDATE", "DELETE", "CREATE", "DROP", "ALTER", "COPY", "ATT
            "CHECKPOINT", "COMMENT", "TRUNCATE", "MERGE")
 
 
-def _run_statement(cat: Any, query: str, ui: _Ui, args: argparse.Namespace) -> dict[str, Any]:
+def _run_statement(cat: Any, query: str, ui: Ui, args: argparse.Namespace) -> dict[str, Any]:
     from relational_tensors.errors import CatalogError
 
     t0 = time.perf_counter()
@@ -498,7 +436,7 @@ def _csv(table: Any) -> str:
     return buf.getvalue().decode()
 
 
-def _prompt(cat: Any, ui: _Ui, args: argparse.Namespace) -> int:
+def _prompt(cat: Any, ui: Ui, args: argparse.Namespace) -> int:
     """Read statements from the terminal until EOF or ``.quit``: a statement runs once a line ends it with
     ``;``; errors are reported and reading goes on."""
     if ui.people:
@@ -528,7 +466,7 @@ def _prompt(cat: Any, ui: _Ui, args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_query(args: argparse.Namespace, ui: _Ui) -> int:
+def cmd_query(args: argparse.Namespace, ui: Ui) -> int:
     """A named query of ``sql/queries`` over one compilation of a catalog file (the latest by default)."""
     from relational_tensors.catalog import Catalog
 
@@ -564,7 +502,7 @@ def cmd_query(args: argparse.Namespace, ui: _Ui) -> int:
         cat.close()
 
 
-def cmd_calibrate(args: argparse.Namespace, ui: _Ui) -> int:
+def cmd_calibrate(args: argparse.Namespace, ui: Ui) -> int:
     name = "relational_tensors.gpu_exec.calibrate"
     try:
         module = importlib.import_module(name)
@@ -575,7 +513,7 @@ def cmd_calibrate(args: argparse.Namespace, ui: _Ui) -> int:
     return int(module.main(list(args.rest)) or 0)
 
 
-def cmd_demo(args: argparse.Namespace, ui: _Ui) -> int:
+def cmd_demo(args: argparse.Namespace, ui: Ui) -> int:
     import numpy as np
 
     import relational_tensors as rt
@@ -710,7 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
     _global_flags(parser, here=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, func: Callable[[argparse.Namespace, _Ui], int], help: str,
+    def add(name: str, func: Callable[[argparse.Namespace, Ui], int], help: str,
             **kw: Any) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help, **kw)
         _global_flags(p, here=False)
@@ -782,7 +720,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.rest = argv[command + 1:]
     else:
         args = parser.parse_args(argv)
-    ui = _Ui(json=args.json, quiet=args.quiet, debug=args.debug)
+    ui = Ui(json=args.json, quiet=args.quiet, debug=args.debug)
+    if args.debug:  # the library's own log (per-pass timings) on stderr too
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     try:
         return int(args.func(args, ui))
     except KeyboardInterrupt:

@@ -448,3 +448,26 @@ def test_every_named_query_runs_from_the_command_line(catalog: Path) -> None:
     one_line_error(run_cli("query", catalog, "plan_diff"), "not given")
     one_line_error(run_cli("query", catalog, "no_such_query"), "no named query")
     one_line_error(run_cli("query", catalog, "repartitions", "--param", "bad"), "NAME=VALUE")
+
+
+def test_a_long_compile_shows_its_passes_and_the_library_prints_nothing(monkeypatch, capsys, caplog) -> None:
+    import io
+    import logging
+
+    from rich.console import Console
+
+    g = llama_block(1, 64, 64, 4, 2, 128)
+    clock = iter(range(0, 10_000, 2))  # every reading two seconds later: the bar appears at the first pass
+    from relational_tensors import cli_output
+
+    monkeypatch.setattr(cli_output.time, "monotonic", lambda: float(next(clock)))
+    ui = cli.Ui(json=False, quiet=False, debug=False)
+    buf = io.StringIO()
+    ui.err = Console(file=buf, force_terminal=True, width=120)
+    with caplog.at_level(logging.INFO, logger="relational_tensors.compile"), ui.compiling("planning"):
+        rt.compileGraph(g, device="cpu:2")
+    assert "passes" in buf.getvalue() and "planning: " in buf.getvalue()
+    timed = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert any(m.startswith("pass lower") for m in timed) and timed[-1].startswith("compiled ")
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ""  # nothing printed by the library itself

@@ -80,7 +80,7 @@ class KernelModel:
         Every problem with the file -- missing, not JSON, a field of the wrong shape or a rate that is
         not a finite positive number -- is an :class:`ExchangeError` naming the file and the field."""
         if path is None:
-            shipped = CALIBRATIONS / f"{topology.machine}.json"
+            shipped = CALIBRATIONS / f"{topology.gpu_machine}.json"
             if not shipped.exists():
                 return KernelModel(topology)
             path = shipped

@@ -118,6 +118,7 @@ class Topology:
     launch_latency: float
     resources: Mapping[str, float] = field(hash=False)
     routes: Mapping[tuple[int, int], Route] = field(hash=False, repr=False)
+    chip: str = ""  # the machine whose GPUs these are, for their calibration ("" = this machine's own)
 
     def __post_init__(self) -> None:
         # every number is checked here, once, so that no simulator or cost model meets a NaN, an infinity,
@@ -220,6 +221,12 @@ class Topology:
         calibration, are the machine's."""
         return self.name.split("[", 1)[0]
 
+    @property
+    def gpu_machine(self) -> str:
+        """The machine whose GPUs these are: ``chip`` where given (a 72-GPU domain of H200s uses the
+        HGX H200's calibration), else this machine."""
+        return self.chip or self.machine
+
     def subset(self, sites: Iterable[int], name: str | None = None) -> Topology:
         """The same machine restricted to ``sites``; resources no kept route uses are dropped."""
         keep = tuple(sites)
@@ -230,7 +237,7 @@ class Topology:
         used = {r for route in routes.values() for r in route.resources}
         return Topology(name or f"{self.name}[{len(keep)}]", keep, self.hbm_bandwidth, self.memory_bytes,
                         self.peak_flops, self.launch_latency,
-                        {r: c for r, c in self.resources.items() if r in used}, routes)
+                        {r: c for r, c in self.resources.items() if r in used}, routes, self.chip)
 
     # ---------------------------------------------------------------- files
 
@@ -247,6 +254,7 @@ class Topology:
             "resources": dict(self.resources),
             "routes": [{"src": s, "dst": d, "resources": list(r.resources), "latency": r.latency}
                        for (s, d), r in sorted(self.routes.items())],
+            **({"chip": self.chip} if self.chip else {}),
         }, indent=1)
 
     @staticmethod
@@ -320,6 +328,10 @@ def _from_document(doc: object, origin: str) -> Topology:
     fmt = doc.get("format", _FORMAT)
     if fmt != _FORMAT:
         raise ExchangeError(f"unknown topology format {show(fmt)}; expected {_FORMAT!r}.")
+    if "builder" in doc:  # a machine described by its builder's parameters (target/machines.py)
+        from relational_tensors.target.machines import from_builder
+
+        return from_builder(doc)
     name, sites = need("name"), need("sites")
     if not isinstance(sites, list):
         raise ExchangeError(f"sites must be a list of site ids (integers >= 0); got {type(sites).__name__} "
@@ -357,7 +369,11 @@ def _from_document(doc: object, origin: str) -> Topology:
         if not is_number(latency):
             raise ExchangeError(f"routes[{i}].latency must be a number of seconds; got {show(latency)}.")
         routes[pair] = Route(tuple(res), latency)
-    return Topology(name, tuple(sites), hbm, memory, flops, launch, resources, routes)
+    chip = doc.get("chip", "")
+    if not isinstance(chip, str):
+        raise ExchangeError(f"chip must be the name of the machine whose GPUs these are (a string); got "
+                            f"{show(chip)}.")
+    return Topology(name, tuple(sites), hbm, memory, flops, launch, resources, routes, chip)
 
 
 def _site_ids(where: str, sites: object) -> tuple[int, ...]:
@@ -427,7 +443,7 @@ def _gpus(name: str, gpus: object) -> int:
 
 def nvswitch(name: str, gpus: int, link_bandwidth: float, hbm_bandwidth: float, memory_bytes: int,
              peak_flops: Mapping[str, float], latency: float = NVLINK_LATENCY,
-             launch_latency: float = LAUNCH_LATENCY) -> Topology:
+             launch_latency: float = LAUNCH_LATENCY, chip: str = "") -> Topology:
     """A non-blocking all-to-all switch: a transfer contends only at its two endpoints.
 
     Every GPU has ``egress(i)`` and ``ingress(i)`` of ``link_bandwidth`` bytes/s per direction.
@@ -435,7 +451,7 @@ def nvswitch(name: str, gpus: int, link_bandwidth: float, hbm_bandwidth: float, 
     sites = tuple(range(_gpus(name, gpus)))
     resources = {f"{kind}({i})": link_bandwidth for i in sites for kind in ("egress", "ingress")}
     routes = {(s, d): Route((f"egress({s})", f"ingress({d})"), latency) for s in sites for d in sites if s != d}
-    return Topology(name, sites, hbm_bandwidth, memory_bytes, peak_flops, launch_latency, resources, routes)
+    return Topology(name, sites, hbm_bandwidth, memory_bytes, peak_flops, launch_latency, resources, routes, chip)
 
 
 def pcie_server(name: str, gpus: int, bridge_bandwidth: float, port_bandwidth: float, hbm_bandwidth: float,
@@ -528,7 +544,7 @@ def multi_node(base: str | Topology, nodes: int, network_bandwidth: float,
             path += [f"ingress({d})"] if f"ingress({d % k})" in b.resources else []
             routes[(s, d)] = Route(tuple(path), network_latency)
     return Topology(name or f"{nodes}x-{b.name}", tuple(range(nodes * k)), b.hbm_bandwidth, b.memory_bytes,
-                    b.peak_flops, b.launch_latency, resources, routes)
+                    b.peak_flops, b.launch_latency, resources, routes, b.gpu_machine)
 
 
 def _registry() -> dict[str, Topology]:
@@ -544,6 +560,9 @@ def _registry() -> dict[str, Topology]:
     reg = {t.name: t for t in tops}
     # 400 Gb/s per node: 50 GB/s each direction.
     reg["2x-dgx-h100"] = multi_node(reg["dgx-h100"], 2, 50 * GB)
+    from relational_tensors.target.machines import shipped_machines  # after the builders it uses
+
+    reg.update(shipped_machines(reg))
     return reg
 
 
@@ -591,7 +610,7 @@ def get_topology(name: str | Topology, gpus: int | None = None) -> Topology:
         # the same GPUs on a larger non-blocking switch: what a plan for more logical devices than the
         # machine has GPUs (cpu:16, say) is priced against; the name keeps the GPUs' calibration
         return nvswitch(top.name, gpus, switch[0], top.hbm_bandwidth, top.memory_bytes, top.peak_flops,
-                        switch[1], top.launch_latency)
+                        switch[1], top.launch_latency, top.chip)
     return top.subset(top.sites[:gpus])
 
 
