@@ -254,9 +254,8 @@ class _Poisoned(FlowNetwork[str]):
 
     def _allocate(self) -> None:
         super()._allocate()
-        for f in self._flows.values():
-            if f.ready_at <= self.now and f.remaining > 0:
-                setattr(f, self.poison, NAN)
+        drawing = self._alive & (self._ready <= self.now) & (self._remaining > 0)
+        getattr(self, f"_{self.poison}")[drawing] = NAN
 
 
 @pytest.mark.parametrize("poison", ["rate", "remaining"])
