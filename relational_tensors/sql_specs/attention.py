@@ -34,7 +34,6 @@ The gradient is the FlashAttention backward, built from the operators of
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -259,29 +258,12 @@ class AttentionOp(Operator):
         lo = np.clip(lo, 0, length)
         return lo, np.clip(hi, lo, length)
 
-    def _row_limits(self, row: int) -> tuple[int, int]:
-        """``_key_limits`` of one row, in plain integers (the planner asks for two rows per function spec)."""
-        length = self.input_types[1].shape[1]
-        lo, hi = 0, length
-        if self.seq_ends is not None:
-            which = bisect.bisect_right(self.seq_ends, row)
-            lo, hi = (0, *self.seq_ends)[which], self.seq_ends[which]
-        pos = row + self.offset
-        if self.is_causal:
-            hi = min(hi, pos + 1)
-        if self.window is not None:
-            lo = max(lo, pos - self.window + 1)
-            if not self.is_causal:
-                hi = min(hi, pos + self.window)
-        lo = min(max(lo, 0), length)
-        return lo, min(max(hi, lo), length)
-
     def key_range(self, rows: Interval) -> Interval:
         if rows.size == 0:
             return Interval(0, 0)
-        lo, _ = self._row_limits(rows.lo)
-        _, hi = self._row_limits(rows.hi - 1)
-        return Interval(lo, max(hi, lo))
+        lo, hi = _all_limits(self)  # every row's range, once per operator
+        first = int(lo[rows.lo])
+        return Interval(first, max(int(hi[rows.hi - 1]), first))
 
     def _segments(self, rows: Interval) -> list[tuple[int, int, int, int]]:
         """The rows split by packed sequence: (r0, r1, seq_start, seq_end) per piece."""
@@ -384,20 +366,21 @@ class AttentionOp(Operator):
     def input_box(self, k: int, choice: Choice) -> Box:
         return self._box_of(k, self._parts(choice))
 
-    def output_box(self, choice: Choice) -> Box:
-        b, _, hq, rows, _ = self._parts(choice)
+    def _output_of(self, parts: tuple[Interval, ...]) -> Box:
+        b, _, hq, rows, _ = parts
         return Box.from_intervals((b, rows, hq, Interval(0, self.output_type.shape[3])))
+
+    def output_box(self, choice: Choice) -> Box:
+        return self._output_of(self._parts(choice))
 
     def box_maker(self) -> Callable[[Choice], tuple[tuple[Box, ...], Box]]:
         if type(self).input_box is not AttentionOp.input_box or type(self).output_box is not AttentionOp.output_box:
             return super().box_maker()  # the lse and gradient operators have blocks of their own
-        n, d = len(self.input_types), self.output_type.shape[3]
+        n = len(self.input_types)
 
         def boxes(choice: Choice) -> tuple[tuple[Box, ...], Box]:
             parts = self._parts(choice)  # once for every block of the choice
-            b, _, hq, rows, _ = parts
-            return (tuple(self._box_of(k, parts) for k in range(n)),
-                    Box.from_intervals((b, rows, hq, Interval(0, d))))
+            return tuple(self._box_of(k, parts) for k in range(n)), self._output_of(parts)
         return boxes
 
     def flops(self, inputs: tuple[Box, ...], output: Box) -> float:

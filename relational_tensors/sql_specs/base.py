@@ -236,8 +236,14 @@ class IndexedOp(Operator):
 
     @staticmethod
     def _box(dims: Sequence[str | None], shape: Sequence[int], choice: Choice) -> Box:
-        ivs = [choice[n] if n is not None and n in choice else Interval(0, s) for n, s in zip(dims, shape)]
-        return Box.from_intervals(ivs)
+        """The block of a tensor with indices ``dims`` and ``shape``: the chosen interval of each index, whole
+        along the others (and along broadcast dimensions, ``None``)."""
+        lower, upper = [], []
+        for name, size in zip(dims, shape):
+            iv = choice.get(name) if name is not None else None
+            lower.append(0 if iv is None else iv.lo)
+            upper.append(size if iv is None else iv.hi)
+        return Box._made(tuple(lower), tuple(upper))
 
     def input_box(self, k: int, choice: Choice) -> Box:
         return self._box(self.dims_in()[k], self.input_types[k].shape, choice)
@@ -245,21 +251,11 @@ class IndexedOp(Operator):
     def box_maker(self) -> Callable[[Choice], tuple[tuple[Box, ...], Box]]:
         if type(self).input_box is not IndexedOp.input_box or type(self).output_box is not IndexedOp.output_box:
             return super().box_maker()  # a subclass with boxes of its own
-        # per dimension: its index name (or None: whole) and size, for every input and the output
-        layouts = [tuple(zip(dims, t.shape)) for dims, t in zip((*self.dims_in(), self.dims_out()),
-                                                                 (*self.input_types, self.output_type))]
-
-        def boxes(choice: Choice) -> tuple[tuple[Box, ...], Box]:
-            made = []
-            for layout in layouts:
-                lower, upper = [], []
-                for name, size in layout:
-                    iv = choice.get(name) if name is not None else None
-                    lower.append(0 if iv is None else iv.lo)
-                    upper.append(size if iv is None else iv.hi)
-                made.append(Box._made(tuple(lower), tuple(upper)))
-            return tuple(made[:-1]), made[-1]
-        return boxes
+        # the indices and shapes of every input and the output, worked out once for the whole spec
+        ins = tuple(zip(self.dims_in(), (t.shape for t in self.input_types)))
+        out = (self.dims_out(), self.output_type.shape)
+        box = IndexedOp._box
+        return lambda choice: (tuple(box(d, s, choice) for d, s in ins), box(*out, choice))
 
     def output_box(self, choice: Choice) -> Box:
         return self._box(self.dims_out(), self.output_type.shape, choice)

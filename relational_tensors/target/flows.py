@@ -279,7 +279,7 @@ class FlowNetwork(Generic[_K]):
     def _no_progress(self, why: str) -> ExchangeError:
         """The error of a simulation that cannot move on, naming the flows that hold it up."""
         finish = self._finish_times()
-        flows = {k: i for k, i in self._slot.items()}
+        flows = dict(self._slot)
         stuck = {k: i for k, i in flows.items() if not math.isfinite(finish[i])
                  or not (math.isfinite(self._remaining[i]) and self._rate[i] == self._rate[i])}
         flows = stuck or flows

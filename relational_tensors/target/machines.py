@@ -32,7 +32,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from relational_tensors.core.numbers import is_integer
 from relational_tensors.errors import ExchangeError
 from relational_tensors.target.topology import (
     LAUNCH_LATENCY,
@@ -41,6 +40,7 @@ from relational_tensors.target.topology import (
     Route,
     Topology,
     _positive,
+    node_copies,
     nvswitch,
     show,
 )
@@ -55,29 +55,10 @@ def rails(base: Topology, nodes: int, nic_bandwidth: float, network_latency: flo
     """``nodes`` copies of ``base`` joined by one NIC per GPU, rail-aligned (see the module's text).
 
     Site ``node * gpus_per_node + i`` is GPU ``i`` of ``node``; inside a node the base's routes apply."""
+    resources, routes = node_copies(base, nodes, "rails")
     k = len(base.sites)
-    if base.sites != tuple(range(k)):
-        raise ExchangeError(f"rails needs a base whose sites are 0..{k - 1}; got {base.sites} for {base.name!r}.")
-    if not is_integer(nodes) or nodes < 1:
-        raise ExchangeError(f"rails needs a whole number of nodes >= 1; got nodes={show(nodes)}.")
     nic = _positive(f"rails of {base.name!r}", "nic_bandwidth", nic_bandwidth, "bytes/s per NIC and direction")
-    resources: dict[str, float] = {}
-    routes: dict[tuple[int, int], Route] = {}
     n_sites = nodes * k
-
-    def renamed(resource: str, off: int) -> str:
-        head, _, rest = resource.partition("(")
-        if not rest:
-            return f"{resource}[node {off // k}]"
-        ids = "".join(str(int(x) + off) if x.isdigit() else x for x in _split_digits(rest[:-1]))
-        return f"{head}({ids})"
-
-    for node in range(nodes):
-        off = node * k
-        for r, c in base.resources.items():
-            resources[renamed(r, off)] = c
-        for (s, d), route in base.routes.items():
-            routes[(s + off, d + off)] = Route(tuple(renamed(r, off) for r in route.resources), route.latency)
     for s in range(n_sites):
         resources[f"nic_out({s})"] = nic
         resources[f"nic_in({s})"] = nic
@@ -94,17 +75,6 @@ def rails(base: Topology, nodes: int, nic_bandwidth: float, network_latency: flo
                                        inner.latency + network_latency)
     return Topology(name or f"{nodes}x-{base.name}-rails", tuple(range(n_sites)), base.hbm_bandwidth,
                     base.memory_bytes, base.peak_flops, base.launch_latency, resources, routes, base.gpu_machine)
-
-
-def _split_digits(text: str) -> list[str]:
-    """``"12->3"`` as ``["12", "->", "3"]``: runs of digits and of everything else."""
-    out: list[str] = []
-    for ch in text:
-        if out and out[-1][-1].isdigit() == ch.isdigit():
-            out[-1] += ch
-        else:
-            out.append(ch)
-    return out
 
 
 _BUILDERS = {
@@ -134,9 +104,7 @@ def from_builder(doc: Mapping[str, Any], known: Mapping[str, Topology] | None = 
     if not isinstance(chip, str):
         raise ExchangeError(f"chip must be the name of the machine whose GPUs these are; got {show(chip)}.")
     if builder == "nvswitch":
-        memory = doc["memory_bytes"]
-        return nvswitch(name, doc["gpus"], doc["link_bandwidth"], doc["hbm_bandwidth"],
-                        int(memory) if isinstance(memory, float) and memory.is_integer() else memory,
+        return nvswitch(name, doc["gpus"], doc["link_bandwidth"], doc["hbm_bandwidth"], doc["memory_bytes"],
                         doc["peak_flops"], doc.get("latency", NVLINK_LATENCY),
                         doc.get("launch_latency", LAUNCH_LATENCY), chip)
     base_name = doc["base"]

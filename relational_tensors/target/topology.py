@@ -502,6 +502,25 @@ def _renumber(resource: str, node: int, offset: int) -> str:
     return f"{m.group(1)}({ids})"
 
 
+def node_copies(base: Topology, nodes: int, who: str) -> tuple[dict[str, float], dict[tuple[int, int], Route]]:
+    """The resources and routes of ``nodes`` copies of ``base`` (sites ``0..k-1``), renumbered: site
+    ``node * k + i`` is GPU ``i`` of ``node``.  What the builders of several nodes (``who``) start from."""
+    k = len(base.sites)
+    if base.sites != tuple(range(k)):
+        raise ExchangeError(f"{who} needs a base whose sites are 0..{k - 1}; got {base.sites} for {base.name!r}.")
+    if not is_integer(nodes) or nodes < 1:
+        raise ExchangeError(f"{who} needs a whole number of nodes >= 1; got nodes={show(nodes)}.")
+    resources: dict[str, float] = {}
+    routes: dict[tuple[int, int], Route] = {}
+    for n in range(nodes):
+        off = n * k
+        for r, c in base.resources.items():
+            resources[_renumber(r, n, off)] = c
+        for (s, d), route in base.routes.items():
+            routes[(s + off, d + off)] = Route(tuple(_renumber(r, n, off) for r in route.resources), route.latency)
+    return resources, routes
+
+
 def multi_node(base: str | Topology, nodes: int, network_bandwidth: float,
                network_latency: float = NETWORK_LATENCY, name: str | None = None) -> Topology:
     """``nodes`` copies of a server joined by a network of ``network_bandwidth`` bytes/s per node and direction.
@@ -516,22 +535,12 @@ def multi_node(base: str | Topology, nodes: int, network_bandwidth: float,
     (('egress(0)', 'node_out[0]', 'node_in[1]', 'ingress(9)'), 50000000000.0)
     """
     b = get_topology(base) if isinstance(base, str) else base
+    resources, routes = node_copies(b, nodes, "multi_node")
     k = len(b.sites)
-    if b.sites != tuple(range(k)):
-        raise ExchangeError(f"multi_node needs a base whose sites are 0..{k - 1}; got {b.sites} for {b.name!r}.")
-    if not is_integer(nodes) or nodes < 1:
-        raise ExchangeError(f"multi_node needs a whole number of nodes >= 1; got nodes={show(nodes)}.")
     where = f"multi_node of {b.name!r}"
     network_bandwidth = _positive(where, "network_bandwidth", network_bandwidth, "bytes/s per node and direction")
     network_latency = _duration(where, "network_latency", network_latency)
-    resources: dict[str, float] = {}
-    routes: dict[tuple[int, int], Route] = {}
     for n in range(nodes):
-        off = n * k
-        for r, c in b.resources.items():
-            resources[_renumber(r, n, off)] = c
-        for (s, d), route in b.routes.items():
-            routes[(s + off, d + off)] = Route(tuple(_renumber(r, n, off) for r in route.resources), route.latency)
         resources[f"node_out[{n}]"] = network_bandwidth
         resources[f"node_in[{n}]"] = network_bandwidth
     for s in range(nodes * k):
