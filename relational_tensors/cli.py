@@ -188,6 +188,7 @@ def cmd_run(args: argparse.Namespace, ui: Ui) -> int:
             times.append(time.perf_counter() - t1)
         outs = {name: np.asarray(cg.offload(name)) for name in graph.outputs}
     ran = time.perf_counter() - t0
+    cg.close()  # a distributed run: every rank done, the group torn down before any process exits
     want = rt.reference(graph, feeds) if args.check else {}
     rows, ok = [], True
     for name, out in outs.items():

@@ -231,6 +231,14 @@ class CompiledGraph:
         if hasattr(ex, "synchronize"):
             ex.synchronize()
 
+    def close(self) -> None:
+        """Release what running needed: under ``device="dist"``, wait for every rank and tear down the
+        process group the compile initialized (a group passed as ``process_group=`` stays up).  Call it on
+        every rank, after the last ``offload``."""
+        ex = self._executor
+        if ex is not None and hasattr(ex, "close"):
+            ex.close()
+
     def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
         """load, execute and offload every saved output."""
         self.load(feeds)

@@ -24,9 +24,9 @@ __all__ = ["compile_distributed", "DEFAULT_TIMEOUT_S"]
 DEFAULT_TIMEOUT_S = 300.0  # seconds a rank waits for a transfer before the run ends with an ExecError
 
 
-def _group(process_group: Any, timeout: float) -> tuple[Any, Any]:
-    """torch.distributed and the process group to run in (initializing the default one from torchrun's
-    environment when none is)."""
+def _group(process_group: Any, timeout: float) -> tuple[Any, Any, bool]:
+    """torch.distributed, the process group to run in, and whether this call initialized it (the default
+    group, from torchrun's environment, when none is)."""
     try:
         import torch.distributed as dist
     except ImportError:
@@ -38,7 +38,7 @@ def _group(process_group: Any, timeout: float) -> tuple[Any, Any]:
         if callable(mesh) and getattr(process_group, "ndim", 1) != 1:
             raise GraphError(f"process_group takes a process group or a one-dimensional DeviceMesh; got a mesh of "
                              f"{process_group.ndim} dimensions. Pass mesh.get_group(dim) for the axis to plan over.")
-        return dist, group
+        return dist, group, False
     if not dist.is_initialized():
         missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
         if missing:
@@ -46,7 +46,8 @@ def _group(process_group: Any, timeout: float) -> tuple[Any, Any]:
                             f"{', '.join(missing)} are not set. Run under torchrun (torchrun --nproc-per-node N "
                             "script.py), or initialize a group and pass process_group=.")
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
-    return dist, None
+        return dist, None, True
+    return dist, None, False
 
 
 def _gpu(kind: str, transport: str | None) -> tuple[int | None, str, int]:
@@ -122,7 +123,7 @@ def compile_distributed(graph: Graph, process_group: Any = None, timeout: float 
     gpu, transport, sharing = _gpu(kind, transport)
     if options.get("topology") is None:
         options["topology"] = _topology(gpu)
-    dist, group = _group(process_group, float(wait))
+    dist, group, owned = _group(process_group, float(wait))
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     first = 0 if group is None else dist.get_global_rank(group, 0)
     prints: list[Any] = [None] * world
@@ -159,4 +160,5 @@ def compile_distributed(graph: Graph, process_group: Any = None, timeout: float 
         devices = parse_devices("cuda:" + ",".join([str(gpu)] * world))
         cg._executor = DistCupyExecutor(graph, cg.dag, cg.live, devices, group, transport,
                                         attention=options.get("attention", "triton"))
+    cg._executor.owns_group = owned
     return cg

@@ -79,6 +79,18 @@ class Ranks:
             return self.rank in (task.src_device, task.device)
         return bool(task.device == self.rank)
 
+    owns_group = False  # set when device='dist' initialized the default group itself (from torchrun's environment)
+
+    def close(self) -> None:
+        """Wait until every rank is here, then tear down the process group if this run initialized it (a
+        user's group is left alone).  A process that exits with gloo's threads still up can abort at the
+        interpreter's exit, after its results are out; a group torn down on every rank cannot."""
+        if not self.dist.is_initialized():
+            return
+        self.dist.barrier(group=self.group)
+        if self.owns_group:
+            self.dist.destroy_process_group()
+
 
 class DistExecutor(Ranks, NumpyExecutor):
     """Runs this rank's share of a TaskDAG; ``load``, ``execute``, ``offload`` are called on every rank."""
