@@ -19,6 +19,7 @@ import pyarrow as pa
 from relational_tensors.core.spec import JoinAggSpec
 from relational_tensors.core.tiling import Tiling
 from relational_tensors.core.types import Box, Interval
+from relational_tensors.dp_optimizer import repeats
 from relational_tensors.dp_optimizer.constraints import Held
 from relational_tensors.dp_optimizer.costs import CostModel, TilingTable, block_set_key, spec_memory, spec_resident
 from relational_tensors.dp_optimizer.enumerate import interval_requests
@@ -77,6 +78,13 @@ class Candidates:
     # producer, or for an assigned state the operator of its value; absent for inputs and parameters
     sources: dict[tuple[int, int], int] = field(default_factory=dict)
     carried: frozenset[tuple[int, int]] = frozenset()  # the edges reading an assigned state
+    # op -> its class's candidates before interning: operators sharing one have equal specs, costs and
+    # eligibility (layout costs aside), and so equal candidate lists up to the tensors' tiling ids
+    templates: dict[int, _Template] = field(default_factory=dict)
+    # op -> its class: equal classes have equal candidate lists (specs, costs, eligibility, layout costs),
+    # tiling ids aside, whose order among one operator's output tilings is part of the class (ties go to
+    # the lowest id); so an edge between two operators is priced alike wherever their classes meet
+    classes: dict[int, int] = field(default_factory=dict)
 
     def readers(self) -> dict[int, list[tuple[int, int]]]:
         """Per operator, the (reader, input position) of every edge priced from its output tiling."""
@@ -212,63 +220,133 @@ def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: 
                 if src != i:
                     carried.append((node.id, k))
     out.carried = frozenset(carried)
-    # id(spec) -> (the spec, kept alive for its id; the keys of its output and input block sets)
-    keys: dict[int, tuple[JoinAggSpec, list[Tiling | frozenset[Box]]]] = {}
+    share = repeats.enabled()
+    classes: dict[tuple[object, ...], _Template] = {}  # an operator's class -> its candidates, tilings not interned
+    made = 0
+    class_ids: dict[object, int] = {}
+    pair_memo: dict[tuple[int, int, int], list[tuple[int, int, float]]] = {}
     for node in graph.operators:
         op = node.op
         assert op is not None
-        pairs = specs_for(op, p)
-        if not pairs:
-            extents = ", ".join(f"{s.name}={s.extent}" for s in op.requestable()) or "none"
-            raise PlanError(  # even one function spec is a decomposition: a defect of the operator's specs
-                f"operator {node.name!r} ({op.kind}, output {op.output_type.shape}) offered no join-agg spec for "
-                f"any count of function specs up to p={p} (shardable indices: {extents})."
-            )
-        cands = []
         graph_inputs = tuple(graph.nodes[i].op is None for i in node.inputs)
-        saved = node.id in saved_ids
-        for sid, (request, spec) in enumerate(pairs):
-            if id(spec) not in keys:  # the identical layers of a deep model share their specs: keyed once
-                keys[id(spec)] = (spec, [block_set_key(spec.output_tiling, op.output_type.box)] + [
-                    block_set_key(spec.input_blocks(k), op.input_types[k].box) for k in range(len(node.inputs))])
-            block_keys = keys[id(spec)][1]
-            out_t = out.tilings.intern_key(node.id, block_keys[0])
-            # a carried edge's blocks are interned as blocks of the state's value: its tilings compare
-            required = tuple(out.tilings.intern_key(out.sources.get((node.id, k), i), block_keys[k + 1])
-                             for k, i in enumerate(node.inputs))
-            cands.append(Candidate(sid, request, spec, out_t, required, model.join(spec, graph_inputs),
-                                   model.aggregation(spec, saved), spec_memory(spec), spec_resident(spec, graph_inputs),
-                                   model.compute(spec, op)))
-        if memory_per_device is not None:
-            fitting = [c for c in cands if c.memory_bytes <= memory_per_device]
-            if not fitting:
-                lean = min(cands, key=lambda c: c.memory_bytes)
-                raise OutOfMemoryPlanError(
-                    f"operator {node.name!r} ({op.kind}) needs at least {lean.memory_bytes:,} bytes per device "
-                    f"(its leanest spec, {lean.spec.split_text}, holds its input blocks and output block), but "
-                    f"{limit_name} is {memory_per_device:,} bytes. Use more devices or a larger memory limit."
-                )
-            for c in cands:
-                c.eligible = c.memory_bytes <= memory_per_device
-        # the paper's cost model assumes balanced work: offer balanced specs, else the least unbalanced
-        live = [c for c in cands if c.eligible]
         want = (constraints or {}).get(node.id)
-        if want is not None:
-            _constrain(node.name, live, want)
-        else:
-            floor = min(c.spec.imbalance for c in live)
-            for c in live:
-                c.eligible = c.spec.balanced or c.spec.imbalance <= floor
+        key = (op, graph_inputs, node.id in saved_ids, None if want is None else tuple(sorted(want.items())))
+        tmpl = classes.get(key) if share else None
+        if tmpl is None:
+            tmpl = _template(node.name, op, p, model, graph_inputs, node.id in saved_ids, memory_per_device,
+                             limit_name, want, made)
+            classes[key] = tmpl
+            made += 1
+        out.templates[node.id] = tmpl
+        # the slots' block sets interned in the order the specs first name them (output, then each input),
+        # so that tiling ids follow the specs whatever is shared
+        slot_tensor = (node.id, *(out.sources.get((node.id, k), i) for k, i in enumerate(node.inputs)))
+        ids = [out.tilings.intern_key(slot_tensor[slot], key_, row) for slot, key_, row in tmpl.firsts]
+        cands = [Candidate(sid, request, spec, ids[at[0]], tuple(ids[a] for a in at[1:]), *costs, eligible=ok)
+                 for sid, ((request, spec), at, costs, ok) in enumerate(zip(tmpl.pairs, tmpl.slots, tmpl.costs,
+                                                                             tmpl.eligible))]
         out.by_op[node.id] = cands
         _price_layouts(graph, node.id, cands, layouts, model, out.tilings, p)
+        layout = tuple(c.layout_cost for c in cands) if layouts else ()
+        order = sorted(set(c.output_tiling for c in cands))
+        cls = (tmpl.index, layout, tuple(order.index(c.output_tiling) for c in cands)) if share else node.id
+        out.classes[node.id] = class_ids.setdefault(cls, len(class_ids))
         for k, i in enumerate(node.inputs):
             out.repartition[(node.id, k)] = model.repartition(graph.nodes[i].type, p)
             if model.pairwise and graph.nodes[i].op is not None:
-                out.prices[(node.id, k)] = _pair_prices(model, out.eligible(i), [c for c in cands if c.eligible], k)
+                out.prices[(node.id, k)] = _edge_prices(model, out, i, node.id, k, pair_memo)
     if model.pairwise:  # a carried edge's producer comes later in the graph: priced once both are known
         for w, k in sorted(out.carried):
-            out.prices[(w, k)] = _pair_prices(model, out.eligible(out.sources[(w, k)]), out.eligible(w), k)
+            out.prices[(w, k)] = _edge_prices(model, out, out.sources[(w, k)], w, k, pair_memo)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Template:
+    """The candidates of one class of operators before their block sets are interned as tilings: equal
+    operators (the identical layers of a deep model) with the same graph-input pattern, saved flag and
+    split constraint get the same specs, costs and eligibility, so they are worked out once per class.
+
+    ``firsts`` lists each (slot, block-set key, catalog row) in the order the specs first name it
+    (slot 0 the output, k + 1 input k); ``slots`` gives, per spec, the index in ``firsts`` of its output's
+    and each input's block set; ``costs`` the Candidate's (join, aggregation, memory, resident, compute)."""
+
+    index: int
+    pairs: tuple[tuple[tuple[tuple[str, tuple[Interval, ...]], ...], JoinAggSpec], ...]
+    firsts: tuple[tuple[int, Tiling | frozenset[Box], tuple[bool, str, str, int]], ...]
+    slots: tuple[tuple[int, ...], ...]
+    costs: tuple[tuple[float, float, int, int, float], ...]
+    eligible: tuple[bool, ...]
+
+
+def _template(name: str, op: Operator, p: int, model: CostModel, graph_inputs: tuple[bool, ...], saved: bool,
+              memory_per_device: int | None, limit_name: str, want: Mapping[str, int] | None,
+              index: int) -> _Template:
+    """The candidates of operator ``op`` (named ``name`` in errors): specs, costs, eligibility, block sets."""
+    pairs = specs_for(op, p)
+    if not pairs:
+        extents = ", ".join(f"{s.name}={s.extent}" for s in op.requestable()) or "none"
+        raise PlanError(  # even one function spec is a decomposition: a defect of the operator's specs
+            f"operator {name!r} ({op.kind}, output {op.output_type.shape}) offered no join-agg spec for "
+            f"any count of function specs up to p={p} (shardable indices: {extents})."
+        )
+    spaces = (op.output_type.box, *(t.box for t in op.input_types))
+    firsts: dict[tuple[int, object], int] = {}
+    rows: list[tuple[int, Tiling | frozenset[Box], tuple[bool, str, str, int]]] = []
+    slots = []
+    costs = []
+    for _, spec in pairs:
+        at = []
+        sets: list[tuple[Box, ...] | Tiling] = [spec.output_tiling]
+        sets += [spec.input_blocks(k) for k in range(len(op.input_types))]
+        for slot, blocks in enumerate(sets):
+            key = block_set_key(blocks, spaces[slot])
+            n = firsts.get((slot, key))
+            if n is None:
+                n = firsts[(slot, key)] = len(rows)
+                rows.append((slot, key, TilingTable.row_text(key)))
+            at.append(n)
+        slots.append(tuple(at))
+        costs.append((model.join(spec, graph_inputs), model.aggregation(spec, saved), spec_memory(spec),
+                      spec_resident(spec, graph_inputs), model.compute(spec, op)))
+    fits = [memory_per_device is None or c[2] <= memory_per_device for c in costs]
+    if not any(fits):
+        lean = min(range(len(pairs)), key=lambda s: costs[s][2])
+        raise OutOfMemoryPlanError(
+            f"operator {name!r} ({op.kind}) needs at least {costs[lean][2]:,} bytes per device "
+            f"(its leanest spec, {pairs[lean][1].split_text}, holds its input blocks and output block), but "
+            f"{limit_name} is {memory_per_device:,} bytes. Use more devices or a larger memory limit."
+        )
+    # the paper's cost model assumes balanced work: offer balanced specs, else the least unbalanced
+    live = [s for s in range(len(pairs)) if fits[s]]
+    if want is not None:
+        keep = _constrain(name, [(s, pairs[s][1]) for s in live], want)
+    else:
+        floor = min(pairs[s][1].imbalance for s in live)
+        keep = {s for s in live if pairs[s][1].balanced or pairs[s][1].imbalance <= floor}
+    return _Template(index, pairs, tuple(rows), tuple(slots), tuple(costs),
+                     tuple(s in keep for s in range(len(pairs))))
+
+
+def _edge_prices(model: CostModel, out: Candidates, producer: int, reader: int, k: int,
+                 memo: dict[tuple[int, int, int], list[tuple[int, int, float]]]) -> dict[tuple[int, int], float]:
+    """``_pair_prices`` of the edge into input ``k`` of ``reader``, priced once per pair of operator classes
+    (the prices depend on the two operators' eligible specs only) and keyed by the edge's tiling ids."""
+    made, read = out.by_op[producer], out.by_op[reader]
+    key = (out.templates[producer].index, out.templates[reader].index, k)
+    rows = memo.get(key)
+    if rows is None:  # (producer spec, reader spec, price): the first eligible spec of each tiling stands for all
+        firsts: dict[int, int] = {}
+        for c in made:
+            if c.eligible:
+                firsts.setdefault(c.output_tiling, c.spec_id)
+        wants: dict[int, int] = {}
+        for c in read:
+            if c.eligible:
+                wants.setdefault(c.required[k], c.spec_id)
+        rows = memo[key] = [(s, t, model.exchange(made[s].spec, read[t].spec, k))
+                            for s in firsts.values() for t in wants.values()]
+    return {(made[s].output_tiling, read[t].required[k]): price for s, t, price in rows}
 
 
 def _price_layouts(graph: Graph, op_id: int, cands: list[Candidate], layouts: Mapping[int, Held],
@@ -309,39 +387,23 @@ def _price_layouts(graph: Graph, op_id: int, cands: list[Candidate], layouts: Ma
         c.layout_cost = total
 
 
-def _constrain(name: str, live: list[Candidate], want: Mapping[str, int]) -> None:
-    """Keep eligible only the specs in ``live`` (those that fit the memory) that split as ``want`` says;
-    refuse, naming the nearest legal splits, when none does."""
-    def misses(c: Candidate) -> int:
-        split = dict(c.spec.split)
+def _constrain(name: str, live: list[tuple[int, JoinAggSpec]], want: Mapping[str, int]) -> set[int]:
+    """The spec ids among ``live`` (those that fit the memory) that split as ``want`` says and pass the
+    balance rule among themselves; refuse, naming the nearest legal splits, when none does."""
+    def misses(spec: JoinAggSpec) -> int:
+        split = dict(spec.split)
         return sum(split.get(k) != v for k, v in want.items())
 
-    def distance(c: Candidate) -> tuple[int, float]:  # indices off, then how far off (in factors of two)
-        split = dict(c.spec.split)
-        return misses(c), sum(abs(math.log2(split.get(k, 1) / v)) for k, v in want.items())
+    def distance(spec: JoinAggSpec) -> tuple[int, float]:  # indices off, then how far off (in factors of two)
+        split = dict(spec.split)
+        return misses(spec), sum(abs(math.log2(split.get(k, 1) / v)) for k, v in want.items())
 
-    matching = [c for c in live if misses(c) == 0]
+    matching = [(s, spec) for s, spec in live if misses(spec) == 0]
     if not matching:
-        ranked = sorted(live, key=lambda c: (*distance(c), c.spec.split_text))
-        near = list(dict.fromkeys(c.spec.split_text for c in ranked))
+        ranked = sorted((spec for _, spec in live), key=lambda spec: (*distance(spec), spec.split_text))
+        near = list(dict.fromkeys(spec.split_text for spec in ranked))
         asked = ",".join(f"{k}={v}" for k, v in want.items())
         raise PlanError(f"operator {name!r} has no spec that splits {asked} (among those that fit the memory); "
                         f"the nearest legal splits: {', '.join(near[:4])}. Constrain it to one of those.")
-    floor = min(c.spec.imbalance for c in matching)  # the balance rule, among the splits asked for
-    keep = {id(c) for c in matching if c.spec.balanced or c.spec.imbalance <= floor}
-    for c in live:
-        c.eligible = id(c) in keep
-
-
-def _pair_prices(model: CostModel, producers: list[Candidate], readers: list[Candidate],
-                 k: int) -> dict[tuple[int, int], float]:
-    """The price of every (producer output tiling, required tiling) pair of one edge.  Specs with the same
-    tiling make and read their blocks the same number of times (near-equal intervals), so the first
-    spec of each tiling stands for all of them."""
-    made: dict[int, JoinAggSpec] = {}
-    for c in producers:
-        made.setdefault(c.output_tiling, c.spec)
-    read: dict[int, JoinAggSpec] = {}
-    for c in readers:
-        read.setdefault(c.required[k], c.spec)
-    return {(theirs, wanted): model.exchange(ps, rs, k) for theirs, ps in made.items() for wanted, rs in read.items()}
+    floor = min(spec.imbalance for _, spec in matching)  # the balance rule, among the splits asked for
+    return {s for s, spec in matching if spec.balanced or spec.imbalance <= floor}

@@ -204,21 +204,26 @@ class TilingTable:
     def intern(self, tensor_id: int, boxes: tuple[Box, ...] | Tiling, space: Box) -> int:
         return self.intern_key(tensor_id, block_set_key(boxes, space))
 
-    def intern_key(self, tensor_id: int, key: Tiling | frozenset[Box]) -> int:
-        """``intern`` of a block set already turned into its key (``block_set_key``)."""
+    def intern_key(self, tensor_id: int, key: Tiling | frozenset[Box],
+                   text: tuple[bool, str, str, int] | None = None) -> int:
+        """``intern`` of a block set already turned into its key (``block_set_key``); ``text`` is the key's
+        ``row_text`` when the caller has it (identical layers intern the same keys for many tensors)."""
         tid = self.ids.get((tensor_id, key))
         if tid is None:
             tid = len(self.rows)
             self.ids[(tensor_id, key)] = tid
-            if isinstance(key, Tiling):
-                grid, counts, blocks, is_grid = str(key), key.shape_str(), key.num_blocks, True
-            else:
-                ordered = sorted(key, key=lambda b: (b.lower, b.upper))
-                grid, counts = json.dumps([str(b) for b in ordered]), f"{len(ordered)} blocks"
-                blocks, is_grid = len(ordered), False
+            is_grid, grid, counts, blocks = text or self.row_text(key)
             self.rows.append(dict(tiling_id=tid, tensor_id=tensor_id, is_grid=is_grid, grid=grid,
                                   counts=counts, blocks=blocks))
         return tid
+
+    @staticmethod
+    def row_text(key: Tiling | frozenset[Box]) -> tuple[bool, str, str, int]:
+        """(is_grid, grid, counts, blocks) of a block set's catalog row."""
+        if isinstance(key, Tiling):
+            return True, str(key), key.shape_str(), key.num_blocks
+        ordered = sorted(key, key=lambda b: (b.lower, b.upper))
+        return False, json.dumps([str(b) for b in ordered]), f"{len(ordered)} blocks", len(ordered)
 
     def arrow(self) -> pa.Table:
         cols = ["tiling_id", "tensor_id", "is_grid", "grid", "counts", "blocks"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from relational_tensors.dp_optimizer import repeats
 from relational_tensors.dp_optimizer.candidates import Candidates
 from relational_tensors.dp_optimizer.trees import Piece
 from relational_tensors.frontend.graph import Graph
@@ -133,21 +134,60 @@ def refine(graph: Graph, cands: Candidates, choice: dict[int, int], memory_price
                 total += cands.edge_price(w, k, c.output_tiling, cands.by_op[w][choice[w]].required[k])
         return total
 
+    # equal neighbourhoods (the identical layers of a deep model) take equal steps: a piece's re-solve and an
+    # operator's best spec are memoized by everything they read (classes, current specs, edge positions)
+    share = repeats.enabled()
+    classes = cands.classes
+    solved: dict[object, tuple[bool, tuple[int, ...]]] = {}
+    stepped: dict[object, int] = {}
+
+    def piece_key(pc: Piece) -> object:
+        index = {v: j for j, v in enumerate(pc.members)}
+        return index[pc.root], tuple(
+            (classes[v], choice[v],
+             tuple((k, index[u], (v, k) in carried) if u in index else (k, classes[u], choice[u], (v, k) in carried)
+                   for k, u in inputs[v]),
+             tuple((index[w], k) if w in index else (classes[w], choice[w], k) for w, k in consumers[v]))
+            for v in pc.members)
+
+    def step(pc: Piece) -> bool:
+        if not share:
+            return resolve(pc)
+        key = piece_key(pc)
+        known = solved.get(key)
+        if known is None:
+            known = solved[key] = (resolve(pc), tuple(choice[v] for v in pc.members))
+        elif known[0]:
+            choice.update(zip(pc.members, known[1]))
+        return known[0]
+
+    def best_spec(v: int) -> int:
+        now = around(v, choice[v])
+        best, best_cost = choice[v], now
+        for s in eligible[v]:
+            cost = around(v, s)
+            if cost < best_cost - 1e-12 * max(abs(now), 1.0):
+                best, best_cost = s, cost
+        return best
+
     order = sorted(choice)
     for _ in range(_MAX_SWEEPS):
         changed = False
         for pc in pieces:
             if len(pc.members) > 1:
-                changed |= resolve(pc)
+                changed |= step(pc)
         for v in order:
             if len(eligible[v]) < 2:
                 continue
-            now = around(v, choice[v])
-            best, best_cost = choice[v], now
-            for s in eligible[v]:
-                cost = around(v, s)
-                if cost < best_cost - 1e-12 * max(abs(now), 1.0):
-                    best, best_cost = s, cost
+            if share:
+                key = (classes[v], choice[v],
+                       tuple((k, None) if u == v else (k, classes[u], choice[u]) for k, u in inputs[v]),
+                       tuple((classes[w], choice[w], k) for w, k in consumers[v] if w != v))
+                best = stepped.get(key)
+                if best is None:
+                    best = stepped[key] = best_spec(v)
+            else:
+                best = best_spec(v)
             if best != choice[v]:
                 choice[v] = best
                 changed = True

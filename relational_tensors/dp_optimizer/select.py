@@ -15,12 +15,13 @@ import numpy as np
 import pyarrow as pa
 
 from relational_tensors.catalog import Catalog, load_sql
+from relational_tensors.dp_optimizer import repeats
 from relational_tensors.dp_optimizer.candidates import Candidates
 from relational_tensors.dp_optimizer.exact import exact_choice
 from relational_tensors.dp_optimizer.refine import refine
 from relational_tensors.dp_optimizer.trees import Piece
 from relational_tensors.errors import PlanError
-from relational_tensors.frontend.graph import Graph
+from relational_tensors.frontend.graph import Graph, Node
 
 __all__ = ["SELECTORS", "select_dp", "select_exact", "select_greedy", "select_random"]
 
@@ -67,6 +68,9 @@ def select_dp(catalog: Catalog, cid: int, graph: Graph, cands: Candidates, piece
     ``refine_choice``, the coordinate descent of ``refine`` across the cut tensors (the ``dp_table`` keeps
     Algorithm 1's entries, ``chosen`` the final choice).
 
+    A piece whose context (``_piece_context``) equals one solved before (the identical layers of a deep
+    model) takes that piece's solution, member by member, and its ``dp_table`` rows, without SQL.
+
     ``memory_price`` adds that cost per byte of graph input a spec keeps resident on a device."""
     catalog.execute("DELETE FROM dp_table WHERE compilation_id = ?", [cid])
     catalog.execute("DELETE FROM chosen WHERE compilation_id = ?", [cid])
@@ -79,40 +83,52 @@ def select_dp(catalog: Catalog, cid: int, graph: Graph, cands: Candidates, piece
         v = cands.sources[(w, k)]
         across.setdefault(v, []).append(w)
         across.setdefault(w, []).append(v)
+    share = repeats.enabled()
+    readers = cands.readers() if share else {}
+    solved: dict[object, tuple[tuple[int, ...], list[tuple[int, int, float]]]] = {}  # context -> solution
+    unwritten: dict[int, int] = {}  # chosen specs not yet in the catalog (written before the next statement)
+    copied: list[tuple[int, int, float, int]] = []  # dp_table rows of pieces that took a solution
+
+    def flush() -> None:
+        if unwritten:
+            _write_chosen(catalog, cid, cands, unwritten)
+            unwritten.clear()
+
     for group in independent_groups(graph, pieces, across):
-        ops = [v for pc in group for wave in pc.waves for v in wave]
-        heights = [h for pc in group for h, wave in enumerate(pc.waves) for _ in wave]
-        members = [v for pc in group for v in pc.members]
-        table: dict[int, dict[int, tuple[float, int]]] = {v: {} for v in members}
-        for op_id, tiling, cost, spec in catalog.execute(group_sql, {  # the rows it inserts (RETURNING)
-                "cid": cid, "ops": ops, "waves": heights, "memory_price": memory_price}).fetchall():  # type: ignore[arg-type]
-            table[op_id][tiling] = (cost, spec)
-        roots = {int(r[0]): (int(r[2]), float(r[3])) for r in catalog.execute(
-            root_sql, {"cid": cid, "roots": [pc.root for pc in group]}).fetchall()}  # type: ignore[arg-type]
-        picked: dict[int, int] = {}
+        contexts = {pc.piece_id: _piece_context(pc, cands, choice, piece_of, readers) for pc in group} \
+            if share else {}
+        todo: list[Piece] = []
+        firsts: set[object] = set()
         for pc in group:
-            if pc.root not in roots or not math.isfinite(roots[pc.root][1]):
-                raise PlanError(f"no eligible spec combination for the piece rooted at {nodes[pc.root].name!r}.")
-            picked[pc.root] = roots[pc.root][0]
-        stack = [pc.root for pc in group]
-        while stack:  # trace back the minimizing choices, top-down
-            v = stack.pop()
-            cand = cands.by_op[v][picked[v]]
-            for k, i in enumerate(nodes[v].inputs):
-                if nodes[i].op is None or piece_of.get(i) != piece_of[v] or i in picked:
-                    continue
-                entries = table[i]
-                want = cand.required[k]
-                # the producer tiling that achieved the wave's minimum; on ties the tiling read, then the
-                # cheaper Opt, then the lowest id
-                via = {t: entries[t][0] + cands.edge_price(v, k, t, want) for t in entries}
-                picked[i] = entries[min(via, key=lambda t: (via[t], t != want, entries[t][0], t))][1]
-                stack.append(i)
-        missing = set(members) - set(picked)
-        if missing:
-            raise PlanError(f"DP traceback left operators without a spec: {sorted(nodes[m].name for m in missing)}.")
-        _write_chosen(catalog, cid, cands, picked)  # the groups after this one read it
+            ctx = contexts.get(pc.piece_id)
+            if ctx is None or (ctx not in solved and ctx not in firsts):
+                todo.append(pc)
+                if ctx is not None:
+                    firsts.add(ctx)
+        picked: dict[int, int] = {}
+        if todo:
+            flush()  # the statement reads every choice made so far
+            picked = _solve(catalog, cid, cands, todo, piece_of, group_sql, root_sql, memory_price, nodes, solved,
+                            contexts)
+        for pc in group:
+            ctx = contexts.get(pc.piece_id)
+            if ctx is None or pc.root in picked:
+                continue
+            specs, rows = solved[ctx]
+            picked.update(zip(pc.members, specs))
+            copied.extend((pc.members[j], cands.by_op[pc.members[j]][spec].output_tiling, cost, spec)
+                          for j, spec, cost in rows)
+        if share:  # in the order the traceback of the whole group visits them (a plan's cost sums in it)
+            picked = {v: picked[v] for v in _traceback_order(group, nodes, piece_of)}
+        unwritten.update(picked)  # the groups after this one read it
         choice.update(picked)
+    flush()
+    if copied:
+        catalog.insert("dp_table", pa.table({
+            "op_id": pa.array([r[0] for r in copied], pa.int32()),
+            "tiling_id": pa.array([r[1] for r in copied], pa.int32()),
+            "cost": pa.array([r[2] for r in copied], pa.float64()),
+            "spec_id": pa.array([r[3] for r in copied], pa.int32())}), cid)
     if refine_choice:
         better = refine(graph, cands, choice, memory_price, pieces)
         if better != choice:
@@ -120,6 +136,95 @@ def select_dp(catalog: Catalog, cid: int, graph: Graph, cands: Candidates, piece
             _write_chosen(catalog, cid, cands, better)
             choice = better
     return choice
+
+
+def _solve(catalog: Catalog, cid: int, cands: Candidates, group: list[Piece], piece_of: dict[int, int],
+           group_sql: str, root_sql: str, memory_price: float, nodes: Sequence[Node],
+           solved: dict[object, tuple[tuple[int, ...], list[tuple[int, int, float]]]],
+           contexts: Mapping[int, object]) -> dict[int, int]:
+    """Algorithm 1 on independent pieces in one SQL statement, traced back; the solution of each piece
+    with a context is kept in ``solved`` (its members' specs and their ``dp_table`` rows, by position)."""
+    ops = [v for pc in group for wave in pc.waves for v in wave]
+    heights = [h for pc in group for h, wave in enumerate(pc.waves) for _ in wave]
+    members = [v for pc in group for v in pc.members]
+    table: dict[int, dict[int, tuple[float, int]]] = {v: {} for v in members}
+    for op_id, tiling, cost, spec in catalog.execute(group_sql, {  # the rows it inserts (RETURNING)
+            "cid": cid, "ops": ops, "waves": heights, "memory_price": memory_price}).fetchall():  # type: ignore[arg-type]
+        table[op_id][tiling] = (cost, spec)
+    roots = {int(r[0]): (int(r[2]), float(r[3])) for r in catalog.execute(
+        root_sql, {"cid": cid, "roots": [pc.root for pc in group]}).fetchall()}  # type: ignore[arg-type]
+    picked: dict[int, int] = {}
+    for pc in group:
+        if pc.root not in roots or not math.isfinite(roots[pc.root][1]):
+            raise PlanError(f"no eligible spec combination for the piece rooted at {nodes[pc.root].name!r}.")
+        picked[pc.root] = roots[pc.root][0]
+    stack = [pc.root for pc in group]
+    while stack:  # trace back the minimizing choices, top-down
+        v = stack.pop()
+        cand = cands.by_op[v][picked[v]]
+        for k, i in enumerate(nodes[v].inputs):
+            if nodes[i].op is None or piece_of.get(i) != piece_of[v] or i in picked:
+                continue
+            entries = table[i]
+            want = cand.required[k]
+            # the producer tiling that achieved the wave's minimum; on ties the tiling read, then the
+            # cheaper Opt, then the lowest id
+            via = {t: entries[t][0] + cands.edge_price(v, k, t, want) for t in entries}
+            picked[i] = entries[min(via, key=lambda t: (via[t], t != want, entries[t][0], t))][1]
+            stack.append(i)
+    missing = set(members) - set(picked)
+    if missing:
+        raise PlanError(f"DP traceback left operators without a spec: {sorted(nodes[m].name for m in missing)}.")
+    for pc in group:
+        ctx = contexts.get(pc.piece_id)
+        if ctx is not None:
+            solved[ctx] = (tuple(picked[v] for v in pc.members),
+                           [(j, spec, cost) for j, v in enumerate(pc.members) for cost, spec in table[v].values()])
+    return picked
+
+
+def _traceback_order(group: list[Piece], nodes: Sequence[Node], piece_of: Mapping[int, int]) -> list[int]:
+    """The members of ``group``'s pieces in the order ``_solve``'s traceback picks them: the roots, then
+    depth first from the last root down its in-piece inputs."""
+    order = [pc.root for pc in group]
+    seen = set(order)
+    stack = list(order)
+    while stack:
+        v = stack.pop()
+        for i in nodes[v].inputs:
+            if nodes[i].op is None or piece_of.get(i) != piece_of[v] or i in seen:
+                continue
+            seen.add(i)
+            order.append(i)
+            stack.append(i)
+    return order
+
+
+def _piece_context(pc: Piece, cands: Candidates, choice: Mapping[int, int], piece_of: Mapping[int, int],
+                   readers: Mapping[int, list[tuple[int, int]]]) -> object:
+    """Everything Algorithm 1 reads when it solves piece ``pc`` given the choices made so far: per member
+    (in order) its class and, per input edge, nothing (a graph input), the class and chosen spec of a
+    producer fixed before, the position of an in-piece producer, or the class of a producer planned later
+    (its floor price); and the class, chosen spec and input position of each fixed reader of the root.
+    Equal contexts have equal solutions, member by member (classes: ``Candidates.classes``)."""
+    index = {v: j for j, v in enumerate(pc.members)}
+    classes, sources, carried = cands.classes, cands.sources, cands.carried
+    parts = []
+    for v in pc.members:
+        edges: list[object] = []
+        for k in range(len(cands.by_op[v][0].required)):
+            u = sources.get((v, k))
+            if u is None:
+                edges.append(None)
+            elif u in choice:
+                edges.append((classes[u], choice[u]))
+            elif piece_of.get(u) == piece_of[v] and (v, k) not in carried:
+                edges.append(index[u])
+            else:
+                edges.append((classes[u],))
+        parts.append((classes[v], tuple(edges)))
+    fixed = sorted((classes[w], choice[w], k) for w, k in readers.get(pc.root, ()) if w in choice)
+    return tuple(parts), tuple(fixed)
 
 
 def select_exact(catalog: Catalog, cid: int, graph: Graph, cands: Candidates,
