@@ -137,8 +137,8 @@ def _einsum(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream:
 # operators whose GPU kernel is their NumPy kernel on host copies (SQL operators evaluate arbitrary
 # expressions; the gradient operators have no device kernels yet)
 HOST_KINDS = ("sql", "unary_grad", "binary_grad", "swiglu_grad", "softmax_grad", "norm_grad", "norm_weight_grad",
-              "embedding_grad", "pad", "expand", "attention_lse", "attention_delta", "attention_grad",
-              "cross_entropy", "cross_entropy_grad", "token_count", "where", "conv_grad", "pool", "pool_grad")
+              "embedding_grad", "pad", "expand", "cross_entropy", "cross_entropy_grad", "token_count", "where",
+              "conv_grad", "pool", "pool_grad")
 
 
 @launcher(*HOST_KINDS)
@@ -407,3 +407,78 @@ def _attention(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stre
         return
     attention(q, k, v, o, lse, consts["row_lo"], consts["row_hi"], f.inputs[0].lower[1], f.inputs[1].lower[1],
               op.softmax_scale)
+
+# ------------------------------------------------------------------ the attention backward
+
+
+def key_query_limits(row_lo: np.ndarray, row_hi: np.ndarray, n_keys: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per key c, the rows [qlo[c], qhi[c]) that see it, from every row's keys [row_lo[r], row_hi[r]) (both
+    ends non-decreasing in r, so the rows that see a key are one range, and its ends non-decreasing in c).
+
+    >>> key_query_limits(np.array([0, 0, 0, 2]), np.array([1, 2, 3, 4]), 4)
+    (array([0, 1, 2, 3]), array([3, 3, 4, 4]))
+    """
+    keys = np.arange(n_keys)
+    return np.searchsorted(row_hi, keys, side="right"), np.searchsorted(row_lo, keys, side="right")
+
+
+def _attention_grad_constants(op: Any) -> dict[str, np.ndarray]:
+    lo, hi = op._key_limits(np.arange(op.input_types[0].shape[1]))
+    qlo, qhi = key_query_limits(lo, hi, op.input_types[1].shape[1])
+    return {"row_lo": lo.astype(np.int32), "row_hi": hi.astype(np.int32), "key_qlo": qlo.astype(np.int32),
+            "key_qhi": qhi.astype(np.int32)}
+
+
+def _grad_on_host(op: Any, bufs: list) -> bool:
+    """Whether an attention-backward block runs the operator's NumPy kernel on host copies: key padding,
+    masks, biases and key lengths (which per-row key ranges cannot express), the bias gradient, float64 (no
+    float64 attention on GPUs) and blocks whose last axis is not contiguous."""
+    return (bool(op.extras) or op.key_lengths is not None or getattr(op, "part", "") == "dbias"
+            or bufs[0].dtype == "float64" or any(b.shape[-1] > 1 and b.strides[-1] != 1 for b in bufs))
+
+
+@launcher("attention_lse", constants=_attention_grad_constants)
+def _attention_lse(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_copy as tc
+    from relational_tensors.gpu_exec.kernels.triton_attention_grad import attention_lse
+
+    if _grad_on_host(op, [*ins[:2], out]):
+        host_kernel(op, f, ins, out, stream)
+        return
+    q, k = ins[:2]
+    if k.shape[1] == 0:  # this query block sees none of these keys
+        tc.fill(out, float("-inf"))
+        return
+    attention_lse(q, k, out, consts["row_lo"], consts["row_hi"], f.inputs[0].lower[1], f.inputs[1].lower[1],
+                  op.softmax_scale)
+
+
+@launcher("attention_delta")
+def _attention_delta(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels.triton_attention_grad import attention_delta
+
+    attention_delta(ins[0], ins[1], out)
+
+
+@launcher("attention_grad", constants=_attention_grad_constants)
+def _attention_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_copy as tc
+    from relational_tensors.gpu_exec.kernels.triton_attention_grad import attention_dkv, attention_dq
+
+    if _grad_on_host(op, [*ins[:4], out]):
+        host_kernel(op, f, ins, out, stream)
+        return
+    q, k, v, do, lse, delta = ins[:6]
+    q_offset, k_offset = f.inputs[0].lower[1], f.inputs[1].lower[1]
+    if op.part == "dq":
+        if k.shape[1] == 0:  # these rows see none of these keys
+            tc.fill(out, 0.0)
+            return
+        attention_dq(q, k, v, do, lse, delta, out, consts["row_lo"], consts["row_hi"], q_offset, k_offset,
+                     op.softmax_scale)
+        return
+    if q.shape[1] == 0:  # no row of this query block sees these keys
+        tc.fill(out, 0.0)
+        return
+    attention_dkv(q, k, v, do, lse, delta, out, consts["key_qlo"], consts["key_qhi"], q_offset, k_offset,
+                  op.softmax_scale, dk=op.part in ("dk", "dkv"), dv=op.part in ("dv", "dkv"))

@@ -65,9 +65,13 @@ class AttentionLseOp(AttentionOp):
 
     kind = "attention_lse"
     aggregation = LOGSUMEXP
-    gpu_allocates = True  # the NumPy kernel over host copies
     gradient = "an auxiliary of the attention gradient"
     _MAIN = 2
+
+    @property
+    def gpu_allocates(self) -> bool:  # type: ignore[override]
+        # a Triton kernel; the masked forms and float64 run the NumPy kernel on host copies
+        return super().gpu_allocates or self.input_types[0].dtype == "float64"
 
     def infer(self) -> TensorType:
         if len(self.input_types) != 2 + len(self.extras):
@@ -130,7 +134,6 @@ class AttentionDeltaOp(IndexedOp):
 
     kind = "attention_delta"
     gradient = "an auxiliary of the attention gradient"
-    gpu_allocates = True  # the NumPy kernel over host copies
 
     def infer(self) -> TensorType:
         o, do = self.input_types
@@ -171,9 +174,13 @@ class AttentionGradOp(AttentionOp):
     kind = "attention_grad"
     aggregation = SUM
     gradient = SECOND_ORDER
-    gpu_allocates = True  # the NumPy kernel over host copies
     part: str = "dq"
     _MAIN = 6
+
+    @property
+    def gpu_allocates(self) -> bool:  # type: ignore[override]
+        # Triton kernels; the masked forms, the bias gradient and float64 run the NumPy kernel on host copies
+        return super().gpu_allocates or self.part == "dbias" or self.input_types[0].dtype == "float64"
 
     def infer(self) -> TensorType:
         if len(self.input_types) != 6 + len(self.extras):
