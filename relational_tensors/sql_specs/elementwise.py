@@ -201,7 +201,6 @@ class UnaryGradOp(SameIndicesOp):
 
     kind = "unary_grad"
     gradient = SECOND_ORDER
-    gpu_allocates = True  # the NumPy kernel over host copies
     op: str = "relu"
     arg: float = 0.0
 
@@ -336,9 +335,12 @@ class BinaryGradOp(IndexedOp):
 
     kind = "binary_grad"
     gradient = SECOND_ORDER
-    gpu_allocates = True  # the NumPy kernel over host copies
     op: str = "div"
     wrt: int = 1
+
+    @property
+    def gpu_allocates(self) -> bool:  # type: ignore[override]
+        return self.output_type.dtype not in FLOAT_DTYPES  # integer operands run on host copies
 
     def infer(self) -> TensorType:
         if self.op not in ("mul", "div", "maximum", "minimum") or self.wrt not in (0, 1):
@@ -462,7 +464,6 @@ class SwigluGradOp(SameIndicesOp):
 
     kind = "swiglu_grad"
     gradient = SECOND_ORDER
-    gpu_allocates = True  # the NumPy kernel over host copies
     wrt: int = 0
 
     def infer(self) -> TensorType:

@@ -96,7 +96,6 @@ class EmbeddingGradOp(IndexedOp):
 
     kind = "embedding_grad"
     gradient = SECOND_ORDER
-    gpu_allocates = True  # the NumPy kernel over host copies
     vocab: int = 1
 
     def infer(self) -> TensorType:

@@ -70,7 +70,6 @@ class CrossEntropyOp(IndexedOp):
     """
 
     kind = "cross_entropy"
-    gpu_allocates = True  # the NumPy kernel over host copies
     ignore_index: int | None = None
 
     def infer(self) -> TensorType:
@@ -135,7 +134,6 @@ class CrossEntropyGradOp(IndexedOp):
 
     kind = "cross_entropy_grad"
     gradient = SECOND_ORDER
-    gpu_allocates = True  # the NumPy kernel over host copies
     ignore_index: int | None = None
 
     def infer(self) -> TensorType:
@@ -184,7 +182,6 @@ class TokenCountOp(IndexedOp):
 
     kind = "token_count"
     gradient = "its value does not depend on any floating input"
-    gpu_allocates = True  # the NumPy kernel over host copies
     ignore_index: int | None = None
     dtype: str = "float32"
 

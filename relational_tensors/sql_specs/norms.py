@@ -84,7 +84,6 @@ class SoftmaxGradOp(SameIndicesOp):
 
     kind = "softmax_grad"
     gradient = SECOND_ORDER
-    gpu_allocates = True  # the NumPy kernel over host copies
     axis: int = -1
 
     def infer(self) -> TensorType:
@@ -215,7 +214,6 @@ class _NormGradBase(IndexedOp):
     """Shared rules of the norm gradients: x[..., d] and dy[..., d], the last axis whole."""
 
     gradient = SECOND_ORDER
-    gpu_allocates = True  # the NumPy kernel over host copies
     norm: str = "rms"
     eps: float = 1e-6
 

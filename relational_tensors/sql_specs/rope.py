@@ -60,8 +60,8 @@ class RopeOp(SameIndicesOp):
 
     @property
     def gpu_allocates(self) -> bool:  # type: ignore[override]
-        # the inverse rotation and rounded frequencies run the NumPy kernel over host copies
-        return self.inverse or self.freq_dtype is not None
+        # rounded frequencies run the NumPy kernel over host copies
+        return self.freq_dtype is not None
 
     def infer(self) -> TensorType:
         (x,) = self.input_types
