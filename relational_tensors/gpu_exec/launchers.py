@@ -135,10 +135,8 @@ def _einsum(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream:
 
 
 # operators whose GPU kernel is their NumPy kernel on host copies (SQL operators evaluate arbitrary
-# expressions; the gradient operators have no device kernels yet)
-HOST_KINDS = ("sql", "unary_grad", "binary_grad", "swiglu_grad", "softmax_grad", "norm_grad", "norm_weight_grad",
-              "embedding_grad", "pad", "expand", "cross_entropy", "cross_entropy_grad", "token_count", "where",
-              "conv_grad", "pool", "pool_grad")
+# expressions; the gradient operators without device kernels yet)
+HOST_KINDS = ("sql", "pad", "expand", "where", "conv_grad", "pool", "pool_grad")
 
 
 @launcher(*HOST_KINDS)
@@ -239,10 +237,10 @@ def _rope_constants(op: Any) -> dict[str, np.ndarray]:
 def _rope(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.gpu_exec.kernels.triton_rope import rope
 
-    if op.inverse or op.freq_dtype is not None:  # the inverse rotation, rounded frequencies: no device kernel yet
+    if op.freq_dtype is not None:  # rounded frequencies: no device kernel yet
         host_kernel(op, f, ins, out, stream)
         return
-    rope(ins[0], out, consts["seq_start"], f.inputs[0].lower[1], op.base)
+    rope(ins[0], out, consts["seq_start"], f.inputs[0].lower[1], op.base, op.inverse)
 
 
 @launcher("reshape")
@@ -287,6 +285,100 @@ def _embedding(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stre
     from relational_tensors.gpu_exec.kernels import triton_copy as tc
 
     tc.embedding(ins[0], ins[1], out, f.inputs[0].lower[0])
+
+
+# ------------------------------------------------------------------ the gradient operators
+
+
+@launcher("unary_grad")
+def _unary_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_elementwise_grad as teg
+
+    teg.unary_grad(ins[0], ins[1], out, op.op, float(op.arg))
+
+
+@launcher("binary_grad")
+def _binary_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_elementwise_grad as teg
+
+    if out.dtype not in ("float16", "bfloat16", "float32", "float64"):  # integer operands: on host copies
+        host_kernel(op, f, ins, out, stream)
+        return
+    teg.binary_grad(ins[0], ins[1], ins[2], out, op.op, op.wrt)
+
+
+@launcher("swiglu_grad")
+def _swiglu_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_elementwise_grad as teg
+
+    teg.swiglu_grad(ins[0], ins[1], ins[2], out, op.wrt)
+
+
+@launcher("softmax_grad")
+def _softmax_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_norms_grad as tng
+
+    tng.softmax_grad(ins[0], ins[1], out, op.axis % len(ins[0].shape))
+
+
+@launcher("norm_grad")
+def _norm_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_norms_grad as tng
+
+    tng.norm_grad(ins[0], ins[1], ins[2], out, op.norm == "layer", op.eps)
+
+
+def _norm_weight_grad_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str]:
+    """Per-row statistics and per-chunk partial sums, in the compute dtype."""
+    from relational_tensors.gpu_exec.kernels.triton_norms_grad import weight_grad_scratch
+
+    shape = f.inputs[0].shape
+    rows = math.prod(shape[:-1])
+    return (weight_grad_scratch(rows, shape[-1]),), "float64" if op.input_types[0].dtype == "float64" else "float32"
+
+
+@launcher("norm_weight_grad", scratch=_norm_weight_grad_scratch)
+def _norm_weight_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_norms_grad as tng
+
+    tng.norm_weight_grad(ins[0], ins[1], out, consts["scratch"], op.norm == "layer", op.eps)
+
+
+def _embedding_grad_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str]:
+    """The sort keys of the block's token ids."""
+    from relational_tensors.gpu_exec.kernels.triton_embedding_grad import embedding_grad_scratch
+
+    return (embedding_grad_scratch(f.inputs[0].volume),), "int64"
+
+
+@launcher("embedding_grad", scratch=_embedding_grad_scratch)
+def _embedding_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels.triton_embedding_grad import embedding_grad
+
+    embedding_grad(ins[0], ins[1], out, consts["scratch"], f.output.lower[0])
+
+
+@launcher("cross_entropy")
+def _cross_entropy(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_cross_entropy as tce
+
+    tce.cross_entropy(ins[0], ins[1], ins[2], out, f.inputs[0].lower[-1], op.input_types[0].shape[-1],
+                      op.ignore_index)
+
+
+@launcher("cross_entropy_grad")
+def _cross_entropy_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_cross_entropy as tce
+
+    tce.cross_entropy_grad(ins[0], ins[1], ins[2], ins[3], out, f.inputs[0].lower[-1], op.input_types[0].shape[-1],
+                           op.ignore_index)
+
+
+@launcher("token_count")
+def _token_count(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_cross_entropy as tce
+
+    tce.token_count(ins[0], out, op.ignore_index)
 
 
 def _attention_constants(op: Any) -> dict[str, np.ndarray]:
@@ -407,6 +499,7 @@ def _attention(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stre
         return
     attention(q, k, v, o, lse, consts["row_lo"], consts["row_hi"], f.inputs[0].lower[1], f.inputs[1].lower[1],
               op.softmax_scale)
+
 
 # ------------------------------------------------------------------ the attention backward
 
