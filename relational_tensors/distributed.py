@@ -24,9 +24,9 @@ __all__ = ["compile_distributed", "DEFAULT_TIMEOUT_S"]
 DEFAULT_TIMEOUT_S = 300.0  # seconds a rank waits for a transfer before the run ends with an ExecError
 
 
-def _group(process_group: Any, timeout: float) -> tuple[Any, Any, bool]:
+def _group(process_group: Any, timeout: float, nccl_gpu: int | None = None) -> tuple[Any, Any, bool]:
     """torch.distributed, the process group to run in, and whether this call initialized it (the default
-    group, from torchrun's environment, when none is)."""
+    group, from torchrun's environment, when none is: gloo, with NCCL for CUDA tensors on ``nccl_gpu``)."""
     try:
         import torch.distributed as dist
     except ImportError:
@@ -45,7 +45,12 @@ def _group(process_group: Any, timeout: float) -> tuple[Any, Any, bool]:
             raise ExecError(f"device='dist' needs a torch.distributed launch: no process group is initialized and "
                             f"{', '.join(missing)} are not set. Run under torchrun (torchrun --nproc-per-node N "
                             "script.py), or initialize a group and pass process_group=.")
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+        if nccl_gpu is not None:
+            import torch
+
+            torch.cuda.set_device(nccl_gpu)
+        dist.init_process_group("gloo" if nccl_gpu is None else "cpu:gloo,cuda:nccl",
+                                timeout=datetime.timedelta(seconds=timeout))
         return dist, None, True
     return dist, None, False
 
@@ -123,7 +128,7 @@ def compile_distributed(graph: Graph, process_group: Any = None, timeout: float 
     gpu, transport, sharing = _gpu(kind, transport)
     if options.get("topology") is None:
         options["topology"] = _topology(gpu)
-    dist, group, owned = _group(process_group, float(wait))
+    dist, group, owned = _group(process_group, float(wait), gpu if transport == "nccl" else None)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     first = 0 if group is None else dist.get_global_rank(group, 0)
     prints: list[Any] = [None] * world

@@ -17,9 +17,19 @@ import pytest
 
 import relational_tensors as rt
 from relational_tensors.core.types import Box
+from relational_tensors.gpu_exec.dist_cupy import stream_schedule
+from relational_tensors.gpu_exec.memory_plan import MemoryPlan, plan_memory
 from relational_tensors.models import llama_block
-from relational_tensors.physical.p2p import check_schedule, schedules
-from relational_tensors.physical.tasks import TaskDAG
+from relational_tensors.physical import p2p
+from relational_tensors.physical.p2p import (
+    Group,
+    check_groups,
+    check_schedule,
+    grouped_schedules,
+    is_transfer,
+    schedules,
+)
+from relational_tensors.physical.tasks import RecomposePayload, TaskDAG
 
 PROGRAMS = Path(__file__).parent / "dist" / "programs.py"
 ROOT = Path(__file__).parent.parent
@@ -49,6 +59,8 @@ def test_every_rank_computes_what_the_reference_computes(tmp_path: Path, world: 
             # float32, contractions split up to `world` ways: rounding relative to the largest magnitude
             assert res["err"] <= 1e-5, (rank, name, res["err"])
         assert results["block"]["rank0_only"]
+        if world > 2:  # transfers were posted in groups of several (batch_isend_irecv over gloo)
+            assert results["block"]["groups"] < results["block"]["transfers"], results["block"]
         assert results["mesh"]["ok"] and results["mesh"]["p"] == world and results["mesh"]["err"] <= 1e-5
         assert results["chain"]["topology"].startswith("hgx-h200")  # no GPU, no measured file: the default
         mod = results["module"]  # rt.parallelize(..., device="dist"), float64: forward and backward
@@ -181,20 +193,100 @@ def _dag(copies: list[tuple[int, int]], p: int = 3) -> TaskDAG:
     return dag
 
 
-def test_the_schedule_follows_the_dag_and_a_crossed_one_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from relational_tensors.physical import p2p
+def _block(dag: TaskDAG, device: int) -> int:
+    return dag.buffer(device, Box((0,), (2,)), "float32", 0)
 
+
+def _copy(dag: TaskDAG, src_buf: int, dst: int) -> int:
+    out = _block(dag, dst)
+    dag.add("copy", dst, (src_buf,), (out,), src_device=dag.buffers[src_buf].device)
+    return out
+
+
+def _kernel(dag: TaskDAG, device: int, *ins: int) -> int:
+    out = _block(dag, device)
+    dag.add("aggregate", device, ins, (out,))
+    return out
+
+
+def _tasks(groups: list[list[Group]]) -> list[list[list[int]]]:
+    return [[[op.task for op in group] for group in rank] for rank in groups]
+
+
+def test_the_schedule_follows_the_dag_and_groups_independent_transfers() -> None:
     dag = _dag([(0, 1), (1, 0), (2, 0), (1, 2)])
     assert [(o.kind, o.peer) for o in schedules(dag)[0]] == [("send", 1), ("recv", 1), ("recv", 2)]
+    assert _tasks(grouped_schedules(dag)) == [[[0, 1, 2]], [[0, 1, 3]], [[2, 3]]]
     check_schedule(dag)
-    # orders the DAG never gives, to show the checker catches them: both ranks receive before they send
-    crossed = [[p2p.P2POp(1, "recv", 1), p2p.P2POp(0, "send", 1)], [p2p.P2POp(0, "recv", 0), p2p.P2POp(1, "send", 0)]]
-    monkeypatch.setattr(p2p, "schedules", lambda d, lo=0, hi=None: crossed)
+    # rank 0 sends two blocks; rank 1 relays the first to rank 2 (its send depends on its receive), while
+    # rank 2 takes both in one group (the relay depends on no transfer of rank 2's); a kernel on rank 2
+    # ends its group; rank 0 then takes a block from each
+    dag = TaskDAG(3)
+    a, b = _block(dag, 0), _block(dag, 0)
+    a1 = _copy(dag, a, 1)                     # task 0
+    b2 = _copy(dag, b, 2)                     # task 1
+    a2 = _copy(dag, a1, 2)                    # task 2
+    c2 = _kernel(dag, 2, a2, b2)              # task 3
+    _copy(dag, c2, 0), _copy(dag, a1, 0)      # tasks 4, 5
+    assert _tasks(grouped_schedules(dag)) == [[[0, 1], [4, 5]], [[0], [2, 5]], [[1, 2], [4]]]
+    check_schedule(dag)
+
+
+def test_a_transfer_that_depends_on_a_member_through_another_rank_opens_a_new_group() -> None:
+    dag = TaskDAG(2)
+    x1 = _copy(dag, _block(dag, 0), 1)        # task 0: rank 0 sends x
+    y1 = _kernel(dag, 1, x1)                  # task 1: rank 1 computes y from it
+    _copy(dag, y1, 0)                         # task 2: and sends y back
+    assert _tasks(grouped_schedules(dag)) == [[[0], [2]], [[0], [2]]]  # rank 0 met 0 and 2 in a row
+    _copy(dag, _block(dag, 1), 0)             # task 3: independent of task 2: same group
+    assert _tasks(grouped_schedules(dag))[0] == [[0], [2, 3]]
+
+
+def test_groups_do_not_span_the_pause_between_phases() -> None:
+    dag = _dag([(0, 1), (1, 0), (0, 1)], p=2)
+    assert _tasks(grouped_schedules(dag)) == [[[0, 1, 2]], [[0, 1, 2]]]
+    dag.phase_split = 2
+    assert _tasks(grouped_schedules(dag)) == [[[0, 1], [2]], [[0, 1], [2]]]
+    check_schedule(dag)
+
+
+def _op(task: int, kind: str, peer: int) -> p2p.P2POp:
+    return p2p.P2POp(task, kind, peer)
+
+
+def test_the_checker_models_groups_posted_and_completed_together() -> None:
+    # rank 0 posts one group to ranks 1 and 2; rank 1 receives in one group what rank 0 and rank 2 send,
+    # and rank 2 sends only after its own receive from rank 0: every group gets posted
+    ok = [[(_op(0, "send", 1), _op(1, "send", 2))],
+          [(_op(0, "recv", 0), _op(2, "recv", 2))],
+          [(_op(1, "recv", 0),), (_op(2, "send", 1),)]]
+    check_groups(ok)
+    # rank 1 waits in one group for rank 0's block and for rank 2's, which rank 2 sends only once it has
+    # what rank 1 sends after that group: the group cannot complete
+    crossed = [[(_op(0, "send", 1),)],
+               [(_op(0, "recv", 0), _op(3, "recv", 2)), (_op(1, "send", 2),)],
+               [(_op(1, "recv", 1),), (_op(3, "send", 1),)]]
+    with pytest.raises(rt.ExchangeError, match=r"can deadlock: rank 1 at copy task 3 \(recv from rank 2\) in a "
+                                               r"group of 2, rank 2 at copy task 1"):
+        check_groups(crossed)
+    # both ranks receive before they send, one group each: refused; in one group each: fine (posted together)
     with pytest.raises(rt.ExchangeError, match="can deadlock: rank 0 at copy task 1"):
-        p2p.check_schedule(_dag([], p=2))
-    monkeypatch.setattr(p2p, "schedules", lambda d, lo=0, hi=None: [[p2p.P2POp(0, "send", 1)], []])
+        check_groups([[(_op(1, "recv", 1),), (_op(0, "send", 1),)], [(_op(0, "recv", 0),), (_op(1, "send", 0),)]])
+    check_groups([[(_op(1, "recv", 1), _op(0, "send", 1))], [(_op(0, "recv", 0), _op(1, "send", 0))]])
+
+
+def test_the_checker_refuses_lonely_reordered_and_repeated_transfers() -> None:
     with pytest.raises(rt.ExchangeError, match="without a partner"):
-        p2p.check_schedule(_dag([], p=2))
+        check_groups([[(_op(0, "send", 1),)], []])
+    with pytest.raises(rt.ExchangeError, match="without a partner"):  # the receive names another sender
+        check_groups([[(_op(0, "send", 1),)], [(_op(0, "recv", 2),)], []])
+    # two transfers from rank 0 to rank 1, received in the other order: fine with tags, not with NCCL
+    with pytest.raises(rt.ExchangeError, match="in another order .*copy task 0 sent, 1 expected"):
+        check_groups([[(_op(0, "send", 1), _op(1, "send", 1))], [(_op(1, "recv", 0), _op(0, "recv", 0))]])
+    with pytest.raises(rt.ExchangeError, match="posts copy task 0 twice"):
+        check_groups([[(_op(0, "send", 1),), (_op(0, "send", 1),)], [(_op(0, "recv", 0),)]])
+    with pytest.raises(rt.ExchangeError, match="empty group"):
+        check_groups([[()], []])
 
 
 @pytest.mark.parametrize("p", [2, 5, 8])
@@ -204,6 +296,92 @@ def test_every_plan_of_the_block_has_a_deadlock_free_schedule(p: int) -> None:
         check_schedule(cg.dag)
         sends = sum(len([o for o in ops if o.kind == "send"]) for ops in schedules(cg.dag))
         assert sends == sum(1 for t in cg.dag.tasks if t.kind == "copy" and t.src_device != t.device)
+        groups = grouped_schedules(cg.dag)
+        assert [[op for g in rank for op in g] for rank in groups] == schedules(cg.dag)  # the order is kept
+        if p > 2:  # the exchanges' transfers go out together
+            assert sum(map(len, groups)) < 2 * sends
+
+
+def _two_stream_hazards(cg: rt.CompiledGraph, plan: MemoryPlan, rank: int) -> list[tuple[int, int]]:
+    """Pairs of this rank's tasks that touch the same bytes (one writing) with nothing ordering them on its
+    two streams: kernels in order on one, groups in order on the other, events between them as
+    ``stream_schedule`` says; the transfers of one group run at once."""
+    dag = cg.dag
+    sched = stream_schedule(dag, plan, rank)
+    member = {op.task: g for g, group in enumerate(sched.groups) for op in group}
+    posts = {group[-1].task: g for g, group in enumerate(sched.groups)}
+    seen: dict[int, tuple[int, int]] = {}  # task -> (latest kernel, latest group) done before it ends
+    kernels, comm = (-1, -1), (-1, -1)
+    group_seen: list[tuple[int, int]] = []
+    for t in dag.tasks:
+        if t.kind == "load" or not (rank in (t.src_device, t.device) if is_transfer(t) else t.device == rank):
+            continue
+        if is_transfer(t):
+            g = posts.get(t.id)
+            if g is not None:
+                after = sched.after[g]
+                base = seen[after] if after is not None else (-1, -1)
+                comm = (max(comm[0], base[0]), g)
+                group_seen.append(comm)
+                for op in sched.groups[g]:
+                    seen[op.task] = comm
+            continue
+        g = sched.waits.get(t.id)
+        base = group_seen[g] if g is not None else (-1, -1)
+        kernels = (t.id, max(kernels[1], base[1]))
+        seen[t.id] = kernels
+
+    def ordered(a: int, b: int) -> bool:  # a before b in the DAG: is a done before b starts?
+        if a in member:
+            return seen[b][1] >= member[a] and member.get(b) != member[a]  # one group's transfers run at once
+        return seen[b][0] >= a
+
+    accesses = []  # (task, buffer, the box of it touched, whether it writes)
+    for t in dag.tasks:
+        if t.kind == "load" or t.id not in seen or (t.kind == "kernel" and t.outputs[0] in plan.reshaped):
+            continue
+        for b in t.inputs:
+            accesses.append((t.id, b, dag.buffers[b].box, False))
+        for b in t.outputs:
+            # a recompose writes its pieces' cells: a block copied into place is left as it is
+            cells = t.payload.cells if isinstance(t.payload, RecomposePayload) else (dag.buffers[b].box,)
+            accesses += [(t.id, b, cell, True) for cell in cells]
+    accesses = [a for a in accesses if dag.buffers[a[1]].device == rank]
+    bad = []
+    for i, (ta, ba, box_a, wa) in enumerate(accesses):
+        _, lo_a, hi_a = plan.byte_range(dag, ba)
+        for tb, bb, box_b, wb in accesses[i + 1:]:
+            if ta == tb or not (wa or wb):
+                continue
+            _, lo_b, hi_b = plan.byte_range(dag, bb)
+            if hi_a <= lo_b or hi_b <= lo_a:
+                continue
+            if plan.root(ba) == plan.root(bb) and dag.buffers[ba].tensor == dag.buffers[bb].tensor and \
+                    not box_a.overlaps(box_b):
+                continue  # disjoint blocks of one buffer
+            first, second = sorted((ta, tb))
+            if (first in member) == (second in member) and member.get(first) != member.get(second) or \
+                    first not in member and second not in member:
+                continue  # one stream, in order
+            if not ordered(first, second):
+                bad.append((first, second))
+    return bad
+
+
+@pytest.mark.parametrize("p", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
+def test_gpu_ranks_two_streams_are_hazard_free(p: int) -> None:
+    """Without a GPU: each GPU rank's kernels and groups of transfers, ordered by the events its stream
+    schedule issues, never touch the same bytes unordered (block, training step, packed sequences)."""
+    from relational_tensors.models import llama_training_graph
+
+    cases = [(llama_block(2, 24, 32, 4, 2, 40, dtype="float16"), {}),
+             (llama_block(1, 48, 32, 8, 2, 88, dtype="float16", seq_ends=[5, 17, 20, 33, 48]), {}),
+             (llama_training_graph(2, 16, 32, 4, 2, 48, 64, optimizer="adamw"), {"keep_states": "sharded"})]
+    for g, options in cases:
+        cg = rt.compileGraph(g, device=f"cpu:{p}", **options)
+        plan = plan_memory(cg.graph, cg.dag, cg.live)
+        for rank in range(p):
+            assert _two_stream_hazards(cg, plan, rank) == [], rank
 
 
 def test_dist_outside_a_launch_is_refused_with_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,12 +2,16 @@
 
 Rank ``r`` of the process group runs the tasks of device ``r`` in the DAG's order with the NumPy kernels
 (a CPU rank, gloo).  A copy task between two devices is a send on the source's rank and a receive on the
-destination's (tagged with the copy task's id, so a receive can only match its own send); sends do not
-wait, receives do, and because every rank meets its transfers in the one order of the DAG, no two ranks
-can wait on each other (``physical.p2p.check_schedule`` proves it for each plan before it runs).  Bytes
-travel as ``uint8`` tensors shared with the NumPy arrays (no copy on either side); the receiver knows
-each block's shape and dtype from the plan.  An input a rank holds no block of need not be fed to it;
-an output or a state is assembled on every rank (or on one) by broadcasting each block from its owner.
+destination's (tagged with the copy task's id, so a receive can only match its own send).  A rank's
+transfers are cut into groups at construction (``physical.p2p.grouped_schedules``: transfers met one
+after the other, none depending on another), and each group is posted as one
+``torch.distributed.batch_isend_irecv`` when the rank reaches its last transfer: sends do not wait,
+receives do, and the ranks' groups are proven free of deadlock for each plan before it runs
+(``physical.p2p.check_schedule``).  Bytes travel as ``uint8`` tensors shared with the NumPy arrays (no
+copy on either side); the receiver knows each block's shape and dtype from the plan.  Peers are named
+by their rank in the process group (``group_peer``), so a plan runs the same in the default group and
+in a user's subgroup.  An input a rank holds no block of need not be fed to it; an output or a state is
+assembled on every rank (or on one) by broadcasting each block from its owner.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import numpy as np
 from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.errors import ExecError
 from relational_tensors.frontend.graph import Graph
-from relational_tensors.gpu_exec.numpy_backend import NumpyExecutor
+from relational_tensors.gpu_exec.numpy_backend import NumpyExecutor, _nbytes
+from relational_tensors.physical.p2p import Group, grouped_schedules, is_transfer
 from relational_tensors.physical.tasks import Liveness, TaskDAG
 
 __all__ = ["DistExecutor", "Ranks", "buffer_parts", "move_block", "first_line"]
@@ -63,21 +68,80 @@ def _bytes_of(a: np.ndarray) -> Any:
     return torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
 
 
+def _tag(task: Any, k: int) -> int:
+    """The message tag of part ``k`` of copy task ``task`` (an lse partial is two messages)."""
+    return 2 * task.id + k
+
+
 class Ranks:
-    """What both kinds of ranks share: which tasks are this rank's, and ranks of the group as global ranks
-    (``dist``, ``group`` and ``rank`` are set by the executor)."""
+    """What both kinds of ranks share: which tasks are this rank's, ranks of the group as global ranks, and
+    posting a group of transfers (``dist``, ``group`` and ``rank`` are set by the executor)."""
 
     dist: Any
     group: Any
     rank: int
+    sends: list[tuple[Any, Any, Any]]  # (work, the bytes it sends, its copy task) until the run ends
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else self.dist.get_global_rank(self.group, rank)
 
     def _mine(self, task: Any) -> bool:
-        if task.kind == "copy" and task.src_device is not None and task.src_device != task.device:
+        if is_transfer(task):
             return self.rank in (task.src_device, task.device)
         return bool(task.device == self.rank)
+
+    def _groups(self, groups: list[Group]) -> None:
+        """Keep this rank's groups of transfers: each is posted when the rank reaches its last one."""
+        self.groups = groups
+        self.posts = {group[-1].task: g for g, group in enumerate(groups)}
+
+    def _failed(self, task: Any, send: bool, e: BaseException) -> ExecError:
+        peer = task.device if send else task.src_device
+        verb = "send to" if send else "receive from"
+        return ExecError(f"rank {self.rank}: the {verb} rank {peer} of copy task {task.id} ({task.label}) failed: "
+                         f"{first_line(e)}. Every rank must run the same program; see the other ranks' errors.")
+
+    def _post(self, parts: list[tuple[Any, bool, int, Any]]) -> list[Any]:
+        """Post one group: ``parts`` are (copy task, whether this rank sends, part index, bytes), peers named
+        by their rank in the group.  Returns one work per part, or fewer where the backend fuses the group
+        (NCCL: one work for all of them)."""
+        dist = self.dist
+        ops = [dist.P2POp(dist.isend if send else dist.irecv, data, group=self.group, tag=_tag(task, k),
+                          group_peer=task.device if send else task.src_device) for task, send, k, data in parts]
+        try:
+            return list(dist.batch_isend_irecv(ops)) if ops else []
+        except Exception as e:  # a rank that died, a broken connection
+            task, send, _, _ = parts[0]
+            raise self._failed(task, send, e) from None
+
+    def _wait(self, parts: list[tuple[Any, bool, int, Any]], works: list[Any]) -> None:
+        """Wait for a posted group's receives (its sends are kept, with their bytes, until the run ends)."""
+        if len(works) != len(parts):  # one work for the whole group
+            for work in works:
+                try:
+                    work.wait()
+                except Exception as e:
+                    raise self._failed(parts[0][0], parts[0][1], e) from None
+            return
+        for (task, send, _, data), work in zip(parts, works):
+            if send:
+                self.sends.append((work, data, task))
+                continue
+            try:
+                work.wait()
+            except Exception as e:  # a rank that died, a timeout, a broken connection
+                raise self._failed(task, False, e) from None
+
+    def _finish_sends(self) -> None:
+        """Wait for every send of the run (their bytes stay referenced until then)."""
+        sends, self.sends = self.sends, []
+        for work, _, task in sends:
+            try:
+                work.wait()
+            except Exception as e:
+                raise ExecError(f"rank {self.rank}: the send to rank {task.device} of copy task {task.id} "
+                                f"({task.label}) did not complete: {first_line(e)}. Every rank must run the "
+                                "same program; see the other ranks' errors.") from None
 
     owns_group = False  # set when device='dist' initialized the default group itself (from torchrun's environment)
 
@@ -107,55 +171,68 @@ class DistExecutor(Ranks, NumpyExecutor):
             raise ExecError(f"the plan is for {dag.p} devices but the process group has {self.world} ranks; plan "
                             "with device='dist' inside the launch (one rank per device).")
         self.timeout = None if timeout is None else datetime.timedelta(seconds=timeout)
-        self.sends: list[tuple[Any, Any, Any]] = []  # (work, the bytes it sends, its copy task) until done
+        self.sends = []
+        self._groups(grouped_schedules(dag)[self.rank])
 
-    # --- which tasks are this rank's -------------------------------------------------------------
-    def _outputs(self, task: Any) -> list[Any]:
-        if task.kind != "copy" or task.src_device is None or task.src_device == task.device:
-            return super()._outputs(task)
-        if task.src_device == self.rank:
-            value = self._get(task.inputs[0])
-            for k, part in enumerate(value if isinstance(value, tuple) else (value,)):
-                data = _bytes_of(part)
-                self.sends.append((self._p2p("isend", data, task.device, task, k), data, task))
-            return []  # the block is the destination's
-        return [self._receive(task.outputs[0], task.src_device, task)]
+    # --- this rank's tasks, its transfers posted group by group ----------------------------------
+    def _execute(self, lo: int, hi: int) -> None:
+        dag = self.dag
+        live = [sum(_nbytes(v) for v in pool.values()) for pool in self.pools]
+        self.peak = list(live)
+        assigned: list[tuple[int, Any]] = []  # written into the states' blocks once the whole run has finished
+        staged: list[Any] = []  # the transfers of the group being gathered
 
-    def _receive(self, buf: int, src: int, task: Any) -> Any:
+        def keep(results: list[tuple[int, Any]], after: list[Any]) -> None:
+            for b, value in results:
+                d = dag.buffers[b].device
+                live[d] += self._put(b, value)
+                self.peak[d] = max(self.peak[d], live[d])
+            for task in after:
+                for b in self.frees.get(task.id, ()):
+                    d = dag.buffers[b].device
+                    value = self.pools[d].pop(b, None)
+                    if value is not None:
+                        live[d] -= _nbytes(value)
+
+        try:
+            for task in dag.tasks[lo:hi]:
+                if task.kind == "load" or not self._mine(task):
+                    continue
+                if task.kind == "assign":
+                    assigned.append((task.outputs[0], self._get(task.inputs[0])))
+                    continue
+                if is_transfer(task):
+                    staged.append(task)
+                    if task.id in self.posts:  # the group's last transfer: post the group
+                        # (its blocks are put, and what its transfers read last freed, once it is done)
+                        keep(self._exchange(staged), staged)
+                        staged = []
+                    continue
+                keep(list(zip(task.outputs, self._outputs(task))), [task])
+        finally:
+            self._finish_sends()
+        for b, value in assigned:  # a run that stops part-way leaves every state as it was
+            self._put(b, value)
+
+    def _exchange(self, tasks: list[Any]) -> list[tuple[int, Any]]:
+        """Post one group of transfers and wait for its receives: the blocks received, by buffer."""
         import torch
 
-        parts = []
-        for k, (shape, dtype) in enumerate(buffer_parts(self.dag.buffers[buf])):
-            data = torch.empty(int(np.prod(shape)) * dtype.itemsize, dtype=torch.uint8)
-            self._p2p("recv", data, src, task, k)
-            parts.append(data.numpy().view(dtype).reshape(shape))
-        return tuple(parts) if len(parts) > 1 else parts[0]
-
-    def _p2p(self, how: str, data: Any, peer: int, task: Any, k: int) -> Any:
-        tag = 2 * task.id + k  # an lse partial is two messages
-        try:
-            if how == "isend":
-                return self.dist.isend(data, self._global(peer), group=self.group, tag=tag)
-            self.dist.recv(data, self._global(peer), group=self.group, tag=tag)
-            return None
-        except Exception as e:  # a rank that died, a timeout, a broken connection
-            verb = "send to" if how == "isend" else "receive from"
-            raise ExecError(f"rank {self.rank}: the {verb} rank {peer} of copy task {task.id} ({task.label}) "
-                            f"failed: {first_line(e)}. Every rank must run the same program; see the other "
-                            "ranks' errors.") from None
-
-    def _execute(self, lo: int, hi: int) -> None:
-        try:
-            super()._execute(lo, hi)
-        finally:
-            sends, self.sends = self.sends, []
-            for work, _, task in sends:
-                try:
-                    work.wait()
-                except Exception as e:
-                    raise ExecError(f"rank {self.rank}: the send to rank {task.device} of copy task {task.id} "
-                                    f"({task.label}) did not complete: {first_line(e)}. Every rank must run the "
-                                    "same program; see the other ranks' errors.") from None
+        parts: list[tuple[Any, bool, int, Any]] = []
+        arrays: dict[int, list[np.ndarray]] = {}
+        for task in tasks:
+            if task.src_device == self.rank:
+                value = self._get(task.inputs[0])
+                for k, part in enumerate(value if isinstance(value, tuple) else (value,)):
+                    parts.append((task, True, k, _bytes_of(part)))
+                continue
+            for k, (shape, dtype) in enumerate(buffer_parts(self.dag.buffers[task.outputs[0]])):
+                data = torch.empty(int(np.prod(shape)) * dtype.itemsize, dtype=torch.uint8)
+                parts.append((task, False, k, data))
+                arrays.setdefault(task.id, []).append(data.numpy().view(dtype).reshape(shape))
+        self._wait(parts, self._post(parts))
+        return [(task.outputs[0], tuple(arrays[task.id]) if len(arrays[task.id]) > 1 else arrays[task.id][0])
+                for task in tasks if task.id in arrays]
 
     # --- inputs and results ----------------------------------------------------------------------
     def _holds(self, buf: int) -> bool:
