@@ -23,6 +23,7 @@ import pyarrow as pa
 from relational_tensors.catalog import Catalog
 from relational_tensors.compiled import CompiledGraph
 from relational_tensors.core.dtypes import itemsize, partial_dtype
+from relational_tensors.dp_optimizer import repeats
 from relational_tensors.dp_optimizer.candidates import Candidates, build_candidates
 from relational_tensors.dp_optimizer.constraints import Constraints, parse_constraints
 from relational_tensors.dp_optimizer.costs import cost_model as get_cost_model
@@ -213,7 +214,7 @@ def _searched(s: _State, plan: LogicalPlan, naive: Lowered) -> Lowered:
 def _lower(s: _State, plan: LogicalPlan, synthesize: Any = None, kept: dict[int, str] | None = None) -> Lowered:
     """``plan`` lowered under the compilation's kept states (or ``kept``), pinned layouts and phases."""
     return lower(plan, "naive", synthesize, kept=s.kept if kept is None else kept,
-                 later=s.options.second_phase_inputs, layouts=s.constraints.layouts)
+                 later=s.options.second_phase_inputs, layouts=s.constraints.layouts, share=repeats.enabled())
 
 
 def _pass_lower(s: _State) -> None:

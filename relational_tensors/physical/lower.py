@@ -35,10 +35,12 @@ from relational_tensors.exchange.naive import Membership, Synthesizer, naive
 from relational_tensors.frontend.graph import Graph
 from relational_tensors.physical.tasks import (
     AggregatePayload,
+    Buffer,
     DecomposePayload,
     KernelPayload,
     LoadPayload,
     RecomposePayload,
+    Task,
     TaskDAG,
     block_bytes,
     split_phases,
@@ -191,7 +193,7 @@ class _Overlay:
 
 class _Lowering:
     def __init__(self, plan: LogicalPlan, synthesize: Synthesizer, kept: Mapping[int, str] | None = None,
-                 layouts: Mapping[int, tuple[tuple[Box, int], ...]] | None = None):
+                 layouts: Mapping[int, tuple[tuple[Box, int], ...]] | None = None, share: bool = True):
         self.plan = plan
         self.graph: Graph = plan.graph
         self.p = plan.p
@@ -232,6 +234,8 @@ class _Lowering:
         self.assign_after: dict[int, list[int]] = {}
         self.write_bytes: dict[int, int] = {}  # state -> bytes its assignment moves between devices
         self.searched: set[str] = set()  # programs a synthesizer other than the naive one wrote
+        self.share = share
+        self.replays: dict[tuple[object, ...], _Replay | None] = {}  # geometry -> the tasks of its lowering
         for s, at in sorted(last_reader.items()):
             self.assign_after.setdefault(at, []).append(s)
 
@@ -436,6 +440,38 @@ class _Lowering:
 
     # --- operators ---------------------------------------------------------------
     def lower_op(self, op_id: int) -> None:
+        """Place the operator's function specs, deliver their inputs and run their kernels; then write
+        the states whose last reader it is.  An operator whose lowering has the geometry of one lowered
+        before (``_geometry_key``) replays that one's tasks with fresh buffer ids (``_Replay``)."""
+        key = self._geometry_key(op_id) if self.share and op_id not in self.assign_after else None
+        replay = self.replays.get(key) if key is not None else None
+        if replay is not None:
+            replay.apply(self, op_id)
+        else:
+            tasks, buffers = len(self.dag.tasks), len(self.dag.buffers)
+            self._lower_op(op_id)
+            if key is not None:
+                self.replays[key] = _Replay.record(self, op_id, tasks, buffers)
+        for state in self.assign_after.get(op_id, ()):
+            self.lower_assignment(state)
+
+    def _geometry_key(self, op_id: int) -> tuple[object, ...]:
+        """Everything the lowering of ``op_id`` reads: its spec, which inputs are the same tensor, and per
+        distinct input its producer's spec and placement, a held tensor's blocks, or the blocks of a graph
+        input already loaded (and its dtype).  Specs are compared by identity: equal operators share them."""
+        node = self.graph.nodes[op_id]
+        parts: list[object] = []
+        for i in dict.fromkeys(node.inputs):
+            n = self.graph.nodes[i]
+            if i in self.held:
+                parts.append(("held", self.held[i]))
+            elif n.op is None:
+                parts.append(("input", n.type.dtype, tuple(self.loaded_blocks.get(i, ()))))
+            else:
+                parts.append(("op", id(self.plan.spec(i)), self.placement[i]))
+        return id(self.plan.spec(op_id)), tuple(node.inputs.index(i) for i in node.inputs), tuple(parts)
+
+    def _lower_op(self, op_id: int) -> None:
         node = self.graph.nodes[op_id]
         assert node.op is not None
         spec = self.plan.spec(op_id)
@@ -472,8 +508,6 @@ class _Lowering:
                          payload=KernelPayload(f, g, alone, spec.aggregation), label=f"{node.name}[{g}]")
             outs.append(out)
         self.kernel_out[op_id] = outs
-        for state in self.assign_after.get(op_id, ()):
-            self.lower_assignment(state)
 
     def lower_assignment(self, state: int) -> None:
         """Write the state's value into every block the state keeps, on its device (``assign`` tasks),
@@ -524,18 +558,135 @@ class _Lowering:
             self.dag.outputs[name] = blocks
 
 
+# a reference to a buffer in a recorded lowering: ("new", n) the n-th buffer it made, ("out", t, f) function
+# spec f's kernel output of distinct input t, ("load", t, box, device) a block of distinct input t loaded before
+_Ref = tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Replay:
+    """The tasks one operator's lowering made, with buffers as references (``_Ref``) and the operator's own
+    tensor and name left out, so that an operator of the same geometry gets the same tasks, buffers,
+    placement and program by replaying them.  Each step is a load (distinct input, box, device) or a task
+    (kind, device, input refs, output buffers as (device, box, dtype, tensor: -1 the operator or a distinct
+    input, partial), whether it serves the operator, source device, payload, label or the label's part after
+    the operator's name)."""
+
+    steps: tuple[tuple[Any, ...], ...]
+    placement: tuple[int, ...]
+    kernel_out: tuple[int, ...]  # the new buffers the kernels wrote
+    program: tuple[ExProg, Membership, bool] | None  # the operator's exchange program, membership, searched
+
+    @staticmethod
+    def record(low: _Lowering, op_id: int, first_task: int, first_buffer: int) -> _Replay | None:
+        """The lowering of ``op_id`` that made tasks ``first_task..`` and buffers ``first_buffer..``, or None
+        when a task of it reads or names something the geometry key does not fix."""
+        dag, node = low.dag, low.graph.nodes[op_id]
+        name = node.name
+        distinct = list(dict.fromkeys(node.inputs))
+        tensor_ref = {op_id: -1, **{i: t for t, i in enumerate(distinct)}}
+        known: dict[int, _Ref] = {}
+        for t, i in enumerate(distinct):
+            for f, b in enumerate(low.kernel_out.get(i, ())):
+                known[b] = ("out", t, f)
+            for box, device in low.loaded_blocks.get(i, ()):
+                b = low.loaded[(i, box, device)]
+                if b < first_buffer:
+                    known[b] = ("load", t, box, device)
+        steps: list[tuple[Any, ...]] = []
+        made = first_buffer
+        for task in dag.tasks[first_task:]:
+            if any(b != made + n for n, b in enumerate(task.outputs)):
+                return None  # buffers are made in task order
+            made += len(task.outputs)
+            for b in task.outputs:
+                known[b] = ("new", b - first_buffer)
+            if task.kind == "load":
+                assert isinstance(task.payload, LoadPayload)
+                buf = dag.buffers[task.outputs[0]]
+                if buf.tensor not in tensor_ref or task.op is not None:
+                    return None
+                steps.append(("load", tensor_ref[buf.tensor], buf.box, buf.device))
+                continue
+            if task.op != op_id or any(b not in known for b in task.inputs):
+                return None
+            outs = []
+            for b in task.outputs:
+                buf = dag.buffers[b]
+                if buf.tensor not in tensor_ref or buf.parent is not None:
+                    return None
+                outs.append((buf.device, buf.box, buf.dtype, tensor_ref[buf.tensor], buf.partial))
+            label: tuple[bool, str] = (False, task.label)
+            if task.kind in ("kernel", "copy"):  # labels that start with the operator's (or program's) name
+                if not task.label.startswith(name):
+                    return None
+                label = (True, task.label[len(name):])
+            steps.append(("task", task.kind, task.device, tuple(known[b] for b in task.inputs), tuple(outs),
+                          task.src_device, task.payload, label))
+        if made != len(dag.buffers):
+            return None
+        outs_ref = [known[b] for b in low.kernel_out[op_id]]
+        if any(r[0] != "new" for r in outs_ref):
+            return None
+        program = None
+        if name in low.programs:
+            program = (low.programs[name], low.memberships[name], name in low.searched)
+        return _Replay(tuple(steps), low.placement[op_id], tuple(r[1] for r in outs_ref), program)
+
+    def apply(self, low: _Lowering, op_id: int) -> None:
+        """The recorded lowering, for ``op_id``: its tasks appended with fresh buffer ids."""
+        dag, node = low.dag, low.graph.nodes[op_id]
+        name = node.name
+        distinct = list(dict.fromkeys(node.inputs))
+        tensors = (*distinct, op_id)  # index -1: the operator
+        buffers, tasks = dag.buffers, dag.tasks
+        new: list[int] = []
+
+        def ref(r: _Ref) -> int:
+            if r[0] == "new":
+                return new[r[1]]
+            if r[0] == "out":
+                return low.kernel_out[tensors[r[1]]][r[2]]
+            return low.loaded[(tensors[r[1]], r[2], r[3])]
+
+        for step in self.steps:
+            if step[0] == "load":
+                new.append(low.load(tensors[step[1]], step[2], step[3]))
+                continue
+            _, kind, device, ins, outs, src_device, payload, (named, label) = step
+            inputs = tuple(ref(r) for r in ins)
+            made = []
+            for b_device, box, dtype, tensor, partial in outs:
+                b = len(buffers)
+                buffers[b] = Buffer(b, b_device, box, dtype, tensors[tensor], partial)
+                made.append(b)
+            new.extend(made)
+            tasks.append(Task(len(tasks), kind, device, inputs, tuple(made), op_id, src_device, payload,
+                              name + label if named else label))
+        low.placement[op_id] = self.placement
+        low.kernel_out[op_id] = [new[n] for n in self.kernel_out]
+        if self.program is not None:
+            prog, membership, searched = self.program
+            low.programs[name] = prog
+            low.memberships[name] = membership
+            if searched:
+                low.searched.add(name)
+
+
 def lower(plan: LogicalPlan, schedule: str = "naive", synthesize: Synthesizer | None = None,
           kept: Mapping[int, str] | None = None, later: frozenset[str] = frozenset(),
-          layouts: Mapping[int, tuple[tuple[Box, int], ...]] | None = None) -> Lowered:
+          layouts: Mapping[int, tuple[tuple[Box, int], ...]] | None = None, share: bool = True) -> Lowered:
     """Lower ``plan`` to one task DAG, synthesizing each exchange program with ``schedule``
     (or the given synthesizer, which returns a body and the devices of the readers' partitions).
 
     ``kept`` says how each assigned state is kept between executions (``KEPT``; default "as read");
     ``later`` names inputs loaded only for a second phase of each execution (``split_phases``);
-    ``layouts`` holds pinned inputs and states in the (block, device) copies a constraint gave them."""
+    ``layouts`` holds pinned inputs and states in the (block, device) copies a constraint gave them;
+    ``share`` replays the tasks of operators whose lowering has the geometry of one lowered before (the
+    same DAG, made faster)."""
     if schedule not in SCHEDULES and synthesize is None:
         raise ExchangeError(f"unknown schedule mode {schedule!r}; choose one of {SCHEDULES}.")
-    low = _Lowering(plan, synthesize or naive, kept or {}, layouts)
+    low = _Lowering(plan, synthesize or naive, kept or {}, layouts, share)
     for node in plan.graph.operators:
         low.lower_op(node.id)
     low.lower_outputs()
