@@ -1,0 +1,99 @@
+"""Attention's backward through the CuPy executor on a GPU: the log-sum-exp, Δ, dq and dk|dv operators on
+their Triton kernels, split over query blocks, key blocks and kv heads across logical devices of one GPU,
+against the NumPy reference at 16-bit tolerance; then a training step's gradients.  Marked ``gpu``;
+skipped where no GPU is visible."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import relational_tensors as rt
+from relational_tensors.core.dtypes import numpy_dtype
+from relational_tensors.gpu_exec import launchers
+from relational_tensors.models import llama_training_feeds, llama_training_graph
+from relational_tensors.target.devices import visible_gpus
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(visible_gpus() == 0, reason="no CUDA GPU visible (or CuPy not installed)")]
+
+# 16-bit inputs: P and dS rounded to the input type before their products, float32 accumulation, and every
+# operator's output rounded to 16 bits on both sides (the reference rounds at the same boundaries)
+TOL = {"bfloat16": 3e-2, "float16": 6e-3}
+GRAD_KINDS = ("attention_lse", "attention_delta", "attention_grad")
+
+
+def _relative(got: np.ndarray, want: np.ndarray, tol: float, what: str) -> None:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    scale = max(float(np.max(np.abs(want), initial=0.0)), 1e-30)
+    err = float(np.max(np.abs(got - want), initial=0.0)) / scale
+    assert err <= tol, f"{what}: error {err:.2e} of the largest magnitude"
+
+
+def _attention_vjp(dtype: str, d: int, causal: bool | str, seq_ends: tuple[int, ...] | None,
+                   sq: int = 300, skv: int = 300) -> rt.Graph:
+    g = rt.Graph()
+    q = g.input("q", [2, sq, 8, d], dtype)
+    k = g.input("k", [2, skv, 2, d], dtype)
+    v = g.input("v", [2, skv, 2, d], dtype)
+    o = g.attention(q, k, v, causal=causal, seq_ends=seq_ends, name="attn")
+    g.save(o, name="o")
+    for name, t in zip(("dq", "dk", "dv"), g.vjp(o, g.input("do", [2, sq, 8, d], dtype), [q, k, v])):
+        g.save(t, name=name)
+    return g
+
+
+def _feeds(g: rt.Graph, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {n.name: rng.standard_normal(n.type.shape).astype(numpy_dtype(n.type.dtype)) for n in g.inputs}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("device,split", [("cuda:0", None), ("cuda:0,0,0,0", None),
+                                          ("cuda:0,0,0,0", "seq_q=2,seq_kv=2"),
+                                          ("cuda:0,0,0,0", "heads_kv=2,seq_kv=2")])
+@pytest.mark.parametrize("form", ["causal_packed_64", "causal_128", "cross_72"])
+def test_attention_gradients_on_the_triton_kernels(form: str, device: str, split: str | None, dtype: str) -> None:
+    d, causal, ends, skv = {"causal_packed_64": (64, True, (70, 190, 300), 300), "causal_128": (128, True, None, 300),
+                            "cross_72": (72, "bottom_right", None, 333)}[form]
+    g = _attention_vjp(dtype, d, causal, ends, skv=skv)
+    grad_ops = [n for n in g.nodes if n.kind in ("attention_lse", "attention_grad")]
+    constraints = {n.name: split for n in grad_ops} if split else None
+    feeds = _feeds(g)
+    want = rt.reference(g, feeds)
+    cg = rt.compileGraph(g, device=device, constraints=constraints)
+    assert all(launchers.launcher_for(kind).launch is not launchers._host for kind in GRAD_KINDS)
+    assert cg.executor.capturable  # no operator of this program runs on host copies
+    for run in range(3):  # eager (choosing the kernels' configurations), captured, then replayed
+        got = cg.run(feeds)
+        for name in ("dq", "dk", "dv"):
+            _relative(got[name], want[name], TOL[dtype], f"{form} {device} {split} {dtype} {name} (run {run})")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("device", ["cuda:0", "cuda:0,0,0,0"])
+def test_training_step_gradients_with_the_triton_attention_backward(dtype: str, device: str) -> None:
+    g = llama_training_graph(1, 96, 64, 8, 2, 128, 97, dtype=dtype, seq_ends=(30, 71, 96))
+    feeds = llama_training_feeds(g)
+    want = rt.reference(g, feeds)
+    got = rt.compileGraph(g, device=device).run(feeds)
+    for name in g.outputs:
+        _relative(got[name], want[name], 3e-2 if dtype == "bfloat16" else 1e-2, f"{dtype} {device} {name}")
+
+
+def test_masked_forms_keep_the_host_path() -> None:
+    # key padding is not a per-row key range: its backward runs the NumPy kernels on host copies, eagerly
+    g = rt.Graph()
+    q = g.input("q", [2, 40, 4, 32], "float32")
+    k = g.input("k", [2, 40, 2, 32], "float32")
+    v = g.input("v", [2, 40, 2, 32], "float32")
+    o = g.attention(q, k, v, causal=True, key_padding=[33, 40])
+    for name, t in zip(("dq", "dk", "dv"), g.vjp(o, g.input("do", [2, 40, 4, 32], "float32"), [q, k, v])):
+        g.save(t, name=name)
+    assert all(n.op.gpu_allocates for n in g.nodes if n.kind in ("attention_lse", "attention_grad"))
+    feeds = _feeds(g, 1)
+    want = rt.reference(g, feeds)
+    cg = rt.compileGraph(g, device="cuda:0,0")
+    got = cg.run(feeds)
+    for name in ("dq", "dk", "dv"):
+        _relative(got[name], want[name], 1e-4, name)
