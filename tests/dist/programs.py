@@ -129,17 +129,23 @@ def stalled() -> dict:
 
 
 def subgroup() -> dict:
-    """A plan over a user's process group (the first two ranks), composed with the rest of the job."""
+    """A plan over a user's process group (the last two ranks: with 3 or more, their ranks in the group are
+    not their global ranks), composed with the rest of the job."""
     import torch.distributed as dist
 
-    group = dist.new_group([0, 1])  # every rank takes part in making it
-    if dist.get_rank() not in (0, 1):
+    world = dist.get_world_size()
+    members = [world - 2, world - 1]
+    group = dist.new_group(members)  # every rank takes part in making it
+    if dist.get_rank() not in members:
         return {"member": False}
     g = matrix_chain("C", dtype="float32", scale=128)
     feeds = chain_feeds(g, seed=3)
     cg = rt.compileGraph(g, device="dist", process_group=group)
     got, want = cg.run(feeds)["y"], rt.reference(g, feeds)["y"]
-    return {"member": True, "p": cg.p, "err": float(np.abs(got - want).max() / np.abs(want).max())}
+    only = cg.offload("y", rank=1)  # group rank 1: the last global rank
+    return {"member": True, "p": cg.p, "err": float(np.abs(got - want).max() / np.abs(want).max()),
+            "rank1_only": (only is not None) == (dist.get_rank() == world - 1),
+            "transfers": sum(map(len, cg.executor.groups))}
 
 
 def checkpoint() -> dict:
@@ -211,40 +217,62 @@ PROGRAMS = {"block": block, "chain": chain, "step": step, "mismatch": mismatch, 
 SOLO = {"killed": killed, "stalled": stalled, "checkpoint": checkpoint}
 
 
-def gpu() -> dict:
-    """GPU ranks sharing one GPU (transfers staged through the host over gloo): the block in float32 and
-    bfloat16 and an AdamW step, against the single-process CuPy executor and the reference."""
+def _gpu_ranks(transport: str) -> dict:
+    """GPU ranks running the block in float32 and bfloat16 and an AdamW step, against the single-process
+    CuPy executor and the reference; the block runs three times (eager, then captured into a CUDA graph
+    and replayed where the NCCL program may be captured), each run's output the same."""
     import os
 
+    from relational_tensors.target.devices import visible_gpus
+
     world = int(os.environ["WORLD_SIZE"])  # the group is made by the first device="dist" compile
-    shared = "cuda:" + ",".join(["0"] * world)
+    gpu = int(os.environ.get("LOCAL_RANK", "0")) % visible_gpus()  # as device="dist" picks it
+    shared = "cuda:" + ",".join([str(gpu)] * world)
     out: dict = {}
     for dtype in ("float32", "bfloat16"):
         g = llama_block(2, 64, 128, 8, 4, 256, dtype=dtype)
         feeds = llama_feeds(g, seed=1)
-        cg = rt.compileGraph(g, device="dist:cuda", transport="gloo")
-        got = np.asarray(cg.run(feeds)["y"], dtype=np.float64)
+        cg = rt.compileGraph(g, device="dist:cuda", transport=transport)
+        cg.load(feeds)
+        runs = []
+        for _ in range(3):
+            cg.execute()
+            runs.append(np.asarray(cg.offload("y"), dtype=np.float64))
+        got = runs[0]
         single = np.asarray(rt.compileGraph(g, device=shared).run(feeds)["y"], dtype=np.float64)
         ref = np.asarray(rt.reference(g, feeds)["y"], dtype=np.float64)
         scale = np.abs(ref).max()
         out[dtype] = {"vs_single": float(np.abs(got - single).max() / scale),
                       "vs_reference": float(np.abs(got - ref).max() / scale),
+                      "runs_differ": float(max(np.abs(r - got).max() for r in runs) / scale),
+                      "captured": cg.executor.graph_exec is not None,
+                      "groups": len(cg.executor.groups), "transfers": sum(map(len, cg.executor.groups)),
                       "executor": type(cg.executor).__name__}
     g = llama_training_graph(2, 16, 32, 4, 2, 48, 64, optimizer="adamw")
     feeds = llama_training_feeds(g)
-    cg = rt.compileGraph(g, device="dist:cuda", transport="gloo", keep_states="sharded")
-    local = rt.compileGraph(g, device="cpu:3")
-    for c in (cg, local):
+    cg = rt.compileGraph(g, device="dist:cuda", transport=transport, keep_states="sharded")
+    local_cg = rt.compileGraph(g, device="cpu:3")
+    for c in (cg, local_cg):
         c.load(feeds)
-        for _ in range(2):
+        for _ in range(3):
             c.execute()
     states = [n.name for n in g.inputs if n.role == "state"]
-    out["step"] = max(float(np.abs(cg.offload(s) - local.offload(s)).max() / (np.abs(local.offload(s)).max() + 1e-30))
-                      for s in states)
+    out["step"] = max(float(np.abs(cg.offload(s) - local_cg.offload(s)).max() /
+                            (np.abs(local_cg.offload(s)).max() + 1e-30)) for s in states)
     return out
 
 
-GPU_PROGRAMS = {"gpu": gpu}  # programs after which the group is broken: each rank reports alone
+def gpu() -> dict:
+    """GPU ranks sharing one GPU, transfers staged through the host over gloo."""
+    return _gpu_ranks("gloo")
+
+
+def nccl() -> dict:
+    """GPU ranks on a GPU each, transfers over NCCL (CUDA graphs where $RELATIONAL_TENSORS_NCCL_GRAPHS=1)."""
+    return _gpu_ranks("nccl")
+
+
+GPU_PROGRAMS = {"gpu": gpu, "nccl": nccl}  # programs after which the group is broken: each rank reports alone
 
 
 def main() -> None:
