@@ -123,14 +123,23 @@ def _pass_catalog(s: _State) -> None:
     cat.insert("operator_kinds", operator_table(), cid)
     piece_of = {v: pc.piece_id for pc in s.pieces for v in pc.members}
     ops = g.operators
+    texts: dict[int, tuple[str, str, str, str]] = {}  # per class of equal operators: signature, params, ...
+    for n in ops:
+        cls = s.candidates.templates[n.id].index
+        if cls not in texts:
+            op = n.op
+            assert op is not None
+            texts[cls] = (op.signature(), json.dumps(op.params(), default=str),
+                          ",".join(f"{x.name}={x.extent}" for x in op.requestable()), str(op.aggregation))
+    described = [texts[s.candidates.templates[n.id].index] for n in ops]
     cat.insert("operators", pa.table({
         "op_id": pa.array([n.id for n in ops], pa.int32()),
         "op_name": [n.name for n in ops],
         "op_kind": [n.kind for n in ops],
-        "signature": [n.op.signature() for n in ops],  # type: ignore[union-attr]
-        "params": [json.dumps(n.op.params(), default=str) for n in ops],  # type: ignore[union-attr]
-        "shardable": [",".join(f"{x.name}={x.extent}" for x in n.op.requestable()) for n in ops],  # type: ignore[union-attr]
-        "aggregation": [str(n.op.aggregation) for n in ops],  # type: ignore[union-attr]
+        "signature": [d[0] for d in described],
+        "params": [d[1] for d in described],
+        "shardable": [d[2] for d in described],
+        "aggregation": [d[3] for d in described],
         "tree_id": pa.array([piece_of[n.id] for n in ops], pa.int32()),
     }), cid)
     sources, carried = s.candidates.sources, s.candidates.carried

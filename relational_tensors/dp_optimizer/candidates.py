@@ -124,27 +124,37 @@ class Candidates:
         return pa.table(rows, schema=schema)
 
     def arrow_specs(self) -> pa.Table:
-        rows: dict[str, list] = {k: [] for k in ("op_id", "spec_id", "split", "intervals", "output_tiling", "join_cost",
+        cols: dict[str, list] = {k: [] for k in ("op_id", "spec_id", "split", "intervals", "output_tiling", "join_cost",
                                                  "aggregation_cost", "compute_cost", "flops", "imbalance", "balanced",
                                                  "memory_bytes", "resident_bytes", "eligible", "layout_cost")}
+        # a spec's texts and FLOPs, worked out once per spec (equal operators share their specs)
+        shown: dict[tuple[int, int], tuple[str, str, float, float | None, bool]] = {}
+        keep: list[object] = []  # the specs and requests whose ids key ``shown``
         for op_id, cands in self.by_op.items():
+            cols["op_id"] += [op_id] * len(cands)
             for c in cands:
-                rows["op_id"].append(op_id)
-                rows["spec_id"].append(c.spec_id)
-                rows["split"].append(c.spec.split_text)
-                rows["intervals"].append(";".join(f"{n}=" + ",".join(str(i) for i in ivs) for n, ivs in c.request))
-                rows["output_tiling"].append(c.output_tiling)
-                rows["join_cost"].append(c.join_cost)
-                rows["aggregation_cost"].append(c.aggregation_cost)
-                rows["compute_cost"].append(c.compute_cost)
-                rows["flops"].append(c.spec.total_flops)
-                imb = c.spec.imbalance
-                rows["imbalance"].append(imb if imb != float("inf") else None)
-                rows["balanced"].append(c.spec.balanced)
-                rows["memory_bytes"].append(c.memory_bytes)
-                rows["resident_bytes"].append(c.resident_bytes)
-                rows["eligible"].append(c.eligible)
-                rows["layout_cost"].append(c.layout_cost)
+                key = (id(c.spec), id(c.request))
+                texts = shown.get(key)
+                if texts is None:
+                    keep.append((c.spec, c.request))
+                    imb = c.spec.imbalance
+                    texts = shown[key] = (
+                        c.spec.split_text, ";".join(f"{n}=" + ",".join(str(i) for i in ivs) for n, ivs in c.request),
+                        c.spec.total_flops, imb if imb != float("inf") else None, c.spec.balanced)
+                cols["spec_id"].append(c.spec_id)
+                cols["split"].append(texts[0])
+                cols["intervals"].append(texts[1])
+                cols["output_tiling"].append(c.output_tiling)
+                cols["join_cost"].append(c.join_cost)
+                cols["aggregation_cost"].append(c.aggregation_cost)
+                cols["compute_cost"].append(c.compute_cost)
+                cols["flops"].append(texts[2])
+                cols["imbalance"].append(texts[3])
+                cols["balanced"].append(texts[4])
+                cols["memory_bytes"].append(c.memory_bytes)
+                cols["resident_bytes"].append(c.resident_bytes)
+                cols["eligible"].append(c.eligible)
+                cols["layout_cost"].append(c.layout_cost)
         schema = pa.schema([("op_id", pa.int32()), ("spec_id", pa.int32()), ("split", pa.string()),
                             ("intervals", pa.string()), ("output_tiling", pa.int32()), ("join_cost", pa.float64()),
                             ("aggregation_cost", pa.float64()), ("compute_cost", pa.float64()),
@@ -152,7 +162,7 @@ class Candidates:
                             ("balanced", pa.bool_()), ("memory_bytes", pa.int64()),
                             ("resident_bytes", pa.int64()), ("eligible", pa.bool_()),
                             ("layout_cost", pa.float64())])
-        return pa.table(rows, schema=schema)
+        return pa.table(cols, schema=schema)
 
     def floor(self, op_id: int, k: int, required_tiling: int) -> float:
         """The least price any producer tiling could deliver ``required_tiling`` at, under a pairwise model
@@ -165,32 +175,36 @@ class Candidates:
         return min((price for (_, wanted), price in pairs.items() if wanted == required_tiling), default=0.0)
 
     def arrow_inputs(self, graph: Graph, tree_of: Mapping[int, int]) -> pa.Table:
-        rows: dict[str, list] = {k: [] for k in ("op_id", "spec_id", "input_pos", "required_tiling", "producer_op",
+        cols: dict[str, list] = {k: [] for k in ("op_id", "spec_id", "input_pos", "required_tiling", "producer_op",
                                                  "op_tree", "producer_tree", "repartition", "floor", "carried")}
         for op_id, cands in self.by_op.items():
-            node = graph.nodes[op_id]
-            for k, _ in enumerate(node.inputs):
+            n = len(cands)
+            spec_ids = [c.spec_id for c in cands]
+            for k in range(len(graph.nodes[op_id].inputs)):
                 producer = self.sources.get((op_id, k))
-                floors: dict[int, float] = {}
-                for c in cands:
-                    wanted = c.required[k]
-                    if wanted not in floors:
-                        floors[wanted] = self.floor(op_id, k, wanted) if c.eligible else 0.0
-                    rows["floor"].append(floors[wanted])
-                    rows["op_id"].append(op_id)
-                    rows["spec_id"].append(c.spec_id)
-                    rows["input_pos"].append(k)
-                    rows["required_tiling"].append(c.required[k])
-                    rows["producer_op"].append(producer)
-                    rows["op_tree"].append(tree_of[op_id])
-                    rows["producer_tree"].append(tree_of.get(producer) if producer is not None else None)
-                    rows["repartition"].append(self.repartition[(op_id, k)])
-                    rows["carried"].append((op_id, k) in self.carried)
+                required = [c.required[k] for c in cands]
+                if (op_id, k) in self.prices:  # the floor of each tiling read, priced at its first spec's eligibility
+                    floors: dict[int, float] = {}
+                    for c, wanted in zip(cands, required):
+                        if wanted not in floors:
+                            floors[wanted] = self.floor(op_id, k, wanted) if c.eligible else 0.0
+                    cols["floor"] += [floors[wanted] for wanted in required]
+                else:
+                    cols["floor"] += [0.0] * n
+                cols["op_id"] += [op_id] * n
+                cols["spec_id"] += spec_ids
+                cols["input_pos"] += [k] * n
+                cols["required_tiling"] += required
+                cols["producer_op"] += [producer] * n
+                cols["op_tree"] += [tree_of[op_id]] * n
+                cols["producer_tree"] += [tree_of.get(producer) if producer is not None else None] * n
+                cols["repartition"] += [self.repartition[(op_id, k)]] * n
+                cols["carried"] += [(op_id, k) in self.carried] * n
         schema = pa.schema([("op_id", pa.int32()), ("spec_id", pa.int32()), ("input_pos", pa.int32()),
                             ("required_tiling", pa.int32()), ("producer_op", pa.int32()),
                             ("op_tree", pa.int32()), ("producer_tree", pa.int32()), ("repartition", pa.float64()),
                             ("floor", pa.float64()), ("carried", pa.bool_())])
-        return pa.table(rows, schema=schema)
+        return pa.table(cols, schema=schema)
 
 
 def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: int | None = None,
