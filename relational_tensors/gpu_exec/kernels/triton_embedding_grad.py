@@ -5,9 +5,10 @@ atomics).
 The tokens are grouped by id with a sort of the keys ``(id - v0) · T + t`` (T tokens; ids outside the block
 sort last): each block of keys is sorted in registers, then sorted runs are merged pairwise by a bitonic
 network (a mirrored compare-exchange, half-cleaners while their distance spans blocks, and a sort of each
-block).  Then one program per sorted position that starts a run of one id adds that run's rows of dy in
-order (the keys keep token order within an id) and writes the row once, so a 16-bit table is rounded
-once, from a float32 sum, as the NumPy kernel rounds it.  Rows no token names are zero."""
+block).  Then one program per sorted position that starts a run of one id adds that run's rows of dy,
+a fixed number of keys at a time in token order (the keys keep it within an id), and writes the row
+once, so a 16-bit table is rounded once, from a float32 sum, as the NumPy kernel rounds it.  Rows no
+token names are zero."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ __all__ = ["embedding_grad", "embedding_grad_scratch"]
 
 SORT_BLOCK = 1024   # keys sorted in registers by one program
 BLOCK_E = 128       # embedding columns per program of the sums
+BLOCK_K = 16        # keys of a run added per step
 SENTINEL = 2**63 - 1
 
 
@@ -77,8 +79,10 @@ def _block_sort_kernel(keys_ptr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _run_sum_kernel(keys_ptr, dy_ptr, out_ptr, n_tok, n_e, BLOCK_E: tl.constexpr, ACC: tl.constexpr):
-    # a program per sorted position; the one that starts the run of an id sums that id's rows of dy in order
+def _run_sum_kernel(keys_ptr, dy_ptr, out_ptr, n_tok, n_e, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                    ACC: tl.constexpr):
+    # a program per sorted position; the one that starts the run of an id sums that id's rows of dy, BLOCK_K
+    # keys at a time from the run's start (the grouping, so the order of additions, depends only on the ids)
     i = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
     cmask = cols < n_e
@@ -89,12 +93,16 @@ def _run_sum_kernel(keys_ptr, dy_ptr, out_ptr, n_tok, n_e, BLOCK_E: tl.constexpr
     if starts:
         acc = tl.zeros([BLOCK_E], dtype=ACC)
         j = i
-        k = key
-        while (j < n_tok) & (k // n_tok == row):
-            t = k % n_tok
-            acc += tl.load(dy_ptr + t * n_e + cols, mask=cmask, other=0.0).to(ACC)
-            j += 1
-            k = tl.load(keys_ptr + j, mask=j < n_tok, other=9223372036854775807)
+        more = True
+        while more:
+            at = j + tl.arange(0, BLOCK_K)
+            k = tl.load(keys_ptr + at, mask=at < n_tok, other=9223372036854775807)
+            same = (at < n_tok) & (k // n_tok == row)  # a prefix of these keys: they are sorted
+            rows = tl.load(dy_ptr + (k % n_tok)[:, None] * n_e + cols[None, :], mask=same[:, None] & cmask[None, :],
+                           other=0.0).to(ACC)
+            acc += tl.sum(rows, axis=0)
+            j += BLOCK_K
+            more = tl.min(same.to(tl.int32), axis=0) == 1  # every key was this id's: the run may go on
         tl.store(out_ptr + row * n_e + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
@@ -130,5 +138,5 @@ def embedding_grad(ids: DevBuf, dy: DevBuf, out: DevBuf, scratch: DevBuf, v0: in
             dist //= 2
         _block_sort_kernel[(n_pad // block,)](keys, BLOCK=block)
         run *= 2
-    _run_sum_kernel[(n_tok, triton.cdiv(n_e, BLOCK_E))](keys, Ptr(dy), Ptr(out), n_tok, n_e, BLOCK_E=BLOCK_E,
-                                                        ACC=acc_type(dy.dtype))
+    _run_sum_kernel[(n_tok, triton.cdiv(n_e, BLOCK_E))](keys, Ptr(dy), Ptr(out), n_tok, n_e, BLOCK_K=BLOCK_K,
+                                                        BLOCK_E=BLOCK_E, ACC=acc_type(dy.dtype))
