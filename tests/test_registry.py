@@ -70,4 +70,6 @@ def test_the_registry_is_printable_and_a_catalog_table() -> None:
     cg = rt.compileGraph(g, device="cpu:2")
     rows = cg.sql("SELECT kind, cost_family, gpu_allocates FROM operator_kinds ORDER BY kind").to_pylist()
     assert {r["kind"] for r in rows} == set(OPERATORS)
-    assert {"kind": "einsum", "cost_family": "matmul", "gpu_allocates": True} in rows
+    assert {"kind": "matmul", "cost_family": "matmul", "gpu_allocates": False} in rows
+    assert {"kind": "einsum", "cost_family": "matmul", "gpu_allocates": None} in rows  # GEMM-shaped or not
+    assert {"kind": "sql", "cost_family": "matmul", "gpu_allocates": True} in rows

@@ -117,15 +117,31 @@ def host_kernel(op: Any, f: FunctionSpec, ins: list, out: Any, stream: int) -> N
             buf.cupy().set(value.view(np.uint16) if buf.dtype == "bfloat16" else value)
 
 
+FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
 @launcher("einsum")
 def _einsum(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    """A two-operand einsum that is a (batched) matrix product, the matmul gradients among them, is one
+    cuBLAS GEMM on the blocks as they lie (nothing allocated, so it is captured); any other einsum runs
+    through CuPy in the compute dtype."""
     import cupy
 
+    from relational_tensors.gpu_exec.kernels.blas import einsum_gemm
+
+    letters, res = op._parsed()
+    if len(ins) == 2 and out.dtype in FLOATS and (out.size == 0 or ins[0].size == 0 or ins[1].size == 0):
+        if out.size:  # an empty contraction
+            from relational_tensors.gpu_exec.kernels import triton_copy as tc
+
+            tc.fill(out, 0.0)
+        return
+    if len(ins) == 2 and einsum_gemm(ins[0], ins[1], out, letters[0], letters[1], res, stream):
+        return
     bf16 = out.dtype == "bfloat16"
     arrays = [b.cupy() for b in ins]
     dst = out.cupy()
     with cupy.cuda.ExternalStream(stream):
-        letters, res = op._parsed()
         sub = ",".join("".join(x) for x in letters) + "->" + "".join(res)
         work = compute_dtype(out.dtype)  # 16-bit floats in float32, float64 stays float64
         operands = [bf16_bits_to_float32(a, cupy) if b.dtype == "bfloat16" else a.astype(work)
@@ -136,7 +152,7 @@ def _einsum(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream:
 
 # operators whose GPU kernel is their NumPy kernel on host copies (SQL operators evaluate arbitrary
 # expressions; the gradient operators without device kernels yet)
-HOST_KINDS = ("sql", "pad", "expand", "where", "conv_grad", "pool", "pool_grad")
+HOST_KINDS = ("sql", "pad", "where", "conv_grad", "pool", "pool_grad")
 
 
 @launcher(*HOST_KINDS)
@@ -257,6 +273,17 @@ def _permute(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream
     from relational_tensors.gpu_exec.kernels import triton_copy as tc
 
     tc.copy_box(ins[0].permuted(op.perm), out)
+
+
+@launcher("expand")
+def _expand(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    """A broadcast copy: the input block read with stride 0 along the dimensions it repeats."""
+    from relational_tensors.gpu_exec.kernels import triton_copy as tc
+    from relational_tensors.gpu_exec.kernels.common import DevBuf
+
+    x = ins[0]
+    strides = tuple(0 if a == 1 and n != 1 else s for a, n, s in zip(x.shape, out.shape, x.strides))
+    tc.copy_box(DevBuf(x.ptr, out.shape, x.dtype, x.device, strides), out)
 
 
 @launcher("slice")

@@ -415,8 +415,7 @@ class ExpandOp(IndexedOp):
 
     kind = "expand"
     accepts_bool = True
-    gpu_allocates = True  # the NumPy kernel over host copies
-    shape: tuple[int, ...] = ()
+    shape: tuple[int, ...] = ()  # on GPUs a broadcast copy (stride 0 along the repeated dimensions)
 
     def infer(self) -> TensorType:
         (x,) = self.input_types

@@ -9,13 +9,14 @@ logical devices of one GPU) must not share a workspace."""
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from relational_tensors.gpu_exec.kernels.common import DevBuf
 
-__all__ = ["matmul"]
+__all__ = ["matmul", "einsum_gemm", "einsum_gemm_plan", "Gemm"]
 
 # cudaDataType and cublasComputeType values
 _CUDA_TYPE = {"float16": 2, "bfloat16": 14, "float32": 0, "float64": 1}
@@ -106,3 +107,121 @@ def matmul(a: DevBuf, b: DevBuf, out: DevBuf, stream_ptr: int) -> None:
         batch, ctype, _GEMM_DEFAULT,
     )
     _check(status, f"cublasGemmStridedBatchedEx ({m}x{k} @ {k}x{n}, batch {batch}, {a.dtype})")
+
+
+def _fuse(buf: DevBuf, letters: tuple[str, ...], group: tuple[str, ...]) -> tuple[int, int] | None:
+    """(size, stride) of the letters ``group`` of ``buf`` fused into one dimension in that order (the last
+    letter innermost), or None when the memory layout does not allow it; size-1 letters fit anywhere."""
+    size, stride, expected = 1, None, None
+    for c in reversed(group):
+        n, s = buf.shape[letters.index(c)], buf.strides[letters.index(c)]
+        if n == 1:
+            continue
+        if expected is not None and s != expected:
+            return None
+        stride = s if stride is None else stride
+        expected = s * n
+        size *= n
+    return size, (1 if stride is None else stride)
+
+
+def _operand(rows: tuple[int, int], cols: tuple[int, int]) -> tuple[int, int] | None:
+    """How cuBLAS (column-major) reads a logical matrix of ``rows`` (size, stride) by ``cols``: (op, ld),
+    op 0 = as stored column-major, 1 = transposed; None when neither dimension has unit stride."""
+    (r, sr), (c, sc) = rows, cols
+    if r == 1 or sr == 1:
+        ld = sc if c > 1 else max(r, 1)
+        if ld >= max(r, 1):
+            return 0, ld
+    if c == 1 or sc == 1:
+        ld = sr if r > 1 else max(c, 1)
+        if ld >= max(c, 1):
+            return 1, ld
+    return None
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One cublasGemmStridedBatchedEx call in column-major terms: C (m x n) = op_a(A) @ op_b(B), ``batch``
+    times, each operand a pointer, a leading dimension and a batch stride (elements)."""
+
+    op_a: int
+    op_b: int
+    m: int
+    n: int
+    k: int
+    a: int
+    lda: int
+    stride_a: int
+    b: int
+    ldb: int
+    stride_b: int
+    ldc: int
+    stride_c: int
+    batch: int
+
+
+def einsum_gemm_plan(a: DevBuf, b: DevBuf, out: DevBuf, la: tuple[str, ...], lb: tuple[str, ...],
+                     lo: tuple[str, ...]) -> Gemm | None:
+    """``out = einsum(la, lb -> lo)`` as one strided-batched GEMM when the einsum is a (batched) matrix
+    product whose index groups lie in memory as fusible runs: batch indices in all three, rows in ``a``
+    and ``out``, columns in ``b`` and ``out``, contracted ones in ``a`` and ``b``, each operand with a unit
+    stride in its matrix part.  A gradient's ``dA = dC @ Bᵀ`` and ``dB = Aᵀ @ dC`` (the batch summed as
+    part of the contraction) are such products.  None for any other einsum, or an empty one."""
+    if len(set(la)) != len(la) or len(set(lb)) != len(lb) or len(set(lo)) != len(lo) or a.dtype != b.dtype:
+        return None
+    if a.dtype not in _CUDA_TYPE or out.dtype not in _CUDA_TYPE or out.size == 0:
+        return None
+    batch = tuple(c for c in lo if c in la and c in lb)
+    rows = tuple(c for c in lo if c in la and c not in lb)
+    cols = tuple(c for c in lo if c in lb and c not in la)
+    inner = tuple(c for c in la if c in lb and c not in lo)
+    if set(la) - set(batch + rows + inner) or set(lb) - set(batch + cols + inner) or set(lo) - set(la + lb):
+        return None  # an index summed within one operand, or an output index of neither
+    fused: list[list[tuple[int, int]]] = []
+    for buf, letters, groups in ((a, la, (batch, rows, inner)), (b, lb, (batch, inner, cols)),
+                                 (out, lo, (batch, rows, cols))):
+        dims = [_fuse(buf, letters, g) for g in groups]
+        if any(d is None for d in dims):
+            return None
+        fused.append([d for d in dims if d is not None])
+    (nb, sba), (m, sam), (k, sak) = fused[0]
+    (_, sbb), (_, sbk), (n, sbn) = fused[1]
+    (_, sbo), (_, som), (_, son) = fused[2]
+    if k == 0:
+        return None
+    c_layout = _operand((n, son), (m, som))  # C = outᵀ (n x m) = bᵀ aᵀ, or out as stored
+    if c_layout is None:
+        return None
+    if c_layout[0] == 0:  # out row-major in (rows, cols): C = outᵀ = bᵀ aᵀ
+        mm, nn, first, second = n, m, _operand((n, sbn), (k, sbk)), _operand((k, sak), (m, sam))
+        pa, pb, sa, sb = b.ptr, a.ptr, sbb, sba
+    else:  # out column-major: C = out = a b
+        mm, nn, first, second = m, n, _operand((m, sam), (k, sak)), _operand((k, sbk), (n, sbn))
+        pa, pb, sa, sb = a.ptr, b.ptr, sba, sbb
+    if first is None or second is None:
+        return None
+    one = nb > 1
+    return Gemm(first[0], second[0], mm, nn, k, pa, first[1], sa if one else 0, pb, second[1], sb if one else 0,
+                c_layout[1], sbo if one else 0, nb)
+
+
+def einsum_gemm(a: DevBuf, b: DevBuf, out: DevBuf, la: tuple[str, ...], lb: tuple[str, ...],
+                lo: tuple[str, ...], stream_ptr: int) -> bool:
+    """Run ``out = einsum(la, lb -> lo)`` as one cuBLAS GEMM (:func:`einsum_gemm_plan`) on the stream, float32
+    accumulation for 16-bit operands; False, having done nothing, when it is no such product."""
+    g = einsum_gemm_plan(a, b, out, la, lb, lo)
+    if g is None:
+        return False
+    lib = _cublas()
+    handle = _handle(out.device, stream_ptr)
+    ctype = _COMPUTE[out.dtype]
+    dt = _CUDA_TYPE[a.dtype]
+    status = lib.cublasGemmStridedBatchedEx(
+        ctypes.c_void_p(handle), g.op_a, g.op_b, g.m, g.n, g.k, ctypes.c_void_p(_ONE[ctype].ctypes.data),
+        ctypes.c_void_p(g.a), dt, g.lda, g.stride_a, ctypes.c_void_p(g.b), dt, g.ldb, g.stride_b,
+        ctypes.c_void_p(_ZERO[ctype].ctypes.data), ctypes.c_void_p(out.ptr), _CUDA_TYPE[out.dtype], g.ldc,
+        g.stride_c, g.batch, ctype, _GEMM_DEFAULT,
+    )
+    _check(status, f"cublasGemmStridedBatchedEx ({la}, {lb} -> {lo}, {a.dtype} -> {out.dtype})")
+    return True
