@@ -135,7 +135,7 @@ def _compile(args: argparse.Namespace, ui: Ui, graph: Any) -> Any:
                              cost_model=args.cost_model, memory_per_device=args.memory_per_device,
                              catalog=args.catalog, tactic=args.tactic, schedule_mode=args.schedule,
                              topology=args.topology_value, search_budget_s=args.search_budget,
-                             search_steps=args.search_steps,
+                             search_steps=args.search_steps, search_total_steps=args.search_total_steps,
                              calibration=args.calibration, attention=args.attention, refine=not args.no_refine,
                              keep_states=args.keep_states, constraints=constraints or None)
     if args.save_plan:
@@ -605,7 +605,10 @@ def _plan_options(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--schedule", default=_default("schedule_mode"), choices=_choices("schedule_mode"),
                    help="exchange-program synthesis")
     o.add_argument("--search-steps", type=int, default=None, metavar="N",
-                   help="with --schedule search: proposals judged per program (reproducible for a --seed)")
+                   help="with --schedule search: at most N proposals judged per program")
+    o.add_argument("--search-total-steps", type=int, default=_default("search_total_steps"), metavar="N",
+                   help="with --schedule search: proposals judged over the plan, spread by each program's naive "
+                        "time (reproducible for a --seed); default %(default)s")
     o.add_argument("--search-budget", type=float, default=_default("search_budget_s"), metavar="S",
                    help="seconds of search per exchange program with --schedule search")
     o.add_argument("--attention", default=_default("attention"), choices=_choices("attention"),

@@ -45,6 +45,8 @@ __all__ = ["compileGraph", "compile", "CompiledGraph", "PASSES"]
 # the command line's progress bar reads); the library adds no handler beyond the package's NullHandler
 log = logging.getLogger("relational_tensors.compile")
 
+_GC_YOUNG = 100_000  # net allocations between collections of the youngest generation while planning (Python: 700)
+
 
 @dataclass
 class _State:
@@ -203,17 +205,27 @@ def _pass_check(s: _State) -> None:
 def _searched(s: _State, plan: LogicalPlan, naive: Lowered) -> Lowered:
     """``plan`` lowered with searched exchange programs, unless the whole plan simulates faster with the
     naive ones (``naive``): the search improves each program on its own, and programs that overlap can
-    interfere on shared links."""
+    interfere on shared links.  The programs share ``search_total_steps``, weighed by their naive runs in
+    ``naive`` (the programs of assigned states keep their devices and are not searched)."""
     from relational_tensors.exchange.search import make_searcher
     from relational_tensors.physical.simulate import simulate_plan
 
     assert s.target is not None
-    t = s.target
-    synth = make_searcher(t.topology, seed=s.options.seed, budget_s=s.options.search_budget_s,
-                          max_steps=s.options.search_steps)
+    t, o = s.target, s.options
+    synth = make_searcher(t.topology, seed=o.seed, budget_s=o.search_budget_s, max_steps=o.search_steps,
+                          total_steps=o.search_total_steps)
+    synth.spread((prog, naive.memberships.get(name, {})) for name, prog in naive.programs.items()
+                 if not name.startswith("assign:"))
     searched = _lower(s, plan, synth)
     s.search_timeouts = sum(r.out_of_time for r in synth.results)
     s.searched_programs = len(synth.results)
+    log.info("search: %d exchange programs, %d at their lower bound, %d proposals judged (limit %s over the plan, "
+             "%s per program)", len(synth.results), sum(r.at_bound for r in synth.results),
+             sum(r.steps for r in synth.results), o.search_total_steps, o.search_steps)
+    if s.search_timeouts:
+        log.warning("search: the budget of %g s per program stopped %d of %d searches, so the plan depends on "
+                    "this machine's speed; raise search_budget_s or lower search_total_steps", o.search_budget_s,
+                    s.search_timeouts, len(synth.results))
     if simulate_plan(naive.dag, s.graph, t.topology, t.kernels).time < simulate_plan(
             searched.dag, s.graph, t.topology, t.kernels).time:
         return naive
@@ -464,6 +476,7 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
                  catalog: str | Path | Catalog | None = None, tactic: str = "tree",
                  label: str | None = None, schedule_mode: str = "naive",
                  topology: str | Topology | None = None, search_budget_s: float = 0.5, search_steps: int | None = None,
+                 search_total_steps: int | None = 400,
                  calibration: str | None = None, attention: str = "triton", refine: bool = True,
                  keep_states: str = "auto", second_phase_inputs: Any = (),
                  constraints: Mapping[str, str] | None = None, process_group: Any = None,
@@ -484,16 +497,18 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
                                    cost_model=cost_model, memory_per_device=memory_per_device, catalog=catalog,
                                    tactic=tactic, label=label, schedule_mode=schedule_mode, topology=topology,
                                    search_budget_s=search_budget_s, search_steps=search_steps,
-                                   calibration=calibration, attention=attention, refine=refine,
-                                   keep_states=keep_states, second_phase_inputs=second_phase_inputs,
-                                   constraints=constraints)
+                                   search_total_steps=search_total_steps, calibration=calibration,
+                                   attention=attention, refine=refine, keep_states=keep_states,
+                                   second_phase_inputs=second_phase_inputs, constraints=constraints)
     if process_group is not None or timeout is not None or transport is not None:
         raise GraphError("process_group=, timeout= and transport= are for device='dist' (one process per device "
                          f"under torchrun); got device={device!r}.")
-    # planning builds large graphs of small objects with no cycles to reclaim: the cyclic collector would
-    # only rescan them (a third of a 32-layer compile), so it waits until the compilation is done
-    collecting = gc.isenabled()
-    gc.disable()
+    # planning allocates millions of small objects and few cycles: at Python's default threshold the cyclic
+    # collector would rescan the young ones every 700 allocations (a third of a 32-layer compile), so it runs
+    # every _GC_YOUNG instead, which still reclaims the cycles planning leaves as it goes
+    thresholds = gc.get_threshold()
+    if thresholds[0]:  # 0: the caller turned automatic collection off
+        gc.set_threshold(max(thresholds[0], _GC_YOUNG), *thresholds[1:])
     try:
         if not isinstance(graph, Graph):
             raise GraphError(f"compileGraph takes an rt.Graph; got {type(graph).__name__}.")
@@ -501,7 +516,7 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
                                  memory_per_device=memory_per_device, tactic=tactic, label=label,
                                  schedule_mode=schedule_mode, topology=CompileOptions.default("topology")
                                  if topology is None else topology, search_budget_s=search_budget_s,
-                                 search_steps=search_steps,
+                                 search_steps=search_steps, search_total_steps=search_total_steps,
                                  calibration=calibration, attention=attention, refine=refine,
                                  keep_states=keep_states, second_phase_inputs=frozenset(
                                      [second_phase_inputs] if isinstance(second_phase_inputs, str)
@@ -540,8 +555,7 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
                                peak_bytes=max(compiled.memory().values(), default=0))
         return compiled
     finally:
-        if collecting:
-            gc.enable()
+        gc.set_threshold(*thresholds)
 
 
 def compile(graph: Graph, devices: object = None, **options: Any) -> CompiledGraph:

@@ -45,9 +45,10 @@ class CompileOptions:
     ``paper`` (elements), ``bytes`` or ``calibrated`` (seconds on ``topology`` with the kernel rates of
     ``calibration``, by default the file shipped for the machine); ``memory_per_device`` (bytes) bounds
     each device's working set and peak; ``tactic`` is ``tree`` or ``linear``; ``schedule_mode`` is
-    ``naive`` or ``search`` (alias ``ai``: at most ``search_steps`` proposals judged per program, which
-    makes the search reproducible for a ``seed``, and ``search_budget_s`` seconds per program as a cap
-    that the plan reports when it stopped a search); ``attention`` picks
+    ``naive`` or ``search`` (alias ``ai``: at most ``search_total_steps`` proposals judged over the plan's
+    programs, spread by their naive times, and ``search_steps`` per program (None: no such cap), which
+    makes the search reproducible for a ``seed``; ``search_budget_s`` seconds per program as a cap that the
+    plan reports when it stopped a search); ``attention`` picks
     the GPU attention kernel; ``label`` names the compilation in the catalog; ``keep_states`` says how
     assigned states stay on the devices between executions: ``as read`` (the blocks their readers read),
     ``sharded`` (one copy of their value's blocks, gathered for each reader), or ``auto`` (as read, and
@@ -69,6 +70,7 @@ class CompileOptions:
     topology: str | Topology = "hgx-h200"
     search_budget_s: float = 0.5
     search_steps: int | None = None
+    search_total_steps: int | None = 400
     calibration: str | Path | None = None
     attention: str = _choice("triton", ATTENTION_KERNELS, "attention kernel")
     refine: bool = True
@@ -103,6 +105,10 @@ class CompileOptions:
         steps = self.search_steps
         if steps is not None and (not is_integer(steps) or not 0 < steps <= 10**9):
             raise PlanError(f"search_steps must be a positive whole number of proposals, or None; got {steps!r}.")
+        total = self.search_total_steps
+        if total is not None and (not is_integer(total) or not 0 <= total <= 10**9):
+            raise PlanError(f"search_total_steps must be a whole number of proposals (0 searches nothing), or None "
+                            f"for no limit over the plan; got {total!r}.")
         b = self.search_budget_s
         if not is_number(b) or not 0 < b < math.inf:
             raise PlanError(f"search_budget_s must be a positive number of seconds; got {b!r}.")

@@ -321,7 +321,7 @@ def plan_table(cg: CompiledGraph, rows: list[dict[str, Any]] | None = None, widt
     searched, late = cg.search
     if late:  # a search stopped by the wall clock depends on the machine's speed: say so
         few += (f"; the search budget ({cg.options.search_budget_s:g} s) stopped {late} of {searched} searched "
-                "exchange programs: set search_steps for a reproducible search")
+                "exchange programs: raise search_budget_s for a reproducible search")
     table = Table(
         title=(f"plan for p={cg.p} ({cg.devices}), selector={cg.plan.selector}, cost model={cg.plan.cost_model} "
                f"({unit})") if titled else None,
