@@ -30,15 +30,15 @@ Membership moves are proposed in the first round and after every round that foun
 nothing.  The search ends after a few fruitless rounds in a row, after ``max_steps``
 judged proposals, or when ``budget_s`` is spent.  Only improvements are taken, so
 the result is never slower than naive; for one seed it is deterministic unless the
-time budget is what stops it.  A program whose naive run already takes its
+time budget is what stops it.  A program whose naive run is within 0.1% of its
 :func:`lower_bound` (the busiest endpoint's unavoidable bytes over its bandwidth) is
-not searched: no body can be faster.
+not searched: no body could gain more.
 
 A :class:`Searcher` searches the programs of one lowering.  Given a step limit for
 all of them (``total_steps``) and the lowering's naive programs beforehand
 (:meth:`Searcher.spread`), it hands out the steps in lowering order, each program
 taking the steps left in proportion to its weight (naive time times the number of
-readers that use it, 0 at the lower bound) among the weights left, so the expensive
+readers that use it, 0 near the lower bound) among the weights left, so the expensive
 exchanges get the effort and what a search leaves unused goes to those after it.
 """
 
@@ -117,7 +117,7 @@ class SearchResult:
     accepted: tuple[str, ...] = ()
     elapsed: float = field(default=0.0, compare=False)
     out_of_time: bool = field(default=False, compare=False)  # the wall-clock budget, not the steps, stopped it
-    at_bound: bool = False  # naive already takes the lower bound: not searched
+    at_bound: bool = False  # naive is within _NEAR of the lower bound: not searched
 
     @property
     def speedup(self) -> float:
@@ -699,8 +699,8 @@ def search_program(prog: ExProg, topology: Topology | str, membership: Membershi
     partitions declared by size (None: the first choice).  The search starts from
     ``naive_body`` and never returns anything slower.  ``free_moves=False`` keeps the set
     of sites the sized partitions use (swaps only), as lowering needs when other readers
-    sit outside the program.  A program whose naive run takes its :func:`lower_bound` is
-    returned as naive builds it, unsearched (``at_bound``).  ``known``: the simulated run of the
+    sit outside the program.  A program whose naive run is within 0.1% of its :func:`lower_bound`
+    is returned as naive builds it, unsearched (``at_bound``).  ``known``: the simulated run of the
     naive body under that membership and the lower bound, when the caller has them already.
 
     >>> from relational_tensors.exchange.text import parse
