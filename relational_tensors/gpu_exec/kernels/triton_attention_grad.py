@@ -38,8 +38,7 @@ from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type
 __all__ = ["attention_lse", "attention_delta", "attention_dq", "attention_dkv", "Config"]
 
 Config = tuple[int, int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA)
-_LOG2E = 1.4426950408889634
-_BIG = 2147483647
+_BIG = tl.constexpr(2147483647)  # past every row and key index: the masked rows' limits
 
 
 @triton.jit
@@ -390,19 +389,21 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA) tried on the first launch of each shape class, the fastest
 # kept; TMA ones only where tensor descriptors work (Hopper or newer, whole power-of-two heads, aligned
-# contiguous blocks).  dk|dv holds two [BLOCK_N, d] accumulators, so it takes the narrower query tiles.
+# contiguous blocks).  dk|dv holds two [BLOCK_N, d] float32 accumulators, so it takes narrower tiles and 8
+# warps: compiled for sm_90 at d = 128 in bfloat16, (32, 64, 8, 2|3, TMA) keep everything in registers
+# and (64, 64, 8, 3, TMA) spills 56 bytes, where the 4-warp and 128-key tiles spill hundreds.
 ROW_CONFIGS: dict[str, list[Config]] = {  # lse and dq: a program per query tile, walking key tiles
     "lse": [(64, 64, 4, 3, 0), (128, 64, 8, 3, 0), (128, 128, 8, 3, 0), (64, 64, 4, 3, 1), (128, 64, 8, 3, 1),
             (128, 128, 8, 3, 1)],
-    "dq": [(64, 64, 4, 2, 0), (128, 64, 8, 2, 0), (128, 32, 4, 3, 0), (64, 128, 8, 2, 0), (64, 64, 4, 2, 1),
-           (128, 64, 8, 2, 1), (128, 32, 4, 3, 1)],
-    "dkv": [(32, 128, 4, 3, 0), (64, 128, 8, 2, 0), (64, 128, 8, 3, 0), (64, 64, 4, 3, 0), (64, 64, 8, 2, 0),
-            (32, 64, 4, 3, 0), (32, 128, 4, 3, 1), (64, 128, 8, 2, 1), (64, 128, 8, 3, 1), (64, 64, 4, 3, 1)],
+    "dq": [(64, 64, 4, 2, 0), (128, 64, 8, 2, 0), (64, 64, 8, 2, 0), (128, 32, 4, 3, 0), (64, 64, 4, 3, 1),
+           (128, 64, 8, 2, 1), (128, 64, 8, 3, 1), (64, 64, 8, 2, 1), (128, 32, 8, 2, 1)],
+    "dkv": [(32, 64, 4, 3, 0), (64, 64, 4, 3, 0), (64, 64, 8, 2, 0), (32, 128, 4, 3, 0), (64, 128, 8, 3, 0),
+            (32, 64, 8, 2, 1), (32, 64, 8, 3, 1), (64, 64, 8, 2, 1), (64, 64, 8, 3, 1), (64, 128, 8, 3, 1)],
 }
-IEEE_CONFIGS: dict[str, list[Config]] = {  # float32 and float64: no tensor cores, smaller tiles
-    "lse": [(64, 32, 4, 2, 0), (32, 32, 4, 2, 0)],
-    "dq": [(32, 32, 4, 2, 0), (64, 32, 4, 2, 0)],
-    "dkv": [(32, 32, 4, 2, 0), (32, 64, 4, 2, 0)],
+IEEE_CONFIGS: dict[str, list[Config]] = {  # float32 and float64: no tensor cores, small tiles
+    "lse": [(32, 32, 4, 2, 0), (16, 32, 4, 2, 0)],
+    "dq": [(16, 32, 4, 2, 0), (32, 32, 8, 2, 0), (16, 16, 4, 2, 0)],
+    "dkv": [(32, 32, 8, 1, 0), (16, 16, 4, 2, 0), (32, 32, 8, 2, 0)],
 }
 _chosen: dict[tuple, Config] = {}
 
