@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import cache
 
 import triton
 import triton.language as tl
@@ -408,6 +409,7 @@ IEEE_CONFIGS: dict[str, list[Config]] = {  # float32 and float64: no tensor core
 _chosen: dict[tuple, Config] = {}
 
 
+@cache
 def _interpreted() -> bool:
     """Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when they were defined)."""
     from triton.runtime.interpreter import InterpretedFunction
