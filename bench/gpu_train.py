@@ -201,6 +201,8 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--virtual", default="2,4,8")
     ap.add_argument("--skip-ours", action="store_true", help="only PyTorch's steps and the roofline")
+    ap.add_argument("--torch-modes", default="eager,model,step",
+                    help="PyTorch's steps to time: eager, model (torch.compile(model)), step (the whole step compiled)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args()
     rate = matmul_rate()
@@ -215,7 +217,7 @@ def main() -> None:
         target = rng.standard_normal((b, s, D), dtype=np.float32).astype(ml_dtypes.bfloat16)
         row: dict[str, Any] = {"roofline_ms": block_flops(b, s) / rate * 1e3}
         torch_params: dict[str, np.ndarray] = {}
-        for mode in ("eager", "model", "step"):
+        for mode in [m for m in args.torch_modes.split(",") if m]:
             key = {"eager": "torch_eager", "model": "torch_compile", "step": "torch_compile_step"}[mode]
             try:
                 fn, model, _ = torch_step(torch, w, x, target, s, mode)
@@ -228,6 +230,7 @@ def main() -> None:
                 ms = _time(fn, stream)
                 row[f"{key}_ms"] = statistics.mean(ms)
                 row[f"{key}_all_ms"] = ms
+                print(name, key, f"{row[f'{key}_ms']:.3f} ms, first loss {first:.6f}", flush=True)
             except Exception as e:  # noqa: BLE001 - a mode torch cannot run here is reported, the rest go on
                 row[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             model = fn = None
@@ -242,8 +245,10 @@ def main() -> None:
                     r = run_ours(g, feeds, device)
                 except Exception as e:  # noqa: BLE001
                     row[f"ours{p}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    print(name, device, row[f"ours{p}_error"], flush=True)
                     continue
                 got = r.pop("params_after_3")
+                print(name, device, {k: v for k, v in r.items() if k not in ("all_ms",)}, flush=True)
                 if torch_params:  # bf16 parameters against PyTorch's float32 masters after three steps
                     r["params_max_rel_diff_vs_torch"] = max(
                         float(np.max(np.abs(got[k] - torch_params[k])) / max(np.max(np.abs(torch_params[k])), 1e-30))
