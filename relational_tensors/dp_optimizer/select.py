@@ -2,12 +2,15 @@
 
 ``dp`` runs the inner minimization in SQL over the catalog's costed spec
 tables, one recursive statement per group of independent pieces (its waves
-computed in turn), and traces the choices back in Python.  Each selector
-writes its choice into the catalog's ``chosen`` table.
+computed in turn), and traces the choices back in Python; a piece whose
+context equals that of a piece solved before (identical layers) takes its
+solution instead (``repeats``).  Each selector writes its choice into the
+catalog's ``chosen`` table.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 
@@ -26,6 +29,8 @@ from relational_tensors.frontend.graph import Graph, Node
 __all__ = ["SELECTORS", "select_dp", "select_exact", "select_greedy", "select_random"]
 
 SELECTORS = ("dp", "exact", "greedy", "random")
+
+log = logging.getLogger(__name__)
 
 
 def _write_chosen(catalog: Catalog, cid: int, cands: Candidates, choice: dict[int, int]) -> None:
@@ -88,6 +93,7 @@ def select_dp(catalog: Catalog, cid: int, graph: Graph, cands: Candidates, piece
     solved: dict[object, tuple[tuple[int, ...], list[tuple[int, int, float]]]] = {}  # context -> solution
     unwritten: dict[int, int] = {}  # chosen specs not yet in the catalog (written before the next statement)
     copied: list[tuple[int, int, float, int]] = []  # dp_table rows of pieces that took a solution
+    solved_by_sql = 0
 
     def flush() -> None:
         if unwritten:
@@ -106,6 +112,7 @@ def select_dp(catalog: Catalog, cid: int, graph: Graph, cands: Candidates, piece
                 if ctx is not None:
                     firsts.add(ctx)
         picked: dict[int, int] = {}
+        solved_by_sql += len(todo)
         if todo:
             flush()  # the statement reads every choice made so far
             picked = _solve(catalog, cid, cands, todo, piece_of, group_sql, root_sql, memory_price, nodes, solved,
@@ -123,6 +130,8 @@ def select_dp(catalog: Catalog, cid: int, graph: Graph, cands: Candidates, piece
         unwritten.update(picked)  # the groups after this one read it
         choice.update(picked)
     flush()
+    log.debug("dp: %d pieces, %d solved by SQL, the others by the solution of an equal context", len(pieces),
+              solved_by_sql, extra={"rt_pieces": len(pieces), "rt_solved_by_sql": solved_by_sql})
     if copied:
         catalog.insert("dp_table", pa.table({
             "op_id": pa.array([r[0] for r in copied], pa.int32()),

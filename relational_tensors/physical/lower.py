@@ -73,6 +73,7 @@ class Lowered:
     kept: dict[int, str] = field(default_factory=dict)  # assigned state -> how it is kept (KEPT)
     write_bytes: dict[int, int] = field(default_factory=dict)  # state -> bytes moved to write its value
     searched: frozenset[str] = frozenset()  # the programs not written by the naive synthesizer
+    replayed: int = 0  # operators lowered by replaying the tasks of one of the same geometry
 
 
 def place(plan: LogicalPlan, op_id: int, placement: dict[int, tuple[int, ...]],
@@ -236,6 +237,7 @@ class _Lowering:
         self.searched: set[str] = set()  # programs a synthesizer other than the naive one wrote
         self.share = share
         self.replays: dict[tuple[object, ...], _Replay | None] = {}  # geometry -> the tasks of its lowering
+        self.replayed = 0
         for s, at in sorted(last_reader.items()):
             self.assign_after.setdefault(at, []).append(s)
 
@@ -447,6 +449,7 @@ class _Lowering:
         replay = self.replays.get(key) if key is not None else None
         if replay is not None:
             replay.apply(self, op_id)
+            self.replayed += 1
         else:
             tasks, buffers = len(self.dag.tasks), len(self.dag.buffers)
             self._lower_op(op_id)
@@ -558,21 +561,21 @@ class _Lowering:
             self.dag.outputs[name] = blocks
 
 
-# a reference to a buffer in a recorded lowering: ("new", n) the n-th buffer it made, ("out", t, f) function
-# spec f's kernel output of distinct input t, ("load", t, box, device) a block of distinct input t loaded before
-_Ref = tuple[Any, ...]
-
-
 @dataclass(frozen=True, slots=True)
 class _Replay:
-    """The tasks one operator's lowering made, with buffers as references (``_Ref``) and the operator's own
-    tensor and name left out, so that an operator of the same geometry gets the same tasks, buffers,
-    placement and program by replaying them.  Each step is a load (distinct input, box, device) or a task
-    (kind, device, input refs, output buffers as (device, box, dtype, tensor: -1 the operator or a distinct
-    input, partial), whether it serves the operator, source device, payload, label or the label's part after
-    the operator's name)."""
+    """The tasks one operator's lowering made, with the operator's own tensor and name and its buffer ids
+    left out, so that an operator of the same geometry gets the same tasks, buffers, placement and program
+    by replaying them.  A buffer is referred to by an int: n >= 0 the n-th buffer the lowering made (they
+    are made in task order, so the n-th is the first one's id + n), ~e (negative) the e-th of ``outside``:
+    ("out", t, f) function spec f's kernel output of distinct input t, or ("load", t, box, device) a block
+    of distinct input t loaded before.  Each step is a load (distinct input, box, device) or a task (kind,
+    device, input refs, output buffers as (device, box, dtype, tensor: -1 the operator or a distinct
+    input, partial), source device, payload, and whether the label is the operator's name and its text or
+    the text alone)."""
 
     steps: tuple[tuple[Any, ...], ...]
+    outside: tuple[tuple[Any, ...], ...]
+    made: int  # buffers made
     placement: tuple[int, ...]
     kernel_out: tuple[int, ...]  # the new buffers the kernels wrote
     program: tuple[ExProg, Membership, bool] | None  # the operator's exchange program, membership, searched
@@ -585,30 +588,37 @@ class _Replay:
         name = node.name
         distinct = list(dict.fromkeys(node.inputs))
         tensor_ref = {op_id: -1, **{i: t for t, i in enumerate(distinct)}}
-        known: dict[int, _Ref] = {}
+        outside: dict[int, tuple[Any, ...]] = {}
         for t, i in enumerate(distinct):
             for f, b in enumerate(low.kernel_out.get(i, ())):
-                known[b] = ("out", t, f)
+                outside[b] = ("out", t, f)
             for box, device in low.loaded_blocks.get(i, ()):
                 b = low.loaded[(i, box, device)]
                 if b < first_buffer:
-                    known[b] = ("load", t, box, device)
+                    outside[b] = ("load", t, box, device)
+        used: dict[int, int] = {}  # outside buffer -> its index in ``outside``
+
+        def ref(b: int) -> int | None:
+            if b >= first_buffer:
+                return b - first_buffer
+            if b not in outside:
+                return None
+            return ~used.setdefault(b, len(used))
+
         steps: list[tuple[Any, ...]] = []
         made = first_buffer
         for task in dag.tasks[first_task:]:
             if any(b != made + n for n, b in enumerate(task.outputs)):
                 return None  # buffers are made in task order
             made += len(task.outputs)
-            for b in task.outputs:
-                known[b] = ("new", b - first_buffer)
             if task.kind == "load":
-                assert isinstance(task.payload, LoadPayload)
                 buf = dag.buffers[task.outputs[0]]
                 if buf.tensor not in tensor_ref or task.op is not None:
                     return None
                 steps.append(("load", tensor_ref[buf.tensor], buf.box, buf.device))
                 continue
-            if task.op != op_id or any(b not in known for b in task.inputs):
+            ins = [ref(b) for b in task.inputs]
+            if task.op != op_id or any(r is None for r in ins):
                 return None
             outs = []
             for b in task.outputs:
@@ -621,50 +631,43 @@ class _Replay:
                 if not task.label.startswith(name):
                     return None
                 label = (True, task.label[len(name):])
-            steps.append(("task", task.kind, task.device, tuple(known[b] for b in task.inputs), tuple(outs),
-                          task.src_device, task.payload, label))
-        if made != len(dag.buffers):
-            return None
-        outs_ref = [known[b] for b in low.kernel_out[op_id]]
-        if any(r[0] != "new" for r in outs_ref):
+            steps.append(("task", task.kind, task.device, tuple(ins), tuple(outs), task.src_device, task.payload,
+                          label))
+        if made != len(dag.buffers) or any(b < first_buffer for b in low.kernel_out[op_id]):
             return None
         program = None
         if name in low.programs:
             program = (low.programs[name], low.memberships[name], name in low.searched)
-        return _Replay(tuple(steps), low.placement[op_id], tuple(r[1] for r in outs_ref), program)
+        order = sorted(used, key=used.__getitem__)
+        return _Replay(tuple(steps), tuple(outside[b] for b in order), made - first_buffer, low.placement[op_id],
+                       tuple(b - first_buffer for b in low.kernel_out[op_id]), program)
 
     def apply(self, low: _Lowering, op_id: int) -> None:
         """The recorded lowering, for ``op_id``: its tasks appended with fresh buffer ids."""
         dag, node = low.dag, low.graph.nodes[op_id]
         name = node.name
-        distinct = list(dict.fromkeys(node.inputs))
-        tensors = (*distinct, op_id)  # index -1: the operator
+        tensors = (*dict.fromkeys(node.inputs), op_id)  # index -1: the operator
         buffers, tasks = dag.buffers, dag.tasks
-        new: list[int] = []
-
-        def ref(r: _Ref) -> int:
-            if r[0] == "new":
-                return new[r[1]]
-            if r[0] == "out":
-                return low.kernel_out[tensors[r[1]]][r[2]]
-            return low.loaded[(tensors[r[1]], r[2], r[3])]
-
+        outside = [low.kernel_out[tensors[r[1]]][r[2]] if r[0] == "out" else low.loaded[(tensors[r[1]], r[2], r[3])]
+                   for r in self.outside]
+        base = len(buffers)
         for step in self.steps:
             if step[0] == "load":
-                new.append(low.load(tensors[step[1]], step[2], step[3]))
+                low.load(tensors[step[1]], step[2], step[3])
                 continue
             _, kind, device, ins, outs, src_device, payload, (named, label) = step
-            inputs = tuple(ref(r) for r in ins)
             made = []
             for b_device, box, dtype, tensor, partial in outs:
                 b = len(buffers)
                 buffers[b] = Buffer(b, b_device, box, dtype, tensors[tensor], partial)
                 made.append(b)
-            new.extend(made)
-            tasks.append(Task(len(tasks), kind, device, inputs, tuple(made), op_id, src_device, payload,
-                              name + label if named else label))
+            tasks.append(Task(len(tasks), kind, device, tuple(base + r if r >= 0 else outside[~r] for r in ins),
+                              tuple(made), op_id, src_device, payload, name + label if named else label))
+        if len(buffers) != base + self.made:
+            raise ExchangeError(f"replaying the lowering of {name!r} made {len(buffers) - base} buffers where its "
+                                f"recording made {self.made}: a geometry key misses something the lowering reads.")
         low.placement[op_id] = self.placement
-        low.kernel_out[op_id] = [new[n] for n in self.kernel_out]
+        low.kernel_out[op_id] = [base + n for n in self.kernel_out]
         if self.program is not None:
             prog, membership, searched = self.program
             low.programs[name] = prog
@@ -694,4 +697,4 @@ def lower(plan: LogicalPlan, schedule: str = "naive", synthesize: Synthesizer | 
     if later:
         dag = split_phases(dag, later)
     return Lowered(dag, low.placement, low.programs, low.memberships, dict(low.kept),
-                   low.write_bytes, frozenset(low.searched))
+                   low.write_bytes, frozenset(low.searched), low.replayed)

@@ -56,10 +56,15 @@ class Buffer:
     tensor: int                # node id of the tensor it belongs to
     partial: str | None = None  # "sum", "max", "min", "lse" (an lse partial also holds a float32 row per output row)
     parent: int | None = None   # a view: the buffer (same device, tensor and dtype) whose sub-box it is
+    _nbytes: int = field(default=-1, init=False, repr=False, compare=False)  # nbytes, once asked for
 
     @property
     def nbytes(self) -> int:
-        return sum(block_bytes(self.box, self.dtype, self.partial == "lse"))
+        n = self._nbytes
+        if n < 0:
+            n = sum(block_bytes(self.box, self.dtype, self.partial == "lse"))
+            object.__setattr__(self, "_nbytes", n)
+        return n
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,14 +169,33 @@ class TaskDAG:
         """Per task, the earlier tasks (loads aside) that wrote what it reads.  A view is read where its
         root's bytes are, so reading one waits for every earlier write to that root or its views (the
         producer's kernel for an atom cut out of its block; every copy into a block being assembled)."""
-        writers: dict[int, list[int]] = defaultdict(list)
+        root = self.view_roots()
+        writers: dict[int, list[int]] = {}
         deps: dict[int, set[int]] = {}
         for t in self.tasks:
-            deps[t.id] = {w for b in t.inputs for w in writers[self.root(b)]}
+            waits: set[int] = set()
+            for b in t.inputs:
+                w = writers.get(root.get(b, b))
+                if w is not None:
+                    waits.update(w)
+            deps[t.id] = waits
             if t.kind != "load":
                 for b in t.outputs:
-                    writers[self.root(b)].append(t.id)
+                    r = root.get(b, b)
+                    w = writers.get(r)
+                    if w is None:
+                        writers[r] = [t.id]
+                    else:
+                        w.append(t.id)
         return deps
+
+    def view_roots(self) -> dict[int, int]:
+        """The root (``root``) of every buffer that is a view."""
+        out: dict[int, int] = {}
+        for b, buf in self.buffers.items():
+            if buf.parent is not None:
+                out[b] = self.root(b)
+        return out
 
     def counts(self) -> Counter[str]:
         return Counter(t.kind for t in self.tasks)
@@ -280,64 +304,77 @@ def liveness(dag: TaskDAG, category: Callable[[int], str] | None = None) -> Live
     write to it or to any of its views and dies after the last use of any of them.
     ``category`` (tensor node id -> a name) also splits each device's peak by category.
     """
-    views = frozenset(b for b, buf in dag.buffers.items() if buf.parent is not None)
-    root = {b: dag.root(b) for b in views}
+    buffers, tasks = dag.buffers, dag.tasks
+    root = dag.view_roots()
+    views = frozenset(root)
     persistent = {b for blocks in dag.inputs.values() for _, b in blocks}
     persistent |= {b for blocks in dag.outputs.values() for _, b in blocks}
     persistent |= {root[b] for b in persistent if b in root}
-    end = len(dag.tasks)
+    end = len(tasks)
+    # task ids increase, so a buffer's last use is the last task naming it (or a view of it)
     last_use: dict[int, int] = {}
     born: dict[int, int] = {}
-    for t in dag.tasks:
+    for t in tasks:
+        tid = t.id
         for b in t.inputs:
-            last_use[b] = t.id
-            if b in root:
-                last_use[root[b]] = max(last_use.get(root[b], t.id), t.id)
+            last_use[b] = tid
+            r = root.get(b)
+            if r is not None:
+                last_use[r] = tid
         for b in t.outputs:
-            r = root.get(b, b)
-            born.setdefault(r, t.id)
-            last_use.setdefault(b, t.id)  # written but never read: dies right away
-            last_use[r] = max(last_use.get(r, t.id), t.id)
+            r = root.get(b)
+            if r is None:
+                born.setdefault(b, tid)
+                last_use[b] = tid
+            else:
+                born.setdefault(r, tid)
+                last_use.setdefault(b, tid)  # written but never read: dies right away
+                last_use[r] = tid
     for b in persistent:
         last_use[b] = end
     resident: dict[int, int] = defaultdict(int)
-    for b in persistent:
-        if b in dag.buffers and b not in views and born.get(b) is not None and dag.tasks[born[b]].kind == "load":
-            resident[dag.buffers[b].device] += dag.buffers[b].nbytes
+    loaded = [b for b in persistent if b in buffers and b not in views and born.get(b) is not None
+              and tasks[born[b]].kind == "load"]
+    for b in loaded:
+        resident[buffers[b].device] += buffers[b].nbytes
     live: dict[int, int] = defaultdict(int, resident)
     peak: dict[int, int] = defaultdict(int, resident)
     by: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))  # device -> category -> live bytes
     at_peak: dict[int, dict[str, int]] = {}
     if category is not None:
-        for b in persistent:
-            if b in dag.buffers and b not in views and born.get(b) is not None and dag.tasks[born[b]].kind == "load":
-                by[dag.buffers[b].device][category(dag.buffers[b].tensor)] += dag.buffers[b].nbytes
+        for b in loaded:
+            by[buffers[b].device][category(buffers[b].tensor)] += buffers[b].nbytes
         at_peak = {d: dict(c) for d, c in by.items()}
     dies: dict[int, list[int]] = defaultdict(list)
     for b, last in last_use.items():
         if b not in persistent and b not in views:
             dies[last].append(b)
     counted: set[int] = set()
-    for t in dag.tasks:
+    for t in tasks:
         if t.kind == "load":
             continue
-        for b in t.outputs if t.kind != "assign" else ():  # an assign writes a loaded (resident) block
-            r = root.get(b, b)
-            if r in counted:
-                continue
-            counted.add(r)
-            buf = dag.buffers[r]
-            live[buf.device] += buf.nbytes
-            if category is not None:
-                by[buf.device][category(buf.tensor)] += buf.nbytes
-                if live[buf.device] > peak[buf.device]:
-                    at_peak[buf.device] = dict(by[buf.device])
-            peak[buf.device] = max(peak[buf.device], live[buf.device])
-        for b in dies.get(t.id, ()):
-            buf = dag.buffers[b]
-            live[buf.device] -= buf.nbytes
-            if category is not None:
-                by[buf.device][category(buf.tensor)] -= buf.nbytes
+        if t.kind != "assign":  # an assign writes a loaded (resident) block
+            for b in t.outputs:
+                r = root.get(b, b)
+                if r in counted:
+                    continue
+                counted.add(r)
+                buf = buffers[r]
+                d = buf.device
+                live[d] += buf.nbytes
+                if category is not None:
+                    by[d][category(buf.tensor)] += buf.nbytes
+                    if live[d] > peak[d]:
+                        at_peak[d] = dict(by[d])
+                if live[d] > peak[d]:
+                    peak[d] = live[d]
+        gone = dies.get(t.id)
+        if gone:
+            for b in gone:
+                buf = buffers[b]
+                live[buf.device] -= buf.nbytes
+                if category is not None:
+                    by[buf.device][category(buf.tensor)] -= buf.nbytes
     for d in range(dag.p):
         peak.setdefault(d, 0)
         resident.setdefault(d, 0)
