@@ -13,7 +13,8 @@ import gc
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ __all__ = ["compileGraph", "compile", "CompiledGraph", "PASSES"]
 # the command line's progress bar reads); the library adds no handler beyond the package's NullHandler
 log = logging.getLogger("relational_tensors.compile")
 
-_GC_YOUNG = 100_000  # net allocations between collections of the youngest generation while planning (Python: 700)
+_GC_YOUNG = 100_000  # net allocations between collections of the youngest generation while searching (Python: 700)
 
 
 @dataclass
@@ -67,6 +68,7 @@ class _State:
     live: Liveness | None = None
     kept: dict[int, str] = field(default_factory=dict)  # assigned state -> how it is kept (default "as read")
     constraints: Constraints = field(default_factory=Constraints)
+    collect: bool = False  # the caller had Python's cyclic collector on (see compileGraph and _collecting)
     searched_programs: int = 0  # schedule_mode="search": programs searched, and how many the budget stopped
     search_timeouts: int = 0
     timings: dict[str, float] = field(default_factory=dict)
@@ -202,6 +204,24 @@ def _pass_check(s: _State) -> None:
             raise PlanError(f"check after 'select': the spec of {n.name!r} changed its output type.")
 
 
+@contextmanager
+def _collecting(on: bool) -> Iterator[None]:
+    """Python's cyclic collector running, if ``on``, at a young-generation threshold of at least _GC_YOUNG;
+    then off again with the caller's thresholds.  The search leaves reference cycles in proportion to the
+    proposals it judges, not to the plan, so they are reclaimed as it goes."""
+    thresholds = gc.get_threshold()
+    if not on or gc.isenabled() or not thresholds[0]:  # threshold 0: the caller wants no automatic collection
+        yield
+        return
+    gc.set_threshold(max(thresholds[0], _GC_YOUNG), *thresholds[1:])
+    gc.enable()
+    try:
+        yield
+    finally:
+        gc.disable()
+        gc.set_threshold(*thresholds)
+
+
 def _searched(s: _State, plan: LogicalPlan, naive: Lowered) -> Lowered:
     """``plan`` lowered with searched exchange programs, unless the whole plan simulates faster with the
     naive ones (``naive``): the search improves each program on its own, and programs that overlap can
@@ -214,9 +234,10 @@ def _searched(s: _State, plan: LogicalPlan, naive: Lowered) -> Lowered:
     t, o = s.target, s.options
     synth = make_searcher(t.topology, seed=o.seed, budget_s=o.search_budget_s, max_steps=o.search_steps,
                           total_steps=o.search_total_steps)
-    synth.spread((prog, naive.memberships.get(name, {})) for name, prog in naive.programs.items()
-                 if not name.startswith("assign:"))
-    searched = _lower(s, plan, synth)
+    with _collecting(s.collect):
+        synth.spread((prog, naive.memberships.get(name, {})) for name, prog in naive.programs.items()
+                     if not name.startswith("assign:"))
+        searched = _lower(s, plan, synth)
     s.search_timeouts = sum(r.out_of_time for r in synth.results)
     s.searched_programs = len(synth.results)
     log.info("search: %d exchange programs, %d at their lower bound, %d proposals judged (limit %s over the plan, "
@@ -503,12 +524,11 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
     if process_group is not None or timeout is not None or transport is not None:
         raise GraphError("process_group=, timeout= and transport= are for device='dist' (one process per device "
                          f"under torchrun); got device={device!r}.")
-    # planning allocates millions of small objects and few cycles: at Python's default threshold the cyclic
-    # collector would rescan the young ones every 700 allocations (a third of a 32-layer compile), so it runs
-    # every _GC_YOUNG instead, which still reclaims the cycles planning leaves as it goes
-    thresholds = gc.get_threshold()
-    if thresholds[0]:  # 0: the caller turned automatic collection off
-        gc.set_threshold(max(thresholds[0], _GC_YOUNG), *thresholds[1:])
+    # planning allocates millions of small objects and few cycles, in numbers that grow with the plan: the
+    # cyclic collector would only rescan them (a third of a 32-layer compile), so it is off while planning,
+    # except while searching exchange programs (_collecting), whose cycles grow with the search's effort
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         if not isinstance(graph, Graph):
             raise GraphError(f"compileGraph takes an rt.Graph; got {type(graph).__name__}.")
@@ -533,7 +553,7 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
             raise PlanError("the graph saves no output, so a run would return nothing; save the tensors you want "
                             "back with g.save(t, name=...).")
         cat = catalog if isinstance(catalog, Catalog) else Catalog(catalog)
-        state = _State(graph, options, cat, device)
+        state = _State(graph, options, cat, device, collect=collecting)
         try:
             for index, (name, run, _reason) in enumerate(PASSES):
                 log.debug("pass %s begins", name, extra={"rt_pass": name, "rt_index": index, "rt_total": len(PASSES)})
@@ -555,7 +575,8 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
                                peak_bytes=max(compiled.memory().values(), default=0))
         return compiled
     finally:
-        gc.set_threshold(*thresholds)
+        if collecting:
+            gc.enable()
 
 
 def compile(graph: Graph, devices: object = None, **options: Any) -> CompiledGraph:
