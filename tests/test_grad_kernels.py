@@ -46,7 +46,7 @@ from relational_tensors.sql_specs import OPERATORS  # noqa: E402
 KINDS = ("norm_grad", "norm_weight_grad", "swiglu_grad", "softmax_grad", "unary_grad", "binary_grad",
          "embedding_grad", "cross_entropy", "cross_entropy_grad", "token_count", "rope")
 KERNEL_MODULES = ("triton_norms_grad", "triton_elementwise_grad", "triton_cross_entropy", "triton_embedding_grad",
-                  "triton_rope", "triton_copy")
+                  "triton_rope", "triton_copy", "triton_norms")
 TOL = {"float32": 1e-5, "float64": 1e-12, "bfloat16": 2 * 2.0**-8, "float16": 2 * 2.0**-11}
 
 
@@ -683,3 +683,25 @@ def test_llama_training_graph_gradients_on_gpu(device: str) -> None:
     for name in g.outputs:
         _relative(got[name], want[name], 1e-4, f"{device} {name}")
 
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("how", ["sum", "mean", "max", "logsumexp"])
+@pytest.mark.parametrize("axes", [(0, 1, 2), (1, 2), (0, 2)])
+def test_a_reduction_of_few_long_rows_is_chunked(mem: Any, monkeypatch: pytest.MonkeyPatch, how: str,
+                                                 axes: tuple[int, ...], dtype: str) -> None:
+    """A loss's mean over a whole tensor: the rows are cut into chunks whose partials a second pass combines
+    (thresholds lowered so that small tensors take that path, with a short last chunk), axes moved last first
+    where they are not; every function spec of a split against the NumPy kernel."""
+    from relational_tensors.gpu_exec.kernels import triton_norms as tn
+
+    monkeypatch.setattr(tn, "SPLIT_LENGTH", 64)
+    monkeypatch.setattr(tn, "CHUNK_MIN", 16)
+    rng = np.random.default_rng(3)
+    shape = (3, 29, 11)
+    op = make("reduce", [T(shape, dtype)], op=how, axes=axes)
+    requests = [{}, {op.requestable()[0].name: 2}]
+    for request in requests:
+        check_op(mem, op, [randn(rng, shape, dtype, 2.0)], request, tol=1e-12 if dtype == "float64" else 1e-5
+                 if dtype == "float32" else None)
+    assert tn.reduce_chunks(1, 29 * 11 * 3) > 1

@@ -22,7 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from relational_tensors.core.dtypes import bf16_bits_to_float32, compute_dtype, float32_to_bf16_bits, numpy_dtype
+from relational_tensors.core.dtypes import (
+    bf16_bits_to_float32,
+    compute_dtype,
+    float32_to_bf16_bits,
+    itemsize,
+    numpy_dtype,
+)
 from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.errors import ExecError
 from relational_tensors.sql_specs.base import Operator
@@ -218,8 +224,27 @@ def _softmax(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream
     tn.softmax(ins[0], out, op.axis % len(ins[0].shape))
 
 
-def _reduce_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str]:
-    return f.inputs[0].shape, op.input_types[0].dtype  # the input with the reduced axes moved last
+def _reduce_layout(op: Any, shape: tuple[int, ...]) -> tuple[list[int], tuple[int, ...], bool]:
+    """The kept and reduced axes of a block of ``shape``, and whether the reduced ones must be moved last."""
+    axes = op._axes()
+    keep = [d for d in range(len(shape)) if d not in axes]
+    return keep, axes, keep + list(axes) != list(range(len(shape)))
+
+
+def _reduce_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str] | None:
+    """Room for the input with its reduced axes moved last (when they are not already), then for the
+    partials of a chunked reduction (few long rows), in elements of the input's dtype."""
+    from relational_tensors.gpu_exec.kernels.triton_norms import partial_dtype, reduce_chunks
+
+    shape, dtype = f.inputs[0].shape, op.input_types[0].dtype
+    keep, axes, moved = _reduce_layout(op, shape)
+    rows = math.prod(shape[d] for d in keep)
+    n = math.prod(shape[d] for d in axes)
+    chunks = reduce_chunks(rows, n) if rows and n else 1
+    room = math.prod(shape) if moved else 0
+    if chunks > 1:
+        room += -(-rows * chunks * itemsize(partial_dtype(dtype)) // itemsize(dtype)) + 8  # + alignment
+    return ((room,), dtype) if room else None
 
 
 @launcher("reduce", scratch=_reduce_scratch)
@@ -229,16 +254,20 @@ def _reduce(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream:
     from relational_tensors.gpu_exec.kernels.common import DevBuf
 
     x = ins[0]
-    axes = op._axes()
-    keep = [d for d in range(len(x.shape)) if d not in axes]
+    keep, axes, moved = _reduce_layout(op, x.shape)
     count = math.prod(op.input_types[0].shape[a] for a in axes) if op.op == "mean" else 1  # of the whole axes
-    src = x
-    if keep + list(axes) != list(range(len(x.shape))):
-        scratch = consts["scratch"]
-        src = scratch.as_dtype(x.dtype)
-        src = DevBuf(src.ptr, tuple(x.shape[d] for d in keep + list(axes)), x.dtype, x.device)
+    scratch = consts.get("scratch")
+    src, used = x, 0
+    if moved:
+        assert scratch is not None  # _reduce_scratch gave room for the move
+        src = DevBuf(scratch.ptr, tuple(x.shape[d] for d in keep + list(axes)), x.dtype, x.device)
         tc.copy_box(x.permuted(tuple(keep + list(axes))), src)
-    tn.row_reduce(src, out, "sum" if op.op == "mean" else op.op, count)
+        used = x.size * itemsize(x.dtype)
+    partials = None  # a chunked reduction's partials: after the moved input, 8-byte aligned
+    if scratch is not None and scratch.ptr + -(-used // 8) * 8 < scratch.ptr + scratch.nbytes:
+        at = scratch.ptr + -(-used // 8) * 8
+        partials = DevBuf(at, ((scratch.ptr + scratch.nbytes - at) // 8,), "float64", x.device)
+    tn.row_reduce(src, out, "sum" if op.op == "mean" else op.op, count, partials)
 
 
 def _rope_constants(op: Any) -> dict[str, np.ndarray]:

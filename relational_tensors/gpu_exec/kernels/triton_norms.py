@@ -123,8 +123,14 @@ def softmax(x: DevBuf, out: DevBuf, axis: int) -> None:
 
 
 @triton.jit
-def _row_reduce_kernel(x_ptr, out_ptr, n, count, OP: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+def _row_reduce_kernel(x_ptr, out_ptr, n, chunk, chunks, count, OP: tl.constexpr, BLOCK_N: tl.constexpr,
+                       ACC: tl.constexpr):
+    """out[row * chunks + c] = reduce(x[row, c * chunk : (c + 1) * chunk]) (a logsumexp chunk gives its
+    own log-sum-exp, a sum is divided by ``count``)."""
     row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1).to(tl.int64)
+    start = part * chunk
+    end = tl.minimum(start + chunk, n)
     if OP == 0:
         acc = tl.zeros([BLOCK_N], dtype=ACC)
     elif OP == 1:
@@ -134,9 +140,9 @@ def _row_reduce_kernel(x_ptr, out_ptr, n, count, OP: tl.constexpr, BLOCK_N: tl.c
     else:  # logsumexp: per lane a running maximum and the sum of exponentials below it
         acc = tl.full([BLOCK_N], float("-inf"), dtype=ACC)
         total = tl.zeros([BLOCK_N], dtype=ACC)
-    for c0 in range(0, n, BLOCK_N):
+    for c0 in range(start, end, BLOCK_N):
         cols = c0 + tl.arange(0, BLOCK_N)
-        mask = cols < n
+        mask = cols < end
         if OP == 0:
             acc += tl.load(x_ptr + row * n + cols, mask=mask, other=0.0).to(ACC)
         elif OP == 1:
@@ -159,15 +165,48 @@ def _row_reduce_kernel(x_ptr, out_ptr, n, count, OP: tl.constexpr, BLOCK_N: tl.c
         top = tl.max(acc, axis=0)
         safe = tl.where(top == float("-inf"), 0.0, top)
         r = safe + tl.log(tl.sum(total * tl.exp(acc - safe), axis=0))
-    tl.store(out_ptr + row, r.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + row * chunks + part, r.to(out_ptr.dtype.element_ty))
 
 
-def row_reduce(x: DevBuf, out: DevBuf, op: str, count: int = 1) -> None:
+SPLIT_ROWS = 264  # fewer output rows than this (two per SM of an H100/H200) leave the GPU mostly idle
+SPLIT_LENGTH = 1 << 16  # rows at least this long are then reduced in chunks, partials combined after
+CHUNK_MIN = 8192
+
+
+def reduce_chunks(rows: int, n: int) -> int:
+    """How many chunks each row of a [rows, n] reduction is cut into (1: one program per row).  A full
+    reduction of a large tensor (a loss's mean) in one program would read it at a single SM's bandwidth."""
+    if rows >= SPLIT_ROWS or n < SPLIT_LENGTH:
+        return 1
+    return max(1, min(-(-2 * SPLIT_ROWS // rows), n // CHUNK_MIN))
+
+
+def partial_dtype(dtype: str) -> str:
+    """The dtype of a chunked reduction's partials: float64 for float64, else float32."""
+    return "float64" if dtype == "float64" else "float32"
+
+
+def row_reduce(x: DevBuf, out: DevBuf, op: str, count: int = 1, partials: DevBuf | None = None) -> None:
     """out[r] = reduce(x[r, :]) for contiguous x viewed as [rows, n]; op in sum, max, min, logsumexp (a sum is
-    divided by ``count``: a mean passes the length of the whole reduced axes)."""
+    divided by ``count``: a mean passes the length of the whole reduced axes).  Few long rows are reduced in
+    :func:`reduce_chunks` chunks into ``partials`` (at least rows x chunks of :func:`partial_dtype`), then
+    the partials of each row in a second pass, in a fixed order: the same bits every run."""
     rows = out.size
     n = x.size // rows if rows else 0
-    if rows and n:
-        code = {"sum": 0, "max": 1, "min": 2, "logsumexp": 3}[op]
-        _row_reduce_kernel[(rows,)](Ptr(x), Ptr(out), n, int(count), OP=code, BLOCK_N=_block(n),
-                                    ACC=acc_type(x.dtype))
+    if not (rows and n):
+        return
+    code = {"sum": 0, "max": 1, "min": 2, "logsumexp": 3}[op]
+    chunks = reduce_chunks(rows, n)
+    if chunks == 1 or partials is None:
+        _row_reduce_kernel[(rows, 1)](Ptr(x), Ptr(out), n, n, 1, int(count), OP=code, BLOCK_N=_block(n),
+                                      ACC=acc_type(x.dtype))
+        return
+    chunk = -(-n // chunks)
+    block = _block(chunk)
+    chunk = -(-chunk // block) * block  # whole blocks per chunk
+    chunks = -(-n // chunk)
+    parts = DevBuf(partials.ptr, (rows, chunks), partial_dtype(x.dtype), partials.device)
+    _row_reduce_kernel[(rows, chunks)](Ptr(x), Ptr(parts), n, chunk, chunks, 1, OP=code, BLOCK_N=block,
+                                       ACC=acc_type(x.dtype))
+    _row_reduce_kernel[(rows, 1)](Ptr(parts), Ptr(out), chunks, chunks, 1, int(count), OP=code,
+                                  BLOCK_N=_block(chunks), ACC=acc_type(x.dtype))
