@@ -15,6 +15,7 @@ from relational_tensors.dp_optimizer import select as select_module
 from relational_tensors.dp_optimizer.refine import refine
 from relational_tensors.dp_optimizer.trees import cut_pieces
 from relational_tensors.errors import OutOfMemoryPlanError
+from relational_tensors.frontend.graph import Node
 from relational_tensors.models import LLAMA3_8B, llama_block, llama_training_graph
 
 MEMORY = 141 * (1 << 30)
@@ -64,18 +65,18 @@ def assert_same_without_sharing(g: rt.Graph, **options: object) -> rt.CompiledGr
     return shared
 
 
-def layer_ops(g: rt.Graph, layer: int) -> list[rt.Graph]:
+def layer_ops(g: rt.Graph, layer: int) -> list[Node]:
     """The operators of layer ``layer`` of a stack, in order: those between its first and last named node."""
     ids = [n.id for n in g.nodes if n.name.startswith(f"l{layer}.")]
     return [n for n in g.operators if min(ids) <= n.id <= max(ids)]
 
 
-@pytest.mark.parametrize("p", [4, 8])
-def test_every_layer_is_planned_like_layer_zero(p: int) -> None:
-    g = stack()
+@pytest.mark.parametrize(("p", "layers"), [(4, 6), (8, 6), pytest.param(8, 80, marks=pytest.mark.slow)])
+def test_every_layer_is_planned_like_layer_zero(p: int, layers: int) -> None:
+    g = stack(layers)
     cg = assert_same_without_sharing(g, device=f"cpu:{p}", memory_per_device=MEMORY)
     first = layer_ops(g, 0)
-    for layer in range(1, 6):
+    for layer in range(1, layers):
         ops = layer_ops(g, layer)
         assert [n.name.split(".", 1)[-1] for n in ops if n.name.startswith("l")] == \
             [n.name.split(".", 1)[-1] for n in first if n.name.startswith("l")]
@@ -215,3 +216,10 @@ def test_refinement_from_random_choices(seed: int) -> None:
         assert list(shared.items()) == list(alone.items())
         moved += shared != start
     assert moved
+
+
+def test_searched_exchange_programs() -> None:
+    # a replayed lowering skips the synthesizer exactly where the exchange's own memo would
+    cg = assert_same_without_sharing(stack(4), device="cpu:4", memory_per_device=MEMORY, schedule_mode="search",
+                                     search_steps=20)
+    assert cg.lowered.replayed > 0 and cg.lowered.searched
