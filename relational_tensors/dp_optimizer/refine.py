@@ -136,7 +136,7 @@ def refine(graph: Graph, cands: Candidates, choice: dict[int, int], memory_price
 
     # equal neighbourhoods (the identical layers of a deep model) take equal steps: a piece's re-solve and an
     # operator's best spec are memoized by everything they read (classes, current specs, edge positions)
-    share = repeats.enabled()
+    share = repeats.enabled() and cands.classes.keys() >= cands.by_op.keys()  # classes: see Candidates
     classes = cands.classes
     solved: dict[object, tuple[bool, tuple[int, ...]]] = {}
     stepped: dict[object, int] = {}

@@ -88,7 +88,7 @@ def select_dp(catalog: Catalog, cid: int, graph: Graph, cands: Candidates, piece
         v = cands.sources[(w, k)]
         across.setdefault(v, []).append(w)
         across.setdefault(w, []).append(v)
-    share = repeats.enabled()
+    share = repeats.enabled() and cands.classes.keys() >= cands.by_op.keys()  # classes: see Candidates
     readers = cands.readers() if share else {}
     solved: dict[object, tuple[tuple[int, ...], list[tuple[int, int, float]]]] = {}  # context -> solution
     unwritten: dict[int, int] = {}  # chosen specs not yet in the catalog (written before the next statement)
