@@ -453,7 +453,7 @@ class _Lowering:
         else:
             tasks, buffers = len(self.dag.tasks), len(self.dag.buffers)
             self._lower_op(op_id)
-            if key is not None:
+            if key is not None and key not in self.replays:  # (None: a lowering its key does not fix)
                 self.replays[key] = _Replay.record(self, op_id, tasks, buffers)
         for state in self.assign_after.get(op_id, ()):
             self.lower_assignment(state)
