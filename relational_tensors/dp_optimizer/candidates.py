@@ -2,9 +2,12 @@
 
 Specs are enumerated once per distinct operator and device count (identical
 layers of a deep model share them), costed by the chosen model, and filtered
-by the balance and memory rules into the ``eligible`` set the selectors see.
-Under a pairwise cost model every input edge also gets a price for each pair
-of (producer output tiling, required tiling) that eligible specs can meet.
+by the balance and memory rules into the ``eligible`` set the selectors see;
+the costing and filtering is done once per class of operators (``_Template``),
+and only the tilings are interned per operator.  Under a pairwise cost model
+every input edge also gets a price for each pair of (producer output tiling,
+required tiling) that eligible specs can meet, worked out once per pair of
+classes.
 """
 
 from __future__ import annotations
