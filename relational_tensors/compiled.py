@@ -304,9 +304,11 @@ class CompiledGraph:
         if not hasattr(ex, "profile"):
             raise ExecError("profile() measures GPU runs; this program runs on virtual CPU devices.")
         times = []
+        fused = getattr(ex, "profile_kinds", {})  # a fused group's time, at its last task: its own kind and label
         for tid, start, end in ex.profile():
             t = self.dag.tasks[tid]
-            times.append(TaskTime(tid, t.kind, t.label, t.device, t.src_device, start * 1e-3, end * 1e-3,
+            kind, label = fused.get(tid, (t.kind, t.label))
+            times.append(TaskTime(tid, kind, label, t.device, t.src_device, start * 1e-3, end * 1e-3,
                                   sum(self.dag.buffers[b].nbytes for b in t.outputs)))
         result = PlanSimResult(max((t.end for t in times), default=0.0), tuple(times), f"measured on {self.devices}")
         if record:

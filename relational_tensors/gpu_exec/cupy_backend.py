@@ -9,6 +9,9 @@
 * one arena per logical device, allocated once and laid out from the liveness
   pass (first fit over buffer lifetimes); a buffer whose memory is reused waits
   for every reader of the buffer it replaces;
+* chains of elementwise kernel tasks run as one generated kernel each, issued
+  where the chain's last task stands (``fusion``; ``fuse=False`` or
+  ``RELATIONAL_TENSORS_FUSE=0`` issues every task on its own);
 * the first execute() runs eagerly (it compiles the Triton kernels); the
   second captures the whole DAG into one CUDA graph, and every later execute()
   is a graph launch.
@@ -53,7 +56,7 @@ class CupyExecutor:
     """Runs one TaskDAG on GPUs; ``load`` once, ``execute`` many times (a CUDA graph after the first)."""
 
     def __init__(self, graph: Graph, dag: TaskDAG, live: Liveness, devices: DeviceSet,
-                 attention: str = "triton") -> None:
+                 attention: str = "triton", fuse: bool | None = None) -> None:
         try:
             import cupy
         except ImportError as e:
@@ -86,6 +89,7 @@ class CupyExecutor:
         self._layout()
         self._constants()
         self._dependencies()
+        self._fuse(fuse)
         self.loaded = False
         self.resident: set[str] = set()
         self.runs = 0
@@ -229,6 +233,17 @@ class CupyExecutor:
                 continue  # another process's task: its transfer orders what depends on it
             with self.cp.cuda.Device(self.phys[self.dag.tasks[tid].device]):
                 self.events[tid] = self.cp.cuda.Event(block=False, disable_timing=True, interprocess=False)
+
+    def _fuse(self, fuse: bool | None) -> None:
+        """The fused groups of elementwise tasks this executor's ``_issue_all`` issues (none where a
+        subclass issues tasks its own way), and their kinds and labels for ``profile()``."""
+        from relational_tensors.gpu_exec.fusion import FusedSchedule, fusion_enabled
+
+        self.fusion: FusedSchedule | None = None
+        self.profile_kinds: dict[int, tuple[str, str]] = {}
+        if fusion_enabled(fuse) and type(self)._issue_all is CupyExecutor._issue_all:
+            self.fusion = FusedSchedule.build(self.graph, self.dag, self.plan, self.live, self.views)
+            self.profile_kinds = self.fusion.labels(self.dag)
 
     # --- inputs and outputs ---------------------------------------------------------------
     def _holds(self, buf: int) -> bool:
@@ -523,21 +538,29 @@ class CupyExecutor:
         """Issue every task on its stream after the events it waits for; with ``marks``, bracket each
         task with timing events (for profile()).  While ``capturing``, a task after which its stream's
         capture is invalidated (an operation CUDA graphs cannot hold, which not every library reports
-        at once) is named in the error."""
+        at once) is named in the error.  A fused group runs at its last task, after all its members'
+        waits, and records the events of all its members."""
         cp = self.cp
+        fusion = self.fusion
         for t in self.dag.tasks[lo:hi]:
             if t.kind == "load" or not self._mine(t):
                 continue
+            if fusion is not None and t.id in fusion.deferred:
+                continue  # issued with its group's last task
+            fused = fusion.at.get(t.id) if fusion is not None else None
             stream = self.streams[t.device]
             with cp.cuda.Device(self.phys[t.device]), stream:
-                for dep in self.waits[t.id]:
+                for dep in (self.waits[t.id] if fused is None else fused.waits):
                     if dep in self.events:
                         stream.wait_event(self.events[dep])
                 if marks is not None:
                     marks[t.id] = (cp.cuda.Event(), cp.cuda.Event())
                     marks[t.id][0].record(stream)
                 try:
-                    self._run(t, stream)
+                    if fused is None:
+                        self._run(t, stream)
+                    else:
+                        fused.launch()
                 except ExecError:
                     raise
                 except Exception as e:  # a CUDA, cuBLAS or Triton error: name the task
@@ -549,8 +572,9 @@ class CupyExecutor:
                                     f"CUDA graph; the program runs eagerly from now on.")
                 if marks is not None:
                     marks[t.id][1].record(stream)
-                if t.id in self.events:
-                    self.events[t.id].record(stream)
+                for done in (fused.group.tasks if fused is not None else (t.id,)):
+                    if done in self.events:
+                        self.events[done].record(stream)
 
     def _run(self, t: Task, stream: Any) -> None:
         dag = self.dag

@@ -9,7 +9,7 @@ import triton.language as tl
 from relational_tensors.core.dtypes import itemsize
 from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type, outer_split
 
-__all__ = ["unary", "binary", "swiglu", "UNARY_CODES", "BINARY_CODES"]
+__all__ = ["unary", "binary", "swiglu", "unary_math", "binary_math", "UNARY_CODES", "BINARY_CODES"]
 
 BLOCK = 1024
 UNARY_CODES = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3, "sigmoid": 4, "tanh": 5, "exp": 6, "log": 7,
@@ -24,11 +24,9 @@ def _tanh(x):
 
 
 @triton.jit
-def _unary_kernel(x_ptr, out_ptr, n, arg, OP: tl.constexpr, BLOCK_SIZE: tl.constexpr, ACC: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask, other=0).to(ACC)
+def unary_math(x, arg, OP: tl.constexpr):
+    """Unary op code ``OP`` of ``x`` (already in its compute type), ``arg`` its scalar: the arithmetic of every
+    unary kernel, the fused ones (``triton_fused``) included, so that they compute the same bits."""
     if OP == 0:
         y = tl.maximum(x, 0.0)
     elif OP == 1:
@@ -65,6 +63,16 @@ def _unary_kernel(x_ptr, out_ptr, n, arg, OP: tl.constexpr, BLOCK_SIZE: tl.const
         y = tl.zeros_like(x) + arg
     else:
         y = x
+    return y
+
+
+@triton.jit
+def _unary_kernel(x_ptr, out_ptr, n, arg, OP: tl.constexpr, BLOCK_SIZE: tl.constexpr, ACC: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0).to(ACC)
+    y = unary_math(x, arg, OP)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -91,20 +99,9 @@ def unary(x: DevBuf, out: DevBuf, op: str, arg: float = 0.0) -> None:
 
 
 @triton.jit
-def _binary_kernel(x_ptr, y_ptr, out_ptr, n, size_1, size_2, size_3,
-                   sx0, sx1, sx2, sx3, sy0, sy1, sy2, sy3, so0, so1, so2, so3,
-                   OP: tl.constexpr, BLOCK_SIZE: tl.constexpr, ACC: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    mask = offs < n
-    i3 = offs % size_3
-    rest = offs // size_3
-    i2 = rest % size_2
-    rest = rest // size_2
-    i1 = rest % size_1
-    i0 = rest // size_1
-    x = tl.load(x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2 + i3 * sx3, mask=mask).to(ACC)
-    y = tl.load(y_ptr + i0 * sy0 + i1 * sy1 + i2 * sy2 + i3 * sy3, mask=mask).to(ACC)
+def binary_math(x, y, OP: tl.constexpr, ACC: tl.constexpr):
+    """Binary op code ``OP`` of ``x`` and ``y`` (already in the compute type ``ACC``): the arithmetic of every
+    binary kernel, the fused ones included."""
     if OP == 0:
         r = x + y
     elif OP == 1:
@@ -123,6 +120,25 @@ def _binary_kernel(x_ptr, y_ptr, out_ptr, n, size_1, size_2, size_3,
         top = tl.maximum(x, y)
         safe = tl.where(top == float("-inf"), 0.0, top)
         r = tl.where(top == float("-inf"), top, safe + tl.log(tl.exp(x - safe) + tl.exp(y - safe)))
+    return r
+
+
+@triton.jit
+def _binary_kernel(x_ptr, y_ptr, out_ptr, n, size_1, size_2, size_3,
+                   sx0, sx1, sx2, sx3, sy0, sy1, sy2, sy3, so0, so1, so2, so3,
+                   OP: tl.constexpr, BLOCK_SIZE: tl.constexpr, ACC: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offs < n
+    i3 = offs % size_3
+    rest = offs // size_3
+    i2 = rest % size_2
+    rest = rest // size_2
+    i1 = rest % size_1
+    i0 = rest // size_1
+    x = tl.load(x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2 + i3 * sx3, mask=mask).to(ACC)
+    y = tl.load(y_ptr + i0 * sy0 + i1 * sy1 + i2 * sy2 + i3 * sy3, mask=mask).to(ACC)
+    r = binary_math(x, y, OP, ACC)
     tl.store(out_ptr + i0 * so0 + i1 * so1 + i2 * so2 + i3 * so3, r.to(out_ptr.dtype.element_ty), mask=mask)
 
 
