@@ -1,6 +1,7 @@
 """Ours on 1, 2, 4 and 8 real GPUs, and the merge of ours with the PyTorch baselines' results.
 
     python bench/multigpu.py ours  [--gpus 1,2,4,8] [--workloads 1K,...] [--chains A,...] [--topology T.json]
+    python bench/multigpu.py train [--gpus 1,2,4,8] [--workloads 8K,4x2K,32x1K] [--topology T.json]
     python bench/multigpu.py merge [--out bench/results/multigpu]
 
 ``ours`` compiles each workload (the LLaMA-3-8B-shaped block in float16 on the paper's five token
@@ -8,8 +9,13 @@ workloads, and the chains A-E) for ``device=[0, ..., n-1]``, loads the same inpu
 ``bench/gpu_block.py`` / ``bench/gpu_chains.py``, and times 2 warm-ups + 10 rounds with CUDA events
 (every timed round is one CUDA-graph launch that joins every GPU's stream); it also records the
 largest difference from the one-GPU output and the simulator's prediction on the topology compiled
-for.  ``merge`` joins ``ours.json`` with the baselines' ``baselines_n<N>.json`` (written by
-``bench/baselines/run.py``), ``topo.txt`` (``nvidia-smi topo -m``) and ``topology.json`` (from
+for.  ``train`` does the same for the block's training step, ``bench/gpu_train.py``'s (same weights,
+batch, MSE loss and AdamW; bfloat16 weights and activations, float32 masters and moments): 2 warm-ups
+(the first one's loss recorded) + 10 timed steps, then the loss of the last step and the float32
+masters after the 12 steps against the one-GPU run's; it writes ``ours_train.json``.  ``merge`` joins
+``ours.json`` and ``ours_train.json`` with the baselines' ``baselines_n<N>.json`` and
+``baselines_train_n<N>.json`` (written by ``bench/baselines/run.py``, the latter with ``--train``:
+PyTorch DDP and FSDP2), ``topo.txt`` (``nvidia-smi topo -m``) and ``topology.json`` (from
 ``bench/measure_topology.py``) into ``multigpu.json``, ``.md`` and ``.png``.
 ``bench/multigpu.sh`` runs all of it.
 """
@@ -36,6 +42,7 @@ from relational_tensors.target.topology import Topology
 
 OUT = Path(__file__).resolve().parent / "results" / "multigpu"
 GPU_COUNTS = (1, 2, 4, 8)
+TRAIN_WORKLOADS = ("8K", "4x2K", "32x1K")  # bench/gpu_train.py's (batch x tokens per sequence)
 
 
 def _feeds(setup: Setup, g: rt.Graph) -> dict[str, np.ndarray]:
@@ -86,7 +93,8 @@ def _smoke_graph(setup: Setup) -> rt.Graph:
     return matrix_chain(setup.name, "float32", scale=256)
 
 
-def ours(args: argparse.Namespace) -> None:
+def _devices(args: argparse.Namespace) -> tuple[str, int, list[int]]:
+    """The GPU's name, how many are visible, and the asked counts that fit (``--smoke``: virtual CPU devices)."""
     if args.smoke:
         visible, gpu = max(args.gpus), "cpu (smoke: toy sizes on virtual CPU devices)"
     else:
@@ -94,10 +102,15 @@ def ours(args: argparse.Namespace) -> None:
 
         visible = cupy.cuda.runtime.getDeviceCount()
         gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    counts = [n for n in args.gpus if n <= visible]
     skipped = [n for n in args.gpus if n > visible]
     if skipped:
         print(f"note: {visible} GPUs visible, so {skipped} GPUs are skipped", flush=True)
+    return gpu, visible, [n for n in args.gpus if n <= visible]
+
+
+def _planning(args: argparse.Namespace, gpu: str) -> tuple[Any, str, str | None]:
+    """What plans are made against: the measured topology file when there is one (else ``hgx-h200``), its
+    name, and the calibration file to use with it."""
     topology: Any = "hgx-h200"
     if args.topology and Path(args.topology).exists():
         topology = Topology.from_json(Path(args.topology))
@@ -109,6 +122,16 @@ def ours(args: argparse.Namespace) -> None:
     shipped = CALIBRATIONS / "hgx-h200.json"
     if not isinstance(topology, str) and "H200" in gpu and shipped.exists():
         calibration = str(shipped)
+    return topology, topo_name, calibration
+
+
+def _device_arg(args: argparse.Namespace, n: int) -> Any:
+    return f"cpu:{n}" if args.smoke else list(range(n))
+
+
+def ours(args: argparse.Namespace) -> None:
+    gpu, visible, counts = _devices(args)
+    topology, topo_name, calibration = _planning(args, gpu)
     path = args.out / "ours.json"
     result: dict[str, Any] = {"gpu": gpu, "visible_gpus": visible,
                               "topology": topo_name, "calibration": calibration or "shipped for the topology, if any",
@@ -131,8 +154,8 @@ def ours(args: argparse.Namespace) -> None:
                                    "cost_model": model, "flops": graph_flops(g)}
             try:
                 t0 = time.perf_counter()
-                cg = rt.compileGraph(g, device=f"cpu:{n}" if args.smoke else list(range(n)), topology=topology,
-                                     cost_model=model, calibration=calibration)
+                cg = rt.compileGraph(g, device=_device_arg(args, n), topology=topology, cost_model=model,
+                                     calibration=calibration)
                 row["compile_s"] = time.perf_counter() - t0
                 row["predicted_ms"] = cg.simulate() * 1e3
                 row["bytes_between_gpus"] = bytes_moved(cg)
@@ -161,11 +184,90 @@ def ours(args: argparse.Namespace) -> None:
     print(f"wrote {path}")
 
 
+# --- the training step -----------------------------------------------------------------------------------
+
+def train(args: argparse.Namespace) -> None:
+    """Ours: ``bench/gpu_train.py``'s training step compiled for each GPU count and cost model, timed, and
+    compared with the one-GPU run (first and last loss, float32 masters after every step ran)."""
+    import gpu_train as gt
+    import ml_dtypes
+    from baselines.block import PARAMS
+    from baselines.common import SHAPES
+    from baselines.train import train_batch, train_weights
+
+    gpu, visible, counts = _devices(args)
+    topology, topo_name, calibration = _planning(args, gpu)
+    shape = SHAPES["tiny" if args.smoke else "llama3-8b"]
+    steps = 2 + args.rounds  # the steps every run takes: 2 warm-ups and the timed ones
+    path = args.out / "ours_train.json"
+    result: dict[str, Any] = {"gpu": gpu, "visible_gpus": visible, "topology": topo_name,
+                              "calibration": calibration or "shipped for the topology, if any",
+                              "dtype": "bfloat16 weights and activations, float32 masters and moments",
+                              "step": "bench/gpu_train.py's: forward, MSE against a random target in float32, "
+                                      "backward, AdamW (lr, betas, eps, weight decay of gpu_train)",
+                              "rounds": f"2 warm-ups + {args.rounds} timed", "steps": steps, "rows": []}
+    if not args.smoke:
+        from gpu_block import matmul_rate
+
+        result["matmul_tflops"] = matmul_rate() / 1e12
+        print(f"matmul rate {result['matmul_tflops']:.0f} TFLOP/s per GPU", flush=True)
+    for name in args.workloads:
+        b, s = gt.WORKLOADS[name]
+        if args.smoke:
+            b, s = min(b, 2), 32
+        g, opt = gt.step_graph(b, s, shape.d_model, shape.n_heads, shape.n_kv_heads, shape.d_ff)
+        x, target = train_batch(b, s, shape.d_model, 0)  # gpu_train's batch, rounded to bfloat16 as it does
+        feeds = gt.our_feeds(g, opt, train_weights(shape, 0), x.astype(ml_dtypes.bfloat16),
+                             target.astype(ml_dtypes.bfloat16))
+        del x, target
+        one: dict[str, Any] | None = None
+        for n, model in [(n, m) for n in counts for m in args.cost_model]:
+            if n == 1 and model != args.cost_model[0]:
+                continue
+            row: dict[str, Any] = {"workload": name, "gpus": n, "cost_model": model, "batch": b, "seq": s}
+            if not args.smoke:
+                row["flops"] = gt.block_flops(b, s)
+            try:
+                t0 = time.perf_counter()
+                cg = rt.compileGraph(g, device=_device_arg(args, n), topology=topology, cost_model=model,
+                                     calibration=calibration)
+                row["compile_s"] = time.perf_counter() - t0
+                row["predicted_ms"] = cg.simulate() * 1e3
+                row["bytes_between_gpus"] = bytes_moved(cg)
+                cg.load(feeds)
+                cg.execute()  # the first warm-up; its loss is the first step's
+                row["first_loss"] = float(np.asarray(cg.offload("loss")).reshape(-1)[0])
+                times, how = time_ours(cg, warmups=1, rounds=args.rounds)
+                row.update(ms=statistics.mean(times), ms_min=min(times), ms_all=times, timing=how, status="ok")
+                row["last_loss"] = float(np.asarray(cg.offload("loss")).reshape(-1)[0])
+                masters = {k: np.asarray(cg.offload(f"{k}.master"), dtype=np.float32) for k in PARAMS}
+                if one is None:
+                    one = {"masters": masters, "last_loss": row["last_loss"]}
+                # AdamW moves an element about lr per step: the masters' difference as a fraction of that
+                row["masters_max_diff_vs_1gpu_over_lr_steps"] = max(
+                    float(np.max(np.abs(masters[k] - one["masters"][k]))) for k in masters) / (gt.LR * steps)
+                row["last_loss_rel_diff_vs_1gpu"] = abs(row["last_loss"] - one["last_loss"]) / abs(one["last_loss"])
+                del cg, masters
+            except Exception as e:  # noqa: BLE001 - record and go on with the other setups
+                row.update(status="error", reason=f"{type(e).__name__}: {e}")
+            if not args.smoke:
+                _free_gpus()
+            result["rows"].append(row)
+            print(f"train {name:>6} x{n} {model:>10}: "
+                  + (f"{row['ms']:.3f} ms (predicted {row['predicted_ms']:.3f}, first loss {row['first_loss']:.6f}, "
+                     f"last loss rel diff vs 1 GPU {row['last_loss_rel_diff_vs_1gpu']:.1e})"
+                     if row["status"] == "ok" else row["reason"]), flush=True)
+            args.out.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result, indent=1) + "\n")  # after every row: a crash keeps the rest
+        del feeds, one
+    print(f"wrote {path}")
+
+
 # --- merge -----------------------------------------------------------------------------------------------
 
-def _baselines(out: Path) -> dict[int, dict[str, Any]]:
+def _baselines(out: Path, stem: str = "baselines_n") -> dict[int, dict[str, Any]]:
     found = {}
-    for f in sorted(out.glob("baselines_n*.json")):
+    for f in sorted(out.glob(f"{stem}*.json")):
         data = json.loads(f.read_text())
         found[int(data["header"]["world"])] = data
     return found
@@ -210,6 +312,16 @@ def merge(args: argparse.Namespace) -> None:
     if rate:
         measured.append(f"roofline: the graph's FLOPs over n x {rate:.0f} TFLOP/s (fp16 matmul 8192^3 measured on "
                         f"one GPU in the same run)")
+    ours_train = json.loads((out / "ours_train.json").read_text()) if (out / "ours_train.json").exists() else None
+    base_train = _baselines(out, "baselines_train_n")
+    if ours_train and ours_train["rows"]:
+        how = next((r["timing"] for r in ours_train["rows"] if r.get("timing")), "not timed")
+        measured.append(f"training step, ours: relational_tensors on {ours_train['gpu']}, {ours_train['dtype']}; "
+                        f"{ours_train['rounds']}; {how}")
+    for n, d in sorted(base_train.items()):
+        h = d["header"]
+        measured.append(f"training step, PyTorch on {n}: DDP and FSDP2 (bench/baselines/train.py), {h['backend']}, "
+                        f"{h['dtype']} activations on {h['device']}, torch {h['torch']}; {h['rounds']}")
     report = Report("multigpu", header("Multi-GPU: ours against hand-written PyTorch", [],
                                        f"{', '.join(map(str, counts))} x {gpu}", measured,
                                        ["2 warm-ups + 10 timed rounds each unless a line above says otherwise; "
@@ -245,8 +357,9 @@ def merge(args: argparse.Namespace) -> None:
     geo_ratio = each(lambda m: geomean(ratio(best[(w, top)]["ms"] if (w, top) in best else None,
                                              ours_ms(w, top, m)) for w in blocks), 2, "x")
     rows.append(["geomean (blocks)", *geo_o, *geo_b, geo_ratio, "", "", ""])
-    report.table("Mean milliseconds per run; PyTorch's best strategy per workload in brackets"
-                 + (f"; ours as {per} (cost models)" if len(models) > 1 else ""), cols, rows)
+    if names:  # a run of the training step alone has no forward results
+        report.table("Mean milliseconds per run; PyTorch's best strategy per workload in brackets"
+                     + (f"; ours as {per} (cost models)" if len(models) > 1 else ""), cols, rows)
 
     detail = []
     for (w, s, n), r in sorted(every.items(), key=lambda kv: (names.index(kv[0][0]) if kv[0][0] in names else 99,
@@ -299,9 +412,99 @@ def merge(args: argparse.Namespace) -> None:
         fig.tight_layout()
         return fig
 
+    if ours_train or base_train:
+        _train_tables(report, ours_train or {"rows": []}, base_train)
     data = {"ours": ours_data, "baselines": {str(n): d for n, d in base.items()},
+            "train": {"ours": ours_train, "baselines": {str(n): d for n, d in base_train.items()}},
             "topology": json.loads(topo.to_json()) if topo is not None else None, "nvidia_smi_topo": topo_txt}
     report.write(data, draw if names else None)
+
+
+TRAIN_STRATEGY_NAMES = {"ddp": "DDP", "fsdp": "FSDP2"}
+
+
+def _sci(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1e}"
+
+
+def _train_tables(report: Report, ours_data: dict[str, Any], base: dict[int, dict[str, Any]]) -> None:
+    """The training step: ours per GPU count (per cost model above one) against PyTorch DDP and FSDP2, then
+    every PyTorch row with its check, and ours' plans with their losses against the one-GPU run."""
+    rows_in = ours_data["rows"]
+    names = list(dict.fromkeys([r["workload"] for r in rows_in]
+                               + [r["workload"] for d in base.values() for r in d["rows"]]))
+    counts = sorted({r["gpus"] for r in rows_in} | set(base))
+    models = list(dict.fromkeys(r["cost_model"] for r in rows_in)) or ["paper"]
+    ok = {(r["workload"], r["gpus"], r["cost_model"]): r for r in rows_in if r.get("status") == "ok"}
+    theirs = {(r["workload"], r["strategy"], n): r for n, d in base.items() for r in d["rows"]}
+    rate = ours_data.get("matmul_tflops")
+    flops = {r["workload"]: r["flops"] for r in rows_in if r.get("flops")}
+    top = max(counts) if counts else None
+
+    def ours_ms(w: str, n: int, m: str) -> float | None:
+        r = ok.get((w, n, m)) or (next((v for k, v in ok.items() if k[:2] == (w, 1)), None) if n == 1 else None)
+        return r["ms"] if r else None
+
+    def torch_cell(w: str, s: str, n: int) -> str:
+        r = theirs.get((w, s, n))
+        if r is None:
+            return "-"
+        if r["status"] != "ok":
+            return "n/a" if r["status"] == "not applicable" else "error"
+        failed = r.get("check") is not None and not r["check"].get("ok")
+        return f"{r['ms']:.2f}" + (" (check FAILED)" if failed else "")
+
+    def best_torch(w: str, n: int) -> float | None:
+        done = [r["ms"] for s in TRAIN_STRATEGY_NAMES if (r := theirs.get((w, s, n))) and r["status"] == "ok"
+                and r.get("check", {}).get("ok", True)]
+        return min(done) if done else None
+
+    def each(value: Any, digits: int, suffix: str = "") -> str:
+        return " / ".join(fmt(value(m), digits, suffix) for m in models)
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b else None
+
+    per = " / ".join(models)
+    cols = (["workload"] + [f"ours {n}" + (f" ({per})" if n > 1 and len(models) > 1 else "") for n in counts]
+            + [f"{label} {n}" for label in TRAIN_STRATEGY_NAMES.values() for n in counts]
+            + [f"best PyTorch / ours at {top}", f"ours 1 -> {top} speed-up", f"roofline at {top} (ms)"])
+    table = []
+    for w in names:
+        o = [each(lambda m, n=n, w=w: ours_ms(w, n, m), 2) if n > 1 else fmt(ours_ms(w, 1, models[0]), 2)
+             for n in counts]
+        t = [torch_cell(w, s, n) for s in TRAIN_STRATEGY_NAMES for n in counts]
+        roof = flops[w] / (top * rate * 1e12) * 1e3 if top and rate and w in flops else None
+        table.append([w, *o, *t, each(lambda m, w=w: ratio(best_torch(w, top), ours_ms(w, top, m)), 2, "x"),
+                      each(lambda m, w=w: ratio(ours_ms(w, 1, m), ours_ms(w, top, m)), 2, "x"), fmt(roof, 2)])
+    report.table("Training step (forward, MSE, backward, AdamW; bench/gpu_train.py's): mean milliseconds per step; "
+                 "PyTorch n/a where data parallelism cannot split the batch (fewer sequences than GPUs)", cols, table,
+                 after=["The roofline counts the forward's matmul FLOPs x 3 and attention's x 3.5 "
+                        "(bench/gpu_train.py's block_flops) at the measured fp16 matmul rate."])
+    detail = []
+    for (w, s, n), r in sorted(theirs.items(), key=lambda kv: (names.index(kv[0][0]), kv[0][2], kv[0][1])):
+        c = r.get("check")
+        check = "-" if c is None else ("ok" if c.get("ok") else "FAILED") + (
+            f" (moments {c['max_rel']:.1e}, params {c['params_max_over_lr_steps']:.2f} lr x steps, "
+            f"first loss {c['losses'][0]:.6f})" if "max_rel" in c else "")
+        ms = fmt(r.get("ms"), 2) if r["status"] == "ok" else r["status"]
+        detail.append([w, TRAIN_STRATEGY_NAMES.get(s, s), n, ms, check, r.get("reason") or r.get("note") or ""])
+    if detail:
+        report.table("Every PyTorch training step (check: parameters and AdamW moments after the checked steps "
+                     "against a single-process eager run over the whole batch)",
+                     ["workload", "strategy", "GPUs", "mean (ms)", "check", "note"], detail)
+    mine = [[r["workload"], r["gpus"], r["cost_model"], fmt(r.get("ms"), 2), fmt(r.get("predicted_ms"), 2),
+             fmt(r.get("compile_s"), 1), fmt(r.get("first_loss"), 6),
+             _sci(r.get("last_loss_rel_diff_vs_1gpu")),
+             _sci(r.get("masters_max_diff_vs_1gpu_over_lr_steps")), r.get("reason", "")]
+            for r in rows_in]
+    if mine:
+        report.table(f"Ours, training step: measured against simulated, and against the one-GPU run after "
+                     f"{ours_data.get('steps', '?')} steps",
+                     ["workload", "GPUs", "cost model", "measured (ms)",
+                      f"simulated on {ours_data.get('topology')} (ms)", "compile (s)", "first loss",
+                      "last loss rel diff vs 1 GPU",
+                      "masters max diff vs 1 GPU (lr x steps)", "error"], mine)
 
 
 def _against_builtin(measured: Topology, topo_txt: str | None, builtin: str = "hgx-h200") -> str:
@@ -348,20 +551,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     o.add_argument("--chains", type=_names, default=list(CHAINS))
     o.add_argument("--topology", help="a topology JSON (bench/measure_topology.py) to plan and simulate against")
     o.add_argument("--smoke", action="store_true", help="check this driver without GPUs: toy sizes on cpu:N")
-    o.add_argument("--cost-model", type=_names, default=["paper", "calibrated"],
-                   help="the planner's cost models, comma-separated: each is compiled and timed on every GPU "
-                        "count above one (default paper,calibrated)")
+    t = sub.add_parser("train", help="compile and time ours' training step (bench/gpu_train.py's) on 1..n GPUs")
+    t.add_argument("--gpus", type=_ints, default=list(GPU_COUNTS))
+    t.add_argument("--workloads", type=_names, default=list(TRAIN_WORKLOADS),
+                   help=f"comma-separated, of {', '.join(TRAIN_WORKLOADS)} (default all)")
+    t.add_argument("--topology", help="a topology JSON (bench/measure_topology.py) to plan and simulate against")
+    t.add_argument("--smoke", action="store_true", help="check this driver without GPUs: a tiny block on cpu:N")
+    t.add_argument("--rounds", type=int, default=10, help="timed steps after the 2 warm-ups (default 10)")
     m = sub.add_parser("merge", help="join ours and the baselines into multigpu.json/.md/.png")
-    for p in (o, m):
+    for p in (o, t):
+        p.add_argument("--cost-model", type=_names, default=["paper", "calibrated"],
+                       help="the planner's cost models, comma-separated: each is compiled and timed on every GPU "
+                            "count above one (default paper,calibrated)")
+    for p in (o, t, m):
         p.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
-    bad = [w for w in getattr(args, "workloads", []) if w not in WORKLOADS] + \
+    known = TRAIN_WORKLOADS if args.command == "train" else WORKLOADS
+    bad = [w for w in getattr(args, "workloads", []) if w not in known] + \
         [c for c in getattr(args, "chains", []) if c not in CHAINS]
     bad += [m for m in getattr(args, "cost_model", []) if m not in COST_MODEL_NAMES]
     if bad:
-        ap.error(f"unknown workloads, chains or cost models {bad}; known: {list(WORKLOADS)}, {list(CHAINS)} and "
+        ap.error(f"unknown workloads, chains or cost models {bad}; known: {list(known)}, {list(CHAINS)} and "
                  f"{', '.join(COST_MODEL_NAMES)}.")
-    ours(args) if args.command == "ours" else merge(args)
+    if getattr(args, "rounds", 1) < 1:
+        ap.error(f"--rounds must be >= 1; got {args.rounds}.")
+    {"ours": ours, "train": train, "merge": merge}[args.command](args)
     return 0
 
 

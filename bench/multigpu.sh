@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
-# Ours against hand-written PyTorch on 1, 2, 4 and 8 GPUs of this machine, FP16: the LLaMA-3-8B-shaped
-# block on the five token workloads and the matrix chains A-E.  Writes bench/results/multigpu/:
+# Ours against hand-written PyTorch on 1, 2, 4 and 8 GPUs of this machine: the LLaMA-3-8B-shaped block's
+# forward (FP16) on the five token workloads and the matrix chains A-E, then the block's training step
+# (bench/gpu_train.py's: bf16 activations, float32 masters, MSE, AdamW) on 8K, 4x2K and 32x1K against
+# PyTorch DDP and FSDP2.  Writes bench/results/multigpu/:
 #   topo.txt (nvidia-smi topo -m), topology.json + topology.raw.json (measured), ours.json,
-#   baselines_n<N>.json, multigpu.json / .md / .png (merged).
+#   baselines_n<N>.json, ours_train.json, baselines_train_n<N>.json, multigpu.json / .md / .png (merged).
 #
 #   bash bench/multigpu.sh            # everything (GPU counts above the visible GPUs are skipped)
-#   bash bench/multigpu.sh --quick    # 1K and 8x1K, chains B and C
+#   bash bench/multigpu.sh --quick    # 1K and 8x1K, chains B and C; the training step on 4x2K
 # Environment: GPUS="1 2 4 8" to choose counts, CHECK=0 to skip the baselines' correctness checks,
-# OUT=<folder> to write elsewhere, OURS_ARGS / BASELINE_ARGS for extra arguments to bench/multigpu.py ours /
-# bench/baselines/run.py (e.g. BASELINE_ARGS="--rounds 20").
+# TRAIN=0 to skip the training step, OUT=<folder> to write elsewhere, OURS_ARGS / TRAIN_ARGS /
+# BASELINE_ARGS / TRAIN_BASELINE_ARGS for extra arguments to bench/multigpu.py ours / bench/multigpu.py
+# train / bench/baselines/run.py / bench/baselines/run.py --train (e.g. BASELINE_ARGS="--rounds 20").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${OUT:-bench/results/multigpu}
 WORKLOADS=1K,8K,8x1K,128x1K,128K
 CHAINS=A,B,C,D,E
-if [[ "${1:-}" == "--quick" ]]; then WORKLOADS=1K,8x1K; CHAINS=B,C; fi
+TRAIN_WORKLOADS=8K,4x2K,32x1K
+if [[ "${1:-}" == "--quick" ]]; then WORKLOADS=1K,8x1K; CHAINS=B,C; TRAIN_WORKLOADS=4x2K; fi
 CHECK_FLAG=--check
 if [[ "${CHECK:-1}" == "0" ]]; then CHECK_FLAG=; fi
 
@@ -28,7 +32,8 @@ done
 (( ${#COUNTS[@]} )) || { echo "no GPU count to run" >&2; exit 1; }
 LIST=$(IFS=,; echo "${COUNTS[*]}")
 mkdir -p "$OUT"
-rm -f "$OUT"/baselines_n*.json "$OUT/ours.json"  # results of an earlier run must not mix in
+# results of an earlier run must not mix in
+rm -f "$OUT"/baselines_n*.json "$OUT/ours.json" "$OUT"/baselines_train_n*.json "$OUT/ours_train.json"
 status=0
 
 echo "== topology"
@@ -48,6 +53,20 @@ for n in "${COUNTS[@]}"; do
     --strategy best --workload "$WORKLOADS,$CHAINS" $CHECK_FLAG --json "$OUT/baselines_n$n.json" ${BASELINE_ARGS:-} \
     || { echo "baselines on $n GPUs failed or a check did not pass (see above)"; status=1; }
 done
+
+if [[ "${TRAIN:-1}" != "0" ]]; then
+  echo "== ours, training step, on $LIST GPUs"
+  python bench/multigpu.py train --gpus "$LIST" --workloads "$TRAIN_WORKLOADS" \
+    ${TOPO_ARG[@]+"${TOPO_ARG[@]}"} --out "$OUT" ${TRAIN_ARGS:-} || { echo "ours' training step failed"; status=1; }
+
+  for n in "${COUNTS[@]}"; do
+    echo "== PyTorch DDP and FSDP2 training steps on $n GPUs"
+    python -m torch.distributed.run --standalone --nproc_per_node "$n" bench/baselines/run.py --train \
+      --strategy best --workload "$TRAIN_WORKLOADS" $CHECK_FLAG --json "$OUT/baselines_train_n$n.json" \
+      ${TRAIN_BASELINE_ARGS:-} \
+      || { echo "training baselines on $n GPUs failed or a check did not pass (see above)"; status=1; }
+  done
+fi
 
 echo "== merge"
 python bench/multigpu.py merge --out "$OUT" || status=1

@@ -3,8 +3,9 @@
 
 Tensor, sequence and data parallelism on 2 and 4 ranks each equal the single-process block, and the
 row-sharded chains equal the single-process chains; the single-process block equals
-``rt.reference`` of ``llama_block``.  A topology built from a bandwidth matrix survives
-``to_json``/``from_json`` and plans and simulates a graph."""
+``rt.reference`` of ``llama_block``.  The training steps of DDP and FSDP2 on 2 ranks (``--train``) give
+the parameters and AdamW moments of a single-process eager step over the whole batch after 2 steps.  A
+topology built from a bandwidth matrix survives ``to_json``/``from_json`` and plans and simulates a graph."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch.nn.functional as F
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -31,10 +33,11 @@ sys.path.insert(0, str(BENCH))
 
 import measure_topology as mt  # noqa: E402
 from baselines import run as baseline_run  # noqa: E402
-from baselines.block import block_params, make_input, reference_block  # noqa: E402
+from baselines.block import PARAMS, block_forward, block_params, make_input, param_shapes, reference_block  # noqa: E402
 from baselines.chain import reference_chain  # noqa: E402
 from baselines.common import SHAPES, BlockShape, NotApplicable, free_port, parse_workload  # noqa: E402
 from baselines.llama_tp import kv_plan  # noqa: E402
+from baselines.train import HYPER, loss_weight, train_batch, train_weights  # noqa: E402
 
 CPU, F32 = torch.device("cpu"), torch.float32
 TINY = SHAPES["tiny"]  # d_model 64, 8 heads, 4 kv heads, d_ff 128
@@ -42,8 +45,15 @@ ODD_KV = BlockShape(96, 12, 3, 96)  # 3 kv heads on 4 ranks: tp repeats kv heads
 CHAIN_SCALE = 256
 COMMON = ["--warmups", "0", "--rounds", "1", "--check", "--chain-scale", str(CHAIN_SCALE)]
 # per world size: (command lines, the block workloads and shapes they cover)
+# --train: float32, so that DDP and FSDP2 differ from one process only in the order the gradients' partial
+# sums are added (a tight bound: a wrong split, loss weight or reduction is far outside it), on an uneven
+# split (3 sequences on 2 ranks) and one sequence, which data parallelism does not cut; and the
+# benchmark's configuration (bfloat16 activations, FSDP2 gathering bfloat16 parameters) at a bfloat16
+# bound on an even split
 CASES = {
-    2: [["--shape", "tiny", "--strategy", "best", "--workload", "2x32,40,A,B,C,D,E"]],
+    2: [["--shape", "tiny", "--strategy", "best", "--workload", "2x32,40,A,B,C,D,E"],
+        ["--train", "--shape", "tiny", "--strategy", "best", "--workload", "3x16,40"],
+        ["--train", "--dtype", "bfloat16", "--shape", "tiny", "--strategy", "best", "--workload", "2x16"]],
     4: [["--shape", "tiny", "--strategy", "best", "--workload", "6x30,30,A,B,C,D,E"],  # uneven token and batch splits
         ["--d-model", "96", "--heads", "12", "--kv-heads", "3", "--d-ff", "96", "--strategy", "tp",
          "--workload", "2x24"]],
@@ -73,6 +83,8 @@ def test_every_strategy_equals_the_single_process_run(spawned) -> None:
     world, tmp, results = spawned
     compared = []
     for i, result in enumerate(results):
+        if result["header"]["mode"] == "train":
+            continue
         shape = BlockShape(**result["header"]["shape"])
         for row in result["rows"]:
             if row["status"] == "not applicable":
@@ -103,6 +115,126 @@ def test_statuses_and_best(spawned) -> None:
     if world == 4:  # 3 kv heads do not split over 4 ranks: tp computes the kv heads each rank reads
         (odd,) = results[1]["rows"]
         assert odd["status"] == "ok" and "does not divide" in odd["note"]
+
+
+# --- the training steps (DDP, FSDP2) -------------------------------------------------------------------
+
+STEPS = 2  # run.py's --check-steps default
+# (AdamW moments: largest difference over the largest magnitude; parameters: largest difference over
+# lr * steps, the most AdamW moves an element).  float32: rounding of the reduction order only (measured
+# 7e-7 and 1.5e-4).  bfloat16: every rank's matmuls round differently and FSDP2 computes with bfloat16 norm
+# weights where the autocast reference has float32 ones (measured 1.7e-2); a near-zero gradient can change
+# sign, moving an element ~2 lr away in a step (measured 2.0), so there the parameters' bound only catches
+# gross errors and the moments (which, unlike AdamW's update, scale with the gradients) carry the check.
+TRAIN_TOLERANCE = {"float32": (1e-4, 1e-2), "bfloat16": (5e-2, 4.0)}
+
+
+def _eager_training(label: str, shape: BlockShape, dtype: torch.dtype) -> tuple[dict, dict, list[float]]:
+    """STEPS single-process steps over the whole batch, written out here: the block's forward on a dict of
+    leaf tensors, torch's default AdamW.  The parameters after them, the optimizer state and the losses."""
+    batch, seq = parse_workload(label)[1]
+    w = {k: torch.from_numpy(v).requires_grad_() for k, v in train_weights(shape, 0).items()}
+    x, target = (torch.from_numpy(a).to(dtype) for a in train_batch(batch, seq, shape.d_model, 0))
+    opt = torch.optim.AdamW(list(w.values()), **HYPER)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != F32):
+            y = block_forward(x, w, shape)
+        loss = F.mse_loss(y.float(), target.float())
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return w, opt.state, losses
+
+
+def _training(results: list[dict]) -> list[tuple[int, dict]]:
+    return [(i, r) for i, r in enumerate(results) if r["header"]["mode"] == "train"]
+
+
+def test_training_steps_equal_the_single_process_step(spawned) -> None:
+    world, tmp, results = spawned
+    if not _training(results):
+        pytest.skip(f"the training steps run on 2 ranks; this is {world}")
+    compared = []
+    for i, result in _training(results):
+        shape, dtype = BlockShape(**result["header"]["shape"]), result["header"]["dtype"]
+        moments_tol, params_tol = TRAIN_TOLERANCE[dtype]
+        for row in result["rows"]:
+            if row["status"] == "not applicable":
+                continue
+            assert row["status"] == "ok" and row["check"]["ok"], row  # rank 0's own comparison
+            saved = torch.load(tmp / f"run{i}" / f"{row['workload']}_{row['strategy']}_w{world}_train.pt")
+            w, opt_state, losses = _eager_training(row["workload"], shape, getattr(torch, dtype))
+            w0 = train_weights(shape, 0)
+            what = f"{row['strategy']} on {row['workload']} in {dtype}"
+            moved = 0.0
+            for name in PARAMS:
+                got = saved["state"][f"param.{name}"]
+                param_diff = float((got - w[name].detach()).abs().max()) / (HYPER["lr"] * STEPS)
+                assert param_diff <= params_tol, f"{what}: {name} is {param_diff:.2e} lr x steps off"
+                moved = max(moved, float((got - torch.from_numpy(w0[name])).abs().max()) / (HYPER["lr"] * STEPS))
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    want = opt_state[w[name]][kind]
+                    rel = float((saved["state"][f"{kind}.{name}"] - want).abs().max() / want.abs().max())
+                    assert rel <= moments_tol, f"{what}: {kind} of {name} is {rel:.2e} off"
+            assert moved > 0.5, f"{what}: the parameters hardly moved ({moved:.2f} lr x steps): a vacuous check"
+            np.testing.assert_allclose(saved["losses"], losses, rtol=moments_tol)
+            compared.append((row["workload"], row["strategy"], dtype))
+    assert {(w, s) for w, s, d in compared if d == "float32"} == {("3x16", "ddp"), ("3x16", "fsdp")}, compared
+    assert {(w, s) for w, s, d in compared if d == "bfloat16"} == {("2x16", "ddp"), ("2x16", "fsdp")}, compared
+
+
+def test_training_statuses_and_best(spawned) -> None:
+    world, _, results = spawned
+    if not _training(results):
+        pytest.skip(f"the training steps run on 2 ranks; this is {world}")
+    result = _training(results)[0][1]
+    rows = {(r["workload"], r["strategy"]): r for r in result["rows"]}
+    for strategy in ("ddp", "fsdp"):  # one sequence is not cut over the ranks
+        assert rows[("40", strategy)]["status"] == "not applicable"
+        assert "batch >= world" in rows[("40", strategy)]["reason"]
+        ok = rows[("3x16", strategy)]
+        assert ok["optimizer"] == "fused" or ok["optimizer"].startswith("foreach ("), ok  # which AdamW ran
+        assert f"AdamW {ok['optimizer']}" in ok["note"]
+    assert "40" not in result["best"] and result["best"]["3x16"]["strategy"] in ("ddp", "fsdp")
+    assert result["header"]["train"]["adamw"]["lr"] == HYPER["lr"] and result["header"]["dtype"] == "float32"
+
+
+def test_training_step_is_gpu_train_s() -> None:
+    """The same weights, batch, hyperparameters and bfloat16 rounding as bench/gpu_train.py's step."""
+    import gpu_train
+    import ml_dtypes
+
+    assert {k: list(v) for k, v in param_shapes(SHAPES["llama3-8b"]).items()} == gpu_train.WEIGHTS
+    assert list(param_shapes(SHAPES["llama3-8b"])) == list(gpu_train.WEIGHTS)  # the order the weights are drawn
+    assert HYPER == {"lr": gpu_train.LR, "betas": gpu_train.BETAS, "eps": gpu_train.ADAM_EPS,
+                     "weight_decay": gpu_train.WEIGHT_DECAY}
+    shapes = {k: list(v) for k, v in param_shapes(TINY).items()}
+    want = gpu_train.initial_weights(TINY.d_model, shapes)
+    assert all(np.array_equal(train_weights(TINY, 0)[k], want[k]) for k in PARAMS)
+    x, target = train_batch(3, 8, 64, 0)
+    rng = np.random.default_rng(1)  # gpu_train's batch: x, then target
+    assert np.array_equal(x, rng.standard_normal((3, 8, 64), dtype=np.float32))
+    assert np.array_equal(target, rng.standard_normal((3, 8, 64), dtype=np.float32))
+    ours_bits = x.astype(ml_dtypes.bfloat16).view(np.int16)
+    torch_bits = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy()
+    assert np.array_equal(ours_bits, torch_bits)
+    assert [loss_weight(r, 2, 3) for r in (1, 2)] == [2 / 3, 4 / 3]
+
+
+def test_training_command_lines() -> None:
+    """multigpu.sh's GPU command line parses (bfloat16 on CUDA, both strategies); wrong mixes are refused."""
+    args = baseline_run.arguments(["--train", "--device", "cuda", "--strategy", "best", "--workload",
+                                   "8K,4x2K,32x1K", "--check", "--json", "x.json"])
+    assert args.dtype == "bfloat16" and args.check_steps == 2
+    assert [(f, s) for f, s, _ in args.workloads] == [("block", (1, 8192)), ("block", (4, 2048)), ("block", (32, 1024))]
+    assert baseline_run._strategies("block", args.strategies, train=True) == ["ddp", "fsdp"]
+    assert baseline_run.arguments(["--train", "--device", "cpu"]).dtype == "float32"
+    for bad in (["--strategy", "ddp"], ["--train", "--strategy", "tp"], ["--train", "--workload", "C"],
+                ["--train", "--check-steps", "0"]):
+        with pytest.raises(SystemExit):
+            baseline_run.arguments(bad)
 
 
 def test_kv_plan() -> None:
@@ -221,8 +353,9 @@ def test_parse_nvidia_smi_topo_and_build_from_raw() -> None:
 # --- the multi-GPU driver's merge ---------------------------------------------------------------------
 
 def test_multigpu_smoke_and_merge(tmp_path) -> None:
-    """``multigpu.py ours --smoke`` (virtual CPU devices, toy sizes, both cost models) and ``merge`` with a
-    baselines file: one row per workload, PyTorch / ours and the 1 -> n speed-up per cost model."""
+    """``multigpu.py ours --smoke`` and ``train --smoke`` (virtual CPU devices, toy sizes, both cost models)
+    and ``merge`` with baselines files: one row per workload, PyTorch / ours and the 1 -> n speed-up per
+    cost model, for the forward and for the training step."""
     out = tmp_path / "mg"
     cmd = [sys.executable, str(BENCH / "multigpu.py"), "ours", "--smoke", "--gpus", "1,2", "--workloads", "1K",
            "--chains", "C", "--out", str(out)]
@@ -238,6 +371,22 @@ def test_multigpu_smoke_and_merge(tmp_path) -> None:
     base_rows = [{"workload": w, "strategy": b["strategy"], "world": 2, "status": "ok", "ms": b["ms"],
                   "check": {"ok": True, "max_rel": 0.0}} for w, b in best.items()]
     (out / "baselines_n2.json").write_text(json.dumps({"header": header, "rows": base_rows, "best": best}))
+    import multigpu
+
+    assert multigpu.main(["train", "--smoke", "--gpus", "1,2", "--workloads", "4x2K", "--rounds", "2",
+                          "--out", str(out)]) == 0
+    train = {(r["gpus"], r["cost_model"]): r for r in json.loads((out / "ours_train.json").read_text())["rows"]}
+    assert set(train) == {(1, "paper"), (2, "paper"), (2, "calibrated")}
+    assert all(r["status"] == "ok" and r["last_loss_rel_diff_vs_1gpu"] < 1e-3
+               and r["masters_max_diff_vs_1gpu_over_lr_steps"] < 0.5 for r in train.values()), train
+    assert max(r["first_loss"] for r in train.values()) - min(r["first_loss"] for r in train.values()) < 1e-3
+    check = {"ok": True, "max_rel": 1e-2, "params_max_over_lr_steps": 0.5, "losses": [2.67, 2.66]}
+    train_rows = [{"workload": "4x2K", "strategy": s, "world": 2, "status": "ok", "ms": ms, "check": check,
+                   "note": f"{s}; AdamW fused"} for s, ms in (("ddp", 20.0), ("fsdp", 30.0))]
+    train_rows.append({"workload": "8K", "strategy": "ddp", "world": 2, "status": "not applicable",
+                       "reason": "ddp gives every rank whole sequences"})
+    (out / "baselines_train_n2.json").write_text(json.dumps({"header": {**header, "dtype": "bfloat16"},
+                                                             "rows": train_rows, "best": {}}))
     res = subprocess.run([sys.executable, str(BENCH / "multigpu.py"), "merge", "--out", str(out)],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
@@ -248,6 +397,13 @@ def test_multigpu_smoke_and_merge(tmp_path) -> None:
                             for m in ("paper", "calibrated"))
     assert want_ratio in table and want_speed in table
     assert "geomean (blocks)" in md
+    assert "**Training step" in md
+    trained = [line for line in md.splitlines() if line.startswith("| 4x2K |")][0].split(" | ")
+    assert "20.00" in trained and "30.00" in trained
+    assert " / ".join(f"{20.0 / train[(2, m)]['ms']:.2f}x" for m in ("paper", "calibrated")) in trained
+    assert "| 8K | DDP | 2 | not applicable | - | ddp gives every rank whole sequences |" in md
+    ddp_on_1_and_2 = [line for line in md.splitlines() if line.startswith("| 8K |")][0].split(" | ")[3:5]
+    assert ddp_on_1_and_2 == ["-", "n/a"]
     try:  # the plot needs the 'bench' extra
         import matplotlib  # noqa: F401
     except ImportError:
