@@ -9,6 +9,7 @@ The modules follow what a user would write by hand, one strategy per module:
 * ``llama_sp``  sequence parallelism: tokens sharded, keys and values all-gathered for attention;
 * ``llama_dp``  data parallelism: the batch sharded, weights replicated;
 * ``chain``     the matrix chains A-E, row-sharded (the paper's PyTorch chain baseline);
+* ``train``     the block's training step (``bench/gpu_train.py``'s) with DDP and with FSDP2;
 * ``common``    process group, seeded tensors, splits, gathers, timing;
 * ``run``       the entry point: ``torchrun --nproc_per_node N bench/baselines/run.py ...``.
 """

@@ -209,7 +209,9 @@ def prepare_ddp(ctx: Dist, shape: BlockShape, batch: int, seq: int, seed: int) -
         return loss.detach()
 
     return TrainPrepared(step, lambda: _states(block, opt), lambda: opt.kind,
-                         f"DDP: float32 parameters, autocast {_name(ctx.dtype)}, float32 all-reduce")
+                         "DDP: float32 parameters, "
+                         + (f"autocast {_name(ctx.dtype)}" if ctx.dtype != torch.float32 else "no autocast")
+                         + ", float32 all-reduce")
 
 
 def prepare_fsdp(ctx: Dist, shape: BlockShape, batch: int, seq: int, seed: int) -> TrainPrepared:
