@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from relational_tensors.errors import ExecError
 from relational_tensors.frontend.graph import Graph
 from relational_tensors.gpu_exec.kernels.common import contiguous_strides, merge_dims
 from relational_tensors.gpu_exec.memory_plan import MemoryPlan, view_geometry
@@ -485,7 +486,7 @@ class FusedSchedule:
             waits = tuple(sorted({w for m in g.tasks for w in plan.waits.get(m, ())} - set(g.tasks)))
             launch = triton_fused.prepare(g.expr, [views[b] for b in g.operands], [views[b] for b in g.outputs],
                                           g.args, g.shape)
-            at[g.last] = FusedIssue(g, waits, launch)
+            at[g.last] = FusedIssue(g, waits, _named(launch, g, dag))
         return cls(groups, at, frozenset(m for g in groups for m in g.tasks[:-1]))
 
     def labels(self, dag: TaskDAG) -> dict[int, tuple[str, str]]:
@@ -495,3 +496,16 @@ class FusedSchedule:
             names = [dag.tasks[m].label for m in g.tasks]
             out[g.last] = (g.kind, f"fused {names[0]} .. {names[-1]} ({len(names)} tasks)")
         return out
+
+
+def _named(launch: Callable[[], None], group: FusionGroup, dag: TaskDAG) -> Callable[[], None]:
+    """``launch``, whose failure names the group's tasks and the switch that runs them unfused."""
+    def run() -> None:
+        try:
+            launch()
+        except Exception as e:
+            names = ", ".join(dag.tasks[m].label for m in group.tasks)
+            raise ExecError(f"the fused kernel of tasks {list(group.tasks)} ({names}) on logical device "
+                            f"{group.device} failed: {type(e).__name__}: {e}. {FUSE_ENV}=0 runs them unfused; "
+                            "report this with the plan (cg.save).") from e
+    return run

@@ -12,8 +12,11 @@ step and an add of the next stay two roundings, as they are when a store separat
 >>> from relational_tensors.gpu_exec.fusion import FusedExpr
 >>> e = FusedExpr((("float32", "full"), ("float32", "scalar")), (("binary", "mul", (0, 1), "float32"),),
 ...               ((2, "bfloat16"),))
->>> print(source(e).split("def fused_kernel")[1].split(":", 1)[0])
-(n, x0_ptr, x1_ptr, out0_ptr, BLOCK_SIZE: tl.constexpr, ACC: tl.constexpr)
+>>> print(source(e).split("mask = offs < n")[1].strip())
+v0 = tl.load(x0_ptr + offs, mask=mask)
+    v1 = tl.load(x1_ptr)
+    v2 = binary_math(v0.to(ACC), v1.to(ACC), 2, ACC).to(tl.float32)
+    tl.store(out0_ptr + offs, v2.to(out0_ptr.dtype.element_ty), mask=mask)
 """
 
 from __future__ import annotations
