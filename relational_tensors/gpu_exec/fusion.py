@@ -156,12 +156,21 @@ class _Facts:
         self.split = dag.phase_split
         self._ranges: dict[int, tuple[int, int, int]] = {}
         self._info: dict[int, tuple[str, str, float | None] | None] = {}
+        self._touches: dict[int, tuple[list[tuple[int, int, int]], list[tuple[int, int, int]], frozenset[int]]] = {}
 
     def range(self, b: int) -> tuple[int, int, int]:
         r = self._ranges.get(b)
         if r is None:
             r = self._ranges[b] = self.plan.byte_range(self.dag, b)
         return r
+
+    def touches(self, t: Task) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]], frozenset[int]]:
+        """The byte ranges task ``t`` reads and writes, and the devices whose memory they lie in."""
+        found = self._touches.get(t.id)
+        if found is None:
+            reads, writes = [self.range(b) for b in t.inputs], [self.range(b) for b in t.outputs]
+            found = self._touches[t.id] = (reads, writes, frozenset(r[0] for r in (*reads, *writes)))
+        return found
 
     def strides(self, b: int) -> tuple[int, ...]:
         g = self.geo.get(b)
@@ -291,6 +300,7 @@ def _ordered(facts: _Facts, members: Sequence[int], inside: set[int], reads: lis
              writes: list[tuple[int, int, int]]) -> bool:
     """Whether no task between the first member and the last conflicts with a member moved past it."""
     dag, plan = facts.dag, facts.plan
+    device = dag.tasks[members[0]].device
     by_member_reads: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
     by_member_writes: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
     for m, b, _ in reads:
@@ -309,10 +319,11 @@ def _ordered(facts: _Facts, members: Sequence[int], inside: set[int], reads: lis
         u = dag.tasks[tid]
         if u.kind == "load":
             continue  # loads run at load(), before any task
-        if any(x in passed for x in plan.waits.get(tid, ())):
+        if not passed.isdisjoint(plan.waits.get(tid, ())):
             return False
-        u_reads = [facts.range(b) for b in u.inputs]
-        u_writes = [facts.range(b) for b in u.outputs]
+        u_reads, u_writes, where = facts.touches(u)
+        if device not in where:
+            continue  # it touches no memory of this device
         if any(_overlap(w, r) for w in u_writes for r in moved_reads):
             return False
         if any(_overlap(x, w) for x in (*u_reads, *u_writes) for w in moved_writes):
@@ -436,6 +447,7 @@ def _split(facts: _Facts, members: list[int], edges: list[tuple[int, int]]) -> l
     # then any two groups whose union is allowed: those an edge joins first, then siblings (AdamW's two
     # moments read the same gradient), nearest first
     joined = {(of[p], of[r]) for p, r in edges if p in of and r in of}
+    refused: set[tuple[int, ...]] = set()
     merged = True
     while merged:
         merged = False
@@ -444,9 +456,13 @@ def _split(facts: _Facts, members: list[int], edges: list[tuple[int, int]]) -> l
                        key=lambda ab: ((ab[0], ab[1]) not in joined and (ab[1], ab[0]) not in joined,
                                        groups[ab[1]][0] - groups[ab[0]][-1]))
         for a, b in pairs:
+            if max(groups[a][-1], groups[b][-1]) - min(groups[a][0], groups[b][0]) > MAX_SPAN:
+                continue
             new = tuple(sorted(groups[a] + groups[b]))
-            group = _build(facts, new)
-            if group is not None:
+            group = _build(facts, new) if new not in refused else None
+            if group is None:
+                refused.add(new)
+            else:
                 commit(new, group, [a, b])
                 joined = {(of[p], of[r]) for p, r in edges if p in of and r in of}
                 merged = True
