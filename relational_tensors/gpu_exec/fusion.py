@@ -157,6 +157,18 @@ class _Facts:
         self._ranges: dict[int, tuple[int, int, int]] = {}
         self._info: dict[int, tuple[str, str, float | None] | None] = {}
         self._touches: dict[int, tuple[list[tuple[int, int, int]], list[tuple[int, int, int]], frozenset[int]]] = {}
+        # groups already taken: each runs at its last task, its other members nowhere else
+        self.taken: dict[int, FusionGroup] = {}
+        self.deferred: set[int] = set()
+        self.taken_waits: dict[int, set[int]] = {}
+
+    def take(self, group: FusionGroup) -> None:
+        """Check later groups against the program with ``group`` fused."""
+        self.taken[group.last] = group
+        self.deferred.update(group.tasks[:-1])
+        self.taken_waits[group.last] = {w for m in group.tasks for w in self.plan.waits.get(m, ())}
+        reads, writes = [self.range(b) for b in group.operands], [self.range(b) for b in group.outputs]
+        self._touches[group.last] = (reads, writes, frozenset(r[0] for r in (*reads, *writes)))
 
     def range(self, b: int) -> tuple[int, int, int]:
         r = self._ranges.get(b)
@@ -317,9 +329,9 @@ def _ordered(facts: _Facts, members: Sequence[int], inside: set[int], reads: lis
             passed.add(tid)
             continue
         u = dag.tasks[tid]
-        if u.kind == "load":
-            continue  # loads run at load(), before any task
-        if not passed.isdisjoint(plan.waits.get(tid, ())):
+        if u.kind == "load" or tid in facts.deferred:
+            continue  # loads run at load(), before any task; a taken group's members at its last task
+        if not passed.isdisjoint(facts.taken_waits[tid] if tid in facts.taken else plan.waits.get(tid, ())):
             return False
         u_reads, u_writes, where = facts.touches(u)
         if device not in where:
@@ -369,7 +381,8 @@ def fusion_groups(graph: Graph, dag: TaskDAG, plan: MemoryPlan, live: Liveness) 
 
     Tasks are first joined along the edges a group may take (an elementwise kernel reading another's
     output of its shape on its device; an ``assign`` of such an output), and each connected set is one group
-    where the rules allow it.  Where they do not, it is split greedily in task order (a kernel joins the
+    where the rules allow it, checked against the program with the groups taken before it fused (blocks of
+    fewer elements first).  Where they do not, it is split greedily in task order (a kernel joins the
     groups that made its inputs, all of them, else the latest one it can join; an ``assign`` the group that
     made its value), and groups joined by an edge are then merged wherever their union is allowed.  A group
     of one task is left as it is."""
@@ -402,15 +415,17 @@ def fusion_groups(graph: Graph, dag: TaskDAG, plan: MemoryPlan, live: Liveness) 
     for x in parent:
         components[find(x)].append(x)
     out: list[FusionGroup] = []
-    for members in components.values():
-        if len(members) < 2:
-            continue
-        whole = _build(facts, sorted(members))
-        if whole is not None:
-            out.append(whole)
-            continue
-        inside = set(members)
-        out += _split(facts, sorted(members), [(p, r) for p, r in edges if p in inside])
+    # small blocks first (the [1] scalars of an optimizer): a chain checked after them sees where their
+    # values stay in registers, and so which memory they no longer write
+    order = sorted((sorted(m) for m in components.values() if len(m) > 1),
+                   key=lambda m: (dag.buffers[tasks[m[0]].outputs[0]].box.volume, m[0]))
+    for members in order:
+        whole = _build(facts, members)
+        found = [whole] if whole is not None else \
+            _split(facts, members, [(p, r) for p, r in edges if p in set(members)])
+        for group in found:
+            facts.take(group)
+        out += found
     return sorted(out, key=lambda g: g.last)
 
 
