@@ -21,7 +21,9 @@ moved member writes, writes memory a moved member reads (memory reused by then),
 within the kernel, memory is read and written at once only in place (the same element, as AdamW's
 moments are), and a buffer a member writes is never read by a later member from memory.  The fused
 kernel waits for every wait of its members (the memory plan's cross-stream waits) and records their
-events.  Since every group is checked against every other task at its original place, groups compose.
+events.  Groups are taken one after another, each checked against the program with the groups taken
+before it fused and every other task at its place; a conflict between two groups that reverses their
+order is always seen by one of the two checks (the one of the group moved past the other), so they compose.
 
 Results are bit-identical to the unfused kernels: the fused kernel runs the same arithmetic
 (``triton_elementwise.unary_math`` / ``binary_math``), in the same compute type, rounds every
