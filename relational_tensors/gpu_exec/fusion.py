@@ -386,8 +386,8 @@ def fusion_groups(graph: Graph, dag: TaskDAG, plan: MemoryPlan, live: Liveness) 
     where the rules allow it, checked against the program with the groups taken before it fused (blocks of
     fewer elements first).  Where they do not, it is split greedily in task order (a kernel joins the
     groups that made its inputs, all of them, else the latest one it can join; an ``assign`` the group that
-    made its value), and groups joined by an edge are then merged wherever their union is allowed.  A group
-    of one task is left as it is."""
+    made its value), and two of its groups are then merged wherever their union is allowed (those an edge
+    joins first, then siblings such as AdamW's two moments).  A group of one task is left as it is."""
     facts = _Facts(graph, dag, plan, live)
     tasks = dag.tasks
     parent: dict[int, int] = {}
