@@ -227,7 +227,7 @@ def _searched(s: _State, plan: LogicalPlan, naive: Lowered) -> Lowered:
     naive ones (``naive``): the search improves each program on its own, and programs that overlap can
     interfere on shared links.  The programs share ``search_total_steps``, weighed by their naive runs in
     ``naive`` (the programs of assigned states keep their devices and are not searched)."""
-    from relational_tensors.exchange.search import make_searcher
+    from relational_tensors.exchange.searcher import make_searcher
     from relational_tensors.physical.simulate import simulate_plan
 
     assert s.target is not None

@@ -17,9 +17,11 @@ from test_exprog import FAST, reference_valid
 import relational_tensors as rt
 from relational_tensors.exchange import search
 from relational_tensors.exchange.ast import ExProg, InAtom, Partition, Requirement
+from relational_tensors.exchange.bound import lower_bound
 from relational_tensors.exchange.closure import check
 from relational_tensors.exchange.naive import naive_body
-from relational_tensors.exchange.search import Searcher, SearchResult, lower_bound, make_searcher, search_program
+from relational_tensors.exchange.search import SearchResult, search_program
+from relational_tensors.exchange.searcher import Searcher, make_searcher
 from relational_tensors.exchange.simulator import simulate
 from relational_tensors.exchange.text import parse, to_text
 from relational_tensors.gpu_exec.numpy_backend import NumpyExecutor

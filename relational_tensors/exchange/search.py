@@ -34,36 +34,33 @@ time budget is what stops it.  A program whose naive run is within 0.1% of its
 :func:`lower_bound` (the busiest endpoint's unavoidable bytes over its bandwidth) is
 not searched: no body could gain more.
 
-A :class:`Searcher` searches the programs of one lowering.  Given a step limit for
-all of them (``total_steps``) and the lowering's naive programs beforehand
-(:meth:`Searcher.spread`), it hands out the steps in lowering order, each program
-taking the steps left in proportion to its weight (naive time times the number of
-readers that use it, 0 near the lower bound) among the weights left, so the expensive
-exchanges get the effort and what a search leaves unused goes to those after it.
+:class:`~relational_tensors.exchange.searcher.Searcher` searches the programs of one
+lowering under one step limit for all of them; :mod:`~relational_tensors.exchange.bound`
+gives the lower bound.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from relational_tensors.errors import ExchangeError
 from relational_tensors.exchange.ast import Action, ExProg, aggregate_text, exact_cover
+from relational_tensors.exchange.bound import at_bound, lower_bound
 from relational_tensors.exchange.closure import check, membership_moves, memberships
 from relational_tensors.exchange.naive import Membership, naive_body
 from relational_tensors.exchange.simulator import SimResult, simulate
-from relational_tensors.target.topology import Route, Topology, get_topology
+from relational_tensors.target.topology import Topology, get_topology
 
-__all__ = ["SearchResult", "Searcher", "search_program", "make_searcher", "lower_bound", "RULES"]
+__all__ = ["SearchResult", "search_program", "lower_bound", "RULES"]
 
 RULES = ("fission", "fusion", "relay", "relay-elimination", "pushdown", "pullup", "substitution", "swap", "move")
 
 _TOL = 1e-9        # relative: simulated times closer than this are ties
-_NEAR = 1e-3       # relative: a naive run this close to its lower bound is not searched
 _PER_ROUND = 6     # proposals judged per round, best-ranked first
 _HOT = 5           # actions rewritten per round, drawn by how late they finish
 _PATIENCE = 3      # fruitless rounds in a row before the search stops
@@ -117,7 +114,7 @@ class SearchResult:
     accepted: tuple[str, ...] = ()
     elapsed: float = field(default=0.0, compare=False)
     out_of_time: bool = field(default=False, compare=False)  # the wall-clock budget, not the steps, stopped it
-    at_bound: bool = False  # naive is within _NEAR of the lower bound: not searched
+    at_bound: bool = False  # naive is within bound.NEAR of the lower bound: not searched
 
     @property
     def speedup(self) -> float:
@@ -125,139 +122,6 @@ class SearchResult:
         return self.naive_time / self.time if self.time > 0 else 1.0
 
 
-# --- the lower bound -------------------------------------------------------------------------------------
-
-def lower_bound(prog: ExProg, topology: Topology | str, membership: Membership | None = None, *,
-                free_moves: bool = True) -> float:
-    """A time that no valid body of ``prog`` beats on ``topology``: the busiest endpoint's bytes over its bandwidth.
-
-    A site's endpoints are the resources that every route into it (ingress) or out of it
-    (egress) crosses.  A site receives at least one aggregate inside each aggregate required
-    there that its IN atoms cannot form (counted for pairwise-disjoint requirements, which
-    need distinct ones); the only holder of an atom read elsewhere sends it out at least once
-    inside some required aggregate (counted for atoms that no requirement reads together).
-    An endpoint that must carry bytes needs its routes' least latency plus the bytes over its
-    bandwidth; a site with no shared endpoint (a mesh of separate links) adds latency only.
-    Aggregation stages are not counted.  Partitions declared by size count at the site where
-    they cost least: any GPU outside the explicit partitions, or with ``free_moves=False``
-    (the search only swaps) the sites ``membership`` gives them.
-
-    >>> from relational_tensors.exchange.text import parse
-    >>> prog = parse('''GPUS: 0, 1, 2
-    ... IN: A @ 0 (size: 450 MB), B @ 1 (size: 450 MB), C @ 1 (size: 450 MB)
-    ... OUT: A @ 1, 2, B+C @ 2''')
-    >>> round(lower_bound(prog, "hgx-h200") * 1e3, 3)  # 2 receives A and B+C: 900 MB at 450 GB/s, + 2 us
-    2.002
-    """
-    top = get_topology(topology) if isinstance(topology, str) else topology
-    sites = tuple(prog.gpus)
-    if len(sites) < 2:
-        return 0.0
-    caps = top.capacities()
-    sizes = prog.atom_sizes()
-    holders: dict[str, set[int]] = defaultdict(set)
-    for inp in prog.inputs:
-        holders[inp.atom].add(inp.site)
-    explicit = {p.name: tuple(p.members) for p in prog.partitions if p.members is not None}
-    sized = {p.name: p.size for p in prog.partitions if p.members is None}
-    fixed: dict[int, set[frozenset]] = defaultdict(set)      # site -> aggregates required there
-    wanted: dict[str, set[frozenset]] = defaultdict(set)     # partition declared by size -> aggregates
-    for r in prog.outputs:
-        for t in r.targets:
-            if isinstance(t, int):
-                fixed[t].add(r.aggregate)
-            elif t in explicit:
-                for s in explicit[t]:
-                    fixed[s].add(r.aggregate)
-            elif t in sized:
-                wanted[t].add(r.aggregate)
-            else:
-                raise ExchangeError(f"OUT names partition {t!r}, which PARTITIONS does not declare "
-                                    f"(declared: {sorted([*explicit, *sized])}).")
-    taken = {s for members in explicit.values() for s in members}
-    if free_moves or membership is None:
-        places = [s for s in sites if s not in taken]
-    else:
-        places = sorted({s for name in sized for s in membership.get(name, ())})
-
-    def size(agg: Iterable[str]) -> int:
-        return min(sizes.get(a, 0) for a in agg)
-
-    def endpoint(routes: list[Route]) -> tuple[float, float]:
-        """(seconds per byte of the slowest resource every route crosses, the least latency)."""
-        common = set(routes[0].resources).intersection(*(r.resources for r in routes[1:]))
-        return max((1.0 / caps[r] for r in common), default=0.0), min(r.latency for r in routes)
-
-    ingress = {d: endpoint([top.route(s, d) for s in sites if s != d]) for d in sites}
-    egress = {s: endpoint([top.route(s, d) for d in sites if d != s]) for s in sites}
-
-    def seconds(nbytes: int, port: tuple[float, float]) -> float:
-        return port[1] + nbytes * port[0] if nbytes else 0.0
-
-    own: dict[int, set[str]] = defaultdict(set)
-    for inp in prog.inputs:
-        own[inp.site].add(inp.atom)
-    # largest first (then by name): the greedy disjoint choices below keep the big aggregates
-    order = sorted({r.aggregate for r in prog.outputs}, key=lambda x: (-size(x), aggregate_text(x)))
-    rank = {x: i for i, x in enumerate(order)}
-    nbytes_of = {x: size(x) for x in order}
-
-    def inbound(aggs: list[frozenset], d: int) -> float:
-        nbytes, covered, mine = 0, set[str](), own[d]
-        for x in aggs:
-            if covered.isdisjoint(x) and not x <= mine:
-                covered |= x
-                nbytes += nbytes_of[x]
-        return seconds(nbytes, ingress[d])
-
-    bound = 0.0
-    # egress: atoms with one holder that some requirement away from it reads
-    readers: dict[str, set[str]] = defaultdict(set)   # atom -> the sized partitions reading it
-    leaving: dict[int, set[str]] = defaultdict(set)
-    together: dict[str, set[str]] = defaultdict(set)  # atom -> the atoms some requirement reads with it
-    for r in prog.outputs:
-        for a in r.aggregate:
-            together[a] |= r.aggregate
-            if len(holders[a]) != 1:
-                continue
-            (s,) = holders[a]
-            for t in r.targets:
-                if isinstance(t, int) or t in explicit:
-                    if any(x != s for x in prog.sites_of(t)):
-                        leaving[s].add(a)
-                else:
-                    readers[a].add(t)
-    for a, parts in readers.items():
-        (s,) = holders[a]
-        if len(parts) > 1 or any(sized[t] > 1 for t in parts) or s not in places:
-            leaving[s].add(a)
-    for s, atoms in leaving.items():
-        nbytes, blocked = 0, set[str]()
-        for a in sorted(atoms, key=lambda a: (-sizes.get(a, 0), a)):
-            if a not in blocked:
-                blocked |= together[a]
-                nbytes += sizes.get(a, 0)
-        bound = max(bound, seconds(nbytes, egress[s]))
-    # ingress: the sites, then each partition declared by size at its cheapest place (a place that
-    # does not raise the bound ends the scan; the sites holding most of what it reads come first)
-    for d in sites:
-        bound = max(bound, inbound(sorted(fixed[d], key=rank.__getitem__), d))
-    for name, aggs in wanted.items():
-        held = Counter(h for x in aggs for a in x for h in holders[a])
-        start = tuple(membership.get(name, ())) if membership else ()
-        cheapest = None
-        for d in sorted(places, key=lambda d: (d not in start, -held[d], d)):
-            secs = inbound(sorted(fixed[d] | aggs, key=rank.__getitem__), d)
-            cheapest = secs if cheapest is None else min(cheapest, secs)
-            if cheapest <= bound:
-                break
-        bound = max(bound, cheapest or 0.0)
-    return bound
-
-
-def _at_bound(time_s: float, bound: float) -> bool:
-    """Whether a run of ``time_s`` is within :data:`_NEAR` of ``bound``: no rewrite could gain more."""
-    return time_s <= bound * (1 + _NEAR)
 
 
 # --- the fixed part of one search ------------------------------------------------------------------------
@@ -729,7 +593,7 @@ def search_program(prog: ExProg, topology: Topology | str, membership: Membershi
     if not base.valid:
         raise ExchangeError(f"the naive program is not valid with membership {start}: unmet requirements "
                             f"{base.unmet[:3]}; every atom a requirement names must be in IN")
-    if _at_bound(base.time, bound if known else lower_bound(problem.prog, top, start, free_moves=free_moves)):
+    if at_bound(base.time, bound if known else lower_bound(problem.prog, top, start, free_moves=free_moves)):
         return SearchResult(naive, start, base.time, base.time, 0, 0, (), time.perf_counter() - t0, False, True)
     body = frozenset(map(_step, naive))
     rng = random.Random(seed)
@@ -785,132 +649,3 @@ def search_program(prog: ExProg, topology: Topology | str, membership: Membershi
 
 
 # --- lowering --------------------------------------------------------------------------------------------
-
-class Searcher:
-    """A synthesizer for :func:`~relational_tensors.physical.lower.lower` that searches every program.
-
-    Each program is searched with at most ``max_steps`` judged proposals and ``budget_s`` seconds.
-    With ``total_steps``, the programs of the lowering share that many steps: call :meth:`spread`
-    with the lowering's naive programs first, then each program, in lowering order, takes the
-    steps left in proportion to its weight among the weights left (its naive time times its
-    uses; 0 near its :func:`lower_bound`).  A program :meth:`spread` did not see (an earlier search
-    moved the readers it reads from) is weighed when it comes (see :meth:`_share`).  For one seed the result is
-    deterministic unless ``budget_s`` stops a search.  ``results`` keeps one :class:`SearchResult`
-    per program synthesized, in lowering order.
-    """
-
-    def __init__(self, topology: Topology | str, seed: int = 0, budget_s: float = 0.5,
-                 max_steps: int | None = None, total_steps: int | None = None) -> None:
-        self.topology = get_topology(topology) if isinstance(topology, str) else topology
-        self.seed = seed
-        self.budget_s = budget_s
-        self.max_steps = max_steps
-        self.total_steps = total_steps
-        self.steps_left = total_steps
-        self.results: list[SearchResult] = []
-        self._weights: dict[tuple, float] = {}  # a program spread() saw, not yet searched -> its weight
-        self._runs: dict[tuple, tuple[SimResult, float]] = {}  # a program -> its naive run and lower bound
-        self._uses: dict[tuple, int] = {}
-        self._by_shape: dict[tuple, list[tuple]] = defaultdict(list)  # _shape -> those programs, in order
-        self._weight_left = 0.0
-
-    def _weight(self, key: tuple, uses: int = 1) -> float:
-        """``uses`` times the naive time of the program ``key`` names, 0 when that is near its lower bound
-        (the run and the bound are kept for its search)."""
-        prog, membership = key[0], dict(key[1])
-        run = simulate(prog.with_body(naive_body(prog, membership)), self.topology, membership)
-        bound = lower_bound(prog, self.topology, membership, free_moves=False)
-        self._runs[key] = (run, bound)
-        return 0.0 if _at_bound(run.time, bound) else run.time * uses
-
-    def spread(self, programs: Iterable[tuple[ExProg, Membership]]) -> None:
-        """Weigh the programs this searcher will be given: one (program, starting membership) per use,
-        in lowering order (bodies are ignored).  Without ``total_steps`` it does nothing."""
-        if self.total_steps is None:
-            return
-        uses: Counter = Counter()
-        seen: dict[tuple[int, int], tuple] = {}  # identical layers share their program objects: key each once
-        for prog, membership in programs:
-            key = seen.get((id(prog), id(membership)))
-            if key is None:
-                key = seen[(id(prog), id(membership))] = _program_key(prog, membership)
-            uses[key] += 1
-        for key, n in uses.items():
-            w = self._weights[key] = self._weight(key, n)
-            self._uses[key] = n
-            self._by_shape[_shape(key[0])].append(key)
-            self._weight_left += w
-
-    def _share(self, key: tuple) -> int | None:
-        """The steps the program ``key`` names may judge: its part of the steps left, capped by ``max_steps``.
-
-        A program that :meth:`spread` did not see takes the place of the first one it saw with the same
-        shape that has not come (an earlier search moved readers, so this one reads from other sites):
-        its uses, and its weight in the pool.  Otherwise it counts once."""
-        if self.steps_left is None:
-            return self.max_steps
-        if key in self._weights:
-            w = self._weights.pop(key)
-            pool = self._weight_left
-            self._weight_left -= w
-        else:
-            twin = next((k for k in self._by_shape.get(_shape(key[0]), ()) if k in self._weights), None)
-            uses = 1
-            if twin is not None:
-                self._weight_left -= self._weights.pop(twin)
-                uses = self._uses[twin]
-            w = self._weight(key, uses)
-            pool = self._weight_left + w
-        self._weight_left = max(0.0, self._weight_left)
-        share = int(self.steps_left * (w / pool)) if pool > 0 else 0
-        return share if self.max_steps is None else min(share, self.max_steps)
-
-    def __call__(self, prog: ExProg, membership: Membership) -> tuple[frozenset[Action], Membership]:
-        missing = sorted(set(prog.gpus) - set(self.topology.sites))
-        if missing:
-            raise ExchangeError(f"devices {missing} of the program are not sites of topology "
-                                f"{self.topology.name!r} (sites {self.topology.sites}); search with a topology "
-                                f"of at least {len(prog.gpus)} GPUs")
-        # swaps only: a reader outside this program may sit on the device a move would take
-        key = _program_key(prog, membership)
-        steps = self._share(key)
-        r = search_program(prog, self.topology, membership, seed=self.seed, budget_s=self.budget_s, max_steps=steps,
-                           free_moves=False, known=self._runs.pop(key, None))
-        if self.steps_left is not None:
-            self.steps_left -= r.steps
-        self.results.append(r)
-        return r.body, r.membership
-
-    def accepted(self) -> Counter:
-        """How often each rule improved a program, over every program searched."""
-        return Counter(rule for r in self.results for rule in r.accepted)
-
-
-def _program_key(prog: ExProg, membership: Membership) -> tuple:
-    """A program's preamble and starting membership: what its search depends on."""
-    return prog.with_body(()), tuple(sorted((name, tuple(sites)) for name, sites in membership.items()))
-
-
-def _shape(prog: ExProg) -> tuple:
-    """What a program keeps when its sites are relabelled: its sites, its atoms' sizes and copies, and
-    the sizes and reader counts of its requirements."""
-    sizes = prog.atom_sizes()
-    copies = Counter(inp.atom for inp in prog.inputs)
-    atoms = Counter((sizes[a], n) for a, n in copies.items())
-    needs = Counter((len(r.aggregate), sizes.get(next(iter(r.aggregate)), 0), len(r.targets)) for r in prog.outputs)
-    return len(prog.gpus), tuple(sorted(atoms.items())), tuple(sorted(needs.items()))
-
-
-def make_searcher(topology: Topology | str, seed: int = 0, budget_s: float = 0.5,
-                  max_steps: int | None = None, total_steps: int | None = None) -> Searcher:
-    """A :data:`~relational_tensors.physical.lower.Synthesizer` running :func:`search_program` on each
-    program it is given (``budget_s`` and at most ``max_steps`` each, ``total_steps`` shared: see
-    :class:`Searcher`); it keeps the results for inspection.
-
-    >>> from relational_tensors.exchange.text import parse
-    >>> prog = parse("GPUS: 0, 1\\nPARTITIONS: F0 {size 1}\\nIN: A @ 0, B @ 1\\nOUT: A+B @ F0")
-    >>> body, m = make_searcher("dgx-a100")(prog, {"F0": (0,)})
-    >>> sorted(len(a.aggregate) for a in body), m
-    ([1, 2], {'F0': (0,)})
-    """
-    return Searcher(topology, seed, budget_s, max_steps, total_steps)
