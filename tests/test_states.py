@@ -206,3 +206,25 @@ def test_any_shape_device_count_and_kept_layout_steps_like_the_reference(n: int,
     g, opt = _step_graph(n, d, h, optimizer)
     cg = rt.compileGraph(g, device=f"cpu:{p}", keep_states=keep)
     _run_against_reference(cg, g, _feeds(g, opt, seed=n * 100 + d), steps=2)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5])
+@pytest.mark.parametrize("kept", ["as read", "sharded"])
+def test_a_saved_state_that_is_assigned_is_saved_as_read(p: int, kept: str) -> None:
+    """``g.save(state)`` with ``g.assign(state, ...)``: the saved output is the value this execution read
+    (a copy of the kept blocks made before the assignment writes them), on every device count."""
+    g = rt.Graph()
+    x = g.input("x", [7, 5])
+    acc = g.state("acc", [7, 5])
+    g.save(acc, name="acc_out")
+    g.assign(acc, g.add(acc, g.unary(x, "scale", 2.0)))
+    rng = np.random.default_rng(p)
+    feeds = {"x": rng.standard_normal((7, 5)).astype(np.float32), "acc": rng.standard_normal((7, 5)).astype(np.float32)}
+    cg = rt.compileGraph(g, device=f"cpu:{p}", keep_states=kept)
+    out = cg.run(feeds)
+    want = rt.reference(g, feeds)
+    np.testing.assert_allclose(out["acc_out"], feeds["acc"], rtol=0, atol=0)
+    np.testing.assert_allclose(out["acc.next"], want["acc.next"], rtol=1e-6)
+    cg.execute()  # the second step reads the first one's value
+    np.testing.assert_allclose(cg.offload("acc_out"), want["acc.next"], rtol=1e-6)
+    np.testing.assert_allclose(cg.offload("acc"), want["acc.next"] + 2 * feeds["x"], rtol=1e-6)

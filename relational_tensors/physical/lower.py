@@ -238,6 +238,9 @@ class _Lowering:
         self.share = share
         self.replays: dict[tuple[object, ...], _Replay | None] = {}  # geometry -> the tasks of its lowering
         self.replayed = 0
+        # a saved state that is also assigned is saved as read: its kept blocks copied before the assignment
+        self.saved_states = {t for t in graph.outputs.values() if t in graph.assignments}
+        self.snapshots: dict[int, list[tuple[Box, int]]] = {}
         for s, at in sorted(last_reader.items()):
             self.assign_after.setdefault(at, []).append(s)
 
@@ -524,6 +527,14 @@ class _Lowering:
             for box, device in value_blocks(self.plan.spec(value)):
                 self.load(state, box, device)
         kept = self.dag.inputs[name]
+        if state in self.saved_states:  # the value the execution read, before the assignment overwrites it
+            snaps = []
+            for box, b in kept:
+                device = self.dag.buffers[b].device
+                copy = self.dag.buffer(device, box, node.type.dtype, state)
+                self.dag.add("copy", device, (b,), (copy,), src_device=device, label=f"save {name} as read")
+                snaps.append((box, copy))
+            self.snapshots[state] = snaps
         # one reader per device (partitions are disjoint sites), at its own device
         wants = [((n, 0), value, box, self.dag.buffers[b].device) for n, (box, b) in enumerate(kept)]
         guess = {self.dag.buffers[b].device: self.dag.buffers[b].device for _, b in kept}
@@ -543,6 +554,9 @@ class _Lowering:
             if name in carried:
                 continue
             node = self.graph.nodes[tensor]
+            if tensor in self.snapshots:
+                self.dag.outputs[name] = list(self.snapshots[tensor])
+                continue
             if node.op is None:
                 b = self.load(tensor, node.type.box, 0)
                 self.dag.outputs[name] = [(node.type.box, b)]
