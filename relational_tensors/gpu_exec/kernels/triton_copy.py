@@ -17,6 +17,16 @@ BLOCK = 1024
 
 
 @triton.jit
+def index4(offs, size_1, size_2, size_3):
+    """The 4-D index (i0, i1, i2, i3) of each flat offset into a row-major [*, size_1, size_2, size_3]."""
+    i3 = offs % size_3
+    rest = offs // size_3
+    i2 = rest % size_2
+    rest = rest // size_2
+    return rest // size_1, rest % size_1, i2, i3
+
+
+@triton.jit
 def _copy4_kernel(src_ptr, dst_ptr, n,
                   size_1, size_2, size_3,
                   stride_s0, stride_s1, stride_s2, stride_s3,
@@ -25,12 +35,7 @@ def _copy4_kernel(src_ptr, dst_ptr, n,
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n
-    i3 = offs % size_3
-    rest = offs // size_3
-    i2 = rest % size_2
-    rest = rest // size_2
-    i1 = rest % size_1
-    i0 = rest // size_1
+    i0, i1, i2, i3 = index4(offs, size_1, size_2, size_3)
     src_off = i0 * stride_s0 + i1 * stride_s1 + i2 * stride_s2 + i3 * stride_s3
     dst_off = i0 * stride_d0 + i1 * stride_d1 + i2 * stride_d2 + i3 * stride_d3
     x = tl.load(src_ptr + src_off, mask=mask)

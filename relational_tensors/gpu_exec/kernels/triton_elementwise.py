@@ -8,6 +8,7 @@ import triton.language as tl
 
 from relational_tensors.core.dtypes import itemsize
 from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type, outer_split
+from relational_tensors.gpu_exec.kernels.triton_copy import index4
 
 __all__ = ["unary", "binary", "swiglu", "unary_math", "binary_math", "UNARY_CODES", "BINARY_CODES"]
 
@@ -130,12 +131,7 @@ def _binary_kernel(x_ptr, y_ptr, out_ptr, n, size_1, size_2, size_3,
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n
-    i3 = offs % size_3
-    rest = offs // size_3
-    i2 = rest % size_2
-    rest = rest // size_2
-    i1 = rest % size_1
-    i0 = rest // size_1
+    i0, i1, i2, i3 = index4(offs, size_1, size_2, size_3)
     x = tl.load(x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2 + i3 * sx3, mask=mask).to(ACC)
     y = tl.load(y_ptr + i0 * sy0 + i1 * sy1 + i2 * sy2 + i3 * sy3, mask=mask).to(ACC)
     r = binary_math(x, y, OP, ACC)

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from relational_tensors.core.dtypes import itemsize
 from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type, outer_split
+from relational_tensors.gpu_exec.kernels.triton_copy import index4
 
 __all__ = ["unary_grad", "binary_grad", "swiglu_grad", "UNARY_GRAD_CODES", "BINARY_GRAD_CODES"]
 
@@ -100,12 +101,7 @@ def _binary_grad_kernel(x_ptr, y_ptr, dy_ptr, out_ptr, n, size_1, size_2, size_3
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n
-    i3 = offs % size_3
-    rest = offs // size_3
-    i2 = rest % size_2
-    rest = rest // size_2
-    i1 = rest % size_1
-    i0 = rest // size_1
+    i0, i1, i2, i3 = index4(offs, size_1, size_2, size_3)
     x = tl.load(x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2 + i3 * sx3, mask=mask, other=1.0).to(ACC)
     y = tl.load(y_ptr + i0 * sy0 + i1 * sy1 + i2 * sy2 + i3 * sy3, mask=mask, other=1.0).to(ACC)
     dy = tl.load(dy_ptr + i0 * sd0 + i1 * sd1 + i2 * sd2 + i3 * sd3, mask=mask, other=0.0).to(ACC)
