@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from relational_tensors.core.dtypes import itemsize
 
-__all__ = ["DevBuf", "Ptr", "acc_type", "contiguous_strides", "pad4", "merge_dims", "outer_split"]
+__all__ = ["DevBuf", "Ptr", "acc_type", "fastest_config", "contiguous_strides", "pad4", "merge_dims", "outer_split"]
 
 
 def acc_type(dtype: str, exact_ints: bool = False):
@@ -164,3 +165,42 @@ def bind_triton_to_cupy() -> None:
     active.get_current_device = lambda: cupy.cuda.runtime.getDevice()
     active.set_current_device = lambda device: cupy.cuda.runtime.setDevice(device)
     _BOUND = True
+
+
+def fastest_config(configs: Sequence[Any], launch: Callable[[Any], None], uses_tma: Callable[[Any], bool],
+                   what: str) -> Any:
+    """The fastest of ``configs`` for a kernel ``launch(config)`` runs: each is launched once (compile and
+    warm-up), then timed over three launches between CUDA events on the current stream.  A config that does
+    not fit the GPU's shared memory or registers, or a tensor-descriptor one (``uses_tma``) that this Triton
+    cannot compile, is skipped.  Configurations are chosen in an eager run: during graph capture, or when
+    none fits, an ExecError names ``what``."""
+    import cupy
+
+    from relational_tensors.errors import ExecError
+
+    stream = cupy.cuda.get_current_stream()
+    if cupy.cuda.runtime.streamIsCapturing(stream.ptr):
+        raise ExecError(f"{what} configurations are chosen in the first (eager) run, not during graph capture; "
+                        "execute once before capturing.")
+    best, best_t = None, float("inf")
+    for cfg in configs:
+        try:
+            launch(cfg)
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(stream)
+            for _ in range(3):
+                launch(cfg)
+            end.record(stream)
+            end.synchronize()
+            t = cupy.cuda.get_elapsed_time(start, end)
+        except Exception as e:  # out of shared memory or registers for this config
+            out_of_resources = "OutOfResources" in type(e).__name__ or "out of resource" in str(e).lower()
+            tma_unsupported = uses_tma(cfg) and ("CompilationError" in type(e).__name__ or "PassManager" in str(e))
+            if not (out_of_resources or tma_unsupported):
+                raise
+            continue
+        if t < best_t:
+            best, best_t = cfg, t
+    if best is None:
+        raise ExecError(f"no {what} configuration fits this GPU's shared memory and registers.")
+    return best

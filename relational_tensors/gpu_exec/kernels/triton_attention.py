@@ -19,8 +19,7 @@ import triton
 import triton.language as tl
 
 from relational_tensors.core.dtypes import numpy_dtype
-from relational_tensors.errors import ExecError
-from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr
+from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, fastest_config
 
 __all__ = ["attention"]
 
@@ -238,43 +237,13 @@ def _launch(cfg: tuple[int, ...], args: tuple, consts: dict, sq: int, nbh: int, 
 
 
 def _pick(key: tuple, args: tuple, consts: dict, sq: int, nbh: int, tma: tuple | None) -> tuple[int, ...]:
-    """Time every config once on the current stream (CUDA events) and keep the fastest; a config
-    that does not fit the GPU's resources, or a tensor-descriptor one this Triton cannot compile, is
-    skipped."""
-    import cupy
-
-    if key in _chosen:
-        return _chosen[key]
-    if cupy.cuda.runtime.streamIsCapturing(cupy.cuda.get_current_stream().ptr):
-        raise ExecError("attention kernel configurations are chosen in the first (eager) run, not during "
-                        "graph capture; execute once before capturing.")
-    stream = cupy.cuda.get_current_stream()
-    best, best_t = None, float("inf")
-    for cfg in IEEE_CONFIGS if consts["IEEE"] else CONFIGS:
-        if cfg[6] and tma is None:
-            continue
-        try:
-            _launch(cfg, args, consts, sq, nbh, tma)  # compile and warm up
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(stream)
-            for _ in range(3):
-                _launch(cfg, args, consts, sq, nbh, tma)
-            end.record(stream)
-            end.synchronize()
-            t = cupy.cuda.get_elapsed_time(start, end)
-        except Exception as e:  # out of shared memory or registers for this config
-            out_of_resources = "OutOfResources" in type(e).__name__ or "out of resource" in str(e).lower()
-            # a tensor-descriptor variant that this Triton cannot compile leaves the pointer variants
-            tma_unsupported = cfg[6] and ("CompilationError" in type(e).__name__ or "PassManager" in str(e))
-            if not (out_of_resources or tma_unsupported):
-                raise
-            continue
-        if t < best_t:
-            best, best_t = cfg, t
-    if best is None:
-        raise ExecError("no attention kernel configuration fits this GPU's shared memory and registers.")
-    _chosen[key] = best
-    return best
+    """The fastest config for this key (:func:`~relational_tensors.gpu_exec.kernels.common.fastest_config`),
+    chosen once; tensor-descriptor configs only where the blocks allow them."""
+    if key not in _chosen:
+        configs = [c for c in (IEEE_CONFIGS if consts["IEEE"] else CONFIGS) if not c[6] or tma is not None]
+        _chosen[key] = fastest_config(configs, lambda cfg: _launch(cfg, args, consts, sq, nbh, tma),
+                                      lambda cfg: bool(cfg[6]), "attention kernel")
+    return _chosen[key]
 
 
 def launch_arguments(q: DevBuf, k: DevBuf, v: DevBuf, out: DevBuf, lse: DevBuf | None, row_lo: DevBuf,

@@ -33,8 +33,7 @@ from functools import cache
 import triton
 import triton.language as tl
 
-from relational_tensors.errors import ExecError
-from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type
+from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type, fastest_config
 
 __all__ = ["attention_lse", "attention_delta", "attention_dq", "attention_dkv", "Config"]
 
@@ -448,44 +447,15 @@ def _descriptors(tma: tuple | None, blocks: tuple[int, ...], widths: tuple[int, 
 
 
 def _pick(key: tuple, configs: list[Config], tma: tuple | None, launch: Callable[[Config], None]) -> Config:
-    """Time every config once on the current stream (CUDA events) and keep the fastest; a config that
-    does not fit the GPU's resources, or a tensor-descriptor one this Triton cannot compile, is skipped.
-    The interpreter takes the first config without tensor descriptors."""
+    """The fastest config for this key (:func:`~relational_tensors.gpu_exec.kernels.common.fastest_config`),
+    chosen once; the interpreter takes the first config without tensor descriptors."""
     usable = [c for c in configs if not c[4] or tma is not None]
     if _interpreted():
         return usable[0]
     if key in _chosen:
         return _chosen[key]
-    import cupy
-
-    stream = cupy.cuda.get_current_stream()
-    if cupy.cuda.runtime.streamIsCapturing(stream.ptr):
-        raise ExecError("attention gradient kernel configurations are chosen in the first (eager) run, not "
-                        "during graph capture; execute once before capturing.")
-    best, best_t = None, float("inf")
-    for cfg in usable:
-        try:
-            launch(cfg)  # compile and warm up
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(stream)
-            for _ in range(3):
-                launch(cfg)
-            end.record(stream)
-            end.synchronize()
-            t = cupy.cuda.get_elapsed_time(start, end)
-        except Exception as e:  # out of shared memory or registers for this config
-            out_of_resources = "OutOfResources" in type(e).__name__ or "out of resource" in str(e).lower()
-            tma_unsupported = cfg[4] and ("CompilationError" in type(e).__name__ or "PassManager" in str(e))
-            if not (out_of_resources or tma_unsupported):
-                raise
-            continue
-        if t < best_t:
-            best, best_t = cfg, t
-    if best is None:
-        raise ExecError(f"no attention gradient kernel configuration fits this GPU's shared memory and registers "
-                        f"(key {key}).")
-    _chosen[key] = best
-    return best
+    _chosen[key] = fastest_config(usable, launch, lambda cfg: bool(cfg[4]), f"attention gradient kernel (key {key})")
+    return _chosen[key]
 
 
 def _check(name: str, bufs: dict[str, DevBuf]) -> None:
