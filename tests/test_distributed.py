@@ -17,7 +17,7 @@ import pytest
 
 import relational_tensors as rt
 from relational_tensors.core.types import Box
-from relational_tensors.gpu_exec.dist_cupy import stream_schedule
+from relational_tensors.gpu_exec.dist_streams import stream_schedule
 from relational_tensors.gpu_exec.memory_plan import MemoryPlan, plan_memory
 from relational_tensors.models import llama_block
 from relational_tensors.physical import p2p
