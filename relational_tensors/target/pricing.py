@@ -10,9 +10,11 @@ the slicing before and the ⊕ and assembly after), so the DP and the simulator 
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, bisect_right
 from collections import Counter
+from collections.abc import Callable, Iterable
 from typing import Any
+
+import numpy as np
 
 from relational_tensors.core.dtypes import itemsize, partial_dtype
 from relational_tensors.core.types import Box
@@ -30,25 +32,6 @@ def move_seconds(kernels: Any, nbytes: float, dtype: str) -> float:
     return kernels.time(0.0, 2 * nbytes, dtype, "memory")
 
 
-def _overlap(a: Box, b: Box) -> tuple[int, int]:
-    """Elements two boxes share, and the extent of their overlap along the last dimension."""
-    vol, side = 1, 1
-    for al, au, bl, bu in zip(a.lower, a.upper, b.lower, b.upper):
-        side = (au if au < bu else bu) - (al if al > bl else bl)
-        if side <= 0:
-            return 0, 0
-        vol *= side
-    return vol, side
-
-
-def _cells(box: Box, breaks: list[list[int]]) -> int:
-    """How many cells of the overlay (per-dimension sorted breakpoints ``breaks``) ``box`` is cut into."""
-    n = 1
-    for d, points in enumerate(breaks):
-        n *= bisect_left(points, box.upper[d]) - bisect_right(points, box.lower[d]) + 1
-    return n
-
-
 def colocate(overlap: list[list[float]], copies: list[int], readers: list[int]) -> list[list[tuple[int, int]]]:
     """Which producer blocks the readers share a device with: the placement's greedy rule on one input,
     most overlap first.  ``overlap[i][j]`` is what distinct producer block i holds of distinct read block
@@ -64,16 +47,30 @@ def colocate(overlap: list[list[float]], copies: list[int], readers: list[int]) 
     >>> colocate([[4], [4]], [1, 1], [4])  # two rows, four readers of the whole: two sit with nothing they need
     [[(0, 1), (1, 1)]]
     """
+    pairs = [(i, j) for i in range(len(copies)) for j in range(len(readers)) if overlap[i][j] > 0]
+    pairs.sort(key=lambda ij: -overlap[ij[0]][ij[1]])  # most overlap first; ties in (i, j) order (a stable sort)
+    return _greedy(pairs, copies, readers)
+
+
+def _greedy(pairs: Iterable[tuple[int, int]], copies: list[int], readers: list[int]) -> list[list[tuple[int, int]]]:
+    """:func:`colocate`'s assignment along ``pairs`` (producer block, read block), best first."""
     free, waiting = list(copies), list(readers)
     homes: list[list[tuple[int, int]]] = [[] for _ in readers]
-    order = sorted(((i, j) for i in range(len(copies)) for j in range(len(readers)) if overlap[i][j] > 0),
-                   key=lambda ij: (-overlap[ij[0]][ij[1]], ij))
-    for i, j in order:
-        n = min(free[i], waiting[j])
-        if n:
-            homes[j].append((i, n))
-            free[i] -= n
-            waiting[j] -= n
+    left = min(sum(free), sum(waiting))  # once no copy is free or no reader waits, no pair places anyone
+    if not left:
+        return homes
+    for i, j in pairs:
+        f = free[i]
+        if f:
+            w = waiting[j]
+            if w:
+                n = f if f < w else w
+                homes[j].append((i, n))
+                free[i] = f - n
+                waiting[j] = w - n
+                left -= n
+                if not left:
+                    break
     return homes
 
 
@@ -102,13 +99,14 @@ def exchange_seconds(blocks: tuple[Box, ...], reads: tuple[Box, ...], dtype: str
     """
     width = itemsize(dtype)
     wide = itemsize(partial_dtype(dtype))  # an unaggregated partial is kept (and moved) in its partial dtype
-    made = Counter(blocks)
-    wanted = Counter(r for r in reads if not r.is_empty)
+    # boxes by their corners (equal boxes have equal corners; hashing the corners skips Box's own hash)
+    made = Counter([(b.lower, b.upper) for b in blocks])
+    wanted = Counter([(r.lower, r.upper) for r in reads if 0 not in r.shape])  # an empty box reads nothing
     if not wanted:
         return 0.0
     us, copies = list(made), list(made.values())
     vs, readers = list(wanted), list(wanted.values())
-    rank = blocks[0].rank
+    rank = len(blocks[0].lower)
     lse = aggregation == "lse" and rank > 0  # an lse partial carries a float32 per row
 
     def nbytes(volume: float, last: int, partial: bool) -> float:
@@ -116,54 +114,89 @@ def exchange_seconds(blocks: tuple[Box, ...], reads: tuple[Box, ...], dtype: str
             return volume * width
         return volume * wide + (volume / max(last, 1) * 4 if lse else 0.0)
 
-    elements = [[0] * len(vs) for _ in us]
-    moved = [[0.0] * len(vs) for _ in us]  # bytes of block i's copy that a reader of j needs
-    for i, b in enumerate(us):
-        for j, r in enumerate(vs):
-            ov, last = _overlap(b, r)
-            if ov:
-                elements[i][j] = ov
-                moved[i][j] = nbytes(ov, last, copies[i] > 1)
-    homes = colocate(moved, copies, readers)
+    # every pair (producer block i, read block j) at once: the elements they share, and the bytes of
+    # block i's copy a reader of j needs (whole numbers of bytes, so every sum below is exact)
+    nu, nv = len(us), len(vs)
+    lo_u, hi_u = (np.array(c, dtype=np.int64).reshape(nu, rank) for c in zip(*us))
+    lo_v, hi_v = (np.array(c, dtype=np.int64).reshape(nv, rank) for c in zip(*vs))
+    side = np.minimum(hi_u[:, None], hi_v[None]) - np.maximum(lo_u[:, None], lo_v[None])
+    elements = np.where((side > 0).all(axis=2), side.prod(axis=2), 0)
+    partial = np.array(copies) > 1
+    moved = elements * np.where(partial, wide, width)[:, None].astype(np.float64)
+    if lse:  # a partial's float32 per row of its last dimension
+        last = np.maximum(side[:, :, -1], 1)
+        moved = np.where(partial[:, None] & (elements > 0), moved + elements / last * 4, moved)
+    ii, jj = moved.nonzero()  # row-major: (i, j) order
+    best = np.argsort(-moved[ii, jj], kind="stable")  # most overlap first, ties in (i, j) order
+    homes = _greedy(zip(ii[best].tolist(), jj[best].tolist()), copies, readers)
     # every reader gets every copy of its cells except the one on its device; the busiest device is a
     # reader (or copy) whose own copy (reader) keeps the least, or none when some have nothing local
+    gets = (np.array(copies, dtype=np.float64)[:, None] * moved).sum(axis=0).tolist()
+    sends = (moved * np.array(readers, dtype=np.float64)).sum(axis=1).tolist()
     busiest = 0.0
-    hosted: list[list[float]] = [[] for _ in us]
-    for j, n in enumerate(readers):
-        gets = sum(copies[i] * moved[i][j] for i in range(len(us)))
-        kept = [moved[i][j] for i, _ in homes[j]]
-        busiest = max(busiest, gets - (min(kept) if sum(k for _, k in homes[j]) == n else 0.0))
-        for i, k in homes[j]:
-            hosted[i] += [moved[i][j]] * k
-    sends = [sum(readers[j] * moved[i][j] for j in range(len(vs))) for i in range(len(us))]
+    least = [math.inf] * nu  # per producer block: the least that a reader sitting with it needs of it
+    hosts = [0] * nu  # and how many readers sit with it
+    for j, (n, home) in enumerate(zip(readers, homes)):
+        kept, sitting = math.inf, 0
+        for i, k in home:
+            here = moved[i, j]
+            if here < kept:
+                kept = here
+            if here < least[i]:
+                least[i] = here
+            hosts[i] += k
+            sitting += k
+        busiest = max(busiest, gets[j] - (float(kept) if sitting == n else 0.0))
     for i, m in enumerate(copies):
-        busiest = max(busiest, sends[i] - (min(hosted[i]) if len(hosted[i]) == m else 0.0))
+        busiest = max(busiest, sends[i] - (float(least[i]) if hosts[i] == m else 0.0))
     move_s = busiest / bandwidth + latency if busiest > 0 else 0.0
-    breaks = [sorted({x for b in (*us, *vs) for x in (b.lower[d], b.upper[d])}) for d in range(rank)]
+    # the overlay of every block and read: per dimension the sorted breakpoints, and how many of its
+    # cells each read block (and, for lse partials, each producer block) is cut into
+    breaks = [np.unique(np.concatenate((lo_u[:, d], hi_u[:, d], lo_v[:, d], hi_v[:, d]))) for d in range(rank)]
+
+    def cells(lo: np.ndarray, hi: np.ndarray) -> list[int]:
+        n = np.ones(len(lo), dtype=np.int64)
+        for d, points in enumerate(breaks):
+            n *= points.searchsorted(hi[:, d], "left") - points.searchsorted(lo[:, d], "right") + 1
+        return n.tolist()
+
     slice_s = 0.0
-    for i, b in enumerate(us):
-        if lse and copies[i] > 1 and sends[i] and _cells(b, breaks) > 1:  # only lse partials are cut up
-            shape = b.shape
-            size = nbytes(math.prod(shape), shape[-1] if rank else 1, copies[i] > 1)
-            slice_s = max(slice_s, move_seconds(kernels, size, dtype))
+    if lse:
+        for i, ((lo, hi), n) in enumerate(zip(us, cells(lo_u, hi_u))):
+            if copies[i] > 1 and sends[i] and n > 1:  # only lse partials are cut up
+                shape = tuple(h - low for low, h in zip(lo, hi))
+                size = nbytes(math.prod(shape), shape[-1] if rank else 1, copies[i] > 1)
+                slice_s = max(slice_s, move_seconds(kernels, size, dtype))
     finish_s = 0.0
-    for j, r in enumerate(vs):
-        cells = _cells(r, breaks)
-        shape = r.shape
+    covered = (np.array(copies, dtype=np.int64)[:, None] * elements).sum(axis=0).tolist()
+    finishes: dict[tuple[int, int, int, float], float] = {}  # read blocks alike finish alike
+    for (lo, hi), n, total in zip(vs, cells(lo_v, hi_v), covered):
+        shape = tuple(h - low for low, h in zip(lo, hi))
         volume = math.prod(shape)
-        cover = sum(copies[i] * elements[i][j] for i in range(len(us))) / volume  # copies of each element
-        t = 0.0
-        if cover > 1.0 + 1e-9:  # one ⊕ per cell, of the copies that hold it
-            cell = nbytes(volume, shape[-1] if rank else 1, True) / cells
-            t += cells * combine_seconds(kernels, volume / cells, cover, (cover + 1) * cell, dtype)
-        if lse and cover > 1.0 + 1e-9:  # lse partials are finalized into the block
-            t += move_seconds(kernels, volume * width, dtype)
-        elif cover > 1.0 + 1e-9 and wide != width:  # partials wider than the output are rounded into the block
-            t += move_seconds(kernels, volume * wide, dtype)
-        # otherwise copies and ⊕ write into the block; only atoms already on the reader's device are
-        # copied by its recompose, a share too small (and too placement-dependent) to price here
+        cover = total / volume  # copies of each element
+        key = (volume, shape[-1] if rank else 1, n, cover)
+        t = finishes.get(key)
+        if t is None:
+            t = finishes[key] = _finish(kernels, volume, key[1], n, cover, dtype, nbytes, lse, width, wide)
         finish_s = max(finish_s, t)
     return slice_s + move_s + finish_s
+
+
+def _finish(kernels: Any, volume: int, last: int, cells: int, cover: float, dtype: str,
+            nbytes: Callable[[float, int, bool], float], lse: bool, width: int, wide: int) -> float:
+    """A reader's compute after its bytes arrive: the ⊕ of its cells' copies, and writing partials into
+    its block of ``volume`` elements (``last`` of them along its last dimension)."""
+    t = 0.0
+    if cover > 1.0 + 1e-9:  # one ⊕ per cell, of the copies that hold it
+        cell = nbytes(volume, last, True) / cells
+        t += cells * combine_seconds(kernels, volume / cells, cover, (cover + 1) * cell, dtype)
+    if lse and cover > 1.0 + 1e-9:  # lse partials are finalized into the block
+        t += move_seconds(kernels, volume * width, dtype)
+    elif cover > 1.0 + 1e-9 and wide != width:  # partials wider than the output are rounded into the block
+        t += move_seconds(kernels, volume * wide, dtype)
+    # otherwise copies and ⊕ write into the block; only atoms already on the reader's device are
+    # copied by its recompose, a share too small (and too placement-dependent) to price here
+    return t
 
 
 def device_bandwidth(topo: Any) -> float:
