@@ -10,7 +10,7 @@ import logging
 import pytest
 
 import relational_tensors as rt
-from relational_tensors.exchange import search
+from relational_tensors.exchange import searcher
 from relational_tensors.models import llama_block
 
 GRAPH = llama_block(1, 16, 32, 4, 2, 40)
@@ -30,8 +30,8 @@ def seen(monkeypatch: pytest.MonkeyPatch):
         states.append(("search", gc.isenabled(), gc.get_threshold()[0]))
         return searching(*args, **kwargs)
 
-    searching = search.search_program
-    monkeypatch.setattr(search, "search_program", probed)
+    searching = searcher.search_program  # as the whole lowering's Searcher calls it
+    monkeypatch.setattr(searcher, "search_program", probed)
     log = logging.getLogger("relational_tensors.compile")
     handler, level, before, enabled = Probe(), log.level, gc.get_threshold(), gc.isenabled()
     log.addHandler(handler)
