@@ -354,8 +354,10 @@ class _State:
         """(busiest resource's load, total load) of ``body``, from this program's loads and the difference."""
         problem = self.problem
         delta: dict[str, float] = defaultdict(float)
-        gone = self.body - body
-        new = body - self.body
+        # in printing order: the loads are float sums, and a set's order would change their last bits (and
+        # so which of two proposals of equal bound ranks first) with the hash seed
+        gone = sorted(self.body - body, key=problem.key)
+        new = sorted(body - self.body, key=problem.key)
         for a in gone:
             problem.add_load(delta, a, -1.0)
         formed = {(a.aggregate, a.source) for a in new}
