@@ -478,3 +478,25 @@ def test_a_checkpoint_loads_block_by_block_on_logical_devices(tmp_path) -> None:
     cg.execute()
     assert np.array_equal(cg.offload("y"), rt.compileGraph(g, device="cuda:0,0,0,0", constraints={
         "wq": "S(1)", "w2": "d0=2"}).run(feeds)["y"])
+
+
+@pytest.mark.parametrize("device", ["cuda:0", "cuda:0,0"])
+def test_indices_out_of_range_are_refused_when_loaded(device: str) -> None:
+    """The GPU gather and the cross-entropy kernels cannot report a bad index: embedding ids and targets
+    are checked against the vocabulary (targets may equal ignore_index) when they are loaded."""
+    g = rt.Graph()
+    ids, targets = g.input("ids", [6], "int64"), g.input("targets", [6], "int64")
+    x = g.embedding(g.parameter("table", [10, 8]), ids)
+    g.save(g.cross_entropy(g.matmul(x, g.parameter("head", [8, 10])), targets, ignore_index=-100), name="loss")
+    cg = rt.compileGraph(g, device=device)
+    rng = np.random.default_rng(0)
+    good = {"ids": np.arange(6), "targets": np.array([0, 9, -100, 3, 3, 1]),
+            "table": rng.standard_normal((10, 8)).astype(np.float32),
+            "head": rng.standard_normal((8, 10)).astype(np.float32)}
+    cg.load(good)
+    cg.execute()
+    np.testing.assert_allclose(cg.offload("loss"), rt.reference(g, good)["loss"], rtol=1e-5)
+    with pytest.raises(rt.ExecError, match=r"cross_entropy targets must lie in \[0, 10\) or equal ignore_index=-100"):
+        cg.load({"targets": np.array([0, 10, -100, 3, 3, 1])})
+    with pytest.raises(rt.ExecError, match=r"embedding ids must lie in \[0, 10\)"):
+        cg.load({"ids": np.array([0, 1, 2, 3, 4, -1])})

@@ -327,15 +327,28 @@ class CupyExecutor:
         self.loaded = True
 
     def _check_ids(self, name: str, ids: Any) -> None:
-        """Embedding ids must index their table: the GPU gather has no way to report a bad id."""
+        """Embedding ids must index their table and cross-entropy targets their vocabulary (or equal
+        ``ignore_index``): the GPU kernels have no way to report a bad index, so a graph input read as
+        either is checked when it is loaded."""
+        from relational_tensors.sql_specs.losses import check_targets
+
+        if not ids.size:
+            return
         for node in self.graph.operators:
-            if node.kind == "embedding" and self.graph.nodes[node.inputs[1]].name == name and ids.size:
-                assert node.op is not None  # graph.operators are the nodes with an operator
+            assert node.op is not None  # graph.operators are the nodes with an operator
+            if node.kind == "embedding" and self.graph.nodes[node.inputs[1]].name == name:
                 vocab = node.op.input_types[0].shape[0]
                 lo, hi = int(ids.min()), int(ids.max())
                 if lo < 0 or hi >= vocab:
                     raise ExecError(f"embedding ids must lie in [0, {vocab}); got values from {lo} to {hi} "
                                     f"in input {name!r}.")
+            elif node.kind in ("cross_entropy", "cross_entropy_grad") and \
+                    self.graph.nodes[node.inputs[2]].name == name:
+                host = ids if isinstance(ids, np.ndarray) else self.cp.asnumpy(ids)
+                try:
+                    check_targets(host, node.op.input_types[0].shape[-1], getattr(node.op, "ignore_index", None))
+                except ExecError as e:
+                    raise ExecError(f"{e} (input {name!r})") from None
 
     def offload(self, name: str, like: str = "numpy") -> Any:
         """The saved tensor ``name``: a NumPy array (bfloat16 through ml_dtypes) or, with like="cupy",
