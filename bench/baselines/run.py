@@ -35,7 +35,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 if __package__ in (None, ""):  # run as a script: make the package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -170,24 +170,15 @@ def _release(ctx: Dist) -> None:
         torch.cuda.empty_cache()
 
 
-def run_case(ctx: Dist, args: argparse.Namespace, family: str, spec: Any, label: str, strategy: str) -> dict[str, Any]:
-    """Set up, time and (with ``--check``) verify one strategy on one workload; the row for rank 0."""
-    if args.train:
-        return run_train_case(ctx, args, spec, label, strategy)
-    row: dict[str, Any] = {"workload": label, "strategy": strategy, "world": ctx.world}
-    shape = block_shape(args)
-    prep: Prepared | None = None
-    code, reason = 0, ""
+P = TypeVar("P")
+
+
+def set_up(ctx: Dist, row: dict[str, Any], make: Callable[[], P]) -> P | None:
+    """``make()`` on every rank: its result where every rank set the case up, else None with the row's status
+    (not applicable, or an error) and reason set, the memory released; the ranks agree before any times."""
+    prep, code, reason = None, 0, ""
     try:
-        if family == "chain" and strategy != "chain":
-            raise NotApplicable(f"{strategy} is a block strategy; chain {spec} runs with --strategy chain.")
-        if family == "block" and strategy == "chain":
-            raise NotApplicable(f"chain is the matrix-chain strategy; workload {label} is a block.")
-        if family == "chain":
-            prep = prepare_chain(ctx, spec, args.seed, args.chain_scale)
-        else:
-            batch, seq = spec
-            prep = BLOCK_STRATEGIES[strategy](ctx, shape, batch, seq, args.seed)
+        prep = make()
     except NotApplicable as e:
         code, reason = 1, str(e)
     except Exception as e:  # noqa: BLE001 - one failing case (out of memory, say) must not stop the others
@@ -198,8 +189,29 @@ def run_case(ctx: Dist, args: argparse.Namespace, family: str, spec: Any, label:
         _release(ctx)
         row.update(status="not applicable" if agreed == 1 else "error",
                    reason=reason or "another rank could not set this case up")
+    return prep
+
+
+def run_case(ctx: Dist, args: argparse.Namespace, family: str, spec: Any, label: str, strategy: str) -> dict[str, Any]:
+    """Set up, time and (with ``--check``) verify one strategy on one workload; the row for rank 0."""
+    if args.train:
+        return run_train_case(ctx, args, spec, label, strategy)
+    row: dict[str, Any] = {"workload": label, "strategy": strategy, "world": ctx.world}
+    shape = block_shape(args)
+
+    def make() -> Prepared:
+        if family == "chain" and strategy != "chain":
+            raise NotApplicable(f"{strategy} is a block strategy; chain {spec} runs with --strategy chain.")
+        if family == "block" and strategy == "chain":
+            raise NotApplicable(f"chain is the matrix-chain strategy; workload {label} is a block.")
+        if family == "chain":
+            return prepare_chain(ctx, spec, args.seed, args.chain_scale)
+        batch, seq = spec
+        return BLOCK_STRATEGIES[strategy](ctx, shape, batch, seq, args.seed)
+
+    prep = set_up(ctx, row, make)
+    if prep is None:
         return row
-    assert prep is not None
     row["note"] = prep.note
     try:
         times = time_rounds(prep.step, ctx, args.warmups, args.rounds)
@@ -244,22 +256,9 @@ def run_train_case(ctx: Dist, args: argparse.Namespace, spec: tuple[int, int], l
     """Set up, time and (with ``--check``) verify one training strategy on one workload; the row for rank 0."""
     row: dict[str, Any] = {"workload": label, "strategy": strategy, "world": ctx.world}
     batch, seq = spec
-    prep: TrainPrepared | None = None
-    code, reason = 0, ""
-    try:
-        prep = TRAIN_STRATEGIES[strategy](ctx, block_shape(args), batch, seq, args.seed)
-    except NotApplicable as e:
-        code, reason = 1, str(e)
-    except Exception as e:  # noqa: BLE001 - one failing case (out of memory, say) must not stop the others
-        code, reason = 2, f"{type(e).__name__}: {e}"
-    agreed = _agree(ctx, code)
-    if agreed:
-        prep = None
-        _release(ctx)
-        row.update(status="not applicable" if agreed == 1 else "error",
-                   reason=reason or "another rank could not set this case up")
+    prep = set_up(ctx, row, lambda: TRAIN_STRATEGIES[strategy](ctx, block_shape(args), batch, seq, args.seed))
+    if prep is None:
         return row
-    assert prep is not None
     try:
         times = time_rounds(prep.step, ctx, args.warmups, args.rounds)
         row.update(status="ok", **summary(times), ms_all=times, optimizer=prep.optimizer(),

@@ -24,7 +24,7 @@ import numpy as np
 from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.errors import ExecError
 from relational_tensors.frontend.graph import Graph
-from relational_tensors.gpu_exec.numpy_backend import NumpyExecutor, _nbytes
+from relational_tensors.gpu_exec.numpy_backend import NumpyExecutor
 from relational_tensors.physical.p2p import Group, grouped_schedules, is_transfer
 from relational_tensors.physical.tasks import Liveness, TaskDAG
 
@@ -176,43 +176,20 @@ class DistExecutor(Ranks, NumpyExecutor):
 
     # --- this rank's tasks, its transfers posted group by group ----------------------------------
     def _execute(self, lo: int, hi: int) -> None:
-        dag = self.dag
-        live = [sum(_nbytes(v) for v in pool.values()) for pool in self.pools]
-        self.peak = list(live)
-        assigned: list[tuple[int, Any]] = []  # written into the states' blocks once the whole run has finished
-        staged: list[Any] = []  # the transfers of the group being gathered
-
-        def keep(results: list[tuple[int, Any]], after: list[Any]) -> None:
-            for b, value in results:
-                d = dag.buffers[b].device
-                live[d] += self._put(b, value)
-                self.peak[d] = max(self.peak[d], live[d])
-            for task in after:
-                for b in self.frees.get(task.id, ()):
-                    d = dag.buffers[b].device
-                    value = self.pools[d].pop(b, None)
-                    if value is not None:
-                        live[d] -= _nbytes(value)
-
+        self.staged: list[Any] = []  # the transfers of the group being gathered
         try:
-            for task in dag.tasks[lo:hi]:
-                if task.kind == "load" or not self._mine(task):
-                    continue
-                if task.kind == "assign":
-                    assigned.append((task.outputs[0], self._get(task.inputs[0])))
-                    continue
-                if is_transfer(task):
-                    staged.append(task)
-                    if task.id in self.posts:  # the group's last transfer: post the group
-                        # (its blocks are put, and what its transfers read last freed, once it is done)
-                        keep(self._exchange(staged), staged)
-                        staged = []
-                    continue
-                keep(list(zip(task.outputs, self._outputs(task))), [task])
+            super()._execute(lo, hi)
         finally:
             self._finish_sends()
-        for b, value in assigned:  # a run that stops part-way leaves every state as it was
-            self._put(b, value)
+
+    def _step(self, task: Any, keep: Any) -> None:
+        if not is_transfer(task):
+            super()._step(task, keep)
+            return
+        self.staged.append(task)
+        if task.id in self.posts:  # the group's last transfer: post the group (its blocks are put, and
+            keep(self._exchange(self.staged), self.staged)  # what its transfers read last freed, once done)
+            self.staged = []
 
     def _exchange(self, tasks: list[Any]) -> list[tuple[int, Any]]:
         """Post one group of transfers and wait for its receives: the blocks received, by buffer."""

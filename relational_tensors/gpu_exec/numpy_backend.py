@@ -161,24 +161,33 @@ class NumpyExecutor:
         live = [sum(_nbytes(v) for v in pool.values()) for pool in self.pools]
         self.peak = list(live)
         assigned: list[tuple[int, Any]] = []  # written into the states' blocks once the whole run has finished
+
+        def keep(results: list[tuple[int, Any]], after: list[Any]) -> None:
+            """Put ``results`` (buffer, value), then free what the tasks ``after`` read last."""
+            for b, value in results:
+                d = dag.buffers[b].device
+                live[d] += self._put(b, value)
+                self.peak[d] = max(self.peak[d], live[d])
+            for task in after:
+                for b in self.frees.get(task.id, ()):
+                    d = dag.buffers[b].device
+                    value = self.pools[d].pop(b, None)
+                    if value is not None:
+                        live[d] -= _nbytes(value)
+
         for task in dag.tasks[lo:hi]:
             if task.kind == "load" or not self._mine(task):
                 continue
             if task.kind == "assign":
                 assigned.append((task.outputs[0], self._get(task.inputs[0])))
                 continue
-            outs = self._outputs(task)
-            for b, value in zip(task.outputs, outs):
-                d = dag.buffers[b].device
-                live[d] += self._put(b, value)
-                self.peak[d] = max(self.peak[d], live[d])
-            for b in self.frees.get(task.id, ()):
-                d = dag.buffers[b].device
-                value = self.pools[d].pop(b, None)
-                if value is not None:
-                    live[d] -= _nbytes(value)
+            self._step(task, keep)
         for b, value in assigned:  # a run that stops part-way leaves every state as it was
             self._put(b, value)
+
+    def _step(self, task: Any, keep: Any) -> None:
+        """Run one task and keep its outputs (``keep(results, tasks whose last reads are done)``)."""
+        keep(list(zip(task.outputs, self._outputs(task))), [task])
 
     def _mine(self, task: Any) -> bool:
         """Whether this executor runs ``task`` (every task here: all devices are this process's)."""
