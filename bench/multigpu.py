@@ -125,6 +125,16 @@ def _planning(args: argparse.Namespace, gpu: str) -> tuple[Any, str, str | None]
     return topology, topo_name, calibration
 
 
+def _planned(row: dict[str, Any], g: rt.Graph, device: Any, topology: Any, model: str, calibration: Any) -> Any:
+    """The plan of ``g``, with its compile time, predicted time and bytes between GPUs in ``row``."""
+    t0 = time.perf_counter()
+    cg = rt.compileGraph(g, device=device, topology=topology, cost_model=model, calibration=calibration)
+    row["compile_s"] = time.perf_counter() - t0
+    row["predicted_ms"] = cg.simulate() * 1e3
+    row["bytes_between_gpus"] = bytes_moved(cg)
+    return cg
+
+
 def _device_arg(args: argparse.Namespace, n: int) -> Any:
     return f"cpu:{n}" if args.smoke else list(range(n))
 
@@ -153,12 +163,7 @@ def ours(args: argparse.Namespace) -> None:
             row: dict[str, Any] = {"workload": setup.name, "family": setup.family, "gpus": n,
                                    "cost_model": model, "flops": graph_flops(g)}
             try:
-                t0 = time.perf_counter()
-                cg = rt.compileGraph(g, device=_device_arg(args, n), topology=topology, cost_model=model,
-                                     calibration=calibration)
-                row["compile_s"] = time.perf_counter() - t0
-                row["predicted_ms"] = cg.simulate() * 1e3
-                row["bytes_between_gpus"] = bytes_moved(cg)
+                cg = _planned(row, g, _device_arg(args, n), topology, model, calibration)
                 row["splits"] = list(plan_key(cg))
                 cg.load(feeds)
                 times, how = time_ours(cg)
@@ -228,12 +233,7 @@ def train(args: argparse.Namespace) -> None:
             if not args.smoke:
                 row["flops"] = gt.block_flops(b, s)
             try:
-                t0 = time.perf_counter()
-                cg = rt.compileGraph(g, device=_device_arg(args, n), topology=topology, cost_model=model,
-                                     calibration=calibration)
-                row["compile_s"] = time.perf_counter() - t0
-                row["predicted_ms"] = cg.simulate() * 1e3
-                row["bytes_between_gpus"] = bytes_moved(cg)
+                cg = _planned(row, g, _device_arg(args, n), topology, model, calibration)
                 cg.load(feeds)
                 cg.execute()  # the first warm-up; its loss is the first step's
                 row["first_loss"] = float(np.asarray(cg.offload("loss")).reshape(-1)[0])
