@@ -411,3 +411,28 @@ def write_table(out: str | Path, lines: Sequence[str], data: Any) -> None:
     Path(out).write_text(text)
     Path(out).with_suffix(".json").write_text(json.dumps(data, indent=2))
     print(text)
+
+
+def matmul_rate() -> float:
+    """This GPU's fp16 matmul rate (FLOP/s): an 8192³ product through CuPy, 2 warm-ups and 10 timed rounds
+    between CUDA events; the rate rooflines are drawn at."""
+    import statistics
+
+    import cupy
+
+    from relational_tensors.gpu_exec.calibrate import time_cuda
+
+    a = cupy.random.standard_normal((8192, 8192), dtype=cupy.float32).astype(cupy.float16)
+    b = cupy.random.standard_normal((8192, 8192), dtype=cupy.float32).astype(cupy.float16)
+    ms = statistics.mean(time_cuda(lambda: cupy.matmul(a, b), cupy.cuda.get_current_stream()))
+    return 2 * 8192**3 / (ms * 1e-3)
+
+
+def busy_ms_by_kind(cg: rt.CompiledGraph) -> dict[str, float]:
+    """Milliseconds of task time of one profiled run (``cg.profile()``) by task kind, kernels by operator
+    kind, every stream summed, largest first."""
+    kinds: dict[str, float] = {}
+    for t in cg.profile().tasks:
+        key = t.kind if t.kind != "kernel" else "kernel:" + cg.graph.nodes[cg.dag.tasks[t.task].op].kind
+        kinds[key] = kinds.get(key, 0.0) + (t.end - t.start) * 1e3
+    return {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import WORKLOADS  # the paper's five token workloads (bench/common.py)
+from common import WORKLOADS, busy_ms_by_kind, matmul_rate  # bench/common.py
 
 import relational_tensors as rt
 from relational_tensors.gpu_exec.calibrate import time_cuda, time_wall
@@ -38,16 +38,6 @@ def block_flops(b: int, s: int) -> float:
     mm = 2 * t * (D * D + 2 * D * HKV * DH + D * D + 3 * D * DFF)
     attn = 4 * b * HQ * DH * (s * (s + 1) // 2)
     return float(mm + attn)
-
-
-def matmul_rate() -> float:
-    import cupy
-
-    a = cupy.random.standard_normal((8192, 8192), dtype=cupy.float32).astype(cupy.float16)
-    b = cupy.random.standard_normal((8192, 8192), dtype=cupy.float32).astype(cupy.float16)
-    s = cupy.cuda.get_current_stream()
-    ms = statistics.mean(time_cuda(lambda: cupy.matmul(a, b), s))
-    return 2 * 8192**3 / (ms * 1e-3)
 
 
 def torch_block(torch, feeds: dict, b: int, s: int):
@@ -149,11 +139,7 @@ def main() -> None:
         ex = cg.executor
         ours = time_cuda(cg.execute, ex.streams[0])
         y = cg.offload("y", like="cupy")
-        prof = cg.profile()
-        kinds: dict[str, float] = {}
-        for t in prof.tasks:
-            key = t.kind if t.kind != "kernel" else "kernel:" + cg.graph.nodes[cg.dag.tasks[t.task].op].kind
-            kinds[key] = kinds.get(key, 0.0) + (t.end - t.start) * 1e3
+        kinds = busy_ms_by_kind(cg)
         # the same plan with a library FlashAttention kernel (flash-attn, else PyTorch's) where it applies
         try:
             cgf = rt.compileGraph(g, device="cuda:0", attention="flash")
@@ -203,12 +189,7 @@ def main() -> None:
                 yv = cgv.offload("y", like="cupy")
                 rows[name][f"{key}_ms"] = statistics.mean(tv)
                 rows[name][f"{key}_tasks"] = dict(cgv.dag.counts())
-                vk: dict[str, float] = {}
-                for t in cgv.profile().tasks:
-                    kind = t.kind if t.kind != "kernel" else "kernel:" + cgv.graph.nodes[cgv.dag.tasks[t.task].op].kind
-                    vk[kind] = vk.get(kind, 0.0) + (t.end - t.start) * 1e3
-                rows[name][f"{key}_busy_ms_all_streams"] = {k: round(v, 3) for k, v in
-                                                            sorted(vk.items(), key=lambda kv: -kv[1])}
+                rows[name][f"{key}_busy_ms_all_streams"] = busy_ms_by_kind(cgv)
                 rows[name][f"{key}_max_abs_diff"] = float(cupy.max(cupy.abs(yv.astype(cupy.float32)
                                                                           - y.astype(cupy.float32))))
                 del cgv, exv

@@ -26,8 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from common import busy_ms_by_kind, matmul_rate  # bench/common.py
 
 import relational_tensors as rt
+from relational_tensors.gpu_exec.calibrate import time_cuda
 from relational_tensors.models import LLAMA3_8B, add_llama_block
 from relational_tensors.optim import adamw
 
@@ -84,17 +86,6 @@ def block_flops(b: int, s: int) -> float:
     mm = 2 * t * (D * HQ * DH + 2 * D * HKV * DH + HQ * DH * D + 3 * D * DFF)
     attn = 4 * b * HQ * DH * (s * (s + 1) // 2)
     return float(3 * mm + 3.5 * attn)
-
-
-def matmul_rate() -> float:
-    import cupy
-
-    from relational_tensors.gpu_exec.calibrate import time_cuda
-
-    a = cupy.random.standard_normal((8192, 8192), dtype=cupy.float32).astype(cupy.float16)
-    b = cupy.random.standard_normal((8192, 8192), dtype=cupy.float32).astype(cupy.float16)
-    ms = statistics.mean(time_cuda(lambda: cupy.matmul(a, b), cupy.cuda.get_current_stream()))
-    return 2 * 8192**3 / (ms * 1e-3)
 
 
 def torch_step(torch: Any, w: dict[str, np.ndarray], x: np.ndarray, target: np.ndarray, s: int,
@@ -156,21 +147,6 @@ def torch_step(torch: Any, w: dict[str, np.ndarray], x: np.ndarray, target: np.n
     return (torch.compile(step) if compile_mode == "step" else step), model, opt
 
 
-def _time(fn: Any, stream: Any) -> list[float]:
-    from relational_tensors.gpu_exec.calibrate import time_cuda
-
-    return time_cuda(fn, stream)
-
-
-def breakdown(cg: rt.CompiledGraph) -> dict[str, float]:
-    """Milliseconds of task time by kind (kernels by operator kind), every stream summed."""
-    kinds: dict[str, float] = {}
-    for t in cg.profile().tasks:
-        key = t.kind if t.kind != "kernel" else "kernel:" + cg.graph.nodes[cg.dag.tasks[t.task].op].kind
-        kinds[key] = kinds.get(key, 0.0) + (t.end - t.start) * 1e3
-    return {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}
-
-
 def run_ours(g: rt.Graph, feeds: dict, device: str) -> dict[str, Any]:
     import cupy
 
@@ -183,10 +159,10 @@ def run_ours(g: rt.Graph, feeds: dict, device: str) -> dict[str, Any]:
     cg.execute()
     cg.execute()  # three steps: the parameters compared with PyTorch's after the same three
     params = {k: np.asarray(cg.offload(k)).astype(np.float32) for k in WEIGHTS}
-    ms = _time(cg.execute, cg.executor.streams[0])
+    ms = time_cuda(cg.execute, cg.executor.streams[0])
     row = {"ms": statistics.mean(ms), "all_ms": ms, "plan_s": plan_s, "first_loss": first_loss,
            "predicted_peak_bytes": max(cg.memory().values()),
-           "pool_used_bytes": cupy.get_default_memory_pool().used_bytes(), "breakdown_ms": breakdown(cg)}
+           "pool_used_bytes": cupy.get_default_memory_pool().used_bytes(), "breakdown_ms": busy_ms_by_kind(cg)}
     del cg
     cupy.get_default_memory_pool().free_all_blocks()
     return row | {"params_after_3": params}
@@ -227,7 +203,7 @@ def main() -> None:
                 if mode == "eager":
                     torch_params = {k: v.detach().float().cpu().numpy() for k, v in model.named_parameters()}
                     row["torch_first_loss"] = first
-                ms = _time(fn, stream)
+                ms = time_cuda(fn, stream)
                 row[f"{key}_ms"] = statistics.mean(ms)
                 row[f"{key}_all_ms"] = ms
                 print(name, key, f"{row[f'{key}_ms']:.3f} ms, first loss {first:.6f}", flush=True)

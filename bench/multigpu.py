@@ -148,7 +148,7 @@ def ours(args: argparse.Namespace) -> None:
                               "dtype": "float16", "rounds": "2 warm-ups + 10 timed",
                               "rows": []}
     if not args.smoke:
-        from gpu_block import matmul_rate
+        from common import matmul_rate
 
         result["matmul_tflops"] = matmul_rate() / 1e12  # one GPU, fp16 8192^3: the roofline's rate
         print(f"matmul rate {result['matmul_tflops']:.0f} TFLOP/s per GPU", flush=True)
@@ -212,7 +212,7 @@ def train(args: argparse.Namespace) -> None:
                                       "backward, AdamW (lr, betas, eps, weight decay of gpu_train)",
                               "rounds": f"2 warm-ups + {args.rounds} timed", "steps": steps, "rows": []}
     if not args.smoke:
-        from gpu_block import matmul_rate
+        from common import matmul_rate
 
         result["matmul_tflops"] = matmul_rate() / 1e12
         print(f"matmul rate {result['matmul_tflops']:.0f} TFLOP/s per GPU", flush=True)
