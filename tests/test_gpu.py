@@ -3,6 +3,8 @@ DLPack, faults.  Marked ``gpu``; skipped where no GPU is visible."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from cases import CASES, GRAD_CASES, feeds_for
@@ -187,6 +189,12 @@ def test_views_past_rank_four_are_copied_and_combined(dtype: str, device: str) -
     _compare(got["six"], want["six"], dtype)
 
 
+def _device_memory_is_ours() -> bool:
+    """Whether the device's free memory measures this process alone: not while other pytest-xdist
+    workers share the GPU (their allocations move it); the memory pool's count is ours either way."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) <= 1
+
+
 def test_replay_is_bit_identical_and_memory_stays_flat() -> None:
     import cupy
 
@@ -203,7 +211,7 @@ def test_replay_is_bit_identical_and_memory_stays_flat() -> None:
     cg.synchronize()
     assert cg.executor.graph_exec is not None
     assert np.array_equal(cg.offload("y").view(np.uint16), first.view(np.uint16))
-    assert cupy.cuda.runtime.memGetInfo()[0] >= free0 - (1 << 20)
+    assert cupy.cuda.runtime.memGetInfo()[0] >= free0 - (1 << 20) or not _device_memory_is_ours()
     assert cupy.get_default_memory_pool().used_bytes() <= pool0 + (1 << 20)
 
 
@@ -534,6 +542,7 @@ def test_a_thousand_captured_training_steps_equal_a_thousand_eager_ones(device: 
 
     captured, free_drop, pool_growth = steps(True)
     eager, _, _ = steps(False)
-    assert free_drop <= 1 << 20 and pool_growth <= 1 << 20
+    assert free_drop <= 1 << 20 or not _device_memory_is_ours()
+    assert pool_growth <= 1 << 20
     for name in params:
         assert np.array_equal(captured[name], eager[name]), name
