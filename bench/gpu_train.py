@@ -5,13 +5,15 @@ weights and moments (ours: ``adamw(master_dtype="float32")``; PyTorch: float32 p
 ``torch.autocast(bfloat16)``, SDPA attention, ``torch.optim.AdamW(fused=True)``), the mean-square error
 against a random target as the loss (the block has none of its own), the same initial weights and batch.
 PyTorch runs eager, with ``torch.compile(model)``, and with the whole step compiled (where torch compiles
-it).  Ours runs on one device and on 2, 4 and 8 logical devices of the same GPU.  2 warm-ups and 10 timed
+it).  Ours runs on one device and on 2, 4 and 8 logical devices of the same GPU, those planned with the paper's
+cost model and with the calibrated one.  2 warm-ups and 10 timed
 rounds each, CUDA events; the FLOP roofline at the measured bf16 matmul rate (forward matmuls x 3,
 attention x 3.5: its backward recomputes the scores, FlashAttention-2's convention); the per-kernel-kind
 breakdown of our step (a profiled run, a CUDA event around every task).  Before timing, the first step's
 loss and the parameters after three steps are compared with PyTorch's eager run.
 
-    python bench/gpu_train.py [--workloads 8K,4x2K,32x1K] [--virtual 2,4,8] [--skip-ours] [--out bench/results]
+    python bench/gpu_train.py [--workloads 8K,4x2K,32x1K] [--virtual 2,4,8] [--virtual-cost-models paper,calibrated]
+                              [--skip-ours] [--torch-modes eager,model,step] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -147,11 +149,11 @@ def torch_step(torch: Any, w: dict[str, np.ndarray], x: np.ndarray, target: np.n
     return (torch.compile(step) if compile_mode == "step" else step), model, opt
 
 
-def run_ours(g: rt.Graph, feeds: dict, device: str) -> dict[str, Any]:
+def run_ours(g: rt.Graph, feeds: dict, device: str, cost_model: str = "paper") -> dict[str, Any]:
     import cupy
 
     t0 = time.perf_counter()
-    cg = rt.compileGraph(g, device=device)
+    cg = rt.compileGraph(g, device=device, cost_model=cost_model)
     plan_s = time.perf_counter() - t0
     cg.load(feeds)
     cg.execute()
@@ -161,8 +163,10 @@ def run_ours(g: rt.Graph, feeds: dict, device: str) -> dict[str, Any]:
     params = {k: np.asarray(cg.offload(k)).astype(np.float32) for k in WEIGHTS}
     ms = time_cuda(cg.execute, cg.executor.streams[0])
     row = {"ms": statistics.mean(ms), "all_ms": ms, "plan_s": plan_s, "first_loss": first_loss,
-           "predicted_peak_bytes": max(cg.memory().values()),
+           "predicted_peak_bytes": max(cg.memory().values()), "predicted_total_bytes": sum(cg.memory().values()),
+           "arena_bytes": sum(cg.executor.arena_bytes.values()),
            "pool_used_bytes": cupy.get_default_memory_pool().used_bytes(), "breakdown_ms": busy_ms_by_kind(cg)}
+    row["scratch_bytes"] = row["pool_used_bytes"] - row["arena_bytes"]  # kernel scratch outside the memory plan
     del cg
     cupy.get_default_memory_pool().free_all_blocks()
     return row | {"params_after_3": params}
@@ -176,6 +180,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--virtual", default="2,4,8")
+    ap.add_argument("--virtual-cost-models", default="paper,calibrated",
+                    help="cost models that plan the logical-device runs (paper, calibrated)")
     ap.add_argument("--skip-ours", action="store_true", help="only PyTorch's steps and the roofline")
     ap.add_argument("--torch-modes", default="eager,model,step",
                     help="PyTorch's steps to time: eager, model (torch.compile(model)), step (the whole step compiled)")
@@ -214,22 +220,23 @@ def main() -> None:
         if not args.skip_ours:
             g, opt = step_graph(b, s)
             feeds = our_feeds(g, opt, w, x, target)
-            devices = ["cuda:0"] + ["cuda:" + ",".join(["0"] * int(p)) for p in args.virtual.split(",") if p]
-            for device in devices:
-                p = device.count(",") + 1
+            runs = [("cuda:0", "paper", "ours1")] + [
+                ("cuda:" + ",".join(["0"] * int(p)), model, f"ours{p}" + ("" if model == "paper" else f"_{model}"))
+                for p in args.virtual.split(",") if p for model in args.virtual_cost_models.split(",") if model]
+            for device, model, tag in runs:
                 try:
-                    r = run_ours(g, feeds, device)
+                    r = run_ours(g, feeds, device, model)
                 except Exception as e:  # noqa: BLE001
-                    row[f"ours{p}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                    print(name, device, row[f"ours{p}_error"], flush=True)
+                    row[f"{tag}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    print(name, device, model, row[f"{tag}_error"], flush=True)
                     continue
                 got = r.pop("params_after_3")
-                print(name, device, {k: v for k, v in r.items() if k not in ("all_ms",)}, flush=True)
+                print(name, device, model, {k: v for k, v in r.items() if k not in ("all_ms",)}, flush=True)
                 if torch_params:  # bf16 parameters against PyTorch's float32 masters after three steps
                     r["params_max_rel_diff_vs_torch"] = max(
                         float(np.max(np.abs(got[k] - torch_params[k])) / max(np.max(np.abs(torch_params[k])), 1e-30))
                         for k in WEIGHTS)
-                row.update({f"ours{p}_{k}": v for k, v in r.items()})
+                row.update({f"{tag}_{k}": v for k, v in r.items()})
         rows[name] = row
         print(name, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                      if not k.endswith("all_ms") and not k.endswith("breakdown_ms")}, flush=True)
@@ -247,9 +254,12 @@ def main() -> None:
     path.mkdir(parents=True, exist_ok=True)
     (path / "gpu_train.json").write_text(json.dumps(out, indent=2))
     cols = ["ours1_ms", "torch_eager_ms", "torch_compile_ms", "torch_compile_step_ms", "roofline_ms"]
-    virt = [f"ours{p}_ms" for p in args.virtual.split(",") if p]
+    virt = [f"ours{p}" + ("" if model == "paper" else f"_{model}") + "_ms" for p in args.virtual.split(",") if p
+            for model in args.virtual_cost_models.split(",") if model]
     lines = ["| workload | ours, 1 device (ms) | torch eager (ms) | torch.compile model (ms) | torch.compile step (ms) "
-             "| roofline (ms) | ours / roofline | " + " | ".join(f"ours, {k[4:-3]} logical (ms)" for k in virt) + " |",
+             "| roofline (ms) | ours / roofline | " + " | ".join(f"ours, {k[4:-3].replace('_', ' logical, ')}"
+                                                           + (" (ms)" if "_" in k[4:-3] else " logical (ms)")
+                                                           for k in virt) + " |",
              "|---" * (6 + len(virt)) + "|---|"]
 
     def cell(r: dict, k: str) -> str:

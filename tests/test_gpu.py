@@ -510,6 +510,39 @@ def test_indices_out_of_range_are_refused_when_loaded(device: str) -> None:
         cg.load({"ids": np.array([0, 1, 2, 3, 4, -1])})
 
 
+@pytest.mark.parametrize("p", [1, 2, 8])
+def test_a_small_block_trained_three_steps_on_logical_devices_equals_the_cpu_plan(p: int) -> None:
+    """A small LLaMA block's training step (d_model 256, 2K tokens, bf16 parameters with float32
+    masters and AdamW) on p logical devices of one GPU, three steps, against the same program planned
+    for p CPU devices.  Tolerances: the losses within 1% (bf16 activations, reductions in a different
+    order); the parameters after three steps within 3 × 4·lr plus two bf16 roundings of the largest one
+    (an AdamW step moves an element by about lr, and a gradient whose rounding flips its sign moves it
+    the other way: the runs can part by up to twice that per step), and within lr on average."""
+    import cupy  # noqa: F401 - a GPU test
+
+    lr = 1e-3
+    g = llama_training_graph(1, 2048, 256, 4, 2, 512, 512, dtype="bfloat16", optimizer="adamw",
+                             master_dtype="float32")
+    feeds = llama_training_feeds(g, seed=5, lr=lr)
+    params = [n.name for n in g.inputs if n.role == "state" and n.type.dtype == "bfloat16"]
+    runs = {}
+    for device in ("cuda:" + ",".join(["0"] * p), f"cpu:{p}"):
+        cg = rt.compileGraph(g, device=device)
+        cg.load(feeds)
+        losses = []
+        for _ in range(3):
+            cg.execute()
+            losses.append(float(np.asarray(cg.offload("loss"), np.float64).reshape(-1)[0]))
+        runs[device[:3]] = (losses, {k: np.asarray(cg.offload(k)).astype(np.float64) for k in params})
+    (gpu_losses, gpu), (cpu_losses, cpu) = runs["cud"], runs["cpu"]
+    np.testing.assert_allclose(gpu_losses, cpu_losses, rtol=1e-2)
+    for k in params:
+        diff = np.abs(gpu[k] - cpu[k])
+        bound = 3 * 4 * lr + 2 * 2.0**-8 * float(np.max(np.abs(cpu[k])))
+        assert diff.max() <= bound, f"{k} (p={p}): {diff.max():.2e} apart, bound {bound:.2e}"
+        assert diff.mean() <= lr, f"{k} (p={p}): {diff.mean():.2e} apart on average"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("device", ["cuda:0", "cuda:0,0,0,0"])
 def test_a_thousand_captured_training_steps_equal_a_thousand_eager_ones(device: str) -> None:

@@ -8,8 +8,8 @@ import pytest
 from cases import CASES
 
 import relational_tensors as rt
-from relational_tensors.gpu_exec.memory_plan import MemoryPlan, plan_memory
-from relational_tensors.models import LLAMA3_8B, llama_block
+from relational_tensors.gpu_exec.memory_plan import MemoryPlan, plan_arena, plan_memory
+from relational_tensors.models import LLAMA3_8B, llama_block, llama_training_graph
 
 
 def hazards(cg: rt.CompiledGraph, plan: MemoryPlan) -> list[tuple[int, int]]:
@@ -56,8 +56,8 @@ def hazards(cg: rt.CompiledGraph, plan: MemoryPlan) -> list[tuple[int, int]]:
 def check(cg: rt.CompiledGraph) -> MemoryPlan:
     plan = plan_memory(cg.graph, cg.dag, cg.live)
     assert hazards(cg, plan) == []
-    for d, size in plan.arena_bytes.items():  # the arena holds at least what is alive at the peak
-        assert size >= cg.memory()[d] * 0.5
+    for d, size in plan.arena_bytes.items():  # the arena holds at least what the liveness says is alive at once
+        assert size >= cg.memory()[d]
     return plan
 
 
@@ -88,3 +88,31 @@ def test_reshape_outputs_share_their_input() -> None:
     plan = check(cg)
     reshapes = [t for t in cg.dag.tasks if t.kind == "kernel" and cg.graph.nodes[t.op].kind == "reshape"]
     assert reshapes and all(t.outputs[0] in plan.alias for t in reshapes)
+
+
+@pytest.mark.parametrize("p", [1, 8])
+def test_the_arena_of_a_training_step_is_its_liveness_peak_within_one_percent(p: int) -> None:
+    """The prediction ``cg.memory()`` is what the GPU executor allocates: reshape outputs counted in
+    their input's memory on both sides, and the placement tight (the 8B-shaped block's training step
+    at 8K tokens, bf16 with float32 masters and AdamW)."""
+    g = llama_training_graph(1, 8192, 4096, 32, 8, 14336, 32000, dtype="bfloat16", optimizer="adamw",
+                             master_dtype="float32")
+    cg = rt.compileGraph(g, device=f"cpu:{p}")
+    plan = check(cg)
+    for d in range(p):
+        assert plan.arena_bytes[d] <= 1.01 * cg.memory()[d], (d, plan.arena_bytes[d], cg.memory()[d])
+
+
+def test_the_arena_keeps_the_tightest_of_its_orders() -> None:
+    """Largest first leaves a hole here (2,304 bytes: the small early buffer finds no room between the
+    two others) where first born packs the 2,048 bytes alive at once."""
+    sizes = {0: 1024, 1: 512, 2: 768, 3: 768}
+    lifetimes = {0: (4, 4), 1: (0, 2), 2: (1, 2), 3: (1, 6)}
+    slots, arena, reuses = plan_arena(sizes, lifetimes)
+    assert arena == 2048
+    for a in sizes:
+        for b in sizes:
+            apart = lifetimes[a][1] < lifetimes[b][0] or lifetimes[b][1] < lifetimes[a][0]
+            sa, sb = slots[a], slots[b]
+            assert a == b or apart or sa.offset + sa.size <= sb.offset or sb.offset + sb.size <= sa.offset
+    assert all(lifetimes[old][1] < lifetimes[b][0] for b, olds in reuses.items() for old in olds)

@@ -6,7 +6,8 @@ waits computed here; tests check the plan for hazards on any DAG.
 * reshape outputs alias their input (a row-major reshape of a block keeps its bytes in order), and
   views (``Buffer.parent``) are sub-boxes of their parent: neither has a slot of its own, and the
   root's lifetime runs from the first write to any of them to the last use of any of them;
-* buffers are placed first-fit over their lifetimes, so buffers alive together never overlap;
+* buffers are placed first-fit over their lifetimes, so buffers alive together never overlap (the
+  tightest of three orders);
 * a task waits for the producers of its inputs on other streams (read after write) and for every
   earlier task on another stream that touched memory its outputs reuse (write after read/write); an
   ``assign``, which overwrites a state's loaded block, waits for every earlier task that touched it.
@@ -18,7 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from relational_tensors.frontend.graph import Graph
-from relational_tensors.physical.tasks import Liveness, TaskDAG, block_bytes
+from relational_tensors.physical.tasks import Liveness, TaskDAG, block_bytes, reshape_shares
 
 __all__ = ["MemoryPlan", "plan_memory", "plan_arena", "view_geometry", "ALIGN", "align"]
 
@@ -35,15 +36,12 @@ class Slot:
     size: int
 
 
-def plan_arena(sizes: dict[int, int],
-               lifetimes: dict[int, tuple[int, int]]) -> tuple[dict[int, Slot], int, dict[int, list[int]]]:
-    """First-fit placement of buffers in one arena: buffers alive at the same time never overlap.
-
-    Returns each buffer's slot, the arena size, and for each buffer the earlier buffers whose
-    memory it reuses."""
-    order = sorted(sizes, key=lambda b: (-sizes[b], lifetimes[b][0], b))
-    placed: list[tuple[int, int, int, int, int]] = []  # (offset, end, born, dies, buffer)
-    slots: dict[int, Slot] = {}
+def _place(sizes: dict[int, int], lifetimes: dict[int, tuple[int, int]],
+           order: list[int]) -> tuple[list[tuple[int, int, int, int, int]], int]:
+    """Each buffer of ``order`` in turn at the lowest offset free over its lifetime:
+    (offset, end, born, dies, buffer) per buffer, and the arena size."""
+    placed: list[tuple[int, int, int, int, int]] = []
+    top = 0
     for b in order:
         size = align(max(sizes[b], 1))
         born, dies = lifetimes[b]
@@ -53,9 +51,25 @@ def plan_arena(sizes: dict[int, int],
             if offset + size <= o:
                 break
             offset = max(offset, e)
-        slots[b] = Slot(offset, size)
         placed.append((offset, offset + size, born, dies, b))
-    arena = max((s.offset + s.size for s in slots.values()), default=0)
+        top = max(top, offset + size)
+    return placed, top
+
+
+def plan_arena(sizes: dict[int, int],
+               lifetimes: dict[int, tuple[int, int]]) -> tuple[dict[int, Slot], int, dict[int, list[int]]]:
+    """First-fit placement of buffers in one arena: buffers alive at the same time never overlap.
+
+    Three orders are placed (largest first, longest-lived first, first born first) and the smallest
+    arena kept: no one order packs every program tightly (on the 8B-shaped block's training step,
+    largest first leaves 2.4% over the live peak at 8K tokens and none at 32x1K; first born, 0.3% and
+    4.1%).  Returns each buffer's slot, the arena size, and for each buffer the earlier buffers whose
+    memory it reuses."""
+    orders = (sorted(sizes, key=lambda b: (-sizes[b], lifetimes[b][0], b)),
+              sorted(sizes, key=lambda b: (lifetimes[b][0] - lifetimes[b][1], -sizes[b], b)),
+              sorted(sizes, key=lambda b: (lifetimes[b][0], -sizes[b], b)))
+    placed, arena = min((_place(sizes, lifetimes, order) for order in orders), key=lambda pa: pa[1])
+    slots = {b: Slot(o, e - o) for o, e, _born, _dies, b in placed}
     reuses: dict[int, list[int]] = defaultdict(list)
     for o, e, born, _dies, b in placed:
         for o2, e2, _born2, dies2, b2 in placed:
@@ -95,17 +109,7 @@ class MemoryPlan:
 def _aliases(graph: Graph, dag: TaskDAG) -> tuple[dict[int, int], set[int], list[int]]:
     """Every buffer without memory of its own -> its root; the reshape outputs among them; and an
     order in which each comes after the buffer it is taken from."""
-    reshaped: dict[int, int] = {}  # reshape output -> its input
-    for t in dag.tasks:
-        if t.kind != "kernel":
-            continue
-        assert t.op is not None  # a kernel task serves an operator
-        if graph.nodes[t.op].kind == "reshape":
-            src, dst = t.inputs[0], t.outputs[0]
-            # (a view input has its parent's strides: its reshape must really copy)
-            if (dag.buffers[src].partial is None and dag.buffers[dst].partial is None
-                    and dag.buffers[src].parent is None):
-                reshaped[dst] = src
+    reshaped = reshape_shares(graph, dag)  # reshape output -> its input
     root: dict[int, int] = {}
     order: list[int] = []
 

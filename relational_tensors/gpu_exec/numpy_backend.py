@@ -49,6 +49,8 @@ class NumpyExecutor:
         self.live = live
         self.pools: list[dict[int, Any]] = [dict() for _ in range(dag.p)]
         self.frees = live.frees_after()
+        self.sources = {t.outputs[0]: t.inputs[0] for t in dag.tasks if t.outputs and t.outputs[0] in live.shares}
+        self.copied: dict[int, int] = {}  # reshape outputs -> bytes of their own (0 where they kept the input's)
         self.loaded = False
         self.resident: set[str] = set()
         self.done = 0  # tasks run, in order, since the inputs they read were loaded (phases: see execute)
@@ -63,6 +65,11 @@ class NumpyExecutor:
         dag = self.dag
         pool = self.pools[dag.buffers[buf].device]
         root = dag.root(buf)
+        if buf in self.live.shares:  # a reshape of a whole block: in its memory, which the input's root holds
+            pool[buf] = value
+            src = self._get(self.sources[buf]) if dag.root(self.sources[buf]) in pool else None
+            self.copied[buf] = 0 if src is not None and np.may_share_memory(value, src) else _nbytes(value)
+            return self.copied[buf]
         if root == buf and root not in pool:
             pool[buf] = value
             return _nbytes(value)
@@ -158,7 +165,8 @@ class NumpyExecutor:
 
     def _execute(self, lo: int, hi: int) -> None:
         dag = self.dag
-        live = [sum(_nbytes(v) for v in pool.values()) for pool in self.pools]
+        live = [sum(self.copied.get(b, 0) if b in self.live.shares else _nbytes(v) for b, v in pool.items())
+                for pool in self.pools]
         self.peak = list(live)
         assigned: list[tuple[int, Any]] = []  # written into the states' blocks once the whole run has finished
 
@@ -173,7 +181,7 @@ class NumpyExecutor:
                     d = dag.buffers[b].device
                     value = self.pools[d].pop(b, None)
                     if value is not None:
-                        live[d] -= _nbytes(value)
+                        live[d] -= self.copied.pop(b) if b in self.live.shares else _nbytes(value)
 
         for task in dag.tasks[lo:hi]:
             if task.kind == "load" or not self._mine(task):

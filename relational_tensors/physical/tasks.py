@@ -14,15 +14,18 @@ A buffer may be a *view*: a sub-box of another buffer on the same device
 (``parent``), sharing its memory with the parent's strides.  Views let a copy
 read an atom straight out of the producer's block and write it straight into
 the block its reader assembles (``physical.views``); they take no memory of
-their own, and keep their root buffer alive.
+their own, and keep their root buffer alive.  The output of a ``reshape`` kernel
+whose input is a whole, final block keeps that block's bytes in row-major order
+(``reshape_shares``): executors give it the input's memory, and the liveness
+counts it as a view of the input.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relational_tensors.core.aggregation import Aggregation
 from relational_tensors.core.dtypes import itemsize
@@ -30,8 +33,11 @@ from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import Box
 from relational_tensors.errors import ExecError
 
-__all__ = ["Buffer", "Task", "TaskDAG", "Liveness", "liveness", "split_phases", "phase_range", "phase_ready",
-           "block_bytes", "Payload", "LoadPayload",
+if TYPE_CHECKING:
+    from relational_tensors.frontend.graph import Graph
+
+__all__ = ["Buffer", "Task", "TaskDAG", "Liveness", "liveness", "reshape_shares", "split_phases", "phase_range",
+           "phase_ready", "block_bytes", "Payload", "LoadPayload",
            "DecomposePayload", "AggregatePayload", "RecomposePayload", "KernelPayload"]
 
 TASK_KINDS = ("load", "decompose", "aggregate", "copy", "recompose", "kernel", "assign")
@@ -284,28 +290,57 @@ class Liveness:
     persistent: frozenset[int]         # loaded inputs and saved outputs (and the roots they are views of)
     peak: dict[int, int]               # device -> peak bytes
     resident: dict[int, int]           # device -> bytes of persistent buffers
-    views: frozenset[int] = frozenset()  # buffers that are views (they free nothing)
+    views: frozenset[int] = frozenset()  # buffers that are views or share a reshape's input (they free nothing)
     # with liveness(dag, category=...): device -> category -> bytes live at that device's peak
     at_peak: dict[int, dict[str, int]] = field(default_factory=dict)
+    shares: frozenset[int] = frozenset()  # reshape outputs in their input's memory (``reshape_shares``)
 
     def frees_after(self) -> dict[int, list[int]]:
+        """Task -> the buffers an executor may drop after it: roots after their last use, and reshape
+        outputs after theirs (a reference to their input's memory, which the root's death frees)."""
         out: dict[int, list[int]] = defaultdict(list)
         for b, t in self.last_use.items():
-            if b not in self.persistent and b not in self.views:
+            if b not in self.persistent and (b not in self.views or b in self.shares):
                 out[t].append(b)
         return out
 
 
-def liveness(dag: TaskDAG, category: Callable[[int], str] | None = None) -> Liveness:
+def reshape_shares(graph: Graph, dag: TaskDAG) -> dict[int, int]:
+    """Reshape outputs that keep their input's bytes -> that input: a ``reshape`` kernel whose input
+    is a whole buffer (not a view, whose strides are its parent's) and neither side a ⊕ partial."""
+    out: dict[int, int] = {}
+    for t in dag.tasks:
+        if t.kind != "kernel" or t.op is None or graph.nodes[t.op].kind != "reshape":
+            continue
+        src, dst = t.inputs[0], t.outputs[0]
+        if dag.buffers[src].partial is None and dag.buffers[dst].partial is None and dag.buffers[src].parent is None:
+            out[dst] = src
+    return out
+
+
+def liveness(dag: TaskDAG, category: Callable[[int], str] | None = None,
+             shares: Mapping[int, int] | None = None) -> Liveness:
     """Free each buffer after its last use; report per-device peak bytes.
 
     Loaded inputs stay resident (a program executes many times on one load) and
     saved outputs stay until they are offloaded.  A root is born with the first
     write to it or to any of its views and dies after the last use of any of them.
-    ``category`` (tensor node id -> a name) also splits each device's peak by category.
+    ``category`` (tensor node id -> a name) also splits each device's peak by category;
+    ``shares`` (:func:`reshape_shares`) are counted as views of the buffers they reshape.
     """
     buffers, tasks = dag.buffers, dag.tasks
     root = dag.view_roots()
+    if shares:
+        def resolve(b: int) -> int:
+            if b in root:
+                return root[b]
+            if b not in shares:
+                return b
+            root[b] = resolve(shares[b])
+            return root[b]
+
+        for b in shares:
+            resolve(b)
     views = frozenset(root)
     persistent = {b for blocks in dag.inputs.values() for _, b in blocks}
     persistent |= {b for blocks in dag.outputs.values() for _, b in blocks}
@@ -349,7 +384,7 @@ def liveness(dag: TaskDAG, category: Callable[[int], str] | None = None) -> Live
     for b, last in last_use.items():
         if b not in persistent and b not in views:
             dies[last].append(b)
-    counted: set[int] = set()
+    counted: set[int] = set(loaded)  # resident already (a reshape of a loaded block takes no more)
     for t in tasks:
         if t.kind == "load":
             continue
@@ -378,4 +413,5 @@ def liveness(dag: TaskDAG, category: Callable[[int], str] | None = None) -> Live
     for d in range(dag.p):
         peak.setdefault(d, 0)
         resident.setdefault(d, 0)
-    return Liveness(last_use, frozenset(persistent), dict(peak), dict(resident), views, at_peak)
+    return Liveness(last_use, frozenset(persistent), dict(peak), dict(resident), views, at_peak,
+                    frozenset(shares or ()))
