@@ -8,7 +8,7 @@ import pytest
 from cases import CASES
 
 import relational_tensors as rt
-from relational_tensors.gpu_exec.memory_plan import MemoryPlan, plan_arena, plan_memory
+from relational_tensors.gpu_exec.memory_plan import MemoryPlan, forward_lse, plan_arena, plan_memory
 from relational_tensors.models import LLAMA3_8B, llama_block, llama_training_graph
 
 
@@ -32,9 +32,9 @@ def hazards(cg: rt.CompiledGraph, plan: MemoryPlan) -> list[tuple[int, int]]:
 
     by_arena: dict[int, list[tuple[int, int, int, bool]]] = {}
     for t in dag.tasks:
-        if t.kind == "load" or (t.kind == "kernel" and t.outputs[0] in plan.reshaped):
-            continue  # loads finish before execution; an aliased reshape touches nothing
-        for b, write in [(b, False) for b in t.inputs] + [(b, True) for b in t.outputs]:
+        if t.kind == "load" or (t.kind == "kernel" and (t.outputs[0] in plan.reshaped or t.id in plan.lse_from)):
+            continue  # loads finish before execution; an aliased reshape and an lse its forward wrote touch nothing
+        for b, write in [(b, False) for b in t.inputs] + [(b, True) for b in plan.writes(t)]:
             d, lo, hi = plan.byte_range(dag, b)
             if hi > lo:
                 by_arena.setdefault(d, []).append((t.id, lo, hi, write))
@@ -116,3 +116,42 @@ def test_the_arena_keeps_the_tightest_of_its_orders() -> None:
             sa, sb = slots[a], slots[b]
             assert a == b or apart or sa.offset + sa.size <= sb.offset or sb.offset + sb.size <= sa.offset
     assert all(lifetimes[old][1] < lifetimes[b][0] for b, olds in reuses.items() for old in olds)
+
+
+@pytest.mark.parametrize("p", [1, 3, 4, 8])
+def test_forward_attention_writes_the_lse_its_backward_reads(p: int) -> None:
+    """Where the backward's attention_lse reads the forward's q and k blocks, the forward task writes the
+    lse: its block is born at the forward (reserved until its last reader, the hazard check sees the
+    forward's write), and without the pairing the plan is the one before.  (At p = 3 the lse reads
+    blocks of its own, and nothing pairs.)"""
+    g = llama_training_graph(2, 40, 32, 4, 2, 48, 29, seq_ends=(7, 20, 40))
+    cg = rt.compileGraph(g, device=f"cpu:{p}")
+    plan = check(cg)
+    pairs = forward_lse(cg.graph, cg.dag)
+    lse_tasks = [t for t in cg.dag.tasks if t.kind == "kernel" and cg.graph.nodes[t.op].kind == "attention_lse"]
+    assert len(pairs) == (0 if p == 3 else len(lse_tasks)) and plan.lse_from == pairs
+    for lse_task, fwd in pairs.items():
+        f, lt = cg.dag.tasks[fwd], cg.dag.tasks[lse_task]
+        assert f.device == lt.device and f.inputs[:2] == lt.inputs[:2] and fwd < lse_task
+        assert cg.graph.nodes[f.op].kind == "attention" and cg.graph.nodes[lt.op].kind == "attention_lse"
+        assert plan.writes(f) == (*f.outputs, lt.outputs[0])
+    plain = plan_memory(cg.graph, cg.dag, cg.live, lse_from_forward=False)
+    assert plain.lse_from == {} and hazards(cg, plain) == []
+
+
+def test_the_forward_lse_equals_the_recomputed_one() -> None:
+    """The NumPy kernels of the pair agree: the forward's log-sum-exp (which the GPU forward kernel
+    writes for the backward) is the attention_lse operator's, on a packed causal GQA block."""
+    import numpy as np
+
+    from relational_tensors.sql_specs.attention import AttentionOp
+    from relational_tensors.sql_specs.attention_grad import AttentionLseOp
+
+    g = llama_training_graph(1, 40, 32, 4, 2, 48, 29, seq_ends=(7, 20, 40))
+    op = next(n for n in g.nodes if n.kind == "attention").op
+    assert isinstance(op, AttentionOp) and op.causal and op.seq_ends
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(t.shape).astype(np.float32) for t in op.input_types[:3])
+    lse_op = AttentionLseOp(op.input_types[:2], **op.options())
+    _, lse_forward = op.kernel([q, k, v], op.spec().functions[0])
+    np.testing.assert_allclose(lse_forward, lse_op.kernel([q, k], lse_op.spec().functions[0]), rtol=1e-5, atol=1e-5)

@@ -12,6 +12,9 @@
 * chains of elementwise kernel tasks run as one generated kernel each, issued
   where the chain's last task stands (``fusion``; ``fuse=False`` or
   ``RELATIONAL_TENSORS_FUSE=0`` issues every task on its own);
+* a forward attention kernel also writes the log-sum-exp rows that the backward's ``attention_lse``
+  task would recompute, where both read the same blocks (``memory_plan.forward_lse``; off with
+  ``lse_from_forward=False`` or ``RELATIONAL_TENSORS_FORWARD_LSE=0``);
 * the first execute() runs eagerly (it compiles the Triton kernels); the
   second captures the whole DAG into one CUDA graph, and every later execute()
   is a graph launch.
@@ -19,6 +22,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -49,6 +53,7 @@ from relational_tensors.target.devices import DeviceSet
 __all__ = ["CupyExecutor"]
 
 AGG_OPS = {"sum": "add", "max": "maximum", "min": "minimum", "logsumexp": "logaddexp"}
+FORWARD_LSE_ENV = "RELATIONAL_TENSORS_FORWARD_LSE"  # "0": attention_lse tasks recompute the scores
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction (and the GPUs) from the unified addresses
 
 
@@ -56,7 +61,7 @@ class CupyExecutor:
     """Runs one TaskDAG on GPUs; ``load`` once, ``execute`` many times (a CUDA graph after the first)."""
 
     def __init__(self, graph: Graph, dag: TaskDAG, live: Liveness, devices: DeviceSet,
-                 attention: str = "triton", fuse: bool | None = None) -> None:
+                 attention: str = "triton", fuse: bool | None = None, lse_from_forward: bool | None = None) -> None:
         try:
             import cupy
         except ImportError as e:
@@ -64,6 +69,11 @@ class CupyExecutor:
         self.cp = cupy
         self.graph, self.dag, self.live, self.devices = graph, dag, live, devices
         self.attention = attention
+        # the forward attention kernel writes the log-sum-exp its backward reads (memory_plan.forward_lse);
+        # not with library FlashAttention kernels, which do not hand it out
+        self.lse_from_forward = attention != "flash" and (
+            lse_from_forward if lse_from_forward is not None
+            else os.environ.get(FORWARD_LSE_ENV, "1").strip().lower() not in ("0", "false", "off", "no"))
         if attention == "flash":
             from relational_tensors.gpu_exec.kernels.flash import backend
 
@@ -135,7 +145,7 @@ class CupyExecutor:
         """One arena per logical device, laid out by the memory plan (no allocation after this)."""
         cp = self.cp
         dag = self.dag
-        plan = plan_memory(self.graph, dag, self.live)
+        plan = plan_memory(self.graph, dag, self.live, self.lse_from_forward)
         self.plan = plan
         self.arena_bytes = dict(plan.arena_bytes)
         self.arenas: list[Any] = []  # None for a device another process holds
@@ -595,11 +605,13 @@ class CupyExecutor:
         if t.kind == "kernel":
             from relational_tensors.gpu_exec.launchers import launcher_for
 
-            if t.outputs[0] in self.plan.reshaped:
-                return  # a reshape whose output shares its input's memory
+            if t.outputs[0] in self.plan.reshaped or t.id in self.plan.lse_from:
+                return  # a reshape whose output shares its input's memory; an lse its forward wrote
             assert t.op is not None  # a kernel task serves an operator node
             node = self.graph.nodes[t.op]
             out = views[t.outputs[0]]
+            if t.id in self.plan.lse_out:  # a forward attention: its rows' log-sum-exp too
+                out = (out, views[self.plan.lse_out[t.id]])
             launcher_for(node.kind).launch(node.op, t.kernel.function, [views[b] for b in t.inputs], out,
                                            self.task_consts.get(t.id, {}), stream.ptr)
         elif t.kind in ("copy", "assign"):  # an assign: a state's next value into its kept block

@@ -125,7 +125,9 @@ class DistCupyExecutor(Ranks, CupyExecutor):
             # every rank's first NCCL call on the group is this collective: torch leaves a batch of
             # transfers between some of the ranks undefined when it is the group's first NCCL call
             dist.all_reduce(torch.zeros(1, device=f"cuda:{self.gpu}"), group=group)
-        super().__init__(graph, dag, live, devices, attention)
+        # the forward-written lse is left out: the two-stream schedule (dist_streams) orders tasks by the
+        # buffers they name, and the forward's extra write is not among them
+        super().__init__(graph, dag, live, devices, attention, lse_from_forward=False)
         cp = self.cp
         with cp.cuda.Device(self.gpu):
             self.compute = self.streams[self.rank]

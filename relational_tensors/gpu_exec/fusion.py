@@ -182,7 +182,7 @@ class _Facts:
         """The byte ranges task ``t`` reads and writes, and the devices whose memory they lie in."""
         found = self._touches.get(t.id)
         if found is None:
-            reads, writes = [self.range(b) for b in t.inputs], [self.range(b) for b in t.outputs]
+            reads, writes = [self.range(b) for b in t.inputs], [self.range(b) for b in self.plan.writes(t)]
             found = self._touches[t.id] = (reads, writes, frozenset(r[0] for r in (*reads, *writes)))
         return found
 

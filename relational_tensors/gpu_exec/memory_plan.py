@@ -10,18 +10,23 @@ waits computed here; tests check the plan for hazards on any DAG.
   tightest of three orders);
 * a task waits for the producers of its inputs on other streams (read after write) and for every
   earlier task on another stream that touched memory its outputs reuse (write after read/write); an
-  ``assign``, which overwrites a state's loaded block, waits for every earlier task that touched it.
+  ``assign``, which overwrites a state's loaded block, waits for every earlier task that touched it;
+* an ``attention_lse`` task whose rows the forward ``attention`` kernel computes anyway (the same q and
+  k blocks on the same device, the same key visibility, neither side a partial) is written by that
+  forward task (``forward_lse``): its block is born there, and the lse task has nothing to do.  The
+  backward then reads the forward's log-sum-exp instead of recomputing the scores a third time.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from relational_tensors.frontend.graph import Graph
-from relational_tensors.physical.tasks import Liveness, TaskDAG, block_bytes, reshape_shares
+from relational_tensors.physical.tasks import Liveness, Task, TaskDAG, block_bytes, reshape_shares
+from relational_tensors.sql_specs.attention import AttentionOp
 
-__all__ = ["MemoryPlan", "plan_memory", "plan_arena", "view_geometry", "ALIGN", "align"]
+__all__ = ["MemoryPlan", "plan_memory", "plan_arena", "forward_lse", "view_geometry", "ALIGN", "align"]
 
 ALIGN = 256
 
@@ -93,6 +98,13 @@ class MemoryPlan:
     waits: dict[int, list[int]]            # task -> tasks on other streams it waits for
     reshaped: frozenset[int] = frozenset()  # reshape outputs (the reshape kernel has nothing to do)
     view_order: tuple[int, ...] = ()        # aliases and views, each after the buffer it is taken from
+    lse_out: dict[int, int] = field(default_factory=dict)   # forward attention task -> the lse block it writes
+    lse_from: dict[int, int] = field(default_factory=dict)  # attention_lse task -> that forward task
+
+    def writes(self, t: Task) -> tuple[int, ...]:
+        """The buffers task ``t`` writes: its outputs, and for a forward in ``lse_out`` that lse block."""
+        extra = self.lse_out.get(t.id)
+        return t.outputs if extra is None else (*t.outputs, extra)
 
     def root(self, b: int) -> int:
         return self.alias.get(b, b)
@@ -128,14 +140,49 @@ def _aliases(graph: Graph, dag: TaskDAG) -> tuple[dict[int, int], set[int], list
     return root, set(reshaped), order
 
 
-def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness) -> MemoryPlan:
+def forward_lse(graph: Graph, dag: TaskDAG) -> dict[int, int]:
+    """``attention_lse`` tasks whose block the forward ``attention`` task writes as it goes -> that forward
+    task: the same device, the same q and k buffers and key visibility (no padding, masks or biases,
+    which the forward runs densely), the lse block the forward's rows and heads, and neither output a ⊕
+    partial (a key split's partial lse rides with its partial output already)."""
+    forwards: dict[tuple[int, int, int], Task] = {}
+    out: dict[int, int] = {}
+    for t in dag.tasks:
+        if t.kind != "kernel" or t.op is None:
+            continue
+        op = graph.nodes[t.op].op
+        if not isinstance(op, AttentionOp):
+            continue
+        if op.kind == "attention":
+            if not op.extras and op.key_lengths is None and dag.buffers[t.outputs[0]].partial is None:
+                forwards[(t.device, t.inputs[0], t.inputs[1])] = t
+        elif op.kind == "attention_lse":
+            f = forwards.get((t.device, t.inputs[0], t.inputs[1]))
+            if f is None:
+                continue
+            fwd_op = graph.nodes[f.op].op  # type: ignore[index]
+            o, lse = dag.buffers[f.outputs[0]], dag.buffers[t.outputs[0]]
+            if (isinstance(fwd_op, AttentionOp) and fwd_op.options() == op.options() and lse.partial is None
+                    and lse.parent is None and lse.dtype == "float32" and o.box.lower[:3] == lse.box.lower
+                    and o.box.upper[:3] == lse.box.upper):
+                out[t.id] = f.id
+    return out
+
+
+def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness, lse_from_forward: bool = True) -> MemoryPlan:
+    """Slots, arena sizes and cross-stream waits (the module's rules); ``lse_from_forward`` lets forward
+    attention tasks write the log-sum-exp their backward reads (``forward_lse``)."""
     end = len(dag.tasks)
     alias, reshaped, order = _aliases(graph, dag)
+    lse_from = forward_lse(graph, dag) if lse_from_forward else {}
+    lse_out = {f: dag.tasks[lt].outputs[0] for lt, f in lse_from.items()}
     born: dict[int, int] = {}
     for t in dag.tasks:
         for b in t.outputs:
             r = alias.get(b, b)  # a root is born with the first write to it or to any of its views
             born[r] = min(born.get(r, end), 0 if t.kind == "load" else t.id)
+    for f, b in lse_out.items():
+        born[b] = min(born.get(b, end), f)
     group_end: dict[int, int] = {}
     for dst, src in alias.items():  # the shared memory lives until the last user of any of them
         group_end[src] = max(group_end.get(src, live.last_use.get(src, end)), live.last_use.get(dst, end))
@@ -157,6 +204,8 @@ def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness) -> MemoryPlan:
     for t in dag.tasks:
         for b in (*t.inputs, *t.outputs):
             touchers[alias.get(b, b)].append(t.id)
+    for f, b in lse_out.items():
+        touchers[b].insert(0, f)
     read_after_write = dag.producers()
     waits: dict[int, list[int]] = {}
     for t in dag.tasks:
@@ -166,11 +215,11 @@ def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness) -> MemoryPlan:
         if t.kind == "assign":  # it overwrites a loaded block: after every earlier task that touched it
             deps.update(x for b in t.outputs for x in touchers[alias.get(b, b)]
                         if x < t.id and dag.tasks[x].kind != "load")
-        for b in t.outputs:
+        for b in (*t.outputs, *((lse_out[t.id],) if t.id in lse_out else ())):
             for old in reuses.get(alias.get(b, b), ()):
                 deps.update(x for x in touchers[old] if x < t.id and dag.tasks[x].kind != "load")
         waits[t.id] = sorted(x for x in deps if dag.tasks[x].device != t.device)
-    return MemoryPlan(alias, slots, arena_bytes, reuses, waits, frozenset(reshaped), tuple(order))
+    return MemoryPlan(alias, slots, arena_bytes, reuses, waits, frozenset(reshaped), tuple(order), lse_out, lse_from)
 
 
 def view_geometry(dag: TaskDAG, plan: MemoryPlan) -> dict[int, tuple[int, tuple[int, ...]]]:
