@@ -299,7 +299,8 @@ def test_groups_of_random_elementwise_graphs_keep_the_program(data: st.DataObjec
 
 # ------------------------------------------------------------------ 2. the kernels, bit for bit
 
-KERNEL_MODULES = ("triton_elementwise", "triton_copy", "triton_norms", "triton_fused")
+KERNEL_MODULES = ("triton_elementwise", "triton_copy", "triton_norms", "triton_fused", "triton_attention",
+                  "triton_attention_grad")
 
 
 class HostArenas:
@@ -354,11 +355,11 @@ class HostProgram:
     """A compiled program run task by task on ``HostArenas``, as the CuPy executor runs it: the unfused
     tasks through their launchers, or each group's generated kernel at its last task."""
 
-    def __init__(self, cg: rt.CompiledGraph, fused: bool) -> None:
+    def __init__(self, cg: rt.CompiledGraph, fused: bool, lse_from_forward: bool = True) -> None:
         from relational_tensors.gpu_exec.kernels.common import DevBuf
 
         self.cg, self.dag = cg, cg.dag
-        self.plan = plan_memory(cg.graph, cg.dag, cg.live)
+        self.plan = plan_memory(cg.graph, cg.dag, cg.live, lse_from_forward)
         self.mem = HostArenas(self.plan)
         self.views: dict[int, Any] = {}
         for b, buf in self.dag.buffers.items():
@@ -431,8 +432,8 @@ class HostProgram:
 
         views = self.views
         if t.kind == "kernel":
-            if t.outputs[0] in self.plan.reshaped:
-                return
+            if t.outputs[0] in self.plan.reshaped or t.id in self.plan.lse_from:
+                return  # an aliased reshape; an lse its forward wrote
             node = self.cg.graph.nodes[t.op]
             consts: dict[str, Any] = {}
             for name, host in op_constants(node.op).items():
@@ -444,8 +445,10 @@ class HostProgram:
                 shape, dtype = need
                 consts["scratch"] = DevBuf(self.mem.scratch(math.prod(shape) * itemsize(dtype)), tuple(shape),
                                            dtype, 0)
-            launcher_for(node.kind).launch(node.op, t.kernel.function, [views[b] for b in t.inputs],
-                                           views[t.outputs[0]], consts, 0)
+            out = views[t.outputs[0]]
+            if t.id in self.plan.lse_out:  # a forward attention writes the lse its backward reads
+                out = (out, views[self.plan.lse_out[t.id]])
+            launcher_for(node.kind).launch(node.op, t.kernel.function, [views[b] for b in t.inputs], out, consts, 0)
         elif t.kind in ("copy", "assign", "recompose") and len(t.inputs) == 1 and \
                 views[t.inputs[0]].shape == views[t.outputs[0]].shape:
             tc.copy_box(views[t.inputs[0]], views[t.outputs[0]])
@@ -470,15 +473,15 @@ class HostProgram:
 
 
 @pytest.fixture
-def host(monkeypatch: pytest.MonkeyPatch) -> Callable[[rt.CompiledGraph, bool], HostProgram]:
+def host(monkeypatch: pytest.MonkeyPatch) -> Callable[..., HostProgram]:
     pytest.importorskip("triton")
     pytest.importorskip("torch")
     import importlib
 
     programs: list[HostProgram] = []
 
-    def make(cg: rt.CompiledGraph, fused: bool) -> HostProgram:
-        prog = HostProgram(cg, fused)
+    def make(cg: rt.CompiledGraph, fused: bool, lse_from_forward: bool = True) -> HostProgram:
+        prog = HostProgram(cg, fused, lse_from_forward)
         for name in KERNEL_MODULES:
             module = importlib.import_module(f"relational_tensors.gpu_exec.kernels.{name}")
             if GPU:
@@ -600,6 +603,34 @@ def test_fused_kernels_of_random_graphs_match_bit_for_bit(host: Any, data: st.Da
     if not fusion_groups(cg.graph, cg.dag, plan, cg.live):
         return
     run_both(host, cg, feeds, steps=2)
+
+
+@pytest.mark.parametrize("p", [1, 2])
+def test_the_forward_attention_kernel_writes_the_lse_its_backward_reads(host: Callable[..., HostProgram],
+                                                                         p: int) -> None:
+    """An attention's gradients through the launchers on the arenas, in Triton's interpreter: the forward
+    kernel writes the log-sum-exp rows the backward reads (the attention_lse tasks do nothing), and dq, dk,
+    dv equal the reference, as they do with the lse recomputed (packed causal GQA, 45 rows)."""
+    g = rt.Graph()
+    q = g.input("q", [1, 45, 4, 16], "float32")
+    k = g.input("k", [1, 45, 2, 16], "float32")
+    v = g.input("v", [1, 45, 2, 16], "float32")
+    o = g.attention(q, k, v, causal=True, seq_ends=(17, 45), name="attn")
+    g.save(o, name="o")
+    for name, t in zip(("dq", "dk", "dv"), g.vjp(o, g.input("do", [1, 45, 4, 16], "float32"), [q, k, v])):
+        g.save(t, name=name)
+    feeds = _values(g, 3)
+    want = rt.reference(g, feeds)
+    cg = rt.compileGraph(g, device=f"cpu:{p}")
+    for paired in (True, False):
+        prog = host(cg, False, paired)
+        assert bool(prog.plan.lse_from) == paired
+        prog.load(feeds)
+        prog.execute()
+        for name in ("o", "dq", "dk", "dv"):
+            got, ref = prog.saved(name), want[name]
+            err = float(np.max(np.abs(got - ref))) / float(np.max(np.abs(ref)))
+            assert err < 1e-5, f"{name} (p={p}, lse from the forward: {paired}): {err:.1e} of the largest"
 
 
 def test_generated_source_is_cached_by_expression(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -206,7 +206,7 @@ def _tma_device(device: int) -> bool:
 def _tma_views(q: DevBuf, k: DevBuf, v: DevBuf) -> tuple | None:
     """Each of q, k, v as a 2-D [batch * tokens, heads * head dim] view for tensor descriptors, or None
     where descriptors cannot address them exactly."""
-    if q.dtype not in ("float16", "bfloat16") or not _tma_device(q.device):
+    if q.dtype not in ("float16", "bfloat16") or interpreted() or not _tma_device(q.device):
         return None
     views = []
     for buf in (q, k, v):
@@ -236,9 +236,21 @@ def _launch(cfg: tuple[int, ...], args: tuple, consts: dict, sq: int, nbh: int, 
                                                   num_warps=warps, num_stages=stages)
 
 
+@cache
+def interpreted() -> bool:
+    """Whether the attention kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when they were
+    defined): no timing there, and no tensor descriptors."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_attention_kernel, InterpretedFunction)
+
+
 def _pick(key: tuple, args: tuple, consts: dict, sq: int, nbh: int, tma: tuple | None) -> tuple[int, ...]:
     """The fastest config for this key (:func:`~relational_tensors.gpu_exec.kernels.common.fastest_config`),
-    chosen once; tensor-descriptor configs only where the blocks allow them."""
+    chosen once; tensor-descriptor configs only where the blocks allow them.  The interpreter takes the
+    first config without descriptors."""
+    if interpreted():
+        return next(c for c in (IEEE_CONFIGS if consts["IEEE"] else CONFIGS) if not c[6])
     if key not in _chosen:
         configs = [c for c in (IEEE_CONFIGS if consts["IEEE"] else CONFIGS) if not c[6] or tma is not None]
         _chosen[key] = fastest_config(configs, lambda cfg: _launch(cfg, args, consts, sq, nbh, tma),

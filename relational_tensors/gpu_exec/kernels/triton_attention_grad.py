@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import cache
 
 import triton
 import triton.language as tl
 
 from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type, fastest_config
+from relational_tensors.gpu_exec.kernels.triton_attention import interpreted
 
 __all__ = ["attention_lse", "attention_delta", "attention_dq", "attention_dkv", "Config"]
 
@@ -408,18 +408,10 @@ IEEE_CONFIGS: dict[str, list[Config]] = {  # float32 and float64: no tensor core
 _chosen: dict[tuple, Config] = {}
 
 
-@cache
-def _interpreted() -> bool:
-    """Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when they were defined)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_dq_kernel, InterpretedFunction)
-
-
 def _tma_views(bufs: tuple[DevBuf, ...]) -> tuple | None:
     """Each buffer as a 2-D [batch * tokens, heads * head dim] view for tensor descriptors, or None where
     descriptors cannot address them exactly (the forward kernel's conditions)."""
-    if _interpreted() or bufs[0].dtype not in ("float16", "bfloat16"):
+    if interpreted() or bufs[0].dtype not in ("float16", "bfloat16"):
         return None
     from relational_tensors.core.dtypes import numpy_dtype
     from relational_tensors.gpu_exec.kernels.triton_attention import _DescBase, _tma_device
@@ -450,7 +442,7 @@ def _pick(key: tuple, configs: list[Config], tma: tuple | None, launch: Callable
     """The fastest config for this key (:func:`~relational_tensors.gpu_exec.kernels.common.fastest_config`),
     chosen once; the interpreter takes the first config without tensor descriptors."""
     usable = [c for c in configs if not c[4] or tma is not None]
-    if _interpreted():
+    if interpreted():
         return usable[0]
     if key in _chosen:
         return _chosen[key]
