@@ -96,10 +96,15 @@ class CupyExecutor:
         for d in range(dag.p):
             with cupy.cuda.Device(self.phys[d]):
                 self.streams.append(cupy.cuda.Stream(non_blocking=True))
+        from relational_tensors.gpu_exec.fusion import fusion_enabled
+
+        # fused kernels where this executor's _issue_all issues them (a subclass that issues tasks its own way
+        # runs every task on its own)
+        self.fusing = fusion_enabled(fuse) and type(self)._issue_all is CupyExecutor._issue_all
         self._layout()
         self._constants()
         self._dependencies()
-        self._fuse(fuse)
+        self._fuse()
         self.loaded = False
         self.resident: set[str] = set()
         self.runs = 0
@@ -145,7 +150,13 @@ class CupyExecutor:
         """One arena per logical device, laid out by the memory plan (no allocation after this)."""
         cp = self.cp
         dag = self.dag
-        plan = plan_memory(self.graph, dag, self.live, self.lse_from_forward)
+        self.fused_groups: list[Any] = []
+        if self.fusing:  # the plan keeps what the fused kernels read until they run (fusion.fusion_plan)
+            from relational_tensors.gpu_exec.fusion import fusion_plan
+
+            plan, self.fused_groups = fusion_plan(self.graph, dag, self.live, self.lse_from_forward)
+        else:
+            plan = plan_memory(self.graph, dag, self.live, self.lse_from_forward)
         self.plan = plan
         self.arena_bytes = dict(plan.arena_bytes)
         self.arenas: list[Any] = []  # None for a device another process holds
@@ -244,15 +255,15 @@ class CupyExecutor:
             with self.cp.cuda.Device(self.phys[self.dag.tasks[tid].device]):
                 self.events[tid] = self.cp.cuda.Event(block=False, disable_timing=True, interprocess=False)
 
-    def _fuse(self, fuse: bool | None) -> None:
-        """The fused groups of elementwise tasks this executor's ``_issue_all`` issues (none where a
-        subclass issues tasks its own way), and their kinds and labels for ``profile()``."""
-        from relational_tensors.gpu_exec.fusion import FusedSchedule, fusion_enabled
+    def _fuse(self) -> None:
+        """The schedule of the fused groups of elementwise tasks (``fusion``; none when not ``fusing``), and
+        their kinds and labels for ``profile()``."""
+        from relational_tensors.gpu_exec.fusion import FusedSchedule
 
         self.fusion: FusedSchedule | None = None
         self.profile_kinds: dict[int, tuple[str, str]] = {}
-        if fusion_enabled(fuse) and type(self)._issue_all is CupyExecutor._issue_all:
-            self.fusion = FusedSchedule.build(self.graph, self.dag, self.plan, self.live, self.views)
+        if self.fusing:
+            self.fusion = FusedSchedule.build(self.graph, self.dag, self.plan, self.live, self.views, self.fused_groups)
             self.profile_kinds = self.fusion.labels(self.dag)
 
     # --- inputs and outputs ---------------------------------------------------------------

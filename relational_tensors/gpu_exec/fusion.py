@@ -31,6 +31,13 @@ intermediate to its block's dtype as the unfused store would, and is compiled wi
 multiply and an add into one rounding (which an unfused store never allows); ops whose own kernels
 contain such multiply-adds (gelu, tanh, log, log-add-exp) are left unfused.
 
+The memory plan is made for the fused program (``fusion_plan``): the groups are first found on a plan
+where no two buffers share bytes, then every block a group reads is kept until the group's kernel runs
+(its last task), and the groups are found again on that plan, which now lets them read what the plain
+plan would have reused by then (AdamW's cast of a gradient to float32 and its decayed master weights,
+issued with the update).  The kept blocks can raise an arena above the liveness prediction only where
+they are alive at its peak.
+
 ``RELATIONAL_TENSORS_FUSE=0`` (or ``CupyExecutor(..., fuse=False)``) turns fusion off.
 """
 
@@ -46,11 +53,11 @@ from typing import Any
 from relational_tensors.errors import ExecError
 from relational_tensors.frontend.graph import Graph
 from relational_tensors.gpu_exec.kernels.common import contiguous_strides, merge_dims
-from relational_tensors.gpu_exec.memory_plan import MemoryPlan, view_geometry
+from relational_tensors.gpu_exec.memory_plan import MemoryPlan, plan_memory, view_geometry
 from relational_tensors.physical.tasks import Liveness, Task, TaskDAG
 
 __all__ = ["FUSE_ENV", "UNARY_OPS", "BINARY_OPS", "FusedExpr", "FusionGroup", "FusedIssue", "FusedSchedule",
-           "fusion_enabled", "fusion_groups", "access", "geometry"]
+           "fusion_enabled", "fusion_groups", "fusion_plan", "access", "geometry"]
 
 FUSE_ENV = "RELATIONAL_TENSORS_FUSE"  # "0": the executor issues every task on its own
 # unary and binary ops whose kernels hold no multiply-add the compiler could contract (see the docstring)
@@ -431,6 +438,61 @@ def fusion_groups(graph: Graph, dag: TaskDAG, plan: MemoryPlan, live: Liveness) 
     return sorted(out, key=lambda g: g.last)
 
 
+def fusion_plan(graph: Graph, dag: TaskDAG, live: Liveness,
+                lse_from_forward: bool = True) -> tuple[MemoryPlan, list[FusionGroup]]:
+    """The memory plan of the fused program and its groups (the module's docstring): every block a group
+    found on a plan without reuse reads is kept until that group's last task, except for the groups whose
+    keeping would raise a device's peak of live bytes, and the groups are found again on the plan made so."""
+    spacious = plan_memory(graph, dag, live, lse_from_forward, reuse=False)
+    wanted = fusion_groups(graph, dag, spacious, live)
+    while True:
+        keep: dict[int, int] = {}
+        for g in wanted:
+            for b in g.operands:
+                r = spacious.root(b)
+                keep[r] = max(keep.get(r, -1), g.last)
+        raised = _raised_peaks(dag, spacious, keep)
+        if not raised:
+            break
+        # the groups that keep a block alive only for them at the time of a raised peak give up fusing it
+        wanted = [g for g in wanted if not any(
+            (r := spacious.root(b)) in raised and spacious.lifetimes[r][1] < raised[r] <= g.last
+            for b in g.operands)]
+    plan = plan_memory(graph, dag, live, lse_from_forward, keep_until=keep)
+    return plan, fusion_groups(graph, dag, plan, live)
+
+
+def _raised_peaks(dag: TaskDAG, plan: MemoryPlan, keep: dict[int, int]) -> dict[int, int]:
+    """Root -> the time of its device's raised peak, for the roots that ``keep`` keeps alive past their own
+    last use at a time where a device's live bytes pass its peak without ``keep``."""
+    out: dict[int, int] = {}
+    by_device: dict[int, list[int]] = defaultdict(list)
+    for r in plan.lifetimes:
+        by_device[dag.buffers[r].device].append(r)
+    for roots in by_device.values():
+        base, _ = _peak(plan, roots, {})
+        peak, at = _peak(plan, roots, keep)
+        if peak > base:
+            out.update({r: at for r in roots if r in keep and plan.lifetimes[r][1] < at <= keep[r]})
+    return out
+
+
+def _peak(plan: MemoryPlan, roots: list[int], keep: dict[int, int]) -> tuple[int, int]:
+    """(the most bytes of ``roots`` alive at once, the first task where they are), each root alive over its
+    lifetime in ``plan``, to ``keep``'s task where that is later."""
+    events: dict[int, int] = defaultdict(int)
+    for r in roots:
+        born, dies = plan.lifetimes[r]
+        events[born] += plan.slots[r].size
+        events[max(dies, keep.get(r, -1)) + 1] -= plan.slots[r].size
+    live = peak = at = 0
+    for t in sorted(events):
+        live += events[t]
+        if live > peak:
+            peak, at = live, t
+    return peak, at
+
+
 def _split(facts: _Facts, members: list[int], edges: list[tuple[int, int]]) -> list[FusionGroup]:
     """Groups of a connected set that cannot be one: greedy in task order, then merged pairwise."""
     tasks = facts.dag.tasks
@@ -507,13 +569,14 @@ class FusedSchedule:
     deferred: frozenset[int]
 
     @classmethod
-    def build(cls, graph: Graph, dag: TaskDAG, plan: MemoryPlan, live: Liveness, views: dict[int, Any]
-              ) -> FusedSchedule:
-        """The schedule of ``fusion_groups``, each group's kernel generated (and compiled at its first launch)
-        over the executor's device ``views``."""
+    def build(cls, graph: Graph, dag: TaskDAG, plan: MemoryPlan, live: Liveness, views: dict[int, Any],
+              groups: list[FusionGroup] | None = None) -> FusedSchedule:
+        """The schedule of ``groups`` (by default ``fusion_groups`` on ``plan``), each group's kernel
+        generated (and compiled at its first launch) over the executor's device ``views``."""
         from relational_tensors.gpu_exec.kernels import triton_fused
 
-        groups = fusion_groups(graph, dag, plan, live)
+        if groups is None:
+            groups = fusion_groups(graph, dag, plan, live)
         at = {}
         for g in groups:
             waits = tuple(sorted({w for m in g.tasks for w in plan.waits.get(m, ())} - set(g.tasks)))

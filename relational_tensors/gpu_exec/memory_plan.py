@@ -100,6 +100,7 @@ class MemoryPlan:
     view_order: tuple[int, ...] = ()        # aliases and views, each after the buffer it is taken from
     lse_out: dict[int, int] = field(default_factory=dict)   # forward attention task -> the lse block it writes
     lse_from: dict[int, int] = field(default_factory=dict)  # attention_lse task -> that forward task
+    lifetimes: dict[int, tuple[int, int]] = field(default_factory=dict)  # root -> (first task, last task)
 
     def writes(self, t: Task) -> tuple[int, ...]:
         """The buffers task ``t`` writes: its outputs, and for a forward in ``lse_out`` that lse block."""
@@ -169,9 +170,13 @@ def forward_lse(graph: Graph, dag: TaskDAG) -> dict[int, int]:
     return out
 
 
-def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness, lse_from_forward: bool = True) -> MemoryPlan:
+def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness, lse_from_forward: bool = True,
+                keep_until: dict[int, int] | None = None, reuse: bool = True) -> MemoryPlan:
     """Slots, arena sizes and cross-stream waits (the module's rules); ``lse_from_forward`` lets forward
-    attention tasks write the log-sum-exp their backward reads (``forward_lse``)."""
+    attention tasks write the log-sum-exp their backward reads (``forward_lse``); ``keep_until`` (root
+    buffer -> task) keeps a buffer's memory until that task at least (a fused kernel reads it there);
+    ``reuse=False`` gives every buffer bytes of its own (a plan to find what could be fused, never
+    allocated)."""
     end = len(dag.tasks)
     alias, reshaped, order = _aliases(graph, dag)
     lse_from = forward_lse(graph, dag) if lse_from_forward else {}
@@ -187,6 +192,7 @@ def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness, lse_from_forward: bo
     for dst, src in alias.items():  # the shared memory lives until the last user of any of them
         group_end[src] = max(group_end.get(src, live.last_use.get(src, end)), live.last_use.get(dst, end))
     slots: dict[int, Slot] = {}
+    all_lifetimes: dict[int, tuple[int, int]] = {}
     reuses: dict[int, list[int]] = {}
     arena_bytes: dict[int, int] = {}
     for d in range(dag.p):
@@ -195,8 +201,16 @@ def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness, lse_from_forward: bo
         for b in mine:
             main, extra = buffer_bytes(dag, b)
             sizes[b] = align(main) + extra
-        lifetimes = {b: (born.get(b, 0), group_end.get(b, live.last_use.get(b, end))) for b in mine}
-        device_slots, total, device_reuses = plan_arena(sizes, lifetimes)
+        lifetimes = {b: (born.get(b, 0), max(group_end.get(b, live.last_use.get(b, end)),
+                                             (keep_until or {}).get(b, -1))) for b in mine}
+        all_lifetimes.update(lifetimes)
+        if reuse:
+            device_slots, total, device_reuses = plan_arena(sizes, lifetimes)
+        else:
+            device_slots, total, device_reuses = {}, 0, {}
+            for b in sorted(mine):
+                device_slots[b] = Slot(total, align(max(sizes[b], 1)))
+                total += device_slots[b].size
         slots.update(device_slots)
         reuses.update(device_reuses)
         arena_bytes[d] = total
@@ -219,7 +233,8 @@ def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness, lse_from_forward: bo
             for old in reuses.get(alias.get(b, b), ()):
                 deps.update(x for x in touchers[old] if x < t.id and dag.tasks[x].kind != "load")
         waits[t.id] = sorted(x for x in deps if dag.tasks[x].device != t.device)
-    return MemoryPlan(alias, slots, arena_bytes, reuses, waits, frozenset(reshaped), tuple(order), lse_out, lse_from)
+    return MemoryPlan(alias, slots, arena_bytes, reuses, waits, frozenset(reshaped), tuple(order), lse_out, lse_from,
+                      all_lifetimes)
 
 
 def view_geometry(dag: TaskDAG, plan: MemoryPlan) -> dict[int, tuple[int, tuple[int, ...]]]:
