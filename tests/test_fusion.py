@@ -46,7 +46,7 @@ from relational_tensors.gpu_exec.fusion import (  # noqa: E402
     fusion_plan,
 )
 from relational_tensors.gpu_exec.kernels.common import contiguous_strides  # noqa: E402
-from relational_tensors.gpu_exec.memory_plan import MemoryPlan, align, plan_memory, view_geometry  # noqa: E402
+from relational_tensors.gpu_exec.memory_plan import SIBLINGS, MemoryPlan, align, plan_memory, view_geometry  # noqa: E402
 from relational_tensors.models import llama_training_feeds, llama_training_graph  # noqa: E402
 from relational_tensors.optim import adamw  # noqa: E402
 from relational_tensors.physical.tasks import TaskDAG  # noqa: E402
@@ -326,7 +326,7 @@ def test_groups_of_random_elementwise_graphs_keep_the_program(data: st.DataObjec
 # ------------------------------------------------------------------ 2. the kernels, bit for bit
 
 KERNEL_MODULES = ("triton_elementwise", "triton_copy", "triton_norms", "triton_fused", "triton_attention",
-                  "triton_attention_grad")
+                  "triton_attention_grad", "triton_elementwise_grad")
 
 
 class HostArenas:
@@ -381,12 +381,12 @@ class HostProgram:
     """A compiled program run task by task on ``HostArenas``, as the CuPy executor runs it: the unfused
     tasks through their launchers, or each group's generated kernel at its last task."""
 
-    def __init__(self, cg: rt.CompiledGraph, fused: bool, lse_from_forward: bool = True) -> None:
+    def __init__(self, cg: rt.CompiledGraph, fused: bool, siblings: tuple[str, ...] = SIBLINGS) -> None:
         from relational_tensors.gpu_exec.kernels.common import DevBuf
 
         self.cg, self.dag = cg, cg.dag
-        self.plan = fusion_plan(cg.graph, cg.dag, cg.live, lse_from_forward)[0] if fused else \
-            plan_memory(cg.graph, cg.dag, cg.live, lse_from_forward)
+        self.plan = fusion_plan(cg.graph, cg.dag, cg.live, siblings)[0] if fused else \
+            plan_memory(cg.graph, cg.dag, cg.live, siblings)
         self.mem = HostArenas(self.plan)
         self.views: dict[int, Any] = {}
         for b, buf in self.dag.buffers.items():
@@ -459,7 +459,7 @@ class HostProgram:
 
         views = self.views
         if t.kind == "kernel":
-            if t.outputs[0] in self.plan.reshaped or t.id in self.plan.lse_from:
+            if t.outputs[0] in self.plan.reshaped or t.id in self.plan.done_by:
                 return  # an aliased reshape; an lse its forward wrote
             node = self.cg.graph.nodes[t.op]
             consts: dict[str, Any] = {}
@@ -473,8 +473,8 @@ class HostProgram:
                 consts["scratch"] = DevBuf(self.mem.scratch(math.prod(shape) * itemsize(dtype)), tuple(shape),
                                            dtype, 0)
             out = views[t.outputs[0]]
-            if t.id in self.plan.lse_out:  # a forward attention writes the lse its backward reads
-                out = (out, views[self.plan.lse_out[t.id]])
+            if t.id in self.plan.also_writes:  # a sibling task's output too (the lse of a forward attention)
+                out = (out, views[self.plan.also_writes[t.id]])
             launcher_for(node.kind).launch(node.op, t.kernel.function, [views[b] for b in t.inputs], out, consts, 0)
         elif t.kind in ("copy", "assign", "recompose") and len(t.inputs) == 1 and \
                 views[t.inputs[0]].shape == views[t.outputs[0]].shape:
@@ -507,8 +507,8 @@ def host(monkeypatch: pytest.MonkeyPatch) -> Callable[..., HostProgram]:
 
     programs: list[HostProgram] = []
 
-    def make(cg: rt.CompiledGraph, fused: bool, lse_from_forward: bool = True) -> HostProgram:
-        prog = HostProgram(cg, fused, lse_from_forward)
+    def make(cg: rt.CompiledGraph, fused: bool, siblings: tuple[str, ...] = SIBLINGS) -> HostProgram:
+        prog = HostProgram(cg, fused, siblings)
         for name in KERNEL_MODULES:
             module = importlib.import_module(f"relational_tensors.gpu_exec.kernels.{name}")
             if GPU:
@@ -650,14 +650,41 @@ def test_the_forward_attention_kernel_writes_the_lse_its_backward_reads(host: Ca
     want = rt.reference(g, feeds)
     cg = rt.compileGraph(g, device=f"cpu:{p}")
     for paired in (True, False):
-        prog = host(cg, False, paired)
-        assert bool(prog.plan.lse_from) == paired
+        prog = host(cg, False, SIBLINGS if paired else ())
+        assert bool(prog.plan.done_by) == paired
         prog.load(feeds)
         prog.execute()
         for name in ("o", "dq", "dk", "dv"):
             got, ref = prog.saved(name), want[name]
             err = float(np.max(np.abs(got - ref))) / float(np.max(np.abs(ref)))
             assert err < 1e-5, f"{name} (p={p}, lse from the forward: {paired}): {err:.1e} of the largest"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_swiglu_gradient_kernel_writes_both_bit_for_bit(host: Callable[..., HostProgram], dtype: str) -> None:
+    """swiglu's backward through the launchers on the arenas, in Triton's interpreter: one kernel writes da
+    and db (the second task does nothing), with the same bits as the two kernels alone."""
+    g = rt.Graph()
+    a = g.input("a", [3, 40, 24], dtype)
+    b = g.input("b", [3, 40, 24], dtype)
+    dy = g.input("dy", [3, 40, 24], dtype)
+    y = g.swiglu(a, b)
+    for name, t in zip(("da", "db"), g.vjp(y, dy, [a, b])):
+        g.save(t, name=name)
+    feeds = _values(g, 5)
+    cg = rt.compileGraph(g, device="cpu:2")
+    runs = {}
+    for kinds in (("swiglu_grad",), ()):
+        prog = host(cg, False, kinds)
+        assert bool(prog.plan.done_by) == bool(kinds)
+        prog.load(feeds)
+        prog.execute()
+        runs[kinds] = {name: prog.saved(name) for name in ("da", "db")}
+    want = rt.reference(g, feeds)
+    for name in ("da", "db"):
+        assert runs[("swiglu_grad",)][name].tobytes() == runs[()][name].tobytes(), name
+        got, ref = (np.asarray(x, np.float64) for x in (runs[()][name], want[name]))
+        assert np.max(np.abs(got - ref)) <= (1e-5 if dtype == "float32" else 1e-2) * np.max(np.abs(ref)), name
 
 
 def test_generated_source_is_cached_by_expression(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:

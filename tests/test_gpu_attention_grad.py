@@ -85,18 +85,18 @@ def test_training_step_gradients_with_the_triton_attention_backward(dtype: str, 
 def test_the_backward_reads_the_lse_the_forward_wrote(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The forward attention kernel writes the log-sum-exp rows the backward reads (the attention_lse
     tasks do nothing): the gradients equal the reference, and those of the same plan with the lse
-    recomputed (RELATIONAL_TENSORS_FORWARD_LSE=0) within 16-bit rounding (the two kernels sum the row's
+    recomputed (RELATIONAL_TENSORS_SIBLINGS=0) within 16-bit rounding (the two kernels sum the row's
     exponentials in different orders)."""
     g = llama_training_graph(1, 96, 64, 8, 2, 128, 97, dtype="bfloat16", seq_ends=(30, 71, 96))
     feeds = llama_training_feeds(g)
     want = rt.reference(g, feeds)
     cg = rt.compileGraph(g, device=device)
     paired = cg.run(feeds)
-    assert cg.executor.plan.lse_from
-    monkeypatch.setenv("RELATIONAL_TENSORS_FORWARD_LSE", "0")
+    assert cg.executor.plan.done_by
+    monkeypatch.setenv("RELATIONAL_TENSORS_SIBLINGS", "0")
     cg_plain = rt.compileGraph(g, device=device)
     plain = cg_plain.run(feeds)
-    assert not cg_plain.executor.plan.lse_from
+    assert not cg_plain.executor.plan.done_by
     for name in g.outputs:
         _relative(paired[name], want[name], 3e-2, f"{device} {name}")
         _relative(paired[name], plain[name], 2e-2, f"{device} {name} against the recomputed lse")

@@ -8,7 +8,7 @@ import pytest
 from cases import CASES
 
 import relational_tensors as rt
-from relational_tensors.gpu_exec.memory_plan import MemoryPlan, forward_lse, plan_arena, plan_memory
+from relational_tensors.gpu_exec.memory_plan import MemoryPlan, plan_arena, plan_memory, sibling_tasks
 from relational_tensors.models import LLAMA3_8B, llama_block, llama_training_graph
 
 
@@ -32,7 +32,7 @@ def hazards(cg: rt.CompiledGraph, plan: MemoryPlan) -> list[tuple[int, int]]:
 
     by_arena: dict[int, list[tuple[int, int, int, bool]]] = {}
     for t in dag.tasks:
-        if t.kind == "load" or (t.kind == "kernel" and (t.outputs[0] in plan.reshaped or t.id in plan.lse_from)):
+        if t.kind == "load" or (t.kind == "kernel" and (t.outputs[0] in plan.reshaped or t.id in plan.done_by)):
             continue  # loads finish before execution; an aliased reshape and an lse its forward wrote touch nothing
         for b, write in [(b, False) for b in t.inputs] + [(b, True) for b in plan.writes(t)]:
             d, lo, hi = plan.byte_range(dag, b)
@@ -127,16 +127,33 @@ def test_forward_attention_writes_the_lse_its_backward_reads(p: int) -> None:
     g = llama_training_graph(2, 40, 32, 4, 2, 48, 29, seq_ends=(7, 20, 40))
     cg = rt.compileGraph(g, device=f"cpu:{p}")
     plan = check(cg)
-    pairs = forward_lse(cg.graph, cg.dag)
+    pairs = sibling_tasks(cg.graph, cg.dag, ("attention_lse",))
     lse_tasks = [t for t in cg.dag.tasks if t.kind == "kernel" and cg.graph.nodes[t.op].kind == "attention_lse"]
-    assert len(pairs) == (0 if p == 3 else len(lse_tasks)) and plan.lse_from == pairs
+    assert len(pairs) == (0 if p == 3 else len(lse_tasks)) and pairs.items() <= plan.done_by.items()
     for lse_task, fwd in pairs.items():
         f, lt = cg.dag.tasks[fwd], cg.dag.tasks[lse_task]
         assert f.device == lt.device and f.inputs[:2] == lt.inputs[:2] and fwd < lse_task
         assert cg.graph.nodes[f.op].kind == "attention" and cg.graph.nodes[lt.op].kind == "attention_lse"
         assert plan.writes(f) == (*f.outputs, lt.outputs[0])
-    plain = plan_memory(cg.graph, cg.dag, cg.live, lse_from_forward=False)
-    assert plain.lse_from == {} and hazards(cg, plain) == []
+    plain = plan_memory(cg.graph, cg.dag, cg.live, siblings=())
+    assert plain.done_by == {} and hazards(cg, plain) == []
+
+
+@pytest.mark.parametrize("p", [1, 2, 4, 8])
+def test_one_swiglu_gradient_kernel_writes_both(p: int) -> None:
+    """The swiglu backward's two tasks on the same a, b and dy blocks: the first writes both gradients (its
+    sibling's block is born there, and the hazard check sees the write); every pair reads the same
+    buffers, one task for da and one for db."""
+    g = llama_training_graph(2, 40, 32, 4, 2, 48, 29, seq_ends=(7, 20, 40))
+    cg = rt.compileGraph(g, device=f"cpu:{p}")
+    plan = check(cg)
+    pairs = sibling_tasks(cg.graph, cg.dag, ("swiglu_grad",))
+    assert pairs and pairs.items() <= plan.done_by.items()
+    for later, first in pairs.items():
+        f, t = cg.dag.tasks[first], cg.dag.tasks[later]
+        assert first < later and f.device == t.device and f.inputs == t.inputs
+        assert {cg.graph.nodes[f.op].op.wrt, cg.graph.nodes[t.op].op.wrt} == {0, 1}
+        assert plan.writes(f) == (*f.outputs, t.outputs[0])
 
 
 def test_the_forward_lse_equals_the_recomputed_one() -> None:

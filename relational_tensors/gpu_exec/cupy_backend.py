@@ -12,9 +12,9 @@
 * chains of elementwise kernel tasks run as one generated kernel each, issued
   where the chain's last task stands (``fusion``; ``fuse=False`` or
   ``RELATIONAL_TENSORS_FUSE=0`` issues every task on its own);
-* a forward attention kernel also writes the log-sum-exp rows that the backward's ``attention_lse``
-  task would recompute, where both read the same blocks (``memory_plan.forward_lse``; off with
-  ``lse_from_forward=False`` or ``RELATIONAL_TENSORS_FORWARD_LSE=0``);
+* a kernel writes a sibling task's output as it goes: the forward attention the log-sum-exp rows that
+  the backward's ``attention_lse`` task would recompute, one ``swiglu_grad`` both gradients
+  (``memory_plan.sibling_tasks``; off with ``siblings=False`` or ``RELATIONAL_TENSORS_SIBLINGS=0``);
 * the first execute() runs eagerly (it compiles the Triton kernels); the
   second captures the whole DAG into one CUDA graph, and every later execute()
   is a graph launch.
@@ -34,7 +34,7 @@ from relational_tensors.frontend.graph import Graph
 from relational_tensors.gpu_exec.kernels import triton_copy as tc
 from relational_tensors.gpu_exec.kernels import triton_elementwise as te
 from relational_tensors.gpu_exec.kernels.common import DevBuf, bind_triton_to_cupy
-from relational_tensors.gpu_exec.memory_plan import ALIGN, buffer_bytes, plan_memory, view_geometry
+from relational_tensors.gpu_exec.memory_plan import ALIGN, SIBLINGS, buffer_bytes, plan_memory, view_geometry
 from relational_tensors.gpu_exec.memory_plan import align as _align
 from relational_tensors.physical.tasks import (
     AggregatePayload,
@@ -53,7 +53,7 @@ from relational_tensors.target.devices import DeviceSet
 __all__ = ["CupyExecutor"]
 
 AGG_OPS = {"sum": "add", "max": "maximum", "min": "minimum", "logsumexp": "logaddexp"}
-FORWARD_LSE_ENV = "RELATIONAL_TENSORS_FORWARD_LSE"  # "0": attention_lse tasks recompute the scores
+SIBLINGS_ENV = "RELATIONAL_TENSORS_SIBLINGS"  # "0": every task runs its own kernel (memory_plan.sibling_tasks)
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction (and the GPUs) from the unified addresses
 
 
@@ -61,7 +61,7 @@ class CupyExecutor:
     """Runs one TaskDAG on GPUs; ``load`` once, ``execute`` many times (a CUDA graph after the first)."""
 
     def __init__(self, graph: Graph, dag: TaskDAG, live: Liveness, devices: DeviceSet,
-                 attention: str = "triton", fuse: bool | None = None, lse_from_forward: bool | None = None) -> None:
+                 attention: str = "triton", fuse: bool | None = None, siblings: bool | None = None) -> None:
         try:
             import cupy
         except ImportError as e:
@@ -69,11 +69,11 @@ class CupyExecutor:
         self.cp = cupy
         self.graph, self.dag, self.live, self.devices = graph, dag, live, devices
         self.attention = attention
-        # the forward attention kernel writes the log-sum-exp its backward reads (memory_plan.forward_lse);
-        # not with library FlashAttention kernels, which do not hand it out
-        self.lse_from_forward = attention != "flash" and (
-            lse_from_forward if lse_from_forward is not None
-            else os.environ.get(FORWARD_LSE_ENV, "1").strip().lower() not in ("0", "false", "off", "no"))
+        # kernels that write a sibling task's output as they go (memory_plan.sibling_tasks); not the forward's
+        # log-sum-exp with library FlashAttention kernels, which do not hand it out
+        on = siblings if siblings is not None else \
+            os.environ.get(SIBLINGS_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+        self.siblings = tuple(k for k in SIBLINGS if on and not (k == "attention_lse" and attention == "flash"))
         if attention == "flash":
             from relational_tensors.gpu_exec.kernels.flash import backend
 
@@ -154,9 +154,9 @@ class CupyExecutor:
         if self.fusing:  # the plan keeps what the fused kernels read until they run (fusion.fusion_plan)
             from relational_tensors.gpu_exec.fusion import fusion_plan
 
-            plan, self.fused_groups = fusion_plan(self.graph, dag, self.live, self.lse_from_forward)
+            plan, self.fused_groups = fusion_plan(self.graph, dag, self.live, self.siblings)
         else:
-            plan = plan_memory(self.graph, dag, self.live, self.lse_from_forward)
+            plan = plan_memory(self.graph, dag, self.live, self.siblings)
         self.plan = plan
         self.arena_bytes = dict(plan.arena_bytes)
         self.arenas: list[Any] = []  # None for a device another process holds
@@ -616,13 +616,13 @@ class CupyExecutor:
         if t.kind == "kernel":
             from relational_tensors.gpu_exec.launchers import launcher_for
 
-            if t.outputs[0] in self.plan.reshaped or t.id in self.plan.lse_from:
-                return  # a reshape whose output shares its input's memory; an lse its forward wrote
+            if t.outputs[0] in self.plan.reshaped or t.id in self.plan.done_by:
+                return  # a reshape whose output shares its input's memory; a sibling another kernel did
             assert t.op is not None  # a kernel task serves an operator node
             node = self.graph.nodes[t.op]
             out = views[t.outputs[0]]
-            if t.id in self.plan.lse_out:  # a forward attention: its rows' log-sum-exp too
-                out = (out, views[self.plan.lse_out[t.id]])
+            if t.id in self.plan.also_writes:  # a sibling's output too: (its own, the sibling's)
+                out = (out, views[self.plan.also_writes[t.id]])
             launcher_for(node.kind).launch(node.op, t.kernel.function, [views[b] for b in t.inputs], out,
                                            self.task_consts.get(t.id, {}), stream.ptr)
         elif t.kind in ("copy", "assign"):  # an assign: a state's next value into its kept block

@@ -127,7 +127,7 @@ class DistCupyExecutor(Ranks, CupyExecutor):
             dist.all_reduce(torch.zeros(1, device=f"cuda:{self.gpu}"), group=group)
         # the forward-written lse is left out: the two-stream schedule (dist_streams) orders tasks by the
         # buffers they name, and the forward's extra write is not among them
-        super().__init__(graph, dag, live, devices, attention, lse_from_forward=False)
+        super().__init__(graph, dag, live, devices, attention, siblings=False)
         cp = self.cp
         with cp.cuda.Device(self.gpu):
             self.compute = self.streams[self.rank]

@@ -53,7 +53,7 @@ from typing import Any
 from relational_tensors.errors import ExecError
 from relational_tensors.frontend.graph import Graph
 from relational_tensors.gpu_exec.kernels.common import contiguous_strides, merge_dims
-from relational_tensors.gpu_exec.memory_plan import MemoryPlan, plan_memory, view_geometry
+from relational_tensors.gpu_exec.memory_plan import SIBLINGS, MemoryPlan, plan_memory, view_geometry
 from relational_tensors.physical.tasks import Liveness, Task, TaskDAG
 
 __all__ = ["FUSE_ENV", "UNARY_OPS", "BINARY_OPS", "FusedExpr", "FusionGroup", "FusedIssue", "FusedSchedule",
@@ -439,11 +439,11 @@ def fusion_groups(graph: Graph, dag: TaskDAG, plan: MemoryPlan, live: Liveness) 
 
 
 def fusion_plan(graph: Graph, dag: TaskDAG, live: Liveness,
-                lse_from_forward: bool = True) -> tuple[MemoryPlan, list[FusionGroup]]:
+                siblings: Sequence[str] = SIBLINGS) -> tuple[MemoryPlan, list[FusionGroup]]:
     """The memory plan of the fused program and its groups (the module's docstring): every block a group
     found on a plan without reuse reads is kept until that group's last task, except for the groups whose
     keeping would raise a device's peak of live bytes, and the groups are found again on the plan made so."""
-    spacious = plan_memory(graph, dag, live, lse_from_forward, reuse=False)
+    spacious = plan_memory(graph, dag, live, siblings, reuse=False)
     wanted = fusion_groups(graph, dag, spacious, live)
     while True:
         keep: dict[int, int] = {}
@@ -458,7 +458,7 @@ def fusion_plan(graph: Graph, dag: TaskDAG, live: Liveness,
         wanted = [g for g in wanted if not any(
             (r := spacious.root(b)) in raised and spacious.lifetimes[r][1] < raised[r] <= g.last
             for b in g.operands)]
-    plan = plan_memory(graph, dag, live, lse_from_forward, keep_until=keep)
+    plan = plan_memory(graph, dag, live, siblings, keep_until=keep)
     return plan, fusion_groups(graph, dag, plan, live)
 
 

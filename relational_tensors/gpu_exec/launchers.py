@@ -367,7 +367,10 @@ def _binary_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, st
 def _swiglu_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.gpu_exec.kernels import triton_elementwise_grad as teg
 
-    teg.swiglu_grad(ins[0], ins[1], ins[2], out, op.wrt)
+    if isinstance(out, tuple):  # (this gradient, the sibling task's): both from one pass
+        teg.swiglu_grad(ins[0], ins[1], ins[2], out[0], op.wrt, other=out[1])
+    else:
+        teg.swiglu_grad(ins[0], ins[1], ins[2], out, op.wrt)
 
 
 @launcher("softmax_grad")

@@ -11,22 +11,27 @@ waits computed here; tests check the plan for hazards on any DAG.
 * a task waits for the producers of its inputs on other streams (read after write) and for every
   earlier task on another stream that touched memory its outputs reuse (write after read/write); an
   ``assign``, which overwrites a state's loaded block, waits for every earlier task that touched it;
-* an ``attention_lse`` task whose rows the forward ``attention`` kernel computes anyway (the same q and
-  k blocks on the same device, the same key visibility, neither side a partial) is written by that
-  forward task (``forward_lse``): its block is born there, and the lse task has nothing to do.  The
-  backward then reads the forward's log-sum-exp instead of recomputing the scores a third time.
+* a kernel that computes a sibling task's output as it goes writes it (``siblings``): the forward
+  ``attention`` the log-sum-exp rows its backward's ``attention_lse`` task would recompute (the same q
+  and k blocks, the same key visibility, neither side a partial), and one ``swiglu_grad`` both
+  gradients (da and db from one read of a, b and dy).  The sibling's block is born at the task that
+  writes it, and the sibling has nothing to do.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from relational_tensors.frontend.graph import Graph
 from relational_tensors.physical.tasks import Liveness, Task, TaskDAG, block_bytes, reshape_shares
 from relational_tensors.sql_specs.attention import AttentionOp
 
-__all__ = ["MemoryPlan", "plan_memory", "plan_arena", "forward_lse", "view_geometry", "ALIGN", "align"]
+SIBLINGS = ("attention_lse", "swiglu_grad")  # the kinds of task another kernel can do as it goes
+
+__all__ = ["MemoryPlan", "plan_memory", "plan_arena", "sibling_tasks", "SIBLINGS", "view_geometry", "ALIGN",
+           "align"]
 
 ALIGN = 256
 
@@ -98,13 +103,13 @@ class MemoryPlan:
     waits: dict[int, list[int]]            # task -> tasks on other streams it waits for
     reshaped: frozenset[int] = frozenset()  # reshape outputs (the reshape kernel has nothing to do)
     view_order: tuple[int, ...] = ()        # aliases and views, each after the buffer it is taken from
-    lse_out: dict[int, int] = field(default_factory=dict)   # forward attention task -> the lse block it writes
-    lse_from: dict[int, int] = field(default_factory=dict)  # attention_lse task -> that forward task
+    also_writes: dict[int, int] = field(default_factory=dict)  # task -> a sibling's output it writes too
+    done_by: dict[int, int] = field(default_factory=dict)      # sibling task -> the task that writes its output
     lifetimes: dict[int, tuple[int, int]] = field(default_factory=dict)  # root -> (first task, last task)
 
     def writes(self, t: Task) -> tuple[int, ...]:
-        """The buffers task ``t`` writes: its outputs, and for a forward in ``lse_out`` that lse block."""
-        extra = self.lse_out.get(t.id)
+        """The buffers task ``t`` writes: its outputs, and a sibling's (``also_writes``)."""
+        extra = self.also_writes.get(t.id)
         return t.outputs if extra is None else (*t.outputs, extra)
 
     def root(self, b: int) -> int:
@@ -141,11 +146,30 @@ def _aliases(graph: Graph, dag: TaskDAG) -> tuple[dict[int, int], set[int], list
     return root, set(reshaped), order
 
 
-def forward_lse(graph: Graph, dag: TaskDAG) -> dict[int, int]:
-    """``attention_lse`` tasks whose block the forward ``attention`` task writes as it goes -> that forward
-    task: the same device, the same q and k buffers and key visibility (no padding, masks or biases,
-    which the forward runs densely), the lse block the forward's rows and heads, and neither output a ⊕
-    partial (a key split's partial lse rides with its partial output already)."""
+def sibling_tasks(graph: Graph, dag: TaskDAG, kinds: Sequence[str] = SIBLINGS) -> dict[int, int]:
+    """Tasks of ``kinds`` whose output an earlier kernel task writes as it goes -> that task (the module's
+    docstring), where no task between them writes a block the sibling reads."""
+    found: dict[int, int] = {}
+    if "attention_lse" in kinds:
+        found.update(_forward_lse(graph, dag))
+    if "swiglu_grad" in kinds:
+        found.update(_swiglu_pairs(graph, dag))
+    if not found:
+        return found
+    writers: dict[int, list[int]] = defaultdict(list)  # root -> the tasks that write it
+    for t in dag.tasks:
+        if t.kind != "load":
+            for b in t.outputs:
+                writers[dag.root(b)].append(t.id)
+    return {s: w for s, w in found.items()
+            if not any(w < x < s for b in dag.tasks[s].inputs for x in writers[dag.root(b)])}
+
+
+def _forward_lse(graph: Graph, dag: TaskDAG) -> dict[int, int]:
+    """``attention_lse`` tasks whose block the forward ``attention`` task can write -> that forward task: the
+    same device, q and k buffers and key visibility (no padding, masks or biases, which the forward runs
+    densely), the lse block the forward's rows and heads, and neither output a ⊕ partial (a key split's
+    partial lse rides with its partial output already)."""
     forwards: dict[tuple[int, int, int], Task] = {}
     out: dict[int, int] = {}
     for t in dag.tasks:
@@ -170,24 +194,48 @@ def forward_lse(graph: Graph, dag: TaskDAG) -> dict[int, int]:
     return out
 
 
-def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness, lse_from_forward: bool = True,
+def _swiglu_pairs(graph: Graph, dag: TaskDAG) -> dict[int, int]:
+    """The later of two ``swiglu_grad`` tasks (da and db) on the same a, b and dy buffers -> the earlier,
+    both outputs whole blocks of their own of one shape and dtype."""
+    first: dict[tuple[int, ...], Task] = {}
+    out: dict[int, int] = {}
+    for t in dag.tasks:
+        if t.kind != "kernel" or t.op is None or graph.nodes[t.op].kind != "swiglu_grad":
+            continue
+        o = dag.buffers[t.outputs[0]]
+        if o.partial is not None or o.parent is not None:
+            continue
+        key = (t.device, *t.inputs)
+        f = first.get(key)
+        if f is None:
+            first[key] = t
+            continue
+        fo = dag.buffers[f.outputs[0]]
+        wrt = (graph.nodes[f.op].op.wrt, graph.nodes[t.op].op.wrt)  # type: ignore[index, union-attr]
+        if wrt in ((0, 1), (1, 0)) and o.box.shape == fo.box.shape and o.dtype == fo.dtype:
+            out[t.id] = f.id
+            del first[key]
+    return out
+
+
+def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness, siblings: Sequence[str] = SIBLINGS,
                 keep_until: dict[int, int] | None = None, reuse: bool = True) -> MemoryPlan:
-    """Slots, arena sizes and cross-stream waits (the module's rules); ``lse_from_forward`` lets forward
-    attention tasks write the log-sum-exp their backward reads (``forward_lse``); ``keep_until`` (root
-    buffer -> task) keeps a buffer's memory until that task at least (a fused kernel reads it there);
+    """Slots, arena sizes and cross-stream waits (the module's rules); ``siblings``: the kinds of task
+    another kernel writes the output of as it goes (``sibling_tasks``; none with ``()``); ``keep_until``
+    (root buffer -> task) keeps a buffer's memory until that task at least (a fused kernel reads it there);
     ``reuse=False`` gives every buffer bytes of its own (a plan to find what could be fused, never
     allocated)."""
     end = len(dag.tasks)
     alias, reshaped, order = _aliases(graph, dag)
-    lse_from = forward_lse(graph, dag) if lse_from_forward else {}
-    lse_out = {f: dag.tasks[lt].outputs[0] for lt, f in lse_from.items()}
+    done_by = sibling_tasks(graph, dag, siblings) if siblings else {}
+    also = {w: dag.tasks[s].outputs[0] for s, w in done_by.items()}
     born: dict[int, int] = {}
     for t in dag.tasks:
         for b in t.outputs:
             r = alias.get(b, b)  # a root is born with the first write to it or to any of its views
             born[r] = min(born.get(r, end), 0 if t.kind == "load" else t.id)
-    for f, b in lse_out.items():
-        born[b] = min(born.get(b, end), f)
+    for w, b in also.items():
+        born[b] = min(born.get(b, end), w)
     group_end: dict[int, int] = {}
     for dst, src in alias.items():  # the shared memory lives until the last user of any of them
         group_end[src] = max(group_end.get(src, live.last_use.get(src, end)), live.last_use.get(dst, end))
@@ -218,8 +266,8 @@ def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness, lse_from_forward: bo
     for t in dag.tasks:
         for b in (*t.inputs, *t.outputs):
             touchers[alias.get(b, b)].append(t.id)
-    for f, b in lse_out.items():
-        touchers[b].insert(0, f)
+    for w, b in also.items():
+        touchers[b].insert(0, w)
     read_after_write = dag.producers()
     waits: dict[int, list[int]] = {}
     for t in dag.tasks:
@@ -229,11 +277,11 @@ def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness, lse_from_forward: bo
         if t.kind == "assign":  # it overwrites a loaded block: after every earlier task that touched it
             deps.update(x for b in t.outputs for x in touchers[alias.get(b, b)]
                         if x < t.id and dag.tasks[x].kind != "load")
-        for b in (*t.outputs, *((lse_out[t.id],) if t.id in lse_out else ())):
+        for b in (*t.outputs, *((also[t.id],) if t.id in also else ())):
             for old in reuses.get(alias.get(b, b), ()):
                 deps.update(x for x in touchers[old] if x < t.id and dag.tasks[x].kind != "load")
         waits[t.id] = sorted(x for x in deps if dag.tasks[x].device != t.device)
-    return MemoryPlan(alias, slots, arena_bytes, reuses, waits, frozenset(reshaped), tuple(order), lse_out, lse_from,
+    return MemoryPlan(alias, slots, arena_bytes, reuses, waits, frozenset(reshaped), tuple(order), also, done_by,
                       all_lifetimes)
 
 

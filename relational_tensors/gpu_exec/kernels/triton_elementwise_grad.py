@@ -165,28 +165,39 @@ def binary_grad(x: DevBuf, y: DevBuf, dy: DevBuf, out: DevBuf, op: str, wrt: int
 
 
 @triton.jit
-def _swiglu_grad_kernel(a_ptr, b_ptr, dy_ptr, out_ptr, n, WRT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                        ACC: tl.constexpr):
+def _swiglu_grad_kernel(a_ptr, b_ptr, dy_ptr, out_ptr, other_ptr, n, WRT: tl.constexpr, BOTH: tl.constexpr,
+                        BLOCK_SIZE: tl.constexpr, ACC: tl.constexpr):
+    # out = da (WRT 0) or db (WRT 1); with BOTH the other one into other_ptr, from the same loads
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n
     a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(ACC)
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(ACC)
     s = tl.sigmoid(a)
-    if WRT == 0:  # dy · b · silu'(a)
+    if WRT == 0 or BOTH:  # dy · b · silu'(a)
         b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(ACC)
-        g = dy * b * (s * (1.0 + a * (1.0 - s)))
-    else:  # dy · silu(a)
-        g = dy * (a * s)
-    tl.store(out_ptr + offs, g.to(out_ptr.dtype.element_ty), mask=mask)
+        da = dy * b * (s * (1.0 + a * (1.0 - s)))
+        if WRT == 0:
+            tl.store(out_ptr + offs, da.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(other_ptr + offs, da.to(other_ptr.dtype.element_ty), mask=mask)
+    if WRT == 1 or BOTH:  # dy · silu(a)
+        db = dy * (a * s)
+        if WRT == 1:
+            tl.store(out_ptr + offs, db.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(other_ptr + offs, db.to(other_ptr.dtype.element_ty), mask=mask)
 
 
-def swiglu_grad(a: DevBuf, b: DevBuf, dy: DevBuf, out: DevBuf, wrt: int) -> None:
-    """out = ∂(silu(a)·b)/∂(a if wrt == 0 else b) applied to dy, contiguous views of one shape."""
-    if not a.shape == b.shape == dy.shape == out.shape:
-        raise ValueError(f"swiglu_grad needs a, b, dy and out of one shape; got {a.shape}, {b.shape}, {dy.shape}, "
-                         f"{out.shape}")
+def swiglu_grad(a: DevBuf, b: DevBuf, dy: DevBuf, out: DevBuf, wrt: int, other: DevBuf | None = None) -> None:
+    """out = ∂(silu(a)·b)/∂(a if wrt == 0 else b) applied to dy, contiguous views of one shape; with ``other``
+    the gradient with respect to the other operand into it too, from one read of a, b and dy."""
+    if not a.shape == b.shape == dy.shape == out.shape or (other is not None and other.shape != out.shape):
+        raise ValueError(f"swiglu_grad needs a, b, dy and out (and other) of one shape; got {a.shape}, {b.shape}, "
+                         f"{dy.shape}, {out.shape}" + (f", {other.shape}" if other is not None else ""))
     n = out.size
     if n:
-        _swiglu_grad_kernel[(triton.cdiv(n, BLOCK),)](Ptr(a), Ptr(b), Ptr(dy), Ptr(out), n, WRT=int(wrt),
-                                                      BLOCK_SIZE=BLOCK, ACC=acc_type(a.dtype))
+        _swiglu_grad_kernel[(triton.cdiv(n, BLOCK),)](Ptr(a), Ptr(b), Ptr(dy), Ptr(out),
+                                                      Ptr(other if other is not None else out), n, WRT=int(wrt),
+                                                      BOTH=other is not None, BLOCK_SIZE=BLOCK,
+                                                      ACC=acc_type(a.dtype))
