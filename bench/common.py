@@ -430,9 +430,17 @@ def matmul_rate() -> float:
 
 def busy_ms_by_kind(cg: rt.CompiledGraph) -> dict[str, float]:
     """Milliseconds of task time of one profiled run (``cg.profile()``) by task kind, kernels by operator
-    kind, every stream summed, largest first."""
+    kind, every stream summed, largest first; and under ``recomputation`` (counted in the kinds too) the
+    time of the operators a ``g.recompute()`` region makes again for the backward, where there are any."""
     kinds: dict[str, float] = {}
+    again = 0.0
     for t in cg.profile().tasks:
-        key = t.kind if t.kind != "kernel" else "kernel:" + cg.graph.nodes[cg.dag.tasks[t.task].op].kind
+        op = cg.dag.tasks[t.task].op
+        key = t.kind if t.kind != "kernel" else "kernel:" + cg.graph.nodes[op].kind
         kinds[key] = kinds.get(key, 0.0) + (t.end - t.start) * 1e3
-    return {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}
+        if op is not None and cg.graph.nodes[op].name.startswith("recompute."):  # autodiff's name for them
+            again += (t.end - t.start) * 1e3
+    out = {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}
+    if again:
+        out["recomputation"] = round(again, 4)
+    return out

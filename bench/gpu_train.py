@@ -13,12 +13,13 @@ breakdown of our step (a profiled run, a CUDA event around every task).  Before 
 loss and the parameters after three steps are compared with PyTorch's eager run.
 
     python bench/gpu_train.py [--workloads 8K,4x2K,32x1K] [--virtual 2,4,8] [--virtual-cost-models paper,calibrated]
-                              [--skip-ours] [--torch-modes eager,model,step] [--out bench/results]
+                              [--skip-ours] [--torch-modes eager,model,step] [--recompute] [--out bench/results]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import platform
@@ -45,14 +46,16 @@ WEIGHTS = {"attn_norm": [D], "wq": [D, HQ * DH], "wk": [D, HKV * DH], "wv": [D, 
 
 
 def step_graph(b: int, s: int, d_model: int = D, n_heads: int = HQ, n_kv_heads: int = HKV,
-               d_ff: int = DFF) -> tuple[rt.Graph, Any]:
+               d_ff: int = DFF, recompute: bool = False) -> tuple[rt.Graph, Any]:
     """The block's training step as one graph: bfloat16 states for the weights, float32 masters and
-    moments, the MSE against ``target`` in float32, AdamW at the input ``lr``."""
+    moments, the MSE against ``target`` in float32, AdamW at the input ``lr``; with ``recompute`` the
+    block is one ``g.recompute()`` region (only its input and output kept for the backward)."""
     g = rt.Graph()
     x = g.input("x", [b, s, d_model], "bfloat16", dims=("batch", "seq", "model"))
     target = g.input("target", [b, s, d_model], "bfloat16", dims=("batch", "seq", "model"))
-    y = add_llama_block(g, x, n_heads=n_heads, n_kv_heads=n_kv_heads, d_ff=d_ff, eps=EPS, rope_base=BASE,
-                        leaf=g.state)
+    with g.recompute() if recompute else contextlib.nullcontext():
+        y = add_llama_block(g, x, n_heads=n_heads, n_kv_heads=n_kv_heads, d_ff=d_ff, eps=EPS, rope_base=BASE,
+                            leaf=g.state)
     loss = g.save(g.mse(g.cast(y, "float32"), g.cast(target, "float32"), name="mse"), name="loss")
     params = g.trainable()
     lr = g.input("lr", [1], "float32")
@@ -183,6 +186,9 @@ def main() -> None:
     ap.add_argument("--virtual-cost-models", default="paper,calibrated",
                     help="cost models that plan the logical-device runs (paper, calibrated)")
     ap.add_argument("--skip-ours", action="store_true", help="only PyTorch's steps and the roofline")
+    ap.add_argument("--recompute", action="store_true",
+                    help="ours with the block as one g.recompute() region (activation checkpointing): the "
+                         "breakdown's 'recomputation' is the time of the operators made again")
     ap.add_argument("--torch-modes", default="eager,model,step",
                     help="PyTorch's steps to time: eager, model (torch.compile(model)), step (the whole step compiled)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
@@ -218,7 +224,7 @@ def main() -> None:
             model = fn = None
             torch.cuda.empty_cache()
         if not args.skip_ours:
-            g, opt = step_graph(b, s)
+            g, opt = step_graph(b, s, recompute=args.recompute)
             feeds = our_feeds(g, opt, w, x, target)
             runs = [("cuda:0", "paper", "ours1")] + [
                 ("cuda:" + ",".join(["0"] * int(p)), model, f"ours{p}" + ("" if model == "paper" else f"_{model}"))
@@ -249,7 +255,7 @@ def main() -> None:
     out = {"gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), "matmul_tflops": rate / 1e12,
            "torch": torch.__version__, "python": platform.python_version(),
            "date": time.strftime("%Y-%m-%d"), "rounds": "2 warm-ups + 10 timed, CUDA events",
-           "workloads": rows, "geomean": summary}
+           "recompute": args.recompute, "workloads": rows, "geomean": summary}
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
     (path / "gpu_train.json").write_text(json.dumps(out, indent=2))

@@ -10,7 +10,13 @@ import pytest
 from cases import CASES, GRAD_CASES, feeds_for
 
 import relational_tensors as rt
-from relational_tensors.models import llama_block, llama_feeds, llama_training_feeds, llama_training_graph
+from relational_tensors.models import (
+    add_llama_block,
+    llama_block,
+    llama_feeds,
+    llama_training_feeds,
+    llama_training_graph,
+)
 from relational_tensors.target.devices import visible_gpus
 
 pytestmark = [pytest.mark.gpu,
@@ -508,6 +514,34 @@ def test_indices_out_of_range_are_refused_when_loaded(device: str) -> None:
         cg.load({"targets": np.array([0, 10, -100, 3, 3, 1])})
     with pytest.raises(rt.ExecError, match=r"embedding ids must lie in \[0, 10\)"):
         cg.load({"ids": np.array([0, 1, 2, 3, 4, -1])})
+
+
+def test_recomputation_is_in_the_profile() -> None:
+    """A training step whose block is one g.recompute() region: the operators the backward makes again run
+    on the GPU under their own names ("recompute.<op>"), each timed in the profile, and the gradients equal
+    those of the step that keeps the activations (16-bit rounding: the plans may split differently)."""
+    import contextlib
+
+    def build(recompute: bool) -> rt.Graph:
+        g = rt.Graph()
+        x = g.input("x", [2, 64, 128], "bfloat16", dims=("batch", "seq", "model"))
+        with g.recompute() if recompute else contextlib.nullcontext():
+            y = add_llama_block(g, x, n_heads=4, n_kv_heads=2, d_ff=256, eps=1e-5, rope_base=10000.0)
+        loss = g.save(g.mse(g.cast(y, "float32"), g.cast(x, "float32")), name="loss")
+        params = g.trainable()
+        for w, d in zip(params, g.grad(loss, params)):
+            g.save(d, name=f"d{w.name}")
+        return g
+
+    plain, again = build(False), build(True)
+    feeds = llama_feeds(plain)
+    cg = rt.compileGraph(again, device="cuda:0,0")
+    got = cg.run(feeds)
+    want = rt.compileGraph(plain, device="cuda:0,0").run(feeds)
+    for name in want:
+        _relative(got[name], want[name], 3e-2, name)
+    timed = [t for t in cg.profile().tasks if t.label.startswith("recompute.") and t.kind.startswith("kernel")]
+    assert timed and all(t.end > t.start for t in timed)
 
 
 @pytest.mark.parametrize("p", [1, 2, 8])
