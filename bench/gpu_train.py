@@ -169,7 +169,7 @@ def run_ours(g: rt.Graph, feeds: dict, device: str, cost_model: str = "paper") -
            "predicted_peak_bytes": max(cg.memory().values()), "predicted_total_bytes": sum(cg.memory().values()),
            "arena_bytes": sum(cg.executor.arena_bytes.values()),
            "pool_used_bytes": cupy.get_default_memory_pool().used_bytes(), "breakdown_ms": busy_ms_by_kind(cg)}
-    row["scratch_bytes"] = row["pool_used_bytes"] - row["arena_bytes"]  # kernel scratch outside the memory plan
+    row["outside_arena_bytes"] = row["pool_used_bytes"] - row["arena_bytes"]  # what the pool holds besides the arenas
     del cg
     cupy.get_default_memory_pool().free_all_blocks()
     return row | {"params_after_3": params}

@@ -326,7 +326,7 @@ def test_groups_of_random_elementwise_graphs_keep_the_program(data: st.DataObjec
 # ------------------------------------------------------------------ 2. the kernels, bit for bit
 
 KERNEL_MODULES = ("triton_elementwise", "triton_copy", "triton_norms", "triton_fused", "triton_attention",
-                  "triton_attention_grad", "triton_elementwise_grad")
+                  "triton_attention_grad", "triton_elementwise_grad", "triton_norms_grad")
 
 
 class HostArenas:
@@ -385,8 +385,12 @@ class HostProgram:
         from relational_tensors.gpu_exec.kernels.common import DevBuf
 
         self.cg, self.dag = cg, cg.dag
-        self.plan = fusion_plan(cg.graph, cg.dag, cg.live, siblings)[0] if fused else \
-            plan_memory(cg.graph, cg.dag, cg.live, siblings)
+        if fused:  # as the executor plans it when it fuses: kernel scratch in the arena too
+            from relational_tensors.gpu_exec.launchers import task_scratch
+
+            self.plan = fusion_plan(cg.graph, cg.dag, cg.live, siblings, task_scratch(cg.graph, cg.dag))[0]
+        else:
+            self.plan = plan_memory(cg.graph, cg.dag, cg.live, siblings)
         self.mem = HostArenas(self.plan)
         self.views: dict[int, Any] = {}
         for b, buf in self.dag.buffers.items():
@@ -470,8 +474,10 @@ class HostProgram:
             need = scratch_shape(node.op, t.kernel.function)
             if need is not None:
                 shape, dtype = need
-                consts["scratch"] = DevBuf(self.mem.scratch(math.prod(shape) * itemsize(dtype)), tuple(shape),
-                                           dtype, 0)
+                slot = self.plan.scratch.get(t.id)  # in the arena during the task, as the executor places it
+                ptr = self.mem.blocks[t.device].data_ptr() + slot.offset if slot is not None else \
+                    self.mem.scratch(math.prod(shape) * itemsize(dtype))
+                consts["scratch"] = DevBuf(ptr, tuple(shape), dtype, 0)
             out = views[t.outputs[0]]
             if t.id in self.plan.also_writes:  # a sibling task's output too (the lse of a forward attention)
                 out = (out, views[self.plan.also_writes[t.id]])
@@ -685,6 +691,34 @@ def test_one_swiglu_gradient_kernel_writes_both_bit_for_bit(host: Callable[..., 
         assert runs[("swiglu_grad",)][name].tobytes() == runs[()][name].tobytes(), name
         got, ref = (np.asarray(x, np.float64) for x in (runs[()][name], want[name]))
         assert np.max(np.abs(got - ref)) <= (1e-5 if dtype == "float32" else 1e-2) * np.max(np.abs(ref)), name
+
+
+@pytest.mark.parametrize("p", [1, 3])
+def test_kernel_scratch_in_the_arena_keeps_the_bits(host: Callable[..., HostProgram], p: int) -> None:
+    """Kernels that need scratch (rmsnorm's weight gradient, a mean over long rows) with their scratch placed in
+    the arena during their task: the same bits as with scratch of their own, and the reference's values."""
+    g = rt.Graph()
+    x = g.input("x", [3, 70, 48], "float32")
+    w = g.input("w", [48], "float32")
+    y = g.rmsnorm(x, w, 1e-5)
+    loss = g.save(g.mean(g.unary(y, "square"), axis=(0, 1, 2)), name="loss")
+    for name, t in zip(("dx", "dw"), g.grad(loss, [x, w])):
+        g.save(t, name=name)
+    feeds = _values(g, 7)
+    cg = rt.compileGraph(g, device=f"cpu:{p}")
+    want = rt.reference(g, feeds)
+    got = []
+    for fused in (True, False):  # one after the other: the kernels' pointers are the latest program's
+        prog = host(cg, fused)
+        assert bool(prog.plan.scratch) == fused
+        prog.load(feeds)
+        prog.execute()
+        got.append({name: prog.saved(name) for name in ("loss", "dx", "dw")})
+    for name in ("loss", "dx", "dw"):
+        a, b = got[0][name], got[1][name]
+        assert a.tobytes() == b.tobytes(), name
+        err = float(np.max(np.abs(a - want[name]))) / max(float(np.max(np.abs(want[name]))), 1e-30)
+        assert err < 1e-5, (name, err)
 
 
 def test_generated_source_is_cached_by_expression(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:

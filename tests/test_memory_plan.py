@@ -8,7 +8,7 @@ import pytest
 from cases import CASES
 
 import relational_tensors as rt
-from relational_tensors.gpu_exec.memory_plan import MemoryPlan, plan_arena, plan_memory, sibling_tasks
+from relational_tensors.gpu_exec.memory_plan import MemoryPlan, align, plan_arena, plan_memory, sibling_tasks
 from relational_tensors.models import LLAMA3_8B, llama_block, llama_training_graph
 
 
@@ -38,6 +38,9 @@ def hazards(cg: rt.CompiledGraph, plan: MemoryPlan) -> list[tuple[int, int]]:
             d, lo, hi = plan.byte_range(dag, b)
             if hi > lo:
                 by_arena.setdefault(d, []).append((t.id, lo, hi, write))
+        if t.id in plan.scratch:  # its kernel's scratch: written and read during the task
+            slot = plan.scratch[t.id]
+            by_arena.setdefault(t.device, []).append((t.id, slot.offset, slot.offset + slot.size, True))
     bad = []
     for accesses in by_arena.values():
         accesses.sort(key=lambda a: a[1])
@@ -172,3 +175,25 @@ def test_the_forward_lse_equals_the_recomputed_one() -> None:
     lse_op = AttentionLseOp(op.input_types[:2], **op.options())
     _, lse_forward = op.kernel([q, k, v], op.spec().functions[0])
     np.testing.assert_allclose(lse_forward, lse_op.kernel([q, k], lse_op.spec().functions[0]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("p", [1, 3, 4])
+def test_kernel_scratch_is_placed_in_the_arena_during_its_task(p: int) -> None:
+    """Scratch given to kernel tasks takes arena bytes no buffer alive at its task holds, any reuse of them
+    by another device's reader is ordered by a wait, and it costs the arena at most the largest scratch."""
+    g = llama_training_graph(2, 40, 32, 4, 2, 48, 29, seq_ends=(7, 20, 40), optimizer="adamw")
+    cg = rt.compileGraph(g, device=f"cpu:{p}")
+    kernels = [t.id for t in cg.dag.tasks if t.kind == "kernel"]
+    scratch = {t: 512 + 64 * (t % 7) for t in kernels[::3]}
+    plan = plan_memory(cg.graph, cg.dag, cg.live, scratch=scratch)
+    plain = plan_memory(cg.graph, cg.dag, cg.live)
+    assert set(plan.scratch) == set(scratch) and hazards(cg, plan) == []
+    for tid, slot in plan.scratch.items():
+        d = cg.dag.tasks[tid].device
+        assert slot.size >= scratch[tid] and slot.offset + slot.size <= plan.arena_bytes[d]
+        for r, (born, dies) in plan.lifetimes.items():
+            other = plan.slots[r]
+            if cg.dag.buffers[r].device == d and born <= tid <= dies:
+                assert other.offset + other.size <= slot.offset or slot.offset + slot.size <= other.offset
+    for d in range(p):
+        assert plan.arena_bytes[d] <= plain.arena_bytes[d] + max(align(n) for n in scratch.values()) * 2

@@ -151,12 +151,13 @@ class CupyExecutor:
         cp = self.cp
         dag = self.dag
         self.fused_groups: list[Any] = []
+        scratch = self._scratch_bytes() if self.fusing else None  # (where this class issues every task)
         if self.fusing:  # the plan keeps what the fused kernels read until they run (fusion.fusion_plan)
             from relational_tensors.gpu_exec.fusion import fusion_plan
 
-            plan, self.fused_groups = fusion_plan(self.graph, dag, self.live, self.siblings)
+            plan, self.fused_groups = fusion_plan(self.graph, dag, self.live, self.siblings, scratch)
         else:
-            plan = plan_memory(self.graph, dag, self.live, self.siblings)
+            plan = plan_memory(self.graph, dag, self.live, self.siblings, scratch=scratch)
         self.plan = plan
         self.arena_bytes = dict(plan.arena_bytes)
         self.arenas: list[Any] = []  # None for a device another process holds
@@ -192,6 +193,13 @@ class CupyExecutor:
             self.views[b] = DevBuf(root.ptr + offset * itemsize(buf.dtype), buf.box.shape, buf.dtype, root.device,
                                    strides)
         self.slot_bytes = {b: buffer_bytes(dag, b) for b in dag.buffers}
+
+    def _scratch_bytes(self) -> dict[int, int]:
+        """Kernel task -> the bytes of scratch its kernel needs besides its output, for the memory plan to
+        place in the arena during that task (the tasks of this process's devices)."""
+        from relational_tensors.gpu_exec.launchers import task_scratch
+
+        return {t: n for t, n in task_scratch(self.graph, self.dag).items() if self._keeps(self.dag.tasks[t].device)}
 
     def _constants(self) -> None:
         """Per-operator device constants (attention row limits, rope sequence starts) and per-task scratch."""
@@ -239,10 +247,15 @@ class CupyExecutor:
             need = scratch_shape(node.op, t.kernel.function)
             if need is not None:
                 shape, dtype = need
-                with cp.cuda.Device(self.phys[t.device]):
-                    arr = cp.empty(max(int(np.prod(shape)) * itemsize(dtype), 1), dtype=cp.uint8)
-                self.keep.append(arr)
-                consts["scratch"] = DevBuf(arr.data.ptr, tuple(shape), dtype, self.phys[t.device])
+                slot = self.plan.scratch.get(t.id)
+                if slot is not None:  # in the arena, alive during this task (the memory plan's)
+                    ptr = self.arenas[t.device].data.ptr + slot.offset
+                else:
+                    with cp.cuda.Device(self.phys[t.device]):
+                        arr = cp.empty(max(int(np.prod(shape)) * itemsize(dtype), 1), dtype=cp.uint8)
+                    self.keep.append(arr)
+                    ptr = arr.data.ptr
+                consts["scratch"] = DevBuf(ptr, tuple(shape), dtype, self.phys[t.device])
             self.task_consts[t.id] = consts
 
     def _dependencies(self) -> None:

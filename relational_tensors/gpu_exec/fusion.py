@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,6 +190,9 @@ class _Facts:
         found = self._touches.get(t.id)
         if found is None:
             reads, writes = [self.range(b) for b in t.inputs], [self.range(b) for b in self.plan.writes(t)]
+            slot = self.plan.scratch.get(t.id)
+            if slot is not None:  # its kernel's scratch, in its device's arena
+                writes.append((t.device, slot.offset, slot.offset + slot.size))
             found = self._touches[t.id] = (reads, writes, frozenset(r[0] for r in (*reads, *writes)))
         return found
 
@@ -438,12 +441,12 @@ def fusion_groups(graph: Graph, dag: TaskDAG, plan: MemoryPlan, live: Liveness) 
     return sorted(out, key=lambda g: g.last)
 
 
-def fusion_plan(graph: Graph, dag: TaskDAG, live: Liveness,
-                siblings: Sequence[str] = SIBLINGS) -> tuple[MemoryPlan, list[FusionGroup]]:
+def fusion_plan(graph: Graph, dag: TaskDAG, live: Liveness, siblings: Sequence[str] = SIBLINGS,
+                scratch: Mapping[int, int] | None = None) -> tuple[MemoryPlan, list[FusionGroup]]:
     """The memory plan of the fused program and its groups (the module's docstring): every block a group
     found on a plan without reuse reads is kept until that group's last task, except for the groups whose
     keeping would raise a device's peak of live bytes, and the groups are found again on the plan made so."""
-    spacious = plan_memory(graph, dag, live, siblings, reuse=False)
+    spacious = plan_memory(graph, dag, live, siblings, reuse=False, scratch=scratch)
     wanted = fusion_groups(graph, dag, spacious, live)
     while True:
         keep: dict[int, int] = {}
@@ -458,7 +461,7 @@ def fusion_plan(graph: Graph, dag: TaskDAG, live: Liveness,
         wanted = [g for g in wanted if not any(
             (r := spacious.root(b)) in raised and spacious.lifetimes[r][1] < raised[r] <= g.last
             for b in g.operands)]
-    plan = plan_memory(graph, dag, live, siblings, keep_until=keep)
+    plan = plan_memory(graph, dag, live, siblings, keep_until=keep, scratch=scratch)
     return plan, fusion_groups(graph, dag, plan, live)
 
 

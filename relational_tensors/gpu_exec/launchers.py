@@ -92,6 +92,18 @@ def scratch_shape(op: Operator, f: FunctionSpec) -> tuple[tuple[int, ...], str] 
     return make(op, f) if make is not None else None
 
 
+def task_scratch(graph: Any, dag: Any) -> dict[int, int]:
+    """Kernel task -> the bytes of scratch its kernel needs (``scratch_shape``), for the memory plan."""
+    out = {}
+    for t in dag.tasks:
+        if t.kind == "kernel" and t.op is not None:
+            op = graph.nodes[t.op].op
+            need = scratch_shape(op, t.kernel.function) if op is not None else None
+            if need is not None:
+                out[t.id] = math.prod(need[0]) * itemsize(need[1])
+    return out
+
+
 # ------------------------------------------------------------------ the launchers, by family
 
 

@@ -7,7 +7,7 @@ waits computed here; tests check the plan for hazards on any DAG.
   views (``Buffer.parent``) are sub-boxes of their parent: neither has a slot of its own, and the
   root's lifetime runs from the first write to any of them to the last use of any of them;
 * buffers are placed first-fit over their lifetimes, so buffers alive together never overlap (the
-  tightest of three orders);
+  tightest of three orders); a kernel's scratch is placed as a buffer alive during its task;
 * a task waits for the producers of its inputs on other streams (read after write) and for every
   earlier task on another stream that touched memory its outputs reuse (write after read/write); an
   ``assign``, which overwrites a state's loaded block, waits for every earlier task that touched it;
@@ -21,7 +21,7 @@ waits computed here; tests check the plan for hazards on any DAG.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -119,6 +119,7 @@ class MemoryPlan:
     also_writes: dict[int, int] = field(default_factory=dict)  # task -> a sibling's output it writes too
     done_by: dict[int, int] = field(default_factory=dict)      # sibling task -> the task that writes its output
     lifetimes: dict[int, tuple[int, int]] = field(default_factory=dict)  # root -> (first task, last task)
+    scratch: dict[int, Slot] = field(default_factory=dict)  # kernel task -> its scratch in its device's arena
 
     def writes(self, t: Task) -> tuple[int, ...]:
         """The buffers task ``t`` writes: its outputs, and a sibling's (``also_writes``)."""
@@ -232,12 +233,14 @@ def _swiglu_pairs(graph: Graph, dag: TaskDAG) -> dict[int, int]:
 
 
 def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness, siblings: Sequence[str] = SIBLINGS,
-                keep_until: dict[int, int] | None = None, reuse: bool = True) -> MemoryPlan:
+                keep_until: dict[int, int] | None = None, reuse: bool = True,
+                scratch: Mapping[int, int] | None = None) -> MemoryPlan:
     """Slots, arena sizes and cross-stream waits (the module's rules); ``siblings``: the kinds of task
     another kernel writes the output of as it goes (``sibling_tasks``; none with ``()``); ``keep_until``
     (root buffer -> task) keeps a buffer's memory until that task at least (a fused kernel reads it there);
     ``reuse=False`` gives every buffer bytes of its own (a plan to find what could be fused, never
-    allocated)."""
+    allocated); ``scratch`` (kernel task -> bytes) places each task's kernel scratch in its device's arena,
+    alive during that task only (``MemoryPlan.scratch``)."""
     end = len(dag.tasks)
     alias, reshaped, order = _aliases(graph, dag)
     done_by = sibling_tasks(graph, dag, siblings) if siblings else {}
@@ -256,6 +259,7 @@ def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness, siblings: Sequence[s
     all_lifetimes: dict[int, tuple[int, int]] = {}
     reuses: dict[int, list[int]] = {}
     arena_bytes: dict[int, int] = {}
+    scratch_slots: dict[int, Slot] = {}
     for d in range(dag.p):
         mine = [b for b, buf in dag.buffers.items() if buf.device == d and b not in alias]
         sizes = {}
@@ -265,6 +269,11 @@ def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness, siblings: Sequence[s
         lifetimes = {b: (born.get(b, 0), max(group_end.get(b, live.last_use.get(b, end)),
                                              (keep_until or {}).get(b, -1))) for b in mine}
         all_lifetimes.update(lifetimes)
+        for tid, nbytes in (scratch or {}).items():  # a task's scratch: a buffer of its own, alive at the task
+            if dag.tasks[tid].device == d:
+                mine.append(_scratch_id(tid))
+                sizes[_scratch_id(tid)] = align(max(nbytes, 1))
+                lifetimes[_scratch_id(tid)] = (tid, tid)
         if reuse:
             device_slots, total, device_reuses = plan_arena(sizes, lifetimes)
         else:
@@ -272,6 +281,9 @@ def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness, siblings: Sequence[s
             for b in sorted(mine):
                 device_slots[b] = Slot(total, align(max(sizes[b], 1)))
                 total += device_slots[b].size
+        for tid in scratch or {}:
+            if dag.tasks[tid].device == d:
+                scratch_slots[tid] = device_slots.pop(_scratch_id(tid))
         slots.update(device_slots)
         reuses.update(device_reuses)
         arena_bytes[d] = total
@@ -293,13 +305,20 @@ def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness, siblings: Sequence[s
         deps = set(read_after_write[t.id])
         if t.kind == "assign":  # it overwrites a loaded block: after every earlier task that touched it
             deps.update(x for b in t.outputs for x in remote.get(alias.get(b, b), ()) if x < t.id)
-        for b in (*t.outputs, *((also[t.id],) if t.id in also else ())):
-            for old in reuses.get(alias.get(b, b), ()):
+        mine = [alias.get(b, b) for b in t.outputs] + ([also[t.id]] if t.id in also else []) + \
+            ([_scratch_id(t.id)] if t.id in scratch_slots else [])
+        for r in mine:
+            for old in reuses.get(r, ()):
                 if old in remote:
                     deps.update(x for x in remote[old] if x < t.id)
         waits[t.id] = sorted(x for x in deps if dag.tasks[x].device != t.device)
     return MemoryPlan(alias, slots, arena_bytes, reuses, waits, frozenset(reshaped), tuple(order), also, done_by,
-                      all_lifetimes)
+                      all_lifetimes, scratch_slots)
+
+
+def _scratch_id(task: int) -> int:
+    """The placement's name for a task's scratch (negative: no buffer of the DAG has it)."""
+    return -1 - task
 
 
 def view_geometry(dag: TaskDAG, plan: MemoryPlan) -> dict[int, tuple[int, tuple[int, ...]]]:
