@@ -151,7 +151,8 @@ class CupyExecutor:
         cp = self.cp
         dag = self.dag
         self.fused_groups: list[Any] = []
-        scratch = self._scratch_bytes() if self.fusing else None  # (where this class issues every task)
+        # kernel scratch in the arena where this class issues the tasks (not the two-stream multi-process one)
+        scratch = self._scratch_bytes() if type(self)._issue_all is CupyExecutor._issue_all else None
         if self.fusing:  # the plan keeps what the fused kernels read until they run (fusion.fusion_plan)
             from relational_tensors.gpu_exec.fusion import fusion_plan
 
