@@ -4,8 +4,9 @@ heads, 8 kv heads, head dim 128, bfloat16, at 8K and 32K tokens.
 
 FLOP convention: the backward counts 2.5 times the forward's matmul FLOPs (forward: QKᵀ and PV, 4·s²·d per
 query head; backward: QKᵀ again, dO·Vᵀ, dS·K, dSᵀ·Q and Pᵀ·dO, 10·s²·d), halved for the causal mask:
-5·s²·d·heads_q.  Our log-sum-exp pass (``attention_lse``, which the operator graph recomputes where
-FlashAttention keeps it from the forward) is timed and reported apart, outside those TFLOP/s.
+5·s²·d·heads_q.  Our log-sum-exp pass (``attention_lse``, which a training step's forward kernel writes
+where the plan's blocks line up, ``memory_plan.sibling_tasks``, and recomputes elsewhere) is timed and
+reported apart, outside those TFLOP/s.
 
 Each run first checks our gradients against SDPA's (bfloat16 tolerance, relative to the largest magnitude)
 and stops if they differ; then 2 warm-ups and 10 timed rounds with CUDA events per measurement.  Results
@@ -203,8 +204,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [f"# Attention backward, {result['gpu']} (torch {result['torch']})", "",
              f"Causal GQA, {HEADS_Q} query heads, {HEADS_KV} kv heads, head dim {HEAD_DIM}, bfloat16, one sequence; "
              f"FLOPs: {result['flops']}; {result['warmups']} warm-ups + {result['rounds']} timed rounds, CUDA events. "
-             "Ours is Δ, dq and dk|dv from a saved log-sum-exp; our lse pass (recomputed by the operator graph) is "
-             "the separate column.", "",
+             "Ours is Δ, dq and dk|dv from a saved log-sum-exp; our lse pass (where the forward does not write it) "
+             "is the separate column.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["rows"]:
         ours = r["ours"]
