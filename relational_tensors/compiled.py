@@ -18,7 +18,7 @@ from relational_tensors.catalog import Catalog
 from relational_tensors.errors import ExecError, GraphError
 from relational_tensors.frontend.graph import Tensor
 from relational_tensors.physical.simulate import PlanSimResult
-from relational_tensors.physical.tasks import liveness, reshape_shares
+from relational_tensors.physical.tasks import graph_liveness
 from relational_tensors.reference import STALE_OUTPUTS, coerce_feed
 from relational_tensors.target.devices import visible_gpus
 from relational_tensors.target.target import Target
@@ -180,8 +180,7 @@ class CompiledGraph:
     def memory_by_category(self) -> dict[int, dict[str, int]]:
         """Per device, the bytes live at its peak by what they are (``Graph.memory_categories``: parameters,
         optimizer state, inputs, gradients, activations for the backward, optimizer update, other)."""
-        return liveness(self.dag, self.graph.memory_categories().__getitem__,
-                        reshape_shares(self.graph, self.dag)).at_peak
+        return graph_liveness(self.graph, self.dag, categories=True).at_peak
 
     def execute(self, phase: int | None = None) -> None:
         """Run the task DAG once (inputs stay loaded; run it again after loading new ones); every

@@ -35,7 +35,7 @@ from relational_tensors.errors import GraphError, OutOfMemoryPlanError, PlanErro
 from relational_tensors.frontend.graph import Graph
 from relational_tensors.options import CompileOptions
 from relational_tensors.physical.lower import Lowered, covers, lower, value_blocks
-from relational_tensors.physical.tasks import Liveness, TaskDAG, liveness, reshape_shares
+from relational_tensors.physical.tasks import Liveness, graph_liveness
 from relational_tensors.registry import operator_table
 from relational_tensors.target.target import Target
 from relational_tensors.target.topology import Topology
@@ -286,15 +286,9 @@ def _fits(live: Liveness, limits: dict[int, int] | None) -> bool:
     return limits is None or all(live.peak[d] <= limits[d] for d in live.peak)
 
 
-def _liveness(graph: Graph, dag: TaskDAG, categories: bool = False) -> Liveness:
-    """The liveness of ``dag`` (reshape outputs counted in their input's memory), its peaks split by
-    memory category where asked."""
-    return liveness(dag, graph.memory_categories().__getitem__ if categories else None, reshape_shares(graph, dag))
-
-
 def _pass_liveness(s: _State) -> None:
     assert s.lowered is not None
-    s.live = _liveness(s.graph, s.lowered.dag, categories=True)
+    s.live = graph_liveness(s.graph, s.lowered.dag, categories=True)
 
 
 def _keep_sharded(s: _State, limits: dict[int, int]) -> bool:
@@ -339,7 +333,7 @@ def _keep_sharded(s: _State, limits: dict[int, int]) -> bool:
         if s.options.searched:
             s.kept = kept
             lowered = _searched(s, s.plan, lowered)
-        live = _liveness(s.graph, lowered.dag)
+        live = graph_liveness(s.graph, lowered.dag)
         s.kept, s.lowered, s.live = kept, lowered, live
         if _fits(live, limits):
             return True
@@ -374,7 +368,7 @@ def _pass_fit_memory(s: _State) -> None:
             lowered = _lower(s, plan)
             if s.options.searched:
                 lowered = _searched(s, plan, lowered)
-            live = _liveness(s.graph, lowered.dag)
+            live = graph_liveness(s.graph, lowered.dag)
             if _fits(live, limits):
                 s.choice, s.plan, s.lowered, s.live = choice, plan, lowered, live
                 return
@@ -382,7 +376,7 @@ def _pass_fit_memory(s: _State) -> None:
                 best, best_dag = live, lowered.dag
             price *= 4
     worst = max(best.peak, key=lambda d: best.peak[d] - limits[d])
-    parts = _liveness(s.graph, best_dag, categories=True).at_peak.get(worst, {})
+    parts = graph_liveness(s.graph, best_dag, categories=True).at_peak.get(worst, {})
     largest = ", ".join(f"{k} {v:,}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])[:3] if v > 0)
     raise OutOfMemoryPlanError(
         f"device {worst} needs {best.peak[worst]:,} bytes at its peak under the best plan found "
@@ -453,7 +447,7 @@ def _pass_record(s: _State) -> None:
 
     assert s.lowered is not None and s.plan is not None and s.live is not None
     if not s.live.at_peak and s.lowered.dag.buffers:  # a lowering re-chosen for memory: split it by category
-        s.live = _liveness(s.graph, s.lowered.dag, categories=True)
+        s.live = graph_liveness(s.graph, s.lowered.dag, categories=True)
     for table, rows in physical_tables(s.plan, s.lowered, s.live).items():
         if rows.num_rows:
             s.catalog.insert(table, rows, s.cid)

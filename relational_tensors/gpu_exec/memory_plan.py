@@ -142,22 +142,8 @@ def _aliases(graph: Graph, dag: TaskDAG) -> tuple[dict[int, int], set[int], list
     """Every buffer without memory of its own -> its root; the reshape outputs among them; and an
     order in which each comes after the buffer it is taken from."""
     reshaped = reshape_shares(graph, dag)  # reshape output -> its input
-    root: dict[int, int] = {}
-    order: list[int] = []
-
-    def resolve(b: int) -> int:
-        if b in root:
-            return root[b]
-        source = dag.buffers[b].parent if dag.buffers[b].parent is not None else reshaped.get(b)
-        if source is None:
-            return b
-        root[b] = resolve(source)
-        order.append(b)
-        return root[b]
-
-    for b in sorted(set(reshaped) | {b for b, buf in dag.buffers.items() if buf.parent is not None}):
-        resolve(b)
-    return root, set(reshaped), order
+    root = dag.view_roots(reshaped)
+    return root, set(reshaped), list(root)
 
 
 def sibling_tasks(graph: Graph, dag: TaskDAG, kinds: Sequence[str] = SIBLINGS) -> dict[int, int]:

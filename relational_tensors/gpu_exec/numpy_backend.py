@@ -49,7 +49,6 @@ class NumpyExecutor:
         self.live = live
         self.pools: list[dict[int, Any]] = [dict() for _ in range(dag.p)]
         self.frees = live.frees_after()
-        self.sources = {t.outputs[0]: t.inputs[0] for t in dag.tasks if t.outputs and t.outputs[0] in live.shares}
         self.copied: dict[int, int] = {}  # reshape outputs -> bytes of their own (0 where they kept the input's)
         self.loaded = False
         self.resident: set[str] = set()
@@ -67,7 +66,7 @@ class NumpyExecutor:
         root = dag.root(buf)
         if buf in self.live.shares:  # a reshape of a whole block: in its memory, which the input's root holds
             pool[buf] = value
-            src = self._get(self.sources[buf]) if dag.root(self.sources[buf]) in pool else None
+            src = self._get(self.live.shares[buf]) if dag.root(self.live.shares[buf]) in pool else None
             self.copied[buf] = 0 if src is not None and np.may_share_memory(value, src) else _nbytes(value)
             return self.copied[buf]
         if root == buf and root not in pool:

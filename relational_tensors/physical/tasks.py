@@ -36,7 +36,8 @@ from relational_tensors.errors import ExecError
 if TYPE_CHECKING:
     from relational_tensors.frontend.graph import Graph
 
-__all__ = ["Buffer", "Task", "TaskDAG", "Liveness", "liveness", "reshape_shares", "split_phases", "phase_range",
+__all__ = ["Buffer", "Task", "TaskDAG", "Liveness", "liveness", "graph_liveness", "reshape_shares", "split_phases",
+           "phase_range",
            "phase_ready", "block_bytes", "Payload", "LoadPayload",
            "DecomposePayload", "AggregatePayload", "RecomposePayload", "KernelPayload"]
 
@@ -195,12 +196,25 @@ class TaskDAG:
                         w.append(t.id)
         return deps
 
-    def view_roots(self) -> dict[int, int]:
-        """The root (``root``) of every buffer that is a view."""
+    def view_roots(self, shares: Mapping[int, int] | None = None) -> dict[int, int]:
+        """Every buffer without memory of its own -> the buffer that owns it: the views (``root``), and the
+        reshape outputs in ``shares`` (output -> input, ``reshape_shares``), through their input's own root.
+        Each comes after the buffer it is taken from, where that has a root too."""
         out: dict[int, int] = {}
-        for b, buf in self.buffers.items():
-            if buf.parent is not None:
-                out[b] = self.root(b)
+        shares = shares or {}
+
+        def resolve(b: int) -> int:
+            if b in out:
+                return out[b]
+            parent = self.buffers[b].parent
+            source = parent if parent is not None else shares.get(b)
+            if source is None:
+                return b
+            out[b] = resolve(source)
+            return out[b]
+
+        for b in sorted(set(shares) | {b for b, buf in self.buffers.items() if buf.parent is not None}):
+            resolve(b)
         return out
 
     def counts(self) -> Counter[str]:
@@ -293,7 +307,7 @@ class Liveness:
     views: frozenset[int] = frozenset()  # buffers that are views or share a reshape's input (they free nothing)
     # with liveness(dag, category=...): device -> category -> bytes live at that device's peak
     at_peak: dict[int, dict[str, int]] = field(default_factory=dict)
-    shares: frozenset[int] = frozenset()  # reshape outputs in their input's memory (``reshape_shares``)
+    shares: Mapping[int, int] = field(default_factory=dict)  # reshape output in its input's memory -> input
 
     def frees_after(self) -> dict[int, list[int]]:
         """Task -> the buffers an executor may drop after it: roots after their last use, and reshape
@@ -329,23 +343,15 @@ def liveness(dag: TaskDAG, category: Callable[[int], str] | None = None,
     ``shares`` (:func:`reshape_shares`) are counted as views of the buffers they reshape.
     """
     buffers, tasks = dag.buffers, dag.tasks
-    root = dag.view_roots()
-    if shares:
-        def resolve(b: int) -> int:
-            if b in root:
-                return root[b]
-            if b not in shares:
-                return b
-            root[b] = resolve(shares[b])
-            return root[b]
-
-        for b in shares:
-            resolve(b)
+    root = dag.view_roots(shares)
     views = frozenset(root)
     persistent = {b for blocks in dag.inputs.values() for _, b in blocks}
     persistent |= {b for blocks in dag.outputs.values() for _, b in blocks}
     persistent |= {root[b] for b in persistent if b in root}
     end = len(tasks)
+    # a view of a reshape output is read through that output (an executor holds its value), so the
+    # reshape output lives as long as its views too
+    through = {b: p for b in root if buffers[b].parent is not None and (p := dag.root(b)) in root}
     # task ids increase, so a buffer's last use is the last task naming it (or a view of it)
     last_use: dict[int, int] = {}
     born: dict[int, int] = {}
@@ -356,6 +362,8 @@ def liveness(dag: TaskDAG, category: Callable[[int], str] | None = None,
             r = root.get(b)
             if r is not None:
                 last_use[r] = tid
+                if b in through:
+                    last_use[through[b]] = tid
         for b in t.outputs:
             r = root.get(b)
             if r is None:
@@ -413,5 +421,10 @@ def liveness(dag: TaskDAG, category: Callable[[int], str] | None = None,
     for d in range(dag.p):
         peak.setdefault(d, 0)
         resident.setdefault(d, 0)
-    return Liveness(last_use, frozenset(persistent), dict(peak), dict(resident), views, at_peak,
-                    frozenset(shares or ()))
+    return Liveness(last_use, frozenset(persistent), dict(peak), dict(resident), views, at_peak, dict(shares or {}))
+
+
+def graph_liveness(graph: Graph, dag: TaskDAG, categories: bool = False) -> Liveness:
+    """:func:`liveness` of the DAG lowered from ``graph``: its reshape outputs counted in their input's
+    memory (``reshape_shares``), and with ``categories`` each peak split by ``Graph.memory_categories``."""
+    return liveness(dag, graph.memory_categories().__getitem__ if categories else None, reshape_shares(graph, dag))
