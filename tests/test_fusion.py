@@ -386,9 +386,10 @@ class HostProgram:
 
         self.cg, self.dag = cg, cg.dag
         if fused:  # as the executor plans it when it fuses: kernel scratch in the arena too
-            from relational_tensors.gpu_exec.launchers import task_scratch
+            from relational_tensors.gpu_exec.launchers import scratch_bytes, task_scratch
 
-            self.plan = fusion_plan(cg.graph, cg.dag, cg.live, siblings, task_scratch(cg.graph, cg.dag))[0]
+            needs = scratch_bytes(task_scratch(cg.graph, cg.dag))
+            self.plan = fusion_plan(cg.graph, cg.dag, cg.live, siblings, needs)[0]
         else:
             self.plan = plan_memory(cg.graph, cg.dag, cg.live, siblings)
         self.mem = HostArenas(self.plan)

@@ -22,7 +22,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -31,6 +30,7 @@ import numpy as np
 from relational_tensors.core.dtypes import bf16_bits_to_float32, float32_to_bf16_bits, itemsize, numpy_dtype
 from relational_tensors.errors import ExecError
 from relational_tensors.frontend.graph import Graph
+from relational_tensors.gpu_exec.fusion import env_switch, fusion_enabled
 from relational_tensors.gpu_exec.kernels import triton_copy as tc
 from relational_tensors.gpu_exec.kernels import triton_elementwise as te
 from relational_tensors.gpu_exec.kernels.common import DevBuf, bind_triton_to_cupy
@@ -71,8 +71,7 @@ class CupyExecutor:
         self.attention = attention
         # kernels that write a sibling task's output as they go (memory_plan.sibling_tasks); not the forward's
         # log-sum-exp with library FlashAttention kernels, which do not hand it out
-        on = siblings if siblings is not None else \
-            os.environ.get(SIBLINGS_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+        on = env_switch(SIBLINGS_ENV, siblings)
         self.siblings = tuple(k for k in SIBLINGS if on and not (k == "attention_lse" and attention == "flash"))
         if attention == "flash":
             from relational_tensors.gpu_exec.kernels.flash import backend
@@ -96,11 +95,10 @@ class CupyExecutor:
         for d in range(dag.p):
             with cupy.cuda.Device(self.phys[d]):
                 self.streams.append(cupy.cuda.Stream(non_blocking=True))
-        from relational_tensors.gpu_exec.fusion import fusion_enabled
-
-        # fused kernels where this executor's _issue_all issues them (a subclass that issues tasks its own way
-        # runs every task on its own)
-        self.fusing = fusion_enabled(fuse) and type(self)._issue_all is CupyExecutor._issue_all
+        # fused kernels, and kernel scratch in the arena, where this class's _issue_all issues the tasks (a
+        # subclass that issues them its own way, on two streams, runs every task alone with scratch apart)
+        self.own_issue = type(self)._issue_all is CupyExecutor._issue_all
+        self.fusing = fusion_enabled(fuse) and self.own_issue
         self._layout()
         self._constants()
         self._dependencies()
@@ -150,9 +148,11 @@ class CupyExecutor:
         """One arena per logical device, laid out by the memory plan (no allocation after this)."""
         cp = self.cp
         dag = self.dag
+        from relational_tensors.gpu_exec.launchers import scratch_bytes, task_scratch
+
         self.fused_groups: list[Any] = []
-        # kernel scratch in the arena where this class issues the tasks (not the two-stream multi-process one)
-        scratch = self._scratch_bytes() if type(self)._issue_all is CupyExecutor._issue_all else None
+        self.scratch_needs = task_scratch(self.graph, dag)  # kernel task -> (shape, dtype) of its scratch
+        scratch = scratch_bytes(self.scratch_needs) if self.own_issue else None
         if self.fusing:  # the plan keeps what the fused kernels read until they run (fusion.fusion_plan)
             from relational_tensors.gpu_exec.fusion import fusion_plan
 
@@ -195,16 +195,9 @@ class CupyExecutor:
                                    strides)
         self.slot_bytes = {b: buffer_bytes(dag, b) for b in dag.buffers}
 
-    def _scratch_bytes(self) -> dict[int, int]:
-        """Kernel task -> the bytes of scratch its kernel needs besides its output, for the memory plan to
-        place in the arena during that task (the tasks of this process's devices)."""
-        from relational_tensors.gpu_exec.launchers import task_scratch
-
-        return {t: n for t, n in task_scratch(self.graph, self.dag).items() if self._keeps(self.dag.tasks[t].device)}
-
     def _constants(self) -> None:
         """Per-operator device constants (attention row limits, rope sequence starts) and per-task scratch."""
-        from relational_tensors.gpu_exec.launchers import op_constants, scratch_shape
+        from relational_tensors.gpu_exec.launchers import op_constants
 
         cp = self.cp
         self.keep: list[Any] = []
@@ -245,7 +238,7 @@ class CupyExecutor:
                 segs = flash.segments(node.op, t.kernel.function, out_buf.dtype, out_buf.partial == "lse")
                 if segs is not None:
                     consts["flash"] = segs
-            need = scratch_shape(node.op, t.kernel.function)
+            need = self.scratch_needs.get(t.id)
             if need is not None:
                 shape, dtype = need
                 slot = self.plan.scratch.get(t.id)

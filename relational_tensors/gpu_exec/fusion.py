@@ -57,7 +57,7 @@ from relational_tensors.gpu_exec.memory_plan import SIBLINGS, MemoryPlan, plan_m
 from relational_tensors.physical.tasks import Liveness, Task, TaskDAG
 
 __all__ = ["FUSE_ENV", "UNARY_OPS", "BINARY_OPS", "FusedExpr", "FusionGroup", "FusedIssue", "FusedSchedule",
-           "fusion_enabled", "fusion_groups", "fusion_plan", "access", "geometry"]
+           "env_switch", "fusion_enabled", "fusion_groups", "fusion_plan", "access", "geometry"]
 
 FUSE_ENV = "RELATIONAL_TENSORS_FUSE"  # "0": the executor issues every task on its own
 # unary and binary ops whose kernels hold no multiply-add the compiler could contract (see the docstring)
@@ -69,11 +69,17 @@ DTYPES = frozenset({"float16", "bfloat16", "float32"})
 MAX_SPAN = 512  # the most tasks a group spans, first member to last (bounds the checks' cost)
 
 
+def env_switch(name: str, given: bool | None = None) -> bool:
+    """``given`` when given, else whether the environment variable ``name`` leaves a switch on (unset: on;
+    "0", "false", "off" or "no": off)."""
+    if given is not None:
+        return bool(given)
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
 def fusion_enabled(fuse: bool | None = None) -> bool:
     """``fuse`` when given, else whether ``$RELATIONAL_TENSORS_FUSE`` leaves fusion on (the default)."""
-    if fuse is not None:
-        return bool(fuse)
-    return os.environ.get(FUSE_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    return env_switch(FUSE_ENV, fuse)
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,8 @@ from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.errors import ExecError
 from relational_tensors.sql_specs.base import Operator
 
-__all__ = ["Launcher", "LAUNCHERS", "launcher", "launcher_for", "op_constants", "scratch_shape"]
+__all__ = ["Launcher", "LAUNCHERS", "launcher", "launcher_for", "op_constants", "scratch_shape", "task_scratch",
+           "scratch_bytes"]
 
 LaunchFn = Callable[[Any, FunctionSpec, list, Any, dict, int], None]
 Constants = Callable[[Any], dict[str, np.ndarray]]
@@ -92,16 +93,21 @@ def scratch_shape(op: Operator, f: FunctionSpec) -> tuple[tuple[int, ...], str] 
     return make(op, f) if make is not None else None
 
 
-def task_scratch(graph: Any, dag: Any) -> dict[int, int]:
-    """Kernel task -> the bytes of scratch its kernel needs (``scratch_shape``), for the memory plan."""
+def task_scratch(graph: Any, dag: Any) -> dict[int, tuple[tuple[int, ...], str]]:
+    """Kernel task -> the scratch its kernel needs (``scratch_shape``), for the tasks that need some."""
     out = {}
     for t in dag.tasks:
         if t.kind == "kernel" and t.op is not None:
             op = graph.nodes[t.op].op
             need = scratch_shape(op, t.kernel.function) if op is not None else None
             if need is not None:
-                out[t.id] = math.prod(need[0]) * itemsize(need[1])
+                out[t.id] = need
     return out
+
+
+def scratch_bytes(needs: dict[int, tuple[tuple[int, ...], str]]) -> dict[int, int]:
+    """``task_scratch``'s needs in bytes, for the memory plan."""
+    return {t: math.prod(shape) * itemsize(dtype) for t, (shape, dtype) in needs.items()}
 
 
 # ------------------------------------------------------------------ the launchers, by family
