@@ -26,6 +26,14 @@ def _block(d: int) -> int:
 
 
 @triton.jit
+def _xhat_g(x_ptr, w_ptr, dy_ptr, base, cols, mask, mean, r, ACC: tl.constexpr):
+    """x̂ = (x - mean)·r and g = dy·w of one tile of a row."""
+    xhat = (tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(ACC) - mean) * r
+    dy = tl.load(dy_ptr + base + cols, mask=mask, other=0.0).to(ACC)
+    return xhat, dy * tl.load(w_ptr + cols, mask=mask, other=0.0).to(ACC)
+
+
+@triton.jit
 def _norm_grad_kernel(x_ptr, w_ptr, dy_ptr, out_ptr, d, eps, LAYER: tl.constexpr, BLOCK_D: tl.constexpr,
                       ONE_PASS: tl.constexpr, ACC: tl.constexpr):
     # dx = (g - x̂·mean(g·x̂) - [layernorm] mean(g)) · r with g = dy·w, x̂ = (x - [layernorm] mean(x))·r
@@ -65,9 +73,7 @@ def _norm_grad_kernel(x_ptr, w_ptr, dy_ptr, out_ptr, d, eps, LAYER: tl.constexpr
         for c0 in range(0, d, BLOCK_D):
             cols = c0 + tl.arange(0, BLOCK_D)
             mask = cols < d
-            xhat = (tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(ACC) - mean) * r
-            g = tl.load(dy_ptr + base + cols, mask=mask, other=0.0).to(ACC) * \
-                tl.load(w_ptr + cols, mask=mask, other=0.0).to(ACC)
+            xhat, g = _xhat_g(x_ptr, w_ptr, dy_ptr, base, cols, mask, mean, r, ACC)
             acc += tl.where(mask, g * xhat, 0.0)
             acc_g += g
         c1 = tl.sum(acc, axis=0) / d
@@ -75,9 +81,7 @@ def _norm_grad_kernel(x_ptr, w_ptr, dy_ptr, out_ptr, d, eps, LAYER: tl.constexpr
         for c0 in range(0, d, BLOCK_D):
             cols = c0 + tl.arange(0, BLOCK_D)
             mask = cols < d
-            xhat = (tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(ACC) - mean) * r
-            g = tl.load(dy_ptr + base + cols, mask=mask, other=0.0).to(ACC) * \
-                tl.load(w_ptr + cols, mask=mask, other=0.0).to(ACC)
+            xhat, g = _xhat_g(x_ptr, w_ptr, dy_ptr, base, cols, mask, mean, r, ACC)
             dx = g - xhat * c1
             if LAYER:
                 dx = dx - c2
