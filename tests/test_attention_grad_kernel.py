@@ -68,7 +68,7 @@ def _pointers(monkeypatch):
     import triton.language as tl
     from triton.runtime import interpreter
 
-    monkeypatch.setattr(K, "Ptr", lambda buf, dtype=None: _TENSORS[buf.ptr])
+    monkeypatch.setattr(K, "Ptr", _view)
     dot = interpreter.InterpreterBuilder.create_dot
 
     def widened(h):
@@ -82,6 +82,22 @@ def _pointers(monkeypatch):
 
 
 _TENSORS: dict[int, object] = {}
+
+
+def _view(buf, dtype=None):
+    """The registered tensor that holds ``buf``'s address, viewed from there as ``buf``'s dtype (scratch
+    carved out of one tensor by the wrappers)."""
+    found = _TENSORS.get(buf.ptr)
+    if found is not None and NAMES[found.dtype] == buf.dtype:
+        return found
+    for t in _TENSORS.values():
+        base = t.data_ptr()
+        raw = t.view(-1).view(torch.uint8) if t.dtype != torch.uint8 else t.view(-1)
+        if base <= buf.ptr < base + raw.numel():
+            size = torch.empty((), dtype=TORCH.get(buf.dtype, torch.int32)).element_size()
+            off = buf.ptr - base
+            return raw[off:off + (raw.numel() - off) // size * size].view(TORCH.get(buf.dtype, torch.int32))
+    raise AssertionError(f"pointer {buf.ptr:#x} lies in no registered tensor")
 
 
 def _buf(t):
@@ -169,6 +185,34 @@ class Problem:
         return t.cpu().to(torch.float64).numpy(), want
 
 
+    def run_fused(self, f_dq, f_kv, part: str, config, out32: bool = False) -> tuple | None:
+        """((kernel, NumPy) dk|dv, (kernel, NumPy) dq) of one pass of ``attention_dkvq`` over the blocks that
+        function specs ``f_dq`` and ``f_kv`` (of ``part``) both read, or None for an empty block; ``out32``:
+        both outputs float32 (the executor's ⊕ partials of 16-bit gradients), else of the inputs' type."""
+        assert f_dq.inputs == f_kv.inputs
+        bufs, blocks = zip(*(self.block(k, f_kv) for k in range(6)))
+        want_kv = self.ops[part].kernel(list(blocks), f_kv)
+        want_q = self.ops["dq"].kernel(list(blocks), f_dq)
+        if 0 in bufs[0].shape[1:2] or 0 in bufs[1].shape[1:2]:
+            return None
+        dtype = TORCH["float32" if out32 and self.dtype != "float64" else self.dtype]
+        kv, kv_t = _buf(torch.full(f_kv.output.shape, float("nan"), dtype=dtype))
+        dq, dq_t = _buf(torch.full(f_dq.output.shape, float("nan"), dtype=dtype))
+        scratch, _ = _buf(torch.full((K.dkvq_scratch_bytes(bufs[0].shape, self.dtype) // 4,), -1, dtype=torch.int32))
+        lim = self.limits
+        K.attention_dkvq(*bufs, kv, dq, lim["key_qlo"], lim["key_qhi"], lim["row_lo"], lim["row_hi"],
+                         f_kv.inputs[0].lower[1], f_kv.inputs[1].lower[1], self.ops[part].softmax_scale, scratch,
+                         dk=part in ("dk", "dkv"), dv=part in ("dv", "dkv"), config=config)
+        return ((kv_t.cpu().to(torch.float64).numpy(), want_kv), (dq_t.cpu().to(torch.float64).numpy(), want_q))
+
+
+def _fused_pairs(p: Problem, splits: dict[str, int], part: str = "dkv") -> list[tuple]:
+    """(dq function spec, ``part`` function spec) pairs that read the same blocks."""
+    by_inputs = {f.inputs: f for f in p.ops["dq"].spec(_request(p.ops["dq"], splits)).functions}
+    return [(by_inputs[f.inputs], f) for f in p.ops[part].spec(_request(p.ops[part], splits)).functions
+            if f.inputs in by_inputs]
+
+
 def _request(op, splits: dict[str, int]) -> dict[str, tuple[Interval, ...]]:
     """Near-equal intervals for the indices named (the operator's legal positions; skipped where none)."""
     found = {s.name: s for s in op.shardable()}
@@ -252,6 +296,69 @@ def test_packed_causal_gqa_with_query_and_key_splits(dtype: str) -> None:
     # three packed sequences, GQA 2:1 over 2 kv heads, queries split at the sequence ends and keys in 3
     p = Problem(b=1, sq=77, skv=77, hkv=2, group=2, d=40, dtype=dtype, seed=1, causal=True, seq_ends=(20, 51, 77))
     assert _check_specs(p, {"seq_q": 2, "seq_kv": 3}, CONFIGS[0]) >= 10
+
+
+FUSED_CONFIGS = [(16, 16, 4, 2, 0), (16, 32, 4, 2, 0), (32, 16, 4, 2, 0)]
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=problems(max_seq=64), splits=SPLITS, dtype=st.sampled_from(DTYPES),
+       config=st.sampled_from(FUSED_CONFIGS), part=st.sampled_from(["dkv", "dk", "dv"]), out32=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_dq_added_in_the_dkv_pass_matches_the_numpy_kernels(problem, splits, dtype, config, part, out32,
+                                                            seed) -> None:
+    """dq accumulated by the dk|dv pass in key-tile order (``attention_dkvq``) equals the NumPy kernel's, on
+    every pair of blocks a plan gives both tasks, with dk|dv as the pass alone computes them."""
+    dims, options = problem
+    p = Problem(**dims, dtype=dtype, seed=seed, **options)
+    tol = TOL[dtype]
+    for f_dq, f_kv in _fused_pairs(p, splits, part):  # (the blocks differ where a side drops rows or keys)
+        res = p.run_fused(f_dq, f_kv, part, config, out32)
+        if res is None:
+            continue
+        (got_kv, want_kv), (got_q, want_q) = res
+        _close(got_kv, want_kv, tol, f"{part} {f_kv}")
+        _close(got_q, want_q, tol, f"dq {f_dq}")
+
+
+@pytest.mark.parametrize("case", [
+    dict(b=1, sq=77, skv=77, hkv=2, group=2, d=40, causal=True, seq_ends=(20, 51, 77), splits={"heads_kv": 2}),
+    dict(b=2, sq=45, skv=45, hkv=1, group=4, d=64, causal=True, splits={"batch": 2}),
+    dict(b=1, sq=33, skv=50, hkv=2, group=1, d=72, splits={}),
+    dict(b=1, sq=60, skv=60, hkv=1, group=2, d=64, window=7, causal=True, splits={}),
+], ids=["packed-causal-gqa", "causal-batch", "cross", "window"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dq_added_over_several_key_tiles(case: dict, dtype: str) -> None:
+    """Blocks that span several key tiles of every configuration (several turns per query tile)."""
+    case = dict(case)
+    splits = case.pop("splits")
+    p = Problem(**case, dtype=dtype, seed=1)
+    pairs = _fused_pairs(p, splits)
+    assert pairs
+    for i, (f_dq, f_kv) in enumerate(pairs):
+        for config in FUSED_CONFIGS[i % 2::2]:
+            res = p.run_fused(f_dq, f_kv, "dkv", config, out32=dtype != "float32")
+            assert res is not None
+            (got_kv, want_kv), (got_q, want_q) = res
+            _close(got_kv, want_kv, TOL[dtype], f"dkv {f_kv}")
+            _close(got_q, want_q, TOL[dtype], f"dq {f_dq}")
+
+
+def test_dq_in_the_dkv_pass_has_the_bits_of_every_run_and_dk_dv_of_the_pass_alone() -> None:
+    p = Problem(b=1, sq=77, skv=77, hkv=2, group=2, d=40, dtype="bfloat16", seed=3, causal=True,
+                seq_ends=(20, 51, 77))
+    pairs = _fused_pairs(p, {"heads_kv": 2})
+    assert len(pairs) == 2
+    for f_dq, f_kv in pairs:
+        first = p.run_fused(f_dq, f_kv, "dkv", FUSED_CONFIGS[0], out32=True)
+        if first is None:
+            continue
+        again = p.run_fused(f_dq, f_kv, "dkv", FUSED_CONFIGS[0], out32=True)
+        assert again is not None
+        assert np.array_equal(first[1][0], again[1][0]) and np.array_equal(first[0][0], again[0][0])
+        alone = p.run("dkv", f_kv, FUSED_CONFIGS[0], "float32")
+        assert alone is not None
+        assert np.array_equal(alone[0], first[0][0]), "dk|dv differ from the pass without dq"
 
 
 def test_one_dkv_pass_equals_dk_and_dv_apart() -> None:
@@ -385,12 +492,12 @@ from relational_tensors.gpu_exec.kernels import triton_attention_grad as K
 def compile_one(kind, t16, d, cfg):
     bm, bn, warps, stages, tma = cfg
     bd = max(16, triton.next_power_of_2(d))
-    fn = {"lse": K._lse_kernel, "dq": K._dq_kernel, "dkv": K._dkv_kernel}[kind]
+    fn = {"lse": K._lse_kernel, "dq": K._dq_kernel, "dkv": K._dkv_kernel, "dkvq": K._dkv_kernel}[kind]
     consts = dict(D=d, BLOCK_D=bd, DV=d, BLOCK_DV=bd, BLOCK_M=bm, BLOCK_N=bn, IEEE=t16 == "fp32", ACC=tl.float32,
-                  TMA=bool(tma), WRITE_DK=True, WRITE_DV=True)
+                  TMA=bool(tma), WRITE_DK=True, WRITE_DV=True, WRITE_DQ=kind == "dkvq")
     blocks = {"q_desc": bm, "do_desc": bm, "k_desc": bn, "v_desc": bn}
-    stats = {"lse_ptr", "delta_ptr"}
-    limits = {"lo_ptr", "hi_ptr", "kqlo_ptr", "kqhi_ptr"}
+    stats = {"lse_ptr", "delta_ptr", "acc_ptr"}
+    limits = {"lo_ptr", "hi_ptr", "kqlo_ptr", "kqhi_ptr", "lock_ptr", "first_ptr", "last_ptr"}
     sig, cst = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts or (name in blocks and not tma):
@@ -401,13 +508,15 @@ def compile_one(kind, t16, d, cfg):
             sig[name] = "*i32" if name in limits else "*fp32" if name in stats else f"*{t16}"
         else:
             sig[name] = "fp32" if name in ("scale", "qk_scale") else "i32"
-    triton.compile(ASTSource(fn, sig, constexprs=cst), target=GPUTarget("cuda", 90, 32),
-                   options=dict(num_warps=warps, num_stages=stages))
+    k = triton.compile(ASTSource(fn, sig, constexprs=cst), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps, num_stages=stages))
+    return getattr(k, "n_spills", None), getattr(k, "n_regs", None)
 
 for kind, t16, d, cfg in [("dq", "bf16", 128, (128, 64, 8, 3, 1)), ("dkv", "bf16", 128, (32, 64, 8, 2, 1)),
-                          ("lse", "bf16", 128, (128, 64, 8, 3, 1)), ("dkv", "fp16", 72, (64, 64, 8, 2, 0))]:
-    compile_one(kind, t16, d, cfg)
-    print(kind, t16, d, cfg, "compiled", flush=True)
+                          ("lse", "bf16", 128, (128, 64, 8, 3, 1)), ("dkv", "fp16", 72, (64, 64, 8, 2, 0)),
+                          ("dkvq", "bf16", 128, (64, 64, 8, 2, 1)), ("dkvq", "fp16", 72, (32, 64, 4, 3, 0))]:
+    spills, regs = compile_one(kind, t16, d, cfg)
+    print(kind, t16, d, cfg, "compiled", spills, regs, flush=True)
 '''
 
 
@@ -423,4 +532,4 @@ def test_the_kernels_compile_for_hopper_without_a_gpu() -> None:
     if run.returncode and ("ptxas" in run.stderr and "not found" in run.stderr or "TypeError" in run.stderr):
         pytest.skip(f"this Triton cannot compile for sm_90 here: {run.stderr.strip().splitlines()[-1]}")
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count("compiled") == 4
+    assert run.stdout.count("compiled") == 6

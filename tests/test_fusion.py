@@ -46,7 +46,14 @@ from relational_tensors.gpu_exec.fusion import (  # noqa: E402
     fusion_plan,
 )
 from relational_tensors.gpu_exec.kernels.common import contiguous_strides  # noqa: E402
-from relational_tensors.gpu_exec.memory_plan import SIBLINGS, MemoryPlan, align, plan_memory, view_geometry  # noqa: E402
+from relational_tensors.gpu_exec.memory_plan import (  # noqa: E402
+    SIBLINGS,
+    MemoryPlan,
+    align,
+    plan_memory,
+    sibling_tasks,
+    view_geometry,
+)
 from relational_tensors.models import llama_training_feeds, llama_training_graph  # noqa: E402
 from relational_tensors.optim import adamw  # noqa: E402
 from relational_tensors.physical.tasks import TaskDAG  # noqa: E402
@@ -383,15 +390,17 @@ class HostProgram:
 
     def __init__(self, cg: rt.CompiledGraph, fused: bool, siblings: tuple[str, ...] = SIBLINGS) -> None:
         from relational_tensors.gpu_exec.kernels.common import DevBuf
+        from relational_tensors.gpu_exec.launchers import scratch_bytes, task_scratch
 
         self.cg, self.dag = cg, cg.dag
+        # a kernel that writes a sibling's output too -> the sibling (its scratch may differ)
+        self.sibling_of = {w: s for s, w in sibling_tasks(cg.graph, cg.dag, siblings).items()} if siblings else {}
+        self.needs = task_scratch(cg.graph, cg.dag, self.sibling_of)
         if fused:  # as the executor plans it when it fuses: kernel scratch in the arena too
-            from relational_tensors.gpu_exec.launchers import scratch_bytes, task_scratch
-
-            needs = scratch_bytes(task_scratch(cg.graph, cg.dag))
-            self.plan = fusion_plan(cg.graph, cg.dag, cg.live, siblings, needs)[0]
+            self.plan = fusion_plan(cg.graph, cg.dag, cg.live, siblings, scratch_bytes(self.needs))[0]
         else:
             self.plan = plan_memory(cg.graph, cg.dag, cg.live, siblings)
+        assert self.sibling_of == {w: s for s, w in self.plan.done_by.items()}
         self.mem = HostArenas(self.plan)
         self.views: dict[int, Any] = {}
         for b, buf in self.dag.buffers.items():
@@ -460,7 +469,7 @@ class HostProgram:
         from relational_tensors.gpu_exec.kernels import triton_copy as tc
         from relational_tensors.gpu_exec.kernels import triton_elementwise as te
         from relational_tensors.gpu_exec.kernels.common import DevBuf
-        from relational_tensors.gpu_exec.launchers import launcher_for, op_constants, scratch_shape
+        from relational_tensors.gpu_exec.launchers import launcher_for, op_constants
 
         views = self.views
         if t.kind == "kernel":
@@ -472,7 +481,11 @@ class HostProgram:
                 ptr = self.mem.scratch(host.nbytes)
                 self.mem.write(ptr, host)
                 consts[name] = DevBuf(ptr, host.shape, str(host.dtype), 0)
-            need = scratch_shape(node.op, t.kernel.function)
+            sib = self.sibling_of.get(t.id)
+            if sib is not None:  # the sibling's operator and blocks, as the executor passes them
+                sib_task = self.dag.tasks[sib]
+                consts["sibling"] = (self.cg.graph.nodes[sib_task.op].op, sib_task.kernel.function)
+            need = self.needs.get(t.id)
             if need is not None:
                 shape, dtype = need
                 slot = self.plan.scratch.get(t.id)  # in the arena during the task, as the executor places it
@@ -643,8 +656,9 @@ def test_fused_kernels_of_random_graphs_match_bit_for_bit(host: Any, data: st.Da
 def test_the_forward_attention_kernel_writes_the_lse_its_backward_reads(host: Callable[..., HostProgram],
                                                                          p: int) -> None:
     """An attention's gradients through the launchers on the arenas, in Triton's interpreter: the forward
-    kernel writes the log-sum-exp rows the backward reads (the attention_lse tasks do nothing), and dq, dk,
-    dv equal the reference, as they do with the lse recomputed (packed causal GQA, 45 rows)."""
+    kernel writes the log-sum-exp rows the backward reads (the attention_lse tasks do nothing) and the dk|dv
+    pass adds dq as it goes (the dq tasks do nothing), and dq, dk, dv equal the reference, as they do with
+    the lse recomputed and dq in its own pass (packed causal GQA, 45 rows)."""
     g = rt.Graph()
     q = g.input("q", [1, 45, 4, 16], "float32")
     k = g.input("k", [1, 45, 2, 16], "float32")
@@ -659,6 +673,8 @@ def test_the_forward_attention_kernel_writes_the_lse_its_backward_reads(host: Ca
     for paired in (True, False):
         prog = host(cg, False, SIBLINGS if paired else ())
         assert bool(prog.plan.done_by) == paired
+        kinds = sorted(cg.graph.nodes[cg.dag.tasks[s].op].kind for s in prog.plan.done_by)
+        assert kinds == (["attention_grad"] * p + ["attention_lse"] * p if paired else []), kinds
         prog.load(feeds)
         prog.execute()
         for name in ("o", "dq", "dk", "dv"):

@@ -159,6 +159,26 @@ def test_one_swiglu_gradient_kernel_writes_both(p: int) -> None:
         assert plan.writes(f) == (*f.outputs, t.outputs[0])
 
 
+@pytest.mark.parametrize("p", [1, 2, 4, 8])
+def test_the_dkv_pass_writes_the_dq_of_its_blocks(p: int) -> None:
+    """Attention's dq and dk|dv tasks on the same device and blocks: the earlier writes both (dq added in
+    the dk|dv pass), the sibling's block is born there and the hazard check sees the write; every pair is
+    one dq and one dkv task of the same attention, and on one device every dq task has its pair."""
+    g = llama_training_graph(2, 40, 32, 4, 2, 48, 29, seq_ends=(7, 20, 40))
+    cg = rt.compileGraph(g, device=f"cpu:{p}")
+    plan = check(cg)
+    pairs = sibling_tasks(cg.graph, cg.dag, ("attention_dq",))
+    dq_tasks = [t for t in cg.dag.tasks if t.kind == "kernel" and cg.graph.nodes[t.op].kind == "attention_grad"
+                and cg.graph.nodes[t.op].op.part == "dq"]
+    assert pairs.items() <= plan.done_by.items()
+    assert len(pairs) == len(dq_tasks) if p == 1 else len(pairs) <= len(dq_tasks)
+    for later, first in pairs.items():
+        f, t = cg.dag.tasks[first], cg.dag.tasks[later]
+        assert first < later and f.device == t.device and f.inputs[:6] == t.inputs[:6]
+        assert {cg.graph.nodes[f.op].op.part, cg.graph.nodes[t.op].op.part} == {"dq", "dkv"}
+        assert plan.writes(f) == (*f.outputs, t.outputs[0])
+
+
 def test_the_forward_lse_equals_the_recomputed_one() -> None:
     """The NumPy kernels of the pair agree: the forward's log-sum-exp (which the GPU forward kernel
     writes for the backward) is the attention_lse operator's, on a packed causal GQA block."""

@@ -34,7 +34,14 @@ from relational_tensors.gpu_exec.fusion import env_switch, fusion_enabled
 from relational_tensors.gpu_exec.kernels import triton_copy as tc
 from relational_tensors.gpu_exec.kernels import triton_elementwise as te
 from relational_tensors.gpu_exec.kernels.common import DevBuf, bind_triton_to_cupy
-from relational_tensors.gpu_exec.memory_plan import ALIGN, SIBLINGS, buffer_bytes, plan_memory, view_geometry
+from relational_tensors.gpu_exec.memory_plan import (
+    ALIGN,
+    SIBLINGS,
+    buffer_bytes,
+    plan_memory,
+    sibling_tasks,
+    view_geometry,
+)
 from relational_tensors.gpu_exec.memory_plan import align as _align
 from relational_tensors.physical.tasks import (
     AggregatePayload,
@@ -151,7 +158,10 @@ class CupyExecutor:
         from relational_tensors.gpu_exec.launchers import scratch_bytes, task_scratch
 
         self.fused_groups: list[Any] = []
-        self.scratch_needs = task_scratch(self.graph, dag)  # kernel task -> (shape, dtype) of its scratch
+        # a kernel that writes a sibling task's output too -> the sibling (its scratch may differ)
+        self.sibling_of = {w: s for s, w in sibling_tasks(self.graph, dag, self.siblings).items()} \
+            if self.siblings else {}
+        self.scratch_needs = task_scratch(self.graph, dag, self.sibling_of)  # task -> (shape, dtype) of its scratch
         scratch = scratch_bytes(self.scratch_needs) if self.own_issue else None
         if self.fusing:  # the plan keeps what the fused kernels read until they run (fusion.fusion_plan)
             from relational_tensors.gpu_exec.fusion import fusion_plan
@@ -160,6 +170,7 @@ class CupyExecutor:
         else:
             plan = plan_memory(self.graph, dag, self.live, self.siblings, scratch=scratch)
         self.plan = plan
+        assert self.sibling_of == {w: s for s, w in plan.done_by.items()}  # the scratch was sized for these
         self.arena_bytes = dict(plan.arena_bytes)
         self.arenas: list[Any] = []  # None for a device another process holds
         self.views: dict[int, Any] = {}
@@ -238,6 +249,10 @@ class CupyExecutor:
                 segs = flash.segments(node.op, t.kernel.function, out_buf.dtype, out_buf.partial == "lse")
                 if segs is not None:
                     consts["flash"] = segs
+            sib = self.sibling_of.get(t.id)
+            if sib is not None:  # the sibling's operator and blocks, for a kernel that writes both
+                sib_task = self.dag.tasks[sib]
+                consts["sibling"] = (self.graph.nodes[sib_task.op].op, sib_task.kernel.function)  # type: ignore[index]
             need = self.scratch_needs.get(t.id)
             if need is not None:
                 shape, dtype = need

@@ -13,6 +13,10 @@ both ends are non-decreasing in r, so the rows that see a key c are one range to
 * ``attention_dkv``: a program per (batch, kv head, key tile) walks the query tiles that can see its
   keys (from ``key_qlo``/``key_qhi``), for every query head of its group: dv = Pᵀ·dO, dk = scale ·
   dSᵀ·q, written side by side into one [b, skv, hkv, d + d_v] block (or one of them alone).
+* ``attention_dkvq``: both at once where the plan gives them the same blocks: the dk|dv program adds its
+  key tile's dS·k to every query tile's dq as it goes (five products per tile pair instead of seven),
+  taking turns per query tile in key-tile order (a lock per query tile and head counts the key tiles that
+  have added theirs; the last writes dq), so the sum's order, and dq's bits, are the same on every run.
 * ``attention_lse``: the forward's running maximum and sum without the values.
 * ``attention_delta``: row dot products.
 
@@ -35,7 +39,8 @@ import triton.language as tl
 from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type, fastest_config
 from relational_tensors.gpu_exec.kernels.triton_attention import interpreted
 
-__all__ = ["attention_lse", "attention_delta", "attention_dq", "attention_dkv", "Config"]
+__all__ = ["attention_lse", "attention_delta", "attention_dq", "attention_dkv", "attention_dkvq", "dkvq_scratch_bytes",
+           "APART", "Config"]
 
 Config = tuple[int, int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA)
 _BIG = tl.constexpr(2147483647)  # past every row and key index: the masked rows' limits
@@ -268,11 +273,38 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, lo_ptr, 
 
 
 @triton.jit
+def _dq_turn(dqp, rows, m0, n_tile, dq_base, stride_ds, acc_base, lock_base, first_ptr, last_ptr, sq, scale, dd,
+             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Add this key tile's part of query tile m0's dq in key-tile order: wait until the key tiles before it
+    that see the tile have added theirs (the tile's lock counts them), add, and pass the turn on; the last
+    one writes dq itself.  The sum's order is fixed, so dq has the same bits on every run."""
+    m = m0 // BLOCK_M
+    turn = n_tile - tl.load(first_ptr + m)
+    lock = lock_base + m
+    mask = (rows[:, None] < sq) & (dd[None, :] < D)
+    acc_ptrs = acc_base + rows[:, None].to(tl.int64) * BLOCK_D + dd[None, :]
+    if turn > 0:
+        seen = tl.atomic_add(lock, 0, sem="acquire")
+        while seen != turn:
+            seen = tl.atomic_add(lock, 0, sem="acquire")
+        dqp += tl.load(acc_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    if n_tile == tl.load(last_ptr + m):
+        dqp = dqp * scale
+        tl.store(dq_base + rows[:, None].to(tl.int64) * stride_ds + dd[None, :], dqp.to(dq_base.dtype.element_ty),
+                 mask=mask)
+    else:
+        tl.store(acc_ptrs, dqp, mask=mask, cache_modifier=".cg")
+        tl.debug_barrier()  # every thread's part stored before the turn passes
+        tl.atomic_xchg(lock, turn + 1, sem="release")
+
+
+@triton.jit
 def _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_gs, stride_ls, stride_ts,
               m0, sq, q_offset, kqlo, kqhi, qk_scale, dd, dvv, q_desc, do_desc, qrow, qcol, gcol,
+              n_tile, dq_base, stride_ds, acc_base, lock_base, first_ptr, last_ptr, scale,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WRITE_DK: tl.constexpr,
-              WRITE_DV: tl.constexpr,
+              WRITE_DV: tl.constexpr, WRITE_DQ: tl.constexpr,
               IEEE: tl.constexpr, TMA: tl.constexpr):
     rows = m0 + tl.arange(0, BLOCK_M)
     if TMA:  # rows past sq read the next batch row (or zeros): their P is masked to 0
@@ -299,17 +331,21 @@ def _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, st
             dv = _mm(pt, do, dv, IEEE)
         else:
             dv = _mm(pt.to(do.dtype), do, dv, IEEE)
-    if WRITE_DK:
+    if WRITE_DK or WRITE_DQ:
         if MASKED:
             delta = tl.load(delta_base + rows.to(tl.int64) * stride_ts, mask=rows < sq, other=0.0)
         else:
             delta = tl.load(delta_base + rows.to(tl.int64) * stride_ts)
         dpt = _mm(v, tl.trans(do), zero, IEEE)
         dst = pt * (dpt - delta.to(dk.dtype)[None, :])
-        if IEEE:
+        if not IEEE:
+            dst = dst.to(q.dtype)
+        if WRITE_DK:
             dk = _mm(dst, q, dk, IEEE)
-        else:
-            dk = _mm(dst.to(q.dtype), q, dk, IEEE)
+        if WRITE_DQ:
+            dqp = _mm(tl.trans(dst), k, tl.zeros([BLOCK_M, BLOCK_D], dtype=dk.dtype), IEEE)
+            _dq_turn(dqp, rows, m0, n_tile, dq_base, stride_ds, acc_base, lock_base, first_ptr, last_ptr, sq, scale,
+                     dd, D, BLOCK_D, BLOCK_M)
     return dk, dv
 
 
@@ -319,9 +355,10 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 stride_gb, stride_gs, stride_gh, stride_lb, stride_ls, stride_lh, stride_tb, stride_ts, stride_th,
                 stride_ob, stride_os, stride_oh, q_desc, k_desc, v_desc, do_desc,
+                dq_ptr, acc_ptr, lock_ptr, first_ptr, last_ptr, stride_db, stride_ds, stride_dh,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_DK: tl.constexpr, WRITE_DV: tl.constexpr,
-                IEEE: tl.constexpr, ACC: tl.constexpr, TMA: tl.constexpr):
+                WRITE_DQ: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr, TMA: tl.constexpr):
     n_blocks = tl.cdiv(skv, BLOCK_N)
     pid = tl.program_id(0).to(tl.int64)
     nbh = tl.num_programs(0).to(tl.int64) // n_blocks
@@ -352,6 +389,7 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
     qrow = (b * sq).to(tl.int32)
+    m_tiles = tl.cdiv(sq, BLOCK_M)
     for j in range(0, group):  # the query heads of this kv head
         h = hk * group + j
         q_base = q_ptr + b * stride_qb + h * stride_qh
@@ -360,20 +398,27 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
         delta_base = delta_ptr + b * stride_tb + h * stride_th
         qcol = (h * D).to(tl.int32)
         gcol = (h * DV).to(tl.int32)
+        bh = b * hkv * group + h  # this query head's dq accumulator and locks
+        dq_base = dq_ptr + b * stride_db + h * stride_dh
+        acc_base = acc_ptr + bh * sq * BLOCK_D
+        lock_base = lock_ptr + bh * m_tiles
         for m0 in range(start, tl.minimum(full_lo, end), BLOCK_M):
             dk, dv = _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_gs, stride_ls,
                                stride_ts, m0, sq, q_offset, kqlo, kqhi, qk_scale, dd, dvv, q_desc, do_desc, qrow,
-                               qcol, gcol, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True, WRITE_DK, WRITE_DV,
+                               qcol, gcol, pid_n, dq_base, stride_ds, acc_base, lock_base, first_ptr, last_ptr, scale,
+                               D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True, WRITE_DK, WRITE_DV, WRITE_DQ,
                                IEEE, TMA)
         for m0 in range(full_lo, full_hi, BLOCK_M):
             dk, dv = _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_gs, stride_ls,
                                stride_ts, m0, sq, q_offset, kqlo, kqhi, qk_scale, dd, dvv, q_desc, do_desc, qrow,
-                               qcol, gcol, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, WRITE_DK, WRITE_DV,
+                               qcol, gcol, pid_n, dq_base, stride_ds, acc_base, lock_base, first_ptr, last_ptr, scale,
+                               D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, WRITE_DK, WRITE_DV, WRITE_DQ,
                                IEEE, TMA)
         for m0 in range(tl.maximum(full_hi, tl.minimum(full_lo, end)), end, BLOCK_M):
             dk, dv = _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_gs, stride_ls,
                                stride_ts, m0, sq, q_offset, kqlo, kqhi, qk_scale, dd, dvv, q_desc, do_desc, qrow,
-                               qcol, gcol, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True, WRITE_DK, WRITE_DV,
+                               qcol, gcol, pid_n, dq_base, stride_ds, acc_base, lock_base, first_ptr, last_ptr, scale,
+                               D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True, WRITE_DK, WRITE_DV, WRITE_DQ,
                                IEEE, TMA)
     out_rows = out_ptr + b * stride_ob + cols[:, None].to(tl.int64) * stride_os + hk * stride_oh
     if WRITE_DK:
@@ -383,6 +428,38 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
         if WRITE_DK:  # dv after dk on the last axis
             out_rows += D
         tl.store(out_rows + dvv[None, :], dv.to(out_ptr.dtype.element_ty), mask=cmask[:, None] & (dvv[None, :] < DV))
+
+
+@triton.jit
+def _visits_kernel(kqlo_ptr, kqhi_ptr, first_ptr, last_ptr, lock_ptr, sq, skv, q_offset, k_offset, n_bh,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """Per query tile m of ``_dkv_kernel`` with WRITE_DQ: the first and last key tiles that visit it (the key
+    tiles whose query span, ``_span`` as the kernel computes it, holds row m·BLOCK_M; one range of key tiles,
+    as both ends of the spans grow with the key), and its locks set to zero for every (batch, head)."""
+    m = tl.program_id(0)
+    m0 = m * BLOCK_M
+    n_blocks = tl.cdiv(skv, BLOCK_N)
+    first = tl.full([CHUNK], 2147483647, tl.int32)
+    last = tl.full([CHUNK], -1, tl.int32)
+    for c in range(0, n_blocks, CHUNK):
+        n = c + tl.arange(0, CHUNK)
+        valid = n < n_blocks
+        key0 = k_offset + tl.where(valid, n * BLOCK_N, 0)
+        key1 = k_offset + tl.where(valid, tl.minimum(n * BLOCK_N + BLOCK_N, skv) - 1, 0)
+        lo0 = tl.load(kqlo_ptr + key0) - q_offset
+        lo1 = tl.load(kqlo_ptr + key1) - q_offset
+        hi0 = tl.load(kqhi_ptr + key0) - q_offset
+        hi1 = tl.load(kqhi_ptr + key1) - q_offset
+        start, end, _, _ = _span(lo0, lo1, hi0, hi1, sq, BLOCK_M)
+        visits = valid & (start <= m0) & (m0 < end)
+        first = tl.minimum(first, tl.where(visits, n, 2147483647))
+        last = tl.maximum(last, tl.where(visits, n, -1))
+    tl.store(first_ptr + m, tl.min(first, axis=0))
+    tl.store(last_ptr + m, tl.max(last, axis=0))
+    m_tiles = tl.cdiv(sq, BLOCK_M)
+    for c in range(0, n_bh, CHUNK):
+        bh = c + tl.arange(0, CHUNK)
+        tl.store(lock_ptr + bh.to(tl.int64) * m_tiles + m, tl.zeros([CHUNK], tl.int32), mask=bh < n_bh)
 
 
 # ------------------------------------------------------------------------------------------- wrappers
@@ -401,11 +478,17 @@ ROW_CONFIGS: dict[str, list[Config]] = {  # lse and dq: a program per query tile
             (32, 128, 4, 3, 0), (32, 128, 8, 2, 0), (32, 128, 8, 3, 0), (64, 128, 8, 3, 0), (32, 64, 4, 3, 1),
             (32, 64, 8, 2, 1), (32, 64, 8, 3, 1), (64, 64, 8, 2, 1), (64, 64, 8, 3, 1), (32, 128, 8, 3, 1),
             (64, 128, 8, 3, 1)],
+    # dk|dv with dq: one more product and a [BLOCK_M, d] float32 partial per tile.  Compiled for sm_90 at d =
+    # 128 in bfloat16 all use 255 registers; (16, 64, 8, 3, TMA) spills 80 bytes, (32, 64, 8, 2|3, TMA) 312,
+    # (32, 32, 8, 3, TMA) 456, (64, 64, 8, 2, TMA) 1048, the 4-warp ones 800 and more
+    "dkvq": [(16, 64, 8, 3, 0), (16, 64, 8, 3, 1), (32, 64, 8, 2, 1), (32, 64, 8, 3, 1), (32, 32, 8, 3, 1),
+             (64, 64, 8, 2, 1)],
 }
 IEEE_CONFIGS: dict[str, list[Config]] = {  # float32 and float64: no tensor cores, small tiles
     "lse": [(32, 32, 4, 2, 0), (16, 32, 4, 2, 0)],
     "dq": [(16, 32, 4, 2, 0), (32, 32, 8, 2, 0), (16, 16, 4, 2, 0)],
     "dkv": [(32, 32, 8, 1, 0), (16, 16, 4, 2, 0), (32, 32, 8, 2, 0)],
+    "dkvq": [(16, 16, 4, 2, 0), (32, 32, 8, 1, 0)],
 }
 _chosen: dict[tuple, Config] = {}
 
@@ -562,13 +645,77 @@ def attention_dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delt
                   dk: bool = True, dv: bool = True, config: Config | None = None) -> None:
     """dk and dv of blocks q, k, v, dO (a query block's partial) into ``out`` [b, skv, hkv, width]: dk in
     [..., :d] and dv after it (width d + d_v), or only the one asked for."""
+    _dkv(q, k, v, do, lse, delta, out, key_qlo, key_qhi, q_offset, k_offset, scale, dk, dv, None, config)
+
+
+# the marker among attention_dkvq's candidates for "the dq pass and the dk|dv pass apart"
+APART: Config = (0, 0, 0, 0, 0)
+_CHUNK = 256  # key tiles (and heads) per step of the visits kernel
+
+
+def dkvq_scratch_bytes(q_shape: tuple[int, ...], dtype: str) -> int:
+    """Bytes of scratch ``attention_dkvq`` needs for q blocks of ``q_shape`` [b, sq, hq, d] and ``dtype``: a
+    dq accumulator (float32, float64 for float64), a lock per (batch, head, query tile) and two key tiles
+    per query tile (for the smallest query tile of any candidate)."""
+    nb, sq, hq, d = q_shape
+    tiles = -(-sq // min(c[0] for c in (*ROW_CONFIGS["dkvq"], *IEEE_CONFIGS["dkvq"])))
+    return (_align_up(nb * hq * sq * _widths(d) * (8 if dtype == "float64" else 4)) + _align_up(nb * hq * tiles * 4)
+            + 2 * _align_up(tiles * 4))
+
+
+def _align_up(n: int) -> int:
+    return -(-n // 256) * 256
+
+
+def attention_dkvq(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf, out: DevBuf,
+                   dq: DevBuf, key_qlo: DevBuf, key_qhi: DevBuf, row_lo: DevBuf, row_hi: DevBuf, q_offset: int,
+                   k_offset: int, scale: float, scratch: DevBuf, dk: bool = True, dv: bool = True,
+                   config: Config | None = None) -> None:
+    """``attention_dkv`` and ``attention_dq`` of the same blocks from one pass over the score tiles where that
+    is faster: each key tile's program adds its part of every query tile's dq as it goes (the five products
+    of FlashAttention's backward instead of seven), in key-tile order behind a lock per query tile, so dq
+    has the same bits on every run.  ``scratch`` holds ``dkvq_scratch_bytes(q.shape)`` bytes.  The first
+    launch times the fused configurations against the two passes apart (``APART``) and keeps the faster.
+
+    The key tiles of one query tile wait for each other in program order; CUDA starts a grid's programs in
+    order, so a waiting program's predecessors have started and never wait on it."""
+    _check("attention_dkvq", {"q": q, "k": k, "v": v, "dO": do, "out": out, "dq": dq})
+    nb, sq, hq, d = q.shape
+    if tuple(dq.shape) != tuple(q.shape):
+        raise ValueError(f"attention_dkvq writes dq of q's shape {q.shape}; got dq {dq.shape}")
+    need = dkvq_scratch_bytes(q.shape, q.dtype)
+    if scratch.nbytes < need:
+        raise ValueError(f"attention_dkvq needs {need} bytes of scratch for q {q.shape}; got {scratch.nbytes}")
+    if out.size == 0 and dq.size == 0:
+        return
+    if sq == 0 or k.shape[1] == 0:
+        raise ValueError("attention_dkvq with no query rows or no keys is handled by the caller (zeros)")
+    ieee = q.dtype in ("float32", "float64")
+
+    def launch(cfg: Config) -> None:
+        if cfg == APART:
+            attention_dq(q, k, v, do, lse, delta, dq, row_lo, row_hi, q_offset, k_offset, scale)
+            attention_dkv(q, k, v, do, lse, delta, out, key_qlo, key_qhi, q_offset, k_offset, scale, dk, dv)
+        else:
+            _dkv(q, k, v, do, lse, delta, out, key_qlo, key_qhi, q_offset, k_offset, scale, dk, dv, (dq, scratch),
+                 cfg)
+
+    tma = _tma_views((q, k, v, do))
+    candidates = [*(IEEE_CONFIGS if ieee else ROW_CONFIGS)["dkvq"], APART]
+    launch(config or _pick(_shape_key("dkvq", q, k, v.shape[3], tma, dk, dv), candidates, tma, launch))
+
+
+def _dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf, out: DevBuf, key_qlo: DevBuf,
+         key_qhi: DevBuf, q_offset: int, k_offset: int, scale: float, dk: bool, dv: bool,
+         with_dq: tuple[DevBuf, DevBuf] | None, config: Config | None) -> None:
+    """The dk|dv pass, and dq with it where ``with_dq`` = (dq, scratch)."""
     _check("attention_dkv", {"q": q, "k": k, "v": v, "dO": do, "out": out})
     nb, sq, hq, d = q.shape
     skv, hkv, dvn = k.shape[1], k.shape[2], v.shape[3]
     width = (d if dk else 0) + (dvn if dv else 0)
     if width == 0 or tuple(out.shape) != (nb, skv, hkv, width):
         raise ValueError(f"attention_dkv writes [b, skv, hkv, {width}] (dk={dk}, dv={dv}); got out {out.shape}")
-    if out.size == 0:
+    if out.size == 0 and with_dq is None:
         return
     if sq == 0:
         raise ValueError("attention_dkv with no query rows is handled by the caller (zeros)")
@@ -585,9 +732,28 @@ def attention_dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delt
         bm, bn, warps, stages, want_tma = cfg
         use_tma = bool(want_tma) and tma is not None  # a fixed config may ask for TMA where it cannot be used
         descs = _descriptors(tma if use_tma else None, (bm, bn, bn, bm), (block_d, block_d, block_dv, block_dv))
-        _dkv_kernel[(triton.cdiv(skv, bn) * nb * hkv,)](*args, *descs, **consts, BLOCK_M=bm, BLOCK_N=bn,
-                                                        TMA=use_tma, num_warps=warps, num_stages=stages)
+        if with_dq is None:  # the dq arguments unused: any pointer of the right kinds
+            dq_args: tuple = (Ptr(out), Ptr(delta), Ptr(key_qlo), Ptr(key_qlo), Ptr(key_qlo), 0, 0, 0)
+        else:
+            dq, scratch = with_dq
+            tiles = triton.cdiv(sq, bm)
+            acc = DevBuf(scratch.ptr, (nb * hq * sq * block_d,), "float64" if q.dtype == "float64" else "float32",
+                         scratch.device)
+            at = scratch.ptr + _align_up(acc.nbytes)
+            locks = DevBuf(at, (nb * hq * tiles,), "int32", scratch.device)
+            at += _align_up(locks.nbytes)
+            first = DevBuf(at, (tiles,), "int32", scratch.device)
+            last = DevBuf(at + _align_up(first.nbytes), (tiles,), "int32", scratch.device)
+            _visits_kernel[(tiles,)](Ptr(key_qlo), Ptr(key_qhi), Ptr(first), Ptr(last), Ptr(locks), sq, skv, q_offset,
+                                     k_offset, nb * hq, BLOCK_M=bm, BLOCK_N=bn, CHUNK=_CHUNK)
+            dq_args = (Ptr(dq), Ptr(acc), Ptr(locks), Ptr(first), Ptr(last), *_strides3(dq))
+        _dkv_kernel[(triton.cdiv(skv, bn) * nb * hkv,)](*args, *descs, *dq_args, **consts, BLOCK_M=bm, BLOCK_N=bn,
+                                                        WRITE_DQ=with_dq is not None, TMA=use_tma, num_warps=warps,
+                                                        num_stages=stages)
 
+    if with_dq is not None:
+        assert config is not None  # attention_dkvq chose it
+        launch(config)
+        return
     launch(config or _pick(_shape_key("dkv", q, k, dvn, tma, dk, dv), (IEEE_CONFIGS if ieee else ROW_CONFIGS)["dkv"],
                            tma, launch))
-
