@@ -316,6 +316,29 @@ def test_calibrated_cost_model(tmp_path) -> None:
     np.testing.assert_allclose(small.run(feeds)["y"], rt.reference(feeds_g, feeds)["y"], rtol=1e-4, atol=1e-5)
 
 
+def test_logical_devices_of_one_gpu_are_priced_as_sharing_it() -> None:
+    """Logical devices on one GPU share its SMs and memory: the calibrated model multiplies a spec's kernel
+    time by how many share a GPU and moves their bytes through its memory (a read and a write each, all
+    of them at once); separate GPUs and CPU devices keep the interconnect's price."""
+    from relational_tensors.dp_optimizer.costs import cost_model
+    from relational_tensors.target.pricing import device_bandwidth
+    from relational_tensors.target.target import Target
+
+    shared, separate = Target.resolve("cuda:0,0,0,0"), Target.resolve("cuda:0,1,2,3")
+    two_each = Target.resolve("cuda:0,0,1,1")
+    assert (shared.sharing, separate.sharing, two_each.sharing, Target.resolve("cpu:4").sharing) == (4, 1, 2, 1)
+    on_one, on_four = cost_model("calibrated", shared), cost_model("calibrated", separate)
+    assert on_one.bandwidth == pytest.approx(min(device_bandwidth(shared.topology),
+                                                 shared.topology.hbm_bandwidth / 8))
+    assert on_four.bandwidth == pytest.approx(device_bandwidth(separate.topology))
+    g = rt.Graph()
+    a, b = g.input("a", [4096, 4096], "bfloat16"), g.input("b", [4096, 4096], "bfloat16")
+    g.save(g.matmul(a, b), name="c")
+    op = next(n.op for n in g.nodes if n.kind == "matmul")
+    spec = op.spec({})
+    assert on_one.compute(spec, op) == pytest.approx(4 * on_four.compute(spec, op))
+
+
 # --- the calibrated model's pairwise price ------------------------------------------------------
 
 def _grid(rows: int, cols: int, n: int = 64) -> tuple:

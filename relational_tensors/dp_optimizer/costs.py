@@ -99,6 +99,7 @@ class CalibratedCostModel(CostModel):
     kernels: KernelModel | None = None
     bandwidth: float = 1.0      # bytes/s one device sends (and receives) while every device exchanges
     latency: float = 0.0        # start latency of a transfer, s
+    sharing: int = 1            # logical devices per physical GPU: their kernels share its SMs and memory
     _prices: dict = field(default_factory=dict, compare=False, repr=False)  # memo of exchange()
 
     pairwise: ClassVar[bool] = True
@@ -145,7 +146,7 @@ class CalibratedCostModel(CostModel):
         for f in spec.functions:
             nbytes = sum(b.volume * w for b, w in zip(f.inputs, widths)) + f.output.volume * out_w
             worst = max(worst, model.time(f.flops, nbytes, spec.output_type.dtype, family))
-        return worst
+        return worst * self.sharing
 
 
 COST_MODELS: dict[str, CostModel] = {
@@ -166,8 +167,11 @@ def cost_model(name: str, target: Target | None = None) -> CostModel:
     topo = target.topology
     routes = [topo.route(a, b) for a in topo.sites for b in topo.sites if a != b]
     latency = sum(r.latency for r in routes) / len(routes) if routes else 0.0
-    return CalibratedCostModel("calibrated", lambda dtype: float(itemsize(dtype)), target.kernels,
-                               device_bandwidth(topo), latency)
+    bandwidth, sharing = device_bandwidth(topo), target.sharing
+    if sharing > 1:  # logical devices of one GPU copy through its memory (a read and a write), all at once
+        bandwidth = min(bandwidth, topo.hbm_bandwidth / (2 * sharing))
+    return CalibratedCostModel("calibrated", lambda dtype: float(itemsize(dtype)), target.kernels, bandwidth,
+                               latency, sharing)
 
 
 def spec_memory(spec: JoinAggSpec) -> int:

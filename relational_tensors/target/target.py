@@ -53,6 +53,15 @@ class Target:
     def p(self) -> int:
         return self.devices.p
 
+    @property
+    def sharing(self) -> int:
+        """The most logical devices that share one physical GPU (1 on CPUs, whose virtual devices stand for
+        separate machines' devices): the calibrated cost model prices their kernels and copies as sharing it."""
+        if self.devices.kind != "cuda":
+            return 1
+        phys = self.devices.physical
+        return max(phys.count(g) for g in set(phys))
+
     def memory_source(self) -> str:
         """What :meth:`memory` reads, in words (for messages)."""
         if self.devices.kind == "cpu":
