@@ -16,8 +16,8 @@ from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type
 __all__ = ["norm_grad", "norm_weight_grad", "weight_grad_chunks", "weight_grad_scratch", "softmax_grad"]
 
 STATS_ROWS = 16     # rows per program of the statistics pass
-PARTIAL_ROWS = 32   # rows per step of a chunk's sum
-PARTIAL_COLS = 64   # columns per program of a chunk's sum
+PARTIAL_ROWS = 16   # rows per step of a chunk's sum
+PARTIAL_COLS = 256  # columns per program of a chunk's sum: 512 bytes of a 16-bit row per load
 MAX_CHUNKS = 128    # chunks of rows, so the partials stay small next to the block
 
 
