@@ -431,11 +431,13 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
 
 
 @triton.jit
-def _visits_kernel(kqlo_ptr, kqhi_ptr, first_ptr, last_ptr, lock_ptr, sq, skv, q_offset, k_offset, n_bh,
+def _visits_kernel(kqlo_ptr, kqhi_ptr, first_ptr, last_ptr, lock_ptr, dq_ptr, sq, skv, hq, q_offset, k_offset, n_bh,
+                   stride_db, stride_ds, stride_dh, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
     """Per query tile m of ``_dkv_kernel`` with WRITE_DQ: the first and last key tiles that visit it (the key
     tiles whose query span, ``_span`` as the kernel computes it, holds row m·BLOCK_M; one range of key tiles,
-    as both ends of the spans grow with the key), and its locks set to zero for every (batch, head)."""
+    as both ends of the spans grow with the key), and its locks set to zero for every (batch, head).  A tile
+    that no key tile visits sees none of these keys: its dq rows are zeros, written here."""
     m = tl.program_id(0)
     m0 = m * BLOCK_M
     n_blocks = tl.cdiv(skv, BLOCK_N)
@@ -456,6 +458,15 @@ def _visits_kernel(kqlo_ptr, kqhi_ptr, first_ptr, last_ptr, lock_ptr, sq, skv, q
         last = tl.maximum(last, tl.where(visits, n, -1))
     tl.store(first_ptr + m, tl.min(first, axis=0))
     tl.store(last_ptr + m, tl.max(last, axis=0))
+    if tl.max(last, axis=0) < 0:
+        rows = m0 + tl.arange(0, BLOCK_M)
+        dd = tl.arange(0, BLOCK_D)
+        mask = (rows[:, None] < sq) & (dd[None, :] < D)
+        for bh in range(0, n_bh):
+            b = bh // hq
+            h = bh % hq
+            tl.store(dq_ptr + b.to(tl.int64) * stride_db + rows[:, None].to(tl.int64) * stride_ds + h * stride_dh
+                     + dd[None, :], tl.zeros([BLOCK_M, BLOCK_D], dq_ptr.dtype.element_ty), mask=mask)
     m_tiles = tl.cdiv(sq, BLOCK_M)
     for c in range(0, n_bh, CHUNK):
         bh = c + tl.arange(0, CHUNK)
@@ -744,8 +755,9 @@ def _dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf
             at += _align_up(locks.nbytes)
             first = DevBuf(at, (tiles,), "int32", scratch.device)
             last = DevBuf(at + _align_up(first.nbytes), (tiles,), "int32", scratch.device)
-            _visits_kernel[(tiles,)](Ptr(key_qlo), Ptr(key_qhi), Ptr(first), Ptr(last), Ptr(locks), sq, skv, q_offset,
-                                     k_offset, nb * hq, BLOCK_M=bm, BLOCK_N=bn, CHUNK=_CHUNK)
+            _visits_kernel[(tiles,)](Ptr(key_qlo), Ptr(key_qhi), Ptr(first), Ptr(last), Ptr(locks), Ptr(dq), sq, skv,
+                                     hq, q_offset, k_offset, nb * hq, *_strides3(dq), D=d, BLOCK_D=block_d,
+                                     BLOCK_M=bm, BLOCK_N=bn, CHUNK=_CHUNK)
             dq_args = (Ptr(dq), Ptr(acc), Ptr(locks), Ptr(first), Ptr(last), *_strides3(dq))
         _dkv_kernel[(triton.cdiv(skv, bn) * nb * hkv,)](*args, *descs, *dq_args, **consts, BLOCK_M=bm, BLOCK_N=bn,
                                                         WRITE_DQ=with_dq is not None, TMA=use_tma, num_warps=warps,
