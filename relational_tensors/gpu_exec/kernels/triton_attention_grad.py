@@ -16,7 +16,9 @@ both ends are non-decreasing in r, so the rows that see a key c are one range to
 * ``attention_dkvq``: both at once where the plan gives them the same blocks: the dk|dv program adds its
   key tile's dS·k to every query tile's dq as it goes (five products per tile pair instead of seven),
   taking turns per query tile in key-tile order (a lock per query tile and head counts the key tiles that
-  have added theirs; the last writes dq), so the sum's order, and dq's bits, are the same on every run.
+  have added theirs; the last writes dq), so the sum's order, and dq's bits, are the same on every run of
+  a configuration.  Programs take their work by ticket in the order they start, so a waiting program
+  waits only on programs already running.
 * ``attention_lse``: the forward's running maximum and sum without the values.
 * ``attention_delta``: row dot products.
 
@@ -287,6 +289,7 @@ def _dq_turn(dqp, rows, m0, n_tile, dq_base, stride_ds, acc_base, lock_base, fir
         seen = tl.atomic_add(lock, 0, sem="acquire")
         while seen != turn:
             seen = tl.atomic_add(lock, 0, sem="acquire")
+        tl.debug_barrier()  # no thread reads before the turn is this program's
         dqp += tl.load(acc_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
     if n_tile == tl.load(last_ptr + m):
         dqp = dqp * scale
@@ -355,12 +358,15 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 stride_gb, stride_gs, stride_gh, stride_lb, stride_ls, stride_lh, stride_tb, stride_ts, stride_th,
                 stride_ob, stride_os, stride_oh, q_desc, k_desc, v_desc, do_desc,
-                dq_ptr, acc_ptr, lock_ptr, first_ptr, last_ptr, stride_db, stride_ds, stride_dh,
+                dq_ptr, acc_ptr, lock_ptr, first_ptr, last_ptr, ticket_ptr, stride_db, stride_ds, stride_dh,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_DK: tl.constexpr, WRITE_DV: tl.constexpr,
                 WRITE_DQ: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr, TMA: tl.constexpr):
     n_blocks = tl.cdiv(skv, BLOCK_N)
-    pid = tl.program_id(0).to(tl.int64)
+    if WRITE_DQ:  # work in the order programs start (a ticket each): a program waits only on running ones
+        pid = tl.atomic_add(ticket_ptr, 1).to(tl.int64)
+    else:
+        pid = tl.program_id(0).to(tl.int64)
     nbh = tl.num_programs(0).to(tl.int64) // n_blocks
     pid_n = pid // nbh  # kv heads of a key tile side by side, the first key tiles (under a causal mask the
     pid_bh = pid % nbh  # ones the most queries see) first
@@ -375,6 +381,8 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
         krow = (b * skv + n0).to(tl.int32)
         k = k_desc.load([krow, (hk * D).to(tl.int32)])
         v = v_desc.load([krow, (hk * DV).to(tl.int32)])
+        if WRITE_DQ:  # but dq = Σ dS·k reads them, where a partial key tile runs unmasked: zeros
+            k = tl.where(cmask[:, None], k, 0.0)
     else:
         k = _load_rows(k_ptr + b * stride_kb + hk * stride_kh, cols, stride_ks, dd, skv, D, BLOCK_D, True)
         v = _load_rows(v_ptr + b * stride_vb + hk * stride_vh, cols, stride_vs, dvv, skv, DV, BLOCK_DV, True)
@@ -431,14 +439,18 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
 
 
 @triton.jit
-def _visits_kernel(kqlo_ptr, kqhi_ptr, first_ptr, last_ptr, lock_ptr, dq_ptr, sq, skv, hq, q_offset, k_offset, n_bh,
+def _visits_kernel(kqlo_ptr, kqhi_ptr, first_ptr, last_ptr, lock_ptr, ticket_ptr, dq_ptr, sq, skv, hq, q_offset,
+                   k_offset, n_bh,
                    stride_db, stride_ds, stride_dh, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
     """Per query tile m of ``_dkv_kernel`` with WRITE_DQ: the first and last key tiles that visit it (the key
     tiles whose query span, ``_span`` as the kernel computes it, holds row m·BLOCK_M; one range of key tiles,
-    as both ends of the spans grow with the key), and its locks set to zero for every (batch, head).  A tile
-    that no key tile visits sees none of these keys: its dq rows are zeros, written here."""
+    as both ends of the spans grow with the key), and its locks set to zero for every (batch, head); the first
+    program sets the tickets back to zero.  A tile that no key tile visits sees none of these keys: its dq
+    rows are zeros, written here."""
     m = tl.program_id(0)
+    if m == 0:
+        tl.store(ticket_ptr, 0)
     m0 = m * BLOCK_M
     n_blocks = tl.cdiv(skv, BLOCK_N)
     first = tl.full([CHUNK], 2147483647, tl.int32)
@@ -666,12 +678,12 @@ _CHUNK = 256  # key tiles (and heads) per step of the visits kernel
 
 def dkvq_scratch_bytes(q_shape: tuple[int, ...], dtype: str) -> int:
     """Bytes of scratch ``attention_dkvq`` needs for q blocks of ``q_shape`` [b, sq, hq, d] and ``dtype``: a
-    dq accumulator (float32, float64 for float64), a lock per (batch, head, query tile) and two key tiles
-    per query tile (for the smallest query tile of any candidate)."""
+    dq accumulator (float32, float64 for float64), a lock per (batch, head, query tile), two key tiles per
+    query tile (for the smallest query tile of any candidate) and the programs' ticket counter."""
     nb, sq, hq, d = q_shape
     tiles = -(-sq // min(c[0] for c in (*ROW_CONFIGS["dkvq"], *IEEE_CONFIGS["dkvq"])))
     return (_align_up(nb * hq * sq * _widths(d) * (8 if dtype == "float64" else 4)) + _align_up(nb * hq * tiles * 4)
-            + 2 * _align_up(tiles * 4))
+            + 2 * _align_up(tiles * 4) + _align_up(4))
 
 
 def _align_up(n: int) -> int:
@@ -685,11 +697,13 @@ def attention_dkvq(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, del
     """``attention_dkv`` and ``attention_dq`` of the same blocks from one pass over the score tiles where that
     is faster: each key tile's program adds its part of every query tile's dq as it goes (the five products
     of FlashAttention's backward instead of seven), in key-tile order behind a lock per query tile, so dq
-    has the same bits on every run.  ``scratch`` holds ``dkvq_scratch_bytes(q.shape)`` bytes.  The first
-    launch times the fused configurations against the two passes apart (``APART``) and keeps the faster.
+    has the same bits on every run of one configuration.  ``scratch`` holds ``dkvq_scratch_bytes(q.shape,
+    q.dtype)`` bytes.  The first launch times the fused configurations against the two passes apart
+    (``APART``) and keeps the faster for the shape (in another process the timing may choose another,
+    whose dq differs in rounding).
 
-    The key tiles of one query tile wait for each other in program order; CUDA starts a grid's programs in
-    order, so a waiting program's predecessors have started and never wait on it."""
+    Programs take their (key tile, head) by ticket in the order they start, and a key tile waits only on
+    lower ones, which hold earlier tickets: their programs are running or done, so every wait ends."""
     _check("attention_dkvq", {"q": q, "k": k, "v": v, "dO": do, "out": out, "dq": dq})
     nb, sq, hq, d = q.shape
     if tuple(dq.shape) != tuple(q.shape):
@@ -744,7 +758,7 @@ def _dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf
         use_tma = bool(want_tma) and tma is not None  # a fixed config may ask for TMA where it cannot be used
         descs = _descriptors(tma if use_tma else None, (bm, bn, bn, bm), (block_d, block_d, block_dv, block_dv))
         if with_dq is None:  # the dq arguments unused: any pointer of the right kinds
-            dq_args: tuple = (Ptr(out), Ptr(delta), Ptr(key_qlo), Ptr(key_qlo), Ptr(key_qlo), 0, 0, 0)
+            dq_args: tuple = (Ptr(out), Ptr(delta), Ptr(key_qlo), Ptr(key_qlo), Ptr(key_qlo), Ptr(key_qlo), 0, 0, 0)
         else:
             dq, scratch = with_dq
             tiles = triton.cdiv(sq, bm)
@@ -754,11 +768,13 @@ def _dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf
             locks = DevBuf(at, (nb * hq * tiles,), "int32", scratch.device)
             at += _align_up(locks.nbytes)
             first = DevBuf(at, (tiles,), "int32", scratch.device)
-            last = DevBuf(at + _align_up(first.nbytes), (tiles,), "int32", scratch.device)
-            _visits_kernel[(tiles,)](Ptr(key_qlo), Ptr(key_qhi), Ptr(first), Ptr(last), Ptr(locks), Ptr(dq), sq, skv,
-                                     hq, q_offset, k_offset, nb * hq, *_strides3(dq), D=d, BLOCK_D=block_d,
-                                     BLOCK_M=bm, BLOCK_N=bn, CHUNK=_CHUNK)
-            dq_args = (Ptr(dq), Ptr(acc), Ptr(locks), Ptr(first), Ptr(last), *_strides3(dq))
+            at += _align_up(first.nbytes)
+            last = DevBuf(at, (tiles,), "int32", scratch.device)
+            ticket = DevBuf(at + _align_up(last.nbytes), (1,), "int32", scratch.device)
+            _visits_kernel[(tiles,)](Ptr(key_qlo), Ptr(key_qhi), Ptr(first), Ptr(last), Ptr(locks), Ptr(ticket),
+                                     Ptr(dq), sq, skv, hq, q_offset, k_offset, nb * hq, *_strides3(dq), D=d,
+                                     BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, CHUNK=_CHUNK)
+            dq_args = (Ptr(dq), Ptr(acc), Ptr(locks), Ptr(first), Ptr(last), Ptr(ticket), *_strides3(dq))
         _dkv_kernel[(triton.cdiv(skv, bn) * nb * hkv,)](*args, *descs, *dq_args, **consts, BLOCK_M=bm, BLOCK_N=bn,
                                                         WRITE_DQ=with_dq is not None, TMA=use_tma, num_warps=warps,
                                                         num_stages=stages)
