@@ -502,8 +502,9 @@ ROW_CONFIGS: dict[str, list[Config]] = {  # lse and dq: a program per query tile
             (32, 64, 8, 2, 1), (32, 64, 8, 3, 1), (64, 64, 8, 2, 1), (64, 64, 8, 3, 1), (32, 128, 8, 3, 1),
             (64, 128, 8, 3, 1)],
     # dk|dv with dq: one more product and a [BLOCK_M, d] float32 partial per tile.  Compiled for sm_90 at d =
-    # 128 in bfloat16 all use 255 registers; (16, 64, 8, 3, TMA) spills 80 bytes, (32, 64, 8, 2|3, TMA) 312,
-    # (32, 32, 8, 3, TMA) 456, (64, 64, 8, 2, TMA) 1048, the 4-warp ones 800 and more
+    # 128 in bfloat16 all use 255 registers and spill (stores per thread): (16, 64, 8, 3, TMA) 148 bytes,
+    # without TMA 172, (32, 64, 8, 2|3, TMA) 344, (32, 32, 8, 3, TMA) 424, (64, 64, 8, 2, TMA) 1320; the
+    # 4-warp ones spill 800 and more
     "dkvq": [(16, 64, 8, 3, 0), (16, 64, 8, 3, 1), (32, 64, 8, 2, 1), (32, 64, 8, 3, 1), (32, 32, 8, 3, 1),
              (64, 64, 8, 2, 1)],
 }
