@@ -44,7 +44,10 @@ from relational_tensors.gpu_exec.kernels.triton_attention import interpreted
 __all__ = ["attention_lse", "attention_delta", "attention_dq", "attention_dkv", "attention_dkvq", "dkvq_scratch_bytes",
            "APART", "Config"]
 
-Config = tuple[int, int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA)
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, loads): loads 0 through pointers, 1 through tensor descriptors
+# (TMA), 2 (dk|dv only) through tensor descriptors with k and v loaded again for every query tile, where
+# holding them in registers would spill
+Config = tuple[int, int, int, int, int]
 _BIG = tl.constexpr(2147483647)  # past every row and key index: the masked rows' limits
 
 
@@ -305,10 +308,16 @@ def _dq_turn(dqp, rows, m0, n_tile, dq_base, stride_ds, acc_base, lock_base, fir
 def _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_gs, stride_ls, stride_ts,
               m0, sq, q_offset, kqlo, kqhi, qk_scale, dd, dvv, q_desc, do_desc, qrow, qcol, gcol,
               n_tile, dq_base, stride_ds, acc_base, lock_base, first_ptr, last_ptr, scale,
+              k_desc, v_desc, krow, kcol, vcol, cmask,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WRITE_DK: tl.constexpr,
               WRITE_DV: tl.constexpr, WRITE_DQ: tl.constexpr,
-              IEEE: tl.constexpr, TMA: tl.constexpr):
+              IEEE: tl.constexpr, TMA: tl.constexpr, RELOAD: tl.constexpr):
+    if RELOAD:  # k and v through the tensor cores' shared memory for every tile, not held in registers
+        k = k_desc.load([krow, kcol])
+        v = v_desc.load([krow, vcol])
+        if WRITE_DQ:  # keys past skv read the next batch row: zeros for dq (as at the kernel's start)
+            k = tl.where(cmask[:, None], k, 0.0)
     rows = m0 + tl.arange(0, BLOCK_M)
     if TMA:  # rows past sq read the next batch row (or zeros): their P is masked to 0
         q = q_desc.load([qrow + m0, qcol])
@@ -361,7 +370,8 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
                 dq_ptr, acc_ptr, lock_ptr, first_ptr, last_ptr, ticket_ptr, stride_db, stride_ds, stride_dh,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_DK: tl.constexpr, WRITE_DV: tl.constexpr,
-                WRITE_DQ: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr, TMA: tl.constexpr):
+                WRITE_DQ: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr, TMA: tl.constexpr,
+                RELOAD: tl.constexpr):
     n_blocks = tl.cdiv(skv, BLOCK_N)
     if WRITE_DQ:  # work in the order programs start (a ticket each): a program waits only on running ones
         pid = tl.atomic_add(ticket_ptr, 1).to(tl.int64)
@@ -377,10 +387,12 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
     cmask = cols < skv
     dd = tl.arange(0, BLOCK_D)
     dvv = tl.arange(0, BLOCK_DV)
+    krow = (b * skv + n0).to(tl.int32)
+    kcol = (hk * D).to(tl.int32)
+    vcol = (hk * DV).to(tl.int32)
     if TMA:  # keys past skv read the next batch row (or zeros): never stored
-        krow = (b * skv + n0).to(tl.int32)
-        k = k_desc.load([krow, (hk * D).to(tl.int32)])
-        v = v_desc.load([krow, (hk * DV).to(tl.int32)])
+        k = k_desc.load([krow, kcol])
+        v = v_desc.load([krow, vcol])
         if WRITE_DQ:  # but dq = Σ dS·k reads them, where a partial key tile runs unmasked: zeros
             k = tl.where(cmask[:, None], k, 0.0)
     else:
@@ -414,20 +426,20 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
             dk, dv = _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_gs, stride_ls,
                                stride_ts, m0, sq, q_offset, kqlo, kqhi, qk_scale, dd, dvv, q_desc, do_desc, qrow,
                                qcol, gcol, pid_n, dq_base, stride_ds, acc_base, lock_base, first_ptr, last_ptr, scale,
-                               D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True, WRITE_DK, WRITE_DV, WRITE_DQ,
-                               IEEE, TMA)
+                               k_desc, v_desc, krow, kcol, vcol, cmask, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
+                               BLOCK_N, True, WRITE_DK, WRITE_DV, WRITE_DQ, IEEE, TMA, RELOAD)
         for m0 in range(full_lo, full_hi, BLOCK_M):
             dk, dv = _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_gs, stride_ls,
                                stride_ts, m0, sq, q_offset, kqlo, kqhi, qk_scale, dd, dvv, q_desc, do_desc, qrow,
                                qcol, gcol, pid_n, dq_base, stride_ds, acc_base, lock_base, first_ptr, last_ptr, scale,
-                               D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, WRITE_DK, WRITE_DV, WRITE_DQ,
-                               IEEE, TMA)
+                               k_desc, v_desc, krow, kcol, vcol, cmask, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
+                               BLOCK_N, False, WRITE_DK, WRITE_DV, WRITE_DQ, IEEE, TMA, RELOAD)
         for m0 in range(tl.maximum(full_hi, tl.minimum(full_lo, end)), end, BLOCK_M):
             dk, dv = _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_gs, stride_ls,
                                stride_ts, m0, sq, q_offset, kqlo, kqhi, qk_scale, dd, dvv, q_desc, do_desc, qrow,
                                qcol, gcol, pid_n, dq_base, stride_ds, acc_base, lock_base, first_ptr, last_ptr, scale,
-                               D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True, WRITE_DK, WRITE_DV, WRITE_DQ,
-                               IEEE, TMA)
+                               k_desc, v_desc, krow, kcol, vcol, cmask, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
+                               BLOCK_N, True, WRITE_DK, WRITE_DV, WRITE_DQ, IEEE, TMA, RELOAD)
     out_rows = out_ptr + b * stride_ob + cols[:, None].to(tl.int64) * stride_os + hk * stride_oh
     if WRITE_DK:
         dk = dk * scale
@@ -487,7 +499,7 @@ def _visits_kernel(kqlo_ptr, kqhi_ptr, first_ptr, last_ptr, lock_ptr, ticket_ptr
 
 # ------------------------------------------------------------------------------------------- wrappers
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA) tried on the first launch of each shape class, the fastest
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, loads) tried on the first launch of each shape class, the fastest
 # kept; TMA ones only where tensor descriptors work (Hopper or newer, whole power-of-two heads, aligned
 # contiguous blocks).  dk|dv holds two [BLOCK_N, d] float32 accumulators, so it takes narrower tiles and 8
 # warps: compiled for sm_90 at d = 128 in bfloat16, (32, 64, 8, 2|3, TMA) keep everything in registers
@@ -500,13 +512,14 @@ ROW_CONFIGS: dict[str, list[Config]] = {  # lse and dq: a program per query tile
     "dkv": [(32, 64, 4, 3, 0), (32, 64, 4, 4, 0), (32, 64, 4, 5, 0), (64, 64, 4, 3, 0), (64, 64, 8, 2, 0),
             (32, 128, 4, 3, 0), (32, 128, 8, 2, 0), (32, 128, 8, 3, 0), (64, 128, 8, 3, 0), (32, 64, 4, 3, 1),
             (32, 64, 8, 2, 1), (32, 64, 8, 3, 1), (64, 64, 8, 2, 1), (64, 64, 8, 3, 1), (32, 128, 8, 3, 1),
-            (64, 128, 8, 3, 1)],
+            (64, 128, 8, 3, 1), (32, 64, 4, 3, 2), (64, 64, 8, 3, 2)],
     # dk|dv with dq: one more product and a [BLOCK_M, d] float32 partial per tile.  Compiled for sm_90 at d =
     # 128 in bfloat16 all use 255 registers and spill (stores per thread): (16, 64, 8, 3, TMA) 148 bytes,
-    # without TMA 172, (32, 64, 8, 2|3, TMA) 344, (32, 32, 8, 3, TMA) 424, (64, 64, 8, 2, TMA) 1320; the
-    # 4-warp ones spill 800 and more
+    # without TMA 172, (32, 64, 8, 2|3, TMA) 344 (k and v per tile: 276), (32, 32, 8, 3, TMA) 424, (64, 64,
+    # 8, 2, TMA) 1320; the 4-warp ones spill 800 and more.  The dk|dv pass alone: (32, 64, 4, 3, TMA) 88
+    # bytes (k and v per tile: 12), (64, 64, 8, 3, TMA) 32 (k and v per tile: none)
     "dkvq": [(16, 64, 8, 3, 0), (16, 64, 8, 3, 1), (32, 64, 8, 2, 1), (32, 64, 8, 3, 1), (32, 32, 8, 3, 1),
-             (64, 64, 8, 2, 1)],
+             (64, 64, 8, 2, 1), (16, 64, 8, 3, 2), (32, 64, 8, 3, 2)],
 }
 IEEE_CONFIGS: dict[str, list[Config]] = {  # float32 and float64: no tensor cores, small tiles
     "lse": [(32, 32, 4, 2, 0), (16, 32, 4, 2, 0)],
@@ -585,7 +598,7 @@ def attention_lse(q: DevBuf, k: DevBuf, lse: DevBuf, row_lo: DevBuf, row_hi: Dev
                   scale: float, config: Config | None = None) -> None:
     """lse [b, sq, hq] = log Σ_visible exp(scale · q·k) of blocks q, k (-inf where a row sees no key).
 
-    ``config`` fixes (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA) instead of timing the candidates."""
+    ``config`` fixes (BLOCK_M, BLOCK_N, num_warps, num_stages, loads) instead of timing the candidates."""
     _check("attention_lse", {"q": q, "k": k})
     nb, sq, hq, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
@@ -777,7 +790,8 @@ def _dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf
                                      BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, CHUNK=_CHUNK)
             dq_args = (Ptr(dq), Ptr(acc), Ptr(locks), Ptr(first), Ptr(last), Ptr(ticket), *_strides3(dq))
         _dkv_kernel[(triton.cdiv(skv, bn) * nb * hkv,)](*args, *descs, *dq_args, **consts, BLOCK_M=bm, BLOCK_N=bn,
-                                                        WRITE_DQ=with_dq is not None, TMA=use_tma, num_warps=warps,
+                                                        WRITE_DQ=with_dq is not None, TMA=use_tma,
+                                                        RELOAD=use_tma and want_tma == 2, num_warps=warps,
                                                         num_stages=stages)
 
     if with_dq is not None:
