@@ -169,9 +169,9 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, hi_ptr,
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, KT, HEADS_INNER, TMA) tried on the first launch of each shape
-# class: the fastest on an H200 at 8K and 128K tokens (bench/gpu_kernels.py --sweep, session 4).  TMA
-# configurations only where tensor descriptors work (Hopper or newer, whole heads, aligned contiguous
-# blocks); the pointer ones serve everything else.
+# class: the fastest on an H200 at 8K and 128K tokens (bench/gpu_kernels.py --sweep, written to
+# bench/results/gpu_kernels_sweep.json).  TMA configurations only where tensor descriptors work (Hopper or
+# newer, whole heads, aligned contiguous blocks); the pointer ones serve everything else.
 CONFIGS = [(64, 64, 4, 3, 1, 1, 0), (128, 64, 8, 3, 1, 0, 0), (128, 64, 8, 3, 1, 1, 0), (128, 128, 8, 3, 1, 1, 0),
            (128, 128, 8, 3, 0, 1, 0), (64, 64, 4, 3, 1, 1, 1), (128, 64, 8, 4, 1, 1, 1), (128, 128, 8, 3, 1, 1, 1)]
 IEEE_CONFIGS = [(64, 32, 4, 2, 0, 1, 0), (32, 32, 4, 2, 0, 1, 0)]
