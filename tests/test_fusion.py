@@ -393,14 +393,15 @@ class HostProgram:
         from relational_tensors.gpu_exec.launchers import scratch_bytes, task_scratch
 
         self.cg, self.dag = cg, cg.dag
+        done_by = sibling_tasks(cg.graph, cg.dag, siblings) if siblings else {}
         # a kernel that writes a sibling's output too -> the sibling (its scratch may differ)
-        self.sibling_of = {w: s for s, w in sibling_tasks(cg.graph, cg.dag, siblings).items()} if siblings else {}
+        self.sibling_of = {w: s for s, w in done_by.items()}
         self.needs = task_scratch(cg.graph, cg.dag, self.sibling_of)
         if fused:  # as the executor plans it when it fuses: kernel scratch in the arena too
-            self.plan = fusion_plan(cg.graph, cg.dag, cg.live, siblings, scratch_bytes(self.needs))[0]
+            self.plan = fusion_plan(cg.graph, cg.dag, cg.live, done_by, scratch_bytes(self.needs))[0]
         else:
-            self.plan = plan_memory(cg.graph, cg.dag, cg.live, siblings)
-        assert self.sibling_of == {w: s for s, w in self.plan.done_by.items()}
+            self.plan = plan_memory(cg.graph, cg.dag, cg.live, done_by)
+        assert self.plan.done_by == done_by
         self.mem = HostArenas(self.plan)
         self.views: dict[int, Any] = {}
         for b, buf in self.dag.buffers.items():

@@ -138,7 +138,7 @@ def test_forward_attention_writes_the_lse_its_backward_reads(p: int) -> None:
         assert f.device == lt.device and f.inputs[:2] == lt.inputs[:2] and fwd < lse_task
         assert cg.graph.nodes[f.op].kind == "attention" and cg.graph.nodes[lt.op].kind == "attention_lse"
         assert plan.writes(f) == (*f.outputs, lt.outputs[0])
-    plain = plan_memory(cg.graph, cg.dag, cg.live, siblings=())
+    plain = plan_memory(cg.graph, cg.dag, cg.live, siblings={})
     assert plain.done_by == {} and hazards(cg, plain) == []
 
 

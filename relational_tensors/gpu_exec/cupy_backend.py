@@ -158,19 +158,18 @@ class CupyExecutor:
         from relational_tensors.gpu_exec.launchers import scratch_bytes, task_scratch
 
         self.fused_groups: list[Any] = []
+        done_by = sibling_tasks(self.graph, dag, self.siblings) if self.siblings else {}
         # a kernel that writes a sibling task's output too -> the sibling (its scratch may differ)
-        self.sibling_of = {w: s for s, w in sibling_tasks(self.graph, dag, self.siblings).items()} \
-            if self.siblings else {}
+        self.sibling_of = {w: s for s, w in done_by.items()}
         self.scratch_needs = task_scratch(self.graph, dag, self.sibling_of)  # task -> (shape, dtype) of its scratch
         scratch = scratch_bytes(self.scratch_needs) if self.own_issue else None
         if self.fusing:  # the plan keeps what the fused kernels read until they run (fusion.fusion_plan)
             from relational_tensors.gpu_exec.fusion import fusion_plan
 
-            plan, self.fused_groups = fusion_plan(self.graph, dag, self.live, self.siblings, scratch)
+            plan, self.fused_groups = fusion_plan(self.graph, dag, self.live, done_by, scratch)
         else:
-            plan = plan_memory(self.graph, dag, self.live, self.siblings, scratch=scratch)
+            plan = plan_memory(self.graph, dag, self.live, done_by, scratch=scratch)
         self.plan = plan
-        assert self.sibling_of == {w: s for s, w in plan.done_by.items()}  # the scratch was sized for these
         self.arena_bytes = dict(plan.arena_bytes)
         self.arenas: list[Any] = []  # None for a device another process holds
         self.views: dict[int, Any] = {}

@@ -53,7 +53,7 @@ from typing import Any
 from relational_tensors.errors import ExecError
 from relational_tensors.frontend.graph import Graph
 from relational_tensors.gpu_exec.kernels.common import contiguous_strides, merge_dims
-from relational_tensors.gpu_exec.memory_plan import SIBLINGS, MemoryPlan, plan_memory, view_geometry
+from relational_tensors.gpu_exec.memory_plan import MemoryPlan, plan_memory, sibling_tasks, view_geometry
 from relational_tensors.physical.tasks import Liveness, Task, TaskDAG
 
 __all__ = ["FUSE_ENV", "UNARY_OPS", "BINARY_OPS", "FusedExpr", "FusionGroup", "FusedIssue", "FusedSchedule",
@@ -447,11 +447,14 @@ def fusion_groups(graph: Graph, dag: TaskDAG, plan: MemoryPlan, live: Liveness) 
     return sorted(out, key=lambda g: g.last)
 
 
-def fusion_plan(graph: Graph, dag: TaskDAG, live: Liveness, siblings: Sequence[str] = SIBLINGS,
+def fusion_plan(graph: Graph, dag: TaskDAG, live: Liveness, siblings: Mapping[int, int] | None = None,
                 scratch: Mapping[int, int] | None = None) -> tuple[MemoryPlan, list[FusionGroup]]:
     """The memory plan of the fused program and its groups (the module's docstring): every block a group
     found on a plan without reuse reads is kept until that group's last task, except for the groups whose
-    keeping would raise a device's peak of live bytes, and the groups are found again on the plan made so."""
+    keeping would raise a device's peak of live bytes, and the groups are found again on the plan made so.
+    ``siblings`` as for ``plan_memory`` (found once here when None)."""
+    if siblings is None:
+        siblings = sibling_tasks(graph, dag)
     spacious = plan_memory(graph, dag, live, siblings, reuse=False, scratch=scratch)
     wanted = fusion_groups(graph, dag, spacious, live)
     while True:

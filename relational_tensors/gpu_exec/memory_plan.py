@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from relational_tensors.frontend.graph import Graph
+from relational_tensors.gpu_exec.kernels.common import ALIGN, align
 from relational_tensors.physical.tasks import Liveness, Task, TaskDAG, block_bytes, reshape_shares
 from relational_tensors.sql_specs.attention import AttentionOp
 from relational_tensors.sql_specs.attention_grad import AttentionGradOp
@@ -36,13 +37,6 @@ SIBLINGS = ("attention_lse", "swiglu_grad", "attention_dq")  # the kinds of task
 
 __all__ = ["MemoryPlan", "plan_memory", "plan_arena", "sibling_tasks", "SIBLINGS", "view_geometry", "ALIGN",
            "align"]
-
-ALIGN = 256
-
-
-def align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
 
 @dataclass(frozen=True)
 class Slot:
@@ -250,18 +244,19 @@ def _swiglu_pairs(graph: Graph, dag: TaskDAG) -> dict[int, int]:
     return out
 
 
-def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness, siblings: Sequence[str] = SIBLINGS,
+def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness, siblings: Mapping[int, int] | None = None,
                 keep_until: dict[int, int] | None = None, reuse: bool = True,
                 scratch: Mapping[int, int] | None = None) -> MemoryPlan:
-    """Slots, arena sizes and cross-stream waits (the module's rules); ``siblings``: the kinds of task
-    another kernel writes the output of as it goes (``sibling_tasks``; none with ``()``); ``keep_until``
+    """Slots, arena sizes and cross-stream waits (the module's rules); ``siblings``: the tasks whose output
+    another kernel writes as it goes -> that kernel's task (``sibling_tasks``; None: of every kind in
+    ``SIBLINGS``, ``{}``: none); ``keep_until``
     (root buffer -> task) keeps a buffer's memory until that task at least (a fused kernel reads it there);
     ``reuse=False`` gives every buffer bytes of its own (a plan to find what could be fused, never
     allocated); ``scratch`` (kernel task -> bytes) places each task's kernel scratch in its device's arena,
     alive during that task only (``MemoryPlan.scratch``)."""
     end = len(dag.tasks)
     alias, reshaped, order = _aliases(graph, dag)
-    done_by = sibling_tasks(graph, dag, siblings) if siblings else {}
+    done_by = dict(sibling_tasks(graph, dag) if siblings is None else siblings)
     also = {w: dag.tasks[s].outputs[0] for s, w in done_by.items()}
     born: dict[int, int] = {}
     for t in dag.tasks:

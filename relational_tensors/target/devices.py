@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,6 +33,10 @@ class DeviceSet:
     @property
     def p(self) -> int:
         return len(self.physical)
+
+    def per_physical(self) -> dict[int, int]:
+        """Physical device -> how many logical devices it runs."""
+        return dict(Counter(self.physical))
 
     def __str__(self) -> str:
         if self.kind == "cpu":

@@ -57,10 +57,7 @@ class Target:
     def sharing(self) -> int:
         """The most logical devices that share one physical GPU (1 on CPUs, whose virtual devices stand for
         separate machines' devices): the calibrated cost model prices their kernels and copies as sharing it."""
-        if self.devices.kind != "cuda":
-            return 1
-        phys = self.devices.physical
-        return max(phys.count(g) for g in set(phys))
+        return max(self.devices.per_physical().values()) if self.devices.kind == "cuda" else 1
 
     def memory_source(self) -> str:
         """What :meth:`memory` reads, in words (for messages)."""
@@ -75,7 +72,7 @@ class Target:
         on GPUs present here each GPU's own memory, on absent GPUs the topology's; on virtual CPU devices
         the host's available memory; None where that is unknown."""
         phys = self.devices.physical
-        sharing = {g: phys.count(g) for g in phys}
+        sharing = self.devices.per_physical()
         if self.devices.kind == "cpu":
             host = host_available_memory()
             return None if host is None else {d: host // self.p for d in range(self.p)}

@@ -10,7 +10,14 @@ from typing import Any
 
 from relational_tensors.core.dtypes import itemsize
 
-__all__ = ["DevBuf", "Ptr", "acc_type", "fastest_config", "contiguous_strides", "pad4", "merge_dims", "outer_split"]
+__all__ = ["DevBuf", "Ptr", "acc_type", "fastest_config", "contiguous_strides", "pad4", "merge_dims", "outer_split",
+           "ALIGN", "align"]
+
+ALIGN = 256  # bytes: where every block of an arena (and every piece of a kernel's scratch) starts
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def acc_type(dtype: str, exact_ints: bool = False):

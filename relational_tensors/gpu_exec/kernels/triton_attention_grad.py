@@ -38,7 +38,8 @@ from collections.abc import Callable
 import triton
 import triton.language as tl
 
-from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type, fastest_config
+from relational_tensors.core.dtypes import itemsize
+from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type, align, fastest_config
 from relational_tensors.gpu_exec.kernels.triton_attention import interpreted
 from relational_tensors.gpu_exec.kernels.triton_attention_turns import _dq_turn, _span, _visits_kernel
 
@@ -605,18 +606,28 @@ APART: Config = (0, 0, 0, 0, 0)
 _CHUNK = 256  # key tiles (and heads) per step of the visits kernel
 
 
-def dkvq_scratch_bytes(q_shape: tuple[int, ...], dtype: str) -> int:
-    """Bytes of scratch ``attention_dkvq`` needs for q blocks of ``q_shape`` [b, sq, hq, d] and ``dtype``: a
-    dq accumulator (float32, float64 for float64), a lock per (batch, head, query tile), two key tiles per
-    query tile (for the smallest query tile of any candidate) and the programs' ticket counter."""
+def _scratch_pieces(q_shape: tuple[int, ...], dtype: str, block_m: int) -> list[tuple[int, str, int]]:
+    """The pieces of ``attention_dkvq``'s scratch for query tiles of ``block_m`` rows, in order, each at an
+    aligned offset: (offset, dtype, elements) of the dq accumulator (float32, float64 for float64), a lock
+    per (batch, head, query tile), the first and last key tile per query tile, and the programs' ticket
+    counter."""
     nb, sq, hq, d = q_shape
-    tiles = -(-sq // min(c[0] for c in (*ROW_CONFIGS["dkvq"], *IEEE_CONFIGS["dkvq"])))
-    return (_align_up(nb * hq * sq * _widths(d) * (8 if dtype == "float64" else 4)) + _align_up(nb * hq * tiles * 4)
-            + 2 * _align_up(tiles * 4) + _align_up(4))
+    tiles = -(-sq // block_m)
+    pieces = [("float64" if dtype == "float64" else "float32", nb * hq * sq * _widths(d)),
+              ("int32", nb * hq * tiles), ("int32", tiles), ("int32", tiles), ("int32", 1)]
+    out, at = [], 0
+    for kind, n in pieces:
+        out.append((at, kind, n))
+        at += align(n * itemsize(kind))
+    return out
 
 
-def _align_up(n: int) -> int:
-    return -(-n // 256) * 256
+def dkvq_scratch_bytes(q_shape: tuple[int, ...], dtype: str) -> int:
+    """Bytes of scratch ``attention_dkvq`` needs for q blocks of ``q_shape`` [b, sq, hq, d] and ``dtype`` (for
+    the smallest query tile of any candidate)."""
+    smallest = min(c[0] for c in (*ROW_CONFIGS["dkvq"], *IEEE_CONFIGS["dkvq"]))
+    at, kind, n = _scratch_pieces(q_shape, dtype, smallest)[-1]
+    return at + align(n * itemsize(kind))
 
 
 def attention_dkvq(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf, out: DevBuf,
@@ -691,15 +702,8 @@ def _dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf
         else:
             dq, scratch = with_dq
             tiles = triton.cdiv(sq, bm)
-            acc = DevBuf(scratch.ptr, (nb * hq * sq * block_d,), "float64" if q.dtype == "float64" else "float32",
-                         scratch.device)
-            at = scratch.ptr + _align_up(acc.nbytes)
-            locks = DevBuf(at, (nb * hq * tiles,), "int32", scratch.device)
-            at += _align_up(locks.nbytes)
-            first = DevBuf(at, (tiles,), "int32", scratch.device)
-            at += _align_up(first.nbytes)
-            last = DevBuf(at, (tiles,), "int32", scratch.device)
-            ticket = DevBuf(at + _align_up(last.nbytes), (1,), "int32", scratch.device)
+            acc, locks, first, last, ticket = (DevBuf(scratch.ptr + at, (n,), kind, scratch.device)
+                                               for at, kind, n in _scratch_pieces(q.shape, q.dtype, bm))
             _visits_kernel[(tiles,)](Ptr(key_qlo), Ptr(key_qhi), Ptr(first), Ptr(last), Ptr(locks), Ptr(ticket),
                                      Ptr(dq), sq, skv, hq, q_offset, k_offset, nb * hq, *_strides3(dq), D=d,
                                      BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, CHUNK=_CHUNK)
