@@ -375,8 +375,11 @@ def test_the_one_pass_on_a_key_block_equals_the_passes_apart(dtype: str) -> None
         K.attention_dkvq(*bufs, one_kv, one_q, lim["key_qlo"], lim["key_qhi"], lim["row_lo"], lim["row_hi"], 0, k_lo,
                          scale, scratch, config=config)
         assert not torch.isnan(one_q_t).any() and torch.all(one_q_t[:, :k_lo - 1] == 0)
-        _close(one_q_t.numpy(), apart_q_t.numpy(), 1e-5, f"dq {config}")
-        _close(one_kv_t.numpy(), apart_kv_t.numpy(), 0.0, f"dk|dv {config}")
+        # float32: the same products summed in another order; 16-bit: P and dS, from scores the two kernels
+        # multiply in other orders, can round to neighbouring 16-bit values
+        _close(one_q_t.cpu().numpy(), apart_q_t.cpu().numpy(), 1e-5 if dtype == "float32" else TOL[dtype],
+               f"dq {config}")
+        _close(one_kv_t.cpu().numpy(), apart_kv_t.cpu().numpy(), 0.0, f"dk|dv {config}")
 
 
 def test_dq_in_the_dkv_pass_has_the_bits_of_every_run_and_dk_dv_of_the_pass_alone() -> None:

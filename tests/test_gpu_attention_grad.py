@@ -109,6 +109,7 @@ def test_dq_added_in_the_dkv_pass_on_every_fused_configuration(device: str, monk
     eager run, the captured one and a replay give dq the same bits (its sum runs in key-tile order)."""
     from relational_tensors.gpu_exec.kernels import triton_attention_grad as tg
 
+    monkeypatch.setenv("RELATIONAL_TENSORS_ONE_PASS_ATTENTION", "1")  # on request only
     g = _attention_vjp("bfloat16", 128, True, (70, 190, 300))
     feeds = _feeds(g)
     want = rt.reference(g, feeds)

@@ -4,11 +4,21 @@ ordered by the waits the plan issues (a vector-clock happens-before check)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pytest
 from cases import CASES
 
 import relational_tensors as rt
-from relational_tensors.gpu_exec.memory_plan import MemoryPlan, align, plan_arena, plan_memory, sibling_tasks
+from relational_tensors.gpu_exec.memory_plan import (
+    ONE_PASS,
+    SIBLINGS,
+    MemoryPlan,
+    align,
+    plan_arena,
+    plan_memory,
+    sibling_tasks,
+)
 from relational_tensors.models import LLAMA3_8B, llama_block, llama_training_graph
 
 
@@ -56,8 +66,8 @@ def hazards(cg: rt.CompiledGraph, plan: MemoryPlan) -> list[tuple[int, int]]:
     return bad
 
 
-def check(cg: rt.CompiledGraph) -> MemoryPlan:
-    plan = plan_memory(cg.graph, cg.dag, cg.live)
+def check(cg: rt.CompiledGraph, siblings: Mapping[int, int] | None = None) -> MemoryPlan:
+    plan = plan_memory(cg.graph, cg.dag, cg.live, siblings)
     assert hazards(cg, plan) == []
     for d, size in plan.arena_bytes.items():  # the arena holds at least what the liveness says is alive at once
         assert size >= cg.memory()[d]
@@ -166,8 +176,9 @@ def test_the_dkv_pass_writes_the_dq_of_its_blocks(p: int) -> None:
     one dq and one dkv task of the same attention, and on one device every dq task has its pair."""
     g = llama_training_graph(2, 40, 32, 4, 2, 48, 29, seq_ends=(7, 20, 40))
     cg = rt.compileGraph(g, device=f"cpu:{p}")
-    plan = check(cg)
-    pairs = sibling_tasks(cg.graph, cg.dag, ("attention_dq",))
+    plan = check(cg, sibling_tasks(cg.graph, cg.dag, (*SIBLINGS, ONE_PASS)))  # the one pass, on request
+    assert not set(sibling_tasks(cg.graph, cg.dag)) & set(sibling_tasks(cg.graph, cg.dag, (ONE_PASS,)))
+    pairs = sibling_tasks(cg.graph, cg.dag, (ONE_PASS,))
     dq_tasks = [t for t in cg.dag.tasks if t.kind == "kernel" and cg.graph.nodes[t.op].kind == "attention_grad"
                 and cg.graph.nodes[t.op].op.part == "dq"]
     assert pairs.items() <= plan.done_by.items()

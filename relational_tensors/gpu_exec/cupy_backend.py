@@ -15,6 +15,8 @@
 * a kernel writes a sibling task's output as it goes: the forward attention the log-sum-exp rows that
   the backward's ``attention_lse`` task would recompute, one ``swiglu_grad`` both gradients
   (``memory_plan.sibling_tasks``; off with ``siblings=False`` or ``RELATIONAL_TENSORS_SIBLINGS=0``);
+  attention's dk|dv pass adds dq as it goes only on request (``one_pass=True`` or
+  ``RELATIONAL_TENSORS_ONE_PASS_ATTENTION=1``: it measured slower than dq's own pass, README "Decisions");
 * the first execute() runs eagerly (it compiles the Triton kernels); the
   second captures the whole DAG into one CUDA graph, and every later execute()
   is a graph launch.
@@ -36,6 +38,7 @@ from relational_tensors.gpu_exec.kernels import triton_elementwise as te
 from relational_tensors.gpu_exec.kernels.common import DevBuf, bind_triton_to_cupy
 from relational_tensors.gpu_exec.memory_plan import (
     ALIGN,
+    ONE_PASS,
     SIBLINGS,
     buffer_bytes,
     plan_memory,
@@ -61,6 +64,7 @@ __all__ = ["CupyExecutor"]
 
 AGG_OPS = {"sum": "add", "max": "maximum", "min": "minimum", "logsumexp": "logaddexp"}
 SIBLINGS_ENV = "RELATIONAL_TENSORS_SIBLINGS"  # "0": every task runs its own kernel (memory_plan.sibling_tasks)
+ONE_PASS_ENV = "RELATIONAL_TENSORS_ONE_PASS_ATTENTION"  # "1": dq in the dk|dv pass (memory_plan.ONE_PASS)
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction (and the GPUs) from the unified addresses
 
 
@@ -68,7 +72,8 @@ class CupyExecutor:
     """Runs one TaskDAG on GPUs; ``load`` once, ``execute`` many times (a CUDA graph after the first)."""
 
     def __init__(self, graph: Graph, dag: TaskDAG, live: Liveness, devices: DeviceSet,
-                 attention: str = "triton", fuse: bool | None = None, siblings: bool | None = None) -> None:
+                 attention: str = "triton", fuse: bool | None = None, siblings: bool | None = None,
+                 one_pass: bool | None = None) -> None:
         try:
             import cupy
         except ImportError as e:
@@ -79,7 +84,8 @@ class CupyExecutor:
         # kernels that write a sibling task's output as they go (memory_plan.sibling_tasks); not the forward's
         # log-sum-exp with library FlashAttention kernels, which do not hand it out
         on = env_switch(SIBLINGS_ENV, siblings)
-        self.siblings = tuple(k for k in SIBLINGS if on and not (k == "attention_lse" and attention == "flash"))
+        kinds = (*SIBLINGS, ONE_PASS) if env_switch(ONE_PASS_ENV, one_pass, default=False) else SIBLINGS
+        self.siblings = tuple(k for k in kinds if on and not (k == "attention_lse" and attention == "flash"))
         if attention == "flash":
             from relational_tensors.gpu_exec.kernels.flash import backend
 

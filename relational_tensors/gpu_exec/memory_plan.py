@@ -14,9 +14,10 @@ waits computed here; tests check the plan for hazards on any DAG.
 * a kernel that computes a sibling task's output as it goes writes it (``siblings``): the forward
   ``attention`` the log-sum-exp rows its backward's ``attention_lse`` task would recompute (the same q
   and k blocks, the same key visibility, neither side a partial), and one ``swiglu_grad`` both
-  gradients (da and db from one read of a, b and dy), and attention's dk|dv pass the dq of the same
-  blocks (``attention_dkvq``: dq added in the pass, in a fixed order).  The sibling's block is born at
-  the task that writes it, and the sibling has nothing to do.
+  gradients (da and db from one read of a, b and dy); on request (``ONE_PASS``, off by default: README
+  "Decisions" gives its measured time) attention's dk|dv pass the dq of the same blocks
+  (``attention_dkvq``: dq added in the pass, in a fixed order).  The sibling's block is born at the task
+  that writes it, and the sibling has nothing to do.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ from relational_tensors.physical.tasks import Liveness, Task, TaskDAG, block_byt
 from relational_tensors.sql_specs.attention import AttentionOp
 from relational_tensors.sql_specs.attention_grad import AttentionGradOp
 
-SIBLINGS = ("attention_lse", "swiglu_grad", "attention_dq")  # the kinds of task another kernel can do as it goes
+SIBLINGS = ("attention_lse", "swiglu_grad")  # the kinds of task another kernel does as it goes, by default
+ONE_PASS = "attention_dq"  # on request: dq in attention's dk|dv pass (measured slower than its own pass)
 
-__all__ = ["MemoryPlan", "plan_memory", "plan_arena", "sibling_tasks", "SIBLINGS", "view_geometry", "ALIGN",
-           "align"]
+__all__ = ["MemoryPlan", "plan_memory", "plan_arena", "sibling_tasks", "SIBLINGS", "ONE_PASS", "view_geometry",
+           "ALIGN", "align"]
 
 @dataclass(frozen=True)
 class Slot:
@@ -150,7 +152,7 @@ def sibling_tasks(graph: Graph, dag: TaskDAG, kinds: Sequence[str] = SIBLINGS) -
         found.update(_forward_lse(graph, dag))
     if "swiglu_grad" in kinds:
         found.update(_swiglu_pairs(graph, dag))
-    if "attention_dq" in kinds:
+    if ONE_PASS in kinds:
         found.update(_attention_dq_pairs(graph, dag))
     if not found:
         return found
