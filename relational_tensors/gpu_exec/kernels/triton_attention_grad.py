@@ -15,9 +15,9 @@ both ends are non-decreasing in r, so the rows that see a key c are one range to
   dSᵀ·q, written side by side into one [b, skv, hkv, d + d_v] block (or one of them alone).
 * ``attention_dkvq``: both at once where the plan gives them the same blocks: the dk|dv program adds its
   key tile's dS·k to every query tile's dq as it goes (five products per tile pair instead of seven),
-  taking turns per query tile in key-tile order (a lock per query tile and head counts the key tiles that
-  have added theirs; the last writes dq), so the sum's order, and dq's bits, are the same on every run of
-  a configuration.  Programs take their work by ticket in the order they start, so a waiting program
+  taking turns per query tile from the last key tile down (a lock per query tile and head counts the key
+  tiles that have added theirs; the first writes dq), so the sum's order, and dq's bits, are the same on
+  every run of a configuration.  Programs take their work by ticket in the order they start, so a waiting program
   waits only on programs already running.
 * ``attention_lse``: the forward's running maximum and sum without the values.
 * ``attention_delta``: row dot products.
@@ -342,7 +342,9 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
         pid = tl.program_id(0).to(tl.int64)
     nbh = tl.num_programs(0).to(tl.int64) // n_blocks
     pid_n = pid // nbh  # kv heads of a key tile side by side, the first key tiles (under a causal mask the
-    pid_bh = pid % nbh  # ones the most queries see) first
+    pid_bh = pid % nbh  # ones the most queries see) first; with dq the last first (the order of dq's turns)
+    if WRITE_DQ:
+        pid_n = n_blocks - 1 - pid_n
     b = pid_bh // hkv
     hk = pid_bh % hkv
     n0 = pid_n * BLOCK_N
@@ -636,14 +638,15 @@ def attention_dkvq(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, del
                    config: Config | None = None) -> None:
     """``attention_dkv`` and ``attention_dq`` of the same blocks from one pass over the score tiles where that
     is faster: each key tile's program adds its part of every query tile's dq as it goes (the five products
-    of FlashAttention's backward instead of seven), in key-tile order behind a lock per query tile, so dq
-    has the same bits on every run of one configuration.  ``scratch`` holds ``dkvq_scratch_bytes(q.shape,
+    of FlashAttention's backward instead of seven), from the last key tile down behind a lock per query
+    tile, so dq has the same bits on every run of one configuration.  ``scratch`` holds ``dkvq_scratch_bytes(q.shape,
     q.dtype)`` bytes.  The first launch times the fused configurations against the two passes apart
     (``APART``) and keeps the faster for the shape (in another process the timing may choose another,
     whose dq differs in rounding).
 
-    Programs take their (key tile, head) by ticket in the order they start, and a key tile waits only on
-    lower ones, which hold earlier tickets: their programs are running or done, so every wait ends."""
+    Programs take their (key tile, head) by ticket in the order they start, from the last key tile down, and
+    a key tile waits only on higher ones, which hold earlier tickets: their programs are running or done, so
+    every wait ends."""
     _check("attention_dkvq", {"q": q, "k": k, "v": v, "dO": do, "out": out, "dq": dq})
     nb, sq, hq, d = q.shape
     if tuple(dq.shape) != tuple(q.shape):
