@@ -3,7 +3,10 @@
 Per operator, in topological order:
 
 1. placement: each function spec goes to a device, greedily matching the
-   specs to the devices that already hold most of the bytes they read;
+   specs to the devices that already hold most of the bytes they read; on a
+   tie, the devices of the last operator with the same output blocks (so a
+   chain of elementwise updates whose states are not yet loaded follows the
+   gradient it started from), then the identity;
 2. the ExProg preamble: atoms are the cells of the overlay of the producer's
    output blocks and the blocks the operator reads (one atom per cell and
    producing copy, unaggregated); IN puts each at the device of its copy, OUT
@@ -77,8 +80,11 @@ class Lowered:
 
 
 def place(plan: LogicalPlan, op_id: int, placement: dict[int, tuple[int, ...]],
-          memo: dict | None = None, held: dict[int, tuple[tuple[Box, int], ...]] | None = None) -> tuple[int, ...]:
-    """Devices for the function specs of ``op_id``: most co-resident input bytes first, identity on ties.
+          memo: dict | None = None, held: dict[int, tuple[tuple[Box, int], ...]] | None = None,
+          hint: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """Devices for the function specs of ``op_id``: most co-resident input bytes first; on ties ``hint``
+    (function spec -> device, the placement of the last operator with the same output blocks), then the
+    identity.
 
     ``held`` gives the (block, device) of inputs that are no operator's output but are kept on the
     devices (sharded states).  ``memo`` caches the answer by the specs and producer placements
@@ -90,7 +96,7 @@ def place(plan: LogicalPlan, op_id: int, placement: dict[int, tuple[int, ...]],
     inputs = [(k, tuple((ff.output, w) for ff, w in zip(plan.spec(i).functions, placement[i])))
               if graph.nodes[i].op is not None else (k, held[i])
               for k, i in enumerate(node.inputs) if graph.nodes[i].op is not None or i in held]
-    key = (spec, tuple(inputs))
+    key = (spec, tuple(inputs), hint)
     if memo is not None and key in memo:
         return memo[key]
     p, devices = spec.p, plan.p  # fewer function specs than devices when the operator is too small
@@ -110,8 +116,9 @@ def place(plan: LogicalPlan, op_id: int, placement: dict[int, tuple[int, ...]],
         overlap = np.prod(np.maximum(sides, 0), axis=2) * width  # [p, blocks]
         np.add.at(score.T, np.array([d for _, d in blocks]), overlap.T)
     gs, ds = np.divmod(np.arange(p * devices), devices)
-    # most co-resident bytes first, then the identity (g on device g), then by (g, d)
-    order = np.lexsort((ds, gs, gs != ds, -score.ravel()))
+    hinted = ds != (np.asarray(hint, dtype=np.int64)[gs] if hint is not None and len(hint) == p else gs)
+    # most co-resident bytes first, then the hint, then the identity (g on device g), then by (g, d)
+    order = np.lexsort((ds, gs, gs != ds, hinted, -score.ravel()))
     out: dict[int, int] = {}
     used: set[int] = set()
     for at in order.tolist():
@@ -203,6 +210,7 @@ class _Lowering:
         self.programs: dict[str, ExProg] = {}
         self.memberships: dict[str, Membership] = {}
         self.place_memo: dict = {}
+        self.recent: dict[tuple[Box, ...], tuple[int, ...]] = {}  # output blocks -> last placement with them
         self.exchange_memo: dict = {}  # an exchange's geometry -> its synthesized program (see exchange)
         self.kernel_out: dict[int, list[int]] = {}   # op id -> output buffer of each function spec
         self.loaded: dict[tuple[int, Box, int], int] = {}
@@ -458,15 +466,25 @@ class _Lowering:
             self._lower_op(op_id)
             if key is not None and key not in self.replays:  # (None: a lowering its key does not fix)
                 self.replays[key] = _Replay.record(self, op_id, tasks, buffers)
+        self.recent[self._outputs(op_id)] = self.placement[op_id]
         for state in self.assign_after.get(op_id, ()):
             self.lower_assignment(state)
+
+    def _outputs(self, op_id: int) -> tuple[Box, ...]:
+        return tuple(f.output for f in self.plan.spec(op_id).functions)
+
+    def _hint(self, op_id: int) -> tuple[int, ...] | None:
+        """The placement of the last operator lowered whose function specs write the blocks ``op_id``'s do;
+        None for none or the identity (which ties go to anyway: equal geometries stay equal)."""
+        hint = self.recent.get(self._outputs(op_id))
+        return None if hint is None or hint == tuple(range(len(hint))) else hint
 
     def _geometry_key(self, op_id: int) -> tuple[object, ...]:
         """Everything the lowering of ``op_id`` reads: its spec, which inputs are the same tensor, and per
         distinct input its producer's spec and placement, a held tensor's blocks, or the blocks of a graph
         input already loaded (and its dtype).  Specs are compared by identity: equal operators share them."""
         node = self.graph.nodes[op_id]
-        parts: list[object] = []
+        parts: list[object] = [("hint", self._hint(op_id))]
         for i in dict.fromkeys(node.inputs):
             n = self.graph.nodes[i]
             if i in self.held:
@@ -484,7 +502,7 @@ class _Lowering:
         # blocks already loaded count as co-resident too: two readers of one input block share its copy
         held = {i: self.held.get(i) or tuple(self.loaded_blocks.get(i, ())) for i in node.inputs
                 if self.graph.nodes[i].op is None and (i in self.held or i in self.loaded_blocks)}
-        guess = dict(enumerate(place(self.plan, op_id, self.placement, self.place_memo, held)))
+        guess = dict(enumerate(place(self.plan, op_id, self.placement, self.place_memo, held, self._hint(op_id))))
         exchanged = [self.graph.nodes[i].op is not None or i in self.held for i in node.inputs]
         wants = []
         for g, f in enumerate(spec.functions):
