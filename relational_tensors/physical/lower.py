@@ -18,6 +18,13 @@ Per operator, in topological order:
 4. tasks: decompose producer blocks into atoms, run the program (aggregate and
    copy tasks, in firing order), recompose atoms into kernel inputs, run the
    kernel.  Graph inputs are loaded straight into the blocks a spec reads.
+
+A block of an operator's output that one of the last ``REUSE_WINDOW`` operators
+read on a device is a source of the tensor's later exchanges beside the
+producer's blocks, so a reader there reads it again rather than receiving it
+again (two projections of one normalized activation, the weight gradients of
+both, the three attention-backward passes over one key block); the window
+bounds how much longer the block stays alive.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ from relational_tensors.physical.views import fuse_views
 __all__ = ["Lowered", "lower", "place", "covers", "value_blocks", "SCHEDULES", "KEPT"]
 
 SCHEDULES = ("naive",)
+REUSE_WINDOW = 4  # operators: a block one of the last four read on a device is read there again
 
 
 @dataclass
@@ -211,6 +219,9 @@ class _Lowering:
         self.memberships: dict[str, Membership] = {}
         self.place_memo: dict = {}
         self.recent: dict[tuple[Box, ...], tuple[int, ...]] = {}  # output blocks -> last placement with them
+        # tensor -> (block, device) -> (buffer, lowering step) of an operator output's block a kernel read
+        self.assembled: dict[int, dict[tuple[Box, int], tuple[int, int]]] = {}
+        self.step = 0  # operators lowered so far
         self.exchange_memo: dict = {}  # an exchange's geometry -> its synthesized program (see exchange)
         self.kernel_out: dict[int, list[int]] = {}   # op id -> output buffer of each function spec
         self.loaded: dict[tuple[int, Box, int], int] = {}
@@ -265,14 +276,21 @@ class _Lowering:
         return self.loaded[key]
 
     # --- one exchange ------------------------------------------------------------
-    def sources(self, tensor: int) -> list[tuple[Box, int, bool]]:
+    def sources(self, tensor: int, wanted: frozenset[Box] = frozenset()) -> list[tuple[Box, int, bool]]:
         """The blocks a tensor's readers are served from: (box, buffer, whether it is one of several
-        partials of that box): an operator's kernel outputs, or a sharded state's kept blocks."""
+        partials of that box): an operator's kernel outputs, or a sharded state's kept blocks; and the
+        blocks in ``wanted`` that recent readers assembled (``_readable``; only whole blocks a reader
+        wants, so that they never cut the others' atoms finer)."""
         if tensor in self.held:
             return [(box, self.load(tensor, box, device), False) for box, device in self.held[tensor]]
         spec = self.plan.spec(tensor)
         multiplicity = spec.output_multiplicity()
-        return [(f.output, b, multiplicity[f.output] > 1) for f, b in zip(spec.functions, self.kernel_out[tensor])]
+        made = [(f.output, b, multiplicity[f.output] > 1) for f, b in zip(spec.functions, self.kernel_out[tensor])]
+        if max(multiplicity.values()) == 1:  # final blocks: the ones recent readers assembled are copies too
+            mine = set(self.kernel_out[tensor])
+            made += [(box, b, False) for (box, _), b in self._readable(tensor).items()
+                     if b not in mine and box in wanted]
+        return made
 
     def exchange(self, name: str, wants: Sequence[tuple[object, int, Box, int]], guess: dict[int, int],
                  op: int | None, synthesize: Synthesizer | None = None
@@ -292,7 +310,7 @@ class _Lowering:
         for key, tensor, block, reader in wants:
             by_tensor.setdefault(tensor, []).append((key, block, reader))
         tensors = sorted(by_tensor)
-        made_all = [self.sources(t) for t in tensors]
+        made_all = [self.sources(t, frozenset(block for _, block, _ in by_tensor[t])) for t in tensors]
         buffers = self.dag.buffers
         sig = (synth, tuple(sorted(guess.items())), tuple(
             (tuple((box, buffers[b].device, buffers[b].dtype, several) for box, b, several in made),
@@ -458,20 +476,45 @@ class _Lowering:
         before (``_geometry_key``) replays that one's tasks with fresh buffer ids (``_Replay``)."""
         key = self._geometry_key(op_id) if self.share and op_id not in self.assign_after else None
         replay = self.replays.get(key) if key is not None else None
+        tasks = len(self.dag.tasks)
         if replay is not None:
             replay.apply(self, op_id)
             self.replayed += 1
         else:
-            tasks, buffers = len(self.dag.tasks), len(self.dag.buffers)
+            buffers = len(self.dag.buffers)
             self._lower_op(op_id)
             if key is not None and key not in self.replays:  # (None: a lowering its key does not fix)
                 self.replays[key] = _Replay.record(self, op_id, tasks, buffers)
         self.recent[self._outputs(op_id)] = self.placement[op_id]
+        self.step += 1
+        self._note_reads(tasks)
         for state in self.assign_after.get(op_id, ()):
             self.lower_assignment(state)
 
     def _outputs(self, op_id: int) -> tuple[Box, ...]:
         return tuple(f.output for f in self.plan.spec(op_id).functions)
+
+    def _readable(self, tensor: int) -> dict[tuple[Box, int], int]:
+        """The blocks of operator output ``tensor`` that a kernel of one of the last ``REUSE_WINDOW``
+        operators read, by (block, device) -> buffer: sources of its exchanges beside the producer's own
+        blocks (``sources``), so a reader on such a device reads the block again, not a new delivery."""
+        if self.graph.nodes[tensor].op is None:
+            return {}
+        oldest = self.step - REUSE_WINDOW
+        return {where: b for where, (b, at) in self.assembled.get(tensor, {}).items() if at >= oldest}
+
+    def _note_reads(self, first_task: int) -> None:
+        """Remember the blocks of operator outputs that the kernels from task ``first_task`` on read whole
+        (final values in the tensor's dtype, not views)."""
+        dag, nodes = self.dag, self.graph.nodes
+        for task in dag.tasks[first_task:]:
+            if task.kind != "kernel":
+                continue
+            for b in task.inputs:
+                buf = dag.buffers[b]
+                if (nodes[buf.tensor].op is not None and buf.partial is None and buf.parent is None
+                        and buf.dtype == nodes[buf.tensor].type.dtype):
+                    self.assembled.setdefault(buf.tensor, {})[(buf.box, buf.device)] = (b, self.step)
 
     def _hint(self, op_id: int) -> tuple[int, ...] | None:
         """The placement of the last operator lowered whose function specs write the blocks ``op_id``'s do;
@@ -486,6 +529,7 @@ class _Lowering:
         node = self.graph.nodes[op_id]
         parts: list[object] = [("hint", self._hint(op_id))]
         for i in dict.fromkeys(node.inputs):
+            parts.append(("read", tuple((box.lower, box.upper, d) for box, d in self._readable(i))))
             n = self.graph.nodes[i]
             if i in self.held:
                 parts.append(("held", self.held[i]))
@@ -628,6 +672,8 @@ class _Replay:
                 b = low.loaded[(i, box, device)]
                 if b < first_buffer:
                     outside[b] = ("load", t, box, device)
+            for (box, device), b in low._readable(i).items():
+                outside.setdefault(b, ("read", t, box, device))
         used: dict[int, int] = {}  # outside buffer -> its index in ``outside``
 
         def ref(b: int) -> int | None:
@@ -680,8 +726,9 @@ class _Replay:
         name = node.name
         tensors = (*dict.fromkeys(node.inputs), op_id)  # index -1: the operator
         buffers, tasks = dag.buffers, dag.tasks
+        readable = {t: low._readable(t) for t in tensors[:-1]}
         outside = [low.kernel_out[tensors[r[1]]][r[2]] if r[0] == "out" else low.loaded[(tensors[r[1]], r[2], r[3])]
-                   for r in self.outside]
+                   if r[0] == "load" else readable[tensors[r[1]]][(r[2], r[3])] for r in self.outside]
         base = len(buffers)
         for step in self.steps:
             if step[0] == "load":
