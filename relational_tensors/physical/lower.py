@@ -19,12 +19,12 @@ Per operator, in topological order:
    copy tasks, in firing order), recompose atoms into kernel inputs, run the
    kernel.  Graph inputs are loaded straight into the blocks a spec reads.
 
-A block of an operator's output that one of the last ``REUSE_WINDOW`` operators
-read on a device is a source of the tensor's later exchanges beside the
-producer's blocks, so a reader there reads it again rather than receiving it
-again (two projections of one normalized activation, the weight gradients of
-both, the three attention-backward passes over one key block); the window
-bounds how much longer the block stays alive.
+A block of an operator's output that a kernel of one of the last ``REUSE_WINDOW``
+operators read on a device is read there again by a function spec placed there
+that reads the same block, rather than delivered again (two projections of one
+normalized activation, the weight gradients of both, the three
+attention-backward passes over one key block); the window bounds how much
+longer the block stays alive.
 """
 
 from __future__ import annotations
@@ -222,6 +222,7 @@ class _Lowering:
         # tensor -> (block, device) -> (buffer, lowering step) of an operator output's block a kernel read
         self.assembled: dict[int, dict[tuple[Box, int], tuple[int, int]]] = {}
         self.step = 0  # operators lowered so far
+        self.window = REUSE_WINDOW  # (negative: every block is delivered to each reader)
         self.exchange_memo: dict = {}  # an exchange's geometry -> its synthesized program (see exchange)
         self.kernel_out: dict[int, list[int]] = {}   # op id -> output buffer of each function spec
         self.loaded: dict[tuple[int, Box, int], int] = {}
@@ -276,21 +277,14 @@ class _Lowering:
         return self.loaded[key]
 
     # --- one exchange ------------------------------------------------------------
-    def sources(self, tensor: int, wanted: frozenset[Box] = frozenset()) -> list[tuple[Box, int, bool]]:
+    def sources(self, tensor: int) -> list[tuple[Box, int, bool]]:
         """The blocks a tensor's readers are served from: (box, buffer, whether it is one of several
-        partials of that box): an operator's kernel outputs, or a sharded state's kept blocks; and the
-        blocks in ``wanted`` that recent readers assembled (``_readable``; only whole blocks a reader
-        wants, so that they never cut the others' atoms finer)."""
+        partials of that box): an operator's kernel outputs, or a sharded state's kept blocks."""
         if tensor in self.held:
             return [(box, self.load(tensor, box, device), False) for box, device in self.held[tensor]]
         spec = self.plan.spec(tensor)
         multiplicity = spec.output_multiplicity()
-        made = [(f.output, b, multiplicity[f.output] > 1) for f, b in zip(spec.functions, self.kernel_out[tensor])]
-        if max(multiplicity.values()) == 1:  # final blocks: the ones recent readers assembled are copies too
-            mine = set(self.kernel_out[tensor])
-            made += [(box, b, False) for (box, _), b in self._readable(tensor).items()
-                     if b not in mine and box in wanted]
-        return made
+        return [(f.output, b, multiplicity[f.output] > 1) for f, b in zip(spec.functions, self.kernel_out[tensor])]
 
     def exchange(self, name: str, wants: Sequence[tuple[object, int, Box, int]], guess: dict[int, int],
                  op: int | None, synthesize: Synthesizer | None = None
@@ -310,7 +304,7 @@ class _Lowering:
         for key, tensor, block, reader in wants:
             by_tensor.setdefault(tensor, []).append((key, block, reader))
         tensors = sorted(by_tensor)
-        made_all = [self.sources(t, frozenset(block for _, block, _ in by_tensor[t])) for t in tensors]
+        made_all = [self.sources(t) for t in tensors]
         buffers = self.dag.buffers
         sig = (synth, tuple(sorted(guess.items())), tuple(
             (tuple((box, buffers[b].device, buffers[b].dtype, several) for box, b, several in made),
@@ -496,16 +490,17 @@ class _Lowering:
 
     def _readable(self, tensor: int) -> dict[tuple[Box, int], int]:
         """The blocks of operator output ``tensor`` that a kernel of one of the last ``REUSE_WINDOW``
-        operators read, by (block, device) -> buffer: sources of its exchanges beside the producer's own
-        blocks (``sources``), so a reader on such a device reads the block again, not a new delivery."""
+        operators read, by (block, device) -> buffer: a reader of the same block placed on that device
+        reads it again instead of receiving it again."""
         if self.graph.nodes[tensor].op is None:
             return {}
-        oldest = self.step - REUSE_WINDOW
+        oldest = self.step - self.window
         return {where: b for where, (b, at) in self.assembled.get(tensor, {}).items() if at >= oldest}
 
     def _note_reads(self, first_task: int) -> None:
         """Remember the blocks of operator outputs that the kernels from task ``first_task`` on read whole
-        (final values in the tensor's dtype, not views)."""
+        and that were delivered to them (final values in the tensor's dtype, not views; a producer's own
+        block is where its exchange finds it anyway)."""
         dag, nodes = self.dag, self.graph.nodes
         for task in dag.tasks[first_task:]:
             if task.kind != "kernel":
@@ -513,7 +508,7 @@ class _Lowering:
             for b in task.inputs:
                 buf = dag.buffers[b]
                 if (nodes[buf.tensor].op is not None and buf.partial is None and buf.parent is None
-                        and buf.dtype == nodes[buf.tensor].type.dtype):
+                        and buf.dtype == nodes[buf.tensor].type.dtype and b not in self.kernel_out[buf.tensor]):
                     self.assembled.setdefault(buf.tensor, {})[(buf.box, buf.device)] = (b, self.step)
 
     def _hint(self, op_id: int) -> tuple[int, ...] | None:
@@ -548,10 +543,18 @@ class _Lowering:
                 if self.graph.nodes[i].op is None and (i in self.held or i in self.loaded_blocks)}
         guess = dict(enumerate(place(self.plan, op_id, self.placement, self.place_memo, held, self._hint(op_id))))
         exchanged = [self.graph.nodes[i].op is not None or i in self.held for i in node.inputs]
-        wants = []
+        readable = {i: self._readable(i) for i in dict.fromkeys(node.inputs)}
+        wants, reread = [], {}
         for g, f in enumerate(spec.functions):
+            again = {k: readable[i].get((f.inputs[k], guess[g])) for k, i in enumerate(node.inputs) if exchanged[k]}
+            # the naive synthesizer keeps every reader at its guess; another may move one that receives
+            # anything, so there a function spec reads blocks again only if it receives nothing
+            if self.synthesize is not naive and None in again.values():
+                again = {}
             for k, i in enumerate(node.inputs):
-                if exchanged[k]:
+                if again.get(k) is not None:
+                    reread[(g, k)] = again[k]
+                elif exchanged[k]:
                     wants.append(((g, k), i, f.inputs[k], g))
         delivered, placed = self.exchange(node.name, wants, guess, op_id)
         where = tuple(placed[g] for g in range(spec.p))
@@ -566,6 +569,8 @@ class _Lowering:
             for k, i in enumerate(node.inputs):
                 if not exchanged[k]:
                     blocks.append(self.load(i, f.inputs[k], where[g]))
+                elif (g, k) in reread:
+                    blocks.append(reread[(g, k)])
                 else:
                     blocks.append(self.recompose(f.inputs[k], delivered[((g, k), i)], where[g], i, op_id))
             alone = multiplicity[f.output] == 1  # nothing to combine: the kernel writes the final block
