@@ -544,7 +544,8 @@ class _Lowering:
         guess = dict(enumerate(place(self.plan, op_id, self.placement, self.place_memo, held, self._hint(op_id))))
         exchanged = [self.graph.nodes[i].op is not None or i in self.held for i in node.inputs]
         readable = {i: self._readable(i) for i in dict.fromkeys(node.inputs)}
-        wants, reread = [], {}
+        wants: list[tuple[object, int, Box, int]] = []
+        reread: dict[tuple[int, int], int] = {}  # (function spec, input) -> the buffer it reads again
         for g, f in enumerate(spec.functions):
             again = {k: readable[i].get((f.inputs[k], guess[g])) for k, i in enumerate(node.inputs) if exchanged[k]}
             # the naive synthesizer keeps every reader at its guess; another may move one that receives
@@ -552,8 +553,9 @@ class _Lowering:
             if self.synthesize is not naive and None in again.values():
                 again = {}
             for k, i in enumerate(node.inputs):
-                if again.get(k) is not None:
-                    reread[(g, k)] = again[k]
+                buffer = again.get(k)
+                if buffer is not None:
+                    reread[(g, k)] = buffer
                 elif exchanged[k]:
                     wants.append(((g, k), i, f.inputs[k], g))
         delivered, placed = self.exchange(node.name, wants, guess, op_id)
