@@ -518,9 +518,10 @@ class _Lowering:
         return None if hint is None or hint == tuple(range(len(hint))) else hint
 
     def _geometry_key(self, op_id: int) -> tuple[object, ...]:
-        """Everything the lowering of ``op_id`` reads: its spec, which inputs are the same tensor, and per
-        distinct input its producer's spec and placement, a held tensor's blocks, or the blocks of a graph
-        input already loaded (and its dtype).  Specs are compared by identity: equal operators share them."""
+        """Everything the lowering of ``op_id`` reads: its spec, which inputs are the same tensor, its
+        placement hint, and per distinct input the blocks recent readers received (``_readable``) and its
+        producer's spec and placement, a held tensor's blocks, or the blocks of a graph input already
+        loaded (and its dtype).  Specs are compared by identity: equal operators share them."""
         node = self.graph.nodes[op_id]
         parts: list[object] = [("hint", self._hint(op_id))]
         for i in dict.fromkeys(node.inputs):
