@@ -3,14 +3,13 @@ and a liveness the executors reproduce."""
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 import relational_tensors as rt
 from relational_tensors.exchange.naive import naive
 from relational_tensors.gpu_exec.numpy_backend import NumpyExecutor
-from relational_tensors.models import llama_block, llama_feeds
+from relational_tensors.models import llama_block, llama_feeds, llama_training_feeds, llama_training_graph
 from relational_tensors.physical.lower import _Lowering
 from relational_tensors.physical.tasks import liveness
 from relational_tensors.physical.views import fuse_views
@@ -114,41 +113,19 @@ def test_gpu_view_geometry_names_the_elements_numpy_slicing_does(p) -> None:
     assert seen_views
 
 
-def _training_step(tokens: int = 512) -> rt.Graph:
-    """A small block's training step with AdamW (bf16 weights as states, float32 masters and moments)."""
-    from relational_tensors.models import add_llama_block
-    from relational_tensors.optim import adamw
-
-    g = rt.Graph()
-    x = g.input("x", [1, tokens, 256], "bfloat16", dims=("batch", "seq", "model"))
-    target = g.input("target", [1, tokens, 256], "bfloat16", dims=("batch", "seq", "model"))
-    y = add_llama_block(g, x, n_heads=8, n_kv_heads=2, d_ff=512, eps=1e-5, rope_base=10000.0, leaf=g.state)
-    loss = g.save(g.mse(g.cast(y, "float32"), g.cast(target, "float32"), name="mse"), name="loss")
-    params = g.trainable()
-    adamw(g, params, g.grad(loss, params), g.input("lr", [1], "float32"), master_dtype="float32")
-    return g
-
-
 @pytest.mark.parametrize(("device", "cost_model"), [("cpu:8", "paper"), ("cuda:0,0,0,0,0,0,0,0", "calibrated")])
 def test_placement_ties_follow_the_last_operator_with_the_same_blocks(device: str, cost_model: str,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """An optimizer's update chain follows its gradient's placement where its states leave a tie: fewer
     bytes than with ties going to the identity, and the same result."""
-    g = _training_step()
+    g = llama_training_graph(1, 512, 256, 8, 2, 512, 64, dtype="bfloat16", optimizer="adamw",
+                             master_dtype="float32")
     hinted = rt.compileGraph(g, device=device, cost_model=cost_model)
-    monkeypatch.setattr(_Lowering, "_hint", lambda self, op_id: None)
+    monkeypatch.setattr(_Lowering, "_hint", lambda self, outputs: None)
     plain = rt.compileGraph(g, device=device, cost_model=cost_model)
     assert hinted.dag.bytes_moved() < plain.dag.bytes_moved()
     if device.startswith("cpu"):  # the hinted plan computes the step: loss and every updated state
-        rng = np.random.default_rng(0)
-        feeds = {}
-        for n in g.inputs:
-            v = rng.standard_normal(n.type.shape).astype(np.float32) * 0.1
-            if "exp_avg_sq" in n.name:
-                v = np.abs(v)
-            elif n.name in ("lr", "adamw.step"):
-                v = np.full(n.type.shape, 1e-3 if n.name == "lr" else 0.0, np.float32)
-            feeds[n.name] = v.astype(ml_dtypes.bfloat16) if n.type.dtype == "bfloat16" else v
+        feeds = llama_training_feeds(g)
         got, want = hinted.run(feeds), rt.reference(g, feeds)
         assert set(got) == set(want)
         for name, ref in want.items():

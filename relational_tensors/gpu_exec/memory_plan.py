@@ -40,6 +40,7 @@ ONE_PASS = "attention_dq"  # on request: dq in attention's dk|dv pass (measured 
 __all__ = ["MemoryPlan", "plan_memory", "plan_arena", "sibling_tasks", "SIBLINGS", "ONE_PASS", "view_geometry",
            "ALIGN", "align"]
 
+
 @dataclass(frozen=True)
 class Slot:
     offset: int

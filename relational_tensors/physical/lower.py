@@ -219,6 +219,7 @@ class _Lowering:
         self.memberships: dict[str, Membership] = {}
         self.place_memo: dict = {}
         self.recent: dict[tuple[Box, ...], tuple[int, ...]] = {}  # output blocks -> last placement with them
+        self.outputs_memo: dict[int, tuple[Box, ...]] = {}  # id(spec) -> its function specs' output blocks
         # tensor -> (block, device) -> (buffer, lowering step) of an operator output's block a kernel read
         self.assembled: dict[int, dict[tuple[Box, int], tuple[int, int]]] = {}
         self.step = 0  # operators lowered so far
@@ -468,25 +469,39 @@ class _Lowering:
         """Place the operator's function specs, deliver their inputs and run their kernels; then write
         the states whose last reader it is.  An operator whose lowering has the geometry of one lowered
         before (``_geometry_key``) replays that one's tasks with fresh buffer ids (``_Replay``)."""
-        key = self._geometry_key(op_id) if self.share and op_id not in self.assign_after else None
+        outputs = self._outputs(op_id)
+        hint = self._hint(outputs)
+        readable = {i: self._readable(i) for i in dict.fromkeys(self.graph.nodes[op_id].inputs)}
+        key = self._geometry_key(op_id, hint, readable) if self.share and op_id not in self.assign_after else None
         replay = self.replays.get(key) if key is not None else None
         tasks = len(self.dag.tasks)
         if replay is not None:
-            replay.apply(self, op_id)
+            replay.apply(self, op_id, readable)
             self.replayed += 1
         else:
             buffers = len(self.dag.buffers)
-            self._lower_op(op_id)
+            self._lower_op(op_id, hint, readable)
             if key is not None and key not in self.replays:  # (None: a lowering its key does not fix)
-                self.replays[key] = _Replay.record(self, op_id, tasks, buffers)
-        self.recent[self._outputs(op_id)] = self.placement[op_id]
+                self.replays[key] = _Replay.record(self, op_id, tasks, buffers, readable)
+        self.recent[outputs] = self.placement[op_id]
         self.step += 1
         self._note_reads(tasks)
         for state in self.assign_after.get(op_id, ()):
             self.lower_assignment(state)
 
     def _outputs(self, op_id: int) -> tuple[Box, ...]:
-        return tuple(f.output for f in self.plan.spec(op_id).functions)
+        """The output blocks of ``op_id``'s function specs (placement hints are looked up by them)."""
+        spec = self.plan.spec(op_id)
+        blocks = self.outputs_memo.get(id(spec))
+        if blocks is None:
+            blocks = self.outputs_memo[id(spec)] = tuple(f.output for f in spec.functions)
+        return blocks
+
+    def _hint(self, outputs: tuple[Box, ...]) -> tuple[int, ...] | None:
+        """The placement of the last operator lowered whose function specs write ``outputs``; None for none
+        or the identity (which ties go to anyway: equal geometries stay equal)."""
+        hint = self.recent.get(outputs)
+        return None if hint is None or hint == tuple(range(len(hint))) else hint
 
     def _readable(self, tensor: int) -> dict[tuple[Box, int], int]:
         """The blocks of operator output ``tensor`` that a kernel of one of the last ``REUSE_WINDOW``
@@ -511,21 +526,16 @@ class _Lowering:
                         and buf.dtype == nodes[buf.tensor].type.dtype and b not in self.kernel_out[buf.tensor]):
                     self.assembled.setdefault(buf.tensor, {})[(buf.box, buf.device)] = (b, self.step)
 
-    def _hint(self, op_id: int) -> tuple[int, ...] | None:
-        """The placement of the last operator lowered whose function specs write the blocks ``op_id``'s do;
-        None for none or the identity (which ties go to anyway: equal geometries stay equal)."""
-        hint = self.recent.get(self._outputs(op_id))
-        return None if hint is None or hint == tuple(range(len(hint))) else hint
-
-    def _geometry_key(self, op_id: int) -> tuple[object, ...]:
+    def _geometry_key(self, op_id: int, hint: tuple[int, ...] | None,
+                      readable: dict[int, dict[tuple[Box, int], int]]) -> tuple[object, ...]:
         """Everything the lowering of ``op_id`` reads: its spec, which inputs are the same tensor, its
         placement hint, and per distinct input the blocks recent readers received (``_readable``) and its
         producer's spec and placement, a held tensor's blocks, or the blocks of a graph input already
         loaded (and its dtype).  Specs are compared by identity: equal operators share them."""
         node = self.graph.nodes[op_id]
-        parts: list[object] = [("hint", self._hint(op_id))]
+        parts: list[object] = [("hint", hint)]
         for i in dict.fromkeys(node.inputs):
-            parts.append(("read", tuple((box.lower, box.upper, d) for box, d in self._readable(i))))
+            parts.append(("read", tuple((box.lower, box.upper, d) for box, d in readable[i])))
             n = self.graph.nodes[i]
             if i in self.held:
                 parts.append(("held", self.held[i]))
@@ -535,16 +545,18 @@ class _Lowering:
                 parts.append(("op", id(self.plan.spec(i)), self.placement[i]))
         return id(self.plan.spec(op_id)), tuple(node.inputs.index(i) for i in node.inputs), tuple(parts)
 
-    def _lower_op(self, op_id: int) -> None:
+    def _lower_op(self, op_id: int, hint: tuple[int, ...] | None,
+                  readable: dict[int, dict[tuple[Box, int], int]]) -> None:
+        """Place, deliver and run ``op_id`` (``lower_op``): ``hint`` the placement ties go to, ``readable``
+        per input the blocks recent readers received (``_readable``)."""
         node = self.graph.nodes[op_id]
         assert node.op is not None
         spec = self.plan.spec(op_id)
         # blocks already loaded count as co-resident too: two readers of one input block share its copy
         held = {i: self.held.get(i) or tuple(self.loaded_blocks.get(i, ())) for i in node.inputs
                 if self.graph.nodes[i].op is None and (i in self.held or i in self.loaded_blocks)}
-        guess = dict(enumerate(place(self.plan, op_id, self.placement, self.place_memo, held, self._hint(op_id))))
+        guess = dict(enumerate(place(self.plan, op_id, self.placement, self.place_memo, held, hint)))
         exchanged = [self.graph.nodes[i].op is not None or i in self.held for i in node.inputs]
-        readable = {i: self._readable(i) for i in dict.fromkeys(node.inputs)}
         wants: list[tuple[object, int, Box, int]] = []
         reread: dict[tuple[int, int], int] = {}  # (function spec, input) -> the buffer it reads again
         for g, f in enumerate(spec.functions):
@@ -665,7 +677,8 @@ class _Replay:
     program: tuple[ExProg, Membership, bool] | None  # the operator's exchange program, membership, searched
 
     @staticmethod
-    def record(low: _Lowering, op_id: int, first_task: int, first_buffer: int) -> _Replay | None:
+    def record(low: _Lowering, op_id: int, first_task: int, first_buffer: int,
+               readable: dict[int, dict[tuple[Box, int], int]]) -> _Replay | None:
         """The lowering of ``op_id`` that made tasks ``first_task..`` and buffers ``first_buffer..``, or None
         when a task of it reads or names something the geometry key does not fix."""
         dag, node = low.dag, low.graph.nodes[op_id]
@@ -680,7 +693,7 @@ class _Replay:
                 b = low.loaded[(i, box, device)]
                 if b < first_buffer:
                     outside[b] = ("load", t, box, device)
-            for (box, device), b in low._readable(i).items():
+            for (box, device), b in readable[i].items():
                 outside.setdefault(b, ("read", t, box, device))
         used: dict[int, int] = {}  # outside buffer -> its index in ``outside``
 
@@ -728,13 +741,12 @@ class _Replay:
         return _Replay(tuple(steps), tuple(outside[b] for b in order), made - first_buffer, low.placement[op_id],
                        tuple(b - first_buffer for b in low.kernel_out[op_id]), program)
 
-    def apply(self, low: _Lowering, op_id: int) -> None:
+    def apply(self, low: _Lowering, op_id: int, readable: dict[int, dict[tuple[Box, int], int]]) -> None:
         """The recorded lowering, for ``op_id``: its tasks appended with fresh buffer ids."""
         dag, node = low.dag, low.graph.nodes[op_id]
         name = node.name
         tensors = (*dict.fromkeys(node.inputs), op_id)  # index -1: the operator
         buffers, tasks = dag.buffers, dag.tasks
-        readable = {t: low._readable(t) for t in tensors[:-1]}
         outside = [low.kernel_out[tensors[r[1]]][r[2]] if r[0] == "out" else low.loaded[(tensors[r[1]], r[2], r[3])]
                    if r[0] == "load" else readable[tensors[r[1]]][(r[2], r[3])] for r in self.outside]
         base = len(buffers)
