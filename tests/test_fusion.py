@@ -47,7 +47,6 @@ from relational_tensors.gpu_exec.fusion import (  # noqa: E402
 )
 from relational_tensors.gpu_exec.kernels.common import contiguous_strides  # noqa: E402
 from relational_tensors.gpu_exec.memory_plan import (  # noqa: E402
-    ONE_PASS,
     SIBLINGS,
     MemoryPlan,
     align,
@@ -397,7 +396,7 @@ class HostProgram:
         done_by = sibling_tasks(cg.graph, cg.dag, siblings) if siblings else {}
         # a kernel that writes a sibling's output too -> the sibling (its scratch may differ)
         self.sibling_of = {w: s for s, w in done_by.items()}
-        self.needs = task_scratch(cg.graph, cg.dag, self.sibling_of)
+        self.needs = task_scratch(cg.graph, cg.dag)
         if fused:  # as the executor plans it when it fuses: kernel scratch in the arena too
             self.plan = fusion_plan(cg.graph, cg.dag, cg.live, done_by, scratch_bytes(self.needs))[0]
         else:
@@ -658,9 +657,8 @@ def test_fused_kernels_of_random_graphs_match_bit_for_bit(host: Any, data: st.Da
 def test_the_forward_attention_kernel_writes_the_lse_its_backward_reads(host: Callable[..., HostProgram],
                                                                          p: int) -> None:
     """An attention's gradients through the launchers on the arenas, in Triton's interpreter: the forward
-    kernel writes the log-sum-exp rows the backward reads (the attention_lse tasks do nothing) and the dk|dv
-    pass adds dq as it goes (the dq tasks do nothing), and dq, dk, dv equal the reference, as they do with
-    the lse recomputed and dq in its own pass (packed causal GQA, 45 rows)."""
+    kernel writes the log-sum-exp rows the backward reads (the attention_lse tasks do nothing), and dq, dk, dv
+    equal the reference, as they do with the lse recomputed (packed causal GQA, 45 rows)."""
     g = rt.Graph()
     q = g.input("q", [1, 45, 4, 16], "float32")
     k = g.input("k", [1, 45, 2, 16], "float32")
@@ -673,10 +671,10 @@ def test_the_forward_attention_kernel_writes_the_lse_its_backward_reads(host: Ca
     want = rt.reference(g, feeds)
     cg = rt.compileGraph(g, device=f"cpu:{p}")
     for paired in (True, False):
-        prog = host(cg, False, (*SIBLINGS, ONE_PASS) if paired else ())
+        prog = host(cg, False, SIBLINGS if paired else ())
         assert bool(prog.plan.done_by) == paired
         kinds = sorted(cg.graph.nodes[cg.dag.tasks[s].op].kind for s in prog.plan.done_by)
-        assert kinds == (["attention_grad"] * p + ["attention_lse"] * p if paired else []), kinds
+        assert kinds == (["attention_lse"] * p if paired else []), kinds
         prog.load(feeds)
         prog.execute()
         for name in ("o", "dq", "dk", "dv"):

@@ -15,8 +15,6 @@
 * a kernel writes a sibling task's output as it goes: the forward attention the log-sum-exp rows that
   the backward's ``attention_lse`` task would recompute, one ``swiglu_grad`` both gradients
   (``memory_plan.sibling_tasks``; off with ``siblings=False`` or ``RELATIONAL_TENSORS_SIBLINGS=0``);
-  attention's dk|dv pass adds dq as it goes only on request (``one_pass=True`` or
-  ``RELATIONAL_TENSORS_ONE_PASS_ATTENTION=1``: it measured slower than dq's own pass, README "Decisions");
 * the first execute() runs eagerly (it compiles the Triton kernels); the
   second captures the whole DAG into one CUDA graph, and every later execute()
   is a graph launch.
@@ -38,7 +36,6 @@ from relational_tensors.gpu_exec.kernels import triton_elementwise as te
 from relational_tensors.gpu_exec.kernels.common import DevBuf, bind_triton_to_cupy
 from relational_tensors.gpu_exec.memory_plan import (
     ALIGN,
-    ONE_PASS,
     SIBLINGS,
     buffer_bytes,
     plan_memory,
@@ -64,7 +61,6 @@ __all__ = ["CupyExecutor"]
 
 AGG_OPS = {"sum": "add", "max": "maximum", "min": "minimum", "logsumexp": "logaddexp"}
 SIBLINGS_ENV = "RELATIONAL_TENSORS_SIBLINGS"  # "0": every task runs its own kernel (memory_plan.sibling_tasks)
-ONE_PASS_ENV = "RELATIONAL_TENSORS_ONE_PASS_ATTENTION"  # "1": dq in the dk|dv pass (memory_plan.ONE_PASS)
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction (and the GPUs) from the unified addresses
 
 
@@ -72,8 +68,7 @@ class CupyExecutor:
     """Runs one TaskDAG on GPUs; ``load`` once, ``execute`` many times (a CUDA graph after the first)."""
 
     def __init__(self, graph: Graph, dag: TaskDAG, live: Liveness, devices: DeviceSet,
-                 attention: str = "triton", fuse: bool | None = None, siblings: bool | None = None,
-                 one_pass: bool | None = None) -> None:
+                 attention: str = "triton", fuse: bool | None = None, siblings: bool | None = None) -> None:
         try:
             import cupy
         except ImportError as e:
@@ -84,8 +79,7 @@ class CupyExecutor:
         # kernels that write a sibling task's output as they go (memory_plan.sibling_tasks); not the forward's
         # log-sum-exp with library FlashAttention kernels, which do not hand it out
         on = env_switch(SIBLINGS_ENV, siblings)
-        kinds = (*SIBLINGS, ONE_PASS) if env_switch(ONE_PASS_ENV, one_pass, default=False) else SIBLINGS
-        self.siblings = tuple(k for k in kinds if on and not (k == "attention_lse" and attention == "flash"))
+        self.siblings = tuple(k for k in SIBLINGS if on and not (k == "attention_lse" and attention == "flash"))
         if attention == "flash":
             from relational_tensors.gpu_exec.kernels.flash import backend
 
@@ -165,9 +159,8 @@ class CupyExecutor:
 
         self.fused_groups: list[Any] = []
         done_by = sibling_tasks(self.graph, dag, self.siblings) if self.siblings else {}
-        # a kernel that writes a sibling task's output too -> the sibling (its scratch may differ)
-        self.sibling_of = {w: s for s, w in done_by.items()}
-        self.scratch_needs = task_scratch(self.graph, dag, self.sibling_of)  # task -> (shape, dtype) of its scratch
+        self.sibling_of = {w: s for s, w in done_by.items()}  # a kernel that writes a sibling task's output too
+        self.scratch_needs = task_scratch(self.graph, dag)  # task -> (shape, dtype) of its scratch
         scratch = scratch_bytes(self.scratch_needs) if self.own_issue else None
         if self.fusing:  # the plan keeps what the fused kernels read until they run (fusion.fusion_plan)
             from relational_tensors.gpu_exec.fusion import fusion_plan

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,28 +47,26 @@ class Launcher:
 
     ``constants`` gives host arrays its kernels read on every device that runs the operator (copied
     to each device once); ``scratch`` the shape and dtype of scratch one function spec needs besides
-    its output; ``sibling_scratch`` the scratch it needs instead where its kernel also writes a sibling
-    task's output (``memory_plan.sibling_tasks``)."""
+    its output."""
 
     kind: str
     launch: LaunchFn
     constants: Constants | None = None
     scratch: Scratch | None = None
-    sibling_scratch: Scratch | None = None
 
 
 LAUNCHERS: dict[str, Launcher] = {}
 
 
-def launcher(*kinds: str, constants: Constants | None = None, scratch: Scratch | None = None,
-             sibling_scratch: Scratch | None = None) -> Callable[[LaunchFn], LaunchFn]:
+def launcher(*kinds: str, constants: Constants | None = None,
+             scratch: Scratch | None = None) -> Callable[[LaunchFn], LaunchFn]:
     """Decorator: ``fn`` launches the GPU kernel of the operator ``kinds``."""
     def register(fn: LaunchFn) -> LaunchFn:
         for kind in kinds:
             old = LAUNCHERS.get(kind)
             if old is not None and old.launch is not fn:
                 raise ValueError(f"a GPU launcher for operator kind {kind!r} is registered twice")
-            LAUNCHERS[kind] = Launcher(kind, fn, constants, scratch, sibling_scratch)
+            LAUNCHERS[kind] = Launcher(kind, fn, constants, scratch)
         return fn
     return register
 
@@ -95,17 +93,15 @@ def scratch_shape(op: Operator, f: FunctionSpec) -> tuple[tuple[int, ...], str] 
     return make(op, f) if make is not None else None
 
 
-def task_scratch(graph: Any, dag: Any, writers: Collection[int] = ()) -> dict[int, tuple[tuple[int, ...], str]]:
-    """Kernel task -> the scratch its kernel needs (``scratch_shape``; a launcher's ``sibling_scratch`` for
-    the tasks in ``writers``, whose kernels also write a sibling's output), for the tasks that need some."""
+def task_scratch(graph: Any, dag: Any) -> dict[int, tuple[tuple[int, ...], str]]:
+    """Kernel task -> the scratch its kernel needs (``scratch_shape``), for the tasks that need some."""
     out = {}
     for t in dag.tasks:
         if t.kind == "kernel" and t.op is not None:
             op = graph.nodes[t.op].op
             if op is None:
                 continue
-            make = launcher_for(op.kind).sibling_scratch if t.id in writers else None
-            need = make(op, t.kernel.function) if make is not None else scratch_shape(op, t.kernel.function)
+            need = scratch_shape(op, t.kernel.function)
             if need is not None:
                 out[t.id] = need
     return out
@@ -636,34 +632,11 @@ def _attention_delta(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict
     attention_delta(ins[0], ins[1], out)
 
 
-def _dkvq_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str]:
-    """The dk|dv pass that adds dq as it goes (``attention_dkvq``): its dq accumulator and locks."""
-    from relational_tensors.gpu_exec.kernels.triton_attention_grad import dkvq_scratch_bytes
-
-    return (dkvq_scratch_bytes(f.inputs[0].shape, op.input_types[0].dtype) // 4,), "int32"
-
-
-@launcher("attention_grad", constants=_attention_grad_constants, sibling_scratch=_dkvq_scratch)
+@launcher("attention_grad", constants=_attention_grad_constants)
 def _attention_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.gpu_exec.kernels import triton_copy as tc
-    from relational_tensors.gpu_exec.kernels.triton_attention_grad import attention_dkv, attention_dkvq, attention_dq
+    from relational_tensors.gpu_exec.kernels.triton_attention_grad import attention_dkv, attention_dq
 
-    if isinstance(out, tuple):  # the dq and dk|dv tasks of the same blocks (memory_plan.sibling_tasks)
-        sib_op, sib_f = consts["sibling"]
-        if _grad_on_host(op, [*ins[:4], *out]):
-            host_kernel(op, f, ins, out[0], stream)
-            host_kernel(sib_op, sib_f, ins, out[1], stream)
-            return
-        dq, dkv = out if op.part == "dq" else out[::-1]
-        q, k, v, do, lse, delta = ins[:6]
-        if q.shape[1] == 0 or k.shape[1] == 0:  # no row sees these keys
-            tc.fill(dq, 0.0)
-            tc.fill(dkv, 0.0)
-            return
-        attention_dkvq(q, k, v, do, lse, delta, dkv, dq, consts["key_qlo"], consts["key_qhi"], consts["row_lo"],
-                       consts["row_hi"], f.inputs[0].lower[1], f.inputs[1].lower[1], op.softmax_scale,
-                       consts["scratch"])
-        return
     if _grad_on_host(op, [*ins[:4], out]):
         host_kernel(op, f, ins, out, stream)
         return

@@ -14,10 +14,8 @@ waits computed here; tests check the plan for hazards on any DAG.
 * a kernel that computes a sibling task's output as it goes writes it (``siblings``): the forward
   ``attention`` the log-sum-exp rows its backward's ``attention_lse`` task would recompute (the same q
   and k blocks, the same key visibility, neither side a partial), and one ``swiglu_grad`` both
-  gradients (da and db from one read of a, b and dy); on request (``ONE_PASS``, off by default: README
-  "Decisions" gives its measured time) attention's dk|dv pass the dq of the same blocks
-  (``attention_dkvq``: dq added in the pass, in a fixed order).  The sibling's block is born at the task
-  that writes it, and the sibling has nothing to do.
+  gradients (da and db from one read of a, b and dy).  The sibling's block is born at the task that
+  writes it, and the sibling has nothing to do.
 """
 
 from __future__ import annotations
@@ -32,12 +30,10 @@ from relational_tensors.frontend.graph import Graph
 from relational_tensors.gpu_exec.kernels.common import ALIGN, align
 from relational_tensors.physical.tasks import Liveness, Task, TaskDAG, block_bytes, reshape_shares
 from relational_tensors.sql_specs.attention import AttentionOp
-from relational_tensors.sql_specs.attention_grad import AttentionGradOp
 
 SIBLINGS = ("attention_lse", "swiglu_grad")  # the kinds of task another kernel does as it goes, by default
-ONE_PASS = "attention_dq"  # on request: dq in attention's dk|dv pass (measured slower than its own pass)
 
-__all__ = ["MemoryPlan", "plan_memory", "plan_arena", "sibling_tasks", "SIBLINGS", "ONE_PASS", "view_geometry",
+__all__ = ["MemoryPlan", "plan_memory", "plan_arena", "sibling_tasks", "SIBLINGS", "view_geometry",
            "ALIGN", "align"]
 
 
@@ -153,8 +149,6 @@ def sibling_tasks(graph: Graph, dag: TaskDAG, kinds: Sequence[str] = SIBLINGS) -
         found.update(_forward_lse(graph, dag))
     if "swiglu_grad" in kinds:
         found.update(_swiglu_pairs(graph, dag))
-    if ONE_PASS in kinds:
-        found.update(_attention_dq_pairs(graph, dag))
     if not found:
         return found
     writers: dict[int, list[int]] = defaultdict(list)  # root -> the tasks that write it
@@ -192,34 +186,6 @@ def _forward_lse(graph: Graph, dag: TaskDAG) -> dict[int, int]:
                     and lse.parent is None and lse.dtype == "float32" and o.box.lower[:3] == lse.box.lower
                     and o.box.upper[:3] == lse.box.upper):
                 out[t.id] = f.id
-    return out
-
-
-def _attention_dq_pairs(graph: Graph, dag: TaskDAG) -> dict[int, int]:
-    """The later of an attention ``dq`` task and a ``dkv`` task on the same device and blocks (q, k, v, dO, lse
-    and Δ) -> the earlier: one pass of the dk|dv kernel writes both.  Only where both run on the GPU's
-    kernels (no key padding, masks or biases; not float64) and the dq block is a block of its own."""
-    first: dict[tuple[int, ...], Task] = {}
-    out: dict[int, int] = {}
-    for t in dag.tasks:
-        if t.kind != "kernel" or t.op is None or graph.nodes[t.op].kind != "attention_grad":
-            continue
-        op = graph.nodes[t.op].op
-        if not isinstance(op, AttentionGradOp) or op.part not in ("dq", "dkv") or op.extras \
-                or op.key_lengths is not None or op.input_types[0].dtype == "float64":
-            continue
-        key = (t.device, *t.inputs[:6])
-        f = first.get(key)
-        if f is None:
-            first[key] = t
-            continue
-        f_op = graph.nodes[f.op].op  # type: ignore[index]
-        dq_task = t if op.part == "dq" else f
-        if (isinstance(f_op, AttentionGradOp) and {op.part, f_op.part} == {"dq", "dkv"}
-                and op.options() == f_op.options() and op.softmax_scale == f_op.softmax_scale
-                and dag.buffers[dq_task.outputs[0]].parent is None):
-            out[t.id] = f.id
-            del first[key]
     return out
 
 

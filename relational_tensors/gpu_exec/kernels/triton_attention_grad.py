@@ -13,12 +13,6 @@ both ends are non-decreasing in r, so the rows that see a key c are one range to
 * ``attention_dkv``: a program per (batch, kv head, key tile) walks the query tiles that can see its
   keys (from ``key_qlo``/``key_qhi``), for every query head of its group: dv = Pᵀ·dO, dk = scale ·
   dSᵀ·q, written side by side into one [b, skv, hkv, d + d_v] block (or one of them alone).
-* ``attention_dkvq``: both at once where the plan gives them the same blocks: the dk|dv program adds its
-  key tile's dS·k to every query tile's dq as it goes (five products per tile pair instead of seven),
-  taking turns per query tile from the last key tile down (a lock per query tile and head counts the key
-  tiles that have added theirs; the first writes dq), so the sum's order, and dq's bits, are the same on
-  every run of a configuration.  Programs take their work by ticket in the order they start, so a waiting program
-  waits only on programs already running.
 * ``attention_lse``: the forward's running maximum and sum without the values.
 * ``attention_delta``: row dot products.
 
@@ -38,19 +32,28 @@ from collections.abc import Callable
 import triton
 import triton.language as tl
 
-from relational_tensors.core.dtypes import itemsize
-from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type, align, fastest_config
+from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type, fastest_config
 from relational_tensors.gpu_exec.kernels.triton_attention import interpreted
-from relational_tensors.gpu_exec.kernels.triton_attention_turns import _dq_turn, _span, _visits_kernel
 
-__all__ = ["attention_lse", "attention_delta", "attention_dq", "attention_dkv", "attention_dkvq", "dkvq_scratch_bytes",
-           "APART", "Config"]
+__all__ = ["attention_lse", "attention_delta", "attention_dq", "attention_dkv", "Config"]
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, loads): loads 0 through pointers, 1 through tensor descriptors
 # (TMA), 2 (dk|dv only) through tensor descriptors with k and v loaded again for every query tile, where
 # holding them in registers would spill
 Config = tuple[int, int, int, int, int]
 _BIG = tl.constexpr(2147483647)  # past every row and key index: the masked rows' limits
+
+
+@triton.jit
+def _span(lo_min, lo_max, hi_min, hi_max, n, BLOCK: tl.constexpr):
+    """The tiles of ``BLOCK`` positions in [0, n) that a set of ranges [lo, hi) reaches: some range
+    sees [start, end); every range sees the tiles in [full_lo, full_hi) whole."""
+    start = (tl.maximum(lo_min, 0) // BLOCK) * BLOCK
+    end = tl.minimum(hi_max, n)
+    full_lo = tl.maximum(((tl.maximum(lo_max, 0) + BLOCK - 1) // BLOCK) * BLOCK, start)
+    full_hi = tl.maximum((tl.minimum(hi_min, n) // BLOCK) * BLOCK, full_lo)
+    full_hi = tl.minimum(full_hi, tl.maximum(end, full_lo))
+    return start, end, full_lo, full_hi
 
 
 @triton.jit
@@ -270,17 +273,13 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, lo_ptr, 
 @triton.jit
 def _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_gs, stride_ls, stride_ts,
               m0, sq, q_offset, kqlo, kqhi, qk_scale, dd, dvv, q_desc, do_desc, qrow, qcol, gcol,
-              n_tile, dq_base, stride_ds, acc_base, lock_base, first_ptr, last_ptr, scale,
-              k_desc, v_desc, krow, kcol, vcol, cmask,
+              k_desc, v_desc, krow, kcol, vcol,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WRITE_DK: tl.constexpr,
-              WRITE_DV: tl.constexpr, WRITE_DQ: tl.constexpr,
-              IEEE: tl.constexpr, TMA: tl.constexpr, RELOAD: tl.constexpr):
+              WRITE_DV: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, RELOAD: tl.constexpr):
     if RELOAD:  # k and v through the tensor cores' shared memory for every tile, not held in registers
         k = k_desc.load([krow, kcol])
         v = v_desc.load([krow, vcol])
-        if WRITE_DQ:  # keys past skv read the next batch row: zeros for dq (as at the kernel's start)
-            k = tl.where(cmask[:, None], k, 0.0)
     rows = m0 + tl.arange(0, BLOCK_M)
     if TMA:  # rows past sq read the next batch row (or zeros): their P is masked to 0
         q = q_desc.load([qrow + m0, qcol])
@@ -306,7 +305,7 @@ def _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, st
             dv = _mm(pt, do, dv, IEEE)
         else:
             dv = _mm(pt.to(do.dtype), do, dv, IEEE)
-    if WRITE_DK or WRITE_DQ:
+    if WRITE_DK:
         if MASKED:
             delta = tl.load(delta_base + rows.to(tl.int64) * stride_ts, mask=rows < sq, other=0.0)
         else:
@@ -315,12 +314,7 @@ def _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, st
         dst = pt * (dpt - delta.to(dk.dtype)[None, :])
         if not IEEE:
             dst = dst.to(q.dtype)
-        if WRITE_DK:
-            dk = _mm(dst, q, dk, IEEE)
-        if WRITE_DQ:
-            dqp = _mm(tl.trans(dst), k, tl.zeros([BLOCK_M, BLOCK_D], dtype=dk.dtype), IEEE)
-            _dq_turn(dqp, rows, m0, n_tile, dq_base, stride_ds, acc_base, lock_base, first_ptr, last_ptr, sq, scale,
-                     dd, D, BLOCK_D, BLOCK_M)
+        dk = _mm(dst, q, dk, IEEE)
     return dk, dv
 
 
@@ -330,21 +324,14 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 stride_gb, stride_gs, stride_gh, stride_lb, stride_ls, stride_lh, stride_tb, stride_ts, stride_th,
                 stride_ob, stride_os, stride_oh, q_desc, k_desc, v_desc, do_desc,
-                dq_ptr, acc_ptr, lock_ptr, first_ptr, last_ptr, ticket_ptr, stride_db, stride_ds, stride_dh,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_DK: tl.constexpr, WRITE_DV: tl.constexpr,
-                WRITE_DQ: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr, TMA: tl.constexpr,
-                RELOAD: tl.constexpr):
+                IEEE: tl.constexpr, ACC: tl.constexpr, TMA: tl.constexpr, RELOAD: tl.constexpr):
     n_blocks = tl.cdiv(skv, BLOCK_N)
-    if WRITE_DQ:  # work in the order programs start (a ticket each): a program waits only on running ones
-        pid = tl.atomic_add(ticket_ptr, 1).to(tl.int64)
-    else:
-        pid = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(0).to(tl.int64)
     nbh = tl.num_programs(0).to(tl.int64) // n_blocks
     pid_n = pid // nbh  # kv heads of a key tile side by side, the first key tiles (under a causal mask the
-    pid_bh = pid % nbh  # ones the most queries see) first; with dq the last first (the order of dq's turns)
-    if WRITE_DQ:
-        pid_n = n_blocks - 1 - pid_n
+    pid_bh = pid % nbh  # ones the most queries see) first
     b = pid_bh // hkv
     hk = pid_bh % hkv
     n0 = pid_n * BLOCK_N
@@ -358,8 +345,6 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
     if TMA:  # keys past skv read the next batch row (or zeros): never stored
         k = k_desc.load([krow, kcol])
         v = v_desc.load([krow, vcol])
-        if WRITE_DQ:  # but dq = Σ dS·k reads them, where a partial key tile runs unmasked: zeros
-            k = tl.where(cmask[:, None], k, 0.0)
     else:
         k = _load_rows(k_ptr + b * stride_kb + hk * stride_kh, cols, stride_ks, dd, skv, D, BLOCK_D, True)
         v = _load_rows(v_ptr + b * stride_vb + hk * stride_vh, cols, stride_vs, dvv, skv, DV, BLOCK_DV, True)
@@ -374,7 +359,6 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
     qrow = (b * sq).to(tl.int32)
-    m_tiles = tl.cdiv(sq, BLOCK_M)
     for j in range(0, group):  # the query heads of this kv head
         h = hk * group + j
         q_base = q_ptr + b * stride_qb + h * stride_qh
@@ -383,28 +367,21 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
         delta_base = delta_ptr + b * stride_tb + h * stride_th
         qcol = (h * D).to(tl.int32)
         gcol = (h * DV).to(tl.int32)
-        bh = b * hkv * group + h  # this query head's dq accumulator and locks
-        dq_base = dq_ptr + b * stride_db + h * stride_dh
-        acc_base = acc_ptr + bh * sq * BLOCK_D
-        lock_base = lock_ptr + bh * m_tiles
         for m0 in range(start, tl.minimum(full_lo, end), BLOCK_M):
             dk, dv = _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_gs, stride_ls,
                                stride_ts, m0, sq, q_offset, kqlo, kqhi, qk_scale, dd, dvv, q_desc, do_desc, qrow,
-                               qcol, gcol, pid_n, dq_base, stride_ds, acc_base, lock_base, first_ptr, last_ptr, scale,
-                               k_desc, v_desc, krow, kcol, vcol, cmask, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
-                               BLOCK_N, True, WRITE_DK, WRITE_DV, WRITE_DQ, IEEE, TMA, RELOAD)
+                               qcol, gcol, k_desc, v_desc, krow, kcol, vcol, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
+                               BLOCK_N, True, WRITE_DK, WRITE_DV, IEEE, TMA, RELOAD)
         for m0 in range(full_lo, full_hi, BLOCK_M):
             dk, dv = _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_gs, stride_ls,
                                stride_ts, m0, sq, q_offset, kqlo, kqhi, qk_scale, dd, dvv, q_desc, do_desc, qrow,
-                               qcol, gcol, pid_n, dq_base, stride_ds, acc_base, lock_base, first_ptr, last_ptr, scale,
-                               k_desc, v_desc, krow, kcol, vcol, cmask, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
-                               BLOCK_N, False, WRITE_DK, WRITE_DV, WRITE_DQ, IEEE, TMA, RELOAD)
+                               qcol, gcol, k_desc, v_desc, krow, kcol, vcol, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
+                               BLOCK_N, False, WRITE_DK, WRITE_DV, IEEE, TMA, RELOAD)
         for m0 in range(tl.maximum(full_hi, tl.minimum(full_lo, end)), end, BLOCK_M):
             dk, dv = _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_gs, stride_ls,
                                stride_ts, m0, sq, q_offset, kqlo, kqhi, qk_scale, dd, dvv, q_desc, do_desc, qrow,
-                               qcol, gcol, pid_n, dq_base, stride_ds, acc_base, lock_base, first_ptr, last_ptr, scale,
-                               k_desc, v_desc, krow, kcol, vcol, cmask, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
-                               BLOCK_N, True, WRITE_DK, WRITE_DV, WRITE_DQ, IEEE, TMA, RELOAD)
+                               qcol, gcol, k_desc, v_desc, krow, kcol, vcol, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
+                               BLOCK_N, True, WRITE_DK, WRITE_DV, IEEE, TMA, RELOAD)
     out_rows = out_ptr + b * stride_ob + cols[:, None].to(tl.int64) * stride_os + hk * stride_oh
     if WRITE_DK:
         dk = dk * scale
@@ -431,19 +408,11 @@ ROW_CONFIGS: dict[str, list[Config]] = {  # lse and dq: a program per query tile
             (32, 128, 4, 3, 0), (32, 128, 8, 2, 0), (32, 128, 8, 3, 0), (64, 128, 8, 3, 0), (32, 64, 4, 3, 1),
             (32, 64, 8, 2, 1), (32, 64, 8, 3, 1), (64, 64, 8, 2, 1), (64, 64, 8, 3, 1), (32, 128, 8, 3, 1),
             (64, 128, 8, 3, 1), (32, 64, 4, 3, 2), (64, 64, 8, 3, 2)],
-    # dk|dv with dq: one more product and a [BLOCK_M, d] float32 partial per tile.  Compiled for sm_90 at d =
-    # 128 in bfloat16 all use 255 registers and spill (stores per thread): (16, 64, 8, 3, TMA) 148 bytes,
-    # without TMA 172, (32, 64, 8, 2|3, TMA) 344 (k and v per tile: 276), (32, 32, 8, 3, TMA) 424, (64, 64,
-    # 8, 2, TMA) 1320; the 4-warp ones spill 800 and more.  The dk|dv pass alone: (32, 64, 4, 3, TMA) 88
-    # bytes (k and v per tile: 12), (64, 64, 8, 3, TMA) 32 (k and v per tile: none)
-    "dkvq": [(16, 64, 8, 3, 0), (16, 64, 8, 3, 1), (32, 64, 8, 2, 1), (32, 64, 8, 3, 1), (32, 32, 8, 3, 1),
-             (64, 64, 8, 2, 1), (16, 64, 8, 3, 2), (32, 64, 8, 3, 2)],
 }
 IEEE_CONFIGS: dict[str, list[Config]] = {  # float32 and float64: no tensor cores, small tiles
     "lse": [(32, 32, 4, 2, 0), (16, 32, 4, 2, 0)],
     "dq": [(16, 32, 4, 2, 0), (32, 32, 8, 2, 0), (16, 16, 4, 2, 0)],
     "dkv": [(32, 32, 8, 1, 0), (16, 16, 4, 2, 0), (32, 32, 8, 2, 0)],
-    "dkvq": [(16, 16, 4, 2, 0), (32, 32, 8, 1, 0)],
 }
 _chosen: dict[tuple, Config] = {}
 
@@ -600,90 +569,20 @@ def attention_dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delt
                   dk: bool = True, dv: bool = True, config: Config | None = None) -> None:
     """dk and dv of blocks q, k, v, dO (a query block's partial) into ``out`` [b, skv, hkv, width]: dk in
     [..., :d] and dv after it (width d + d_v), or only the one asked for."""
-    _dkv(q, k, v, do, lse, delta, out, key_qlo, key_qhi, q_offset, k_offset, scale, dk, dv, None, config)
-
-
-# the marker among attention_dkvq's candidates for "the dq pass and the dk|dv pass apart"
-APART: Config = (0, 0, 0, 0, 0)
-_CHUNK = 256  # key tiles (and heads) per step of the visits kernel
-
-
-def _scratch_pieces(q_shape: tuple[int, ...], dtype: str, block_m: int) -> list[tuple[int, str, int]]:
-    """The pieces of ``attention_dkvq``'s scratch for query tiles of ``block_m`` rows, in order, each at an
-    aligned offset: (offset, dtype, elements) of the dq accumulator (float32, float64 for float64), a lock
-    per (batch, head, query tile), the first and last key tile per query tile, and the programs' ticket
-    counter."""
-    nb, sq, hq, d = q_shape
-    tiles = -(-sq // block_m)
-    pieces = [("float64" if dtype == "float64" else "float32", nb * hq * sq * _widths(d)),
-              ("int32", nb * hq * tiles), ("int32", tiles), ("int32", tiles), ("int32", 1)]
-    out, at = [], 0
-    for kind, n in pieces:
-        out.append((at, kind, n))
-        at += align(n * itemsize(kind))
-    return out
-
-
-def dkvq_scratch_bytes(q_shape: tuple[int, ...], dtype: str) -> int:
-    """Bytes of scratch ``attention_dkvq`` needs for q blocks of ``q_shape`` [b, sq, hq, d] and ``dtype`` (for
-    the smallest query tile of any candidate)."""
-    smallest = min(c[0] for c in (*ROW_CONFIGS["dkvq"], *IEEE_CONFIGS["dkvq"]))
-    at, kind, n = _scratch_pieces(q_shape, dtype, smallest)[-1]
-    return at + align(n * itemsize(kind))
-
-
-def attention_dkvq(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf, out: DevBuf,
-                   dq: DevBuf, key_qlo: DevBuf, key_qhi: DevBuf, row_lo: DevBuf, row_hi: DevBuf, q_offset: int,
-                   k_offset: int, scale: float, scratch: DevBuf, dk: bool = True, dv: bool = True,
-                   config: Config | None = None) -> None:
-    """``attention_dkv`` and ``attention_dq`` of the same blocks from one pass over the score tiles where that
-    is faster: each key tile's program adds its part of every query tile's dq as it goes (the five products
-    of FlashAttention's backward instead of seven), from the last key tile down behind a lock per query
-    tile, so dq has the same bits on every run of one configuration.  ``scratch`` holds ``dkvq_scratch_bytes(q.shape,
-    q.dtype)`` bytes.  The first launch times the fused configurations against the two passes apart
-    (``APART``) and keeps the faster for the shape (in another process the timing may choose another,
-    whose dq differs in rounding).
-
-    Programs take their (key tile, head) by ticket in the order they start, from the last key tile down, and
-    a key tile waits only on higher ones, which hold earlier tickets: their programs are running or done, so
-    every wait ends."""
-    _check("attention_dkvq", {"q": q, "k": k, "v": v, "dO": do, "out": out, "dq": dq})
-    nb, sq, hq, d = q.shape
-    if tuple(dq.shape) != tuple(q.shape):
-        raise ValueError(f"attention_dkvq writes dq of q's shape {q.shape}; got dq {dq.shape}")
-    need = dkvq_scratch_bytes(q.shape, q.dtype)
-    if scratch.nbytes < need:
-        raise ValueError(f"attention_dkvq needs {need} bytes of scratch for q {q.shape}; got {scratch.nbytes}")
-    if out.size == 0 and dq.size == 0:
-        return
-    if sq == 0 or k.shape[1] == 0:
-        raise ValueError("attention_dkvq with no query rows or no keys is handled by the caller (zeros)")
-    ieee = q.dtype in ("float32", "float64")
-
-    def launch(cfg: Config) -> None:
-        if cfg == APART:
-            attention_dq(q, k, v, do, lse, delta, dq, row_lo, row_hi, q_offset, k_offset, scale)
-            attention_dkv(q, k, v, do, lse, delta, out, key_qlo, key_qhi, q_offset, k_offset, scale, dk, dv)
-        else:
-            _dkv(q, k, v, do, lse, delta, out, key_qlo, key_qhi, q_offset, k_offset, scale, dk, dv, (dq, scratch),
-                 cfg)
-
-    tma = _tma_views((q, k, v, do))
-    candidates = [*(IEEE_CONFIGS if ieee else ROW_CONFIGS)["dkvq"], APART]
-    launch(config or _pick(_shape_key("dkvq", q, k, v.shape[3], tma, dk, dv), candidates, tma, launch))
+    _dkv(q, k, v, do, lse, delta, out, key_qlo, key_qhi, q_offset, k_offset, scale, dk, dv, config)
 
 
 def _dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf, out: DevBuf, key_qlo: DevBuf,
          key_qhi: DevBuf, q_offset: int, k_offset: int, scale: float, dk: bool, dv: bool,
-         with_dq: tuple[DevBuf, DevBuf] | None, config: Config | None) -> None:
-    """The dk|dv pass, and dq with it where ``with_dq`` = (dq, scratch)."""
+         config: Config | None) -> None:
+    """The dk|dv pass."""
     _check("attention_dkv", {"q": q, "k": k, "v": v, "dO": do, "out": out})
     nb, sq, hq, d = q.shape
     skv, hkv, dvn = k.shape[1], k.shape[2], v.shape[3]
     width = (d if dk else 0) + (dvn if dv else 0)
     if width == 0 or tuple(out.shape) != (nb, skv, hkv, width):
         raise ValueError(f"attention_dkv writes [b, skv, hkv, {width}] (dk={dk}, dv={dv}); got out {out.shape}")
-    if out.size == 0 and with_dq is None:
+    if out.size == 0:
         return
     if sq == 0:
         raise ValueError("attention_dkv with no query rows is handled by the caller (zeros)")
@@ -700,25 +599,9 @@ def _dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf
         bm, bn, warps, stages, want_tma = cfg
         use_tma = bool(want_tma) and tma is not None  # a fixed config may ask for TMA where it cannot be used
         descs = _descriptors(tma if use_tma else None, (bm, bn, bn, bm), (block_d, block_d, block_dv, block_dv))
-        if with_dq is None:  # the dq arguments unused: any pointer of the right kinds
-            dq_args: tuple = (Ptr(out), Ptr(delta), Ptr(key_qlo), Ptr(key_qlo), Ptr(key_qlo), Ptr(key_qlo), 0, 0, 0)
-        else:
-            dq, scratch = with_dq
-            tiles = triton.cdiv(sq, bm)
-            acc, locks, first, last, ticket = (DevBuf(scratch.ptr + at, (n,), kind, scratch.device)
-                                               for at, kind, n in _scratch_pieces(q.shape, q.dtype, bm))
-            _visits_kernel[(tiles,)](Ptr(key_qlo), Ptr(key_qhi), Ptr(first), Ptr(last), Ptr(locks), Ptr(ticket),
-                                     Ptr(dq), sq, skv, hq, q_offset, k_offset, nb * hq, *_strides3(dq), D=d,
-                                     BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, CHUNK=_CHUNK)
-            dq_args = (Ptr(dq), Ptr(acc), Ptr(locks), Ptr(first), Ptr(last), Ptr(ticket), *_strides3(dq))
-        _dkv_kernel[(triton.cdiv(skv, bn) * nb * hkv,)](*args, *descs, *dq_args, **consts, BLOCK_M=bm, BLOCK_N=bn,
-                                                        WRITE_DQ=with_dq is not None, TMA=use_tma,
-                                                        RELOAD=use_tma and want_tma == 2, num_warps=warps,
-                                                        num_stages=stages)
+        _dkv_kernel[(triton.cdiv(skv, bn) * nb * hkv,)](*args, *descs, **consts, BLOCK_M=bm, BLOCK_N=bn,
+                                                        TMA=use_tma, RELOAD=use_tma and want_tma == 2,
+                                                        num_warps=warps, num_stages=stages)
 
-    if with_dq is not None:
-        assert config is not None  # attention_dkvq chose it
-        launch(config)
-        return
     launch(config or _pick(_shape_key("dkv", q, k, dvn, tma, dk, dv), (IEEE_CONFIGS if ieee else ROW_CONFIGS)["dkv"],
                            tma, launch))
