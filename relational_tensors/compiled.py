@@ -255,16 +255,18 @@ class CompiledGraph:
     def simulation(self, topology: str | Topology | None = None, calibration: str | None = None,
                    record: bool = False) -> PlanSimResult:
         """The simulated timeline of one execution on ``topology`` (default: the target compiled for,
-        with its kernel model), every task with its predicted start and end.  The first simulation of the
+        with its kernel model; logical devices of one GPU share it there, and stand for GPUs of their own
+        on another topology), every task with its predicted start and end.  The first simulation of the
         compiled-for target sets the compilation's ``predicted_seconds``."""
         from relational_tensors.physical.simulate import simulate_plan
 
         target = self.target if topology is None and calibration is None else Target.on(
             self.devices, self.target.topology if topology is None else topology,
             calibration or (self.options.calibration if topology is None else None))
-        key = (target.topology, target.kernels.source)
+        shared = target.shared_gpus if topology is None else None
+        key = (target.topology, target.kernels.source, shared)
         if key not in self._simulations:
-            self._simulations[key] = simulate_plan(self.dag, self.graph, target.topology, target.kernels)
+            self._simulations[key] = simulate_plan(self.dag, self.graph, target.topology, target.kernels, shared)
             if target is self.target and not self.catalog.read_only:
                 self.catalog.update_compilation(self.compilation_id, predicted_seconds=self._simulations[key].time)
         result = self._simulations[key]

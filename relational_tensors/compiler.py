@@ -247,8 +247,8 @@ def _searched(s: _State, plan: LogicalPlan, naive: Lowered) -> Lowered:
         log.warning("search: the budget of %g s per program stopped %d of %d searches, so the plan depends on "
                     "this machine's speed; raise search_budget_s or lower search_total_steps", o.search_budget_s,
                     s.search_timeouts, len(synth.results))
-    if simulate_plan(naive.dag, s.graph, t.topology, t.kernels).time < simulate_plan(
-            searched.dag, s.graph, t.topology, t.kernels).time:
+    if simulate_plan(naive.dag, s.graph, t.topology, t.kernels, t.shared_gpus).time < simulate_plan(
+            searched.dag, s.graph, t.topology, t.kernels, t.shared_gpus).time:
         return naive
     return searched
 

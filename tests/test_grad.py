@@ -369,8 +369,10 @@ def test_recompute_regions_give_the_same_gradients_with_less_memory() -> None:
     a = rt.compileGraph(plain, device="cpu:2", catalog=CATALOG)
     b = rt.compileGraph(rec, device="cpu:2", catalog=CATALOG)
     got, want = b.run(feeds), a.run(feeds)
-    for k in want:
-        np.testing.assert_array_equal(got[k], want[k])
+    for k in want:  # the same values; the planner may split the recomputed graph's products otherwise, and a
+        # contraction split into ⊕ partials rounds differently from a whole one (float32: a few ulps)
+        scale = float(np.max(np.abs(want[k])))
+        assert float(np.max(np.abs(got[k] - want[k]))) <= 1e-5 * scale, k
     assert sum(n.name.startswith("grad.") is False and "recompute." in n.name for n in rec.nodes) == 12
     assert max(b.memory().values()) < 0.6 * max(a.memory().values())
     # the operators made again are named for it, so a timeline shows them (simulated here, profiled on GPUs)

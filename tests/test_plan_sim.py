@@ -7,10 +7,12 @@ import json
 import pytest
 
 import relational_tensors as rt
+from relational_tensors.errors import PlanError
 from relational_tensors.exchange.closure import check
 from relational_tensors.exchange.simulator import simulate
 from relational_tensors.exchange.text import parse
 from relational_tensors.models import LLAMA3_8B, llama_block
+from relational_tensors.physical.simulate import _busy_cost, _compute_cost, simulate_plan
 from relational_tensors.target.topology import get_topology
 
 A100 = get_topology("dgx-a100")
@@ -145,3 +147,64 @@ def test_the_shipped_calibration_serves_every_size_of_its_machine(gpus: int) -> 
     model = KernelModel.from_calibration(get_topology("hgx-h200", gpus=gpus))
     assert model.source == str(CALIBRATIONS / "hgx-h200.json") and model.curves
     assert KernelModel.from_calibration(get_topology("dgx-a100", gpus=gpus)).source == "defaults"
+
+
+def _two_products(n: int) -> rt.Graph:
+    g = rt.Graph()
+    for i, (a, b) in enumerate((("a", "b"), ("c", "d"))):
+        g.save(g.matmul(g.input(a, [n, n], "float16"), g.input(b, [n, n], "float16")), name=f"y{i}")
+    return g
+
+
+def test_logical_devices_of_one_gpu_share_its_compute() -> None:
+    """Two large products on two logical devices of one GPU: neither device waits on the other in the
+    plan, but the GPU does the work of both, so the prediction is near twice that of two GPUs (the
+    work at the GPU's best rate, a little under each product's time alone); on another topology the
+    same plan's devices stand for GPUs of their own."""
+    cg = rt.compileGraph(_two_products(8192), device="cuda:0,0")
+    t = cg.target
+    assert t.shared_gpus == (0, 0) and cg.dag.bytes_moved() == 0
+    apart = simulate_plan(cg.dag, cg.graph, t.topology, t.kernels).time
+    shared = cg.simulation()
+    assert shared.time == pytest.approx(simulate_plan(cg.dag, cg.graph, t.topology, t.kernels, (0, 0)).time)
+    kernels = [k for k in cg.dag.tasks if k.kind == "kernel"]
+    busy = sum(_busy_cost(cg.dag, cg.graph, k, t.kernels, _compute_cost(cg.dag, cg.graph, k, t.kernels))
+               for k in kernels)
+    assert shared.time >= busy  # the GPU's compute is one resource
+    assert 1.7 * apart < shared.time <= 2 * apart + 1e-12
+    assert cg.simulate(t.topology) == pytest.approx(apart)  # a topology named: a GPU per device
+
+
+def test_small_tasks_of_logical_devices_overlap() -> None:
+    """Small kernels leave the GPU mostly idle alone (launch latency, low rates at small sizes): side by
+    side on four logical devices of one GPU they overlap, so the prediction stays far under their times
+    summed, and each device's tasks still run one at a time."""
+    cg = rt.compileGraph(_two_products(256), device="cuda:0,0,0,0")
+    result = cg.simulation()
+    alone = {t.task: _compute_cost(cg.dag, cg.graph, cg.dag.tasks[t.task], cg.target.kernels)
+             for t in result.tasks if t.kind != "copy"}
+    assert result.time < 0.6 * sum(alone.values())
+    for d in range(cg.p):
+        spans = sorted((t.start, t.end) for t in result.tasks if t.device == d and t.kind != "copy")
+        assert all(a[1] <= b[0] + 1e-15 for a, b in zip(spans, spans[1:]))
+        for t in result.tasks:  # no task runs faster than alone
+            if t.device == d and t.kind != "copy":
+                assert t.end - t.start >= alone[t.task] * (1 - 1e-9)
+
+
+def test_copies_between_logical_devices_of_one_gpu_go_through_its_memory() -> None:
+    """The two blocks a row split and a column split swap: on two logical devices of one GPU both copies
+    read and write its memory at once, so each moves at a quarter of its bandwidth."""
+    g = rt.Graph()
+    g.save(g.softmax(g.softmax(g.input("x", [4096, 4096], "float16"), axis=1), axis=0), name="y")
+    cg = rt.compileGraph(g, device="cuda:0,0")
+    copies = [t for t in cg.simulation().tasks if t.kind == "copy"]
+    assert len(copies) == 2 and copies[0].start == copies[1].start
+    for c in copies:
+        assert c.end - c.start == pytest.approx(c.bytes / (cg.target.topology.hbm_bandwidth / 4), rel=1e-9)
+
+
+def test_simulating_with_the_wrong_number_of_physical_devices_is_refused() -> None:
+    cg = rt.compileGraph(_two_products(64), device="cuda:0,0")
+    with pytest.raises(PlanError, match="physical GPU of each; got 3"):
+        simulate_plan(cg.dag, cg.graph, cg.target.topology, cg.target.kernels, (0, 0, 0))

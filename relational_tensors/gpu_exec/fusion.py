@@ -69,15 +69,13 @@ DTYPES = frozenset({"float16", "bfloat16", "float32"})
 MAX_SPAN = 512  # the most tasks a group spans, first member to last (bounds the checks' cost)
 
 
-def env_switch(name: str, given: bool | None = None, default: bool = True) -> bool:
-    """``given`` when given, else whether the environment variable ``name`` leaves a switch on (unset:
-    ``default``; "0", "false", "off" or "no": off; anything else: on)."""
+def env_switch(name: str, given: bool | None = None) -> bool:
+    """``given`` when given, else whether the environment variable ``name`` leaves a switch on (unset: on;
+    "0", "false", "off" or "no": off; anything else: on)."""
     if given is not None:
         return bool(given)
     value = os.environ.get(name)
-    if value is None:
-        return default
-    return value.strip().lower() not in ("0", "false", "off", "no")
+    return value is None or value.strip().lower() not in ("0", "false", "off", "no")
 
 
 def fusion_enabled(fuse: bool | None = None) -> bool:

@@ -7,6 +7,15 @@ per-kind efficiencies that a calibration file can override.  Every copy is a
 flow over the topology's route for that pair of devices, sharing links with
 the copies in flight (the flow engine of ``target.flows``).  A task starts
 when its inputs exist; the prediction is the time the last task ends.
+
+Logical devices of one GPU (``physical``: ``cuda:0,0,0,0``) share it: their
+compute tasks are flows over the GPU's compute.  A task's flow is its work at
+the GPU's best rates (``KernelModel.busy_time``), drawn no faster than its
+roofline time alone allows, after its launch latency: a task alone takes its
+roofline time, small tasks side by side overlap, and tasks that each could
+fill the GPU split it evenly.  A copy between two of them is a flow through
+the GPU's memory, which reads and writes every byte (half its bandwidth,
+shared by the copies in flight).
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import gc
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +38,7 @@ from relational_tensors.target.topology import Route, Topology
 __all__ = ["PlanSimResult", "TaskTime", "simulate_plan"]
 
 _GC_YOUNG = 100_000  # net allocations between collections of the youngest generation while simulating (Python: 700)
+_WORK = 1e9  # a shared GPU's compute as a flow resource: units of work per second (a task's roofline ns)
 
 
 @dataclass(frozen=True)
@@ -66,8 +77,24 @@ def _compute_cost(dag: TaskDAG, graph: Graph, task: Any, model: KernelModel) -> 
     return move_seconds(model, nbytes(task.inputs), out.dtype)
 
 
-def simulate_plan(dag: TaskDAG, graph: Graph, topology: Topology, model: KernelModel | None = None) -> PlanSimResult:
-    """Predict the run time of ``dag`` on ``topology`` (logical device d is site d)."""
+def _busy_cost(dag: TaskDAG, graph: Graph, task: Any, model: KernelModel, alone: float) -> float:
+    """Seconds of a whole GPU that a compute task keeps busy beside others (at most ``alone`` less the
+    launch latency, its time by itself)."""
+    body = max(alone - model.topology.launch_latency, 0.0)
+    if task.kind != "kernel":  # copies within memory: at the roofline's memory rate already
+        return body
+    node = graph.nodes[task.op]
+    nbytes = sum(dag.buffers[b].nbytes for b in (*task.inputs, *task.outputs))
+    return min(body, model.busy_time(task.kernel.function.flops, nbytes, node.type.dtype, node.op.cost_family))
+
+
+def simulate_plan(dag: TaskDAG, graph: Graph, topology: Topology, model: KernelModel | None = None,
+                  physical: Sequence[int] | None = None) -> PlanSimResult:
+    """Predict the run time of ``dag`` on ``topology`` (logical device d is site d).  ``physical``: the GPU
+    of each logical device where several share one (the module's docstring); None: a GPU each."""
+    if physical is not None and len(physical) != dag.p:
+        raise PlanError(f"simulating a plan of {dag.p} devices needs the physical GPU of each; got {len(physical)} "
+                        f"({list(physical)})")
     # a simulation makes a few objects per task and no cycles: at Python's default threshold the cyclic
     # collector would rescan the young ones every 700 allocations and, once, every object of the plan
     # (a fifth of simulating a 72-GPU plan), so it runs every _GC_YOUNG instead, as planning does
@@ -75,13 +102,23 @@ def simulate_plan(dag: TaskDAG, graph: Graph, topology: Topology, model: KernelM
     if thresholds[0]:  # 0: the caller turned automatic collection off
         gc.set_threshold(max(thresholds[0], _GC_YOUNG), *thresholds[1:])
     try:
-        return _simulate(dag, graph, topology, model or KernelModel(topology))
+        return _simulate(dag, graph, topology, model or KernelModel(topology), physical)
     finally:
         gc.set_threshold(*thresholds)
 
 
-def _simulate(dag: TaskDAG, graph: Graph, topology: Topology, model: KernelModel) -> PlanSimResult:
+def _simulate(dag: TaskDAG, graph: Graph, topology: Topology, model: KernelModel,
+              physical: Sequence[int] | None) -> PlanSimResult:
     sites = topology.sites
+    capacities = topology.capacities()
+    # the GPU's compute resource of each logical device that shares its GPU (None: a GPU of its own)
+    counts = {g: list(physical).count(g) for g in set(physical)} if physical is not None else {}
+    shared: list[str | None] = [f"compute(gpu {physical[d]})" if physical is not None and counts[physical[d]] > 1
+                                else None for d in range(dag.p)]
+    for d, r in enumerate(shared):
+        if r is not None:
+            capacities[r] = _WORK
+            capacities[f"copies(gpu {physical[d]})"] = topology.hbm_bandwidth / 2  # type: ignore[index]
     tasks, buffers = dag.tasks, dag.buffers  # a task's id is its index
     deps = dag.producers()
     waiting_on = [0] * len(tasks)
@@ -100,7 +137,7 @@ def _simulate(dag: TaskDAG, graph: Graph, topology: Topology, model: KernelModel
     # the devices whose next task may have become startable: one whose task ended, or the device of a
     # task whose last input arrived (a device is looked at again only after one of those)
     check = set(range(dag.p))
-    network: FlowNetwork[int] = FlowNetwork(topology.capacities())  # flows keyed by copy task id
+    network: FlowNetwork[int] = FlowNetwork(capacities)  # flows keyed by task id: copies, shared compute
     routes: dict[tuple[int, int], Route] = {}
     ready_copies = [t.id for t in tasks if t.kind == "copy" and waiting_on[t.id] == 0]
     heap: list[tuple[float, int]] = []
@@ -112,6 +149,7 @@ def _simulate(dag: TaskDAG, graph: Graph, topology: Topology, model: KernelModel
         ended.append((tid, at))
         if not is_copy[tid]:
             check.add(tasks[tid].device)
+            free_at[tasks[tid].device] = at
         for nxt in dependents[tid]:
             waiting_on[nxt] -= 1
             if waiting_on[nxt] == 0:
@@ -128,7 +166,10 @@ def _simulate(dag: TaskDAG, graph: Graph, topology: Topology, model: KernelModel
             pair = (t.src_device, t.device)
             route = routes.get(pair)
             if route is None:
-                route = routes[pair] = topology.route(sites[t.src_device], sites[t.device])
+                if physical is not None and physical[t.src_device] == physical[t.device]:
+                    route = routes[pair] = Route((f"copies(gpu {physical[t.device]})",), 0.0)
+                else:
+                    route = routes[pair] = topology.route(sites[t.src_device], sites[t.device])
             network.start(tid, route.resources, float(buffers[t.outputs[0]].nbytes), now, latency=route.latency)
             started[tid] = now
         ready_copies.clear()
@@ -144,9 +185,18 @@ def _simulate(dag: TaskDAG, graph: Graph, topology: Topology, model: KernelModel
                                             "task takes a finite, non-negative time. Check the topology and "
                                             "calibration.")
                         started[tid] = now
-                        free_at[d] = now + dur
-                        heapq.heappush(heap, (now + dur, tid))
                         head[d] += 1
+                        resource = shared[d]
+                        if resource is None:
+                            free_at[d] = now + dur
+                            heapq.heappush(heap, (now + dur, tid))
+                        else:  # a flow over the GPU's compute, with the other logical devices' tasks
+                            free_at[d] = math.inf
+                            latency = min(model.topology.launch_latency, dur)
+                            work = _busy_cost(dag, graph, tasks[tid], model, dur) * _WORK
+                            body = dur - latency
+                            network.start(tid, (resource,), work, now, latency=latency,
+                                          cap=work / body if body > 0 and work > 0 else math.inf)
             check.clear()
         nxt_flow = network.next_completion()
         nxt_task = heap[0][0] if heap else None

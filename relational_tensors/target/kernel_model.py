@@ -128,6 +128,21 @@ class KernelModel:
         return top.launch_latency + max(compute, memory)
 
 
+    def busy_time(self, flops: float, nbytes: float, dtype: str, family: str) -> float:
+        """Seconds of a whole GPU that one kernel's work occupies when other kernels run beside it: its
+        compute and memory traffic at the family's best rates (the calibration's largest measured size, or
+        the peak times the efficiency), without the launch latency.  A small kernel alone takes longer
+        (``time``) than it keeps the GPU busy."""
+        top = self.topology
+        peak = top.peak_flops.get(dtype) or top.peak_flops.get("float32") or max(top.peak_flops.values())
+        if family == "memory":
+            family = "compute"
+        curve, mem_curve = self.curves.get(family), self.curves.get("memory")
+        rate = max(r for _, r in curve) if curve else peak * self.efficiency[family]
+        mem_rate = max(r for _, r in mem_curve) if mem_curve else top.hbm_bandwidth * self.efficiency["memory"]
+        return max(flops / rate if flops else 0.0, nbytes / mem_rate)
+
+
 def _families(key: str, value: object, what: str) -> Mapping[str, object]:
     """``value`` checked to map cost families (COST_FAMILIES) to something."""
     if not isinstance(value, Mapping):

@@ -59,6 +59,12 @@ class Target:
         separate machines' devices): the calibrated cost model prices their kernels and copies as sharing it."""
         return max(self.devices.per_physical().values()) if self.devices.kind == "cuda" else 1
 
+    @property
+    def shared_gpus(self) -> tuple[int, ...] | None:
+        """The physical GPU of each logical device where some share one (``cuda:0,0,0,0``), for the simulator;
+        None where each device stands for one of its own (CPU virtual devices too)."""
+        return tuple(self.devices.physical) if self.sharing > 1 else None
+
     def memory_source(self) -> str:
         """What :meth:`memory` reads, in words (for messages)."""
         if self.devices.kind == "cpu":
