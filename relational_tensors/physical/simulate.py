@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import heapq
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -112,7 +113,7 @@ def _simulate(dag: TaskDAG, graph: Graph, topology: Topology, model: KernelModel
     sites = topology.sites
     capacities = topology.capacities()
     # the GPU's compute resource of each logical device that shares its GPU (None: a GPU of its own)
-    counts = {g: list(physical).count(g) for g in set(physical)} if physical is not None else {}
+    counts = Counter(physical or ())
     shared: list[str | None] = [f"compute(gpu {physical[d]})" if physical is not None and counts[physical[d]] > 1
                                 else None for d in range(dag.p)]
     for d, r in enumerate(shared):

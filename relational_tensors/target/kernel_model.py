@@ -117,29 +117,29 @@ class KernelModel:
         """Seconds of one kernel of cost ``family`` doing ``flops`` over ``nbytes``: the launch latency plus
         the slower of its compute and its memory traffic.  A ``memory``-bound kernel's few FLOPs (a ⊕)
         are priced at the ``compute`` rate."""
+        family, peak_rate, peak_mem = self._peaks(dtype, family)
+        rate = self._rate(family, flops) if flops else None
+        compute = flops / (rate or peak_rate) if flops else 0.0
+        memory = nbytes / (self._rate("memory", nbytes) or peak_mem)
+        return self.topology.launch_latency + max(compute, memory)
+
+    def _peaks(self, dtype: str, family: str) -> tuple[str, float, float]:
+        """The family a kernel is priced as (``memory``-bound ones' few FLOPs at the ``compute`` rate), and
+        its compute and memory rates without a calibration curve: the peaks times the efficiencies."""
         top = self.topology
         peak = top.peak_flops.get(dtype) or top.peak_flops.get("float32") or max(top.peak_flops.values())
-        if family == "memory":
-            family = "compute"
-        rate = self._rate(family, flops) if flops else None
-        compute = flops / rate if rate else (flops / (peak * self.efficiency[family]) if flops else 0.0)
-        mem_rate = self._rate("memory", nbytes) or top.hbm_bandwidth * self.efficiency["memory"]
-        memory = nbytes / mem_rate
-        return top.launch_latency + max(compute, memory)
-
+        family = "compute" if family == "memory" else family
+        return family, peak * self.efficiency[family], top.hbm_bandwidth * self.efficiency["memory"]
 
     def busy_time(self, flops: float, nbytes: float, dtype: str, family: str) -> float:
         """Seconds of a whole GPU that one kernel's work occupies when other kernels run beside it: its
         compute and memory traffic at the family's best rates (the calibration's largest measured size, or
         the peak times the efficiency), without the launch latency.  A small kernel alone takes longer
         (``time``) than it keeps the GPU busy."""
-        top = self.topology
-        peak = top.peak_flops.get(dtype) or top.peak_flops.get("float32") or max(top.peak_flops.values())
-        if family == "memory":
-            family = "compute"
+        family, peak_rate, peak_mem = self._peaks(dtype, family)
         curve, mem_curve = self.curves.get(family), self.curves.get("memory")
-        rate = max(r for _, r in curve) if curve else peak * self.efficiency[family]
-        mem_rate = max(r for _, r in mem_curve) if mem_curve else top.hbm_bandwidth * self.efficiency["memory"]
+        rate = max(r for _, r in curve) if curve else peak_rate
+        mem_rate = max(r for _, r in mem_curve) if mem_curve else peak_mem
         return max(flops / rate if flops else 0.0, nbytes / mem_rate)
 
 
