@@ -431,12 +431,21 @@ def _pass_verify(s: _State) -> None:
                 raise PlanError(f"verify after 'lower': {t.label} writes {src.box} ({src.dtype}, device "
                                 f"{src.device}) into the kept block {dst.box} ({dst.dtype}, device {dst.device}).")
             written[dst.id] = written.get(dst.id, 0) + 1
+    # a next value assembled in its kept block in place: the blocks the run writes of it, by kept block
+    kept_blocks = low.dag.kept_state_blocks()
+    in_place: dict[int, list[Any]] = {}
+    for t in low.dag.tasks:
+        if t.kind != "assign":
+            for r, b in zip(low.dag.overwrites(t, kept_blocks), t.outputs):
+                in_place.setdefault(r, []).append(low.dag.buffers[b].box)
     for name in low.dag.assigned:
         kept = low.dag.inputs[name]
         if not covers([box for box, _ in kept], s.graph.node(name).type.box) or any(
-                written.get(b) != 1 for _, b in kept):
+                not (written.get(b) == 1 and b not in in_place
+                     or b not in written and covers(in_place.get(b, []), box)) for box, b in kept):
             raise PlanError(f"verify after 'lower': state {name!r} must keep blocks covering it, each written "
-                            "once per execution by an assign task.")
+                            "once per execution: by an assign task, or by the copies and assembly of its next "
+                            "value in place.")
 
 
 def _pass_record(s: _State) -> None:

@@ -199,3 +199,18 @@ def test_kernel_scratch_is_placed_in_the_arena_during_its_task(p: int) -> None:
                 assert other.offset + other.size <= slot.offset or slot.offset + slot.size <= other.offset
     for d in range(p):
         assert plan.arena_bytes[d] <= plain.arena_bytes[d] + max(align(n) for n in scratch.values()) * 2
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("keep", ["as read", "sharded"])
+def test_next_values_written_in_place_wait_for_every_reader_of_the_old(p: int, keep: str) -> None:
+    """Copies that deliver a state's next value straight into its kept block (no ``assign``) overwrite a
+    block the step read, perhaps from other devices: the plan orders them after every such reader."""
+    g = llama_training_graph(2, 64, 64, 4, 2, 96, 128, dtype="bfloat16", optimizer="adamw",
+                             master_dtype="float32")
+    cg = rt.compileGraph(g, device=f"cpu:{p}", keep_states=keep)
+    kept = cg.dag.kept_state_blocks()
+    in_place = [t for t in cg.dag.tasks if t.kind != "assign" and cg.dag.overwrites(t, kept)]
+    if keep == "as read":
+        assert in_place
+    check(cg)

@@ -20,9 +20,11 @@ __all__ = ["StreamSchedule", "stream_orderings", "stream_schedule"]
 def stream_orderings(dag: TaskDAG, plan: MemoryPlan) -> dict[int, set[int]]:
     """Per task, every earlier task it must follow, whichever stream either runs on: those that wrote what
     it reads, those that touched memory its outputs reuse (the memory plan's reuses, on its own device
-    too, since a rank's transfers and kernels run on two streams), and, for an ``assign``, every earlier
-    task that touched the block it overwrites.  Loads are done before a run starts."""
+    too, since a rank's transfers and kernels run on two streams), and, for a task that writes a state's
+    kept block (an ``assign``, or a copy or assembly of its value in place), every earlier task that touched
+    the block.  Loads are done before a run starts."""
     deps = dag.producers()
+    kept = dag.kept_state_blocks()
     touchers: dict[int, list[int]] = defaultdict(list)
     for t in dag.tasks:
         for b in (*t.inputs, *t.outputs):
@@ -31,8 +33,7 @@ def stream_orderings(dag: TaskDAG, plan: MemoryPlan) -> dict[int, set[int]]:
         if t.kind == "load":
             continue
         olds = [old for b in t.outputs for old in plan.reuses.get(plan.alias.get(b, b), ())]
-        if t.kind == "assign":
-            olds += [plan.alias.get(b, b) for b in t.outputs]
+        olds += dag.overwrites(t, kept, plan.alias)
         deps[t.id].update(x for old in olds for x in touchers[old] if x < t.id and dag.tasks[x].kind != "load")
     return deps
 

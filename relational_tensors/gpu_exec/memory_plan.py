@@ -9,8 +9,9 @@ waits computed here; tests check the plan for hazards on any DAG.
 * buffers are placed first-fit over their lifetimes, so buffers alive together never overlap (the
   tightest of three orders); a kernel's scratch is placed as a buffer alive during its task;
 * a task waits for the producers of its inputs on other streams (read after write) and for every
-  earlier task on another stream that touched memory its outputs reuse (write after read/write); an
-  ``assign``, which overwrites a state's loaded block, waits for every earlier task that touched it;
+  earlier task on another stream that touched memory its outputs reuse (write after read/write); a
+  task that overwrites a state's loaded block (its ``assign``, or a copy or assembly that writes the
+  next value in place) waits for every earlier task that touched it;
 * a kernel that computes a sibling task's output as it goes writes it (``siblings``): the forward
   ``attention`` the log-sum-exp rows its backward's ``attention_lse`` task would recompute (the same q
   and k blocks, the same key visibility, neither side a partial), and one ``swiglu_grad`` both
@@ -280,13 +281,14 @@ def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness, siblings: Mapping[in
     remote = {r: xs for r, ts in touchers.items() if (xs := [
         x for x in ts if dag.tasks[x].device != dag.buffers[r].device and dag.tasks[x].kind != "load"])}
     read_after_write = dag.producers()
+    kept = dag.kept_state_blocks()
     waits: dict[int, list[int]] = {}
     for t in dag.tasks:
         if t.kind == "load":
             continue
         deps = set(read_after_write[t.id])
-        if t.kind == "assign":  # it overwrites a loaded block: after every earlier task that touched it
-            deps.update(x for b in t.outputs for x in remote.get(alias.get(b, b), ()) if x < t.id)
+        # a state's next value overwrites a loaded block: after every earlier task that touched it
+        deps.update(x for r in dag.overwrites(t, kept, alias) for x in remote.get(r, ()) if x < t.id)
         mine = [alias.get(b, b) for b in t.outputs] + ([also[t.id]] if t.id in also else []) + \
             ([_scratch_id(t.id)] if t.id in scratch_slots else [])
         for r in mine:

@@ -5,7 +5,10 @@ array from one pool into another, so nothing is shared between devices that
 the DAG does not move.  Buffers are freed after their last use, as the
 liveness pass planned; the executor checks its own peak against the plan's.
 A view is a NumPy view of its root's array: writing it writes the root, which
-is allocated by the first write to it or to any of its views.
+is allocated by the first write to it or to any of its views.  The views a run
+writes of a state's kept block (its next value, assembled in place) are written
+into a copy of the block that replaces it when the run finishes, as the
+``assign`` tasks are: a run that stops part-way leaves every state as it was.
 """
 
 from __future__ import annotations
@@ -58,6 +61,11 @@ class NumpyExecutor:
         self.split = dag.phase_split if dag.phase_split is not None else len(dag.tasks)
         self.ready = phase_ready(dag)
         self.held = False  # what a first phase left for the second is on the devices
+        kept = dag.kept_state_blocks()
+        # the views of kept state blocks that a run writes (a state's next value), and during a run the
+        # next value of each such block, put in place when the run finishes
+        self.next_views = {b for t in dag.tasks for r, b in zip(dag.overwrites(t, kept), t.outputs) if b != r}
+        self.next_values: dict[int, np.ndarray] = {}
 
     def _put(self, buf: int, value: Any) -> int:
         """Store ``value`` as buffer ``buf``; returns the bytes newly allocated."""
@@ -69,6 +77,13 @@ class NumpyExecutor:
             src = self._get(self.live.shares[buf]) if dag.root(self.live.shares[buf]) in pool else None
             self.copied[buf] = 0 if src is not None and np.may_share_memory(value, src) else _nbytes(value)
             return self.copied[buf]
+        if buf in self.next_views:  # part of a state's next value: in its block's copy until the run ends
+            rb = dag.buffers[root]
+            block = self.next_values.get(root)
+            if block is None:
+                block = self.next_values[root] = np.empty(rb.box.shape, dtype=numpy_dtype(rb.dtype))
+            block[dag.buffers[buf].box.slices(rb.box)] = value
+            return 0
         if root == buf and root not in pool:
             pool[buf] = value
             return _nbytes(value)
@@ -91,6 +106,8 @@ class NumpyExecutor:
                             "the task DAG read it after it was freed.")
         if root == buf:
             return pool[buf]
+        if buf in self.next_views and root in self.next_values:
+            return self.next_values[root][dag.buffers[buf].box.slices(dag.buffers[root].box)]
         return pool[root][dag.buffers[buf].box.slices(dag.buffers[root].box)]
 
     def _holds(self, buf: int) -> bool:
@@ -155,6 +172,7 @@ class NumpyExecutor:
             for pool in self.pools:
                 for b in [b for b in pool if b not in loaded]:
                     del pool[b]
+            self.next_values.clear()
             self.done = 0
             raise
         self.done = hi
@@ -191,6 +209,9 @@ class NumpyExecutor:
             self._step(task, keep)
         for b, value in assigned:  # a run that stops part-way leaves every state as it was
             self._put(b, value)
+        for root, block in self.next_values.items():  # the next values assembled in place
+            np.copyto(self.pools[dag.buffers[root].device][root], block)
+        self.next_values.clear()
 
     def _step(self, task: Any, keep: Any) -> None:
         """Run one task and keep its outputs (``keep(results, tasks whose last reads are done)``)."""
@@ -232,8 +253,13 @@ class NumpyExecutor:
             out_buf = self.dag.buffers[task.outputs[0]]
             pool = self.pools[out_buf.device]
             # copies may already have written some pieces into the block (views of it): keep them
-            out = (pool[out_buf.id] if out_buf.id in pool
-                   else np.empty(out_buf.box.shape, dtype=numpy_dtype(out_buf.dtype)))
+            if out_buf.id in self.next_views:  # a state's next value, assembled in its kept block
+                root = self.dag.root(out_buf.id)
+                out = (self._get(out_buf.id) if root in self.next_values
+                       else np.empty(out_buf.box.shape, dtype=numpy_dtype(out_buf.dtype)))
+            else:
+                out = (pool[out_buf.id] if out_buf.id in pool
+                       else np.empty(out_buf.box.shape, dtype=numpy_dtype(out_buf.dtype)))
             pieces = task.payload
             assert isinstance(pieces, RecomposePayload)
             # only partial pieces are finalized, and a tensor with partials has a ⊕ (graph inputs have none)

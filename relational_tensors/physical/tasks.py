@@ -6,9 +6,11 @@ aggregates at one device), ``copy`` (a transfer between devices), ``recompose``
 (assemble atoms into the block a kernel reads, finalizing ⊕ partials),
 ``kernel`` (a concrete operator on one function spec), ``assign`` (write an
 assigned state's next value into a block the state keeps, on that block's
-device; the only task that writes a buffer another task made: a loaded one,
-after its last reader).  Emission order is a topological order and the order
-each device runs its tasks in.
+device, after its last reader).  Only the tasks that write a state's next value
+write a loaded block: its ``assign``, or the copies and the assembly that write
+the value into the kept block in place (``physical.views``); each waits for
+every earlier task that touched the block.  Emission order is a topological
+order and the order each device runs its tasks in.
 
 A buffer may be a *view*: a sub-box of another buffer on the same device
 (``parent``), sharing its memory with the parent's strides.  Views let a copy
@@ -166,6 +168,16 @@ class TaskDAG:
         while self.buffers[b].parent is not None:
             b = self.buffers[b].parent  # type: ignore[assignment]
         return b
+
+    def kept_state_blocks(self) -> set[int]:
+        """The blocks the assigned states keep: the loaded buffers that tasks of a run write."""
+        return {b for name in self.assigned for _, b in self.inputs.get(name, ())}
+
+    def overwrites(self, t: Task, kept: set[int], root: Mapping[int, int] | None = None) -> list[int]:
+        """The kept state blocks (``kept_state_blocks``) that task ``t`` writes, itself or through views."""
+        if t.kind == "load":
+            return []
+        return [r for b in t.outputs if (r := root.get(b, b) if root is not None else self.root(b)) in kept]
 
     def add(self, kind: str, device: int, inputs: tuple[int, ...], outputs: tuple[int, ...], **kw: Any) -> Task:
         task = Task(len(self.tasks), kind, device, inputs, outputs, **kw)

@@ -12,6 +12,11 @@ make most of that one pass, without changing what any task computes:
   keeps only the atoms that were already on its device; with none left it goes away.  (A complete
   ⊕ of sum, max or min partials is the final value; log-sum-exp partials are finalized by the
   ``recompose`` and stay.)
+* a state's next value that copies deliver, or a ``recompose`` assembles, for its ``assign`` alone is
+  a view of the kept block the ``assign`` writes: the copies and the assembly write the state in place
+  and the ``assign`` goes away.  (Every task writing a kept block waits for every earlier task that
+  touched it, as an ``assign`` does: the memory plan's and the stream schedules' rule.)  A value a
+  kernel makes stays: it is fused with its ``assign`` where the executor can (``gpu_exec.fusion``).
 
 Task ids are renumbered; emission order is kept.
 """
@@ -84,6 +89,19 @@ def fuse_views(dag: TaskDAG) -> TaskDAG:
                                                  payload=dataclasses.replace(
                                                      pieces, cells=tuple(c for c, _, _ in left),
                                                      finalize=tuple(f for _, _, f in left)))
+
+    # a state's next value assembled in the block it is kept in
+    for t in dag.tasks:
+        if t.kind != "assign":
+            continue
+        src, dst = t.inputs[0], t.outputs[0]
+        made_by = producer.get(src)
+        value, kept = buffers[src], buffers[dst]
+        if (made_by is not None and made_by.kind in ("copy", "recompose") and len(readers[src]) == 1
+                and src not in outputs and value.parent is None and value.partial is None and kept.parent is None
+                and (value.device, value.box, value.dtype) == (kept.device, kept.box, kept.dtype)):
+            buffers[src] = _view(value, dst)
+            drop.add(t.id)
 
     fused = TaskDAG(dag.p, buffers=buffers, inputs=dag.inputs, outputs=dag.outputs,
                     output_aggregation=dag.output_aggregation, assigned=dag.assigned)
