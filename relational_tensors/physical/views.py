@@ -9,7 +9,9 @@ make most of that one pass, without changing what any task computes:
   ``decompose`` task goes away (atoms of log-sum-exp partials, which carry a second array, stay);
 * a piece that a copy delivers, or a ⊕ completes, and only the reader's ``recompose`` reads is a
   view of the block being assembled: the copy or ⊕ writes straight into it, and the ``recompose``
-  keeps only the atoms that were already on its device; with none left it goes away.  (A complete
+  keeps only the atoms that were already on its device; with none left it goes away.  A whole piece
+  that several assemblies read (a block delivered once for two readers) is a view of the first one's
+  block, and the later ones read it from there.  (A complete
   ⊕ of sum, max or min partials is the final value; log-sum-exp partials are finalized by the
   ``recompose`` and stay.)
 * a state's next value that copies deliver, or a ``recompose`` assembles, for its ``assign`` alone is
@@ -77,7 +79,7 @@ def fuse_views(dag: TaskDAG) -> TaskDAG:
             made_by = producer.get(b)
             piece = buffers[b]
             if (made_by is not None and made_by.kind in ("copy", "aggregate") and not final
-                    and piece.partial != "lse" and piece.parent is None and len(readers[b]) == 1
+                    and piece.partial != "lse" and piece.parent is None and _hosts(t, readers[b], piece)
                     and b not in outputs and piece.device == out.device and piece.dtype == out.dtype):
                 buffers[b] = _view(piece, out.id)
             else:
@@ -113,6 +115,14 @@ def fuse_views(dag: TaskDAG) -> TaskDAG:
         fused.tasks.append(t if t.id == n else Task(n, t.kind, t.device, t.inputs, t.outputs, t.op, t.src_device,
                                                      t.payload, t.label))
     return fused
+
+
+def _hosts(t: Task, readers: list[Task], piece: Buffer) -> bool:
+    """Whether the block ``recompose`` ``t`` assembles holds ``piece``: its only reader, or the first of
+    several assemblies that read it (the later ones read it there, strided, as they read any view)."""
+    if len(readers) == 1:
+        return True
+    return piece.partial is None and all(r.kind == "recompose" for r in readers) and min(r.id for r in readers) == t.id
 
 
 def _view(buf: Buffer, parent: int) -> Buffer:
