@@ -53,6 +53,7 @@ class CompiledGraph:
         self.live = state.live
         self._executor: Any = None
         self._simulations: dict[Any, PlanSimResult] = {}
+        self._simulated_issue: Any = None  # how the GPU executor issues the tasks (simulation(), found once)
         self._states: dict[str, np.ndarray] = {}  # host copies of the states no operator assigns
         if self.devices.kind == "cuda" and visible_gpus() > max(self.devices.physical):
             _ = self.executor  # peer access, streams and arenas are set up (and checked) at compile time
@@ -264,15 +265,28 @@ class CompiledGraph:
             self.devices, self.target.topology if topology is None else topology,
             calibration or (self.options.calibration if topology is None else None))
         shared = target.shared_gpus if topology is None else None
-        key = (target.topology, target.kernels.source, shared)
+        issue = self._issue()
+        key = (target.topology, target.kernels.source, shared, issue is not None)
         if key not in self._simulations:
-            self._simulations[key] = simulate_plan(self.dag, self.graph, target.topology, target.kernels, shared)
+            self._simulations[key] = simulate_plan(self.dag, self.graph, target.topology, target.kernels, shared,
+                                                   issue)
             if target is self.target and not self.catalog.read_only:
                 self.catalog.update_compilation(self.compilation_id, predicted_seconds=self._simulations[key].time)
         result = self._simulations[key]
         if record:
             self._record_times(result, f"simulated:{target.topology.name}")
         return result
+
+    def _issue(self) -> Any:
+        """How the executor issues the tasks, for the simulator: on GPUs the fused groups and the tasks it
+        does nothing for (``gpu_exec.fusion.simulated_issue``, found once); None on CPU devices."""
+        if self.devices.kind != "cuda":
+            return None
+        if self._simulated_issue is None:
+            from relational_tensors.gpu_exec.fusion import simulated_issue
+
+            self._simulated_issue = simulated_issue(self.graph, self.dag, self.live)
+        return self._simulated_issue
 
     def _record_times(self, result: PlanSimResult, source: str) -> None:
         """A timeline into ``task_times`` (replacing one recorded before from the same source)."""

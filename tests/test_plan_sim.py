@@ -208,3 +208,30 @@ def test_simulating_with_the_wrong_number_of_physical_devices_is_refused() -> No
     cg = rt.compileGraph(_two_products(64), device="cuda:0,0")
     with pytest.raises(PlanError, match="physical GPU of each; got 3"):
         simulate_plan(cg.dag, cg.graph, cg.target.topology, cg.target.kernels, (0, 0, 0))
+
+
+@pytest.mark.parametrize("device", ["cuda:0", "cuda:0,0,0,0"])
+def test_the_simulation_prices_the_gpu_executors_fused_kernels(device: str) -> None:
+    """On GPUs the executor runs each group of elementwise tasks as one kernel at its last task and does
+    nothing for a sibling another kernel writes or a reshape that keeps its input's bytes: the simulation
+    prices the group's kernel by the bytes it reads and writes and those tasks at nothing, so an AdamW
+    update is one kernel's time, not one per operator."""
+    from relational_tensors.gpu_exec.fusion import simulated_issue
+    from relational_tensors.models import llama_training_graph
+
+    g = llama_training_graph(1, 256, 128, 4, 2, 256, 512, dtype="bfloat16", optimizer="adamw",
+                             master_dtype="float32")
+    cg = rt.compileGraph(g, device=device)
+    t = cg.target
+    issue = simulated_issue(cg.graph, cg.dag, cg.live)
+    assert issue.fused and issue.free and not set(issue.fused) & issue.free
+    result = cg.simulation()
+    plain = simulate_plan(cg.dag, cg.graph, t.topology, t.kernels, t.shared_gpus)
+    assert result.time < plain.time
+    spans = {x.task: x.end - x.start for x in result.tasks}
+    assert all(spans[tid] == 0.0 for tid in issue.free)
+    if device == "cuda:0":  # alone on its GPU, a task takes its own time
+        for tid, (nbytes, dtype) in issue.fused.items():
+            assert spans[tid] == pytest.approx(t.kernels.time(0.0, nbytes, dtype, "compute"))
+    off = simulated_issue(cg.graph, cg.dag, cg.live, fuse=False)
+    assert not off.fused and off.free < issue.free

@@ -54,6 +54,7 @@ from relational_tensors.errors import ExecError
 from relational_tensors.frontend.graph import Graph
 from relational_tensors.gpu_exec.kernels.common import contiguous_strides, merge_dims
 from relational_tensors.gpu_exec.memory_plan import MemoryPlan, plan_memory, sibling_tasks, view_geometry
+from relational_tensors.physical.simulate import Issue
 from relational_tensors.physical.tasks import Liveness, Task, TaskDAG
 
 __all__ = ["FUSE_ENV", "UNARY_OPS", "BINARY_OPS", "FusedExpr", "FusionGroup", "FusedIssue", "FusedSchedule",
@@ -618,3 +619,22 @@ def _named(launch: Callable[[], None], group: FusionGroup, dag: TaskDAG) -> Call
                             f"{group.device} failed: {type(e).__name__}: {e}. {FUSE_ENV}=0 runs them unfused; "
                             "report this with the plan (cg.save).") from e
     return run
+
+
+def simulated_issue(graph: Graph, dag: TaskDAG, live: Liveness, fuse: bool | None = None) -> Issue:
+    """How the GPU executor issues ``dag``, for the whole-plan simulator: its fused groups (where fusion
+    is on; each priced by the bytes it reads and writes, at its last task), and the tasks it does nothing
+    for (the groups' other members, siblings another kernel writes, reshapes that keep their input's
+    bytes)."""
+    siblings = sibling_tasks(graph, dag)
+    if fusion_enabled(fuse):
+        plan, groups = fusion_plan(graph, dag, live, siblings)
+    else:
+        plan, groups = plan_memory(graph, dag, live, siblings), []
+    free = set(siblings) | {t.id for t in dag.tasks if t.kind == "kernel" and t.outputs[0] in plan.reshaped}
+    fused: dict[int, tuple[int, str]] = {}
+    for g in groups:
+        free.update(g.tasks[:-1])
+        moved = sum(dag.buffers[b].nbytes for b in (*g.operands, *g.outputs))
+        fused[g.tasks[-1]] = (moved, dag.buffers[dag.tasks[g.tasks[-1]].outputs[0]].dtype)
+    return Issue(frozenset(free), fused)

@@ -16,6 +16,11 @@ roofline time, small tasks side by side overlap, and tasks that each could
 fill the GPU split it evenly.  A copy between two of them is a flow through
 the GPU's memory, which reads and writes every byte (half its bandwidth,
 shared by the copies in flight).
+
+An executor that issues tasks otherwise than one kernel each says how (``Issue``): the GPU executor
+runs a group of elementwise tasks as one fused kernel at the place of its last task (priced as that
+last task, by the bytes the group reads and writes), and does nothing for a task another kernel does
+as it goes or a reshape that keeps its input's bytes (priced at nothing).
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ import gc
 import heapq
 import math
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from relational_tensors.errors import PlanError
@@ -36,7 +41,7 @@ from relational_tensors.target.kernel_model import KernelModel
 from relational_tensors.target.pricing import combine_seconds, move_seconds
 from relational_tensors.target.topology import Route, Topology
 
-__all__ = ["PlanSimResult", "TaskTime", "simulate_plan"]
+__all__ = ["Issue", "PlanSimResult", "TaskTime", "simulate_plan"]
 
 _GC_YOUNG = 100_000  # net allocations between collections of the youngest generation while simulating (Python: 700)
 _WORK = 1e9  # a shared GPU's compute as a flow resource: units of work per second (a task's roofline ns)
@@ -52,6 +57,17 @@ class TaskTime:
     start: float
     end: float
     bytes: int
+
+
+@dataclass(frozen=True)
+class Issue:
+    """How an executor issues the DAG where it is not one kernel per task: ``free``, the tasks it does
+    nothing for (a fused group's members before its last, a sibling another kernel writes, a reshape
+    that keeps its input's bytes); ``fused``, per fused group's last task, the bytes the group reads and
+    writes and the dtype of its block."""
+
+    free: frozenset[int] = frozenset()
+    fused: Mapping[int, tuple[int, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -89,10 +105,29 @@ def _busy_cost(dag: TaskDAG, graph: Graph, task: Any, model: KernelModel, alone:
     return min(body, model.busy_time(task.kernel.function.flops, nbytes, node.type.dtype, node.op.cost_family))
 
 
+def _issued_cost(dag: TaskDAG, graph: Graph, task: Any, model: KernelModel, issue: Issue) -> float:
+    """Seconds of a compute task alone, as the executor issues it."""
+    if task.id in issue.free:
+        return 0.0
+    fused = issue.fused.get(task.id)
+    if fused is not None:
+        return model.time(0.0, fused[0], fused[1], "compute")
+    return _compute_cost(dag, graph, task, model)
+
+
+def _issued_busy(dag: TaskDAG, graph: Graph, task: Any, model: KernelModel, alone: float, issue: Issue) -> float:
+    """``_busy_cost`` of a task as the executor issues it."""
+    fused = issue.fused.get(task.id)
+    if fused is not None:
+        return min(max(alone - model.topology.launch_latency, 0.0), model.busy_time(0.0, fused[0], fused[1], "compute"))
+    return _busy_cost(dag, graph, task, model, alone)
+
+
 def simulate_plan(dag: TaskDAG, graph: Graph, topology: Topology, model: KernelModel | None = None,
-                  physical: Sequence[int] | None = None) -> PlanSimResult:
+                  physical: Sequence[int] | None = None, issue: Issue | None = None) -> PlanSimResult:
     """Predict the run time of ``dag`` on ``topology`` (logical device d is site d).  ``physical``: the GPU
-    of each logical device where several share one (the module's docstring); None: a GPU each."""
+    of each logical device where several share one (the module's docstring); None: a GPU each.
+    ``issue``: how the executor issues the tasks, where not one kernel each (the module's docstring)."""
     if physical is not None and len(physical) != dag.p:
         raise PlanError(f"simulating a plan of {dag.p} devices needs the physical GPU of each; got {len(physical)} "
                         f"({list(physical)})")
@@ -103,13 +138,13 @@ def simulate_plan(dag: TaskDAG, graph: Graph, topology: Topology, model: KernelM
     if thresholds[0]:  # 0: the caller turned automatic collection off
         gc.set_threshold(max(thresholds[0], _GC_YOUNG), *thresholds[1:])
     try:
-        return _simulate(dag, graph, topology, model or KernelModel(topology), physical)
+        return _simulate(dag, graph, topology, model or KernelModel(topology), physical, issue or Issue())
     finally:
         gc.set_threshold(*thresholds)
 
 
 def _simulate(dag: TaskDAG, graph: Graph, topology: Topology, model: KernelModel,
-              physical: Sequence[int] | None) -> PlanSimResult:
+              physical: Sequence[int] | None, issue: Issue) -> PlanSimResult:
     sites = topology.sites
     capacities = topology.capacities()
     # the GPU's compute resource of each logical device that shares its GPU (None: a GPU of its own)
@@ -180,7 +215,7 @@ def _simulate(dag: TaskDAG, graph: Graph, topology: Topology, model: KernelModel
                 if head[d] < len(queue) and free_at[d] <= now:
                     tid = queue[head[d]]
                     if started[tid] < 0 and waiting_on[tid] == 0:
-                        dur = _compute_cost(dag, graph, tasks[tid], model)
+                        dur = _issued_cost(dag, graph, tasks[tid], model, issue)
                         if not 0.0 <= dur < math.inf:  # the kernel model's numbers are checked; this keeps it so
                             raise PlanError(f"plan simulation priced task {tasks[tid].label!r} at {dur} s; a "
                                             "task takes a finite, non-negative time. Check the topology and "
@@ -194,7 +229,7 @@ def _simulate(dag: TaskDAG, graph: Graph, topology: Topology, model: KernelModel
                         else:  # a flow over the GPU's compute, with the other logical devices' tasks
                             free_at[d] = math.inf
                             latency = min(model.topology.launch_latency, dur)
-                            work = _busy_cost(dag, graph, tasks[tid], model, dur) * _WORK
+                            work = _issued_busy(dag, graph, tasks[tid], model, dur, issue) * _WORK
                             body = dur - latency
                             network.start(tid, (resource,), work, now, latency=latency,
                                           cap=work / body if body > 0 and work > 0 else math.inf)
