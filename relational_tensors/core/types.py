@@ -98,21 +98,6 @@ class Box:
     def contains(self, other: Box) -> bool:
         return all(a <= c and d <= b for a, b, c, d in zip(self.lower, self.upper, other.lower, other.upper))
 
-    def run_of(self, outer: Box) -> bool:
-        """Whether this box, inside ``outer``, is one run of consecutive elements of ``outer`` laid out row-major:
-        whole in every dimension after one, and a single index in every dimension before it.
-
-        >>> Box((0, 0), (2, 8)).run_of(Box((0, 0), (4, 8))), Box((0, 0), (4, 4)).run_of(Box((0, 0), (4, 8)))
-        (True, False)
-        """
-        if not outer.contains(self):
-            return False
-        inner, whole = self.shape, outer.shape
-        for d in range(len(inner)):
-            if all(inner[j] == whole[j] for j in range(d + 1, len(inner))) and all(n == 1 for n in inner[:d]):
-                return True
-        return len(inner) == 0
-
     @staticmethod
     def _made(lower: tuple[int, ...], upper: tuple[int, ...]) -> Box:
         """A box from bounds already known to be ordered (the planner's inner loops make millions)."""

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from relational_tensors.core.dtypes import itemsize
 from relational_tensors.frontend.graph import Graph
 from relational_tensors.gpu_exec.kernels.common import ALIGN, align
 from relational_tensors.physical.tasks import Liveness, Task, TaskDAG, block_bytes, reshape_shares
@@ -128,19 +127,10 @@ class MemoryPlan:
 
     def byte_range(self, dag: TaskDAG, b: int) -> tuple[int, int, int]:
         """(device, first byte, end byte) of buffer ``b`` in its arena (a view: its root's whole range,
-        which holds its strided elements, or its own bytes where it is one run of its root's elements)."""
+        which holds its strided elements)."""
         r = self.root(b)
         slot = self.slots[r]
-        buf = dag.buffers[b]
-        if buf.parent is not None and dag.root(b) == r:
-            whole = dag.buffers[r]
-            if buf.partial is None and whole.partial is None and buf.box.run_of(whole.box):
-                first = 0  # the row-major index of the view's first element in its root
-                for lo, wlo, n in zip(buf.box.lower, whole.box.lower, whole.box.shape):
-                    first = first * n + (lo - wlo)
-                start = slot.offset + first * itemsize(buf.dtype)
-                return buf.device, start, start + buf.nbytes
-        main, extra = buffer_bytes(dag, r if buf.parent is not None else b)
+        main, extra = buffer_bytes(dag, r if dag.buffers[b].parent is not None else b)
         return dag.buffers[r].device, slot.offset, slot.offset + (align(main) + extra if extra else main)
 
 
@@ -209,7 +199,7 @@ def _swiglu_pairs(graph: Graph, dag: TaskDAG) -> dict[int, int]:
         if t.kind != "kernel" or t.op is None or graph.nodes[t.op].kind != "swiglu_grad":
             continue
         o = dag.buffers[t.outputs[0]]
-        if o.partial is not None or not _one_run(dag, o.id):
+        if o.partial is not None or o.parent is not None:
             continue
         key = (t.device, *t.inputs)
         f = first.get(key)
@@ -222,13 +212,6 @@ def _swiglu_pairs(graph: Graph, dag: TaskDAG) -> dict[int, int]:
             out[t.id] = f.id
             del first[key]
     return out
-
-
-def _one_run(dag: TaskDAG, b: int) -> bool:
-    """Whether buffer ``b`` is one contiguous run of memory: a block of its own, or a view that is a run of
-    its root's elements (a kernel's block written inside the block a reader assembles)."""
-    buf = dag.buffers[b]
-    return buf.parent is None or buf.box.run_of(dag.buffers[dag.root(b)].box)
 
 
 def plan_memory(graph: Graph, dag: TaskDAG, live: Liveness, siblings: Mapping[int, int] | None = None,
@@ -326,9 +309,7 @@ def view_geometry(dag: TaskDAG, plan: MemoryPlan) -> dict[int, tuple[int, tuple[
     """Where every reshape output and view lies in its root: (element offset, element strides).
 
     A reshape output reads its root's elements in order (contiguous strides of its own shape); a view
-    is its parent's geometry shifted to its box's corner, with the parent's strides, or its own row-major
-    ones where it is one run of elements (they differ only on its length-1 axes, which no index moves
-    along): such a view is contiguous to every kernel and copy."""
+    is its parent's geometry shifted to its box's corner, with the parent's strides."""
     from relational_tensors.gpu_exec.kernels.common import contiguous_strides
 
     geo: dict[int, tuple[int, tuple[int, ...]]] = {}
@@ -340,10 +321,6 @@ def view_geometry(dag: TaskDAG, plan: MemoryPlan) -> dict[int, tuple[int, tuple[
         parent = dag.buffers[buf.parent]
         offset, strides = geo.get(buf.parent, (0, contiguous_strides(parent.box.shape)))
         rel = [lo - plo for lo, plo in zip(buf.box.lower, parent.box.lower)]
-        offset += sum(r * st for r, st in zip(rel, strides))
-        own = contiguous_strides(buf.box.shape)
-        if all(st == c for st, c, n in zip(strides, own, buf.box.shape) if n != 1):
-            strides = own  # one run of its root: its own row-major strides (a length-1 axis's stride is moot)
-        geo[b] = (offset, strides)
+        geo[b] = (offset + sum(r * st for r, st in zip(rel, strides)), strides)
     return geo
 

@@ -792,7 +792,7 @@ def lower(plan: LogicalPlan, schedule: str = "naive", synthesize: Synthesizer | 
     for node in plan.graph.operators:
         low.lower_op(node.id)
     low.lower_outputs()
-    dag = fuse_views(low.dag, low.graph)
+    dag = fuse_views(low.dag)
     if later:
         dag = split_phases(dag, later)
     return Lowered(dag, low.placement, low.programs, low.memberships, dict(low.kept),

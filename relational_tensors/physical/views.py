@@ -14,12 +14,6 @@ make most of that one pass, without changing what any task computes:
   block, and the later ones read it from there.  (A complete
   ⊕ of sum, max or min partials is the final value; log-sum-exp partials are finalized by the
   ``recompose`` and stay.)
-* a block a kernel makes that lies inside the block a ``recompose`` on its device assembles, as one run
-  of that block's elements (whole rows), is written there by the kernel: its block is a view of the
-  assembled one, contiguous, and the ``recompose`` drops it and its atoms.  Only the kernels that write
-  their output as one contiguous run take part (``HOSTING_KINDS``), never a ``reshape`` or a block a
-  ``reshape`` reads (it keeps its input's bytes only for a block of its own), nor a block that is the
-  next value of a state.
 * a state's next value that copies deliver, or a ``recompose`` assembles, for its ``assign`` alone is
   a view of the kept block the ``assign`` writes: the copies and the assembly write the state in place
   and the ``assign`` goes away.  (Every task writing a kept block waits for every earlier task that
@@ -34,18 +28,13 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
-from relational_tensors.frontend.graph import Graph
 from relational_tensors.physical.tasks import Buffer, DecomposePayload, RecomposePayload, Task, TaskDAG
 
-__all__ = ["fuse_views", "HOSTING_KINDS"]
-
-# kernels whose GPU and NumPy kernels write their output block as one contiguous run, whatever memory it is
-HOSTING_KINDS = frozenset({"rmsnorm", "layernorm", "swiglu", "swiglu_grad"})
+__all__ = ["fuse_views"]
 
 
-def fuse_views(dag: TaskDAG, graph: Graph | None = None) -> TaskDAG:
-    """The same computation with decompose atoms and delivered pieces turned into views where allowed;
-    with the ``graph``, kernels' blocks too (they need its operator kinds)."""
+def fuse_views(dag: TaskDAG) -> TaskDAG:
+    """The same computation with decompose atoms and delivered pieces turned into views where allowed."""
     readers: dict[int, list[Task]] = defaultdict(list)
     producer: dict[int, Task] = {}
     for t in dag.tasks:
@@ -76,24 +65,7 @@ def fuse_views(dag: TaskDAG, graph: Graph | None = None) -> TaskDAG:
             replaced[t.id] = dataclasses.replace(t, outputs=tuple(b for _, b in keep),
                                                  payload=DecomposePayload(tuple(c for c, _ in keep)))
 
-    def root(b: int) -> int:
-        while buffers[b].parent is not None:
-            b = buffers[b].parent  # type: ignore[assignment]
-        return b
-
-    def kind(t: Task | None) -> str | None:
-        return graph.nodes[t.op].kind if graph is not None and t is not None and t.kind == "kernel" and \
-            t.op is not None else None
-
-    def hostable(k: int, out: Buffer) -> bool:
-        """Whether kernel block ``k`` can be written where ``out`` holds it."""
-        block = buffers[k]
-        return (kind(producer.get(k)) in HOSTING_KINDS and block.parent is None and k not in outputs
-                and block.partial is None and (block.device, block.dtype) == (out.device, out.dtype)
-                and block.box.run_of(out.box) and not any(kind(r) == "reshape" for r in readers[k]))
-
-    hosting: set[int] = set()  # the assembled blocks kernels write into
-    # delivered pieces, and kernels' blocks, as views of the block their reader assembles
+    # delivered pieces as views of the block their reader assembles
     for t in dag.tasks:
         if t.kind != "recompose":
             continue
@@ -110,10 +82,6 @@ def fuse_views(dag: TaskDAG, graph: Graph | None = None) -> TaskDAG:
                     and piece.partial != "lse" and piece.parent is None and _hosts(t, readers[b], piece)
                     and b not in outputs and piece.device == out.device and piece.dtype == out.dtype):
                 buffers[b] = _view(piece, out.id)
-            elif not final and piece.partial is None and (root(b) == out.id or hostable(root(b), out)):
-                if root(b) != out.id:  # (else: an atom of a kernel's block written here already)
-                    buffers[root(b)] = _view(buffers[root(b)], out.id)
-                    hosting.add(out.id)
             else:
                 left.append((cell, b, final))
         if not left and t.inputs:  # (a recompose of no pieces makes an empty block: it stays)
@@ -132,8 +100,7 @@ def fuse_views(dag: TaskDAG, graph: Graph | None = None) -> TaskDAG:
         made_by = producer.get(src)
         value, kept = buffers[src], buffers[dst]
         if (made_by is not None and made_by.kind in ("copy", "recompose") and len(readers[src]) == 1
-                and src not in outputs and src not in hosting and value.parent is None and value.partial is None
-                and kept.parent is None
+                and src not in outputs and value.parent is None and value.partial is None and kept.parent is None
                 and (value.device, value.box, value.dtype) == (kept.device, kept.box, kept.dtype)):
             buffers[src] = _view(value, dst)
             drop.add(t.id)
