@@ -265,11 +265,10 @@ class CompiledGraph:
             self.devices, self.target.topology if topology is None else topology,
             calibration or (self.options.calibration if topology is None else None))
         shared = target.shared_gpus if topology is None else None
-        issue = self._issue()
-        key = (target.topology, target.kernels.source, shared, issue is not None)
+        key = (target.topology, target.kernels.source, shared)
         if key not in self._simulations:
             self._simulations[key] = simulate_plan(self.dag, self.graph, target.topology, target.kernels, shared,
-                                                   issue)
+                                                   self._issue())
             if target is self.target and not self.catalog.read_only:
                 self.catalog.update_compilation(self.compilation_id, predicted_seconds=self._simulations[key].time)
         result = self._simulations[key]

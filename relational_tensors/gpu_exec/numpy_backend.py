@@ -252,14 +252,11 @@ class NumpyExecutor:
         if kind == "recompose":
             out_buf = self.dag.buffers[task.outputs[0]]
             pool = self.pools[out_buf.device]
-            # copies may already have written some pieces into the block (views of it): keep them
-            if out_buf.id in self.next_views:  # a state's next value, assembled in its kept block
-                root = self.dag.root(out_buf.id)
-                out = (self._get(out_buf.id) if root in self.next_values
-                       else np.empty(out_buf.box.shape, dtype=numpy_dtype(out_buf.dtype)))
-            else:
-                out = (pool[out_buf.id] if out_buf.id in pool
-                       else np.empty(out_buf.box.shape, dtype=numpy_dtype(out_buf.dtype)))
+            # copies may already have written some pieces into the block (views of it): keep them (a
+            # state's next value is assembled in its kept block's copy, ``next_values``)
+            written = (self.dag.root(out_buf.id) in self.next_values if out_buf.id in self.next_views
+                       else out_buf.id in pool)
+            out = self._get(out_buf.id) if written else np.empty(out_buf.box.shape, dtype=numpy_dtype(out_buf.dtype))
             pieces = task.payload
             assert isinstance(pieces, RecomposePayload)
             # only partial pieces are finalized, and a tensor with partials has a ⊕ (graph inputs have none)
