@@ -56,8 +56,8 @@ dp(op_id, tiling_id, cost, spec_id, h) USING KEY (op_id, tiling_id) AS (
     ),
     input_costs AS (
         SELECT e.op_id, e.spec_id,
-               sum(CASE WHEN e.fixed_tiling IS NOT NULL OR e.in_piece THEN coalesce(c.cost, 'inf'::DOUBLE)
-                        ELSE e.floor END) AS cost
+               list_sum(list(CASE WHEN e.fixed_tiling IS NOT NULL OR e.in_piece THEN coalesce(c.cost, 'inf'::DOUBLE)
+                                  ELSE e.floor END ORDER BY e.input_pos)) AS cost  -- in input order: the same bits every run
         FROM edges e
         LEFT JOIN edge_costs c USING (op_id, spec_id, input_pos)
         GROUP BY e.op_id, e.spec_id

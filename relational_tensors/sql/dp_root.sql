@@ -13,8 +13,10 @@ fixed_readers AS (
 ),
 totals AS (
     SELECT d.op_id, d.tiling_id, d.spec_id,
-           d.cost + coalesce(sum(coalesce(p.price - f.floor, CASE WHEN f.required_tiling = d.tiling_id THEN 0.0
-                                                                  ELSE f.repartition END)), 0.0) AS total
+           d.cost + coalesce(list_sum(list(coalesce(p.price - f.floor,
+                                                    CASE WHEN f.required_tiling = d.tiling_id THEN 0.0
+                                                         ELSE f.repartition END)
+                                           ORDER BY f.reader, f.input_pos)), 0.0) AS total  -- in a fixed order
     FROM dp_table d
     JOIN roots USING (op_id)
     LEFT JOIN fixed_readers f ON f.op_id = d.op_id

@@ -84,8 +84,9 @@ def exchange_seconds(blocks: tuple[Box, ...], reads: tuple[Box, ...], dtype: str
     with its block.  The time is the busiest device's ingress or egress at ``bandwidth`` (plus one
     ``latency``), then the slowest reader's ⊕ of its cells' copies and assembly of its block, each
     compute step timed as a kernel of ``kernels`` (the simulator's roofline).  Atoms are read in
-    place and copies and ⊕ write into the block being assembled (``physical.views``), so slicing
-    and assembly cost a pass only for log-sum-exp partials.
+    place and copies and ⊕ write into the block being assembled (``physical.views``), so slicing costs
+    a pass only for log-sum-exp partials; assembly costs a pass over the part of a reader's block that
+    a whole block on its own device holds, when that block is not the read block itself.
 
     >>> from relational_tensors.target.kernel_model import KernelModel
     >>> from relational_tensors.target.topology import get_topology
@@ -94,8 +95,9 @@ def exchange_seconds(blocks: tuple[Box, ...], reads: tuple[Box, ...], dtype: str
     >>> cols = tuple(Box((0, j), (4, j + 1)) for j in range(4))
     >>> exchange_seconds(rows, rows, "float16", "sum", km, 1.0)
     0.0
-    >>> exchange_seconds(rows, cols, "float16", "sum", km, 1.0)  # each reader gets 3 of its 4 elements: 6 B at 1 B/s
-    6.0
+    >>> t = exchange_seconds(rows, cols, "float16", "sum", km, 1.0)  # each reader gets 3 of its 4 elements
+    >>> math.isclose(t, 6.0 + move_seconds(km, 2, "float16"))  # 6 B at 1 B/s, then its own element copied in
+    True
     """
     width = itemsize(dtype)
     wide = itemsize(partial_dtype(dtype))  # an unaggregated partial is kept (and moved) in its partial dtype
@@ -136,6 +138,7 @@ def exchange_seconds(blocks: tuple[Box, ...], reads: tuple[Box, ...], dtype: str
     busiest = 0.0
     least = [math.inf] * nu  # per producer block: the least that a reader sitting with it needs of it
     hosts = [0] * nu  # and how many readers sit with it
+    local = [0.0] * nv  # per read block: the most a reader copies from its own device's block
     for j, (n, home) in enumerate(zip(readers, homes)):
         kept, sitting = math.inf, 0
         for i, k in home:
@@ -144,6 +147,8 @@ def exchange_seconds(blocks: tuple[Box, ...], reads: tuple[Box, ...], dtype: str
                 kept = here
             if here < least[i]:
                 least[i] = here
+            if not partial[i] and us[i] != vs[j] and here > local[j]:
+                local[j] = float(here)  # a whole block that is not the read block is copied into it
             hosts[i] += k
             sitting += k
         busiest = max(busiest, gets[j] - (float(kept) if sitting == n else 0.0))
@@ -169,15 +174,18 @@ def exchange_seconds(blocks: tuple[Box, ...], reads: tuple[Box, ...], dtype: str
                 slice_s = max(slice_s, move_seconds(kernels, size, dtype))
     finish_s = 0.0
     covered = (np.array(copies, dtype=np.int64)[:, None] * elements).sum(axis=0).tolist()
-    finishes: dict[tuple[int, int, int, float], float] = {}  # read blocks alike finish alike
-    for (lo, hi), n, total in zip(vs, cells(lo_v, hi_v), covered):
+    finishes: dict[tuple[int, int, int, float, float], float] = {}  # read blocks alike finish alike
+    for (lo, hi), n, total, mine in zip(vs, cells(lo_v, hi_v), covered, local):
         shape = tuple(h - low for low, h in zip(lo, hi))
         volume = math.prod(shape)
         cover = total / volume  # copies of each element
-        key = (volume, shape[-1] if rank else 1, n, cover)
+        key = (volume, shape[-1] if rank else 1, n, cover, mine)
         t = finishes.get(key)
         if t is None:
-            t = finishes[key] = _finish(kernels, volume, key[1], n, cover, dtype, nbytes, lse, width, wide)
+            t = _finish(kernels, volume, key[1], n, cover, dtype, nbytes, lse, width, wide)
+            if mine:  # the assembly copies the part already on the reader's device
+                t += move_seconds(kernels, mine, dtype)
+            finishes[key] = t
         finish_s = max(finish_s, t)
     return slice_s + move_s + finish_s
 
@@ -194,8 +202,8 @@ def _finish(kernels: Any, volume: int, last: int, cells: int, cover: float, dtyp
         t += move_seconds(kernels, volume * width, dtype)
     elif cover > 1.0 + 1e-9 and wide != width:  # partials wider than the output are rounded into the block
         t += move_seconds(kernels, volume * wide, dtype)
-    # otherwise copies and ⊕ write into the block; only atoms already on the reader's device are
-    # copied by its recompose, a share too small (and too placement-dependent) to price here
+    # otherwise copies and ⊕ write into the block (the part already on the reader's device is priced
+    # by the caller, which knows the reader's home)
     return t
 
 
