@@ -41,6 +41,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tokens", default="8192,32768", help="sequence lengths, comma-separated (default 8192,32768)")
     ap.add_argument("--backends", default="flash,cudnn",
                     help="SDPA backends to compare against, comma-separated among flash, cudnn, efficient")
+    ap.add_argument("--heads", default=f"{HEADS_Q},{HEADS_KV}",
+                    help=f"query and kv heads (default {HEADS_Q},{HEADS_KV}; 4,1: one of eight head shards)")
     ap.add_argument("--rounds", type=int, default=10, help="timed rounds per measurement (default 10)")
     ap.add_argument("--warmups", type=int, default=2, help="untimed rounds first (default 2)")
     ap.add_argument("--sweep", action="store_true",
@@ -50,19 +52,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.tokens = [int(t) for t in str(args.tokens).split(",") if t]
     args.backends = [b for b in str(args.backends).split(",") if b]
+    args.heads_q, args.heads_kv = (int(h) for h in str(args.heads).split(","))
+    if args.heads_q % args.heads_kv:
+        ap.error(f"--heads takes query heads a multiple of kv heads; got {args.heads}")
     bad = sorted(set(args.backends) - {"flash", "cudnn", "efficient"})
     if bad or not args.tokens or min(args.tokens) < 1:
         ap.error(f"--backends takes flash, cudnn, efficient and --tokens positive lengths; got {bad or args.tokens}")
     return args
 
 
-def backward_flops(tokens: int, causal: bool = True) -> float:
+def backward_flops(tokens: int, causal: bool = True, heads_q: int = HEADS_Q) -> float:
     """2.5 times the forward's matmul FLOPs (4·s²·d per query head), halved under a causal mask.
 
     >>> backward_flops(1024) / 1e9
     21.47483648
     """
-    return 2.5 * 4.0 * tokens * tokens * HEAD_DIM * HEADS_Q * (0.5 if causal else 1.0)
+    return 2.5 * 4.0 * tokens * tokens * HEAD_DIM * heads_q * (0.5 if causal else 1.0)
 
 
 def _relative(got: Any, want: Any) -> float:
@@ -83,6 +88,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     bind_triton_to_cupy()
     dev = "cuda"
+    heads_q, heads_kv = args.heads_q, args.heads_kv
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": getattr(SDPBackend, "CUDNN_ATTENTION", None),
                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -95,7 +101,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return statistics.mean(time_cuda(fn, stream, args.rounds, args.warmups))
 
     out: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                           "shape": {"heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM,
+                           "shape": {"heads_q": heads_q, "heads_kv": heads_kv, "head_dim": HEAD_DIM,
                                      "dtype": "bfloat16", "causal": True, "batch": 1},
                            "flops": "2.5 x forward matmul FLOPs (4 s^2 d heads_q), halved for causal",
                            "rounds": args.rounds, "warmups": args.warmups, "rows": []}
@@ -103,15 +109,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def measure(s: int) -> dict[str, Any]:
         gen = torch.Generator(device=dev).manual_seed(s)
-        q, do = (torch.randn(1, s, HEADS_Q, HEAD_DIM, device=dev, dtype=torch.bfloat16, generator=gen)
+        q, do = (torch.randn(1, s, heads_q, HEAD_DIM, device=dev, dtype=torch.bfloat16, generator=gen)
                  for _ in range(2))
-        k, v = (torch.randn(1, s, HEADS_KV, HEAD_DIM, device=dev, dtype=torch.bfloat16, generator=gen)
+        k, v = (torch.randn(1, s, heads_kv, HEAD_DIM, device=dev, dtype=torch.bfloat16, generator=gen)
                 for _ in range(2))
         lo_h, hi_h = np.zeros(s, dtype=np.int64), np.arange(1, s + 1)  # causal: row r sees keys [0, r + 1)
         qlo_h, qhi_h = key_query_limits(lo_h, hi_h, s)
         lo, hi, qlo, qhi = (torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(dev)
                             for a in (lo_h, hi_h, qlo_h, qhi_h))
-        flops = backward_flops(s)
+        flops = backward_flops(s, heads_q=heads_q)
         row: dict[str, Any] = {"tokens": s, "gflop": flops / 1e9, "sdpa": {}}
 
         # the references: SDPA's forward once per backend, its backward timed alone
@@ -127,7 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 try:
                     with sdpa_kernel(backend):
                         kx, vx = (kk, vv) if gqa == "native" else \
-                            (t.repeat_interleave(HEADS_Q // HEADS_KV, dim=2) for t in (kk, vv))
+                            (t.repeat_interleave(heads_q // heads_kv, dim=2) for t in (kk, vv))
                         o = F.scaled_dot_product_attention(qq.transpose(1, 2), kx.transpose(1, 2), vx.transpose(1, 2),
                                                            is_causal=True, enable_gqa=gqa == "native").transpose(1, 2)
                         grads = torch.autograd.grad(o, (qq, kk, vv), do, retain_graph=True)
@@ -149,10 +155,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"no SDPA backend among {args.backends} runs these inputs: nothing to check ours against")
 
         # ours: lse (the forward's, recomputed), then Δ, dq and dk|dv from it
-        lse = torch.empty(1, s, HEADS_Q, device=dev, dtype=torch.float32)
+        lse = torch.empty(1, s, heads_q, device=dev, dtype=torch.float32)
         delta = torch.empty_like(lse)
         dq = torch.empty_like(q)
-        dkv = torch.empty(1, s, HEADS_KV, 2 * HEAD_DIM, device=dev, dtype=torch.bfloat16)
+        dkv = torch.empty(1, s, heads_kv, 2 * HEAD_DIM, device=dev, dtype=torch.bfloat16)
         bq, bk, bv, bdo, bo = (buf(t) for t in (q, k, v, do, o_ref))
         blse, bdelta, bdq, bdkv = buf(lse), buf(delta), buf(dq), buf(dkv)
         blo, bhi, bqlo, bqhi = buf(lo), buf(hi), buf(qlo), buf(qhi)
@@ -166,8 +172,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         def ours_dq() -> None:
             tg.attention_dq(bq, bk, bv, bdo, blse, bdelta, bdq, blo, bhi, 0, 0, scale)
 
+        # the scratch the executor gives a dk|dv pass that splits its query heads (a small grid)
+        need = tg.dkv_scratch(1, s, heads_kv, heads_q // heads_kv, 2 * HEAD_DIM)
+        scratch = buf(torch.empty(max(need, 1), device=dev, dtype=torch.float32)) if need else None
+
         def ours_dkv() -> None:
-            tg.attention_dkv(bq, bk, bv, bdo, blse, bdelta, bdkv, bqlo, bqhi, 0, 0, scale)
+            tg.attention_dkv(bq, bk, bv, bdo, blse, bdelta, bdkv, bqlo, bqhi, 0, 0, scale, scratch=scratch)
 
         def ours_backward() -> None:
             ours_delta()
@@ -193,17 +203,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  f"{times['delta']:.3f}, dq {times['dq']:.3f}, dk|dv {times['dkv']:.3f}; lse {times['lse']:.3f})",
               flush=True)
         if args.sweep:
-            row["sweep"] = sweep(bq, bk, bv, bdo, blse, bdelta, bdq, bdkv, blo, bhi, bqlo, bqhi, dq, dkv, ref_grads, s)
+            row["sweep"] = sweep(bq, bk, bv, bdo, blse, bdelta, bdq, bdkv, blo, bhi, bqlo, bqhi, dq, dkv, ref_grads, s,
+                                 scratch)
         return row
 
     def sweep(bq, bk, bv, bdo, blse, bdelta, bdq, bdkv, blo, bhi, bqlo, bqhi, dq, dkv, ref_grads,
-              s: int) -> dict[str, Any]:
+              s: int, scratch) -> dict[str, Any]:
         """Every candidate configuration of the dq and the dk|dv kernel forced in turn: ms and the error
         against SDPA (a configuration that cannot launch here, for shared memory or registers, says why)."""
         launches = {"dq": lambda cfg: tg.attention_dq(bq, bk, bv, bdo, blse, bdelta, bdq, blo, bhi, 0, 0, scale,
                                                       config=cfg),
                     "dkv": lambda cfg: tg.attention_dkv(bq, bk, bv, bdo, blse, bdelta, bdkv, bqlo, bqhi, 0, 0, scale,
-                                                        config=cfg)}
+                                                        config=cfg, scratch=scratch)}
         found: dict[str, Any] = {}
         for kind, launch in launches.items():
             found[kind] = {}
@@ -236,7 +247,8 @@ def markdown(result: dict[str, Any]) -> str:
         head += [f"SDPA {n} ms", f"SDPA {n} TFLOP/s"]
     head.append("max error vs SDPA")
     lines = [f"# Attention backward, {result['gpu']} (torch {result['torch']})", "",
-             f"Causal GQA, {HEADS_Q} query heads, {HEADS_KV} kv heads, head dim {HEAD_DIM}, bfloat16, one sequence; "
+             f"Causal GQA, {result['shape']['heads_q']} query heads, {result['shape']['heads_kv']} kv heads, head dim "
+             f"{HEAD_DIM}, bfloat16, one sequence; "
              f"FLOPs: {result['flops']}; {result['warmups']} warm-ups + {result['rounds']} timed rounds, CUDA events. "
              "Ours is Δ, dq and dk|dv from a saved log-sum-exp; our lse pass (where the forward does not write it) "
              "is the separate column.", "",

@@ -161,9 +161,11 @@ class Problem:
         t = torch.from_numpy(a).to(TORCH[self.dtype] if k < 4 else TORCH[self.stat])
         return _buf(t)[0], a
 
-    def run(self, kind: str, f, config, out_dtype: str | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+    def run(self, kind: str, f, config, out_dtype: str | None = None, split: bool = False,
+            out_heads: int = 0) -> tuple[np.ndarray, np.ndarray] | None:
         """(kernel, NumPy kernel) outputs of function spec ``f`` of ``kind`` ('lse' or a part), or None for an
-        empty block (the launcher fills those)."""
+        empty block (the launcher fills those).  ``split``: the dk|dv pass gets the scratch to split its
+        query heads; ``out_heads``: its output is a strided view of a block with that many more heads."""
         op = self.lse_op if kind == "lse" else self.ops[kind]
         n_in = 2 if kind == "lse" else 6
         bufs, blocks = zip(*(self.block(k, f) for k in range(n_in)))
@@ -171,7 +173,21 @@ class Problem:
         if f.output.volume == 0 or 0 in bufs[1].shape[1:2] or 0 in bufs[0].shape[1:2]:
             return None
         dtype = out_dtype or op.output_type.dtype
-        out, t = _buf(torch.full(f.output.shape, float("nan"), dtype=TORCH[dtype]))
+        shape = f.output.shape
+        if out_heads:  # a view of heads [out_heads, ...) of a wider block
+            big, whole = _buf(torch.full((*shape[:2], shape[2] + out_heads, *shape[3:]), float("nan"),
+                                         dtype=TORCH[dtype]))
+            t = whole[:, :, out_heads:]
+            out = DevBuf(t.data_ptr(), tuple(t.shape), dtype, 0, tuple(t.stride()))
+        else:
+            out, t = _buf(torch.full(shape, float("nan"), dtype=TORCH[dtype]))
+        scratch = None
+        if split:
+            nb, _, hq, _ = bufs[0].shape
+            skv, hkv = bufs[1].shape[1], bufs[1].shape[2]
+            need = K.dkv_scratch(nb, skv, hkv, hq // hkv, shape[-1])
+            assert need, "this problem's blocks do not split"
+            scratch = _buf(torch.full((need,), float("nan"), dtype=torch.float32))[0]
         lim = self.limits
         q_off, k_off = f.inputs[0].lower[1], f.inputs[1].lower[1]
         if kind == "lse":
@@ -181,7 +197,7 @@ class Problem:
             K.attention_dq(*bufs, out, lim["row_lo"], lim["row_hi"], q_off, k_off, op.softmax_scale, config=config)
         else:
             K.attention_dkv(*bufs, out, lim["key_qlo"], lim["key_qhi"], q_off, k_off, op.softmax_scale,
-                            dk=kind in ("dk", "dkv"), dv=kind in ("dv", "dkv"), config=config)
+                            dk=kind in ("dk", "dkv"), dv=kind in ("dv", "dkv"), config=config, scratch=scratch)
         return t.cpu().to(torch.float64).numpy(), want
 
 
@@ -278,6 +294,29 @@ def test_one_dkv_pass_equals_dk_and_dv_apart() -> None:
     both, dk, dv = (p.run(part, p.ops[part].spec({}).functions[0], CONFIGS[1]) for part in ("dkv", "dk", "dv"))
     assert both is not None and dk is not None and dv is not None
     np.testing.assert_array_equal(both[0], np.concatenate((dk[0], dv[0]), axis=-1))
+
+
+@pytest.mark.parametrize(("group", "dtype", "causal", "heads"),
+                         [(4, "float32", True, 0), (6, "bfloat16", "bottom_right", 1), (2, "float16", "top_left", 0)])
+def test_dkv_with_query_heads_split_among_programs(group: int, dtype: str, causal: object, heads: int) -> None:
+    """A small grid splits each group's query heads among programs (float32 partials summed in split order):
+    the NumPy kernel's dk and dv, alone and together, into contiguous and strided outputs, for whole blocks
+    and a query block at an offset; and the same bits as a second run."""
+    p = Problem(b=1, sq=45 if causal is not True else 37, skv=37, hkv=2, group=group, d=24, dtype=dtype, seed=4,
+                causal=causal)
+    assert K.dkv_splits(1, 37, 2, group) == group  # two programs: the whole group split
+    ran = 0
+    for part in ("dkv", "dk", "dv"):
+        op = p.ops[part]
+        for f in (*op.spec({}).functions, *op.spec(_request(op, {"seq_q": 2})).functions):
+            got = p.run(part, f, CONFIGS[0], split=True, out_heads=heads)
+            if got is None:
+                continue
+            _close(got[0], got[1], TOL[dtype], f"{part} of {f.output} split {group} ways")
+            again = p.run(part, f, CONFIGS[0], split=True, out_heads=heads)
+            assert again is not None and np.array_equal(got[0], again[0])
+            ran += 1
+    assert ran >= 6
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -632,7 +632,20 @@ def _attention_delta(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict
     attention_delta(ins[0], ins[1], out)
 
 
-@launcher("attention_grad", constants=_attention_grad_constants)
+def _attention_grad_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str] | None:
+    """float32 partials of a dk|dv pass that splits its query heads (``triton_attention_grad.dkv_splits``)."""
+    from relational_tensors.gpu_exec.kernels.triton_attention_grad import dkv_scratch
+
+    if op.part not in ("dk", "dv", "dkv") or op.extras or op.key_lengths is not None \
+            or op.input_types[0].dtype == "float64":
+        return None
+    (nb, _, hq, d), (_, skv, hkv, _), dv = f.inputs[0].shape, f.inputs[1].shape, f.inputs[2].shape[3]
+    width = (d if op.part in ("dk", "dkv") else 0) + (dv if op.part in ("dv", "dkv") else 0)
+    need = dkv_scratch(nb, skv, hkv, hq // max(hkv, 1), width) if hkv else 0
+    return ((need,), "float32") if need else None
+
+
+@launcher("attention_grad", constants=_attention_grad_constants, scratch=_attention_grad_scratch)
 def _attention_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.gpu_exec.kernels import triton_copy as tc
     from relational_tensors.gpu_exec.kernels.triton_attention_grad import attention_dkv, attention_dq
@@ -653,4 +666,5 @@ def _attention_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict,
         tc.fill(out, 0.0)
         return
     attention_dkv(q, k, v, do, lse, delta, out, consts["key_qlo"], consts["key_qhi"], q_offset, k_offset,
-                  op.softmax_scale, dk=op.part in ("dk", "dkv"), dv=op.part in ("dv", "dkv"))
+                  op.softmax_scale, dk=op.part in ("dk", "dkv"), dv=op.part in ("dv", "dkv"),
+                  scratch=consts.get("scratch"))

@@ -12,7 +12,11 @@ both ends are non-decreasing in r, so the rows that see a key c are one range to
   see: dS = P ∘ (dO·vᵀ - Δ), dq = scale · dS·k.
 * ``attention_dkv``: a program per (batch, kv head, key tile) walks the query tiles that can see its
   keys (from ``key_qlo``/``key_qhi``), for every query head of its group: dv = Pᵀ·dO, dk = scale ·
-  dSᵀ·q, written side by side into one [b, skv, hkv, d + d_v] block (or one of them alone).
+  dSᵀ·q, written side by side into one [b, skv, hkv, d + d_v] block (or one of them alone).  Where
+  those programs are too few to fill a GPU (one kv head of a long sequence: a head-sharded plan's
+  block) and the caller gives scratch (``dkv_scratch``), the group's query heads are split among
+  programs: each writes float32 partials, summed in split order by a second pass (the same bits
+  every run).
 * ``attention_lse``: the forward's running maximum and sum without the values.
 * ``attention_delta``: row dot products.
 
@@ -35,13 +39,18 @@ import triton.language as tl
 from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type, fastest_config
 from relational_tensors.gpu_exec.kernels.triton_attention import interpreted
 
-__all__ = ["attention_lse", "attention_delta", "attention_dq", "attention_dkv", "Config"]
+__all__ = ["attention_lse", "attention_delta", "attention_dq", "attention_dkv", "dkv_splits", "dkv_scratch",
+           "Config"]
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, loads): loads 0 through pointers, 1 through tensor descriptors
 # (TMA), 2 (dk|dv only) through tensor descriptors with k and v loaded again for every query tile, where
 # holding them in registers would spill
 Config = tuple[int, int, int, int, int]
 _BIG = tl.constexpr(2147483647)  # past every row and key index: the masked rows' limits
+# dk|dv programs (of 64 keys) that fill an H200 (132 SMs) twice over; fewer, and the query heads of a
+# group are split among programs: a causal key tile's work falls with its index, so a grid of about one
+# program per SM waits on its first tiles' programs while the rest of the GPU idles
+FILL_PROGRAMS = 264
 
 
 @triton.jit
@@ -320,7 +329,7 @@ def _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, st
 
 @triton.jit
 def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_ptr, kqhi_ptr,
-                sq, skv, hkv, group, q_offset, k_offset, scale, qk_scale,
+                sq, skv, hkv, group, splits, stride_split, q_offset, k_offset, scale, qk_scale,
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 stride_gb, stride_gs, stride_gh, stride_lb, stride_ls, stride_lh, stride_tb, stride_ts, stride_th,
                 stride_ob, stride_os, stride_oh, q_desc, k_desc, v_desc, do_desc,
@@ -330,10 +339,12 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
     n_blocks = tl.cdiv(skv, BLOCK_N)
     pid = tl.program_id(0).to(tl.int64)
     nbh = tl.num_programs(0).to(tl.int64) // n_blocks
-    pid_n = pid // nbh  # kv heads of a key tile side by side, the first key tiles (under a causal mask the
-    pid_bh = pid % nbh  # ones the most queries see) first
-    b = pid_bh // hkv
-    hk = pid_bh % hkv
+    pid_n = pid // nbh  # kv heads (and their splits) of a key tile side by side, the first key tiles (under
+    pid_bh = pid % nbh  # a causal mask the ones the most queries see) first
+    b = pid_bh // (hkv * splits)
+    hk = pid_bh // splits % hkv
+    part = pid_bh % splits  # this program's share of the group's query heads
+    per = group // splits
     n0 = pid_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     cmask = cols < skv
@@ -359,7 +370,7 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
     qrow = (b * sq).to(tl.int32)
-    for j in range(0, group):  # the query heads of this kv head
+    for j in range(part * per, part * per + per):  # the query heads of this kv head (its share of them)
         h = hk * group + j
         q_base = q_ptr + b * stride_qb + h * stride_qh
         do_base = do_ptr + b * stride_gb + h * stride_gh
@@ -382,7 +393,7 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
                                stride_ts, m0, sq, q_offset, kqlo, kqhi, qk_scale, dd, dvv, q_desc, do_desc, qrow,
                                qcol, gcol, k_desc, v_desc, krow, kcol, vcol, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
                                BLOCK_N, True, WRITE_DK, WRITE_DV, IEEE, TMA, RELOAD)
-    out_rows = out_ptr + b * stride_ob + cols[:, None].to(tl.int64) * stride_os + hk * stride_oh
+    out_rows = out_ptr + part * stride_split + b * stride_ob + cols[:, None].to(tl.int64) * stride_os + hk * stride_oh
     if WRITE_DK:
         dk = dk * scale
         tl.store(out_rows + dd[None, :], dk.to(out_ptr.dtype.element_ty), mask=cmask[:, None] & (dd[None, :] < D))
@@ -392,7 +403,43 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
         tl.store(out_rows + dvv[None, :], dv.to(out_ptr.dtype.element_ty), mask=cmask[:, None] & (dvv[None, :] < DV))
 
 
+@triton.jit
+def _sum_splits_kernel(src_ptr, out_ptr, rows, skv, hkv, width, splits, stride_split, stride_ob, stride_os, stride_oh,
+                       BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    """out[b, s, h, :] = the sum over splits of the float32 partials [splits, b, s, h, width], in order."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    mask = (r[:, None] < rows) & (c[None, :] < width)
+    src = src_ptr + r[:, None] * width + c[None, :]
+    acc = tl.load(src, mask=mask, other=0.0)
+    for i in range(1, splits):
+        acc += tl.load(src + i * stride_split, mask=mask, other=0.0)
+    b = r // (skv * hkv)
+    at = b * stride_ob + (r // hkv % skv) * stride_os + (r % hkv) * stride_oh
+    tl.store(out_ptr + at[:, None] + c[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 # ------------------------------------------------------------------------------------------- wrappers
+
+
+def dkv_splits(nb: int, skv: int, hkv: int, group: int) -> int:
+    """Among how many programs the dk|dv pass splits each group of ``group`` query heads: 1 where the
+    (batch, kv head, 64-key tile) programs fill the GPU (``FILL_PROGRAMS``), else the fewest that do, a
+    divisor of ``group`` (all of it at most).
+
+    >>> dkv_splits(1, 8192, 8, 4), dkv_splits(1, 8192, 1, 4), dkv_splits(32, 1024, 1, 4), dkv_splits(1, 512, 1, 6)
+    (1, 4, 1, 6)
+    """
+    programs = nb * hkv * -(-skv // 64)
+    if group <= 1 or programs >= FILL_PROGRAMS:
+        return 1
+    return next((n for n in range(2, group + 1) if group % n == 0 and programs * n >= FILL_PROGRAMS), group)
+
+
+def dkv_scratch(nb: int, skv: int, hkv: int, group: int, width: int) -> int:
+    """float32 elements of scratch the dk|dv pass of such blocks uses (0: it writes its output directly)."""
+    splits = dkv_splits(nb, skv, hkv, group)
+    return 0 if splits == 1 else splits * nb * skv * hkv * width
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, loads) tried on the first launch of each shape class, the fastest
 # kept; TMA ones only where tensor descriptors work (Hopper or newer, whole power-of-two heads, aligned
@@ -566,15 +613,18 @@ def attention_dq(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta
 
 def attention_dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf, out: DevBuf,
                   key_qlo: DevBuf, key_qhi: DevBuf, q_offset: int, k_offset: int, scale: float,
-                  dk: bool = True, dv: bool = True, config: Config | None = None) -> None:
+                  dk: bool = True, dv: bool = True, config: Config | None = None,
+                  scratch: DevBuf | None = None) -> None:
     """dk and dv of blocks q, k, v, dO (a query block's partial) into ``out`` [b, skv, hkv, width]: dk in
-    [..., :d] and dv after it (width d + d_v), or only the one asked for."""
-    _dkv(q, k, v, do, lse, delta, out, key_qlo, key_qhi, q_offset, k_offset, scale, dk, dv, config)
+    [..., :d] and dv after it (width d + d_v), or only the one asked for.  With ``scratch`` (at least
+    ``dkv_scratch(...)`` float32 elements) a group's query heads are split among programs where
+    ``dkv_splits`` says so."""
+    _dkv(q, k, v, do, lse, delta, out, key_qlo, key_qhi, q_offset, k_offset, scale, dk, dv, config, scratch)
 
 
 def _dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf, out: DevBuf, key_qlo: DevBuf,
          key_qhi: DevBuf, q_offset: int, k_offset: int, scale: float, dk: bool, dv: bool,
-         config: Config | None) -> None:
+         config: Config | None, scratch: DevBuf | None) -> None:
     """The dk|dv pass."""
     _check("attention_dkv", {"q": q, "k": k, "v": v, "dO": do, "out": out})
     nb, sq, hq, d = q.shape
@@ -588,9 +638,20 @@ def _dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf
         raise ValueError("attention_dkv with no query rows is handled by the caller (zeros)")
     ieee = q.dtype in ("float32", "float64")
     block_d, block_dv = _widths(d), _widths(dvn)
-    args = (Ptr(q), Ptr(k), Ptr(v), Ptr(do), Ptr(lse), Ptr(delta), Ptr(out), Ptr(key_qlo), Ptr(key_qhi),
-            sq, skv, hkv, hq // hkv, q_offset, k_offset, float(scale), float(scale) * math.log2(math.e),
-            *_grad_arguments(q, k, v, do, lse, delta, out))
+    group = hq // hkv
+    splits = dkv_splits(nb, skv, hkv, group) if scratch is not None else 1
+    if splits > 1:
+        need = dkv_scratch(nb, skv, hkv, group, width)
+        if scratch is None or scratch.nbytes < need * 4:
+            raise ValueError(f"attention_dkv split {splits} ways needs {need} float32 elements of scratch; got "
+                             f"{None if scratch is None else scratch.nbytes} bytes")
+        part = DevBuf(scratch.ptr, (nb, skv, hkv, width), "float32", scratch.device)  # one split's partials
+        target, stride_split = part, nb * skv * hkv * width
+    else:
+        target, stride_split = out, 0
+    args = (Ptr(q), Ptr(k), Ptr(v), Ptr(do), Ptr(lse), Ptr(delta), Ptr(target), Ptr(key_qlo), Ptr(key_qhi),
+            sq, skv, hkv, group, splits, stride_split, q_offset, k_offset, float(scale),
+            float(scale) * math.log2(math.e), *_grad_arguments(q, k, v, do, lse, delta, target))
     consts = dict(D=d, DV=dvn, BLOCK_D=block_d, BLOCK_DV=block_dv, WRITE_DK=dk, WRITE_DV=dv, IEEE=ieee,
                   ACC=acc_type(q.dtype))
     tma = _tma_views((q, k, v, do))
@@ -599,9 +660,14 @@ def _dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf
         bm, bn, warps, stages, want_tma = cfg
         use_tma = bool(want_tma) and tma is not None  # a fixed config may ask for TMA where it cannot be used
         descs = _descriptors(tma if use_tma else None, (bm, bn, bn, bm), (block_d, block_d, block_dv, block_dv))
-        _dkv_kernel[(triton.cdiv(skv, bn) * nb * hkv,)](*args, *descs, **consts, BLOCK_M=bm, BLOCK_N=bn,
-                                                        TMA=use_tma, RELOAD=use_tma and want_tma == 2,
-                                                        num_warps=warps, num_stages=stages)
+        _dkv_kernel[(triton.cdiv(skv, bn) * nb * hkv * splits,)](*args, *descs, **consts, BLOCK_M=bm, BLOCK_N=bn,
+                                                                 TMA=use_tma, RELOAD=use_tma and want_tma == 2,
+                                                                 num_warps=warps, num_stages=stages)
+        if splits > 1:  # the partials summed in split order into out
+            rows, bw = nb * skv * hkv, min(128, triton.next_power_of_2(width))
+            _sum_splits_kernel[(triton.cdiv(rows, 32), triton.cdiv(width, bw))](
+                Ptr(part), Ptr(out), rows, skv, hkv, width, splits, stride_split, *_strides3(out),
+                BLOCK_R=32, BLOCK_W=bw, num_warps=4)
 
-    launch(config or _pick(_shape_key("dkv", q, k, dvn, tma, dk, dv), (IEEE_CONFIGS if ieee else ROW_CONFIGS)["dkv"],
-                           tma, launch))
+    launch(config or _pick(_shape_key("dkv", q, k, dvn, tma, dk, dv, splits),
+                           (IEEE_CONFIGS if ieee else ROW_CONFIGS)["dkv"], tma, launch))
