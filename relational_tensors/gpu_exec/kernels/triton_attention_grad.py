@@ -441,6 +441,7 @@ def dkv_scratch(nb: int, skv: int, hkv: int, group: int, width: int) -> int:
     splits = dkv_splits(nb, skv, hkv, group)
     return 0 if splits == 1 else splits * nb * skv * hkv * width
 
+
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, loads) tried on the first launch of each shape class, the fastest
 # kept; TMA ones only where tensor descriptors work (Hopper or newer, whole power-of-two heads, aligned
 # contiguous blocks).  dk|dv holds two [BLOCK_N, d] float32 accumulators, so it takes narrower tiles and 8
