@@ -445,7 +445,7 @@ def compile_one(kind, t16, d, cfg):
     bd = max(16, triton.next_power_of_2(d))
     fn = {"lse": K._lse_kernel, "dq": K._dq_kernel, "dkv": K._dkv_kernel}[kind]
     consts = dict(D=d, BLOCK_D=bd, DV=d, BLOCK_DV=bd, BLOCK_M=bm, BLOCK_N=bn, IEEE=t16 == "fp32", ACC=tl.float32,
-                  TMA=bool(tma), WRITE_DK=True, WRITE_DV=True, RELOAD=tma == 2)
+                  TMA=bool(tma), WRITE_DK=True, WRITE_DV=True, RELOAD=tma == 2, SPLITS=1)
     blocks = {"q_desc": bm, "do_desc": bm, "k_desc": bn, "v_desc": bn}
     stats = {"lse_ptr", "delta_ptr"}
     limits = {"lo_ptr", "hi_ptr", "kqlo_ptr", "kqhi_ptr"}

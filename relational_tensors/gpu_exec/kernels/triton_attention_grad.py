@@ -329,22 +329,23 @@ def _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, st
 
 @triton.jit
 def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_ptr, kqhi_ptr,
-                sq, skv, hkv, group, splits, stride_split, q_offset, k_offset, scale, qk_scale,
+                sq, skv, hkv, group, stride_split, q_offset, k_offset, scale, qk_scale,
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 stride_gb, stride_gs, stride_gh, stride_lb, stride_ls, stride_lh, stride_tb, stride_ts, stride_th,
                 stride_ob, stride_os, stride_oh, q_desc, k_desc, v_desc, do_desc,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_DK: tl.constexpr, WRITE_DV: tl.constexpr,
-                IEEE: tl.constexpr, ACC: tl.constexpr, TMA: tl.constexpr, RELOAD: tl.constexpr):
+                IEEE: tl.constexpr, ACC: tl.constexpr, TMA: tl.constexpr, RELOAD: tl.constexpr,
+                SPLITS: tl.constexpr):
     n_blocks = tl.cdiv(skv, BLOCK_N)
     pid = tl.program_id(0).to(tl.int64)
     nbh = tl.num_programs(0).to(tl.int64) // n_blocks
     pid_n = pid // nbh  # kv heads (and their splits) of a key tile side by side, the first key tiles (under
     pid_bh = pid % nbh  # a causal mask the ones the most queries see) first
-    b = pid_bh // (hkv * splits)
-    hk = pid_bh // splits % hkv
-    part = pid_bh % splits  # this program's share of the group's query heads
-    per = group // splits
+    b = pid_bh // (hkv * SPLITS)  # SPLITS a constant: the unsplit pass keeps its registers
+    hk = pid_bh // SPLITS % hkv
+    part = pid_bh % SPLITS  # this program's share of the group's query heads
+    per = group // SPLITS
     n0 = pid_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     cmask = cols < skv
@@ -651,7 +652,7 @@ def _dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf
     else:
         target, stride_split = out, 0
     args = (Ptr(q), Ptr(k), Ptr(v), Ptr(do), Ptr(lse), Ptr(delta), Ptr(target), Ptr(key_qlo), Ptr(key_qhi),
-            sq, skv, hkv, group, splits, stride_split, q_offset, k_offset, float(scale),
+            sq, skv, hkv, group, stride_split, q_offset, k_offset, float(scale),
             float(scale) * math.log2(math.e), *_grad_arguments(q, k, v, do, lse, delta, target))
     consts = dict(D=d, DV=dvn, BLOCK_D=block_d, BLOCK_DV=block_dv, WRITE_DK=dk, WRITE_DV=dv, IEEE=ieee,
                   ACC=acc_type(q.dtype))
@@ -663,7 +664,7 @@ def _dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf
         descs = _descriptors(tma if use_tma else None, (bm, bn, bn, bm), (block_d, block_d, block_dv, block_dv))
         _dkv_kernel[(triton.cdiv(skv, bn) * nb * hkv * splits,)](*args, *descs, **consts, BLOCK_M=bm, BLOCK_N=bn,
                                                                  TMA=use_tma, RELOAD=use_tma and want_tma == 2,
-                                                                 num_warps=warps, num_stages=stages)
+                                                                 SPLITS=splits, num_warps=warps, num_stages=stages)
         if splits > 1:  # the partials summed in split order into out
             rows, bw = nb * skv * hkv, min(128, triton.next_power_of_2(width))
             _sum_splits_kernel[(triton.cdiv(rows, 32), triton.cdiv(width, bw))](
