@@ -181,7 +181,12 @@ class CompiledGraph:
     def memory_by_category(self) -> dict[int, dict[str, int]]:
         """Per device, the bytes live at its peak by what they are (``Graph.memory_categories``: parameters,
         optimizer state, inputs, gradients, activations for the backward, optimizer update, other)."""
-        return graph_liveness(self.graph, self.dag, categories=True).at_peak
+        scratch = None
+        if self.devices.kind == "cuda":  # the kernels' scratch, as the compiler counted it
+            from relational_tensors.gpu_exec.launchers import kernel_scratch
+
+            scratch = kernel_scratch(self.graph, self.dag)
+        return graph_liveness(self.graph, self.dag, categories=True, scratch=scratch).at_peak
 
     def execute(self, phase: int | None = None) -> None:
         """Run the task DAG once (inputs stay loaded; run it again after loading new ones); every

@@ -708,10 +708,10 @@ def test_a_reduction_of_few_long_rows_is_chunked(mem: Any, monkeypatch: pytest.M
     """A loss's mean over a whole tensor: the rows are cut into chunks whose partials a second pass combines
     (thresholds lowered so that small tensors take that path, with a short last chunk), axes moved last first
     where they are not; every function spec of a split against the NumPy kernel."""
-    from relational_tensors.gpu_exec.kernels import triton_norms as tn
+    from relational_tensors.gpu_exec.kernels import scratch as sizes
 
-    monkeypatch.setattr(tn, "SPLIT_LENGTH", 64)
-    monkeypatch.setattr(tn, "CHUNK_MIN", 16)
+    monkeypatch.setattr(sizes, "SPLIT_LENGTH", 64)
+    monkeypatch.setattr(sizes, "CHUNK_MIN", 16)
     rng = np.random.default_rng(3)
     shape = (3, 29, 11)
     op = make("reduce", [T(shape, dtype)], op=how, axes=axes)
@@ -719,4 +719,4 @@ def test_a_reduction_of_few_long_rows_is_chunked(mem: Any, monkeypatch: pytest.M
     for request in requests:
         check_op(mem, op, [randn(rng, shape, dtype, 2.0)], request, tol=1e-12 if dtype == "float64" else 1e-5
                  if dtype == "float32" else None)
-    assert tn.reduce_chunks(1, 29 * 11 * 3) > 1
+    assert sizes.reduce_chunks(1, 29 * 11 * 3) > 1

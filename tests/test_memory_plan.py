@@ -10,6 +10,8 @@ import pytest
 from cases import CASES
 
 import relational_tensors as rt
+from relational_tensors.errors import OutOfMemoryPlanError
+from relational_tensors.gpu_exec.launchers import kernel_scratch
 from relational_tensors.gpu_exec.memory_plan import MemoryPlan, align, plan_arena, plan_memory, sibling_tasks
 from relational_tensors.models import LLAMA3_8B, llama_block, llama_training_graph
 
@@ -214,3 +216,25 @@ def test_next_values_written_in_place_wait_for_every_reader_of_the_old(p: int, k
     if keep == "as read":
         assert in_place
     check(cg)
+
+
+def test_a_gpu_plan_counts_its_kernels_scratch() -> None:
+    """On GPU devices the liveness counts the scratch a kernel holds during its task (a reduction over a
+    leading axis moves the whole input into scratch first): ``cg.memory()`` is the GPU executor's arena,
+    the scratch shows as "other" at the peak, and a memory limit the buffers alone would meet is refused
+    before anything runs.  CPU devices (NumPy kernels) need no scratch."""
+    g = rt.Graph()
+    x = g.input("x", [4096, 512])
+    g.save(g.sum(x, axis=0), name="y")
+    cpu = rt.compileGraph(g, device="cpu:1")
+    gpu = rt.compileGraph(g, device="cuda:0")
+    scratch = kernel_scratch(g, gpu.dag)
+    assert kernel_scratch(g, cpu.dag) == scratch and sum(scratch.values()) == 4096 * 512 * 4  # the input, moved
+    assert gpu.memory()[0] == cpu.memory()[0] + 4096 * 512 * 4
+    plan = plan_memory(gpu.graph, gpu.dag, gpu.live, scratch=scratch)
+    assert gpu.memory()[0] <= plan.arena_bytes[0] <= 1.01 * gpu.memory()[0]
+    assert gpu.memory_by_category()[0]["other"] >= 4096 * 512 * 4
+    limit = cpu.memory()[0] + 4096 * 512 * 2  # the buffers fit, the buffers and the scratch do not
+    rt.compileGraph(g, device="cpu:1", memory_per_device=limit)
+    with pytest.raises(OutOfMemoryPlanError, match="device 0 needs"):
+        rt.compileGraph(g, device="cuda:0", memory_per_device=limit)

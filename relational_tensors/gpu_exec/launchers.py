@@ -34,7 +34,7 @@ from relational_tensors.errors import ExecError
 from relational_tensors.sql_specs.base import Operator
 
 __all__ = ["Launcher", "LAUNCHERS", "launcher", "launcher_for", "op_constants", "scratch_shape", "task_scratch",
-           "scratch_bytes"]
+           "scratch_bytes", "kernel_scratch"]
 
 LaunchFn = Callable[[Any, FunctionSpec, list, Any, dict, int], None]
 Constants = Callable[[Any], dict[str, np.ndarray]]
@@ -110,6 +110,12 @@ def task_scratch(graph: Any, dag: Any) -> dict[int, tuple[tuple[int, ...], str]]
 def scratch_bytes(needs: dict[int, tuple[tuple[int, ...], str]]) -> dict[int, int]:
     """``task_scratch``'s needs in bytes, for the memory plan."""
     return {t: math.prod(shape) * itemsize(dtype) for t, (shape, dtype) in needs.items()}
+
+
+def kernel_scratch(graph: Any, dag: Any) -> dict[int, int]:
+    """Kernel task -> bytes of scratch the GPU executor gives it (``task_scratch``), for the liveness of a
+    GPU plan: computed without Triton or CuPy (``kernels.scratch``), so any machine can count it."""
+    return scratch_bytes(task_scratch(graph, dag))
 
 
 # ------------------------------------------------------------------ the launchers, by family
@@ -254,7 +260,7 @@ def _reduce_layout(op: Any, shape: tuple[int, ...]) -> tuple[list[int], tuple[in
 def _reduce_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str] | None:
     """Room for the input with its reduced axes moved last (when they are not already), then for the
     partials of a chunked reduction (few long rows), in elements of the input's dtype."""
-    from relational_tensors.gpu_exec.kernels.triton_norms import partial_dtype, reduce_chunks
+    from relational_tensors.gpu_exec.kernels.scratch import partial_dtype, reduce_chunks
 
     shape, dtype = f.inputs[0].shape, op.input_types[0].dtype
     keep, axes, moved = _reduce_layout(op, shape)
@@ -409,7 +415,7 @@ def _norm_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stre
 
 def _norm_weight_grad_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str]:
     """Per-row statistics and per-chunk partial sums, in the compute dtype."""
-    from relational_tensors.gpu_exec.kernels.triton_norms_grad import weight_grad_scratch
+    from relational_tensors.gpu_exec.kernels.scratch import weight_grad_scratch
 
     shape = f.inputs[0].shape
     rows = math.prod(shape[:-1])
@@ -425,7 +431,7 @@ def _norm_weight_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dic
 
 def _embedding_grad_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str]:
     """The sort keys of the block's token ids."""
-    from relational_tensors.gpu_exec.kernels.triton_embedding_grad import embedding_grad_scratch
+    from relational_tensors.gpu_exec.kernels.scratch import embedding_grad_scratch
 
     return (embedding_grad_scratch(f.inputs[0].volume),), "int64"
 
@@ -633,8 +639,8 @@ def _attention_delta(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict
 
 
 def _attention_grad_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str] | None:
-    """float32 partials of a dk|dv pass that splits its query heads (``triton_attention_grad.dkv_splits``)."""
-    from relational_tensors.gpu_exec.kernels.triton_attention_grad import dkv_scratch
+    """float32 partials of a dk|dv pass that splits its query heads (``kernels.scratch.dkv_splits``)."""
+    from relational_tensors.gpu_exec.kernels.scratch import dkv_scratch
 
     if op.part not in ("dk", "dv", "dkv") or op.extras or op.key_lengths is not None \
             or op.input_types[0].dtype == "float64":

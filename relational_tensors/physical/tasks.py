@@ -345,14 +345,16 @@ def reshape_shares(graph: Graph, dag: TaskDAG) -> dict[int, int]:
 
 
 def liveness(dag: TaskDAG, category: Callable[[int], str] | None = None,
-             shares: Mapping[int, int] | None = None) -> Liveness:
+             shares: Mapping[int, int] | None = None, scratch: Mapping[int, int] | None = None) -> Liveness:
     """Free each buffer after its last use; report per-device peak bytes.
 
     Loaded inputs stay resident (a program executes many times on one load) and
     saved outputs stay until they are offloaded.  A root is born with the first
     write to it or to any of its views and dies after the last use of any of them.
     ``category`` (tensor node id -> a name) also splits each device's peak by category;
-    ``shares`` (:func:`reshape_shares`) are counted as views of the buffers they reshape.
+    ``shares`` (:func:`reshape_shares`) are counted as views of the buffers they reshape; ``scratch``
+    (task -> bytes) is memory a kernel task holds while it runs, besides its outputs (in the category
+    ``"other"``).
     """
     buffers, tasks = dag.buffers, dag.tasks
     root = dag.view_roots(shares)
@@ -423,6 +425,13 @@ def liveness(dag: TaskDAG, category: Callable[[int], str] | None = None,
                         at_peak[d] = dict(by[d])
                 if live[d] > peak[d]:
                     peak[d] = live[d]
+        extra = scratch.get(t.id, 0) if scratch else 0
+        if extra and live[t.device] + extra > peak[t.device]:
+            peak[t.device] = live[t.device] + extra
+            if category is not None:
+                held = dict(by[t.device])
+                held["other"] = held.get("other", 0) + extra
+                at_peak[t.device] = held
         gone = dies.get(t.id)
         if gone:
             for b in gone:
@@ -436,7 +445,10 @@ def liveness(dag: TaskDAG, category: Callable[[int], str] | None = None,
     return Liveness(last_use, frozenset(persistent), dict(peak), dict(resident), views, at_peak, dict(shares or {}))
 
 
-def graph_liveness(graph: Graph, dag: TaskDAG, categories: bool = False) -> Liveness:
+def graph_liveness(graph: Graph, dag: TaskDAG, categories: bool = False,
+                   scratch: Mapping[int, int] | None = None) -> Liveness:
     """:func:`liveness` of the DAG lowered from ``graph``: its reshape outputs counted in their input's
-    memory (``reshape_shares``), and with ``categories`` each peak split by ``Graph.memory_categories``."""
-    return liveness(dag, graph.memory_categories().__getitem__ if categories else None, reshape_shares(graph, dag))
+    memory (``reshape_shares``), with ``categories`` each peak split by ``Graph.memory_categories``, and
+    the kernels' ``scratch`` (task -> bytes; on GPUs, ``gpu_exec.launchers.kernel_scratch``) at its task."""
+    return liveness(dag, graph.memory_categories().__getitem__ if categories else None, reshape_shares(graph, dag),
+                    scratch)

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type, fastest_config
+from relational_tensors.gpu_exec.kernels.scratch import dkv_scratch, dkv_splits
 from relational_tensors.gpu_exec.kernels.triton_attention import interpreted
 
 __all__ = ["attention_lse", "attention_delta", "attention_dq", "attention_dkv", "dkv_splits", "dkv_scratch",
@@ -47,10 +48,6 @@ __all__ = ["attention_lse", "attention_delta", "attention_dq", "attention_dkv", 
 # holding them in registers would spill
 Config = tuple[int, int, int, int, int]
 _BIG = tl.constexpr(2147483647)  # past every row and key index: the masked rows' limits
-# dk|dv programs (of 64 keys) that fill an H200 (132 SMs) twice over; fewer, and the query heads of a
-# group are split among programs: a causal key tile's work falls with its index, so a grid of about one
-# program per SM waits on its first tiles' programs while the rest of the GPU idles
-FILL_PROGRAMS = 264
 
 
 @triton.jit
@@ -421,26 +418,6 @@ def _sum_splits_kernel(src_ptr, out_ptr, rows, skv, hkv, width, splits, stride_s
 
 
 # ------------------------------------------------------------------------------------------- wrappers
-
-
-def dkv_splits(nb: int, skv: int, hkv: int, group: int) -> int:
-    """Among how many programs the dk|dv pass splits each group of ``group`` query heads: 1 where the
-    (batch, kv head, 64-key tile) programs fill the GPU (``FILL_PROGRAMS``), else the fewest that do, a
-    divisor of ``group`` (all of it at most).
-
-    >>> dkv_splits(1, 8192, 8, 4), dkv_splits(1, 8192, 1, 4), dkv_splits(32, 1024, 1, 4), dkv_splits(1, 512, 1, 6)
-    (1, 4, 1, 6)
-    """
-    programs = nb * hkv * -(-skv // 64)
-    if group <= 1 or programs >= FILL_PROGRAMS:
-        return 1
-    return next((n for n in range(2, group + 1) if group % n == 0 and programs * n >= FILL_PROGRAMS), group)
-
-
-def dkv_scratch(nb: int, skv: int, hkv: int, group: int, width: int) -> int:
-    """float32 elements of scratch the dk|dv pass of such blocks uses (0: it writes its output directly)."""
-    splits = dkv_splits(nb, skv, hkv, group)
-    return 0 if splits == 1 else splits * nb * skv * hkv * width
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, loads) tried on the first launch of each shape class, the fastest

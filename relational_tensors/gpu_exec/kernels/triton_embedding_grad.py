@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type
+from relational_tensors.gpu_exec.kernels.scratch import embedding_grad_scratch, padded_tokens
 
 __all__ = ["embedding_grad", "embedding_grad_scratch"]
 
@@ -23,15 +24,6 @@ SORT_BLOCK = 1024   # keys sorted in registers by one program
 BLOCK_E = 128       # embedding columns per program of the sums
 BLOCK_K = 16        # keys of a run added per step
 SENTINEL = 2**63 - 1
-
-
-def _padded(tokens: int) -> int:
-    return triton.next_power_of_2(max(tokens, 16))
-
-
-def embedding_grad_scratch(tokens: int) -> int:
-    """int64 elements of scratch ``embedding_grad`` needs for a block of ``tokens`` ids: the padded keys."""
-    return _padded(tokens)
 
 
 @triton.jit
@@ -117,7 +109,7 @@ def embedding_grad(ids: DevBuf, dy: DevBuf, out: DevBuf, scratch: DevBuf, v0: in
     if dy.shape != (*ids.shape, n_e):
         raise ValueError(f"embedding_grad needs dy of shape ids.shape + ({n_e},) = {(*ids.shape, n_e)}; got "
                          f"{dy.shape}")
-    n_pad = _padded(n_tok)
+    n_pad = padded_tokens(n_tok)
     if scratch.nbytes < n_pad * 8:
         raise ValueError(f"embedding_grad needs {n_pad} int64 elements of scratch for {n_tok} ids; got "
                          f"{scratch.size} {scratch.dtype}")

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type
+from relational_tensors.gpu_exec.kernels.scratch import partial_dtype, reduce_chunks
 
 __all__ = ["rmsnorm", "layernorm", "softmax", "row_reduce"]
 
@@ -166,24 +167,6 @@ def _row_reduce_kernel(x_ptr, out_ptr, n, chunk, chunks, count, OP: tl.constexpr
         safe = tl.where(top == float("-inf"), 0.0, top)
         r = safe + tl.log(tl.sum(total * tl.exp(acc - safe), axis=0))
     tl.store(out_ptr + row * chunks + part, r.to(out_ptr.dtype.element_ty))
-
-
-SPLIT_ROWS = 264  # fewer output rows than this (two per SM of an H100/H200) leave the GPU mostly idle
-SPLIT_LENGTH = 1 << 16  # rows at least this long are then reduced in chunks, partials combined after
-CHUNK_MIN = 8192
-
-
-def reduce_chunks(rows: int, n: int) -> int:
-    """How many chunks each row of a [rows, n] reduction is cut into (1: one program per row).  A full
-    reduction of a large tensor (a loss's mean) in one program would read it at a single SM's bandwidth."""
-    if rows >= SPLIT_ROWS or n < SPLIT_LENGTH:
-        return 1
-    return max(1, min(-(-2 * SPLIT_ROWS // rows), n // CHUNK_MIN))
-
-
-def partial_dtype(dtype: str) -> str:
-    """The dtype of a chunked reduction's partials: float64 for float64, else float32."""
-    return "float64" if dtype == "float64" else "float32"
 
 
 def row_reduce(x: DevBuf, out: DevBuf, op: str, count: int = 1, partials: DevBuf | None = None) -> None:

@@ -12,13 +12,12 @@ import triton.language as tl
 
 from relational_tensors.core.dtypes import itemsize
 from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type
+from relational_tensors.gpu_exec.kernels.scratch import PARTIAL_ROWS, weight_grad_chunks, weight_grad_scratch
 
 __all__ = ["norm_grad", "norm_weight_grad", "weight_grad_chunks", "weight_grad_scratch", "softmax_grad"]
 
 STATS_ROWS = 16     # rows per program of the statistics pass
-PARTIAL_ROWS = 16   # rows per step of a chunk's sum
 PARTIAL_COLS = 256  # columns per program of a chunk's sum: 512 bytes of a 16-bit row per load
-MAX_CHUNKS = 128    # chunks of rows, so the partials stay small next to the block
 
 
 def _block(d: int) -> int:
@@ -100,23 +99,6 @@ def norm_grad(x: DevBuf, w: DevBuf, dy: DevBuf, out: DevBuf, layer: bool, eps: f
         _norm_grad_kernel[(rows,)](Ptr(x), Ptr(w), Ptr(dy), Ptr(out), d, float(eps), LAYER=bool(layer),
                                    BLOCK_D=block, ONE_PASS=block >= d, ACC=acc_type(x.dtype),
                                    num_warps=8 if block >= 2048 else 4)
-
-
-def weight_grad_chunks(rows: int) -> int:
-    """How many chunks of rows ``norm_weight_grad`` sums separately (a function of the block's shape only,
-    so the order of the additions never changes)."""
-    if rows <= 0:
-        return 1
-    per = triton.cdiv(rows, MAX_CHUNKS)
-    per = triton.cdiv(per, PARTIAL_ROWS) * PARTIAL_ROWS
-    return triton.cdiv(rows, per)
-
-
-def weight_grad_scratch(rows: int, d: int) -> int:
-    """Elements of compute-dtype scratch ``norm_weight_grad`` needs: (mean, r) per row and one partial row per
-    chunk."""
-    chunks = weight_grad_chunks(rows)
-    return 2 * rows + (chunks * d if chunks > 1 else 0)
 
 
 @triton.jit

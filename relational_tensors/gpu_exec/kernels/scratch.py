@@ -1,0 +1,95 @@
+"""How much scratch the kernels that need some take, and the shape rules behind it, without Triton or
+CuPy: the launchers give each such task its scratch from these, the GPU executor places it in the arena,
+and the compiler counts it in a GPU plan's memory on any machine.
+
+* chunked reductions (``triton_norms.row_reduce``): few long rows are reduced in chunks whose partials a
+  second pass combines;
+* a norm's weight gradient (``triton_norms_grad.norm_weight_grad``): per-row statistics, then one partial
+  row per chunk of rows;
+* the embedding gradient (``triton_embedding_grad``): the padded sort keys of the block's token ids;
+* attention's dk|dv pass on a small grid (``triton_attention_grad.attention_dkv``): float32 partials of
+  each share of a group's query heads.
+"""
+
+from __future__ import annotations
+
+__all__ = ["reduce_chunks", "partial_dtype", "weight_grad_chunks", "weight_grad_scratch", "padded_tokens",
+           "embedding_grad_scratch", "dkv_splits", "dkv_scratch"]
+
+SPLIT_ROWS = 264  # fewer output rows than this (two per SM of an H100/H200) leave the GPU mostly idle
+SPLIT_LENGTH = 1 << 16  # rows at least this long are then reduced in chunks, partials combined after
+CHUNK_MIN = 8192
+PARTIAL_ROWS = 16   # rows per step of a norm weight gradient's chunk sum
+MAX_CHUNKS = 128    # chunks of rows, so the partials stay small next to the block
+# dk|dv programs (of 64 keys) that fill an H200 (132 SMs) twice over; fewer, and the query heads of a
+# group are split among programs: a causal key tile's work falls with its index, so a grid of about one
+# program per SM waits on its first tiles' programs while the rest of the GPU idles
+FILL_PROGRAMS = 264
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def reduce_chunks(rows: int, n: int) -> int:
+    """How many chunks each row of a [rows, n] reduction is cut into (1: one program per row).  A full
+    reduction of a large tensor (a loss's mean) in one program would read it at a single SM's bandwidth.
+
+    >>> reduce_chunks(1, 1 << 20), reduce_chunks(4096, 1 << 20), reduce_chunks(1, 100)
+    (128, 1, 1)
+    """
+    if rows >= SPLIT_ROWS or n < SPLIT_LENGTH:
+        return 1
+    return max(1, min(_cdiv(2 * SPLIT_ROWS, rows), n // CHUNK_MIN))
+
+
+def partial_dtype(dtype: str) -> str:
+    """The dtype of a chunked reduction's partials: float64 for float64, else float32."""
+    return "float64" if dtype == "float64" else "float32"
+
+
+def weight_grad_chunks(rows: int) -> int:
+    """How many chunks of rows ``norm_weight_grad`` sums separately (a function of the block's shape only,
+    so the order of the additions never changes)."""
+    if rows <= 0:
+        return 1
+    per = _cdiv(_cdiv(rows, MAX_CHUNKS), PARTIAL_ROWS) * PARTIAL_ROWS
+    return _cdiv(rows, per)
+
+
+def weight_grad_scratch(rows: int, d: int) -> int:
+    """Elements of compute-dtype scratch ``norm_weight_grad`` needs: (mean, r) per row and one partial row per
+    chunk."""
+    chunks = weight_grad_chunks(rows)
+    return 2 * rows + (chunks * d if chunks > 1 else 0)
+
+
+def padded_tokens(tokens: int) -> int:
+    """The embedding gradient's sort length: the next power of two of the block's ids, at least 16."""
+    n = max(tokens, 16)
+    return 1 << (n - 1).bit_length()
+
+
+def embedding_grad_scratch(tokens: int) -> int:
+    """int64 elements of scratch ``embedding_grad`` needs for a block of ``tokens`` ids: the padded keys."""
+    return padded_tokens(tokens)
+
+
+def dkv_splits(nb: int, skv: int, hkv: int, group: int) -> int:
+    """Among how many programs the dk|dv pass splits each group of ``group`` query heads: 1 where the
+    (batch, kv head, 64-key tile) programs fill the GPU (``FILL_PROGRAMS``), else the fewest that do, a
+    divisor of ``group`` (all of it at most).
+
+    >>> dkv_splits(1, 8192, 8, 4), dkv_splits(1, 8192, 1, 4), dkv_splits(32, 1024, 1, 4), dkv_splits(1, 512, 1, 6)
+    (1, 4, 1, 6)
+    """
+    programs = nb * hkv * _cdiv(skv, 64)
+    if group <= 1 or programs >= FILL_PROGRAMS:
+        return 1
+    return next((n for n in range(2, group + 1) if group % n == 0 and programs * n >= FILL_PROGRAMS), group)
+
+
+def dkv_scratch(nb: int, skv: int, hkv: int, group: int, width: int) -> int:
+    """float32 elements of scratch the dk|dv pass of such blocks uses (0: it writes its output directly)."""
+    splits = dkv_splits(nb, skv, hkv, group)
+    return 0 if splits == 1 else splits * nb * skv * hkv * width
