@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from relational_tensors.gpu_exec.calibrate import time_cuda
     from relational_tensors.gpu_exec.kernels import triton_attention_grad as tg
     from relational_tensors.gpu_exec.kernels.common import DevBuf, bind_triton_to_cupy
+    from relational_tensors.gpu_exec.kernels.scratch import dkv_scratch
     from relational_tensors.gpu_exec.launchers import key_query_limits
 
     bind_triton_to_cupy()
@@ -173,7 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             tg.attention_dq(bq, bk, bv, bdo, blse, bdelta, bdq, blo, bhi, 0, 0, scale)
 
         # the scratch the executor gives a dk|dv pass that splits its query heads (a small grid)
-        need = tg.dkv_scratch(1, s, heads_kv, heads_q // heads_kv, 2 * HEAD_DIM)
+        need = dkv_scratch(1, s, heads_kv, heads_q // heads_kv, 2 * HEAD_DIM)
         scratch = buf(torch.empty(max(need, 1), device=dev, dtype=torch.float32)) if need else None
 
         def ours_dkv() -> None:

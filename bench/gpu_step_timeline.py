@@ -73,7 +73,7 @@ def family(name: str) -> str:
     """A kernel's family: copies by direction, cuBLAS/cuDNN GEMMs as one, Triton kernels by their name."""
     low = name.lower()
     if low.startswith("memcpy") or low.startswith("memset"):
-        return name.split(" ")[0] + " " + name.split(" ")[1] if " " in name else name
+        return " ".join(name.split(" ")[:2])
     if "gemm" in low or "cutlass" in low or "sm90_xmma" in low or "nvjet" in low:
         return "gemm"
     return name.split("(")[0][:60]

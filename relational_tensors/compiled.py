@@ -18,7 +18,6 @@ from relational_tensors.catalog import Catalog
 from relational_tensors.errors import ExecError, GraphError
 from relational_tensors.frontend.graph import Tensor
 from relational_tensors.physical.simulate import PlanSimResult
-from relational_tensors.physical.tasks import graph_liveness
 from relational_tensors.reference import STALE_OUTPUTS, coerce_feed
 from relational_tensors.target.devices import visible_gpus
 from relational_tensors.target.target import Target
@@ -180,13 +179,9 @@ class CompiledGraph:
 
     def memory_by_category(self) -> dict[int, dict[str, int]]:
         """Per device, the bytes live at its peak by what they are (``Graph.memory_categories``: parameters,
-        optimizer state, inputs, gradients, activations for the backward, optimizer update, other)."""
-        scratch = None
-        if self.devices.kind == "cuda":  # the kernels' scratch, as the compiler counted it
-            from relational_tensors.gpu_exec.launchers import kernel_scratch
-
-            scratch = kernel_scratch(self.graph, self.dag)
-        return graph_liveness(self.graph, self.dag, categories=True, scratch=scratch).at_peak
+        optimizer state, inputs, gradients, activations for the backward, optimizer update, other; on GPUs
+        the kernels' scratch is "other"): the split the compiler's liveness pass made."""
+        return {d: dict(parts) for d, parts in self.live.at_peak.items()}
 
     def execute(self, phase: int | None = None) -> None:
         """Run the task DAG once (inputs stay loaded; run it again after loading new ones); every

@@ -42,6 +42,7 @@ pytest.importorskip("triton")
 K = importlib.import_module(_MODULE)
 
 from relational_tensors.gpu_exec.kernels.common import DevBuf  # noqa: E402
+from relational_tensors.gpu_exec.kernels.scratch import dkv_scratch, dkv_splits  # noqa: E402
 from relational_tensors.gpu_exec.launchers import key_query_limits  # noqa: E402
 
 DEVICE = "cuda" if GPU else "cpu"
@@ -185,7 +186,7 @@ class Problem:
         if split:
             nb, _, hq, _ = bufs[0].shape
             skv, hkv = bufs[1].shape[1], bufs[1].shape[2]
-            need = K.dkv_scratch(nb, skv, hkv, hq // hkv, shape[-1])
+            need = dkv_scratch(nb, skv, hkv, hq // hkv, shape[-1])
             assert need, "this problem's blocks do not split"
             scratch = _buf(torch.full((need,), float("nan"), dtype=torch.float32))[0]
         lim = self.limits
@@ -304,7 +305,7 @@ def test_dkv_with_query_heads_split_among_programs(group: int, dtype: str, causa
     and a query block at an offset; and the same bits as a second run."""
     p = Problem(b=1, sq=45 if causal is not True else 37, skv=37, hkv=2, group=group, d=24, dtype=dtype, seed=4,
                 causal=causal)
-    assert K.dkv_splits(1, 37, 2, group) == group  # two programs: the whole group split
+    assert dkv_splits(1, 37, 2, group) == group  # two programs: the whole group split
     ran = 0
     for part in ("dkv", "dk", "dv"):
         op = p.ops[part]

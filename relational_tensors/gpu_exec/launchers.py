@@ -607,12 +607,18 @@ def _attention_grad_constants(op: Any) -> dict[str, np.ndarray]:
             "key_qhi": qhi.astype(np.int32)}
 
 
-def _grad_on_host(op: Any, bufs: list) -> bool:
-    """Whether an attention-backward block runs the operator's NumPy kernel on host copies: key padding,
-    masks, biases and key lengths (which per-row key ranges cannot express), the bias gradient, float64 (no
-    float64 attention on GPUs) and blocks whose last axis is not contiguous."""
+def _host_form(op: Any) -> bool:
+    """Whether an attention-backward operator runs its NumPy kernel on host copies whatever its blocks: key
+    padding, masks, biases and key lengths (which per-row key ranges cannot express), the bias gradient and
+    float64 (no float64 attention on GPUs)."""
     return (bool(op.extras) or op.key_lengths is not None or getattr(op, "part", "") == "dbias"
-            or bufs[0].dtype == "float64" or any(b.shape[-1] > 1 and b.strides[-1] != 1 for b in bufs))
+            or op.input_types[0].dtype == "float64")
+
+
+def _grad_on_host(op: Any, bufs: list) -> bool:
+    """Whether an attention-backward block runs on host copies: a host form (``_host_form``), or blocks
+    whose last axis is not contiguous."""
+    return _host_form(op) or any(b.shape[-1] > 1 and b.strides[-1] != 1 for b in bufs)
 
 
 @launcher("attention_lse", constants=_attention_grad_constants)
@@ -642,8 +648,7 @@ def _attention_grad_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], 
     """float32 partials of a dk|dv pass that splits its query heads (``kernels.scratch.dkv_splits``)."""
     from relational_tensors.gpu_exec.kernels.scratch import dkv_scratch
 
-    if op.part not in ("dk", "dv", "dkv") or op.extras or op.key_lengths is not None \
-            or op.input_types[0].dtype == "float64":
+    if op.part not in ("dk", "dv", "dkv") or _host_form(op):
         return None
     (nb, _, hq, d), (_, skv, hkv, _), dv = f.inputs[0].shape, f.inputs[1].shape, f.inputs[2].shape[3]
     width = (d if op.part in ("dk", "dkv") else 0) + (dv if op.part in ("dv", "dkv") else 0)

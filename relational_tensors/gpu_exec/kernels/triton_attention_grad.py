@@ -40,8 +40,7 @@ from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type, fa
 from relational_tensors.gpu_exec.kernels.scratch import dkv_scratch, dkv_splits
 from relational_tensors.gpu_exec.kernels.triton_attention import interpreted
 
-__all__ = ["attention_lse", "attention_delta", "attention_dq", "attention_dkv", "dkv_splits", "dkv_scratch",
-           "Config"]
+__all__ = ["attention_lse", "attention_delta", "attention_dq", "attention_dkv", "Config"]
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, loads): loads 0 through pointers, 1 through tensor descriptors
 # (TMA), 2 (dk|dv only) through tensor descriptors with k and v loaded again for every query tile, where
@@ -618,16 +617,15 @@ def _dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf
     ieee = q.dtype in ("float32", "float64")
     block_d, block_dv = _widths(d), _widths(dvn)
     group = hq // hkv
-    splits = dkv_splits(nb, skv, hkv, group) if scratch is not None else 1
-    if splits > 1:
+    splits = 1 if scratch is None else dkv_splits(nb, skv, hkv, group)
+    target, stride_split = out, 0  # the split pass writes each share's partials [b, skv, hkv, width] apart
+    if scratch is not None and splits > 1:
         need = dkv_scratch(nb, skv, hkv, group, width)
-        if scratch is None or scratch.nbytes < need * 4:
+        if scratch.nbytes < need * 4:
             raise ValueError(f"attention_dkv split {splits} ways needs {need} float32 elements of scratch; got "
-                             f"{None if scratch is None else scratch.nbytes} bytes")
-        part = DevBuf(scratch.ptr, (nb, skv, hkv, width), "float32", scratch.device)  # one split's partials
-        target, stride_split = part, nb * skv * hkv * width
-    else:
-        target, stride_split = out, 0
+                             f"{scratch.nbytes} bytes")
+        target = DevBuf(scratch.ptr, (nb, skv, hkv, width), "float32", scratch.device)
+        stride_split = nb * skv * hkv * width
     args = (Ptr(q), Ptr(k), Ptr(v), Ptr(do), Ptr(lse), Ptr(delta), Ptr(target), Ptr(key_qlo), Ptr(key_qhi),
             sq, skv, hkv, group, stride_split, q_offset, k_offset, float(scale),
             float(scale) * math.log2(math.e), *_grad_arguments(q, k, v, do, lse, delta, target))
@@ -645,7 +643,7 @@ def _dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf
         if splits > 1:  # the partials summed in split order into out
             rows, bw = nb * skv * hkv, min(128, triton.next_power_of_2(width))
             _sum_splits_kernel[(triton.cdiv(rows, 32), triton.cdiv(width, bw))](
-                Ptr(part), Ptr(out), rows, skv, hkv, width, splits, stride_split, *_strides3(out),
+                Ptr(target), Ptr(out), rows, skv, hkv, width, splits, stride_split, *_strides3(out),
                 BLOCK_R=32, BLOCK_W=bw, num_warps=4)
 
     launch(config or _pick(_shape_key("dkv", q, k, dvn, tma, dk, dv, splits),

@@ -16,9 +16,9 @@ import triton
 import triton.language as tl
 
 from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type
-from relational_tensors.gpu_exec.kernels.scratch import embedding_grad_scratch, padded_tokens
+from relational_tensors.gpu_exec.kernels.scratch import padded_tokens
 
-__all__ = ["embedding_grad", "embedding_grad_scratch"]
+__all__ = ["embedding_grad"]
 
 SORT_BLOCK = 1024   # keys sorted in registers by one program
 BLOCK_E = 128       # embedding columns per program of the sums
@@ -101,7 +101,7 @@ def _run_sum_kernel(keys_ptr, dy_ptr, out_ptr, n_tok, n_e, BLOCK_K: tl.constexpr
 def embedding_grad(ids: DevBuf, dy: DevBuf, out: DevBuf, scratch: DevBuf, v0: int) -> None:
     """out [n_v, n_e] = the rows v0.. of the table's gradient from contiguous ids [...] and dy [..., n_e]:
     row v - v0 sums dy over the tokens whose id is v, in token order.  ``scratch`` holds
-    ``embedding_grad_scratch(ids.size)`` int64 elements."""
+    ``kernels.scratch.embedding_grad_scratch(ids.size)`` int64 elements."""
     from relational_tensors.gpu_exec.kernels.triton_copy import fill
 
     n_tok = ids.size

@@ -14,7 +14,7 @@ from relational_tensors.core.dtypes import itemsize
 from relational_tensors.gpu_exec.kernels.common import DevBuf, Ptr, acc_type
 from relational_tensors.gpu_exec.kernels.scratch import PARTIAL_ROWS, weight_grad_chunks, weight_grad_scratch
 
-__all__ = ["norm_grad", "norm_weight_grad", "weight_grad_chunks", "weight_grad_scratch", "softmax_grad"]
+__all__ = ["norm_grad", "norm_weight_grad", "softmax_grad"]
 
 STATS_ROWS = 16     # rows per program of the statistics pass
 PARTIAL_COLS = 256  # columns per program of a chunk's sum: 512 bytes of a 16-bit row per load
