@@ -137,6 +137,33 @@ def test_placement_ties_follow_the_last_operator_with_the_same_blocks(device: st
             assert err <= 1e-2, f"{name}: {err:.1e} of the largest magnitude"  # bf16 states: 2^-7
 
 
+def test_a_plan_priced_for_its_local_assembly_computes_the_step() -> None:
+    """The calibrated model on eight logical devices of one GPU prices each reader's copy of the part of
+    its block a whole block on its own device holds (``target.pricing.exchange_seconds``); the training
+    step it plans, its task DAG run by the NumPy executor, gives the single-device reference's loss and
+    updated states."""
+    g = llama_training_graph(1, 512, 256, 8, 2, 512, 64, dtype="bfloat16", optimizer="adamw",
+                             master_dtype="float32")
+    cg = rt.compileGraph(g, device="cuda:" + ",".join(["0"] * 8), cost_model="calibrated")
+    assert any(t.kind == "recompose" for t in cg.dag.tasks)  # readers assemble blocks from pieces
+    feeds = llama_training_feeds(g)
+
+    class OnHost(NumpyExecutor):  # the GPU plan's tasks, run on the host (called as the GPU executor is)
+        def offload(self, name: str, like: str = "numpy") -> np.ndarray:
+            return super().offload(name)
+
+        def state(self, name: str, like: str = "numpy") -> np.ndarray:
+            return super().state(name)
+
+    cg._executor = OnHost(g, cg.dag, cg.live)
+    got, want = cg.run(feeds), rt.reference(g, feeds)
+    assert set(got) == set(want)
+    for name, ref in want.items():
+        ref, out = np.asarray(ref, np.float64), np.asarray(got[name], np.float64)
+        err = np.max(np.abs(out - ref), initial=0.0) / max(np.max(np.abs(ref), initial=0.0), 1e-30)
+        assert err <= 1e-2, f"{name}: {err:.1e} of the largest magnitude"  # bf16 states: 2^-7
+
+
 def test_recent_readers_blocks_are_read_again_not_received_again() -> None:
     """The gate and up projections read one normalized activation: placed alike, the second reads the
     buffer the first received; the plan moves fewer bytes than one that delivers every block, with no more
