@@ -16,7 +16,8 @@ Each run first checks our gradients against SDPA's (bfloat16 tolerance, relative
 and stops if they differ; then 2 warm-ups and 10 timed rounds with CUDA events per measurement.  Results
 go to bench/results/gpu_attention_bwd.json and .md.
 
-    python bench/gpu_attention_bwd.py [--tokens 8192,32768] [--backends flash,cudnn] [--sweep] [--out bench/results]
+    python bench/gpu_attention_bwd.py [--tokens 8192,32768] [--backends flash,cudnn,flash-det,cudnn-det] [--sweep]
+                                       [--heads 32,8] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import json
 import math
 import statistics
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -39,8 +41,9 @@ TOLERANCE = 3e-2  # bfloat16 inputs, P and dS rounded to 16 bits on both sides, 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--tokens", default="8192,32768", help="sequence lengths, comma-separated (default 8192,32768)")
-    ap.add_argument("--backends", default="flash,cudnn",
-                    help="SDPA backends to compare against, comma-separated among flash, cudnn, efficient")
+    ap.add_argument("--backends", default="flash,cudnn,flash-det,cudnn-det",
+                    help="SDPA backends to compare against, comma-separated among flash, cudnn, efficient; a -det\n"
+                         "suffix runs the backend under torch.use_deterministic_algorithms(True)")
     ap.add_argument("--heads", default=f"{HEADS_Q},{HEADS_KV}",
                     help=f"query and kv heads (default {HEADS_Q},{HEADS_KV}; 4,1: one of eight head shards)")
     ap.add_argument("--rounds", type=int, default=10, help="timed rounds per measurement (default 10)")
@@ -55,9 +58,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.heads_q, args.heads_kv = (int(h) for h in str(args.heads).split(","))
     if args.heads_q % args.heads_kv:
         ap.error(f"--heads takes query heads a multiple of kv heads; got {args.heads}")
-    bad = sorted(set(args.backends) - {"flash", "cudnn", "efficient"})
+    bad = sorted({b.removesuffix("-det") for b in args.backends} - {"flash", "cudnn", "efficient"})
     if bad or not args.tokens or min(args.tokens) < 1:
-        ap.error(f"--backends takes flash, cudnn, efficient and --tokens positive lengths; got {bad or args.tokens}")
+        ap.error(f"--backends takes flash, cudnn, efficient (each with an optional -det) and --tokens positive "
+                 f"lengths; got {bad or args.tokens}")
     return args
 
 
@@ -73,6 +77,15 @@ def backward_flops(tokens: int, causal: bool = True, heads_q: int = HEADS_Q) -> 
 def _relative(got: Any, want: Any) -> float:
     scale = float(want.abs().max().float())
     return float((got.float() - want.float()).abs().max()) / max(scale, 1e-30)
+
+
+REPEATS = 5  # backward passes compared bit for bit: does a kernel give the same gradient every run?
+
+
+def _same_bits(grads: Sequence[Any], again: Sequence[Any]) -> bool:
+    import torch
+
+    return all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(grads, again))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -124,7 +137,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # the references: SDPA's forward once per backend, its backward timed alone
         ref_grads = None
         for name in args.backends:
-            backend = backends[name]
+            backend = backends[name.removesuffix("-det")]
+            deterministic = name.endswith("-det")
             if backend is None:
                 row["sdpa"][name] = {"error": "this PyTorch has no such SDPA backend"}
                 continue
@@ -132,23 +146,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             found = None
             for gqa in ("native", "kv expanded"):  # a backend without GQA reads k and v repeated per query head
                 try:
-                    with sdpa_kernel(backend):
+                    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+                    with sdpa_kernel(backend), warnings.catch_warnings(record=True) as said:
+                        warnings.simplefilter("always")
                         kx, vx = (kk, vv) if gqa == "native" else \
                             (t.repeat_interleave(heads_q // heads_kv, dim=2) for t in (kk, vv))
                         o = F.scaled_dot_product_attention(qq.transpose(1, 2), kx.transpose(1, 2), vx.transpose(1, 2),
                                                            is_causal=True, enable_gqa=gqa == "native").transpose(1, 2)
                         grads = torch.autograd.grad(o, (qq, kk, vv), do, retain_graph=True)
+                        same = all(_same_bits(grads, torch.autograd.grad(o, (qq, kk, vv), do, retain_graph=True))
+                                   for _ in range(REPEATS - 1))
                         ms = timed(lambda o=o, qq=qq, kk=kk, vv=vv: torch.autograd.grad(o, (qq, kk, vv), do,
                                                                                        retain_graph=True))
                     found = gqa
                     break
                 except RuntimeError as e:  # no kernel of this backend for these inputs
                     row["sdpa"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                finally:
+                    torch.use_deterministic_algorithms(False)
             if found is None:
                 print(s, name, "unavailable:", row["sdpa"][name]["error"][:120], flush=True)
                 continue
-            row["sdpa"][name] = {"ms": ms, "tflops": flops / ms / 1e9, "gqa": found}
-            print(s, f"sdpa {name} (GQA {found}): {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+            row["sdpa"][name] = {"ms": ms, "tflops": flops / ms / 1e9, "gqa": found, "same_bits": same,
+                                 "warnings": sorted({str(w.message)[:200] for w in said})}
+            print(s, f"sdpa {name} (GQA {found}): {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s, same bits over "
+                     f"{REPEATS} backward passes: {same}", flush=True)
             if ref_grads is None:
                 ref_grads, o_ref = grads, o.detach().contiguous()
             del o, grads
@@ -189,6 +211,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ours_lse()
             ours_backward()
         stream.synchronize()
+        first = (dq.clone(), dkv.clone())
+        same = True
+        for _ in range(REPEATS - 1):
+            with stream:
+                ours_backward()
+            stream.synchronize()
+            same = same and _same_bits(first, (dq, dkv))
         errors = {"dq": _relative(dq, ref_grads[0]), "dk": _relative(dkv[..., :HEAD_DIM], ref_grads[1]),
                   "dv": _relative(dkv[..., HEAD_DIM:], ref_grads[2])}
         row["max_error_vs_sdpa"] = errors
@@ -197,12 +226,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"our gradients differ from SDPA's at {s} tokens: {errors} > {TOLERANCE}; not timing")
         times = {"lse": timed(ours_lse), "delta": timed(ours_delta), "dq": timed(ours_dq), "dkv": timed(ours_dkv),
                  "backward": timed(ours_backward)}
-        row["ours"] = {"ms": times, "tflops": flops / times["backward"] / 1e9,
+        row["ours"] = {"ms": times, "tflops": flops / times["backward"] / 1e9, "same_bits": same,
                        "tflops_with_lse": flops / (times["backward"] + times["lse"]) / 1e9,
                        "configs": {str(key): list(cfg) for key, cfg in tg._chosen.items()}}  # every shape so far
         print(s, f"ours: {times['backward']:.3f} ms {flops / times['backward'] / 1e9:.0f} TFLOP/s (delta "
-                 f"{times['delta']:.3f}, dq {times['dq']:.3f}, dk|dv {times['dkv']:.3f}; lse {times['lse']:.3f})",
-              flush=True)
+                 f"{times['delta']:.3f}, dq {times['dq']:.3f}, dk|dv {times['dkv']:.3f}; lse {times['lse']:.3f}), "
+                 f"same bits over {REPEATS} backward passes: {same}", flush=True)
         if args.sweep:
             row["sweep"] = sweep(bq, bk, bv, bdo, blse, bdelta, bdq, bdkv, blo, bhi, bqlo, bqhi, dq, dkv, ref_grads, s,
                                  scratch)
@@ -240,27 +269,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _bits(timed: dict[str, Any]) -> str:
+    """Whether repeated backward passes gave the same bits (results from before the check: not recorded)."""
+    return {True: f"yes ({REPEATS} runs)", False: "no"}.get(timed.get("same_bits"), "n/a")
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The results as a Markdown table (ms and TFLOP/s side by side)."""
     names = sorted({n for r in result["rows"] for n in r["sdpa"]})
-    head = ["tokens", "ours ms (Δ + dq + dk\\|dv)", "ours TFLOP/s", "ours lse ms"]
+    head = ["tokens", "ours ms (Δ + dq + dk\\|dv)", "ours TFLOP/s", "ours same bits", "ours lse ms"]
     for n in names:
-        head += [f"SDPA {n} ms", f"SDPA {n} TFLOP/s"]
+        head += [f"SDPA {n} ms", f"SDPA {n} TFLOP/s", f"SDPA {n} same bits", f"ours / SDPA {n}"]
     head.append("max error vs SDPA")
     lines = [f"# Attention backward, {result['gpu']} (torch {result['torch']})", "",
              f"Causal GQA, {result['shape']['heads_q']} query heads, {result['shape']['heads_kv']} kv heads, head dim "
              f"{HEAD_DIM}, bfloat16, one sequence; "
              f"FLOPs: {result['flops']}; {result['warmups']} warm-ups + {result['rounds']} timed rounds, CUDA events. "
              "Ours is Δ, dq and dk|dv from a saved log-sum-exp; our lse pass (where the forward does not write it) "
-             "is the separate column.", "",
+             "is the separate column.  'same bits': whether repeated backward passes on the same inputs gave "
+             "bit-identical gradients; a -det backend ran under torch.use_deterministic_algorithms(True).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["rows"]:
         ours = r["ours"]
         cells = [str(r["tokens"]), f"{ours['ms']['backward']:.3f} ({ours['ms']['delta']:.3f} + {ours['ms']['dq']:.3f} "
-                 f"+ {ours['ms']['dkv']:.3f})", f"{ours['tflops']:.0f}", f"{ours['ms']['lse']:.3f}"]
+                 f"+ {ours['ms']['dkv']:.3f})", f"{ours['tflops']:.0f}", _bits(ours), f"{ours['ms']['lse']:.3f}"]
         for n in names:
             got = r["sdpa"].get(n, {})
-            cells += [f"{got['ms']:.3f}", f"{got['tflops']:.0f}"] if "ms" in got else ["n/a", "n/a"]
+            cells += ([f"{got['ms']:.3f}", f"{got['tflops']:.0f}", _bits(got), f"{ours['tflops'] / got['tflops']:.2f}"]
+                      if "ms" in got else ["n/a"] * 4)
         cells.append(f"{max(r['max_error_vs_sdpa'].values()):.1e}")
         lines.append("| " + " | ".join(cells) + " |")
     for r in result["rows"]:

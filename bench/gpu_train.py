@@ -246,6 +246,15 @@ def main() -> None:
         rows[name] = row
         print(name, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                      if not k.endswith("all_ms") and not k.endswith("breakdown_ms")}, flush=True)
+        write(rows, args, rate)
+
+
+def write(rows: dict[str, dict[str, Any]], args: argparse.Namespace, rate: float) -> None:
+    """gpu_train.json and .md of the workloads measured so far (written after each, so a run cut short keeps
+    what it measured)."""
+    import cupy
+    import torch
+
     keys = ["torch_eager_ms", "torch_compile_ms", "torch_compile_step_ms", "roofline_ms", "ours1_ms"]
     summary = {}
     for key in keys:
