@@ -43,7 +43,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tokens", default="8192,32768", help="sequence lengths, comma-separated (default 8192,32768)")
     ap.add_argument("--backends", default="flash,cudnn,flash-det,cudnn-det",
                     help="SDPA backends to compare against, comma-separated among flash, cudnn, efficient; a -det\n"
-                         "suffix runs the backend under torch.use_deterministic_algorithms(True)")
+                         "suffix runs it under torch.use_deterministic_algorithms(True) (not warn_only: PyTorch\n"
+                         "keeps its non-deterministic kernel with a warning there)")
     ap.add_argument("--heads", default=f"{HEADS_Q},{HEADS_KV}",
                     help=f"query and kv heads (default {HEADS_Q},{HEADS_KV}; 4,1: one of eight head shards)")
     ap.add_argument("--rounds", type=int, default=10, help="timed rounds per measurement (default 10)")
@@ -146,7 +147,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             found = None
             for gqa in ("native", "kv expanded"):  # a backend without GQA reads k and v repeated per query head
                 try:
-                    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+                    torch.use_deterministic_algorithms(deterministic)  # warn_only would keep the fast kernel
                     with sdpa_kernel(backend), warnings.catch_warnings(record=True) as said:
                         warnings.simplefilter("always")
                         kx, vx = (kk, vv) if gqa == "native" else \
