@@ -296,8 +296,11 @@ def markdown(result: dict[str, Any]) -> str:
                  f"+ {ours['ms']['dkv']:.3f})", f"{ours['tflops']:.0f}", _bits(ours), f"{ours['ms']['lse']:.3f}"]
         for n in names:
             got = r["sdpa"].get(n, {})
-            cells += ([f"{got['ms']:.3f}", f"{got['tflops']:.0f}", _bits(got), f"{ours['tflops'] / got['tflops']:.2f}"]
-                      if "ms" in got else ["n/a"] * 4)
+            if "ms" in got:
+                ratio = ours["tflops"] / got["tflops"]
+                cells += [f"{got['ms']:.3f}", f"{got['tflops']:.0f}", _bits(got), f"{ratio:.2f}"]
+            else:  # not asked for, or refused by PyTorch (its error in the JSON)
+                cells += ["refused: " + got["error"][:60].replace("|", "/") if "error" in got else "n/a"] + ["n/a"] * 3
         cells.append(f"{max(r['max_error_vs_sdpa'].values()):.1e}")
         lines.append("| " + " | ".join(cells) + " |")
     for r in result["rows"]:
