@@ -72,7 +72,8 @@ class Setup:
 def _graph(family: str, name: str) -> Graph:
     if family == "transformer":
         b, s = WORKLOADS[name]
-        return llama_block(b, s, dtype=DTYPE, **LLAMA3_8B)
+        shape = LLAMA3_8B
+        return llama_block(b, s, shape["d_model"], shape["n_heads"], shape["n_kv_heads"], shape["d_ff"], dtype=DTYPE)
     return matrix_chain(name, dtype=DTYPE)
 
 
@@ -436,7 +437,7 @@ def busy_ms_by_kind(cg: rt.CompiledGraph) -> dict[str, float]:
     again = 0.0
     for t in cg.profile().tasks:
         op = cg.dag.tasks[t.task].op
-        key = t.kind if t.kind != "kernel" else "kernel:" + cg.graph.nodes[op].kind
+        key = "kernel:" + cg.graph.nodes[op].kind if t.kind == "kernel" and op is not None else t.kind
         kinds[key] = kinds.get(key, 0.0) + (t.end - t.start) * 1e3
         if op is not None and cg.graph.nodes[op].name.startswith("recompute."):  # autodiff's name for them
             again += (t.end - t.start) * 1e3

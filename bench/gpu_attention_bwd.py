@@ -272,7 +272,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _bits(timed: dict[str, Any]) -> str:
     """Whether repeated backward passes gave the same bits (results from before the check: not recorded)."""
-    return {True: f"yes ({REPEATS} runs)", False: "no"}.get(timed.get("same_bits"), "n/a")
+    same = timed.get("same_bits")
+    return "n/a" if same is None else f"yes ({REPEATS} runs)" if same else "no"
 
 
 def markdown(result: dict[str, Any]) -> str:

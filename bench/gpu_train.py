@@ -258,8 +258,8 @@ def write(rows: dict[str, dict[str, Any]], args: argparse.Namespace, rate: float
     keys = ["torch_eager_ms", "torch_compile_ms", "torch_compile_step_ms", "roofline_ms", "ours1_ms"]
     summary = {}
     for key in keys:
-        vals = [r.get(key) for r in rows.values()]
-        if vals and all(v is not None for v in vals):
+        vals = [float(r[key]) for r in rows.values() if r.get(key) is not None]
+        if vals and len(vals) == len(rows):  # a geometric mean only over every workload
             summary[key] = math.exp(sum(math.log(v) for v in vals) / len(vals))
     out = {"gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), "matmul_tflops": rate / 1e12,
            "torch": torch.__version__, "python": platform.python_version(),
