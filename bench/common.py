@@ -72,8 +72,7 @@ class Setup:
 def _graph(family: str, name: str) -> Graph:
     if family == "transformer":
         b, s = WORKLOADS[name]
-        shape = LLAMA3_8B
-        return llama_block(b, s, shape["d_model"], shape["n_heads"], shape["n_kv_heads"], shape["d_ff"], dtype=DTYPE)
+        return llama_block(b, s, dtype=DTYPE, **LLAMA3_8B)
     return matrix_chain(name, dtype=DTYPE)
 
 

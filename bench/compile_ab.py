@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 PROBE = """
 import json, time
@@ -54,7 +55,7 @@ def main() -> None:
     for i in range(args.runs):
         for side in (("base", "new") if i % 2 == 0 else ("new", "base")):
             runs[side].append(run(getattr(args, side)))
-    summary = {}
+    summary: dict[str, Any] = {}
     for side, rows in runs.items():
         summary[side] = {k: statistics.median(r[k] for r in rows) for k in ("cold_s", "warm_s")}
     summary["ratio"] = {k: summary["new"][k] / summary["base"][k] for k in ("cold_s", "warm_s")}

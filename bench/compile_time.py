@@ -42,6 +42,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from common import WORKLOADS  # the paper's five token workloads (bench/common.py)
 
@@ -55,10 +56,11 @@ VOCAB = 128256  # LLaMA 3's
 H200_MEMORY = 141 * (1 << 30)
 
 
-def timed(build, rounds: int, warmups: int = 2) -> dict[str, float]:
+def timed(build, rounds: int, warmups: int = 2) -> dict[str, Any]:
     specs_for.cache_clear()
     g = build()
     t0 = time.perf_counter()
+    cg: rt.CompiledGraph | None  # None between rounds: see below
     cg = rt.compileGraph(g, device="cpu:8", memory_per_device=H200_MEMORY)
     cold = time.perf_counter() - t0
     for _ in range(warmups - 1):
@@ -99,6 +101,7 @@ def scale_case(case: dict) -> dict:
         cg = rt.compileGraph(g, **options)
         return cg, time.process_time() - c0, time.perf_counter() - w0
 
+    cg: rt.CompiledGraph | None  # None between the warm compiles: see below
     cg, cold_cpu, cold_wall = compile_once()
     warm = []
     for _ in range(case["warm"]):
@@ -130,7 +133,7 @@ def scale(args: argparse.Namespace) -> None:
         r = json.loads(run.stdout.strip().splitlines()[-1])
         rows.append(r)
         print(json.dumps(r), flush=True)
-    by = {(r["graph"], r["schedule"], r["layers"]): [] for r in rows}
+    by: dict[tuple[str, str, int], list[dict[str, Any]]] = {(r["graph"], r["schedule"], r["layers"]): [] for r in rows}
     for r in rows:
         by[(r["graph"], r["schedule"], r["layers"])].append(r)
     growth = {}
@@ -148,8 +151,8 @@ def scale(args: argparse.Namespace) -> None:
         lines.append(f"| {r['graph']} | {r['layers']} | {r['schedule']} | {r['p']} | {r['ops']} | {r['tasks']} | "
                      f"{r['cold_cpu_s']:.2f} | {warm} | {ps.get('lower', 0):.2f} | {ps.get('verify', 0):.2f} | "
                      f"{ps.get('select', 0):.2f} | {sim} | {r['rss_peak_mib']:.0f} |")
-    for key, e in growth.items():
-        lines.append(f"\nGrowth of the warm compile in p ({key}): p^{e:.2f}")
+    for name, e in growth.items():
+        lines.append(f"\nGrowth of the warm compile in p ({name}): p^{e:.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}",

@@ -17,7 +17,9 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 from common import WORKLOADS, busy_ms_by_kind, matmul_rate  # bench/common.py
@@ -156,17 +158,17 @@ def main() -> None:
         block, x = torch_block(torch, feeds, b, s)
         with torch.no_grad():
             stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream())
-            eager = time_cuda(lambda block=block, x=x: block(x), stream)
+            eager = time_cuda(cast(Callable[[], None], lambda block=block, x=x: block(x)), stream)
             ref = block(x)
             compiled = torch.compile(block)
-            comp = time_cuda(lambda compiled=compiled, x=x: compiled(x), stream)
+            comp = time_cuda(cast(Callable[[], None], lambda compiled=compiled, x=x: compiled(x)), stream)
         diff = float(cupy.max(cupy.abs(y.astype(cupy.float32) - cupy.asarray(ref.float()))))
         del ref
         torch.cuda.empty_cache()
         try:  # JAX where installed (its own allocator: grows as needed, see XLA_PYTHON_CLIENT_PREALLOCATE)
             run_jax, jy, impl = jax_block(feeds, b, s)
-            jx = time_wall(run_jax)
-            rows_jax = {"jax_ms": statistics.mean(jx), "jax_all": jx, "jax_attention": impl,
+            jax_times = time_wall(run_jax)
+            rows_jax = {"jax_ms": statistics.mean(jax_times), "jax_all": jax_times, "jax_attention": impl,
                         "jax_max_abs_diff_vs_ours": float(np.max(np.abs(np.asarray(jy, dtype=np.float32)
                                                                         - cupy.asnumpy(y).astype(np.float32))))}
             del run_jax, jy

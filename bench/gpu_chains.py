@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import relational_tensors as rt
 from relational_tensors.gpu_exec.calibrate import time_cuda, time_wall
@@ -43,7 +45,7 @@ def main() -> None:
 
         with torch.no_grad():
             stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream())
-            tt = time_cuda(lambda order=order, mats=mats: chain(order, mats), stream)
+            tt = time_cuda(cast(Callable[[], None], lambda order=order, mats=mats: chain(order, mats)), stream)
             ref = chain(order, mats)
         jax_ms = None
         try:
@@ -56,7 +58,7 @@ def main() -> None:
                 return m[node] if isinstance(node, int) else jchain(node[0], m) @ jchain(node[1], m)
 
             f = jax.jit(lambda m, order=order: jchain(order, m))
-            jax_ms = statistics.mean(time_wall(lambda f=f, jm=jm: f(jm).block_until_ready()))
+            jax_ms = statistics.mean(time_wall(cast(Callable[[], None], lambda f=f, jm=jm: f(jm).block_until_ready())))
             del jm
         except Exception as e:  # JAX absent or unable to share the GPU
             print(f"JAX skipped: {type(e).__name__}: {e}")

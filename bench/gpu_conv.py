@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Callable
+from typing import Any, cast
 
 import numpy as np
 from common import write_table  # bench/common.py (scripts run from the repository root)
@@ -34,6 +36,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/gpu_conv.md")
     args = ap.parse_args()
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    data: dict[str, Any]
     rows, data = [], {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": {}}
     for name, (xs, ws, stride, pad) in LAYERS.items():
         for dtype in ("bfloat16", "float16"):
@@ -52,7 +55,8 @@ def main() -> None:
 
             compiled = torch.compile(conv)
             theirs = statistics.mean(time_cuda(cudnn, stream))
-            tcomp = statistics.mean(time_cuda(lambda compiled=compiled, x=x, w=w: compiled(x, w), stream))
+            tcomp = statistics.mean(time_cuda(
+                cast(Callable[[], None], lambda compiled=compiled, x=x, w=w: compiled(x, w)), stream))
             entry.update(cudnn_ms=theirs, compile_ms=tcomp)
             for devices in ("cuda:0", "cuda:0,0,0,0"):
                 g = rt.Graph()

@@ -14,6 +14,7 @@ import json
 import math
 import statistics
 from pathlib import Path
+from typing import Any
 
 
 def main() -> None:
@@ -63,7 +64,7 @@ def main() -> None:
                                                  is_causal=True, enable_gqa=True).transpose(1, 2)
             sdpa = timed(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True), rounds)
-        row = {"sdpa_ms": sdpa, "sdpa_tflops": flops / sdpa / 1e9, "configs": {}}
+        row: dict[str, Any] = {"sdpa_ms": sdpa, "sdpa_tflops": flops / sdpa / 1e9, "configs": {}}
         scale = 1 / math.sqrt(dh)
         base_args = (buf(q), buf(k), buf(v), buf(o), None, buf(lo), buf(hi))
         cfgs = set(ta.CONFIGS)

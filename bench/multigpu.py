@@ -293,12 +293,13 @@ def merge(args: argparse.Namespace) -> None:
     flops = {r["workload"]: r["flops"] for r in ours_data["rows"] if r.get("flops")}
     rate = ours_data.get("matmul_tflops")
 
-    def ours_ms(w: str, n: int, m: str) -> float | None:
+    def ours_ms(w: str, n: int | None, m: str) -> float | None:
         """Ours on n GPUs planned with cost model m (one GPU: the same plan whatever the model)."""
         r = ok.get((w, n, m)) or (next((v for k, v in ok.items() if k[:2] == (w, 1)), None) if n == 1 else None)
         return r["ms"] if r else None
 
-    best = {(w, n): b for n, d in base.items() for w, b in d["best"].items()}
+    # looked up at n = top too, top None when there are no GPU counts (then no key matches)
+    best: dict[tuple[str, int | None], Any] = {(w, n): b for n, d in base.items() for w, b in d["best"].items()}
     every = {(r["workload"], r["strategy"], n): r for n, d in base.items() for r in d["rows"]}
 
     gpu = ours_data.get("gpu") or next((d["header"]["device"] for d in base.values()), "GPU")
@@ -436,12 +437,14 @@ def _train_tables(report: Report, ours_data: dict[str, Any], base: dict[int, dic
     counts = sorted({r["gpus"] for r in rows_in} | set(base))
     models = list(dict.fromkeys(r["cost_model"] for r in rows_in)) or ["paper"]
     ok = {(r["workload"], r["gpus"], r["cost_model"]): r for r in rows_in if r.get("status") == "ok"}
-    theirs = {(r["workload"], r["strategy"], n): r for n, d in base.items() for r in d["rows"]}
+    # looked up at n = top too, top None when there are no GPU counts (then no key matches)
+    theirs: dict[tuple[str, str, int | None], Any] = {(r["workload"], r["strategy"], n): r
+                                                      for n, d in base.items() for r in d["rows"]}
     rate = ours_data.get("matmul_tflops")
     flops = {r["workload"]: r["flops"] for r in rows_in if r.get("flops")}
     top = max(counts) if counts else None
 
-    def ours_ms(w: str, n: int, m: str) -> float | None:
+    def ours_ms(w: str, n: int | None, m: str) -> float | None:
         r = ok.get((w, n, m)) or (next((v for k, v in ok.items() if k[:2] == (w, 1)), None) if n == 1 else None)
         return r["ms"] if r else None
 
@@ -454,7 +457,7 @@ def _train_tables(report: Report, ours_data: dict[str, Any], base: dict[int, dic
         failed = r.get("check") is not None and not r["check"].get("ok")
         return f"{r['ms']:.2f}" + (" (check FAILED)" if failed else "")
 
-    def best_torch(w: str, n: int) -> float | None:
+    def best_torch(w: str, n: int | None) -> float | None:
         done = [r["ms"] for s in TRAIN_STRATEGY_NAMES if (r := theirs.get((w, s, n))) and r["status"] == "ok"
                 and r.get("check", {}).get("ok", True)]
         return min(done) if done else None

@@ -50,6 +50,7 @@ def case(gname: str, machine: str) -> dict:
     inter = intra = 0
     for t in dag.tasks:
         if t.kind == "copy":
+            assert t.src_device is not None  # a copy names its source device (lowering sets it on every copy)
             nbytes = dag.buffers[t.outputs[0]].nbytes
             if t.src_device // node != t.device // node:
                 inter += nbytes

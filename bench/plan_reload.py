@@ -15,6 +15,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 from common import write_table  # bench/common.py
@@ -49,13 +50,14 @@ def main() -> None:
         ("4-layer training step, 8K, p=8", step, 8, {}),
         ("small block on cpu:4 (runs here)", llama_block(2, 64, 64, 4, 2, 96), "cpu:4", {}),
     ]
-    rows = []
+    rows: list[dict[str, Any]] = []
     folder = Path(tempfile.mkdtemp())
     for name, g, device, options in cases:
-        plan_s, cg = rounds(lambda g=g, device=device, options=options: rt.compileGraph(g, device=device, **options))
+        plan_s, cg = rounds(cast(Callable[[], object], lambda g=g, device=device, options=options:
+                                 rt.compileGraph(g, device=device, **options)))
         path = folder / "plan.rt"
         cg.save(path)  # type: ignore[attr-defined]
-        load_s, again = rounds(lambda path=path, g=g: rt.load_plan(path, g))
+        load_s, again = rounds(cast(Callable[[], object], lambda path=path, g=g: rt.load_plan(path, g)))
         same = None
         if str(device).startswith("cpu"):
             feeds = {n.name: np.random.default_rng(0).standard_normal(n.type.shape).astype(np.float32)
@@ -68,9 +70,9 @@ def main() -> None:
     lines = ["| workload | planning (s) | reload (s) | reload / planning | file (MB) | output bit-identical |",
              "|---|---|---|---|---|---|"]
     for r in rows:
-        same = "-" if r["bit_identical"] is None else "yes" if r["bit_identical"] else "NO"
+        identical = "-" if r["bit_identical"] is None else "yes" if r["bit_identical"] else "NO"
         lines.append(f"| {r['workload']} | {r['plan_s']:.3f} | {r['load_s']:.3f} | {100 * r['ratio']:.0f}% | "
-                     f"{r['file_mb']:.1f} | {same} |")
+                     f"{r['file_mb']:.1f} | {identical} |")
     write_table(args.out, lines, rows)
 
 

@@ -30,6 +30,7 @@ def main() -> None:
     for n in g.operators:
         if n.kind not in SHOWN:
             continue
+        assert n.op is not None  # g.operators: the nodes that have an operator
         what = n.op.signature() if n.kind in ("matmul", "einsum") else ""
         if n.kind == "attention_grad":
             what = n.op.params()["part"]

@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 from common import WORKLOADS  # the paper's five token workloads (bench/common.py)
 
@@ -27,7 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--topology", default="dgx-a100")
     args = ap.parse_args()
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}
     for name, (b, s) in WORKLOADS.items():
         cg = rt.compileGraph(llama_block(b, s, dtype="float16", **LLAMA3_8B), device=8, topology=args.topology)
         sim = cg.simulation()

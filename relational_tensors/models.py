@@ -25,7 +25,7 @@ __all__ = ["llama_block", "add_llama_block", "llama_feeds", "llama_training_grap
            "chain_dims", "chain_feeds", "CHAINS"]
 
 # the paper's LLaMA-3-8B-shaped block
-LLAMA3_8B = dict(d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336)
+LLAMA3_8B: dict[str, Any] = dict(d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336)
 
 
 def add_llama_block(g: Graph, x: Tensor, *, n_heads: int, n_kv_heads: int, d_ff: int, prefix: str = "",
