@@ -282,15 +282,16 @@ def _device_memory(s: _State) -> dict[int, int] | None:
     return s.target.memory()
 
 
-def _scratch(s: _State, dag: Any) -> dict[int, int] | None:
-    """The kernels' scratch on a GPU target (the GPU executor gives it in the arena, alive during its
-    task), for the liveness; none on CPU devices, whose NumPy kernels need none."""
+def _liveness(s: _State, dag: Any, categories: bool = False) -> Liveness:
+    """The liveness of a lowering of the graph, with the kernels' scratch at its task on a GPU target (the
+    GPU executor gives it in the arena, alive during its task); CPU devices' NumPy kernels need none."""
     assert s.target is not None
-    if s.target.devices.kind != "cuda":
-        return None
-    from relational_tensors.gpu_exec.launchers import kernel_scratch
+    scratch = None
+    if s.target.devices.kind == "cuda":
+        from relational_tensors.gpu_exec.launchers import kernel_scratch
 
-    return kernel_scratch(s.graph, dag)
+        scratch = kernel_scratch(s.graph, dag)
+    return graph_liveness(s.graph, dag, categories=categories, scratch=scratch)
 
 
 def _fits(live: Liveness, limits: dict[int, int] | None) -> bool:
@@ -299,7 +300,7 @@ def _fits(live: Liveness, limits: dict[int, int] | None) -> bool:
 
 def _pass_liveness(s: _State) -> None:
     assert s.lowered is not None
-    s.live = graph_liveness(s.graph, s.lowered.dag, categories=True, scratch=_scratch(s, s.lowered.dag))
+    s.live = _liveness(s, s.lowered.dag, categories=True)
 
 
 def _keep_sharded(s: _State, limits: dict[int, int]) -> bool:
@@ -344,7 +345,7 @@ def _keep_sharded(s: _State, limits: dict[int, int]) -> bool:
         if s.options.searched:
             s.kept = kept
             lowered = _searched(s, s.plan, lowered)
-        live = graph_liveness(s.graph, lowered.dag, scratch=_scratch(s, lowered.dag))
+        live = _liveness(s, lowered.dag)
         s.kept, s.lowered, s.live = kept, lowered, live
         if _fits(live, limits):
             return True
@@ -379,7 +380,7 @@ def _pass_fit_memory(s: _State) -> None:
             lowered = _lower(s, plan)
             if s.options.searched:
                 lowered = _searched(s, plan, lowered)
-            live = graph_liveness(s.graph, lowered.dag, scratch=_scratch(s, lowered.dag))
+            live = _liveness(s, lowered.dag)
             if _fits(live, limits):
                 s.choice, s.plan, s.lowered, s.live = choice, plan, lowered, live
                 return
@@ -387,7 +388,7 @@ def _pass_fit_memory(s: _State) -> None:
                 best, best_dag = live, lowered.dag
             price *= 4
     worst = max(best.peak, key=lambda d: best.peak[d] - limits[d])
-    parts = graph_liveness(s.graph, best_dag, categories=True, scratch=_scratch(s, best_dag)).at_peak.get(worst, {})
+    parts = _liveness(s, best_dag, categories=True).at_peak.get(worst, {})
     largest = ", ".join(f"{k} {v:,}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])[:3] if v > 0)
     raise OutOfMemoryPlanError(
         f"device {worst} needs {best.peak[worst]:,} bytes at its peak under the best plan found "
@@ -467,7 +468,7 @@ def _pass_record(s: _State) -> None:
 
     assert s.lowered is not None and s.plan is not None and s.live is not None
     if not s.live.at_peak and s.lowered.dag.buffers:  # a lowering re-chosen for memory: split it by category
-        s.live = graph_liveness(s.graph, s.lowered.dag, categories=True, scratch=_scratch(s, s.lowered.dag))
+        s.live = _liveness(s, s.lowered.dag, categories=True)
     for table, rows in physical_tables(s.plan, s.lowered, s.live).items():
         if rows.num_rows:
             s.catalog.insert(table, rows, s.cid)

@@ -114,6 +114,16 @@ def test_gpu_view_geometry_names_the_elements_numpy_slicing_does(p) -> None:
 
 
 # the calibrated model prices a reader's local assembly, which settles the smaller block's ties itself
+def _assert_step_matches(got: dict, want: dict) -> None:
+    """A training step's outputs (loss and every updated state) against the reference's, relative to the
+    largest magnitude of each: bf16 states hold 2^-7."""
+    assert set(got) == set(want)
+    for name, ref in want.items():
+        ref, out = np.asarray(ref, np.float64), np.asarray(got[name], np.float64)
+        err = np.max(np.abs(out - ref), initial=0.0) / max(np.max(np.abs(ref), initial=0.0), 1e-30)
+        assert err <= 1e-2, f"{name}: {err:.1e} of the largest magnitude"
+
+
 @pytest.mark.parametrize(("device", "cost_model", "seq", "model"),
                          [("cpu:8", "paper", 512, 256), ("cuda:0,0,0,0,0,0,0,0", "calibrated", 1024, 512)])
 def test_placement_ties_follow_the_last_operator_with_the_same_blocks(device: str, cost_model: str, seq: int,
@@ -130,11 +140,7 @@ def test_placement_ties_follow_the_last_operator_with_the_same_blocks(device: st
     if device.startswith("cpu"):  # the hinted plan computes the step: loss and every updated state
         feeds = llama_training_feeds(g)
         got, want = hinted.run(feeds), rt.reference(g, feeds)
-        assert set(got) == set(want)
-        for name, ref in want.items():
-            ref, out = np.asarray(ref, np.float64), np.asarray(got[name], np.float64)
-            err = np.max(np.abs(out - ref), initial=0.0) / max(np.max(np.abs(ref), initial=0.0), 1e-30)
-            assert err <= 1e-2, f"{name}: {err:.1e} of the largest magnitude"  # bf16 states: 2^-7
+        _assert_step_matches(got, want)
 
 
 def test_a_plan_priced_for_its_local_assembly_computes_the_step() -> None:
@@ -157,11 +163,7 @@ def test_a_plan_priced_for_its_local_assembly_computes_the_step() -> None:
 
     cg._executor = OnHost(g, cg.dag, cg.live)
     got, want = cg.run(feeds), rt.reference(g, feeds)
-    assert set(got) == set(want)
-    for name, ref in want.items():
-        ref, out = np.asarray(ref, np.float64), np.asarray(got[name], np.float64)
-        err = np.max(np.abs(out - ref), initial=0.0) / max(np.max(np.abs(ref), initial=0.0), 1e-30)
-        assert err <= 1e-2, f"{name}: {err:.1e} of the largest magnitude"  # bf16 states: 2^-7
+    _assert_step_matches(got, want)
 
 
 def test_recent_readers_blocks_are_read_again_not_received_again() -> None:

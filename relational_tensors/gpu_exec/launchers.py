@@ -652,7 +652,7 @@ def _attention_grad_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], 
         return None
     (nb, _, hq, d), (_, skv, hkv, _), dv = f.inputs[0].shape, f.inputs[1].shape, f.inputs[2].shape[3]
     width = (d if op.part in ("dk", "dkv") else 0) + (dv if op.part in ("dv", "dkv") else 0)
-    need = dkv_scratch(nb, skv, hkv, hq // max(hkv, 1), width) if hkv else 0
+    need = dkv_scratch(nb, skv, hkv, hq // hkv, width) if hkv else 0
     return ((need,), "float32") if need else None
 
 

@@ -597,13 +597,6 @@ def attention_dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delt
     [..., :d] and dv after it (width d + d_v), or only the one asked for.  With ``scratch`` (at least
     ``dkv_scratch(...)`` float32 elements) a group's query heads are split among programs where
     ``dkv_splits`` says so."""
-    _dkv(q, k, v, do, lse, delta, out, key_qlo, key_qhi, q_offset, k_offset, scale, dk, dv, config, scratch)
-
-
-def _dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf, out: DevBuf, key_qlo: DevBuf,
-         key_qhi: DevBuf, q_offset: int, k_offset: int, scale: float, dk: bool, dv: bool,
-         config: Config | None, scratch: DevBuf | None) -> None:
-    """The dk|dv pass."""
     _check("attention_dkv", {"q": q, "k": k, "v": v, "dO": do, "out": out})
     nb, sq, hq, d = q.shape
     skv, hkv, dvn = k.shape[1], k.shape[2], v.shape[3]
