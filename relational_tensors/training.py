@@ -17,6 +17,7 @@ import numpy as np
 from relational_tensors.compiler import compileGraph
 from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.errors import ExecError, GraphError
+from relational_tensors.frontend.autodiff import flows
 from relational_tensors.frontend.torch.convert import _torch, numpy_to_torch, torch_to_numpy
 from relational_tensors.frontend.torch.translator import TorchGraph, from_torch
 from relational_tensors.optim import SGD, AdamW, Optimizer
@@ -138,28 +139,31 @@ def train_step(module: Any, loss_fn: Any, example_batch: Any, optimizer: AdamW |
         def forward(self, *xs: Any) -> Any:
             return loss_fn(self.module, *xs)
 
-    g = from_torch(Loss(), batch, casts_in_graph=True)
+    g = from_torch(Loss(), batch, casts_in_graph=True, differentiate=True)
     saved = [name for kind, name in g.output_leaves if kind == "saved"]
     if len(g.output_leaves) != 1 or not saved or g.nodes[g.outputs[saved[0]]].type.volume != 1 or \
             g.nodes[g.outputs[saved[0]]].type.dtype not in FLOAT_DTYPES:
         raise GraphError("loss_fn(module, *batch) must return one floating scalar (the loss).")
-    trainable = [k for k, t in module.named_parameters() if t.requires_grad]
+    # every differentiated parameter is one graph input (tied ones included), named as named_parameters()
+    # names it; those the loss depends on through floating tensors are trained, as torch's optimizers
+    # update exactly the parameters that get a gradient
+    read = {origin[len(PREFIX):]: (name, transposed) for name, (origin, transposed) in g.origins.items()
+            if origin in g.differentiated}
+    loss = g.tensor(g.outputs[saved[0]])
     holders: dict[str, tuple[str, bool]] = {}
-    for name, (origin, transposed) in g.origins.items():
-        if origin.startswith(PREFIX) and origin[len(PREFIX):] in trainable:
-            param = origin[len(PREFIX):]
-            if param in holders:
-                raise GraphError(f"parameter {param!r} is read in two layouts ({holders[param][0]!r} and {name!r}); "
-                                 "train_step updates one copy of each parameter. Use rt.parallelize and a torch "
-                                 "optimizer for this module.")
-            holders[param] = (name, transposed)
+    if read:
+        ok = flows(g, [loss], [g.tensor(g.node(name).id) for name, _ in read.values()])
+        holders = {param: held for (param, held), y in zip(read.items(), ok) if y}
     if not holders:
-        raise GraphError("the module has no parameter that requires grad and that the loss reads.")
+        trainable = [k for k, t in module.named_parameters() if t.requires_grad]
+        why = (f"it reads {sorted(read)} only through integer or boolean values, which have no gradient" if read else
+               "the loss reads none of them" if trainable else "none requires grad")
+        raise GraphError(f"train_step trains the module's parameters that require grad and that the loss depends "
+                         f"on; {why}. Got {len(trainable)} parameters that require grad.")
     for graph_name, _ in holders.values():  # trainable parameters persist across steps: states
         node = g.node(graph_name)
         g.nodes[node.id] = dataclasses.replace(node, role="state")
     states = [g.tensor(g.node(graph_name).id) for graph_name, _ in holders.values()]
-    loss = g.tensor(g.outputs[saved[0]])
     grads = g.grad(loss, states)
     lr = g.input("lr", [1], states[0].dtype)
     opt = optimizer.build(g, states, grads, lr)

@@ -19,7 +19,7 @@ from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.errors import GraphError
 from relational_tensors.sql_specs.grad import add_all, build
 
-__all__ = ["vjp", "grad"]
+__all__ = ["vjp", "grad", "flows"]
 
 # ``g`` below is a frontend.graph.Graph and the tensors its Tensors (this module is imported by graph.py)
 
@@ -49,16 +49,7 @@ def vjp(g: Any, outputs: object, cotangents: object, wrt: object, allow_unused: 
         raise GraphError(f"wrt names a tensor twice: {[t.name for t in targets]}.")
 
     nodes = g.nodes[: max(t.id for t in (*outs, *targets)) + 1]
-    # tensors a gradient flows through: floating, reached from some wrt tensor, and reaching some output
-    reached = {t.id for t in targets}
-    for n in nodes:
-        if n.id not in reached and n.type.dtype in FLOAT_DTYPES and any(i in reached for i in n.inputs):
-            reached.add(n.id)
-    live = {o.id for o in outs}
-    for n in reversed(nodes):
-        if n.id in live:
-            live.update(n.inputs)
-    needed = reached & live
+    needed = _needed(nodes, targets, outs)
 
     clones: dict[int, Any] = {}  # operators of g.recompute() regions, made again for the backward
     regions: dict[int, int] = g.recomputed
@@ -124,6 +115,30 @@ def vjp(g: Any, outputs: object, cotangents: object, wrt: object, allow_unused: 
                 "from wrt, or pass allow_unused=True for a zero gradient."
             )
     return result
+
+
+def _needed(nodes: list[Any], targets: list[Any], outs: list[Any]) -> set[int]:
+    """The tensors a gradient flows through: floating, reached from some wrt tensor, and reaching some output."""
+    reached = {t.id for t in targets}
+    for n in nodes:
+        if n.id not in reached and n.type.dtype in FLOAT_DTYPES and any(i in reached for i in n.inputs):
+            reached.add(n.id)
+    live = {o.id for o in outs}
+    for n in reversed(nodes):
+        if n.id in live:
+            live.update(n.inputs)
+    return reached & live
+
+
+def flows(g: Any, outputs: object, wrt: object) -> list[bool]:
+    """Per tensor of ``wrt``: whether some output depends on it through floating tensors, so that it has a
+    gradient (torch gives the others ``None``)."""
+    outs = _tensors(g, "outputs", outputs)
+    targets = _tensors(g, "wrt", wrt)
+    nodes = g.nodes[: max(t.id for t in (*outs, *targets)) + 1]
+    needed = _needed(nodes, targets, outs)
+    fed = {i for n in nodes if n.id in needed and n.op is not None for i in n.inputs} | {o.id for o in outs}
+    return [t.id in needed and t.id in fed and t.type.dtype in FLOAT_DTYPES for t in targets]
 
 
 def grad(g: Any, loss: object, wrt: object, allow_unused: bool = False) -> list[Any]:

@@ -19,12 +19,14 @@ program's latest (two calls before one backward) runs its forward phase again fr
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.errors import ExecError
+from relational_tensors.frontend.autodiff import flows
 from relational_tensors.frontend.torch.convert import _torch, _torch_dtype, numpy_to_torch, torch_to_numpy
-from relational_tensors.frontend.torch.translator import TorchGraph, from_torch
+from relational_tensors.frontend.torch.translator import TorchGraph, _prune, from_torch
 
 __all__ = ["parallelize", "ParallelModule"]
 
@@ -52,6 +54,8 @@ class ParallelModule:
         self.device = device
         self.compile_options = dict(compile_options or {})
         self._backwards: dict[tuple[str, ...], tuple[TorchGraph, Any, tuple[str, ...]]] = {}
+        # the module traced with its trainable parameters differentiated (made at the first call that needs it)
+        self._differentiated: TorchGraph | None = None
         self._weights_version = 0  # bumped when the weights are read again
         self._loaded_version: dict[tuple[str, ...], int] = {}  # training program -> weights version loaded
         self._calls = 0  # differentiable calls so far
@@ -83,8 +87,10 @@ class ParallelModule:
         if self.module is None:
             raise ExecError("this ParallelModule was built from a traced graph, not a module: there are no "
                             "weights to read again. Use rt.parallelize(module, example_inputs).")
-        values = self._read_origins()
-        if values is None:  # the module's tensors changed shape or names: trace it again
+        now = self._module_state()
+        changed = {n for n in set(now) | set(self._state) if now.get(n) != self._state.get(n)}
+        values = self._read_origins(self.graph, changed)
+        if values is None:  # the module's tensors changed shape or names, or a fold must be redone: trace again
             again = from_torch(self.module, self.example_inputs)
             if set(again.parameters) != set(self.graph.parameters):
                 raise ExecError("the module no longer traces to the planned graph (its parameters differ); "
@@ -93,16 +99,32 @@ class ParallelModule:
         self.graph.parameters = values
         self._parameters_loaded = False
         self._weights_version += 1
-        self._state = self._module_state()
+        self._state = now
+        if self._differentiated is not None:
+            fresh = self._read_origins(self._differentiated, changed)
+            if fresh is None:  # its folds are stale: traced again when next needed
+                self._differentiated = None
+            else:
+                self._differentiated.parameters = fresh
+        for wrt, (g, _, _) in list(self._backwards.items()):
+            fresh = self._read_origins(g, changed)
+            if fresh is None:
+                del self._backwards[wrt]
+            else:
+                g.parameters = fresh
 
-    def _read_origins(self) -> dict[str, Any] | None:
-        """The graph inputs' values read straight from the module's tensors they hold (transposed and cast
-        as traced), or None where one no longer fits; constants folded at trace time are kept."""
+    def _read_origins(self, graph: TorchGraph, changed: set[str]) -> dict[str, Any] | None:
+        """``graph``'s inputs' values read straight from the module's tensors they hold (transposed and cast
+        as traced), or None where one no longer fits or a constant folded at trace time was computed from
+        one of the ``changed`` tensors (the fold is redone by tracing again)."""
+        assert self.module is not None
+        if any(changed.intersection(deps) for deps in graph.derived.values()):
+            return None
         tensors = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
-        values = dict(self.graph.parameters)
-        for name, (origin, transposed) in self.graph.origins.items():
+        values = dict(graph.parameters)
+        for name, (origin, transposed) in graph.origins.items():
             t = tensors.get(origin)
-            node = self.graph.node(name)
+            node = graph.node(name)
             if t is None:
                 return None
             v = t.detach().t() if transposed else t.detach()
@@ -164,16 +186,33 @@ class ParallelModule:
         self.compiled.execute()
         return {name: self._offload(name) for kind, name in self.graph.output_leaves if kind == "saved"}
 
-    def _trainable(self) -> list[tuple[str, Any]]:
-        """The module's parameters that require grad and that the traced graph reads."""
+    def _differentiable(self) -> TorchGraph:
+        """The module traced with every parameter that requires grad differentiated (held once, each use
+        computed in the graph); the traced graph itself where there is no module."""
         if self.module is None:
+            return self.graph
+        if self._differentiated is None:
+            with warnings.catch_warnings():  # what tracing warns about was said when the module was traced
+                warnings.simplefilter("ignore")
+                self._differentiated = from_torch(self.module, self.example_inputs, differentiate=True)
+        return self._differentiated
+
+    def _trainable(self) -> list[tuple[str, Any]]:
+        """The module's parameters that require grad and that some floating output depends on through
+        floating tensors (torch gives the others no gradient)."""
+        if self.module is None or not any(t.requires_grad for t in self.module.parameters()):
             return []
-        read = {origin for origin, _ in self.graph.origins.values()}
+        g = self._differentiable()
+        holders = [(name, origin) for name, (origin, _) in g.origins.items() if origin in g.differentiated]
+        outs = [g.tensor(g.outputs[n]) for kind, n in g.output_leaves if kind == "saved"
+                and g.nodes[g.outputs[n]].type.dtype in FLOAT_DTYPES]
+        read = {origin for (_, origin), ok in zip(holders, flows(g, outs, [g.tensor(g.node(n).id) for n, _ in holders])
+                                                   if outs and holders else []) if ok}
         return [(k, t) for k, t in self.module.named_parameters() if t.requires_grad and k in read]
 
     def _graph_inputs_of(self, param: str) -> list[tuple[str, bool]]:
         """The graph inputs holding module parameter ``param``, and whether each holds it transposed."""
-        return [(name, t) for name, (origin, t) in self.graph.origins.items() if origin == param]
+        return [(name, t) for name, (origin, t) in self._differentiable().origins.items() if origin == param]
 
     def __call__(self, *inputs: Any) -> Any:
         torch = _torch()
@@ -199,7 +238,7 @@ class ParallelModule:
         if wrt not in self._backwards:
             from relational_tensors.compiler import compileGraph
 
-            g = from_torch(self.module, self.example_inputs) if self.module is not None else self.graph
+            g = _copy(self._differentiable())
             outs = [n for kind, n in g.output_leaves if kind == "saved"
                     and g.nodes[g.outputs[n]].type.dtype in FLOAT_DTYPES]
             if not outs:
@@ -221,7 +260,7 @@ class ParallelModule:
         g, compiled, _ = self._backward_program(wrt)
         feeds = {name: self._feed(x) for name, x in zip(g.input_names, inputs) if name is not None}
         if self._loaded_version.get(wrt) != self._weights_version:
-            feeds = {**self.graph.parameters, **feeds}
+            feeds = {**g.parameters, **feeds}
             self._loaded_version[wrt] = self._weights_version
         compiled.load(feeds)
         compiled.execute(phase=0)
@@ -249,6 +288,11 @@ class ParallelModule:
     def __repr__(self) -> str:
         ops = len(self.graph.operators)
         return f"ParallelModule({ops} operators on {self.compiled.devices}, plan cost {self.compiled.plan.cost:,.0f})"
+
+
+def _copy(g: TorchGraph) -> TorchGraph:
+    """A copy of a traced graph that a gradient can be appended to (the nodes are immutable and shared)."""
+    return _prune(g)
 
 
 @functools.cache

@@ -24,12 +24,17 @@ _EXACT_WIDENINGS = frozenset({("float16", "float32"), ("float16", "float64"), ("
 
 class _Const:
     """A value known at trace time: a parameter, buffer or constant (``name`` is its module path),
-    or something computed from those (``name`` is None; ``origin`` names the node)."""
+    or something computed from those (``name`` is None; ``origin`` names the node).
 
-    __slots__ = ("value", "name", "origin")
+    ``live``: a parameter that is differentiated (its value is an input of the program, and everything
+    computed from it is translated into the graph, never folded); ``deps``: the module tensors a
+    folded value was computed from (a fold must be redone when they change)."""
 
-    def __init__(self, value: Any, name: str | None, origin: str) -> None:
-        self.value, self.name, self.origin = value, name, origin
+    __slots__ = ("value", "name", "origin", "live", "deps")
+
+    def __init__(self, value: Any, name: str | None, origin: str, live: bool = False,
+                 deps: frozenset[str] = frozenset()) -> None:
+        self.value, self.name, self.origin, self.live, self.deps = value, name, origin, live, deps
 
 
 class _Unsupported(Exception):
@@ -111,7 +116,7 @@ def _scalar(v: Any) -> float | None:
         return None
     if isinstance(v, (int, float)):
         return float(v)
-    if isinstance(v, _Const) and v.value.numel() == 1 and not v.value.is_complex():
+    if isinstance(v, _Const) and not v.live and v.value.numel() == 1 and not v.value.is_complex():
         return float(v.value.reshape(()).item())
     return None
 

@@ -126,6 +126,8 @@ def attention_form(tr: _Translator, mask: Any, mask_node: Any, batch: int, heads
     runtime: list[Tensor] = []
     for leaf in leaves:
         value = tr._arg(leaf) if hasattr(leaf, "meta") else leaf
+        if isinstance(value, _Const) and value.live:  # a trained parameter (a learned bias): computed
+            value = tr.sym(value)
         if isinstance(value, _Const):
             v = value.value
             if is_bool:

@@ -2,7 +2,7 @@
 ``max_pool1d/2d/3d`` and ``avg_pool1d/2d/3d`` (``ceil_mode=False``), ``adaptive_avg_pool1d/2d/3d``
 (a global average is a mean; an output size that divides the input is an average pool; others are
 refused), and batch norm in eval mode (``_native_batch_norm_legit_no_training``: an elementwise affine
-from the running statistics, folded at trace time).
+from the running statistics, folded at trace time, or with trained affine parameters computed in the graph).
 """
 
 from __future__ import annotations
@@ -93,13 +93,34 @@ def _batch_norm_eval(tr: _Translator, node: Any, a: dict[str, Any]) -> list[Any]
         raise _fail("batch norm with statistics or affine parameters computed from the inputs; supported: "
                     "module buffers and parameters (eval mode)")
     mean, var = stats["running_mean"].value.double(), stats["running_var"].value.double()
-    weight = stats["weight"].value.double() if stats["weight"] is not None else torch.ones_like(mean)
-    bias = stats["bias"].value.double() if stats["bias"] is not None else torch.zeros_like(mean)
-    scale = weight / torch.sqrt(var + float(a["eps"]))
-    shift = bias - mean * scale
     shape = (x.shape[1], *([1] * (x.rank - 2)))
-    y = tr.binary(x, tr.materialize(_Const(scale.reshape(shape), None, f"{tr.prefix}.bn_scale"), x.dtype), "mul")
-    y = tr.binary(y, tr.materialize(_Const(shift.reshape(shape), None, f"{tr.prefix}.bn_shift"), x.dtype), "add")
+    inv_std = 1.0 / torch.sqrt(var + float(a["eps"]))
+    deps = frozenset().union(*(v.deps for v in stats.values() if v is not None))
+
+    def const(value: Any, what: str) -> Tensor:
+        return tr.materialize(_Const(value.reshape(shape), None, f"{tr.prefix}.{what}", deps=deps), x.dtype)
+
+    w, b = stats["weight"], stats["bias"]
+    if any(v is not None and v.live for v in (w, b)):  # trained affine parameters: scale and shift in the graph
+        scale = const(inv_std, "bn_inv_std")
+        if w is not None:
+            scale = tr.binary(tr.reshape(tr.sym(w, x.dtype), shape), scale, "mul")
+        shift = tr.unary(tr.binary(scale, const(mean, "bn_mean"), "mul"), "neg")
+        if b is not None:
+            shift = tr.binary(tr.reshape(tr.sym(b, x.dtype), shape), shift, "add")
+        return [tr.binary(tr.binary(x, scale, "mul"), shift, "add"), *_bn_unused(tr)]
+    weight = w.value.double() if w is not None else torch.ones_like(mean)
+    bias = b.value.double() if b is not None else torch.zeros_like(mean)
+    scale = weight * inv_std
+    shift = bias - mean * scale
+    y = tr.binary(x, const(scale, "bn_scale"), "mul")
+    y = tr.binary(y, const(shift, "bn_shift"), "add")
+    return [y, *_bn_unused(tr)]
+
+
+def _bn_unused(tr: _Translator) -> list[Any]:
+    """The saved statistics that eval-mode batch norm also returns (empty; nothing reads them)."""
+    torch = _torch()
     empty = _Const(torch.zeros(0), None, f"{tr.prefix}.bn_unused")
-    return [y, empty, empty]
+    return [empty, empty]
 

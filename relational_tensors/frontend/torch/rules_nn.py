@@ -45,8 +45,6 @@ def _norm_operands(tr: _Translator, node: Any, a: dict[str, Any], names: Sequenc
         if w is None:
             fill = torch.ones if what == "weight" else torch.zeros
             ws.append(tr.materialize(_Const(fill(d, dtype=_torch_dtype(x.dtype)), None, f"{tr.prefix}.{what}")))
-        elif isinstance(w, _Const):
-            ws.append(tr.materialize(_Const(w.value.reshape(d), w.name, w.origin) if k != 1 else w, x.dtype))
         else:
             ws.append(tr.reshape(tr.sym(w, x.dtype), (d,)))
     return x, ws

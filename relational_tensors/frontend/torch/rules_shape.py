@@ -27,17 +27,19 @@ def _reshape(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
 
 @register_torch_op("transpose", "permute", "t", "numpy_T")
 def _permute(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
-    x = tr.sym(a["self"])
+    rank = len(_out_shape(node))
     packet = _packet(node)
     if packet == "permute":
-        perm = list(a["dims"])
+        perm = [_axis(d, rank) for d in a["dims"]]
     elif packet == "transpose":
-        perm = list(range(x.rank))
-        i, j = _axis(a["dim0"], x.rank), _axis(a["dim1"], x.rank)
+        perm = list(range(rank))
+        i, j = _axis(a["dim0"], rank), _axis(a["dim1"], rank)
         perm[i], perm[j] = perm[j], perm[i]
     else:
-        perm = list(reversed(range(x.rank)))
-    return tr.permute(x, perm)
+        perm = list(reversed(range(rank)))
+    if isinstance(a["self"], _Const) and perm == [1, 0]:  # a transposed weight (``x @ w.T``): held transposed
+        return tr.materialize(a["self"], transpose=True)
+    return tr.permute(tr.sym(a["self"]), perm)
 
 
 @register_torch_op("expand", "expand_as")

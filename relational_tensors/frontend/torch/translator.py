@@ -65,7 +65,11 @@ class TorchGraph(Graph):
     ``parameters``  graph input name -> NumPy value, for every input that is not a user input
                     (weights in graph layout, e.g. Linear weights as ``[in, out]``);
     ``folded``      the names among ``parameters`` computed at trace time (not module state);
+    ``derived``     folded name -> the module parameters and buffers it was computed from (a fold to redo
+                    when they change);
     ``origins``     graph input name -> (the module parameter or buffer it holds, whether transposed);
+                    a parameter is named as ``named_parameters()`` names it (a tied one by its first name);
+    ``differentiated`` the module parameters that are live: held once each, every use computed in the graph;
     ``input_names`` per positional user input, its graph input name (None if the module ignores it);
     ``output_names`` the saved outputs, in the order of the module's flattened outputs;
     ``source``      node name -> the source line of the module it was translated from.
@@ -75,7 +79,9 @@ class TorchGraph(Graph):
         super().__init__()
         self.parameters: dict[str, np.ndarray] = {}
         self.folded: tuple[str, ...] = ()
+        self.derived: dict[str, tuple[str, ...]] = {}
         self.origins: dict[str, tuple[str, bool]] = {}
+        self.differentiated: tuple[str, ...] = ()
         self.input_names: tuple[str | None, ...] = ()
         self.output_names: tuple[str, ...] = ()
         self.source: dict[str, str] = {}
@@ -98,21 +104,30 @@ class TorchGraph(Graph):
 # --- the translator -----------------------------------------------------------------------------------------
 
 class _Translator:
-    def __init__(self, ep: Any, casts_in_graph: bool = False) -> None:
+    def __init__(self, ep: Any, casts_in_graph: bool = False, names: dict[str, str] | None = None,
+                 live: frozenset[str] = frozenset()) -> None:
         self.ep = ep
         self.fx = ep.graph
         self.g = TorchGraph()
         # a module tensor needed in another dtype becomes a cast in the graph, not a converted copy (a
         # training step updates the tensor itself)
         self.casts_in_graph = casts_in_graph
+        # export target -> the module's own name for that tensor (tied parameters: the first name)
+        self.names = dict(names or {})
+        # parameters that are differentiated: symbolic, so no value computed from them is folded
+        self.live = live
         self.env: dict[Any, Any] = {}
         self.values: dict[str, np.ndarray] = {}
         self.folded: list[str] = []
+        self.derived: dict[str, tuple[str, ...]] = {}
         self.origins: dict[str, tuple[str, bool]] = {}
+        # module tensor -> its one graph input and whether that holds it transposed (training: one copy)
+        self._leaves: dict[str, tuple[Tensor, bool]] = {}
+        self._leaf_of: dict[int, tuple[_Const, bool]] = {}  # graph node id -> the constant a leaf holds
         self.used: set[str] = set()
         self.prefix = ""
         self.current: Any = None
-        self._materialized: dict[tuple[int, str, str], Tensor] = {}
+        self._materialized: dict[tuple[int | str, str, str], Tensor] = {}
         self._keep: list[_Const] = []
         self.rewrites: dict[Any, tuple[str, dict[str, Any]]] = {}
         self.symbolic: set[Any] = set()
@@ -141,16 +156,30 @@ class _Translator:
         if want is None:
             raise _fail(f"a constant of dtype {value.dtype} ({c.name or c.origin}, shape {tuple(value.shape)}) "
                         "would enter the graph; only float16/bfloat16/float32/float64/int32/int64/bool tensors can")
-        key = (id(c), want, "T" if transpose else "")
+        key = (c.name if c.name is not None else id(c), want, "T" if transpose else "")
         if key in self._materialized:
             return self._materialized[key]
         have = _dtype_name(value.dtype)
-        if self.casts_in_graph and c.name is not None and have is not None and want != have:
-            t = self.g.cast(self.materialize(c, have, transpose), want, name=self.unique(f"{c.name}.{want}"))
+        if c.name is not None and have is not None and (self.casts_in_graph or c.live):
+            # one graph input per module tensor, in its own dtype and the layout first asked for; other
+            # layouts and dtypes are computed from it in the graph, so its gradient is their sum
+            if c.name not in self._leaves:
+                self._leaves[c.name] = (self._leaf(c, have, transpose), transpose)
+            t, held = self._leaves[c.name]
+            if held != transpose:
+                t = self.g.permute(t, (1, 0), name=self.unique(f"{c.name}.T"))
+            if want != have:
+                t = self.g.cast(t, want, name=self.unique(f"{c.name}.{want}"))
             self._materialized[key] = t
             return t
+        t = self._leaf(c, want, transpose)
+        self._materialized[key] = t
+        return t
+
+    def _leaf(self, c: _Const, want: str, transpose: bool) -> Tensor:
+        """A new graph input holding ``c`` in dtype ``want`` (transposed: a Linear weight as ``[in, out]``)."""
         self._keep.append(c)
-        v = value.detach()
+        v = c.value.detach()
         if transpose:
             v = v.t()
         if _dtype_name(v.dtype) != want:
@@ -163,9 +192,11 @@ class _Translator:
         self.values[name] = torch_to_numpy(v)
         if c.name is None:
             self.folded.append(name)
+            if c.deps:
+                self.derived[name] = tuple(sorted(c.deps))
         else:
             self.origins[name] = (c.name, transpose)
-        self._materialized[key] = t
+        self._leaf_of[t.node.id] = (c, transpose)
         return t
 
     def sym(self, v: Any, dtype: str | None = None) -> Tensor:
@@ -205,6 +236,9 @@ class _Translator:
         perm = tuple(int(p) % x.rank for p in perm) if x.rank else tuple(perm)
         if perm == tuple(range(x.rank)):
             return x
+        held = self._leaf_of.get(x.node.id)
+        if held is not None and perm == (1, 0):  # a transposed constant (``x @ w.T``): held in that layout
+            return self.materialize(held[0], x.dtype, transpose=not held[1])
         op = x.node.op
         if op is not None and op.kind == "permute":
             inner: tuple[int, ...] = getattr(op, "perm")  # noqa: B009 - Operator has no perm; the kind check narrows
@@ -292,7 +326,8 @@ class _Translator:
         """Nodes whose value depends on a user input; every other node is folded with torch."""
         from torch.export.graph_signature import InputKind
 
-        users = {s.arg.name for s in self.ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT}
+        users = {s.arg.name for s in self.ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT or
+                 (s.kind == InputKind.PARAMETER and self.names.get(s.target, s.target) in self.live)}
         for node in self.fx.nodes:
             if node.op == "placeholder":
                 if node.name in users:
@@ -359,7 +394,9 @@ class _Translator:
             value = self.ep.state_dict.get(spec.target)
             if value is None:
                 value = self.ep.constants[spec.target]
-            self.env[node] = _Const(value, spec.target, spec.target)
+            name = self.names.get(spec.target, spec.target)
+            live = spec.kind == InputKind.PARAMETER and name in self.live
+            self.env[node] = _Const(value, name, spec.target, live=live, deps=frozenset({name}))
             return
         raise GraphError(f"from_torch cannot take the export input {node.name!r} of kind {spec.kind.name}; "
                          "only tensors, parameters, buffers and tensor constants are supported.")
@@ -438,12 +475,15 @@ class _Translator:
         torch = _torch()
         shape_only = _packet(node) in _SHAPE_ONLY
 
+        deps: set[str] = set()
+
         def unwrap(v: Any) -> Any:
             if hasattr(v, "op") and hasattr(v, "meta"):  # an fx.Node
                 if shape_only and v in self.symbolic:  # only its static shape and dtype are read
                     return torch.zeros(v.meta["val"].shape, dtype=v.meta["val"].dtype)
                 v = self._arg(v)
             if isinstance(v, _Const):
+                deps.update(v.deps)
                 return v.value
             if isinstance(v, (list, tuple)):
                 return type(v)(unwrap(x) for x in v)
@@ -465,13 +505,13 @@ class _Translator:
             except Exception as e:  # noqa: BLE001 - reported with the node's source line
                 raise _fail(f"it depends on no input, and computing it once at trace time failed: "
                             f"{type(e).__name__}: {e}") from e
-        return self._wrap(value, self.prefix)
+        return self._wrap(value, self.prefix, frozenset(deps))
 
-    def _wrap(self, value: Any, origin: str) -> Any:
+    def _wrap(self, value: Any, origin: str, deps: frozenset[str]) -> Any:
         if _is_torch_tensor(value):
-            return _Const(value, None, origin)
+            return _Const(value, None, origin, deps=deps)
         if isinstance(value, (list, tuple)):
-            return type(value)(self._wrap(v, f"{origin}.{k}") for k, v in enumerate(value))
+            return type(value)(self._wrap(v, f"{origin}.{k}", deps) for k, v in enumerate(value))
         return value
 
     def _check(self, node: Any, result: Any) -> Any:
@@ -554,6 +594,8 @@ def _prune(g: TorchGraph) -> TorchGraph:
     kept = {n.name for n in out.nodes}
     out.parameters = {k: v for k, v in g.parameters.items() if k in kept}
     out.folded = tuple(k for k in g.folded if k in kept)
+    out.derived = {k: v for k, v in g.derived.items() if k in kept}
+    out.differentiated = g.differentiated
     out.origins = {k: v for k, v in g.origins.items() if k in kept}
     out.input_names = tuple(k if k in kept else None for k in g.input_names)
     out.input_types = g.input_types
@@ -577,7 +619,30 @@ def _refuse_moe(module: Any) -> None:
                              "Dense models are.")
 
 
-def from_torch(module: Any, example_inputs: Any, casts_in_graph: bool = False) -> TorchGraph:
+def _module_names(module: Any, ep: Any) -> dict[str, str]:
+    """Export target -> the module's own name for that tensor: the first name ``named_parameters()`` (or
+    ``named_buffers()``) gives it, so a tied parameter, which torch.export may list under another of its
+    names, is known by one name."""
+    first: dict[int, str] = {}
+    for name, t in (*module.named_parameters(), *module.named_buffers()):
+        first.setdefault(id(t), name)
+    out: dict[str, str] = {}
+    for spec in ep.graph_signature.input_specs:
+        if spec.target is None:
+            continue
+        try:
+            t = module.get_parameter(spec.target)
+        except AttributeError:
+            try:
+                t = module.get_buffer(spec.target)
+            except AttributeError:
+                continue
+        out[spec.target] = first.get(id(t), spec.target)
+    return out
+
+
+def from_torch(module: Any, example_inputs: Any, casts_in_graph: bool = False,
+               differentiate: bool = False) -> TorchGraph:
     """Trace ``module`` on ``example_inputs`` (a tensor or a tuple of tensors) into an ``rt.Graph``.
 
     The result is a :class:`TorchGraph`: parameters, buffers and trace-time constants
@@ -586,6 +651,9 @@ def from_torch(module: Any, example_inputs: Any, casts_in_graph: bool = False) -
     saved as ``output`` (or ``output_0``, ``output_1``, ... for several).  Shapes
     are static: the graph is for inputs of the example's shapes and dtypes.  With ``casts_in_graph`` a
     module tensor read in another dtype is a graph input in its own dtype and a cast (for training).
+    With ``differentiate`` every parameter that requires grad is one graph input (under the name
+    ``named_parameters()`` gives it), and everything computed from it is computed in the graph, never
+    folded at trace time, so its gradient can be taken (``.differentiated`` lists them).
     """
     torch = _torch()
     if not isinstance(module, torch.nn.Module):
@@ -618,13 +686,18 @@ def from_torch(module: Any, example_inputs: Any, casts_in_graph: bool = False) -
     finally:
         if cached:
             config.use_cache = True
-    tr = _Translator(ep, casts_in_graph)
+    names = _module_names(module, ep)
+    live = frozenset(names.get(k, k) for k, t in module.named_parameters() if t.requires_grad) \
+        if differentiate else frozenset()
+    tr = _Translator(ep, casts_in_graph, names, live)
     g = tr.run()
     if not g.outputs:
         raise GraphError(f"{type(module).__name__} returns nothing that depends on its inputs; there is no graph "
                          "to build.")
     g.parameters = tr.values
     g.folded = tuple(tr.folded)
+    g.derived = dict(tr.derived)
     g.origins = dict(tr.origins)
+    g.differentiated = tuple(sorted(live))
     g.out_spec = ep.call_spec.out_spec
     return _prune(g)
