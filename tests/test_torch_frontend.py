@@ -491,9 +491,9 @@ def test_parameters_are_named_by_module_path_and_kept_in_graph_layout() -> None:
 
 # --- unsupported operations: operation, source line, supported set ----------------------------------------------
 
-class Cumsum(nn.Module):
+class Lgamma(nn.Module):
     def forward(self, x: Any) -> Any:
-        return torch.cumsum(x, dim=-1)
+        return torch.lgamma(x)
 
 
 class Strided(nn.Module):
@@ -619,8 +619,8 @@ class VarianceOfOne(nn.Module):
 
 UNSUPPORTED: dict[str, tuple[type, Callable[[], tuple[Any, ...]], str, str, str]] = {
     # name: (module, inputs, operation, code on the source line, reason)
-    "unknown_operation": (Cumsum, lambda: (x3(4, 16),), "aten.cumsum.default", "torch.cumsum(x, dim=-1)",
-                          r"\(from `cumsum`\).*no translation rule for this operation"),
+    "unknown_operation": (Lgamma, lambda: (x3(4, 16),), "aten.lgamma.default", "torch.lgamma(x)",
+                          r"\(from `lgamma`\).*no translation rule for this operation"),
     "strided_slice": (Strided, lambda: (x3(4, 16),), "aten.slice.Tensor", "x[:, ::2]",
                       "a slice with step 2; supported: step 1"),
     "attention_dropout": (AttentionDropout, lambda: (x3(1, 2, 16, 8),),
@@ -666,11 +666,11 @@ def test_unsupported_operation_names_op_source_line_and_supported_set(name: str)
 
 
 def test_unsupported_operation_inside_a_submodule_names_its_path() -> None:
-    model = nn.Sequential(nn.Linear(16, 16), nn.Sequential(nn.ReLU(), Cumsum()))
+    model = nn.Sequential(nn.Linear(16, 16), nn.Sequential(nn.ReLU(), Lgamma()))
     with pytest.raises(rt.GraphError) as err:
         from_torch(model.eval(), (x3(4, 16),))
-    check_message(err, "aten.cumsum.default", Cumsum.forward, "torch.cumsum(x, dim=-1)", "no translation rule")
-    assert "(module '1.1' of type Cumsum)" in str(err.value)
+    check_message(err, "aten.lgamma.default", Lgamma.forward, "torch.lgamma(x)", "no translation rule")
+    assert "(module '1.1' of type Lgamma)" in str(err.value)
 
 
 def test_side_effects_are_refused() -> None:

@@ -87,6 +87,12 @@ UNARY_FUNCTIONS: dict[str, Callable[[np.ndarray, float], np.ndarray]] = {
     "cast": lambda x, a: x,
     "fill": lambda x, a: np.full_like(x, a),  # the constant ``arg`` in x's shape (a gradient's seed)
     "logical_not": lambda x, a: np.logical_not(x),  # booleans only
+    "log1p": lambda x, a: np.log1p(x),
+    "expm1": lambda x, a: np.expm1(x),
+    "erf": lambda x, a: np.asarray(_erf(x), dtype=x.dtype),
+    "sin": lambda x, a: np.sin(x),
+    "cos": lambda x, a: np.cos(x),
+    "detach": lambda x, a: x,  # the identity, through which no gradient flows (torch's detach)
 }
 
 # name -> f'(x, arg), for the functions whose gradient is dy·f'(x) (the others are built in UnaryOp.vjp);
@@ -105,6 +111,11 @@ UNARY_DERIVATIVES: dict[str, Callable[[np.ndarray, float], np.ndarray]] = {
     "rsqrt": lambda x, a: -0.5 / (x * np.sqrt(x)),
     "square": lambda x, a: 2.0 * x,
     "pow": lambda x, a: a * x ** (a - 1.0),
+    "log1p": lambda x, a: 1.0 / (1.0 + x),
+    "expm1": lambda x, a: np.exp(x),
+    "erf": lambda x, a: np.exp(-x * x) * (2.0 / math.sqrt(math.pi)),
+    "sin": lambda x, a: np.cos(x),
+    "cos": lambda x, a: -np.sin(x),
 }
 
 BINARY_FUNCTIONS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
@@ -178,8 +189,8 @@ class UnaryOp(SameIndicesOp):
 
     def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any, wanted: tuple[bool, ...]) -> Grads:
         (x,) = inputs
-        if self.op in ("fill", "logical_not") or "bool" in (x.type.dtype, self.output_type.dtype):
-            return (None,)  # a boolean carries no gradient
+        if self.op in ("fill", "logical_not", "detach") or "bool" in (x.type.dtype, self.output_type.dtype):
+            return (None,)  # a boolean carries no gradient, and a detached value none by definition
         if self.op == "cast":
             return (build(b, "unary", (cotangent,), op="cast", arg=x.type.dtype),)
         if self.op == "add_scalar":

@@ -17,6 +17,10 @@ from relational_tensors.frontend.torch.convert import _dtype_name, _torch
 # operations whose result depends only on the (static) shape and dtype of their tensor argument
 _SHAPE_ONLY = frozenset({"zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full"})
 
+# prims whose arguments are those of the aten operation of the same name (``self``, ``other``)
+_PRIMS_AS_ATEN = frozenset({"abs", "add", "cos", "div", "erf", "exp", "expm1", "log", "log1p", "mul", "neg", "rsqrt",
+                            "sin", "sqrt", "sub", "tanh"})
+
 # (narrow, wide): every value of the narrow dtype is exact in the wide one, so narrow -> wide -> narrow is the identity
 _EXACT_WIDENINGS = frozenset({("float16", "float32"), ("float16", "float64"), ("bfloat16", "float32"),
                               ("bfloat16", "float64"), ("float32", "float64"), ("int32", "int64")})
@@ -62,10 +66,13 @@ def _op_name(node: Any) -> str:
 
 
 def _packet(node: Any) -> str | None:
-    """``add`` for aten.add.Tensor; None for anything outside the aten namespace."""
+    """``add`` for aten.add.Tensor (and for the prims that torch's decompositions produce and that take the
+    arguments of their aten namesakes, e.g. prims.log1p.default); None for anything else."""
     if node.target is operator.getitem:
         return "getitem"
     full = _op_name(node)
+    if full.startswith("prims.") and full.split(".")[1] in _PRIMS_AS_ATEN:
+        return full.split(".")[1]
     if not full.startswith("aten."):
         return None
     return full.split(".")[1]

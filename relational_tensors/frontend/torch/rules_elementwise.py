@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 _UNARY = {"relu": ("relu", 0.0), "silu": ("silu", 0.0), "sigmoid": ("sigmoid", 0.0), "tanh": ("tanh", 0.0),
           "exp": ("exp", 0.0), "log": ("log", 0.0), "neg": ("neg", 0.0), "abs": ("abs", 0.0),
           "sqrt": ("sqrt", 0.0), "rsqrt": ("rsqrt", 0.0), "square": ("square", 0.0),
-          "reciprocal": ("pow", -1.0)}
+          "reciprocal": ("pow", -1.0), "log1p": ("log1p", 0.0), "expm1": ("expm1", 0.0), "erf": ("erf", 0.0),
+          "sin": ("sin", 0.0), "cos": ("cos", 0.0)}
 
 
 @register_torch_op(*_UNARY)
@@ -54,7 +55,14 @@ def _pow(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     return tr.unary(x, "pow", e)
 
 
-@register_torch_op("to", "_to_copy", "type_as", "clone", "contiguous", "alias", "detach", "lift_fresh_copy")
+@register_torch_op("detach")
+def _detach(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    """The value, with no gradient flowing back through it (a parameter read detached is not trained there)."""
+    x = tr.sym(a["self"])
+    return tr.unary(x, "detach") if x.dtype in ("float16", "bfloat16", "float32", "float64") else x
+
+
+@register_torch_op("to", "_to_copy", "type_as", "clone", "contiguous", "alias", "lift_fresh_copy")
 def _identity(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     """Copies, layout hints and casts: the dtype torch records for the node is applied by the check."""
     return tr.sym(a["self"])

@@ -57,6 +57,29 @@ def _layer_norm(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     return tr.reshape(y, _out_shape(node))
 
 
+@register_torch_op("group_norm")
+def _group_norm(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    """x [N, C, *spatial] normalized over each group of C / G channels and the spatial positions (a layer norm
+    of [N, G, C / G · spatial]), then scaled and shifted per channel."""
+    x = tr.sym(a["input"], _out_dtype(node))
+    groups = int(a["num_groups"])
+    n, c = x.shape[0], x.shape[1]
+    if x.rank < 2 or c % groups:
+        raise _fail(f"group norm of {groups} groups over {x.shape}; the channels (axis 1) must divide into them")
+    d = math.prod(x.shape[1:]) // groups
+    torch = _torch()
+    ones = tr.materialize(_Const(torch.ones(d, dtype=_torch_dtype(x.dtype)), None, f"{tr.prefix}.ones"))
+    zeros = tr.materialize(_Const(torch.zeros(d, dtype=_torch_dtype(x.dtype)), None, f"{tr.prefix}.zeros"))
+    y = tr.g.layernorm(tr.reshape(x, (n, groups, d)), ones, zeros, float(a["eps"]), name=tr.name("group_norm"))
+    y = tr.reshape(y, x.shape)
+    per_channel = (c, *([1] * (x.rank - 2)))
+    if a["weight"] is not None:
+        y = tr.binary(y, tr.reshape(tr.sym(a["weight"], x.dtype), per_channel), "mul")
+    if a["bias"] is not None:
+        y = tr.binary(y, tr.reshape(tr.sym(a["bias"], x.dtype), per_channel), "add")
+    return y
+
+
 @register_torch_op("rms_norm")
 def _rms_norm(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     x, (w,) = _norm_operands(tr, node, a, ("weight",))

@@ -1,5 +1,5 @@
 """Translation rules for reductions over axes: ``sum``, ``mean``, ``amax``, ``amin``, ``var`` (with
-its correction), ``softmax`` and ``log_softmax``.
+its correction), ``softmax``, ``log_softmax`` and ``cumsum`` (a product with a triangle of ones).
 """
 
 from __future__ import annotations
@@ -7,8 +7,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.frontend.graph import Tensor
-from relational_tensors.frontend.torch.common import _axis, _fail, _out_dtype, _out_shape, _packet
+from relational_tensors.frontend.torch.common import _axis, _Const, _fail, _out_dtype, _out_shape, _packet
+from relational_tensors.frontend.torch.convert import _torch, _torch_dtype
 from relational_tensors.frontend.torch.registry import register_torch_op
 
 if TYPE_CHECKING:
@@ -64,3 +66,21 @@ def _log_softmax(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     total = tr.g.sum(tr.unary(z, "exp"), axis, True, name=tr.name("sum"))
     return tr.binary(z, tr.unary(total, "log"), "sub")
 
+
+
+@register_torch_op("cumsum")
+def _cumsum(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    """Running sums along an axis: a contraction with the triangle ``T[j, i] = 1 for j <= i``.  Integers are
+    summed in float64, exact while the sums stay below 2**53 (position ids from a mask, counts)."""
+    out = _out_dtype(node) or "float32"
+    work = out if out in FLOAT_DTYPES else "float64"
+    x = tr.sym(a["self"], work)
+    axis = _axis(a["dim"], x.rank)
+    n = x.shape[axis]
+    torch = _torch()
+    tri = _Const(torch.ones(n, n, dtype=_torch_dtype(work)).triu(), None, f"{tr.prefix}.triangle")
+    letters = "abcdefghijklmnopqrstuvwxy"[: x.rank]
+    if len(letters) < x.rank:
+        raise _fail(f"cumsum of a tensor of rank {x.rank}; supported: rank up to 25")
+    spec = f"{letters},{letters[axis]}z->{letters.replace(letters[axis], 'z')}"
+    return tr.g.einsum(spec, x, tr.materialize(tri, work), name=tr.name("cumsum"))

@@ -337,6 +337,12 @@ class _Translator:
             elif any(i in self.symbolic for i in node.all_input_nodes):
                 self.symbolic.add(node)
 
+    def unruled(self) -> list[Any]:
+        """The nodes computed from the inputs whose operation has no translation rule."""
+        self._find_symbolic()
+        return [node for node in self.fx.nodes
+                if node.op == "call_function" and node in self.symbolic and _packet(node) not in _RULES]
+
     def _find_patterns(self) -> None:
         for node in self.fx.nodes:
             if node.op != "call_function" or node not in self.symbolic:
@@ -619,6 +625,33 @@ def _refuse_moe(module: Any) -> None:
                              "Dense models are.")
 
 
+def _decompose(ep: Any, unruled: Any) -> Any:
+    """``ep`` with the operations that have no translation rule lowered by torch's decompositions (the core
+    ATen set first, then the rest of its table), where that leads to operations that have one; an operation
+    whose decomposition does not (``lgamma`` into ``prims.lgamma``) is left as written, so that a refusal
+    names what the module calls."""
+    from torch._decomp import core_aten_decompositions, decomposition_table
+
+    core = core_aten_decompositions()
+    banned: set[str] = set()  # by name: the operation a node's meta records is a copy, equal to none
+    for _ in range(4):
+        out, used = ep, set()
+        for _ in range(4):  # a decomposition may produce operations that need decomposing again
+            table = {n.target: core.get(n.target) or decomposition_table.get(n.target) for n in unruled(out)}
+            table = {k: f for k, f in table.items() if f is not None and str(k) not in banned}
+            if not table:
+                break
+            used.update(str(k) for k in table)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                out = out.run_decompositions(table)
+        failed = {str(n.meta.get("original_aten")) for n in unruled(out)} & used
+        if not failed:
+            return out
+        banned |= failed
+    return ep
+
+
 def _module_names(module: Any, ep: Any) -> dict[str, str]:
     """Export target -> the module's own name for that tensor: the first name ``named_parameters()`` (or
     ``named_buffers()``) gives it, so a tied parameter, which torch.export may list under another of its
@@ -689,6 +722,7 @@ def from_torch(module: Any, example_inputs: Any, casts_in_graph: bool = False,
     names = _module_names(module, ep)
     live = frozenset(names.get(k, k) for k, t in module.named_parameters() if t.requires_grad) \
         if differentiate else frozenset()
+    ep = _decompose(ep, lambda e: _Translator(e, casts_in_graph, names, live).unruled())
     tr = _Translator(ep, casts_in_graph, names, live)
     g = tr.run()
     if not g.outputs:

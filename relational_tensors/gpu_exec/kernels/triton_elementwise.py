@@ -15,7 +15,8 @@ __all__ = ["unary", "binary", "swiglu", "unary_math", "binary_math", "UNARY_CODE
 BLOCK = 1024
 UNARY_CODES = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3, "sigmoid": 4, "tanh": 5, "exp": 6, "log": 7,
                "neg": 8, "abs": 9, "sqrt": 10, "rsqrt": 11, "square": 12, "scale": 13, "add_scalar": 14,
-               "pow": 15, "cast": 16, "fill": 17}
+               "pow": 15, "cast": 16, "fill": 17, "log1p": 18, "expm1": 19, "erf": 20, "sin": 21, "cos": 22,
+               "detach": 16}
 BINARY_CODES = {"add": 0, "sub": 1, "mul": 2, "div": 3, "maximum": 4, "minimum": 5, "eq": 6, "logaddexp": 7}
 
 
@@ -62,6 +63,18 @@ def unary_math(x, arg, OP: tl.constexpr):
         y = tl.exp2(arg * tl.log2(x))
     elif OP == 17:
         y = tl.zeros_like(x) + arg
+    elif OP == 18:  # log(1 + x) with the rounding of 1 + x corrected (Goldberg's formula), plain log far from 0
+        u = 1.0 + x
+        y = tl.where(u == 1.0, x, tl.where(tl.abs(x) > 1.0, tl.log(u), tl.log(u) * (x / (u - 1.0))))
+    elif OP == 19:  # exp(x) - 1 with the same correction through u = exp(x), plain exp(x) - 1 far from 0
+        u = tl.exp(x)
+        y = tl.where(u == 1.0, x, tl.where(tl.abs(x) > 1.0, u - 1.0, (u - 1.0) * (x / tl.log(u))))
+    elif OP == 20:
+        y = tl.erf(x)
+    elif OP == 21:
+        y = tl.sin(x)
+    elif OP == 22:
+        y = tl.cos(x)
     else:
         y = x
     return y

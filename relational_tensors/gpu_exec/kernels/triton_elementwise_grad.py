@@ -17,7 +17,8 @@ __all__ = ["unary_grad", "binary_grad", "swiglu_grad", "UNARY_GRAD_CODES", "BINA
 
 BLOCK = 1024
 UNARY_GRAD_CODES = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3, "sigmoid": 4, "tanh": 5, "exp": 6, "log": 7,
-                    "abs": 8, "sqrt": 9, "rsqrt": 10, "square": 11, "pow": 12}
+                    "abs": 8, "sqrt": 9, "rsqrt": 10, "square": 11, "pow": 12, "log1p": 13, "expm1": 14, "erf": 15,
+                    "sin": 16, "cos": 17}
 BINARY_GRAD_CODES = {"mul": 0, "div": 1, "maximum": 2, "minimum": 3}
 
 
@@ -72,6 +73,16 @@ def _unary_grad_kernel(x_ptr, dy_ptr, out_ptr, n, arg_hi, arg_lo, OP: tl.constex
         d = -0.5 / (x * tl.sqrt(x))
     elif OP == 11:
         d = 2.0 * x
+    elif OP == 13:
+        d = 1.0 / (1.0 + x)
+    elif OP == 14:
+        d = tl.exp(x)
+    elif OP == 15:
+        d = tl.exp(-x * x) * 1.1283791670955126
+    elif OP == 16:
+        d = tl.cos(x)
+    elif OP == 17:
+        d = -tl.sin(x)
     else:  # pow: a · x^(a - 1), the exponent given as two floats (a float64 one keeps 48 bits)
         a = tl.full([BLOCK_SIZE], arg_hi, ACC) + tl.full([BLOCK_SIZE], arg_lo, ACC)
         d = a * _power(x, a - 1.0, E_INT, E_ODD)
