@@ -635,7 +635,7 @@ def _decompose(ep: Any, unruled: Any) -> Any:
     core = core_aten_decompositions()
     banned: set[str] = set()  # by name: the operation a node's meta records is a copy, equal to none
     for _ in range(4):
-        out, used = ep, set()
+        out, used = ep, set[str]()
         for _ in range(4):  # a decomposition may produce operations that need decomposing again
             table = {n.target: core.get(n.target) or decomposition_table.get(n.target) for n in unruled(out)}
             table = {k: f for k, f in table.items() if f is not None and str(k) not in banned}
