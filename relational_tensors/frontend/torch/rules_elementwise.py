@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.frontend.graph import Tensor
 from relational_tensors.frontend.torch.common import _Const, _fail, _out_dtype, _out_shape, _packet, _scalar
 from relational_tensors.frontend.torch.convert import _dtype_name, _torch, _torch_dtype
@@ -74,10 +75,11 @@ def _assert_metadata(tr: _Translator, node: Any, a: dict[str, Any]) -> None:
 
 
 def _broadcast_binary(tr: _Translator, node: Any, x: Any, y: Any, op: str) -> Tensor:
-    """x op y with torch broadcasting; a number (or one-element constant) becomes a unary op."""
+    """x op y with torch broadcasting; a number (or one-element constant) becomes a unary op (on floating
+    tensors: integer arithmetic is a binary op with the number as a one-element tensor)."""
     dtype = _out_dtype(node)
     shape = _out_shape(node)
-    sx, sy = _scalar(x), _scalar(y)
+    sx, sy = (_scalar(x), _scalar(y)) if dtype in FLOAT_DTYPES else (None, None)
     if isinstance(x, Tensor) and sy is not None and x.shape == shape:
         x = tr.sym(x, dtype)
         if op == "add":

@@ -57,6 +57,17 @@ def _layer_norm(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     return tr.reshape(y, _out_shape(node))
 
 
+@register_torch_op("_weight_norm")
+def _weight_norm(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    """``v · g / ‖v‖``, the norm over every axis but ``dim`` (torch.nn.utils.parametrizations.weight_norm)."""
+    dtype = _out_dtype(node)
+    v, g = tr.sym(a["v"], dtype), tr.sym(a["g"], dtype)
+    dim = int(a["dim"])
+    axes = tuple(k for k in range(v.rank) if dim == -1 or k != dim % v.rank)
+    norm = tr.unary(tr.g.sum(tr.unary(v, "square"), axes, True, name=tr.name("sum")), "sqrt")
+    return tr.binary(v, tr.binary(g, norm, "div"), "mul")
+
+
 @register_torch_op("group_norm")
 def _group_norm(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     """x [N, C, *spatial] normalized over each group of C / G channels and the spatial positions (a layer norm

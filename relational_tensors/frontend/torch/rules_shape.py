@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.frontend.graph import Tensor
 from relational_tensors.frontend.torch.common import _axis, _bounds, _Const, _fail, _out_dtype, _out_shape, _packet
 from relational_tensors.frontend.torch.convert import _torch
@@ -83,10 +84,57 @@ def _repeat_interleave(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
 def _slice(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     x = tr.sym(a["self"])
     axis = _axis(a["dim"], x.rank)
-    if a["step"] != 1:
-        raise _fail(f"a slice with step {a['step']}; supported: step 1")
     start, stop = _bounds(a["start"], a["end"], x.shape[axis])
-    return tr.slice(x, axis, start, stop)  # an empty slice never gets here: it is an empty constant
+    step = int(a["step"])
+    if step == 1:
+        return tr.slice(x, axis, start, stop)  # an empty slice never gets here: it is an empty constant
+    return _strided(tr, x, axis, start, stop, step)
+
+
+def _strided(tr: _Translator, x: Tensor, axis: int, start: int, stop: int, step: int) -> Tensor:
+    """``x[..., start:stop:step, ...]``: the whole steps as a reshape [count, step] and the first of each step
+    (rotate-every-two rotary reads the even and odd features so); a last partial step is sliced on its own."""
+    count = -(-(stop - start) // step)
+    whole = min(count, (x.shape[axis] - start) // step)
+    parts = []
+    if whole:
+        y = tr.slice(x, axis, start, start + whole * step)
+        y = tr.reshape(y, (*x.shape[:axis], whole, step, *x.shape[axis + 1:]))
+        y = tr.slice(y, axis + 1, 0, 1)
+        parts.append(tr.reshape(y, (*x.shape[:axis], whole, *x.shape[axis + 1:])))
+    if count > whole:
+        first = start + whole * step
+        parts.append(tr.slice(x, axis, first, first + 1))
+    return tr.concat(parts, axis)
+
+
+@register_torch_op("gather")
+def _gather(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    """``out[..., i, ...] = x[..., index[..., i, ...], ...]`` along ``dim``: a lookup of the flat positions
+    ``index · stride(dim) + (the offsets of the other axes)`` in x viewed as a one-column table (an embedding,
+    whose gradient adds back into x).  Integer x is looked up in float64 (exact below 2**53)."""
+    torch = _torch()
+    out_dtype = _out_dtype(node) or "float32"
+    work = out_dtype if out_dtype in FLOAT_DTYPES else "float64"
+    x, index = a["self"], a["index"]
+    shape = tuple(index.value.shape) if isinstance(index, _Const) else index.shape
+    xs = tuple(x.value.shape) if isinstance(x, _Const) else x.shape
+    axis = _axis(a["dim"], len(xs))
+    strides = [math.prod(xs[k + 1:]) for k in range(len(xs))]
+    base = torch.zeros(shape, dtype=torch.int64)
+    for k, n in enumerate(shape):
+        if k != axis:
+            base = base + (torch.arange(n) * strides[k]).reshape([-1 if j == k else 1 for j in range(len(shape))])
+    if isinstance(index, _Const):
+        ids = tr.materialize(_Const(index.value.to(torch.int64) * strides[axis] + base, None,
+                                    f"{tr.prefix}.flat_index", deps=index.deps), "int64")
+    else:
+        ids = tr.cast(index, "int64")
+        if strides[axis] != 1:
+            ids = tr.binary(ids, tr.sym(strides[axis], "int64"), "mul")
+        ids = tr.binary(ids, tr.materialize(_Const(base, None, f"{tr.prefix}.offsets"), "int64"), "add")
+    table = tr.reshape(tr.sym(x, work), (math.prod(xs), 1))
+    return tr.reshape(tr.g.embedding(table, ids, name=tr.name("gather")), shape)
 
 
 @register_torch_op("select")
