@@ -1,7 +1,8 @@
 """Our kernels one at a time against PyTorch's on one GPU: attention (every configuration the
 executor may pick, against SDPA flash attention), RoPE and RMSNorm (against the same formulas under
-torch.compile).  FP16, LLaMA-3-8B shapes (32 query heads, 8 kv heads, head dim 128, d_model 4096),
-2 warm-ups and 10 timed rounds with CUDA events (5 for attention at 128K tokens).
+torch.compile), and train-mode dropout (against torch's ``F.dropout``).  FP16, LLaMA-3-8B shapes (32 query
+heads, 8 kv heads, head dim 128, d_model 4096), 2 warm-ups and 10 timed rounds with CUDA events (5 for
+attention at 128K tokens).
 
     python bench/gpu_kernels.py [--tokens 8192,131072] [--out bench/results]   # -> gpu_kernels.json
     python bench/gpu_kernels.py --sweep   # attention over a grid of configurations -> gpu_kernels_sweep.json
@@ -26,6 +27,7 @@ def main() -> None:
     from relational_tensors.gpu_exec.kernels import triton_attention as ta
     from relational_tensors.gpu_exec.kernels.common import DevBuf, bind_triton_to_cupy
     from relational_tensors.gpu_exec.kernels.triton_norms import rmsnorm
+    from relational_tensors.gpu_exec.kernels.triton_random import dropout
     from relational_tensors.gpu_exec.kernels.triton_rope import rope
 
     ap = argparse.ArgumentParser()
@@ -48,7 +50,7 @@ def main() -> None:
 
     hq, hkv, dh, dm = 32, 8, 128, 4096
     out: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "attention": {}, "rope": {},
-                 "rmsnorm": {}}
+                 "rmsnorm": {}, "dropout": {}}
     for s in [int(v) for v in args.tokens.split(",")]:
         g = torch.Generator(device=dev).manual_seed(0)
         q = torch.randn(1, s, hq, dh, device=dev, dtype=torch.float16, generator=g)
@@ -121,6 +123,14 @@ def main() -> None:
         out["rmsnorm"][s] = {"ours_ms": ours, "compile_ms": theirs, "ours_GBps": nbytes / ours / 1e6,
                              "max_abs_diff": float((hn.float() - crms(h).float()).abs().max())}
         print(s, "rmsnorm", out["rmsnorm"][s], flush=True)
+        # dropout of the residual stream, p = 0.1: ours draws Philox per element from a device-side state
+        state = torch.tensor([1234, 5], device=dev, dtype=torch.int64)
+        ours = timed(lambda h=h, hn=hn, state=state: dropout(buf(h), buf(state), buf(hn), (0, 0, 0), tuple(h.shape),
+                                                             0.1, 1))
+        theirs = timed(lambda h=h: F.dropout(h, 0.1, training=True))
+        out["dropout"][s] = {"ours_ms": ours, "torch_ms": theirs, "ours_GBps": nbytes / ours / 1e6,
+                             "kept": float((hn != 0).float().mean())}
+        print(s, "dropout", out["dropout"][s], flush=True)
         torch.cuda.empty_cache()
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)

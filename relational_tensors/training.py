@@ -19,7 +19,7 @@ from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.errors import ExecError, GraphError
 from relational_tensors.frontend.autodiff import flows
 from relational_tensors.frontend.torch.convert import _torch, numpy_to_torch, torch_to_numpy
-from relational_tensors.frontend.torch.translator import TorchGraph, from_torch
+from relational_tensors.frontend.torch.translator import TorchGraph, draw_rng, from_torch
 from relational_tensors.optim import SGD, AdamW, Optimizer
 
 __all__ = ["train_step", "TrainStep"]
@@ -51,6 +51,8 @@ class TrainStep:
         feeds: dict[str, Any] = {n: torch_to_numpy(x.detach()) for n, x in zip(names, batch) if n is not None}
         dtype = self.graph.node("lr").type.dtype
         feeds["lr"] = np.array([self.lr], dtype=dtype)
+        if self.graph.rng_input is not None:  # train-mode dropout: a new draw each step, from torch's generator
+            feeds[self.graph.rng_input] = draw_rng()
         if self._first:
             feeds.update(self.graph.parameters)  # frozen parameters, buffers, and the states' first values
             feeds.update(self.optimizer.initial(self.graph.parameters))

@@ -161,10 +161,14 @@ CASES: dict[str, Case] = {
     "cross_entropy_sum": _one(lambda g, d: g.cross_entropy(g.input("logits", [37, 41], d), g.input("t", [37], "int64"),
                                                            reduction="sum")),
     "mse": _one(lambda g, d: g.mse(g.input("a", [10, 7], d), g.input("b", [10, 7], d))),
+    # counter-based random draws: every block draws what the whole tensor has at its flat indices
+    "dropout": _one(lambda g, d: g.dropout(g.input("x", [9, 7, 5], d), g.input("rng", [2], "int64"), 0.3, stream=1)),
+    "random_uniform": _one(lambda g, d: g.random(g.input("rng", [2], "int64"), [10, 7], d, stream=2)),
 }
 
 # forward cases whose operator has no gradient, with the construct the refusal names
-NOT_DIFFERENTIABLE = {"sql_maxplus": "MAX", "compare_and_logic": "its output.s shape and dtype; output .* is bool"}
+NOT_DIFFERENTIABLE = {"sql_maxplus": "MAX", "compare_and_logic": "its output.s shape and dtype; output .* is bool",
+                      "random_uniform": "only floating tensors have gradients; 'rng' is"}
 
 
 def with_vjp(make: Case) -> Case:
@@ -243,7 +247,11 @@ def feeds_for(g: rt.Graph, seed: int = 0) -> dict[str, np.ndarray]:
         if n.type.dtype == "bool":  # masks: most positions on, some rows off
             feeds[n.name] = rng.random(n.type.shape) < 0.75
         elif n.type.dtype.startswith("int"):  # ids of the table an embedding reads, or a cross-entropy's classes
-            reader = next(c for c in g.operators if n.id in c.inputs and c.kind in ("embedding", "cross_entropy"))
+            reader = next(c for c in g.operators if n.id in c.inputs and c.kind in ("embedding", "cross_entropy",
+                                                                                   "dropout", "random"))
+            if reader.kind in ("dropout", "random"):  # a generator state (seed, offset): every bit may be set
+                feeds[n.name] = rng.integers(-2**63, 2**63 - 1, size=2, dtype=np.int64, endpoint=True)
+                continue
             table = g.nodes[reader.inputs[0]].type.shape
             feeds[n.name] = rng.integers(0, table[0] if reader.kind == "embedding" else table[-1], size=n.type.shape)
         else:

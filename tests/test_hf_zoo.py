@@ -33,7 +33,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the PyTorch frontend needs torch")
 pytest.importorskip("transformers", reason="the zoo needs pip install transformers")
-from hf_zoo import ZOO, ZooCase  # noqa: E402
+from hf_zoo import ZOO, ZooCase, train_mode_case  # noqa: E402
 
 import relational_tensors as rt  # noqa: E402
 
@@ -141,3 +141,39 @@ def test_three_adamw_steps_leave_every_parameter_equal_to_torch(case: ZooCase) -
             assert float((params[name] - p.detach()).abs().max()) <= 2 * STEPS * 1e-2, name
         elif name in params:
             assert _rel(params[name], p, 1e-2) <= tol, name
+
+
+def _dropout_cases() -> list[Any]:
+    return [pytest.param(c, id=c.name, marks=() if c.name in ("bert", "gemma", "vit") else pytest.mark.slow)
+            for c in ZOO if c.dropout]
+
+
+@pytest.mark.parametrize("case", _dropout_cases())
+def test_train_mode_dropout_draws_the_same_masks_on_any_device_count(case: ZooCase) -> None:
+    """Dropout 0.1 everywhere the config has it, in train() mode: for one torch seed, one device and four
+    give the same outputs (the masks are drawn per element of the whole tensor; the sums' order may differ
+    in the last bits), and another seed draws other masks; three AdamW steps of train_step run."""
+    ctx = _quiet()
+    try:
+        module, batch, loss_fn = train_mode_case(case.name)
+        inputs = batch[: len(module.names)]
+        outs = {}
+        for device in ("cpu:1", "cpu:4"):
+            fast = rt.parallelize(module, inputs, device=device)
+            assert fast.graph.rng_input is not None  # dropout, or stochastic depth's rand
+            for seed in (3, 4) if device == "cpu:4" else range(3, 13):
+                torch.manual_seed(seed)
+                with torch.no_grad():
+                    outs[device, seed] = fast(*inputs)
+        step = rt.train_step(module, loss_fn, batch, optimizer=rt.optim.AdamW(lr=1e-3), device="cpu:2")
+        torch.manual_seed(5)
+        losses = [float(step(*batch)) for _ in range(STEPS)]
+    finally:
+        ctx.__exit__(None, None, None)
+    tol = 1e-5 if case.name in FLOAT32_PARTS else 1e-10
+    for seed in (3, 4):
+        assert _rel(outs["cpu:4", seed], outs["cpu:1", seed], 0.0) <= tol
+    # another seed, other masks (one plan: the same masks give the same bits); stochastic depth drops a whole
+    # sample's branch with probability 0.05, a branch that ConvNeXt's layer scale makes small: ten seeds
+    assert max(_rel(outs["cpu:1", seed], outs["cpu:1", 3], 0.0) for seed in range(4, 13)) > 0.0
+    assert np.all(np.isfinite(losses))

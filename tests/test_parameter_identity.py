@@ -216,3 +216,44 @@ def test_decomposed_operations_train_too() -> None:
     twin(x).sin().sum().backward()
     for (k, p), q in zip(module.named_parameters(), twin.parameters()):
         assert _max_rel(p.grad, q.grad) <= TOL, k
+
+
+@pytest.mark.parametrize("device", ["cpu:1", "cpu:3"])
+def test_attention_dropout_is_softmax_dropped_by_the_counter_based_mask_then_times_v(device: str) -> None:
+    """SDPA with dropout_p (transformers in training) against torch: the probabilities [b, h, sq, skv] of a
+    causal GQA attention dropped where the generator's u(i) < p (its stream 1, the module's one draw), scaled
+    by 1 / (1 - p), times v."""
+    from relational_tensors.frontend.torch.translator import draw_rng
+    from relational_tensors.sql_specs.random import philox_uniform
+
+    class Attn(nn.Module):
+        def forward(self, q: Any, k: Any, v: Any) -> Any:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=0.25, is_causal=True, enable_gqa=True)
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 3, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 5, 3, generator=g, dtype=torch.float64) for _ in range(2))
+    fast = rt.parallelize(Attn(), (q, k, v), device=device)
+    torch.manual_seed(11)
+    with torch.no_grad():
+        ours = fast(q, k, v)
+    torch.manual_seed(11)
+    seed, offset = (int(x) for x in draw_rng())
+    # the probabilities as the translator lays them out, [b, hkv, group, sq, skv]
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", q.reshape(2, 2, 2, 5, 3), k) / 3 ** 0.5
+    scores = scores.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf"))
+    u = philox_uniform(seed, offset, 1, np.arange(scores.numel())).reshape(scores.shape)
+    probs = scores.softmax(-1) * torch.from_numpy(u >= 0.25) / 0.75
+    want = torch.einsum("bhgqk,bhkd->bhgqd", probs, v).reshape(2, 4, 5, 3)
+    assert _max_rel(ours, want) <= TOL
+
+
+def test_strided_slices_equal_torch() -> None:
+    class Strided(nn.Module):
+        def forward(self, x: Any) -> Any:
+            return torch.cat([x[:, ::2], x[:, 1::3], x[:, 2:9:4], x[:, 1:2:5]], dim=1)
+
+    x = torch.randn(3, 10, 2, dtype=torch.float64)
+    fast = rt.parallelize(Strided(), (x,), device="cpu:2")
+    with torch.no_grad():
+        assert torch.equal(fast(x), Strided()(x))

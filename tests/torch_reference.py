@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import relational_tensors as rt
 from relational_tensors.sql_specs.packing import sequence_bounds
+from relational_tensors.sql_specs.random import UNIFORM_BITS, philox_uniform
 
 
 def _rope(x: torch.Tensor, op) -> torch.Tensor:
@@ -142,6 +143,16 @@ def _node(op, xs: Sequence[torch.Tensor]) -> torch.Tensor:
         ignore = -100 if op.ignore_index is None else op.ignore_index
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore,
                                reduction="none").reshape(targets.shape)
+    if kind in ("dropout", "random"):  # the mask or values from the generator (its own tests check it)
+        seed, offset = (int(v) for v in xs[-1])
+        where = np.arange(op.output_type.volume).reshape(op.output_type.shape)
+        u = torch.tensor(philox_uniform(seed, offset, op.stream, where).astype(np.float64))
+        if kind == "random":
+            if op.distribution == "uniform":  # truncated to the bits the dtype holds below 1
+                bits = UNIFORM_BITS[op.output_type.dtype]
+                u = torch.tensor(philox_uniform(seed, offset, op.stream, where, bits).astype(np.float64))
+            return (u < op.p if op.distribution == "bernoulli" else u).to(getattr(torch, op.output_type.dtype))
+        return xs[0] * (u >= op.p).to(xs[0].dtype) / (1 - op.p)
     if kind == "token_count":
         t = xs[0]
         n = t.numel() if op.ignore_index is None else int((t != op.ignore_index).sum())

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from relational_tensors.core.dtypes import FLOAT_DTYPES
+from relational_tensors.core.dtypes import FLOAT_DTYPES, canonical_dtype
 from relational_tensors.core.types import TensorType
 from relational_tensors.errors import GraphError
 from relational_tensors.frontend.autodiff import grad as _grad
@@ -31,6 +31,7 @@ from relational_tensors.sql_specs import (
     ConcatOp,
     ConvOp,
     CrossEntropyOp,
+    DropoutOp,
     EinsumOp,
     EmbeddingOp,
     LayernormOp,
@@ -38,6 +39,7 @@ from relational_tensors.sql_specs import (
     Operator,
     PermuteOp,
     PoolOp,
+    RandomOp,
     ReduceOp,
     ReshapeOp,
     RmsnormOp,
@@ -472,6 +474,22 @@ class Graph:
             raise GraphError(f"mse needs a and b of one shape; got {a.shape} and {b.shape}.")
         sq = self.unary(self.sub(a, b), "square")
         return self._reduce(reduction, sq, tuple(range(sq.rank)), False, name)
+
+    # --- random -------------------------------------------------------------------
+    def dropout(self, x: Tensor, rng: Tensor, p: float, stream: int, name: str | None = None) -> Tensor:
+        """Train-mode dropout, ``x · keep / (1 - p)`` with keep drawn per element of x's full shape by the
+        counter-based generator of ``sql_specs.random`` from ``rng`` (an int64 [2] tensor: seed, offset) and
+        ``stream`` (one per dropout site): every plan and executor draws the same mask."""
+        return self._op(DropoutOp((self._t(x), self._t(rng)), p, stream), (x, rng), name)
+
+    def random(self, rng: Tensor, shape: Sequence[int], dtype: object = "float32", stream: int = 0,
+               distribution: str = "uniform", p: float = 0.5, name: str | None = None) -> Tensor:
+        """A tensor of ``shape`` drawn from ``rng`` (int64 [2]: seed, offset) and ``stream``: ``uniform``
+        values in [0, 1), or ``bernoulli`` 1.0 with probability ``p`` and 0.0 otherwise."""
+        if isinstance(shape, Iterable) and not isinstance(shape, (str, bytes)):
+            shape = tuple(shape)
+        op = RandomOp((self._t(rng),), shape, canonical_dtype(dtype), stream, distribution, p)  # type: ignore[arg-type]
+        return self._op(op, (rng,), name)
 
     # --- gradients -------------------------------------------------------------------
     def grad(self, loss: Tensor, wrt: Sequence[Tensor] | Tensor, allow_unused: bool = False) -> list[Tensor]:

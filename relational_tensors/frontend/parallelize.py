@@ -26,7 +26,7 @@ from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.errors import ExecError
 from relational_tensors.frontend.autodiff import flows
 from relational_tensors.frontend.torch.convert import _torch, _torch_dtype, numpy_to_torch, torch_to_numpy
-from relational_tensors.frontend.torch.translator import TorchGraph, _prune, from_torch
+from relational_tensors.frontend.torch.translator import TorchGraph, _prune, draw_rng, from_torch
 
 __all__ = ["parallelize", "ParallelModule"]
 
@@ -158,6 +158,8 @@ class ParallelModule:
 
     def _load(self, inputs: tuple[Any, ...]) -> None:
         user = {name: self._feed(x) for name, x in zip(self.graph.input_names, inputs) if name is not None}
+        if self.graph.rng_input is not None:  # train-mode dropout and other draws: a new state per call
+            user[self.graph.rng_input] = draw_rng()
         if self._parameters_loaded and self._partial_loads:
             try:
                 self.compiled.load(user)
@@ -254,11 +256,13 @@ class ParallelModule:
             self._backwards[wrt] = (g, compiled, tuple(outs))
         return self._backwards[wrt]
 
-    def _run_forward_phase(self, inputs: tuple[Any, ...], wrt: tuple[str, ...]) -> dict[str, Any]:
-        """The training program's first phase on ``inputs`` (weights loaded when they changed); its
-        activations stay on the devices for the backward.  Returns the saved outputs."""
+    def _run_forward_phase(self, inputs: tuple[Any, ...], wrt: tuple[str, ...], rng: Any) -> dict[str, Any]:
+        """The training program's first phase on ``inputs`` with random state ``rng`` (weights loaded when
+        they changed); its activations stay on the devices for the backward.  Returns the saved outputs."""
         g, compiled, _ = self._backward_program(wrt)
         feeds = {name: self._feed(x) for name, x in zip(g.input_names, inputs) if name is not None}
+        if g.rng_input is not None:
+            feeds[g.rng_input] = rng
         if self._loaded_version.get(wrt) != self._weights_version:
             feeds = {**g.parameters, **feeds}
             self._loaded_version[wrt] = self._weights_version
@@ -267,11 +271,11 @@ class ParallelModule:
         return {name: self._offload(name, compiled) for kind, name in g.output_leaves if kind == "saved"}
 
     def _run_backward(self, inputs: tuple[Any, ...], cotangents: dict[str, Any], wrt: tuple[str, ...],
-                      call: int) -> list[Any]:
+                      call: int, rng: Any) -> list[Any]:
         g, compiled, outs = self._backward_program(wrt)
         torch = _torch()
-        if self._latest.get(wrt) != call:  # another call's forward holds the devices: this one's again
-            self._run_forward_phase(inputs, wrt)
+        if self._latest.get(wrt) != call:  # another call's forward holds the devices: this one's again,
+            self._run_forward_phase(inputs, wrt, rng)  # with the same random draws
             self._latest[wrt] = call
         feeds = {}
         for n in outs:
@@ -314,8 +318,9 @@ def _function() -> Any:
                          if x.is_floating_point() and x.requires_grad and pm.graph.input_names[k] is not None))
             pm._calls += 1
             ctx.call = pm._calls
+            ctx.rng = draw_rng()
             if ctx.wrt:
-                values = pm._run_forward_phase(inputs, ctx.wrt)
+                values = pm._run_forward_phase(inputs, ctx.wrt, ctx.rng)
                 pm._latest[ctx.wrt] = ctx.call
             else:
                 values = pm._run_forward(inputs)
@@ -330,7 +335,8 @@ def _function() -> Any:
             wanted_inputs = [k for k in range(ctx.n_inputs) if ctx.needs_input_grad[3 + k]
                              and pm.graph.input_names[k] is not None and pm.graph.input_names[k] in ctx.wrt]
             holders = {p: pm._graph_inputs_of(p) for p in ctx.params}
-            got = pm._run_backward(inputs, dict(zip(ctx.names, grads)), ctx.wrt, ctx.call) if ctx.wrt else []
+            cots = dict(zip(ctx.names, grads))
+            got = pm._run_backward(inputs, cots, ctx.wrt, ctx.call, ctx.rng) if ctx.wrt else []
             by_name = dict(zip(ctx.wrt, got))
             in_grads = [by_name[pm.graph.input_names[k]].to(inputs[k].device) if k in wanted_inputs else None
                         for k in range(ctx.n_inputs)]

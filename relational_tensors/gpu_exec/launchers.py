@@ -314,6 +314,21 @@ def _rope(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: i
     rope(ins[0], out, consts["seq_start"], f.inputs[0].lower[1], op.base, op.inverse)
 
 
+@launcher("dropout")
+def _dropout(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_random as tr
+
+    # the block's place in the whole tensor fixes its draws; the state is read on the device
+    tr.dropout(ins[0], ins[1], out, f.output.lower, op.output_type.shape, float(op.p), op.stream)
+
+
+@launcher("random")
+def _random(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.gpu_exec.kernels import triton_random as tr
+
+    tr.random(ins[0], out, f.output.lower, op.output_type.shape, op.stream, op.distribution, float(op.p))
+
+
 @launcher("reshape")
 def _reshape(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.gpu_exec.kernels import triton_copy as tc

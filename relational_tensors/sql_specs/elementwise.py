@@ -93,6 +93,7 @@ UNARY_FUNCTIONS: dict[str, Callable[[np.ndarray, float], np.ndarray]] = {
     "sin": lambda x, a: np.sin(x),
     "cos": lambda x, a: np.cos(x),
     "detach": lambda x, a: x,  # the identity, through which no gradient flows (torch's detach)
+    "floor": lambda x, a: np.floor(x),  # its gradient is zero (torch's), built in UnaryOp.vjp
 }
 
 # name -> f'(x, arg), for the functions whose gradient is dy·f'(x) (the others are built in UnaryOp.vjp);
@@ -195,6 +196,8 @@ class UnaryOp(SameIndicesOp):
             return (build(b, "unary", (cotangent,), op="cast", arg=x.type.dtype),)
         if self.op == "add_scalar":
             return (cotangent,)
+        if self.op == "floor":
+            return (build(b, "unary", (cotangent,), op="fill", arg=0.0),)
         if self.op in ("neg", "scale"):
             return (build(b, "unary", (cotangent,), op=self.op, arg=self.arg),)
         return (build(b, "unary_grad", (x, cotangent), op=self.op, arg=self.arg),)

@@ -48,7 +48,7 @@ class AttentionForm:
         return dict(causal=self.causal, seq_ends=self.seq_ends, window=self.window, **self.extra)
 
 
-def _visible(sq: int, skv: int, causal: bool | str, ends: tuple[int, ...] | None, window: int | None) -> np.ndarray:
+def visible(sq: int, skv: int, causal: bool | str, ends: tuple[int, ...] | None, window: int | None) -> np.ndarray:
     """[sq, skv]: where the attention operator with these options lets a query see a key."""
     q, k = TensorType.zero((1, sq, 1, 1)), TensorType.zero((1, skv, 1, 1))
     op = AttentionOp((q, k, k), causal, ends, None, window)
@@ -86,7 +86,7 @@ def constant_structure(allowed: np.ndarray) -> tuple[bool | str, tuple[int, ...]
         windows = [None] + ([int(dist.max()) + 1] if dist.size else [])
         for ends in ends_options:
             for window in windows:
-                if np.array_equal(_visible(sq, skv, causal, ends, window), allowed):
+                if np.array_equal(visible(sq, skv, causal, ends, window), allowed):
                     return (causal, ends, window)
     return None
 

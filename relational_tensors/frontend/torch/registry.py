@@ -26,15 +26,19 @@ REFUSED: dict[str, str] = {
     "topk": "top-k selection is mixture-of-experts routing or sampling, and MoE routing is not supported yet",
     "sort": _DATA_DEPENDENT, "argsort": _DATA_DEPENDENT, "argmax": _DATA_DEPENDENT, "argmin": _DATA_DEPENDENT,
     "nonzero": _DATA_DEPENDENT, "masked_select": _DATA_DEPENDENT, "unique": _DATA_DEPENDENT,
-    "gather": _DATA_DEPENDENT, "scatter": _DATA_DEPENDENT, "scatter_add": _DATA_DEPENDENT,
+    "scatter": _DATA_DEPENDENT, "scatter_add": _DATA_DEPENDENT,
     "index_select": _DATA_DEPENDENT, "index_put": _DATA_DEPENDENT, "index_add": _DATA_DEPENDENT,
-    "multinomial": "it draws random numbers, and a graph computes the same values on every call",
-    "bernoulli": "it draws random numbers, and a graph computes the same values on every call",
+    "randn": "normal draws are not supported; rand, rand_like, bernoulli and dropout are",
+    "randn_like": "normal draws are not supported; rand, rand_like, bernoulli and dropout are",
+    "normal": "normal draws are not supported; rand, rand_like, bernoulli and dropout are",
+    "multinomial": "sampling from a distribution over categories is not supported; rand, rand_like, bernoulli "
+                   "and dropout are",
     "conv_transpose1d": "transposed convolution has no operator yet",
     "conv_transpose2d": "transposed convolution has no operator yet",
     "conv_transpose3d": "transposed convolution has no operator yet",
     "_native_batch_norm_legit": "batch norm in training mode updates running statistics; call module.eval()",
-    "group_norm": "group norm has no operator yet", "native_group_norm": "group norm has no operator yet",
+    "_native_batch_norm_legit_functional": "batch norm in training mode updates running statistics; call "
+                                           "module.eval()",
     "max_pool2d_with_indices": "max pooling that returns its indices (return_indices=True) is not supported",
     "adaptive_max_pool2d": "adaptive max pooling has no operator yet",
 }

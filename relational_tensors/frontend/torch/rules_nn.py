@@ -1,4 +1,4 @@
-"""Translation rules for neural-network layers: ``dropout`` (in eval mode only), ``layer_norm``,
+"""Translation rules for neural-network layers: ``layer_norm``,
 ``rms_norm``, ``scaled_dot_product_attention`` (grouped-query heads; its mask read by ``masks``
 as causal alignment, packed sequences, window, key padding, mask and bias) and ``embedding``.
 ``_sdpa`` is shared with the grouped-query attention pattern.
@@ -11,22 +11,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from relational_tensors.frontend.graph import Tensor
-from relational_tensors.frontend.torch.common import _Const, _fail, _out_dtype, _out_shape, _packet
+from relational_tensors.frontend.torch import rules_random
+from relational_tensors.frontend.torch.common import _Const, _fail, _out_dtype, _out_shape
 from relational_tensors.frontend.torch.convert import _torch, _torch_dtype
-from relational_tensors.frontend.torch.masks import attention_form
+from relational_tensors.frontend.torch.masks import attention_form, visible
 from relational_tensors.frontend.torch.registry import register_torch_op
 
 if TYPE_CHECKING:
     from relational_tensors.frontend.torch.translator import _Translator
-
-
-@register_torch_op("dropout", "native_dropout")
-def _dropout(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
-    if a["train"] is not False and a["p"] > 0:
-        raise _fail(f"dropout in training mode (p={a['p']}) draws random numbers; call module.eval() first")
-    if _packet(node) == "native_dropout":
-        raise _fail("native_dropout returns a random mask; call module.eval() first")
-    return tr.sym(a["input"])
 
 
 def _norm_operands(tr: _Translator, node: Any, a: dict[str, Any], names: Sequence[str]) -> tuple[Tensor, list[Tensor]]:
@@ -118,9 +110,6 @@ def _sdpa_rule(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
 def _sdpa(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     dtype = _out_dtype(node)
     q, k, v = (tr.sym(a[n], dtype) for n in ("query", "key", "value"))
-    if a["dropout_p"]:
-        raise _fail(f"attention dropout (dropout_p={a['dropout_p']}) draws random numbers; pass dropout_p=0.0 "
-                    "(the default in eval mode)")
     if not (q.rank == k.rank == v.rank) or q.rank not in (3, 4):
         raise _fail(f"attention on q {q.shape}, k {k.shape}, v {v.shape}; supported: [batch, heads, seq, d] "
                     "or [batch, seq, d] for all three")
@@ -139,10 +128,51 @@ def _sdpa(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
         if hq != hkv and not a["enable_gqa"]:
             raise _fail(f"{hq} query heads and {hkv} key/value heads without enable_gqa=True")
         q, k, v = (tr.permute(t, (0, 2, 1, 3)) for t in (q, k, v))
-    out = tr.g.attention(q, k, v, scale=a["scale"], name=tr.name("attention"), **form.kwargs())
+    if a["dropout_p"]:
+        out = _attention_with_dropout(tr, q, k, v, form, a["scale"], float(a["dropout_p"]))
+    else:
+        out = tr.g.attention(q, k, v, scale=a["scale"], name=tr.name("attention"), **form.kwargs())
     if len(_out_shape(node)) == 3:
         return tr.reshape(out, _out_shape(node))
     return tr.permute(out, (0, 2, 1, 3))
+
+
+def _attention_with_dropout(tr: _Translator, q: Tensor, k: Tensor, v: Tensor, form: Any, scale: float | None,
+                            p: float) -> Tensor:
+    """Attention whose probabilities are dropped out (SDPA's ``dropout_p`` in training), written out: the
+    scores [b, hkv, group, sq, skv], the masks as the lowest finite value (as transformers' float masks
+    are), softmax, dropout, and the product with v.  The scores are materialized: no attention kernel
+    drops probabilities inside."""
+    torch = _torch()
+    b, sq, hq, d = q.shape
+    skv, hkv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    q5 = tr.reshape(q, (b, sq, hkv, group, d))
+    s = tr.g.einsum("bqhgd,bkhd->bhgqk", q5, k, name=tr.name("scores"))
+    s = tr.unary(s, "scale", float(scale) if scale is not None else 1.0 / math.sqrt(d))
+    lowest = float(torch.finfo(_torch_dtype(s.dtype)).min)
+    allowed = torch.from_numpy(visible(sq, skv, form.causal, form.seq_ends, form.window))
+    if not bool(allowed.all()):
+        bias = torch.zeros(sq, skv, dtype=_torch_dtype(s.dtype)).masked_fill(~allowed, lowest)
+        s = tr.binary(s, tr.materialize(_Const(bias.reshape(1, 1, 1, sq, skv), None, f"{tr.prefix}.structure"),
+                                        s.dtype), "add")
+
+    def per_group(t: Tensor) -> Tensor:  # [b|1, hq|1, sq, skv] -> [b|1, hkv|1, group|1, sq, skv]
+        heads = t.shape[1]
+        t = tr.reshape(t, (t.shape[0], heads // group if heads > 1 else 1, group if heads > 1 else 1, sq, skv))
+        return t
+
+    if "bias" in form.extra:
+        s = tr.binary(s, per_group(tr.cast(form.extra["bias"], s.dtype)), "add")
+    low = tr.unary(s, "fill", lowest)
+    if "mask" in form.extra:
+        s = tr.g.where(per_group(form.extra["mask"]), s, low, name=tr.name("mask"))
+    if "key_padding" in form.extra:
+        kp = tr.reshape(form.extra["key_padding"], (b, 1, 1, 1, skv))
+        s = tr.g.where(kp, s, low, name=tr.name("key_padding"))
+    probs = rules_random.dropout(tr, tr.g.softmax(s, -1, name=tr.name("softmax")), p)
+    out = tr.g.einsum("bhgqk,bkhd->bqhgd", probs, v, name=tr.name("attention"))
+    return tr.reshape(out, (b, sq, hq, d))
 
 
 @register_torch_op("embedding")

@@ -15,7 +15,8 @@ __all__ = ["support_markdown"]
 
 _FAMILIES = {"rules_conv": "convolution and pooling", "rules_elementwise": "elementwise and boolean",
              "rules_linalg": "matrix products",
-             "rules_nn": "layers", "rules_reduce": "reductions", "rules_shape": "layout and shape"}
+             "rules_nn": "layers", "rules_random": "random draws (training)", "rules_reduce": "reductions",
+             "rules_shape": "layout and shape"}
 
 
 def support_markdown() -> str:

@@ -18,6 +18,7 @@ import relational_tensors.frontend.torch.rules_conv as rules_conv
 import relational_tensors.frontend.torch.rules_elementwise as rules_elementwise
 import relational_tensors.frontend.torch.rules_linalg as rules_linalg
 import relational_tensors.frontend.torch.rules_nn as rules_nn
+import relational_tensors.frontend.torch.rules_random as rules_random
 import relational_tensors.frontend.torch.rules_reduce as rules_reduce
 import relational_tensors.frontend.torch.rules_shape as rules_shape
 from relational_tensors.errors import GraphError
@@ -51,10 +52,10 @@ from relational_tensors.frontend.torch.patterns import (
 )
 from relational_tensors.frontend.torch.registry import _RULES, REFUSED
 
-__all__ = ["from_torch", "TorchGraph", "SUPPORTED_OPS"]
+__all__ = ["from_torch", "TorchGraph", "SUPPORTED_OPS", "draw_rng"]
 
 # the modules that register the translation rules when imported (SUPPORTED_OPS below lists them)
-_RULE_MODULES = (rules_conv, rules_elementwise, rules_linalg, rules_nn, rules_reduce, rules_shape)
+_RULE_MODULES = (rules_conv, rules_elementwise, rules_linalg, rules_nn, rules_random, rules_reduce, rules_shape)
 
 
 # --- the graph a module becomes ---------------------------------------------------------------------
@@ -70,6 +71,9 @@ class TorchGraph(Graph):
     ``origins``     graph input name -> (the module parameter or buffer it holds, whether transposed);
                     a parameter is named as ``named_parameters()`` names it (a tied one by its first name);
     ``differentiated`` the module parameters that are live: held once each, every use computed in the graph;
+    ``rng_input``   the graph input of the random state (int64 [2]: seed, offset) that train-mode dropout and
+                    the other random operations draw from, or None where the module draws nothing; a caller
+                    feeds it with :func:`draw_rng` (torch's generator: ``torch.manual_seed`` makes it repeat);
     ``input_names`` per positional user input, its graph input name (None if the module ignores it);
     ``output_names`` the saved outputs, in the order of the module's flattened outputs;
     ``source``      node name -> the source line of the module it was translated from.
@@ -82,6 +86,7 @@ class TorchGraph(Graph):
         self.derived: dict[str, tuple[str, ...]] = {}
         self.origins: dict[str, tuple[str, bool]] = {}
         self.differentiated: tuple[str, ...] = ()
+        self.rng_input: str | None = None
         self.input_names: tuple[str | None, ...] = ()
         self.output_names: tuple[str, ...] = ()
         self.source: dict[str, str] = {}
@@ -98,7 +103,15 @@ class TorchGraph(Graph):
         for name, value in zip(self.input_names, inputs):
             if name is not None:
                 out[name] = torch_to_numpy(value) if _is_torch_tensor(value) else np.asarray(value)
+        if self.rng_input is not None:
+            out[self.rng_input] = draw_rng()
         return out
+
+
+def draw_rng() -> np.ndarray:
+    """A random state for one call, drawn from torch's default generator: [seed, 0] (int64)."""
+    torch = _torch()
+    return np.array([int(torch.randint(0, 2**62, ())), 0], dtype=np.int64)
 
 
 # --- the translator -----------------------------------------------------------------------------------------
@@ -124,6 +137,8 @@ class _Translator:
         # module tensor -> its one graph input and whether that holds it transposed (training: one copy)
         self._leaves: dict[str, tuple[Tensor, bool]] = {}
         self._leaf_of: dict[int, tuple[_Const, bool]] = {}  # graph node id -> the constant a leaf holds
+        self._rng: Tensor | None = None
+        self._streams = 0
         self.used: set[str] = set()
         self.prefix = ""
         self.current: Any = None
@@ -210,6 +225,19 @@ class _Translator:
             c = _Const(torch.tensor([v], dtype=_torch_dtype(dtype or "float32")), None, f"{self.prefix}.scalar")
             return self.materialize(c, dtype)
         raise _fail(f"expected a tensor operand; got {type(v).__name__} {v!r}")
+
+    # --- random numbers ------------------------------------------------------------------------
+    def rng(self) -> Tensor:
+        """The graph input holding the random state every random operation draws from (made at first use)."""
+        if self._rng is None:
+            self._rng = self.g.input(self.unique("rng"), (2,), "int64")
+            self.g.rng_input = self._rng.name
+        return self._rng
+
+    def stream(self) -> int:
+        """A new stream number: each random operation of the module draws from its own."""
+        self._streams += 1
+        return self._streams
 
     # --- emitting, with the peepholes that keep layout chains short -----------------------------
     def cast(self, x: Tensor, dtype: str | None) -> Tensor:
@@ -332,6 +360,8 @@ class _Translator:
             if node.op == "placeholder":
                 if node.name in users:
                     self.symbolic.add(node)
+            elif node.op == "call_function" and _draws(node):
+                self.symbolic.add(node)  # a random draw is made in the graph on every call, never folded
             elif node.op == "call_function" and _packet(node) in _SHAPE_ONLY:
                 continue  # reads only the shape and dtype of its tensor argument, which are static
             elif any(i in self.symbolic for i in node.all_input_nodes):
@@ -497,11 +527,6 @@ class _Translator:
 
         args = unwrap(node.args)
         kwargs = {k: unwrap(v) for k, v in node.kwargs.items()}
-        if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
-            a = self._bind(node)
-            if not (a.get("train") is False or a.get("p") == 0 or a.get("dropout_p") == 0):
-                raise _fail("it draws random numbers, and a graph computes the same values on every call; "
-                            "call module.eval(), or pass random tensors as inputs")
         if node.target is operator.getitem:
             value = args[0][args[1]]
         else:
@@ -576,6 +601,18 @@ class _Translator:
 SUPPORTED_OPS: tuple[str, ...] = tuple(sorted(n for n in _RULES if n not in ("getitem", "_assert_tensor_metadata")))
 
 
+def _draws(node: Any) -> bool:
+    """Whether a node draws random numbers (dropout in training, rand, bernoulli, ...)."""
+    torch = _torch()
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    if _packet(node) in ("dropout", "native_dropout"):  # (input, p, train): eval mode or p = 0 draws nothing
+        p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else None)
+        train = node.kwargs.get("train", node.args[2] if len(node.args) > 2 else None)
+        return train is not False and p != 0
+    return True
+
+
 # --- pruning ----------------------------------------------------------------------------------------------------
 
 def _prune(g: TorchGraph) -> TorchGraph:
@@ -602,6 +639,7 @@ def _prune(g: TorchGraph) -> TorchGraph:
     out.folded = tuple(k for k in g.folded if k in kept)
     out.derived = {k: v for k, v in g.derived.items() if k in kept}
     out.differentiated = g.differentiated
+    out.rng_input = g.rng_input if g.rng_input in kept else None
     out.origins = {k: v for k, v in g.origins.items() if k in kept}
     out.input_names = tuple(k if k in kept else None for k in g.input_names)
     out.input_types = g.input_types

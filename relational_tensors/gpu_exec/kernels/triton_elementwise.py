@@ -16,7 +16,7 @@ BLOCK = 1024
 UNARY_CODES = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3, "sigmoid": 4, "tanh": 5, "exp": 6, "log": 7,
                "neg": 8, "abs": 9, "sqrt": 10, "rsqrt": 11, "square": 12, "scale": 13, "add_scalar": 14,
                "pow": 15, "cast": 16, "fill": 17, "log1p": 18, "expm1": 19, "erf": 20, "sin": 21, "cos": 22,
-               "detach": 16}
+               "detach": 16, "floor": 23}
 BINARY_CODES = {"add": 0, "sub": 1, "mul": 2, "div": 3, "maximum": 4, "minimum": 5, "eq": 6, "logaddexp": 7}
 
 
@@ -75,6 +75,8 @@ def unary_math(x, arg, OP: tl.constexpr):
         y = tl.sin(x)
     elif OP == 22:
         y = tl.cos(x)
+    elif OP == 23:
+        y = tl.floor(x)
     else:
         y = x
     return y
