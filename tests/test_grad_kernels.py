@@ -306,7 +306,8 @@ def test_softmax_grad_lines_longer_than_a_block(mem: Any, monkeypatch: pytest.Mo
 
 UNARY_CASES = [("relu", 0.0), ("gelu", 0.0), ("gelu_tanh", 0.0), ("silu", 0.0), ("sigmoid", 0.0), ("tanh", 0.0),
                ("exp", 0.0), ("log", 0.0), ("abs", 0.0), ("sqrt", 0.0), ("rsqrt", 0.0), ("square", 0.0),
-               ("pow", 3.0), ("pow", 2.0), ("pow", 0.5), ("pow", -1.5), ("pow", 1.0)]
+               ("pow", 3.0), ("pow", 2.0), ("pow", 0.5), ("pow", -1.5), ("pow", 1.0), ("log1p", 0.0), ("expm1", 0.0),
+               ("erf", 0.0), ("sin", 0.0), ("cos", 0.0)]
 
 
 # 0 ** e goes through log(0) = -inf, which NumPy (running the interpreted kernels) warns about
@@ -321,7 +322,7 @@ def test_unary_grad(mem: Any, op_name: str, arg: float, dtype: str) -> None:
     rng = np.random.default_rng(7)
     shape = (9, 13)
     x = rng.standard_normal(shape) * 2
-    if op_name in ("log", "sqrt", "rsqrt") or (op_name == "pow" and arg != int(arg)):
+    if op_name in ("log", "sqrt", "rsqrt", "log1p") or (op_name == "pow" and arg != int(arg)):
         x = np.abs(x) + 0.25  # the domain
     if op_name in ("relu", "abs", "gelu", "silu", "square") or (op_name == "pow" and arg >= 1):
         x[0, :3] = 0.0  # where relu and abs take torch's derivative 0, and 0 ** 0 = 1

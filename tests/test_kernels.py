@@ -244,6 +244,13 @@ UNARY_EXPECTED: dict[str, tuple[Callable[[np.ndarray, float], np.ndarray], float
     "pow": (lambda x, a: np.exp(a * np.log(x)), 1.7, True),
     "cast": (lambda x, a: x, "float64", False),
     "fill": (lambda x, a: np.full(x.shape, a), -1.5, False),
+    "log1p": (lambda x, a: np.log(1.0 + x), 0.0, True),
+    "expm1": (lambda x, a: math.e**x - 1.0, 0.0, False),
+    "erf": (lambda x, a: _erf(x), 0.0, False),
+    "sin": (lambda x, a: np.imag(np.exp(1j * x)), 0.0, False),
+    "cos": (lambda x, a: np.real(np.exp(1j * x)), 0.0, False),
+    "detach": (lambda x, a: x, 0.0, False),
+    "floor": (lambda x, a: x - np.mod(x, 1.0), 0.0, False),
 }
 
 

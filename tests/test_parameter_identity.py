@@ -257,3 +257,50 @@ def test_strided_slices_equal_torch() -> None:
     fast = rt.parallelize(Strided(), (x,), device="cpu:2")
     with torch.no_grad():
         assert torch.equal(fast(x), Strided()(x))
+
+
+class EveryNewRule(nn.Module):
+    """The rules a trained module may now reach, in one module: a tied embedding and head, (1 + w),
+    softplus (decomposed to log1p), erf, sin/cos, expm1, cumsum, a gather, a strided slice, group norm,
+    detach, train-mode dropout and stochastic depth's floor(keep + rand)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(13, 8)
+        self.head = nn.Linear(8, 13, bias=False)
+        self.head.weight = self.embed.weight
+        self.gain = nn.Parameter(torch.zeros(8))
+        self.norm = nn.GroupNorm(2, 4)
+        self.register_buffer("pick", torch.tensor([[3, 1, 0, 2]]))
+
+    def forward(self, ids: Any) -> Any:
+        h = self.embed(ids) * (1 + self.gain)                                  # [2, 4, 8]
+        h = F.softplus(h) + torch.erf(h) * torch.sin(h) - torch.expm1(h.cos() * 0.1)
+        h = h + h.cumsum(1) * 0.1 + torch.gather(h, 1, self.pick[..., None].expand(2, 4, 8))
+        h = torch.cat([h[..., ::2], h[..., 1::2].detach()], -1)
+        h = self.norm(h.reshape(2, 4, 4, 2)).reshape(2, 4, 8)
+        keep = (0.75 + torch.rand(2, 1, 1, dtype=h.dtype)).floor()
+        return self.head(F.dropout(h, 0.2, training=True) * keep)
+
+
+@pytest.mark.gpu
+def test_every_new_rule_gives_on_gpus_what_it_gives_on_cpus() -> None:
+    from relational_tensors.target.devices import visible_gpus
+
+    if visible_gpus() == 0:
+        pytest.skip("no CUDA GPU visible (or CuPy not installed)")
+    torch.manual_seed(0)
+    module = EveryNewRule()
+    ids = torch.randint(0, 13, (2, 4))
+    results = {}
+    for device in ("cpu:2", "cuda:0,0"):
+        m = copy.deepcopy(module)
+        fast = rt.parallelize(m, (ids,), device=device)
+        torch.manual_seed(7)
+        out = fast(ids)
+        out.float().square().mean().backward()
+        results[device] = (out.detach().cpu(), {k: p.grad.cpu() for k, p in m.named_parameters()})
+    (out_c, grads_c), (out_g, grads_g) = results["cpu:2"], results["cuda:0,0"]
+    assert _max_rel(out_g, out_c) <= 1e-5  # float32 on both; the same dropout masks
+    for k in grads_c:
+        assert _max_rel(grads_g[k], grads_c[k]) <= 1e-4, k

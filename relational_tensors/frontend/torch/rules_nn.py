@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from relational_tensors.frontend.graph import Tensor
-from relational_tensors.frontend.torch import rules_random
 from relational_tensors.frontend.torch.common import _Const, _fail, _out_dtype, _out_shape
 from relational_tensors.frontend.torch.convert import _torch, _torch_dtype
 from relational_tensors.frontend.torch.masks import attention_form, visible
 from relational_tensors.frontend.torch.registry import register_torch_op
+from relational_tensors.frontend.torch.rules_random import dropout as _dropout
 
 if TYPE_CHECKING:
     from relational_tensors.frontend.torch.translator import _Translator
@@ -170,7 +170,7 @@ def _attention_with_dropout(tr: _Translator, q: Tensor, k: Tensor, v: Tensor, fo
     if "key_padding" in form.extra:
         kp = tr.reshape(form.extra["key_padding"], (b, 1, 1, 1, skv))
         s = tr.g.where(kp, s, low, name=tr.name("key_padding"))
-    probs = rules_random.dropout(tr, tr.g.softmax(s, -1, name=tr.name("softmax")), p)
+    probs = _dropout(tr, tr.g.softmax(s, -1, name=tr.name("softmax")), p)
     out = tr.g.einsum("bhgqk,bkhd->bqhgd", probs, v, name=tr.name("attention"))
     return tr.reshape(out, (b, sq, hq, d))
 
