@@ -45,7 +45,8 @@ from relational_tensors.sql_specs import OPERATORS  # noqa: E402
 
 KINDS = ("norm_grad", "norm_weight_grad", "swiglu_grad", "softmax_grad", "unary_grad", "binary_grad",
          "embedding_grad", "cross_entropy", "cross_entropy_grad", "token_count", "rope")
-KERNEL_MODULES = ("triton_norms_grad", "triton_elementwise_grad", "triton_cross_entropy", "triton_embedding_grad",
+KERNEL_MODULES = ("triton_norms_grad", "triton_elementwise_grad", "triton_elementwise", "triton_cross_entropy",
+                  "triton_embedding_grad",
                   "triton_rope", "triton_copy", "triton_norms")
 TOL = {"float32": 1e-5, "float64": 1e-12, "bfloat16": 2 * 2.0**-8, "float16": 2 * 2.0**-11}
 
@@ -331,6 +332,21 @@ def test_unary_grad(mem: Any, op_name: str, arg: float, dtype: str) -> None:
 
 
 @ZERO_POWERS
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("op_name", ["log1p", "expm1", "erf", "sin", "cos", "floor", "detach"])
+def test_unary_forward_of_the_functions_torch_decompositions_reach(mem: Any, op_name: str, dtype: str) -> None:
+    """The forward kernels of the unary functions added for decomposed operations (softplus -> log1p) and
+    training (detach, stochastic depth's floor), small and large arguments both (log1p and expm1 switch
+    formulas at |x| = 1)."""
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((9, 13)) * 2
+    x[0, :4] = [1e-7, -1e-6, 0.0, 3.5]
+    if op_name == "log1p":
+        x = np.abs(x) - 0.5  # above -1
+    op = make("unary", [T(x.shape, dtype)], op=op_name)
+    check_op(mem, op, [x.astype(numpy_dtype(dtype))], {"d0": 2, "d1": 3})
+
+
 def test_unary_grad_of_pow_with_negative_bases_and_float64_exponents(mem: Any) -> None:
     rng = np.random.default_rng(8)
     x = rng.standard_normal((4, 10))
