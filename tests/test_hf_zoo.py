@@ -23,9 +23,11 @@ weights, transformed parameters, constant gathers, batch norm, decompositions); 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -68,12 +70,16 @@ def _tolerance(case: ZooCase, adam: bool = False) -> float:
     return (1e-3 if adam else 1e-5) if case.name in FLOAT32_PARTS else 1e-9
 
 
-def _quiet() -> Any:
-    logging.disable(logging.WARNING)  # transformers' notes about its kernels on CPU
-    ctx = warnings.catch_warnings()
-    ctx.__enter__()
-    warnings.simplefilter("ignore")
-    return ctx
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Without transformers' notes about its kernels on CPU and torch.export's warnings."""
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 def _rel(ours: Any, theirs: Any, floor: float) -> float:
@@ -83,8 +89,7 @@ def _rel(ours: Any, theirs: Any, floor: float) -> float:
 
 @pytest.mark.parametrize("case", _cases())
 def test_every_gradient_torch_gives_is_given_and_equal(case: ZooCase) -> None:
-    ctx = _quiet()
-    try:
+    with _quiet():
         module, batch, loss_fn = case.build()
         twin = copy.deepcopy(module)
         inputs = batch[: len(module.names)]
@@ -92,8 +97,6 @@ def test_every_gradient_torch_gives_is_given_and_equal(case: ZooCase) -> None:
         out = fast(*inputs)
         loss_fn(lambda *_: out, *batch).backward()
         loss_fn(twin, *batch).backward()
-    finally:
-        ctx.__exit__(None, None, None)
     theirs = dict(twin.named_parameters())
     largest = max(float(p.grad.abs().max()) for p in theirs.values() if p.grad is not None)
     tol = _tolerance(case)
@@ -108,8 +111,7 @@ def test_every_gradient_torch_gives_is_given_and_equal(case: ZooCase) -> None:
 
 @pytest.mark.parametrize("case", _cases())
 def test_three_adamw_steps_leave_every_parameter_equal_to_torch(case: ZooCase) -> None:
-    ctx = _quiet()
-    try:
+    with _quiet():
         module, batch, loss_fn = case.build()
         twin = copy.deepcopy(module)
         opt = rt.optim.AdamW(lr=1e-2, weight_decay=0.1)
@@ -128,8 +130,6 @@ def test_three_adamw_steps_leave_every_parameter_equal_to_torch(case: ZooCase) -
                 noise = {n for n, g in grads.items() if float(g.abs().max()) <= 1e-9 * largest}
             theirs_opt.step()
             theirs.append(float(loss))
-    finally:
-        ctx.__exit__(None, None, None)
     tol = _tolerance(case, adam=True)
     np.testing.assert_allclose(ours, theirs, rtol=tol)
     params = step.state_dict()["params"]
@@ -153,8 +153,7 @@ def test_train_mode_dropout_draws_the_same_masks_on_any_device_count(case: ZooCa
     """Dropout 0.1 everywhere the config has it, in train() mode: for one torch seed, one device and four
     give the same outputs (the masks are drawn per element of the whole tensor; the sums' order may differ
     in the last bits), and another seed draws other masks; three AdamW steps of train_step run."""
-    ctx = _quiet()
-    try:
+    with _quiet():
         module, batch, loss_fn = train_mode_case(case.name)
         inputs = batch[: len(module.names)]
         outs = {}
@@ -168,8 +167,6 @@ def test_train_mode_dropout_draws_the_same_masks_on_any_device_count(case: ZooCa
         step = rt.train_step(module, loss_fn, batch, optimizer=rt.optim.AdamW(lr=1e-3), device="cpu:2")
         torch.manual_seed(5)
         losses = [float(step(*batch)) for _ in range(STEPS)]
-    finally:
-        ctx.__exit__(None, None, None)
     tol = 1e-5 if case.name in FLOAT32_PARTS else 1e-10
     for seed in (3, 4):
         assert _rel(outs["cpu:4", seed], outs["cpu:1", seed], 0.0) <= tol
