@@ -17,7 +17,6 @@ import numpy as np
 from relational_tensors.compiler import compileGraph
 from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.errors import ExecError, GraphError
-from relational_tensors.frontend.autodiff import flows
 from relational_tensors.frontend.torch.convert import _torch, numpy_to_torch, torch_to_numpy
 from relational_tensors.frontend.torch.translator import TorchGraph, draw_rng, from_torch
 from relational_tensors.optim import SGD, AdamW, Optimizer
@@ -149,16 +148,12 @@ def train_step(module: Any, loss_fn: Any, example_batch: Any, optimizer: AdamW |
     # every differentiated parameter is one graph input (tied ones included), named as named_parameters()
     # names it; those the loss depends on through floating tensors are trained, as torch's optimizers
     # update exactly the parameters that get a gradient
-    read = {origin[len(PREFIX):]: (name, transposed) for name, (origin, transposed) in g.origins.items()
-            if origin in g.differentiated}
     loss = g.tensor(g.outputs[saved[0]])
-    holders: dict[str, tuple[str, bool]] = {}
-    if read:
-        ok = flows(g, [loss], [g.tensor(g.node(name).id) for name, _ in read.values()])
-        holders = {param: held for (param, held), y in zip(read.items(), ok) if y}
+    holders = {origin[len(PREFIX):]: held for origin, held in g.trained([loss]).items()}
     if not holders:
         trainable = [k for k, t in module.named_parameters() if t.requires_grad]
-        why = (f"it reads {sorted(read)} only through integer or boolean values, which have no gradient" if read else
+        read = sorted(origin[len(PREFIX):] for origin, _ in g.origins.values() if origin in g.differentiated)
+        why = (f"it reads {read} only through integer or boolean values, which have no gradient" if read else
                "the loss reads none of them" if trainable else "none requires grad")
         raise GraphError(f"train_step trains the module's parameters that require grad and that the loss depends "
                          f"on; {why}. Got {len(trainable)} parameters that require grad.")

@@ -24,7 +24,6 @@ from typing import Any
 
 from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.errors import ExecError
-from relational_tensors.frontend.autodiff import flows
 from relational_tensors.frontend.torch.convert import _torch, _torch_dtype, numpy_to_torch, torch_to_numpy
 from relational_tensors.frontend.torch.translator import TorchGraph, _prune, draw_rng, from_torch
 
@@ -54,8 +53,10 @@ class ParallelModule:
         self.device = device
         self.compile_options = dict(compile_options or {})
         self._backwards: dict[tuple[str, ...], tuple[TorchGraph, Any, tuple[str, ...]]] = {}
-        # the module traced with its trainable parameters differentiated (made at the first call that needs it)
+        # the module traced with its trainable parameters differentiated (made at the first call that needs it),
+        # and the parameters of it that get a gradient
         self._differentiated: TorchGraph | None = None
+        self._with_grad: frozenset[str] = frozenset()
         self._weights_version = 0  # bumped when the weights are read again
         self._loaded_version: dict[tuple[str, ...], int] = {}  # training program -> weights version loaded
         self._calls = 0  # differentiable calls so far
@@ -196,7 +197,10 @@ class ParallelModule:
         if self._differentiated is None:
             with warnings.catch_warnings():  # what tracing warns about was said when the module was traced
                 warnings.simplefilter("ignore")
-                self._differentiated = from_torch(self.module, self.example_inputs, differentiate=True)
+                g = from_torch(self.module, self.example_inputs, differentiate=True)
+            outs = [g.tensor(g.outputs[n]) for kind, n in g.output_leaves if kind == "saved"
+                    and g.nodes[g.outputs[n]].type.dtype in FLOAT_DTYPES]
+            self._differentiated, self._with_grad = g, frozenset(g.trained(outs))
         return self._differentiated
 
     def _trainable(self) -> list[tuple[str, Any]]:
@@ -204,13 +208,8 @@ class ParallelModule:
         floating tensors (torch gives the others no gradient)."""
         if self.module is None or not any(t.requires_grad for t in self.module.parameters()):
             return []
-        g = self._differentiable()
-        holders = [(name, origin) for name, (origin, _) in g.origins.items() if origin in g.differentiated]
-        outs = [g.tensor(g.outputs[n]) for kind, n in g.output_leaves if kind == "saved"
-                and g.nodes[g.outputs[n]].type.dtype in FLOAT_DTYPES]
-        read = {origin for (_, origin), ok in zip(holders, flows(g, outs, [g.tensor(g.node(n).id) for n, _ in holders])
-                                                   if outs and holders else []) if ok}
-        return [(k, t) for k, t in self.module.named_parameters() if t.requires_grad and k in read]
+        self._differentiable()
+        return [(k, t) for k, t in self.module.named_parameters() if t.requires_grad and k in self._with_grad]
 
     def _graph_inputs_of(self, param: str) -> list[tuple[str, bool]]:
         """The graph inputs holding module parameter ``param``, and whether each holds it transposed."""
@@ -240,7 +239,7 @@ class ParallelModule:
         if wrt not in self._backwards:
             from relational_tensors.compiler import compileGraph
 
-            g = _copy(self._differentiable())
+            g = _prune(self._differentiable())  # a copy to append the gradient to (nodes are shared)
             outs = [n for kind, n in g.output_leaves if kind == "saved"
                     and g.nodes[g.outputs[n]].type.dtype in FLOAT_DTYPES]
             if not outs:
@@ -292,11 +291,6 @@ class ParallelModule:
     def __repr__(self) -> str:
         ops = len(self.graph.operators)
         return f"ParallelModule({ops} operators on {self.compiled.devices}, plan cost {self.compiled.plan.cost:,.0f})"
-
-
-def _copy(g: TorchGraph) -> TorchGraph:
-    """A copy of a traced graph that a gradient can be appended to (the nodes are immutable and shared)."""
-    return _prune(g)
 
 
 @functools.cache

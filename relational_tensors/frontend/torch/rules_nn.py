@@ -158,9 +158,7 @@ def _attention_with_dropout(tr: _Translator, q: Tensor, k: Tensor, v: Tensor, fo
                                         s.dtype), "add")
 
     def per_group(t: Tensor) -> Tensor:  # [b|1, hq|1, sq, skv] -> [b|1, hkv|1, group|1, sq, skv]
-        heads = t.shape[1]
-        t = tr.reshape(t, (t.shape[0], heads // group if heads > 1 else 1, group if heads > 1 else 1, sq, skv))
-        return t
+        return tr.reshape(t, (t.shape[0], *((hkv, group) if t.shape[1] > 1 else (1, 1)), sq, skv))
 
     if "bias" in form.extra:
         s = tr.binary(s, per_group(tr.cast(form.extra["bias"], s.dtype)), "add")

@@ -67,7 +67,6 @@ def _log_softmax(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     return tr.binary(z, tr.unary(total, "log"), "sub")
 
 
-
 @register_torch_op("cumsum")
 def _cumsum(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     """Running sums along an axis: a contraction with the triangle ``T[j, i] = 1 for j <= i``.  Integers are

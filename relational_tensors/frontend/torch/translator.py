@@ -22,6 +22,7 @@ import relational_tensors.frontend.torch.rules_random as rules_random
 import relational_tensors.frontend.torch.rules_reduce as rules_reduce
 import relational_tensors.frontend.torch.rules_shape as rules_shape
 from relational_tensors.errors import GraphError
+from relational_tensors.frontend.autodiff import flows
 from relational_tensors.frontend.graph import Graph, Tensor
 from relational_tensors.frontend.torch.common import (
     _EXACT_WIDENINGS,
@@ -106,6 +107,17 @@ class TorchGraph(Graph):
         if self.rng_input is not None:
             out[self.rng_input] = draw_rng()
         return out
+
+    def trained(self, outputs: list[Tensor]) -> dict[str, tuple[str, bool]]:
+        """Differentiated module parameter -> (its graph input, whether held transposed), for those some of
+        ``outputs`` depends on through floating tensors: the parameters torch gives a gradient (its
+        optimizers skip the others)."""
+        read = {origin: (name, transposed) for name, (origin, transposed) in self.origins.items()
+                if origin in self.differentiated}
+        if not read or not outputs:
+            return {}
+        ok = flows(self, outputs, [self.tensor(self.node(name).id) for name, _ in read.values()])
+        return {param: held for (param, held), y in zip(read.items(), ok) if y}
 
 
 def draw_rng() -> np.ndarray:
