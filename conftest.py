@@ -6,7 +6,7 @@ import importlib.util
 collect_ignore_glob = []
 if importlib.util.find_spec("triton") is None or importlib.util.find_spec("cupy") is None:
     collect_ignore_glob += [
-        "relational_tensors/gpu_exec/cupy_backend.py",
-        "relational_tensors/gpu_exec/dist_cupy.py",
-        "relational_tensors/gpu_exec/kernels/*.py",
+        "relational_tensors/runtime/cupy_backend.py",
+        "relational_tensors/runtime/dist_cupy.py",
+        "relational_tensors/kernels/*.py",
     ]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import relational_tensors as rt
 from relational_tensors.dp_optimizer.candidates import specs_for
-from relational_tensors.models import LLAMA3_8B, llama_training_graph
+from relational_tensors.graph.models import LLAMA3_8B, llama_training_graph
 from relational_tensors.sql_specs import attention
 
 H200_MEMORY = 141 * (1 << 30)

@@ -29,7 +29,7 @@ PRELUDE = """
 import json, math, os, subprocess, sys, tempfile
 import numpy as np
 import relational_tensors as rt
-from relational_tensors.models import llama_block, llama_feeds
+from relational_tensors.graph.models import llama_block, llama_feeds
 TMP = tempfile.mkdtemp()
 
 def tiny(shape=(6, 4), dtype="float32"):
@@ -337,7 +337,7 @@ case("steps and plans", "a reloaded plan gives the same bits ok", SAVED + """
 g = mm(); again = rt.load_plan(path, g); f = feeds(g)
 assert np.array_equal(again.run(f)['y'], rt.compileGraph(g, device='cpu:3').run(f)['y'])""", "ok")
 case("steps and plans", "hand plans of a block run like the reference ok", """
-from relational_tensors.models import llama_block
+from relational_tensors.graph.models import llama_block
 g = llama_block(2, 12, 16, 4, 2, 24)
 for name in ('megatron_tp', 'sequence_parallel', 'data_parallel'):
     agrees(g, rt.compileGraph(g, device='cpu:4', constraints=rt.plans.PLANS[name](g, 4)), feeds(g))""", "ok")

@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 
 import relational_tensors as rt
-from relational_tensors.frontend.graph import Graph
-from relational_tensors.models import LLAMA3_8B, llama_block, matrix_chain
-from relational_tensors.target.topology import get_topology
+from relational_tensors.graph.graph import Graph
+from relational_tensors.graph.models import LLAMA3_8B, llama_block, matrix_chain
+from relational_tensors.machine.topology import get_topology
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
@@ -262,7 +262,7 @@ def _git() -> str:
 
 def describe_topology(name: str) -> str:
     """One line about a simulated machine: its GPUs, memory, HBM, peak FP16 and fastest link."""
-    from relational_tensors.target.kernel_model import KernelModel
+    from relational_tensors.machine.kernel_model import KernelModel
 
     t = get_topology(name)
     link = max((t.bandwidth(s, d) for s in t.sites for d in t.sites if s != d), default=0.0)
@@ -420,7 +420,7 @@ def matmul_rate() -> float:
 
     import cupy
 
-    from relational_tensors.gpu_exec.calibrate import time_cuda
+    from relational_tensors.machine.calibrate import time_cuda
 
     a = cupy.random.standard_normal((8192, 8192), dtype=cupy.float32).astype(cupy.float16)
     b = cupy.random.standard_normal((8192, 8192), dtype=cupy.float32).astype(cupy.float16)

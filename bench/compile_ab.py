@@ -24,7 +24,7 @@ from typing import Any
 PROBE = """
 import json, time
 import relational_tensors as rt
-from relational_tensors.models import LLAMA3_8B, llama_block
+from relational_tensors.graph.models import LLAMA3_8B, llama_block
 g = llama_block(1, 8192, dtype="float16", **LLAMA3_8B)
 times = []
 for _ in range(2):

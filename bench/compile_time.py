@@ -48,7 +48,7 @@ from common import WORKLOADS  # the paper's five token workloads (bench/common.p
 
 import relational_tensors as rt
 from relational_tensors.dp_optimizer.candidates import specs_for
-from relational_tensors.models import LLAMA3_8B, llama_block, llama_training_graph
+from relational_tensors.graph.models import LLAMA3_8B, llama_block, llama_training_graph
 
 VOCAB = 128256  # LLaMA 3's
 

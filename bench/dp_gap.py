@@ -71,7 +71,7 @@ def exact_optimum(graph: rt.Graph, cands) -> tuple[float, dict[int, int], float]
 
 def training_block(path: str) -> None:
     """Algorithm 1, the refined plan and the exact optimum on the 8B-shaped training block, p = 8."""
-    from relational_tensors.models import LLAMA3_8B, llama_training_graph
+    from relational_tensors.graph.models import LLAMA3_8B, llama_training_graph
 
     g = llama_training_graph(1, 8192, dtype="float16", vocab=128256, **LLAMA3_8B)
     rows = []

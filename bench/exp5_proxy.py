@@ -39,8 +39,8 @@ def main() -> None:
     budget = args.budget
     setups = common.setups(args.quick)
 
-    from relational_tensors.target.kernel_model import KernelModel
-    from relational_tensors.target.topology import get_topology
+    from relational_tensors.machine.kernel_model import KernelModel
+    from relational_tensors.machine.topology import get_topology
 
     source = KernelModel.from_calibration(get_topology(TOPOLOGY), None).source
     calibrated_note = (

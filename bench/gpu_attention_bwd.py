@@ -95,11 +95,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from relational_tensors.gpu_exec.calibrate import time_cuda
-    from relational_tensors.gpu_exec.kernels import triton_attention_grad as tg
-    from relational_tensors.gpu_exec.kernels.common import DevBuf, bind_triton_to_cupy
-    from relational_tensors.gpu_exec.kernels.scratch import dkv_scratch
-    from relational_tensors.gpu_exec.launchers import key_query_limits
+    from relational_tensors.kernels import triton_attention_grad as tg
+    from relational_tensors.kernels.common import DevBuf, bind_triton_to_cupy
+    from relational_tensors.kernels.launchers import key_query_limits
+    from relational_tensors.kernels.scratch import dkv_scratch
+    from relational_tensors.machine.calibrate import time_cuda
 
     bind_triton_to_cupy()
     dev = "cuda"

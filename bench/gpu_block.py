@@ -25,8 +25,8 @@ import numpy as np
 from common import WORKLOADS, busy_ms_by_kind, matmul_rate  # bench/common.py
 
 import relational_tensors as rt
-from relational_tensors.gpu_exec.calibrate import time_cuda, time_wall
-from relational_tensors.models import LLAMA3_8B, llama_block, llama_feeds
+from relational_tensors.graph.models import LLAMA3_8B, llama_block, llama_feeds
+from relational_tensors.machine.calibrate import time_cuda, time_wall
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX shares the GPU with CuPy and PyTorch
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import cast
 
 import relational_tensors as rt
-from relational_tensors.gpu_exec.calibrate import time_cuda, time_wall
-from relational_tensors.models import CHAINS, chain_feeds, matrix_chain
+from relational_tensors.graph.models import CHAINS, chain_feeds, matrix_chain
+from relational_tensors.machine.calibrate import time_cuda, time_wall
 
 
 def main() -> None:

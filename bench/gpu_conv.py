@@ -30,7 +30,7 @@ def main() -> None:
     import torch.nn.functional as F
 
     import relational_tensors as rt
-    from relational_tensors.gpu_exec.calibrate import time_cuda
+    from relational_tensors.machine.calibrate import time_cuda
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/gpu_conv.md")

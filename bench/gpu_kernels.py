@@ -23,12 +23,12 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from relational_tensors.gpu_exec.calibrate import time_cuda
-    from relational_tensors.gpu_exec.kernels import triton_attention as ta
-    from relational_tensors.gpu_exec.kernels.common import DevBuf, bind_triton_to_cupy
-    from relational_tensors.gpu_exec.kernels.triton_norms import rmsnorm
-    from relational_tensors.gpu_exec.kernels.triton_random import dropout
-    from relational_tensors.gpu_exec.kernels.triton_rope import rope
+    from relational_tensors.kernels import triton_attention as ta
+    from relational_tensors.kernels.common import DevBuf, bind_triton_to_cupy
+    from relational_tensors.kernels.triton_norms import rmsnorm
+    from relational_tensors.kernels.triton_random import dropout
+    from relational_tensors.kernels.triton_rope import rope
+    from relational_tensors.machine.calibrate import time_cuda
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="8192,131072")

@@ -32,9 +32,9 @@ import numpy as np
 from common import busy_ms_by_kind, matmul_rate  # bench/common.py
 
 import relational_tensors as rt
-from relational_tensors.gpu_exec.calibrate import time_cuda
-from relational_tensors.models import LLAMA3_8B, add_llama_block
-from relational_tensors.optim import adamw
+from relational_tensors.graph.models import LLAMA3_8B, add_llama_block
+from relational_tensors.graph.optim import adamw
+from relational_tensors.machine.calibrate import time_cuda
 
 D, HQ, HKV, DFF = LLAMA3_8B["d_model"], LLAMA3_8B["n_heads"], LLAMA3_8B["n_kv_heads"], LLAMA3_8B["d_ff"]
 DH = D // HQ

@@ -27,7 +27,7 @@ from common import write_table  # bench/common.py
 
 import relational_tensors as rt
 from relational_tensors.catalog import Catalog
-from relational_tensors.models import LLAMA3_8B, llama_block, llama_training_graph
+from relational_tensors.graph.models import LLAMA3_8B, llama_block, llama_training_graph
 
 TOPOLOGIES = ("hgx-h200", "dgx-a100")
 

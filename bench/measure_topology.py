@@ -38,8 +38,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from relational_tensors.target.kernel_model import DEFAULT_EFFICIENCY
-from relational_tensors.target.topology import LAUNCH_LATENCY, NVLINK_LATENCY, PCIE_LATENCY, Route, Topology
+from relational_tensors.machine.kernel_model import DEFAULT_EFFICIENCY
+from relational_tensors.machine.topology import LAUNCH_LATENCY, NVLINK_LATENCY, PCIE_LATENCY, Route, Topology
 
 __all__ = ["topology_from_bandwidth", "parse_nvidia_smi_topo", "link_latencies", "peak_flops_for", "main"]
 

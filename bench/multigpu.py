@@ -36,9 +36,9 @@ from common import CHAINS, WORKLOADS, Report, Setup, bytes_moved, fmt, geomean, 
 
 import relational_tensors as rt
 from relational_tensors.dp_optimizer.costs import COST_MODEL_NAMES
-from relational_tensors.gpu_exec.calibrate import time_cuda, time_wall  # noqa: E402
-from relational_tensors.target.kernel_model import CALIBRATIONS
-from relational_tensors.target.topology import Topology
+from relational_tensors.machine.calibrate import time_cuda, time_wall  # noqa: E402
+from relational_tensors.machine.kernel_model import CALIBRATIONS
+from relational_tensors.machine.topology import Topology
 
 OUT = Path(__file__).resolve().parent / "results" / "multigpu"
 GPU_COUNTS = (1, 2, 4, 8)
@@ -47,7 +47,7 @@ TRAIN_WORKLOADS = ("8K", "4x2K", "32x1K")  # bench/gpu_train.py's (batch x token
 
 def _feeds(setup: Setup, g: rt.Graph) -> dict[str, np.ndarray]:
     """The inputs ``bench/gpu_block.py`` and ``bench/gpu_chains.py`` load (drawn on every CPU core)."""
-    from relational_tensors.models import chain_feeds, llama_feeds
+    from relational_tensors.graph.models import chain_feeds, llama_feeds
 
     return llama_feeds(g, seed=1) if setup.family == "transformer" else chain_feeds(g, seed=0)
 
@@ -85,7 +85,7 @@ def _free_gpus() -> None:
 
 def _smoke_graph(setup: Setup) -> rt.Graph:
     """--smoke: the workload at toy sizes in float32 (a tiny block on at most 2 x 32 tokens, chains / 256)."""
-    from relational_tensors.models import llama_block, matrix_chain
+    from relational_tensors.graph.models import llama_block, matrix_chain
 
     if setup.family == "transformer":
         b, _ = WORKLOADS[setup.name]
@@ -513,7 +513,7 @@ def _train_tables(report: Report, ours_data: dict[str, Any], base: dict[int, dic
 def _against_builtin(measured: Topology, topo_txt: str | None, builtin: str = "hgx-h200") -> str:
     """The built-in topology the planner assumes, checked against the measured one and ``nvidia-smi topo -m``:
     per-pair link bandwidth and HBM rate as ratios, and whether every GPU pair is on NVLink."""
-    from relational_tensors.target.topology import get_topology
+    from relational_tensors.machine.topology import get_topology
 
     n = len(measured.sites)
     ref = get_topology(builtin, gpus=n) if n <= 8 else get_topology(builtin)

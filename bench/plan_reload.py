@@ -21,7 +21,7 @@ import numpy as np
 from common import write_table  # bench/common.py
 
 import relational_tensors as rt
-from relational_tensors.models import LLAMA3_8B, llama_block, llama_training_graph
+from relational_tensors.graph.models import LLAMA3_8B, llama_block, llama_training_graph
 
 
 def rounds(fn: Callable[[], object], warm: int = 2, timed: int = 10) -> tuple[float, object]:

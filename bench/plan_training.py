@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 
 import relational_tensors as rt
-from relational_tensors.models import LLAMA3_8B, llama_training_graph
+from relational_tensors.graph.models import LLAMA3_8B, llama_training_graph
 
 H200_MEMORY = 141 * (1 << 30)
 SHOWN = ("matmul", "einsum", "attention", "attention_lse", "attention_delta", "attention_grad", "embedding",

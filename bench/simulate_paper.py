@@ -19,7 +19,7 @@ from typing import Any
 from common import WORKLOADS  # the paper's five token workloads (bench/common.py)
 
 import relational_tensors as rt
-from relational_tensors.models import LLAMA3_8B, llama_block
+from relational_tensors.graph.models import LLAMA3_8B, llama_block
 
 PAPER_MS = {"1K": 1.21, "128K": 143.0}  # the per-workload numbers the paper states; geomean 8.97 ms
 

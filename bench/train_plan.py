@@ -16,8 +16,8 @@ from collections import Counter
 from pathlib import Path
 
 import relational_tensors as rt
-from relational_tensors.cli import parse_bytes
-from relational_tensors.models import LLAMA3_8B, llama_training_graph
+from relational_tensors.cli.main import parse_bytes
+from relational_tensors.graph.models import LLAMA3_8B, llama_training_graph
 
 
 def layout(cg: rt.CompiledGraph, name: str) -> str:

@@ -7,11 +7,13 @@ the public API; each name lives in the layer that owns it.
 
 import logging as _logging
 
-import relational_tensors.optim as optim
-import relational_tensors.plans as plans
-from relational_tensors.compiler import CompiledGraph as CompiledGraph
-from relational_tensors.compiler import compile as compile
-from relational_tensors.compiler import compileGraph as compileGraph
+import relational_tensors.dp_optimizer.plans as plans
+import relational_tensors.graph.optim as optim
+from relational_tensors._version import __version__ as __version__
+from relational_tensors.api.parallelize import ParallelModule as ParallelModule
+from relational_tensors.api.parallelize import parallelize as parallelize
+from relational_tensors.api.training import TrainStep as TrainStep
+from relational_tensors.api.training import train_step as train_step
 from relational_tensors.core.aggregation import AGGREGATIONS as AGGREGATIONS
 from relational_tensors.core.aggregation import LSE as LSE
 from relational_tensors.core.aggregation import MAX as MAX
@@ -27,6 +29,11 @@ from relational_tensors.core.types import Box as Box
 from relational_tensors.core.types import Interval as Interval
 from relational_tensors.core.types import TensorType as TensorType
 from relational_tensors.core.types import tensorDesc as tensorDesc
+from relational_tensors.driver.compiler import CompiledGraph as CompiledGraph
+from relational_tensors.driver.compiler import compile as compile
+from relational_tensors.driver.compiler import compileGraph as compileGraph
+from relational_tensors.driver.options import CompileOptions as CompileOptions
+from relational_tensors.driver.plan_file import load_plan as load_plan
 from relational_tensors.errors import CatalogError as CatalogError
 from relational_tensors.errors import CommandError as CommandError
 from relational_tensors.errors import ExchangeError as ExchangeError
@@ -36,24 +43,16 @@ from relational_tensors.errors import OutOfMemoryPlanError as OutOfMemoryPlanErr
 from relational_tensors.errors import PlanError as PlanError
 from relational_tensors.errors import RelationalTensorsError as RelationalTensorsError
 from relational_tensors.errors import SpecError as SpecError
-from relational_tensors.frontend.graph import Graph as Graph
-from relational_tensors.frontend.graph import Node as Node
-from relational_tensors.frontend.graph import Tensor as Tensor
-from relational_tensors.frontend.graph import createGraph as createGraph
-from relational_tensors.frontend.parallelize import ParallelModule as ParallelModule
-from relational_tensors.frontend.parallelize import parallelize as parallelize
 from relational_tensors.frontend.torch import TorchGraph as TorchGraph
 from relational_tensors.frontend.torch import from_torch as from_torch
-from relational_tensors.options import CompileOptions as CompileOptions
-from relational_tensors.plan_file import load_plan as load_plan
-from relational_tensors.reference import execute_spec as execute_spec
-from relational_tensors.reference import reference as reference
+from relational_tensors.graph.graph import Graph as Graph
+from relational_tensors.graph.graph import Node as Node
+from relational_tensors.graph.graph import Tensor as Tensor
+from relational_tensors.graph.graph import createGraph as createGraph
+from relational_tensors.graph.reference import execute_spec as execute_spec
+from relational_tensors.graph.reference import reference as reference
+from relational_tensors.machine.target import Target as Target
 from relational_tensors.sql_specs import OPERATORS as OPERATORS
-from relational_tensors.target.target import Target as Target
-from relational_tensors.training import TrainStep as TrainStep
-from relational_tensors.training import train_step as train_step
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Graph", "Node", "Tensor", "createGraph", "tensorDesc", "reference", "execute_spec",

@@ -1,4 +1,4 @@
-from relational_tensors.cli import main
+from relational_tensors.cli.main import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import relational_tensors as rt
-from relational_tensors.models import LLAMA3_8B, llama_block, matrix_chain
+from relational_tensors.graph.models import LLAMA3_8B, llama_block, matrix_chain
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "plans"
 # pinned so that no plan depends on the memory of the host that compiles it (an H200's 141 GiB)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import relational_tensors as rt
-from relational_tensors.cli import build_parser
-from relational_tensors.options import CompileOptions
+from relational_tensors.cli.main import build_parser
+from relational_tensors.driver.options import CompileOptions
 
 
 def _graph() -> tuple[rt.Graph, rt.Tensor, rt.Tensor, rt.Tensor]:
@@ -69,7 +69,7 @@ def test_one_target_per_compilation() -> None:
     assert cg.simulation() is cg.simulation()  # the compiled-for target, simulated once
     assert cg.simulate() == cg.simulation().time > 0
     assert cg.simulation("dgx-v100").topology.startswith("dgx-v100")
-    assert [name for name, _, _ in rt.compiler.PASSES] == [
+    assert [name for name, _, _ in rt.driver.compiler.PASSES] == [
         "target", "candidates", "pieces", "catalog", "select", "check", "lower", "search", "liveness",
         "fit_memory", "verify", "record"]
 

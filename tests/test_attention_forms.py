@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import relational_tensors as rt
 from relational_tensors.dp_optimizer import interval_requests
-from relational_tensors.reference import execute_spec
+from relational_tensors.graph.reference import execute_spec
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional

@@ -27,12 +27,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from relational_tensors.core.types import Interval, TensorType
+from relational_tensors.machine.devices import visible_gpus
 from relational_tensors.sql_specs.attention_grad import AttentionDeltaOp, AttentionGradOp, AttentionLseOp
-from relational_tensors.target.devices import visible_gpus
 
 torch = pytest.importorskip("torch")
 GPU = visible_gpus() > 0 and torch.cuda.is_available()
-_MODULE = "relational_tensors.gpu_exec.kernels.triton_attention_grad"
+_MODULE = "relational_tensors.kernels.triton_attention_grad"
 if not GPU and _MODULE in sys.modules:
     pytest.skip("the kernel module was defined for a GPU before this module could ask for the interpreter",
                 allow_module_level=True)
@@ -41,9 +41,9 @@ if not GPU:  # kernels are interpreted when they are defined, and Triton asks ag
 pytest.importorskip("triton")
 K = importlib.import_module(_MODULE)
 
-from relational_tensors.gpu_exec.kernels.common import DevBuf  # noqa: E402
-from relational_tensors.gpu_exec.kernels.scratch import dkv_scratch, dkv_splits  # noqa: E402
-from relational_tensors.gpu_exec.launchers import key_query_limits  # noqa: E402
+from relational_tensors.kernels.common import DevBuf  # noqa: E402
+from relational_tensors.kernels.launchers import key_query_limits  # noqa: E402
+from relational_tensors.kernels.scratch import dkv_scratch, dkv_splits  # noqa: E402
 
 DEVICE = "cuda" if GPU else "cpu"
 TORCH = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -439,7 +439,7 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from relational_tensors.gpu_exec.kernels import triton_attention_grad as K
+from relational_tensors.kernels import triton_attention_grad as K
 
 def compile_one(kind, t16, d, cfg):
     bm, bn, warps, stages, tma = cfg

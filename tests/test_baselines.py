@@ -25,8 +25,8 @@ if not dist.is_available() or not dist.is_gloo_available():
                 allow_module_level=True)
 
 import relational_tensors as rt  # noqa: E402
-from relational_tensors.models import llama_block  # noqa: E402
-from relational_tensors.target.topology import Topology  # noqa: E402
+from relational_tensors.graph.models import llama_block  # noqa: E402
+from relational_tensors.machine.topology import Topology  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))

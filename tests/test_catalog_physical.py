@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import relational_tensors as rt
-from relational_tensors.models import llama_block, llama_training_graph
+from relational_tensors.graph.models import llama_block, llama_training_graph
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import relational_tensors as rt
-from relational_tensors.models import llama_block, llama_feeds
+from relational_tensors.graph.models import llama_block, llama_feeds
 
 safetensors = pytest.importorskip("safetensors.numpy")
 

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 
 import relational_tensors as rt
-from relational_tensors import cli
+from relational_tensors.cli import main as cli
 from relational_tensors.core.types import Box
-from relational_tensors.models import llama_block
-from relational_tensors.target.devices import visible_gpus
-from relational_tensors.visualize import Layout, placement_notation, plan_rows, show_tiling
+from relational_tensors.driver.visualize import Layout, placement_notation, plan_rows, show_tiling
+from relational_tensors.graph.models import llama_block
+from relational_tensors.machine.devices import visible_gpus
 
 MLP = '''
 import relational_tensors as rt
@@ -198,7 +198,7 @@ def test_simulate_prints_seconds(models: Path) -> None:
 
 
 def test_topology_from_a_json_file(models: Path, tmp_path: Path) -> None:
-    from relational_tensors.target.topology import get_topology
+    from relational_tensors.machine.topology import get_topology
 
     (tmp_path / "a100.json").write_text(get_topology("dgx-a100").to_json())
     by_file = json.loads(ok(run_cli("simulate", models / "mlp.py", "--topology", tmp_path / "a100.json", "--json")))
@@ -313,9 +313,9 @@ def test_calibrate_without_a_gpu_is_a_clear_error() -> None:
 
 def test_calibrate_hands_its_arguments_to_the_module(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[list[str]] = []
-    fake = types.ModuleType("relational_tensors.gpu_exec.calibrate")
+    fake = types.ModuleType("relational_tensors.machine.calibrate")
     fake.main = lambda argv: seen.append(argv) or 3  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "relational_tensors.gpu_exec.calibrate", fake)
+    monkeypatch.setitem(sys.modules, "relational_tensors.machine.calibrate", fake)
     assert cli.main(["--quiet", "calibrate", "--out", "c.json", "--quick"]) == 3
     assert seen == [["--out", "c.json", "--quick"]]
 
@@ -433,7 +433,7 @@ def test_notation_of_uneven_mixed_and_overlapping_layouts() -> None:
 
 
 def test_every_named_query_runs_from_the_command_line(catalog: Path) -> None:
-    from relational_tensors.cli import _query_list
+    from relational_tensors.cli.main import _query_list
 
     params = {"plan_diff": ["--param", "a=1", "--param", "b=2"], "cheapest_candidates": ["--param", "kind=matmul"]}
     names = _query_list()
@@ -458,7 +458,7 @@ def test_a_long_compile_shows_its_passes_and_the_library_prints_nothing(monkeypa
 
     g = llama_block(1, 64, 64, 4, 2, 128)
     clock = iter(range(0, 10_000, 2))  # every reading two seconds later: the bar appears at the first pass
-    from relational_tensors import cli_output
+    from relational_tensors.cli import output as cli_output
 
     monkeypatch.setattr(cli_output.time, "monotonic", lambda: float(next(clock)))
     ui = cli.Ui(json=False, quiet=False, debug=False)

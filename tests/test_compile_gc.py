@@ -11,7 +11,7 @@ import pytest
 
 import relational_tensors as rt
 from relational_tensors.exchange import searcher
-from relational_tensors.models import llama_block
+from relational_tensors.graph.models import llama_block
 
 GRAPH = llama_block(1, 16, 32, 4, 2, 40)
 

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import relational_tensors as rt
-from relational_tensors.models import llama_block
+from relational_tensors.graph.models import llama_block
 
 BLOCK = llama_block(1, 48, 64, 4, 2, 96, dtype="float32")
 
@@ -121,7 +121,7 @@ def test_a_layout_that_differs_from_what_its_reader_reads_costs_a_repartition() 
 
 @pytest.mark.parametrize("layout", ["R", "S(0)", "S(-1)"])
 def test_states_pinned_to_a_layout_are_kept_in_it_and_train_like_the_free_plan(layout: str) -> None:
-    from relational_tensors.models import llama_training_feeds, llama_training_graph
+    from relational_tensors.graph.models import llama_training_feeds, llama_training_graph
 
     g = llama_training_graph(2, 16, 32, 4, 2, 48, 64, optimizer="adamw")
     feeds = llama_training_feeds(g)

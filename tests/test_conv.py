@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import relational_tensors as rt
-from relational_tensors.reference import execute_spec
+from relational_tensors.graph.reference import execute_spec
 
 torch = pytest.importorskip("torch")
 nn, F = torch.nn, torch.nn.functional

@@ -15,7 +15,7 @@ import pytest
 _COMPILE = textwrap.dedent("""
     import json, sys
     import relational_tensors as rt
-    from relational_tensors.models import LLAMA3_8B, llama_block
+    from relational_tensors.graph.models import LLAMA3_8B, llama_block
 
     out = []
     for seq, device, topology, cost_model, selector, mode in json.loads(sys.argv[1]):

@@ -17,9 +17,7 @@ import pytest
 
 import relational_tensors as rt
 from relational_tensors.core.types import Box
-from relational_tensors.gpu_exec.dist_streams import stream_schedule
-from relational_tensors.gpu_exec.memory_plan import MemoryPlan, plan_memory
-from relational_tensors.models import llama_block
+from relational_tensors.graph.models import llama_block
 from relational_tensors.physical import p2p
 from relational_tensors.physical.p2p import (
     Group,
@@ -30,6 +28,8 @@ from relational_tensors.physical.p2p import (
     schedules,
 )
 from relational_tensors.physical.tasks import RecomposePayload, TaskDAG
+from relational_tensors.runtime.dist_streams import stream_schedule
+from relational_tensors.runtime.memory_plan import MemoryPlan, plan_memory
 
 PROGRAMS = Path(__file__).parent / "dist" / "programs.py"
 ROOT = Path(__file__).parent.parent
@@ -183,7 +183,7 @@ def _gpu_results(out: Path, r: subprocess.CompletedProcess[str]) -> list[dict]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_gpu_ranks_sharing_one_gpu_give_the_single_process_results(tmp_path: Path, world: int) -> None:
-    from relational_tensors.target.devices import visible_gpus
+    from relational_tensors.machine.devices import visible_gpus
 
     if not visible_gpus():
         pytest.skip("no CUDA GPU visible (or CuPy not installed)")
@@ -197,7 +197,7 @@ def test_gpu_ranks_sharing_one_gpu_give_the_single_process_results(tmp_path: Pat
 def test_nccl_ranks_give_the_single_process_results(tmp_path: Path, graphs: str) -> None:
     """A GPU per rank, transfers over NCCL on each rank's communication stream; with
     RELATIONAL_TENSORS_NCCL_GRAPHS=1 the second run is captured into a CUDA graph and the third replays it."""
-    from relational_tensors.target.devices import visible_gpus
+    from relational_tensors.machine.devices import visible_gpus
 
     gpus = visible_gpus()
     if gpus < 2:
@@ -397,14 +397,14 @@ def _two_stream_hazards(cg: rt.CompiledGraph, plan: MemoryPlan, rank: int) -> li
 def test_gpu_ranks_two_streams_are_hazard_free(p: int) -> None:
     """Without a GPU: each GPU rank's kernels and groups of transfers, ordered by the events its stream
     schedule issues, never touch the same bytes unordered (block, training step, packed sequences)."""
-    from relational_tensors.models import llama_training_graph
+    from relational_tensors.graph.models import llama_training_graph
 
     cases = [(llama_block(2, 24, 32, 4, 2, 40, dtype="float16"), {}),
              (llama_block(1, 48, 32, 8, 2, 88, dtype="float16", seq_ends=[5, 17, 20, 33, 48]), {}),
              (llama_training_graph(2, 16, 32, 4, 2, 48, 64, optimizer="adamw"), {"keep_states": "sharded"})]
     for g, options in cases:
         cg = rt.compileGraph(g, device=f"cpu:{p}", **options)
-        plan = plan_memory(cg.graph, cg.dag, cg.live)
+        plan = plan_memory(cg.dag, cg.live)
         for rank in range(p):
             assert _two_stream_hazards(cg, plan, rank) == [], rank
 

@@ -9,8 +9,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relational_tensors.gpu_exec.kernels.blas import Gemm, einsum_gemm_plan
-from relational_tensors.gpu_exec.kernels.common import DevBuf
+from relational_tensors.kernels.blas import Gemm, einsum_gemm_plan
+from relational_tensors.kernels.common import DevBuf
 
 ITEM = 8  # float64 bytes
 

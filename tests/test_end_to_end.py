@@ -10,7 +10,7 @@ import pytest
 from cases import CASES, CATALOG, TOL, check_plan, feeds_for
 
 import relational_tensors as rt
-from relational_tensors.models import LLAMA3_8B, llama_block, llama_feeds
+from relational_tensors.graph.models import LLAMA3_8B, llama_block, llama_feeds
 
 P_VALUES = [1, 2, 3, 4, 6, 8]
 

@@ -9,7 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from relational_tensors.core.types import TensorType
-from relational_tensors.gpu_exec.kernels import flash
+from relational_tensors.kernels import flash
 from relational_tensors.sql_specs.attention import AttentionOp
 
 

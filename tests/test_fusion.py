@@ -29,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relational_tensors.target.devices import visible_gpus
+from relational_tensors.machine.devices import visible_gpus
 
 GPU = visible_gpus() > 0
 if not GPU:
@@ -37,7 +37,11 @@ if not GPU:
 
 import relational_tensors as rt  # noqa: E402
 from relational_tensors.core.dtypes import itemsize, numpy_dtype  # noqa: E402
-from relational_tensors.gpu_exec.fusion import (  # noqa: E402
+from relational_tensors.graph.models import llama_training_feeds, llama_training_graph  # noqa: E402
+from relational_tensors.graph.optim import adamw  # noqa: E402
+from relational_tensors.kernels.common import contiguous_strides  # noqa: E402
+from relational_tensors.physical.tasks import TaskDAG  # noqa: E402
+from relational_tensors.runtime.fusion import (  # noqa: E402
     FusedExpr,
     FusedSchedule,
     FusionGroup,
@@ -45,8 +49,7 @@ from relational_tensors.gpu_exec.fusion import (  # noqa: E402
     fusion_groups,
     fusion_plan,
 )
-from relational_tensors.gpu_exec.kernels.common import contiguous_strides  # noqa: E402
-from relational_tensors.gpu_exec.memory_plan import (  # noqa: E402
+from relational_tensors.runtime.memory_plan import (  # noqa: E402
     SIBLINGS,
     MemoryPlan,
     align,
@@ -54,9 +57,6 @@ from relational_tensors.gpu_exec.memory_plan import (  # noqa: E402
     sibling_tasks,
     view_geometry,
 )
-from relational_tensors.models import llama_training_feeds, llama_training_graph  # noqa: E402
-from relational_tensors.optim import adamw  # noqa: E402
-from relational_tensors.physical.tasks import TaskDAG  # noqa: E402
 
 # the interpreter computes masked-off lanes too (rsqrt and log2 of the zeros loaded there)
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.*")
@@ -77,7 +77,7 @@ def _training_step(device: str) -> rt.CompiledGraph:
 
 def planned(cg: rt.CompiledGraph) -> tuple[MemoryPlan, list[FusionGroup]]:
     """The memory plan the fused program runs on, and its groups, as the executor makes them."""
-    return fusion_plan(cg.graph, cg.dag, cg.live)
+    return fusion_plan(cg.dag, cg.live)
 
 
 def _token(*parts: object) -> int:
@@ -231,16 +231,16 @@ def test_adamw_update_is_one_or_two_kernels_per_block(device: str) -> None:
 def test_the_fused_program_keeps_blocks_without_raising_a_peak(device: str) -> None:
     """The fused program's plan keeps what its groups read until they run, never past a device's peak of live
     bytes without fusion, and takes groups the plain plan cannot (the memory they read is reused by then)."""
-    from relational_tensors.gpu_exec.fusion import _peak
+    from relational_tensors.runtime.fusion import _peak
 
     cg = training_step(device)
-    plain = plan_memory(cg.graph, cg.dag, cg.live)
+    plain = plan_memory(cg.dag, cg.live)
     plan, groups = planned(cg)
     for d in range(cg.dag.p):
         roots = [r for r in plain.lifetimes if cg.dag.buffers[r].device == d]
         assert _peak(plan, roots, {})[0] <= _peak(plain, roots, {})[0]
     fused = {m for g in groups for m in g.tasks}
-    alone = {m for g in fusion_groups(cg.graph, cg.dag, plain, cg.live) for m in g.tasks}
+    alone = {m for g in fusion_groups(cg.dag, plain, cg.live) for m in g.tasks}
     assert len(fused) > len(alone)
 
 
@@ -389,18 +389,18 @@ class HostProgram:
     tasks through their launchers, or each group's generated kernel at its last task."""
 
     def __init__(self, cg: rt.CompiledGraph, fused: bool, siblings: tuple[str, ...] = SIBLINGS) -> None:
-        from relational_tensors.gpu_exec.kernels.common import DevBuf
-        from relational_tensors.gpu_exec.launchers import scratch_bytes, task_scratch
+        from relational_tensors.kernels.common import DevBuf
+        from relational_tensors.kernels.launchers import scratch_bytes, task_scratch
 
         self.cg, self.dag = cg, cg.dag
-        done_by = sibling_tasks(cg.graph, cg.dag, siblings) if siblings else {}
+        done_by = sibling_tasks(cg.dag, siblings) if siblings else {}
         # a kernel that writes a sibling's output too -> the sibling (its scratch may differ)
         self.sibling_of = {w: s for s, w in done_by.items()}
-        self.needs = task_scratch(cg.graph, cg.dag)
+        self.needs = task_scratch(cg.dag)
         if fused:  # as the executor plans it when it fuses: kernel scratch in the arena too
-            self.plan = fusion_plan(cg.graph, cg.dag, cg.live, done_by, scratch_bytes(self.needs))[0]
+            self.plan = fusion_plan(cg.dag, cg.live, done_by, scratch_bytes(self.needs))[0]
         else:
-            self.plan = plan_memory(cg.graph, cg.dag, cg.live, done_by)
+            self.plan = plan_memory(cg.dag, cg.live, done_by)
         assert self.plan.done_by == done_by
         self.mem = HostArenas(self.plan)
         self.views: dict[int, Any] = {}
@@ -419,7 +419,7 @@ class HostProgram:
     def schedule(self) -> FusedSchedule | None:
         """The executor's schedule of the groups over these views (made once the kernels' ``Ptr`` is set)."""
         if self.fused and not hasattr(self, "_schedule"):
-            self._schedule = FusedSchedule.build(self.cg.graph, self.dag, self.plan, self.cg.live, self.views)
+            self._schedule = FusedSchedule.build(self.dag, self.plan, self.cg.live, self.views)
         return self._schedule if self.fused else None
 
     @property
@@ -467,10 +467,10 @@ class HostProgram:
                 self._run(t)
 
     def _run(self, t: Any) -> None:
-        from relational_tensors.gpu_exec.kernels import triton_copy as tc
-        from relational_tensors.gpu_exec.kernels import triton_elementwise as te
-        from relational_tensors.gpu_exec.kernels.common import DevBuf
-        from relational_tensors.gpu_exec.launchers import launcher_for, op_constants
+        from relational_tensors.kernels import triton_copy as tc
+        from relational_tensors.kernels import triton_elementwise as te
+        from relational_tensors.kernels.common import DevBuf
+        from relational_tensors.kernels.launchers import launcher_for, op_constants
 
         views = self.views
         if t.kind == "kernel":
@@ -531,9 +531,9 @@ def host(monkeypatch: pytest.MonkeyPatch) -> Callable[..., HostProgram]:
     def make(cg: rt.CompiledGraph, fused: bool, siblings: tuple[str, ...] = SIBLINGS) -> HostProgram:
         prog = HostProgram(cg, fused, siblings)
         for name in KERNEL_MODULES:
-            module = importlib.import_module(f"relational_tensors.gpu_exec.kernels.{name}")
+            module = importlib.import_module(f"relational_tensors.kernels.{name}")
             if GPU:
-                from relational_tensors.gpu_exec.kernels.common import bind_triton_to_cupy
+                from relational_tensors.kernels.common import bind_triton_to_cupy
 
                 bind_triton_to_cupy()
             else:
@@ -647,8 +647,8 @@ def test_fused_kernels_of_random_graphs_match_bit_for_bit(host: Any, data: st.Da
     cg = rt.compileGraph(g, device=data.draw(st.sampled_from(["cpu:1", "cpu:2"])))
     feeds = _values(g, seed=data.draw(st.integers(0, 100)))
     feeds["acc"] = np.zeros(SHAPE, numpy_dtype(g.node("acc").type.dtype))
-    plan = plan_memory(cg.graph, cg.dag, cg.live)
-    if not fusion_groups(cg.graph, cg.dag, plan, cg.live):
+    plan = plan_memory(cg.dag, cg.live)
+    if not fusion_groups(cg.dag, plan, cg.live):
         return
     run_both(host, cg, feeds, steps=2)
 
@@ -740,7 +740,7 @@ def test_kernel_scratch_in_the_arena_keeps_the_bits(host: Callable[..., HostProg
 
 def test_generated_source_is_cached_by_expression(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("triton")
-    from relational_tensors.gpu_exec.kernels import triton_fused
+    from relational_tensors.kernels import triton_fused
 
     monkeypatch.setenv("RELATIONAL_TENSORS_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(triton_fused, "_KERNELS", {})

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import relational_tensors as rt
 from relational_tensors.core.dtypes import numpy_dtype
-from relational_tensors.models import chain_feeds, llama_block, llama_feeds
+from relational_tensors.graph.models import chain_feeds, llama_block, llama_feeds
 
 FUZZ = settings(max_examples=int(os.environ.get("RT_FUZZ_EXAMPLES", "30")), deadline=None,
                 suppress_health_check=[HealthCheck.too_slow])

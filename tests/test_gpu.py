@@ -10,14 +10,14 @@ import pytest
 from cases import CASES, GRAD_CASES, feeds_for
 
 import relational_tensors as rt
-from relational_tensors.models import (
+from relational_tensors.graph.models import (
     add_llama_block,
     llama_block,
     llama_feeds,
     llama_training_feeds,
     llama_training_graph,
 )
-from relational_tensors.target.devices import visible_gpus
+from relational_tensors.machine.devices import visible_gpus
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(visible_gpus() == 0, reason="no CUDA GPU visible (or CuPy not installed)")]
@@ -122,7 +122,7 @@ def test_llama_training_graph_on_gpu(dtype: str) -> None:
 
 
 def _flash_or_skip() -> None:
-    from relational_tensors.gpu_exec.kernels.flash import backend
+    from relational_tensors.kernels.flash import backend
 
     if backend() is None:
         pytest.skip("no FlashAttention library (flash-attn, or PyTorch with CUDA)")
@@ -280,8 +280,8 @@ def test_every_attention_kernel_configuration_with_growing_scores(causal: bool) 
     # configuration runs (pointer and tensor-descriptor loads), not only the one the timing picks.
     import cupy
 
-    from relational_tensors.gpu_exec.kernels import triton_attention as ta
-    from relational_tensors.gpu_exec.kernels.common import DevBuf, bind_triton_to_cupy
+    from relational_tensors.kernels import triton_attention as ta
+    from relational_tensors.kernels.common import DevBuf, bind_triton_to_cupy
 
     bind_triton_to_cupy()
     rng = np.random.default_rng(3)
@@ -373,7 +373,7 @@ def test_a_task_that_breaks_capture_is_named_and_the_program_runs_eagerly(monkey
 
     import cupy
 
-    from relational_tensors.gpu_exec import launchers
+    from relational_tensors.kernels import launchers
 
     g = rt.Graph()
     x = g.input("x", [64, 32], "float32")

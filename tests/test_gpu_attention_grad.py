@@ -10,9 +10,9 @@ import pytest
 
 import relational_tensors as rt
 from relational_tensors.core.dtypes import numpy_dtype
-from relational_tensors.gpu_exec import launchers
-from relational_tensors.models import llama_training_feeds, llama_training_graph
-from relational_tensors.target.devices import visible_gpus
+from relational_tensors.graph.models import llama_training_feeds, llama_training_graph
+from relational_tensors.kernels import launchers
+from relational_tensors.machine.devices import visible_gpus
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(visible_gpus() == 0, reason="no CUDA GPU visible (or CuPy not installed)")]
@@ -111,7 +111,7 @@ def test_masked_forms_keep_the_host_path() -> None:
     o = g.attention(q, k, v, causal=True, key_padding=[33, 40])
     for name, t in zip(("dq", "dk", "dv"), g.vjp(o, g.input("do", [2, 40, 4, 32], "float32"), [q, k, v])):
         g.save(t, name=name)
-    assert all(n.op.gpu_allocates for n in g.nodes if n.kind in ("attention_lse", "attention_grad"))
+    assert all(launchers.allocates(n.op) for n in g.nodes if n.kind in ("attention_lse", "attention_grad"))
     feeds = _feeds(g, 1)
     want = rt.reference(g, feeds)
     cg = rt.compileGraph(g, device="cuda:0,0")

@@ -18,8 +18,8 @@ from torch_reference import torch_gradients
 
 import relational_tensors as rt
 from relational_tensors.errors import ExecError, GraphError
-from relational_tensors.models import llama_training_feeds, llama_training_graph
-from relational_tensors.reference import execute_spec, run_operator
+from relational_tensors.graph.models import llama_training_feeds, llama_training_graph
+from relational_tensors.graph.reference import execute_spec, run_operator
 from relational_tensors.sql_specs import AttentionOp
 
 FULL = os.environ.get("RT_FULL_GRAD") == "1"

@@ -28,7 +28,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from relational_tensors.target.devices import visible_gpus
+from relational_tensors.machine.devices import visible_gpus
 
 GPU = visible_gpus() > 0
 if not GPU:
@@ -39,8 +39,8 @@ pytest.importorskip("triton")
 import relational_tensors as rt  # noqa: E402
 from relational_tensors.core.dtypes import itemsize, numpy_dtype  # noqa: E402
 from relational_tensors.core.types import TensorType  # noqa: E402
-from relational_tensors.gpu_exec.kernels.common import DevBuf  # noqa: E402
-from relational_tensors.gpu_exec.launchers import launcher_for, op_constants, scratch_shape  # noqa: E402
+from relational_tensors.kernels.common import DevBuf  # noqa: E402
+from relational_tensors.kernels.launchers import allocates, launcher_for, op_constants, scratch_shape  # noqa: E402
 from relational_tensors.sql_specs import OPERATORS  # noqa: E402
 
 KINDS = ("norm_grad", "norm_weight_grad", "swiglu_grad", "softmax_grad", "unary_grad", "binary_grad",
@@ -106,7 +106,7 @@ class CupyMemory:
     def __init__(self) -> None:
         import cupy
 
-        from relational_tensors.gpu_exec.kernels.common import bind_triton_to_cupy
+        from relational_tensors.kernels.common import bind_triton_to_cupy
 
         bind_triton_to_cupy()
         self.cupy = cupy
@@ -142,7 +142,7 @@ def mem(monkeypatch: pytest.MonkeyPatch) -> Any:
     import importlib
 
     for name in KERNEL_MODULES:
-        module = importlib.import_module(f"relational_tensors.gpu_exec.kernels.{name}")
+        module = importlib.import_module(f"relational_tensors.kernels.{name}")
         monkeypatch.setattr(module, "Ptr", host.ptr)
     return host
 
@@ -252,7 +252,7 @@ def test_norm_grad(mem: Any, norm: str, dtype: str) -> None:
 
 @pytest.mark.parametrize("norm", ["rms", "layer"])
 def test_norm_grad_rows_longer_than_a_block(mem: Any, monkeypatch: pytest.MonkeyPatch, norm: str) -> None:
-    from relational_tensors.gpu_exec.kernels import triton_norms_grad as tng
+    from relational_tensors.kernels import triton_norms_grad as tng
 
     monkeypatch.setattr(tng, "_block", lambda d: 16)  # the multi-pass form, with rows of 3 tiles and a rest
     rng = np.random.default_rng(2)
@@ -297,7 +297,7 @@ def test_softmax_grad(mem: Any, axis: int, dtype: str) -> None:
 
 
 def test_softmax_grad_lines_longer_than_a_block(mem: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from relational_tensors.gpu_exec.kernels import triton_norms_grad as tng
+    from relational_tensors.kernels import triton_norms_grad as tng
 
     monkeypatch.setattr(tng, "_block", lambda d: 16)
     rng = np.random.default_rng(6)
@@ -402,7 +402,7 @@ def test_embedding_grad_blocks_of_tokens_vocabulary_and_width(mem: Any, ids_dtyp
 
 def test_embedding_grad_merges_sorted_runs_and_is_the_same_bits_every_run(mem: Any,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from relational_tensors.gpu_exec.kernels import triton_embedding_grad as teg
+    from relational_tensors.kernels import triton_embedding_grad as teg
 
     monkeypatch.setattr(teg, "SORT_BLOCK", 8)  # 37 ids pad to 64 keys: runs of 8 merged three times
     rng = np.random.default_rng(12)
@@ -435,7 +435,7 @@ def test_cross_entropy_loss_partials_of_vocabulary_blocks(mem: Any, ignore_index
 @pytest.mark.parametrize("ignore_index", [None, 5])
 def test_cross_entropy_grad_blocks(mem: Any, monkeypatch: pytest.MonkeyPatch, ignore_index: int | None,
                                    dtype: str) -> None:
-    from relational_tensors.gpu_exec.kernels import triton_cross_entropy as tce
+    from relational_tensors.kernels import triton_cross_entropy as tce
 
     monkeypatch.setattr(tce, "BLOCK_V", 16)  # several vocabulary tiles per row
     rng = np.random.default_rng(14)
@@ -591,7 +591,7 @@ def recorded_kernel_calls(monkeypatch: pytest.MonkeyPatch, g: rt.Graph, feeds: d
                           **options: Any) -> list[tuple[Any, Any, list[np.ndarray], str, np.ndarray]]:
     """Compile ``g`` for ``cpu:p`` and run it, recording each kernel task of the kinds served here: (operator,
     function spec, input blocks, output dtype, the NumPy kernel's output)."""
-    from relational_tensors.gpu_exec.numpy_backend import NumpyExecutor
+    from relational_tensors.runtime.numpy_backend import NumpyExecutor
 
     calls: list[tuple[Any, Any, list[np.ndarray], str, np.ndarray]] = []
     original: Callable[..., list[Any]] = NumpyExecutor._run
@@ -670,7 +670,7 @@ GRAPH_TOL = {"float32": 1e-4, "bfloat16": 5e-2}
 @pytest.mark.parametrize("device", ["cuda:0", "cuda:0,0,0,0"])
 def test_training_graph_gradients_on_gpu(device: str, dtype: str) -> None:
     g = training_graph(dtype)
-    assert not any(n.op.gpu_allocates for n in g.operators if n.kind in KINDS)
+    assert not any(allocates(n.op) for n in g.operators if n.kind in KINDS)
     feeds = training_feeds(g)
     want = rt.reference(g, feeds)
     cg = rt.compileGraph(g, device=device)
@@ -706,7 +706,7 @@ def test_gradients_are_captured_in_a_cuda_graph_and_replay_the_same_bits(device:
 @on_gpu
 @pytest.mark.parametrize("device", ["cuda:0", "cuda:0,0,0,0"])
 def test_llama_training_graph_gradients_on_gpu(device: str) -> None:
-    from relational_tensors.models import llama_training_feeds, llama_training_graph
+    from relational_tensors.graph.models import llama_training_feeds, llama_training_graph
 
     g = llama_training_graph(1, 29, 32, 4, 2, 40, 53, seq_ends=(7, 20, 29), ignore_index=5)
     feeds = llama_training_feeds(g)
@@ -725,7 +725,7 @@ def test_a_reduction_of_few_long_rows_is_chunked(mem: Any, monkeypatch: pytest.M
     """A loss's mean over a whole tensor: the rows are cut into chunks whose partials a second pass combines
     (thresholds lowered so that small tensors take that path, with a short last chunk), axes moved last first
     where they are not; every function spec of a split against the NumPy kernel."""
-    from relational_tensors.gpu_exec.kernels import scratch as sizes
+    from relational_tensors.kernels import scratch as sizes
 
     monkeypatch.setattr(sizes, "SPLIT_LENGTH", 64)
     monkeypatch.setattr(sizes, "CHUNK_MIN", 16)

@@ -1,4 +1,4 @@
-"""The LLaMA-style block of ``relational_tensors.models``: the reference equals a plain NumPy
+"""The LLaMA-style block of ``relational_tensors.graph.models``: the reference equals a plain NumPy
 block written here, and every operator of the block, under every interval request for
 1..8 devices, executes its join-agg spec to the reference value of its node."""
 
@@ -13,7 +13,7 @@ from test_kernels import naive_attention, naive_rmsnorm, naive_rope, naive_silu
 
 import relational_tensors as rt
 from relational_tensors.dp_optimizer import interval_requests
-from relational_tensors.models import llama_block, llama_feeds
+from relational_tensors.graph.models import llama_block, llama_feeds
 
 PACKED_ENDS = (5, 9, 20, 22, 31, 40, 47)  # 7 packed sequences of uneven lengths
 MODEL_ROPE_BASE = 500000.0  # llama_block's default, as in LLaMA 3
@@ -148,7 +148,7 @@ def test_every_operator_under_every_request(block: str) -> None:
 
 
 def test_standard_normal_depends_on_the_seed_and_chunk_only(monkeypatch) -> None:
-    from relational_tensors import models
+    from relational_tensors.graph import models
 
     seed = np.random.SeedSequence(7)
     threaded = models.standard_normal(seed, (301, 17), chunk=1000)

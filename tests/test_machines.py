@@ -8,9 +8,9 @@ import pytest
 
 import relational_tensors as rt
 from relational_tensors.errors import ExchangeError
-from relational_tensors.target.kernel_model import KernelModel
-from relational_tensors.target.machines import from_builder, rails
-from relational_tensors.target.topology import TOPOLOGIES, Topology, get_topology
+from relational_tensors.machine.kernel_model import KernelModel
+from relational_tensors.machine.machines import from_builder, rails
+from relational_tensors.machine.topology import TOPOLOGIES, Topology, get_topology
 
 
 def test_the_shipped_machines_are_registered_with_their_figures() -> None:

@@ -11,9 +11,9 @@ from cases import CASES
 
 import relational_tensors as rt
 from relational_tensors.errors import OutOfMemoryPlanError
-from relational_tensors.gpu_exec.launchers import kernel_scratch
-from relational_tensors.gpu_exec.memory_plan import MemoryPlan, align, plan_arena, plan_memory, sibling_tasks
-from relational_tensors.models import LLAMA3_8B, llama_block, llama_training_graph
+from relational_tensors.graph.models import LLAMA3_8B, llama_block, llama_training_graph
+from relational_tensors.kernels.launchers import kernel_scratch
+from relational_tensors.runtime.memory_plan import MemoryPlan, align, plan_arena, plan_memory, sibling_tasks
 
 
 def hazards(cg: rt.CompiledGraph, plan: MemoryPlan) -> list[tuple[int, int]]:
@@ -61,7 +61,7 @@ def hazards(cg: rt.CompiledGraph, plan: MemoryPlan) -> list[tuple[int, int]]:
 
 
 def check(cg: rt.CompiledGraph, siblings: Mapping[int, int] | None = None) -> MemoryPlan:
-    plan = plan_memory(cg.graph, cg.dag, cg.live, siblings)
+    plan = plan_memory(cg.dag, cg.live, siblings)
     assert hazards(cg, plan) == []
     for d, size in plan.arena_bytes.items():  # the arena holds at least what the liveness says is alive at once
         assert size >= cg.memory()[d]
@@ -134,7 +134,7 @@ def test_forward_attention_writes_the_lse_its_backward_reads(p: int) -> None:
     g = llama_training_graph(2, 40, 32, 4, 2, 48, 29, seq_ends=(7, 20, 40))
     cg = rt.compileGraph(g, device=f"cpu:{p}")
     plan = check(cg)
-    pairs = sibling_tasks(cg.graph, cg.dag, ("attention_lse",))
+    pairs = sibling_tasks(cg.dag, ("attention_lse",))
     lse_tasks = [t for t in cg.dag.tasks if t.kind == "kernel" and cg.graph.nodes[t.op].kind == "attention_lse"]
     assert len(pairs) == (0 if p == 3 else len(lse_tasks)) and pairs.items() <= plan.done_by.items()
     for lse_task, fwd in pairs.items():
@@ -142,7 +142,7 @@ def test_forward_attention_writes_the_lse_its_backward_reads(p: int) -> None:
         assert f.device == lt.device and f.inputs[:2] == lt.inputs[:2] and fwd < lse_task
         assert cg.graph.nodes[f.op].kind == "attention" and cg.graph.nodes[lt.op].kind == "attention_lse"
         assert plan.writes(f) == (*f.outputs, lt.outputs[0])
-    plain = plan_memory(cg.graph, cg.dag, cg.live, siblings={})
+    plain = plan_memory(cg.dag, cg.live, siblings={})
     assert plain.done_by == {} and hazards(cg, plain) == []
 
 
@@ -154,7 +154,7 @@ def test_one_swiglu_gradient_kernel_writes_both(p: int) -> None:
     g = llama_training_graph(2, 40, 32, 4, 2, 48, 29, seq_ends=(7, 20, 40))
     cg = rt.compileGraph(g, device=f"cpu:{p}")
     plan = check(cg)
-    pairs = sibling_tasks(cg.graph, cg.dag, ("swiglu_grad",))
+    pairs = sibling_tasks(cg.dag, ("swiglu_grad",))
     assert pairs and pairs.items() <= plan.done_by.items()
     for later, first in pairs.items():
         f, t = cg.dag.tasks[first], cg.dag.tasks[later]
@@ -189,8 +189,8 @@ def test_kernel_scratch_is_placed_in_the_arena_during_its_task(p: int) -> None:
     cg = rt.compileGraph(g, device=f"cpu:{p}")
     kernels = [t.id for t in cg.dag.tasks if t.kind == "kernel"]
     scratch = {t: 512 + 64 * (t % 7) for t in kernels[::3]}
-    plan = plan_memory(cg.graph, cg.dag, cg.live, scratch=scratch)
-    plain = plan_memory(cg.graph, cg.dag, cg.live)
+    plan = plan_memory(cg.dag, cg.live, scratch=scratch)
+    plain = plan_memory(cg.dag, cg.live)
     assert set(plan.scratch) == set(scratch) and hazards(cg, plan) == []
     for tid, slot in plan.scratch.items():
         d = cg.dag.tasks[tid].device
@@ -228,10 +228,10 @@ def test_a_gpu_plan_counts_its_kernels_scratch() -> None:
     g.save(g.sum(x, axis=0), name="y")
     cpu = rt.compileGraph(g, device="cpu:1")
     gpu = rt.compileGraph(g, device="cuda:0")
-    scratch = kernel_scratch(g, gpu.dag)
-    assert kernel_scratch(g, cpu.dag) == scratch and sum(scratch.values()) == 4096 * 512 * 4  # the input, moved
+    scratch = kernel_scratch(gpu.dag)
+    assert kernel_scratch(cpu.dag) == scratch and sum(scratch.values()) == 4096 * 512 * 4  # the input, moved
     assert gpu.memory()[0] == cpu.memory()[0] + 4096 * 512 * 4
-    plan = plan_memory(gpu.graph, gpu.dag, gpu.live, scratch=scratch)
+    plan = plan_memory(gpu.dag, gpu.live, scratch=scratch)
     assert gpu.memory()[0] <= plan.arena_bytes[0] <= 1.01 * gpu.memory()[0]
     assert gpu.memory_by_category()[0]["other"] >= 4096 * 512 * 4
     limit = cpu.memory()[0] + 4096 * 512 * 2  # the buffers fit, the buffers and the scratch do not

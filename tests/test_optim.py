@@ -194,7 +194,7 @@ def test_sgd_momentum_with_gradient_accumulation_over_three_micro_batches_equals
 def test_llama_training_step_with_adamw_equals_the_reference_stepped_on_cpu_devices() -> None:
     """Two steps of the LLaMA-style training graph with AdamW on cpu:5 equal the single-device reference
     fed back its own assigned values."""
-    from relational_tensors.models import llama_training_feeds, llama_training_graph
+    from relational_tensors.graph.models import llama_training_feeds, llama_training_graph
 
     g = llama_training_graph(1, 20, 32, 4, 2, 40, 37, optimizer="adamw", seq_ends=(7, 20))
     feeds = llama_training_feeds(g, lr=1e-2)
@@ -252,7 +252,7 @@ def test_mixed_precision_keeps_float32_master_weights_and_rounds_the_bfloat16_pa
 
 
 def test_memory_by_category_adds_up_to_the_peak_and_a_refusal_names_the_largest() -> None:
-    from relational_tensors.models import llama_training_graph
+    from relational_tensors.graph.models import llama_training_graph
 
     g = llama_training_graph(1, 64, 64, 4, 2, 96, 101, optimizer="adamw")
     cg = rt.compileGraph(g, device="cpu:4")

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import relational_tensors as rt
 from relational_tensors.dp_optimizer.plan import plan_cost
-from relational_tensors.models import LLAMA3_8B, llama_block
+from relational_tensors.graph.models import LLAMA3_8B, llama_block
 
 
 @pytest.mark.parametrize("p,q", [(8, 2), (27, 3), (64, 4)])
@@ -310,7 +310,7 @@ def test_calibrated_cost_model(tmp_path) -> None:
     assert slowed.simulate() > cg.simulate()
     feeds_g = llama_block(1, 64, 64, 8, 2, 128, dtype="float32")
     small = rt.compileGraph(feeds_g, device="cpu:4", cost_model="calibrated", topology="dgx-a100")
-    from relational_tensors.models import llama_feeds
+    from relational_tensors.graph.models import llama_feeds
 
     feeds = llama_feeds(feeds_g)
     np.testing.assert_allclose(small.run(feeds)["y"], rt.reference(feeds_g, feeds)["y"], rtol=1e-4, atol=1e-5)
@@ -321,8 +321,8 @@ def test_logical_devices_of_one_gpu_are_priced_as_sharing_it() -> None:
     time by how many share a GPU and moves their bytes through its memory (a read and a write each, all
     of them at once); separate GPUs and CPU devices keep the interconnect's price."""
     from relational_tensors.dp_optimizer.costs import cost_model
-    from relational_tensors.target.pricing import device_bandwidth
-    from relational_tensors.target.target import Target
+    from relational_tensors.machine.pricing import device_bandwidth
+    from relational_tensors.machine.target import Target
 
     shared, separate = Target.resolve("cuda:0,0,0,0"), Target.resolve("cuda:0,1,2,3")
     two_each = Target.resolve("cuda:0,0,1,1")
@@ -352,8 +352,8 @@ def _grid(rows: int, cols: int, n: int = 64) -> tuple:
 
 @pytest.fixture(scope="module")
 def kernels():
-    from relational_tensors.target.kernel_model import KernelModel
-    from relational_tensors.target.topology import get_topology
+    from relational_tensors.machine.kernel_model import KernelModel
+    from relational_tensors.machine.topology import get_topology
 
     return KernelModel(get_topology("dgx-a100"))
 
@@ -361,7 +361,7 @@ def kernels():
 @pytest.mark.parametrize("rows,cols", [(8, 1), (1, 8), (2, 4), (4, 2)])
 def test_pairwise_price_of_identical_tilings_is_zero(kernels, rows: int, cols: int) -> None:
     """Blocks made once and read once as the same tiling stay where they are made: nothing moves."""
-    from relational_tensors.target.pricing import exchange_seconds
+    from relational_tensors.machine.pricing import exchange_seconds
 
     same = _grid(rows, cols)
     assert exchange_seconds(same, same, "float16", "sum", kernels, 1.0) == 0.0
@@ -374,7 +374,7 @@ def test_pairwise_price_by_hand(kernels) -> None:
     read as 4 column blocks it gets 7 slivers of 8 x 16 (256 bytes each), 1792 bytes; read as 8 column
     blocks, 7 slivers of 8 x 8, 896 bytes.  Each reader of several pieces also assembles its block (a
     memory-bound kernel, microseconds), so the prices exceed the bytes by less than a millisecond."""
-    from relational_tensors.target.pricing import exchange_seconds
+    from relational_tensors.machine.pricing import exchange_seconds
 
     rows8 = _grid(8, 1)
     price = lambda reads: exchange_seconds(rows8, reads, "float16", "sum", kernels, 1.0)  # noqa: E731

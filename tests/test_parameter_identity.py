@@ -285,7 +285,7 @@ class EveryNewRule(nn.Module):
 
 @pytest.mark.gpu
 def test_every_new_rule_gives_on_gpus_what_it_gives_on_cpus() -> None:
-    from relational_tensors.target.devices import visible_gpus
+    from relational_tensors.machine.devices import visible_gpus
 
     if visible_gpus() == 0:
         pytest.skip("no CUDA GPU visible (or CuPy not installed)")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import relational_tensors as rt
-from relational_tensors.models import add_llama_block, llama_block, llama_training_feeds, llama_training_graph
+from relational_tensors.graph.models import add_llama_block, llama_block, llama_training_feeds, llama_training_graph
 
 
 def _feeds(g: rt.Graph) -> dict[str, np.ndarray]:
@@ -85,7 +85,7 @@ def test_a_plan_for_another_graph_or_a_damaged_file_is_refused(tmp_path: Path) -
     (tmp_path / "text.plan").write_text("SELECT 1;\n")
     with pytest.raises(rt.PlanError, match="not a relational_tensors plan file"):
         rt.load_plan(tmp_path / "text.plan", g)
-    (tmp_path / "old.plan").write_bytes(data.replace(b'"format": 1', b'"format": 0', 1))
+    (tmp_path / "old.plan").write_bytes(data.replace(b'"format": 2', b'"format": 0', 1))
     with pytest.raises(rt.PlanError, match="format 0"):
         rt.load_plan(tmp_path / "old.plan", g)
     (tmp_path / "version.plan").write_bytes(data.replace(b'"package": "', b'"package": "0.0.0-', 1))

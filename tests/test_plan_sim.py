@@ -11,9 +11,9 @@ from relational_tensors.errors import PlanError
 from relational_tensors.exchange.closure import check
 from relational_tensors.exchange.simulator import simulate
 from relational_tensors.exchange.text import parse
-from relational_tensors.models import LLAMA3_8B, llama_block
+from relational_tensors.graph.models import LLAMA3_8B, llama_block
+from relational_tensors.machine.topology import get_topology
 from relational_tensors.physical.simulate import _busy_cost, _compute_cost, simulate_plan
-from relational_tensors.target.topology import get_topology
 
 A100 = get_topology("dgx-a100")
 LAT = A100.route(0, 1).latency
@@ -126,7 +126,7 @@ def test_simulating_other_topologies(block: rt.CompiledGraph) -> None:
 
 
 def test_calibration_curves_interpolate_and_hold_their_ends(tmp_path) -> None:
-    from relational_tensors.target.kernel_model import KernelModel
+    from relational_tensors.machine.kernel_model import KernelModel
 
     path = tmp_path / "cal.json"
     path.write_text(json.dumps({"curves": {"matmul": [[1e9, 1e14], [1e12, 5e14]]}}))
@@ -142,7 +142,7 @@ def test_calibration_curves_interpolate_and_hold_their_ends(tmp_path) -> None:
 def test_the_shipped_calibration_serves_every_size_of_its_machine(gpus: int) -> None:
     # a subset (hgx-h200[4]) or a widened switch has the machine's GPUs, so its calibration; the
     # lookup used to miss the subsets and fall back to default efficiencies
-    from relational_tensors.target.kernel_model import CALIBRATIONS, KernelModel
+    from relational_tensors.machine.kernel_model import CALIBRATIONS, KernelModel
 
     model = KernelModel.from_calibration(get_topology("hgx-h200", gpus=gpus))
     assert model.source == str(CALIBRATIONS / "hgx-h200.json") and model.curves
@@ -216,14 +216,14 @@ def test_the_simulation_prices_the_gpu_executors_fused_kernels(device: str) -> N
     nothing for a sibling another kernel writes or a reshape that keeps its input's bytes: the simulation
     prices the group's kernel by the bytes it reads and writes and those tasks at nothing, so an AdamW
     update is one kernel's time, not one per operator."""
-    from relational_tensors.gpu_exec.fusion import simulated_issue
-    from relational_tensors.models import llama_training_graph
+    from relational_tensors.graph.models import llama_training_graph
+    from relational_tensors.runtime.fusion import simulated_issue
 
     g = llama_training_graph(1, 256, 128, 4, 2, 256, 512, dtype="bfloat16", optimizer="adamw",
                              master_dtype="float32")
     cg = rt.compileGraph(g, device=device)
     t = cg.target
-    issue = simulated_issue(cg.graph, cg.dag, cg.live)
+    issue = simulated_issue(cg.dag, cg.live)
     assert issue.fused and issue.free and not set(issue.fused) & issue.free
     result = cg.simulation()
     plain = simulate_plan(cg.dag, cg.graph, t.topology, t.kernels, t.shared_gpus)
@@ -233,5 +233,5 @@ def test_the_simulation_prices_the_gpu_executors_fused_kernels(device: str) -> N
     if device == "cuda:0":  # alone on its GPU, a task takes its own time
         for tid, (nbytes, dtype) in issue.fused.items():
             assert spans[tid] == pytest.approx(t.kernels.time(0.0, nbytes, dtype, "compute"))
-    off = simulated_issue(cg.graph, cg.dag, cg.live, fuse=False)
+    off = simulated_issue(cg.dag, cg.live, fuse=False)
     assert not off.fused and off.free < issue.free

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import relational_tensors as rt
-from relational_tensors.frontend.graph import Graph
-from relational_tensors.models import add_llama_block, llama_block, llama_training_feeds, llama_training_graph
+from relational_tensors.graph.graph import Graph
+from relational_tensors.graph.models import add_llama_block, llama_block, llama_training_feeds, llama_training_graph
 
 
 def _block(prefix: str = "", batch: int = 2) -> Graph:
@@ -100,7 +100,7 @@ def test_a_hand_plan_needs_a_graph_and_a_device_count() -> None:
 def test_the_hand_plans_of_the_8b_block_and_step_plan_at_p8_as_they_say() -> None:
     """The shapes of the benchmark (planning only): Megatron TP and sequence parallelism on the 8K
     LLaMA-3-8B-shaped block, data parallelism on 8 x 1K, and DDP/FSDP/TP layouts of the 4-layer step."""
-    from relational_tensors.models import LLAMA3_8B
+    from relational_tensors.graph.models import LLAMA3_8B
 
     block = llama_block(1, 8192, dtype="bfloat16", **LLAMA3_8B)
     tp = rt.compileGraph(block, device=8, constraints=rt.plans.megatron_tp(block, 8))

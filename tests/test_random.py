@@ -24,6 +24,7 @@ from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import TensorType
 from relational_tensors.errors import GraphError
+from relational_tensors.machine.devices import visible_gpus
 from relational_tensors.sql_specs.random import (
     PHILOX_M,
     PHILOX_W,
@@ -34,7 +35,6 @@ from relational_tensors.sql_specs.random import (
     philox_bits,
     philox_uniform,
 )
-from relational_tensors.target.devices import visible_gpus
 
 GPU = visible_gpus() > 0
 if not GPU:
@@ -301,7 +301,7 @@ class Memory:
         if GPU:
             import cupy
 
-            from relational_tensors.gpu_exec.kernels.common import bind_triton_to_cupy
+            from relational_tensors.kernels.common import bind_triton_to_cupy
 
             bind_triton_to_cupy()
             self.xp = cupy
@@ -309,7 +309,7 @@ class Memory:
             self.torch = pytest.importorskip("torch")
 
     def put(self, value: np.ndarray, dtype: str) -> Any:
-        from relational_tensors.gpu_exec.kernels.common import DevBuf
+        from relational_tensors.kernels.common import DevBuf
 
         value = np.ascontiguousarray(np.asarray(value).astype(numpy_dtype(dtype)))
         raw = value.reshape(-1).view(np.uint8)
@@ -349,7 +349,7 @@ def mem(monkeypatch: pytest.MonkeyPatch) -> Memory:
     pytest.importorskip("triton")
     m = Memory()
     if not GPU:
-        from relational_tensors.gpu_exec.kernels import triton_random
+        from relational_tensors.kernels import triton_random
 
         monkeypatch.setattr(triton_random, "Ptr", m.ptr)
     return m
@@ -365,7 +365,7 @@ def expected_block(op: Any, f: Any, blocks: list[np.ndarray]) -> np.ndarray:
 
 
 def run_launcher(mem: Memory, op: Any, f: Any, blocks: list[np.ndarray]) -> np.ndarray:
-    from relational_tensors.gpu_exec.launchers import launcher_for
+    from relational_tensors.kernels.launchers import launcher_for
 
     ins = [mem.put(b, t.dtype) for b, t in zip(blocks, op.input_types)]
     dtype = op.output_type.dtype

@@ -7,8 +7,8 @@ import pytest
 from cases import CASES, GRAD_CASES
 
 import relational_tensors as rt
-from relational_tensors.gpu_exec import launchers
-from relational_tensors.registry import describe, operator_table, problems
+from relational_tensors.driver.registry import describe, operator_table, problems
+from relational_tensors.kernels import launchers
 from relational_tensors.sql_specs import OPERATORS
 
 ALL_CASES = {**CASES, **{f"grad of {name}": make for name, make in GRAD_CASES.items()}}

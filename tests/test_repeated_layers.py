@@ -15,8 +15,8 @@ from relational_tensors.dp_optimizer import select as select_module
 from relational_tensors.dp_optimizer.refine import refine
 from relational_tensors.dp_optimizer.trees import cut_pieces
 from relational_tensors.errors import OutOfMemoryPlanError
-from relational_tensors.frontend.graph import Node
-from relational_tensors.models import LLAMA3_8B, llama_block, llama_training_graph
+from relational_tensors.graph.graph import Node
+from relational_tensors.graph.models import LLAMA3_8B, llama_block, llama_training_graph
 
 MEMORY = 141 * (1 << 30)
 SMALL = dict(d_model=256, n_heads=8, n_kv_heads=2, d_ff=704)

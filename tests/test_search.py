@@ -24,12 +24,12 @@ from relational_tensors.exchange.search import SearchResult, search_program
 from relational_tensors.exchange.searcher import Searcher, make_searcher
 from relational_tensors.exchange.simulator import simulate
 from relational_tensors.exchange.text import parse, to_text
-from relational_tensors.gpu_exec.numpy_backend import NumpyExecutor
-from relational_tensors.models import LLAMA3_8B, llama_block, llama_feeds
+from relational_tensors.graph.models import LLAMA3_8B, llama_block, llama_feeds
+from relational_tensors.machine.topology import Route, Topology, get_topology
 from relational_tensors.physical.lower import lower
 from relational_tensors.physical.simulate import simulate_plan
 from relational_tensors.physical.tasks import liveness
-from relational_tensors.target.topology import Route, Topology, get_topology
+from relational_tensors.runtime.numpy_backend import NumpyExecutor
 
 MB = 10**6
 V100 = get_topology("dgx-v100")
@@ -357,7 +357,7 @@ def test_searched_lowering_executes_to_the_reference(machine: str) -> None:
         assert {"relay", "pushdown", "substitution"} & set(searcher.accepted())
         assert any(r.time < r.naive_time for r in searcher.results)
     feeds = llama_feeds(g)
-    ex = NumpyExecutor(g, lowered.dag, liveness(lowered.dag))
+    ex = NumpyExecutor(lowered.dag, liveness(lowered.dag))
     ex.load(feeds)
     ex.execute()
     np.testing.assert_allclose(ex.offload("y"), rt.reference(g, feeds)["y"], rtol=1e-4, atol=1e-4)
@@ -367,7 +367,7 @@ def test_compile_with_schedule_search_runs_end_to_end() -> None:
     import numpy as np
 
     import relational_tensors as rt
-    from relational_tensors.models import llama_block, llama_feeds
+    from relational_tensors.graph.models import llama_block, llama_feeds
 
     g = llama_block(1, 48, 32, 8, 2, 64, dtype="float32")
     naive = rt.compileGraph(g, device="cpu:4", topology="dgx-v100")
@@ -382,7 +382,7 @@ def test_compile_with_schedule_search_runs_end_to_end() -> None:
 def test_a_searched_plan_is_never_slower_than_the_naive_plan(chain: str) -> None:
     # each program is searched on its own; programs that run at once can interfere on shared links, so
     # the compiler keeps the searched programs only when the whole plan simulates no slower
-    from relational_tensors.models import matrix_chain
+    from relational_tensors.graph.models import matrix_chain
 
     g = matrix_chain(chain, "float16")
     for machine in ("dgx-a100", "dgx-v100"):
@@ -396,7 +396,7 @@ def test_a_searched_plan_is_never_slower_than_the_naive_plan(chain: str) -> None
 def test_a_searched_plan_is_reproducible_given_its_seed_and_step_limit() -> None:
     """With search_steps the search stops on proposals judged, not on the clock: two compilations with
     the same seed give the same exchange programs; a clock that stops searches is reported."""
-    from relational_tensors.models import llama_block
+    from relational_tensors.graph.models import llama_block
 
     g = llama_block(1, 48, 64, 4, 2, 96, dtype="float32")
     opts = dict(device="cpu:4", topology="dgx-v100", schedule_mode="search", seed=3, search_steps=25,
@@ -418,7 +418,7 @@ def test_the_plan_shares_one_step_limit_and_is_reproducible_by_default(caplog: p
     and 0 searches nothing."""
     import logging
 
-    from relational_tensors.models import llama_block
+    from relational_tensors.graph.models import llama_block
 
     g = llama_block(1, 48, 64, 4, 2, 96, dtype="float32")
     opts = dict(device="cpu:4", topology="dgx-v100", schedule_mode="search", seed=1, search_budget_s=120.0)
@@ -439,7 +439,7 @@ def test_the_plan_shares_one_step_limit_and_is_reproducible_by_default(caplog: p
 def test_searching_32_layers_of_the_8k_block_takes_under_10_s() -> None:
     """The whole-plan step limit keeps a deep model's search short: 32 LLaMA-3-8B-shaped 8K layers at
     p = 8 on hgx-h200 compile in under 10 CPU s, most programs at their lower bound, no slower than naive."""
-    from relational_tensors.models import llama_block
+    from relational_tensors.graph.models import llama_block
 
     g = llama_block(1, 8192, dtype="float16", **LLAMA3_8B, layers=32)
     naive = rt.compileGraph(g, device=8)

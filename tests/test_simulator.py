@@ -16,8 +16,8 @@ from relational_tensors.errors import ExchangeError
 from relational_tensors.exchange.ast import Action, ExProg, InAtom, Partition, Requirement
 from relational_tensors.exchange.closure import memberships
 from relational_tensors.exchange.simulator import MAX_EXHAUSTIVE, SimResult, simulate
-from relational_tensors.target.flows import FlowNetwork
-from relational_tensors.target.topology import DGX1V_LINKS, TOPOLOGIES, Topology, get_topology, multi_node
+from relational_tensors.machine.flows import FlowNetwork
+from relational_tensors.machine.topology import DGX1V_LINKS, TOPOLOGIES, Topology, get_topology, multi_node
 
 GB = 1e9
 # DGX-A100

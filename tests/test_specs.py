@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import relational_tensors as rt
 from relational_tensors.dp_optimizer import interval_requests
-from relational_tensors.reference import execute_spec
+from relational_tensors.graph.reference import execute_spec
 
 P_VALUES = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16]
 TOL = {"float64": dict(rtol=1e-10, atol=1e-10), "float32": dict(rtol=1e-4, atol=1e-5)}

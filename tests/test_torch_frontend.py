@@ -20,7 +20,7 @@ nn = torch.nn
 F = torch.nn.functional
 
 import relational_tensors as rt  # noqa: E402
-from relational_tensors.frontend.parallelize import ParallelModule, parallelize  # noqa: E402
+from relational_tensors.api.parallelize import ParallelModule, parallelize  # noqa: E402
 from relational_tensors.frontend.torch import SUPPORTED_OPS, TorchGraph, from_torch  # noqa: E402
 
 ATOL = 1e-4
@@ -217,7 +217,7 @@ def test_outputs_keep_the_module_structure() -> None:
 
 def test_importable_without_torch() -> None:
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import relational_tensors.frontend.torch as t, relational_tensors.frontend.parallelize as p\n"
+            "import relational_tensors.frontend.torch as t, relational_tensors.api.parallelize as p\n"
             "try:\n    t.from_torch(object(), ())\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.startswith("GraphError from_torch and parallelize need PyTorch")

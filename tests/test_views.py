@@ -8,11 +8,11 @@ import pytest
 
 import relational_tensors as rt
 from relational_tensors.exchange.naive import naive
-from relational_tensors.gpu_exec.numpy_backend import NumpyExecutor
-from relational_tensors.models import llama_block, llama_feeds, llama_training_feeds, llama_training_graph
+from relational_tensors.graph.models import llama_block, llama_feeds, llama_training_feeds, llama_training_graph
 from relational_tensors.physical.lower import _Lowering
 from relational_tensors.physical.tasks import liveness
 from relational_tensors.physical.views import fuse_views
+from relational_tensors.runtime.numpy_backend import NumpyExecutor
 
 
 def unfused(cg, reread: bool = True):
@@ -48,7 +48,7 @@ def test_views_remove_passes_and_keep_the_result(p, seq_ends) -> None:
             assert parent.device == buf.device and parent.tensor == buf.tensor and parent.dtype == buf.dtype
             assert parent.box.contains(buf.box)
     feeds = llama_feeds(g)
-    ex = NumpyExecutor(g, after, liveness(after))
+    ex = NumpyExecutor(after, liveness(after))
     ex.load(feeds)
     ex.execute()
     np.testing.assert_allclose(ex.offload("y"), rt.reference(g, feeds)["y"], rtol=1e-4, atol=1e-4)
@@ -83,12 +83,12 @@ def test_gpu_view_geometry_names_the_elements_numpy_slicing_does(p) -> None:
     # checked here against NumPy views of a root filled with its own element indices
     from numpy.lib.stride_tricks import as_strided
 
-    from relational_tensors.gpu_exec.memory_plan import plan_memory, view_geometry
+    from relational_tensors.runtime.memory_plan import plan_memory, view_geometry
 
     g = llama_block(2, 96, 128, 8, 2, 256, dtype="float32", seq_ends=[40, 96])
     cg = rt.compileGraph(g, device=f"cpu:{p}")
     dag = cg.dag
-    plan = plan_memory(g, dag, cg.live)
+    plan = plan_memory(dag, cg.live)
     geo = view_geometry(dag, plan)
     assert set(geo) == set(plan.alias) and geo
     arrays: dict[int, np.ndarray] = {}

@@ -3,7 +3,7 @@
 RMSNorm (computed in float32, cast back, times the weight), q/k/v projections, rotate-half RoPE with
 tables computed in float64, SDPA with causal GQA (``enable_gqa``), output projection, residual,
 RMSNorm, SwiGLU FFN, residual.  Weights are ``[in, out]`` matrices (``x @ w``), heads head-major in
-the columns, as in ``relational_tensors.models.llama_block``.
+the columns, as in ``relational_tensors.graph.models.llama_block``.
 
 The strategies reuse :func:`block_forward` with hooks: ``reduce`` (tensor parallelism sums the
 row-parallel products), ``gather_kv`` (sequence parallelism gathers keys and values) and ``pos0`` (the

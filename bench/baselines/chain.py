@@ -3,7 +3,7 @@
 Every product ``L @ R`` is computed row-sharded: its left operand's rows are split across the ranks
 and its right operand is whole on every rank.  A leaf on the left is sliced by rows; a leaf on the
 right is replicated; a sub-product needed whole (on the right) is all-gathered.  The result is
-all-gathered at the end.  Dimensions and parenthesizations are ``relational_tensors.models.CHAINS``
+all-gathered at the end.  Dimensions and parenthesizations are ``relational_tensors.graph.models.CHAINS``
 (``scale`` divides every dimension, as ``matrix_chain`` does).
 
 >>> sorted(sharded_leaves(((1, 2), (((3, 4), ((5, 6), (7, 8))), 9))))
@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from relational_tensors.models import CHAINS, chain_dims
+from relational_tensors.graph.models import CHAINS, chain_dims
 
 from .common import Dist, Prepared, gather_dim, seeded, split_range, split_sizes
 

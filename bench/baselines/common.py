@@ -26,12 +26,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from relational_tensors.models import LLAMA3_8B
+from relational_tensors.graph.models import LLAMA3_8B
 
 __all__ = ["BlockShape", "SHAPES", "Dist", "Prepared", "NotApplicable", "parse_workload", "split_range",
            "free_port", "split_sizes", "seeded", "init_dist", "gather_dim", "time_rounds", "WORKLOADS", "CHAIN_NAMES"]
 
-# the paper's five token workloads and five chains (bench/gpu_block.py and relational_tensors.models)
+# the paper's five token workloads and five chains (bench/gpu_block.py and relational_tensors.graph.models)
 WORKLOADS: tuple[str, ...] = ("1K", "8K", "8x1K", "128x1K", "128K")
 CHAIN_NAMES: tuple[str, ...] = ("A", "B", "C", "D", "E")
 

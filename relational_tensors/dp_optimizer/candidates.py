@@ -27,7 +27,7 @@ from relational_tensors.dp_optimizer.constraints import Held
 from relational_tensors.dp_optimizer.costs import CostModel, TilingTable, block_set_key, spec_memory, spec_resident
 from relational_tensors.dp_optimizer.enumerate import interval_requests
 from relational_tensors.errors import OutOfMemoryPlanError, PlanError
-from relational_tensors.frontend.graph import Graph
+from relational_tensors.graph.graph import Graph
 from relational_tensors.sql_specs.base import Operator
 
 __all__ = ["Candidate", "Candidates", "build_candidates", "specs_for"]

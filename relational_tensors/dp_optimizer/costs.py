@@ -28,9 +28,9 @@ from relational_tensors.core.spec import JoinAggSpec
 from relational_tensors.core.tiling import Tiling, as_grid
 from relational_tensors.core.types import Box, TensorType
 from relational_tensors.errors import PlanError
-from relational_tensors.target.kernel_model import KernelModel
-from relational_tensors.target.pricing import device_bandwidth, exchange_seconds
-from relational_tensors.target.target import Target
+from relational_tensors.machine.kernel_model import KernelModel
+from relational_tensors.machine.pricing import device_bandwidth, exchange_seconds
+from relational_tensors.machine.target import Target
 
 __all__ = ["CostModel", "CalibratedCostModel", "COST_MODELS", "COST_MODEL_NAMES", "TilingTable", "spec_memory",
            "spec_resident", "cost_model"]

@@ -17,7 +17,7 @@ import numpy as np
 
 from relational_tensors.dp_optimizer.candidates import Candidates
 from relational_tensors.errors import PlanError
-from relational_tensors.frontend.graph import Graph
+from relational_tensors.graph.graph import Graph
 
 __all__ = ["exact_choice"]
 

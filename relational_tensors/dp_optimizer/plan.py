@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from relational_tensors.core.spec import JoinAggSpec
 from relational_tensors.dp_optimizer.candidates import Candidate, Candidates
 from relational_tensors.errors import PlanError
-from relational_tensors.frontend.graph import Graph
+from relational_tensors.graph.graph import Graph
 
 __all__ = ["LogicalPlan", "plan_cost", "edge_repartition"]
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from relational_tensors.dp_optimizer import repeats
 from relational_tensors.dp_optimizer.candidates import Candidates
 from relational_tensors.dp_optimizer.trees import Piece
-from relational_tensors.frontend.graph import Graph
+from relational_tensors.graph.graph import Graph
 
 __all__ = ["refine"]
 

@@ -24,7 +24,7 @@ from relational_tensors.dp_optimizer.exact import exact_choice
 from relational_tensors.dp_optimizer.refine import refine
 from relational_tensors.dp_optimizer.trees import Piece
 from relational_tensors.errors import PlanError
-from relational_tensors.frontend.graph import Graph, Node
+from relational_tensors.graph.graph import Graph, Node
 
 __all__ = ["SELECTORS", "select_dp", "select_exact", "select_greedy", "select_random"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from relational_tensors.errors import PlanError
-from relational_tensors.frontend.graph import Graph
+from relational_tensors.graph.graph import Graph
 
 __all__ = ["Piece", "cut_pieces", "TACTICS"]
 

@@ -42,7 +42,7 @@ from relational_tensors.dp_optimizer.plan import LogicalPlan
 from relational_tensors.errors import ExchangeError
 from relational_tensors.exchange.ast import ExProg, InAtom, Partition, Requirement, aggregate_text, exact_cover
 from relational_tensors.exchange.naive import Membership, Synthesizer, naive
-from relational_tensors.frontend.graph import Graph
+from relational_tensors.graph.graph import Graph
 from relational_tensors.physical.tasks import (
     AggregatePayload,
     Buffer,
@@ -213,7 +213,7 @@ class _Lowering:
         self.plan = plan
         self.graph: Graph = plan.graph
         self.p = plan.p
-        self.dag = TaskDAG(self.p)
+        self.dag = TaskDAG(self.p, nodes=tuple(self.graph.nodes), saved=dict(self.graph.outputs))
         self.placement: dict[int, tuple[int, ...]] = {}
         self.programs: dict[str, ExProg] = {}
         self.memberships: dict[str, Membership] = {}

@@ -34,12 +34,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relational_tensors.errors import PlanError
-from relational_tensors.frontend.graph import Graph
+from relational_tensors.graph.graph import Graph
+from relational_tensors.machine.flows import FlowNetwork
+from relational_tensors.machine.kernel_model import KernelModel
+from relational_tensors.machine.pricing import combine_seconds, move_seconds
+from relational_tensors.machine.topology import Route, Topology
 from relational_tensors.physical.tasks import TaskDAG
-from relational_tensors.target.flows import FlowNetwork
-from relational_tensors.target.kernel_model import KernelModel
-from relational_tensors.target.pricing import combine_seconds, move_seconds
-from relational_tensors.target.topology import Route, Topology
 
 __all__ = ["Issue", "PlanSimResult", "TaskTime", "simulate_plan"]
 

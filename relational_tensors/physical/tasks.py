@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from relational_tensors.core.aggregation import Aggregation
@@ -36,7 +36,7 @@ from relational_tensors.core.types import Box
 from relational_tensors.errors import ExecError
 
 if TYPE_CHECKING:
-    from relational_tensors.frontend.graph import Graph
+    from relational_tensors.graph.graph import Graph, Node
 
 __all__ = ["Buffer", "Task", "TaskDAG", "Liveness", "liveness", "graph_liveness", "reshape_shares", "split_phases",
            "phase_range",
@@ -157,6 +157,29 @@ class TaskDAG:
     # holds every task that depends on the inputs ``later`` (the others run in the first)
     phase_split: int | None = None
     later: frozenset[str] = frozenset()
+    # the operator table the executors read (they never see the Graph): the graph's nodes by id (a kernel
+    # task's ``op`` indexes it: the operator, its inputs and the type of every tensor), and the node of
+    # each saved output
+    nodes: tuple[Node, ...] = ()
+    saved: dict[str, int] = field(default_factory=dict)
+
+    def node(self, name: str) -> Node:
+        """The node named ``name`` (an input, or any tensor of the graph)."""
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise ExecError(f"no tensor named {name!r} in this program.")
+
+    @property
+    def input_nodes(self) -> list[Node]:
+        return [n for n in self.nodes if n.op is None]
+
+    @property
+    def operators(self) -> list[Node]:
+        return [n for n in self.nodes if n.op is not None]
+
+    def saved_node(self, name: str) -> Node:
+        return self.nodes[self.saved[name]]
 
     def buffer(self, device: int, box: Box, dtype: str, tensor: int, partial: str | None = None) -> int:
         bid = len(self.buffers)
@@ -267,9 +290,7 @@ def split_phases(dag: TaskDAG, later: frozenset[str]) -> TaskDAG:
             late.append(t)
         else:
             early.append(t)
-    out = TaskDAG(dag.p, buffers=dag.buffers, inputs=dag.inputs, outputs=dag.outputs,
-                  output_aggregation=dag.output_aggregation, assigned=dag.assigned, phase_split=len(early),
-                  later=later)
+    out = replace(dag, tasks=[], phase_split=len(early), later=later)
     for n, t in enumerate(early + late):
         out.tasks.append(t if t.id == n else Task(n, t.kind, t.device, t.inputs, t.outputs, t.op, t.src_device,
                                                   t.payload, t.label))
@@ -331,12 +352,12 @@ class Liveness:
         return out
 
 
-def reshape_shares(graph: Graph, dag: TaskDAG) -> dict[int, int]:
+def reshape_shares(dag: TaskDAG) -> dict[int, int]:
     """Reshape outputs that keep their input's bytes -> that input: a ``reshape`` kernel whose input
     is a whole buffer (not a view, whose strides are its parent's) and neither side a ⊕ partial."""
     out: dict[int, int] = {}
     for t in dag.tasks:
-        if t.kind != "kernel" or t.op is None or graph.nodes[t.op].kind != "reshape":
+        if t.kind != "kernel" or t.op is None or dag.nodes[t.op].kind != "reshape":
             continue
         src, dst = t.inputs[0], t.outputs[0]
         if dag.buffers[src].partial is None and dag.buffers[dst].partial is None and dag.buffers[src].parent is None:
@@ -450,5 +471,5 @@ def graph_liveness(graph: Graph, dag: TaskDAG, categories: bool = False,
     """:func:`liveness` of the DAG lowered from ``graph``: its reshape outputs counted in their input's
     memory (``reshape_shares``), with ``categories`` each peak split by ``Graph.memory_categories``, and
     the kernels' ``scratch`` (task -> bytes; on GPUs, ``gpu_exec.launchers.kernel_scratch``) at its task."""
-    return liveness(dag, graph.memory_categories().__getitem__ if categories else None, reshape_shares(graph, dag),
+    return liveness(dag, graph.memory_categories().__getitem__ if categories else None, reshape_shares(dag),
                     scratch)

@@ -105,8 +105,7 @@ def fuse_views(dag: TaskDAG) -> TaskDAG:
             buffers[src] = _view(value, dst)
             drop.add(t.id)
 
-    fused = TaskDAG(dag.p, buffers=buffers, inputs=dag.inputs, outputs=dag.outputs,
-                    output_aggregation=dag.output_aggregation, assigned=dag.assigned)
+    fused = dataclasses.replace(dag, tasks=[], buffers=buffers, phase_split=None, later=frozenset())
     for t in dag.tasks:
         if t.id in drop:
             continue

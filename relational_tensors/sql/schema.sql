@@ -45,7 +45,7 @@ CREATE TABLE IF NOT EXISTS compilations (
     memory_limit       BIGINT       -- the memory_per_device option in bytes (NULL: planned against each device's own memory)
 );
 
--- the operator registry each compilation was planned with (relational_tensors.registry)
+-- the operator registry each compilation was planned with (relational_tensors.driver.registry)
 CREATE TABLE IF NOT EXISTS operator_kinds (
     compilation_id  INTEGER,
     kind            VARCHAR,        -- the operator kind (operators.op_kind)

@@ -2,7 +2,7 @@
 
 ``OPERATORS`` maps each kind to its class.  Each module registers its classes with ``@register``;
 this package imports every module, so the registry is complete as soon as anything in
-``relational_tensors.sql_specs`` is imported (``relational_tensors.registry`` prints it whole).
+``relational_tensors.sql_specs`` is imported (``relational_tensors.driver.registry`` prints it whole).
 """
 
 from relational_tensors.sql_specs.attention import AttentionOp

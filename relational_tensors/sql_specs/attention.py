@@ -100,10 +100,6 @@ class AttentionOp(Operator):
 
     _MAIN = 3  # q, k, v come first; the extras follow
 
-    @property
-    def gpu_allocates(self) -> bool:  # type: ignore[override]
-        return bool(self.extras) or self.key_lengths is not None  # the masked forms' CuPy path allocates
-
     # --- shape rules -------------------------------------------------------
     def infer(self) -> TensorType:
         if len(self.input_types) != 3 + len(self.extras):

@@ -68,11 +68,6 @@ class AttentionLseOp(AttentionOp):
     gradient = "an auxiliary of the attention gradient"
     _MAIN = 2
 
-    @property
-    def gpu_allocates(self) -> bool:  # type: ignore[override]
-        # a Triton kernel; the masked forms and float64 run the NumPy kernel on host copies
-        return super().gpu_allocates or self.input_types[0].dtype == "float64"
-
     def infer(self) -> TensorType:
         if len(self.input_types) != 2 + len(self.extras):
             raise GraphError(f"attention_lse takes q and k{self._extras_words()}; got {len(self.input_types)} "
@@ -176,11 +171,6 @@ class AttentionGradOp(AttentionOp):
     gradient = SECOND_ORDER
     part: str = "dq"
     _MAIN = 6
-
-    @property
-    def gpu_allocates(self) -> bool:  # type: ignore[override]
-        # Triton kernels; the masked forms, the bias gradient and float64 run the NumPy kernel on host copies
-        return super().gpu_allocates or self.part == "dbias" or self.input_types[0].dtype == "float64"
 
     def infer(self) -> TensorType:
         if len(self.input_types) != 6 + len(self.extras):

@@ -76,10 +76,8 @@ class Operator:
     kind: ClassVar[str] = "?"
     aggregation: ClassVar[Aggregation] = SUM
     # how the kernel model prices its kernels: "matmul", "attention" or "compute" (the roofline's
-    # compute rate, or memory traffic when that is slower); see target.kernel_model
+    # compute rate, or memory traffic when that is slower); see machine.kernel_model
     cost_family: ClassVar[str] = "compute"
-    # its GPU kernel allocates scratch through library routines, which keeps a program out of CUDA-graph capture
-    gpu_allocates: ClassVar[bool] = False
     # it takes boolean tensors (masks): layout operators, comparisons and logic, where, attention's masks;
     # every other kind refuses them by rule (a sum of booleans or a matmul of them says cast first)
     accepts_bool: ClassVar[bool] = False

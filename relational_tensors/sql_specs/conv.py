@@ -213,10 +213,6 @@ class ConvOp(_Geometry):
     kind = "conv"
     aggregation = SUM
 
-    @property
-    def gpu_allocates(self) -> bool:  # type: ignore[override]
-        return self.groups != 1  # grouped: the contractions over CuPy arrays; else im2col in scratch + cuBLAS
-
     def _shapes(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         x, w = self.input_types
         return x.shape, w.shape, self.output_type.shape
@@ -312,7 +308,6 @@ class ConvGradOp(_Geometry):
     kind = "conv_grad"
     aggregation = SUM
     gradient = SECOND_ORDER
-    gpu_allocates = True  # the NumPy kernel over host copies
     part: str = "dx"
     size: tuple[int, ...] = ()
 

@@ -80,14 +80,6 @@ class EinsumOp(IndexedOp):
     cost_family = "matmul"
     subscripts: str = ""
 
-    @property
-    def gpu_allocates(self) -> bool:  # type: ignore[override]
-        """A matrix product of two operands (a matmul's gradients among them) is one cuBLAS GEMM into the
-        output block; any other einsum goes through cupy.einsum, which allocates."""
-        ins, out = self._parsed()
-        return len(ins) != 2 or not _gemm_able(ins[0], ins[1], out, self.input_types[0].shape,
-                                               self.input_types[1].shape, self.input_types[0].dtype)
-
     def _parsed(self) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
         return parse_einsum(self.subscripts, [t.rank for t in self.input_types])
 
@@ -135,21 +127,6 @@ class EinsumOp(IndexedOp):
 
 
 @functools.lru_cache(maxsize=256)
-def _gemm_able(la: tuple[str, ...], lb: tuple[str, ...], lo: tuple[str, ...], sa: tuple[int, ...],
-               sb: tuple[int, ...], dtype: str) -> bool:
-    """Whether contiguous blocks of these operands make one GEMM (the GPU executor's einsum_gemm_plan);
-    a block of a tensor only drops sizes, which never makes a product of the whole tensor unplannable."""
-    from relational_tensors.gpu_exec.kernels.blas import einsum_gemm_plan
-    from relational_tensors.gpu_exec.kernels.common import DevBuf
-
-    sizes = dict(zip(la, sa)) | dict(zip(lb, sb))
-    so = tuple(sizes[c] for c in lo)
-    if 0 in sa or 0 in sb:
-        return True  # empty blocks: zeros written, nothing allocated
-    return einsum_gemm_plan(DevBuf(0, sa, dtype, 0), DevBuf(0, sb, dtype, 0), DevBuf(0, so, dtype, 0),
-                            la, lb, lo) is not None
-
-
 @functools.lru_cache(maxsize=64)
 def _matmul_letters(a_rank: int, b_rank: int) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
     batch = tuple(f"b{n}" for n in range(a_rank - 2))
@@ -168,7 +145,6 @@ class MatmulOp(EinsumOp):
     """
 
     kind = "matmul"
-    gpu_allocates = False  # cuBLAS into the output block
 
     def _parsed(self) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
         a, b = self.input_types

@@ -155,10 +155,6 @@ class UnaryOp(SameIndicesOp):
     op: str = "relu"
     arg: float | str = 0.0
 
-    @property
-    def gpu_allocates(self) -> bool:  # type: ignore[override]
-        return "bool" in (self.input_types[0].dtype, self.output_type.dtype)  # masks run on host copies
-
     def infer(self) -> TensorType:
         (x,) = self.input_types
         if self.op not in UNARY_FUNCTIONS:
@@ -275,10 +271,6 @@ class BinaryOp(IndexedOp):
     accepts_bool = True  # the comparisons and logic; arithmetic refuses booleans below
     op: str = "add"
 
-    @property
-    def gpu_allocates(self) -> bool:  # type: ignore[override]
-        return self.op in COMPARISONS or self.op in LOGICAL  # masks run on host copies
-
     def infer(self) -> TensorType:
         if self.op not in BINARY_FUNCTIONS:
             raise GraphError(f"unknown binary op {self.op!r}; supported: {sorted(BINARY_FUNCTIONS)}.")
@@ -352,10 +344,6 @@ class BinaryGradOp(IndexedOp):
     op: str = "div"
     wrt: int = 1
 
-    @property
-    def gpu_allocates(self) -> bool:  # type: ignore[override]
-        return self.output_type.dtype not in FLOAT_DTYPES  # integer operands run on host copies
-
     def infer(self) -> TensorType:
         if self.op not in ("mul", "div", "maximum", "minimum") or self.wrt not in (0, 1):
             raise GraphError(f"binary_grad takes op mul, div, maximum or minimum and wrt 0 or 1; got {self.op!r}, "
@@ -401,7 +389,6 @@ class WhereOp(IndexedOp):
 
     kind = "where"
     accepts_bool = True
-    gpu_allocates = True  # the NumPy kernel over host copies
 
     def infer(self) -> TensorType:
         if len(self.input_types) != 3:

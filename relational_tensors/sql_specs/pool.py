@@ -121,7 +121,6 @@ class PoolOp(_Windows):
     """
 
     kind = "pool"
-    gpu_allocates = True  # the NumPy kernel over host copies
 
     def infer(self) -> TensorType:
         if len(self.input_types) != 1:
@@ -184,7 +183,6 @@ class PoolGradOp(_Windows):
 
     kind = "pool_grad"
     gradient = SECOND_ORDER
-    gpu_allocates = True  # the NumPy kernel over host copies
 
     def infer(self) -> TensorType:
         x, dy = self.input_types

@@ -58,11 +58,6 @@ class RopeOp(SameIndicesOp):
     inverse: bool = False  # rotate by the negated angles (the gradient of a rotation)
     freq_dtype: str | None = None  # the frequencies rounded to this dtype (a module's 16-bit buffer)
 
-    @property
-    def gpu_allocates(self) -> bool:  # type: ignore[override]
-        # rounded frequencies run the NumPy kernel over host copies
-        return self.freq_dtype is not None
-
     def infer(self) -> TensorType:
         (x,) = self.input_types
         if x.rank != 4:

@@ -256,7 +256,6 @@ class SliceOp(_AlongAxis):
         shape[axis] = self.stop - self.start
         return TensorType.zero(shape, x.dtype, x.names)
 
-
     def signature(self) -> str:
         axis = normalize_axis(self.kind, self.axis, self.input_types[0])
         names = " ".join(self.output_type.names)
@@ -265,7 +264,6 @@ class SliceOp(_AlongAxis):
     def params(self) -> dict[str, object]:
         return {"axis": normalize_axis(self.kind, self.axis, self.input_types[0]), "start": self.start,
                 "stop": self.stop}
-
 
     def input_box(self, k: int, choice: Choice) -> Box:
         axis = normalize_axis(self.kind, self.axis, self.input_types[0])
@@ -313,7 +311,6 @@ class ConcatOp(_AlongAxis):
         shape[axis] = sum(t.shape[axis] for t in self.input_types)
         return TensorType.zero(shape, dtype, first.names)
 
-
     def signature(self) -> str:
         names = " ".join(self.output_type.names)
         return ", ".join([names] * len(self.input_types)) + f" -> {names} (axis {self._axis()})"
@@ -324,7 +321,6 @@ class ConcatOp(_AlongAxis):
     def offsets(self) -> list[int]:
         axis = self._axis()
         return [0, *np.cumsum([t.shape[axis] for t in self.input_types]).tolist()]
-
 
     def input_box(self, k: int, choice: Choice) -> Box:
         off = self.offsets()
@@ -353,7 +349,6 @@ class PadOp(_AlongAxis):
     """
 
     kind = "pad"
-    gpu_allocates = True  # the NumPy kernel over host copies
     axis: int = 0
     start: int = 0
     size: int = 0
@@ -370,7 +365,6 @@ class PadOp(_AlongAxis):
         shape[axis] = self.size
         return TensorType.zero(shape, x.dtype, x.names)
 
-
     def signature(self) -> str:
         names = " ".join(self.output_type.names)
         return f"{names} -> {names} (axis {normalize_axis(self.kind, self.axis, self.input_types[0])} " \
@@ -379,7 +373,6 @@ class PadOp(_AlongAxis):
     def params(self) -> dict[str, object]:
         return {"axis": normalize_axis(self.kind, self.axis, self.input_types[0]), "start": self.start,
                 "size": self.size}
-
 
     def input_box(self, k: int, choice: Choice) -> Box:
         axis = normalize_axis(self.kind, self.axis, self.input_types[0])

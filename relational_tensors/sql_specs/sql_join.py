@@ -291,7 +291,6 @@ class SqlJoinOp(IndexedOp):
 
     kind = "sql"
     cost_family = "matmul"
-    gpu_allocates = True  # the NumPy kernel over host copies
     query: str = ""
     columns: tuple[tuple[str, tuple[str, ...]], ...] = ()
 

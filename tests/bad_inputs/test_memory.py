@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import relational_tensors as rt
-from relational_tensors.models import llama_block, llama_feeds
-from relational_tensors.target import target as target_module
+from relational_tensors.graph.models import llama_block, llama_feeds
+from relational_tensors.machine import target as target_module
 
 
 def _wide(rows: int, cols: int) -> rt.Graph:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import relational_tensors as rt
-from relational_tensors.target.devices import visible_gpus
+from relational_tensors.machine.devices import visible_gpus
 
 DEVICES = ["cpu:3"] + ([pytest.param("cuda:0,0", marks=pytest.mark.gpu)] if visible_gpus() else [])
 

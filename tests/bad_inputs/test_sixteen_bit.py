@@ -15,8 +15,8 @@ from cases import CASES, feeds_for
 
 import relational_tensors as rt
 from relational_tensors.core.dtypes import numpy_dtype
-from relational_tensors.models import llama_block, llama_feeds
-from relational_tensors.target.devices import visible_gpus
+from relational_tensors.graph.models import llama_block, llama_feeds
+from relational_tensors.machine.devices import visible_gpus
 
 GPU = [pytest.param("cuda:0,0,0,0", marks=pytest.mark.gpu)] if visible_gpus() else []
 DEVICES = ["cpu:2", "cpu:4", "cpu:7", *GPU]

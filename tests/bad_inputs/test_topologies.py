@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 from test_cli import MLP
 
 import relational_tensors as rt
-from relational_tensors.target.flows import FlowNetwork
-from relational_tensors.target.kernel_model import KernelModel
-from relational_tensors.target.topology import Route, Topology, get_topology, multi_node, nvswitch, pcie_server
+from relational_tensors.machine.flows import FlowNetwork
+from relational_tensors.machine.kernel_model import KernelModel
+from relational_tensors.machine.topology import Route, Topology, get_topology, multi_node, nvswitch, pcie_server
 
 NAN, INF = math.nan, math.inf
 FLOPS = {"float32": 1e12}

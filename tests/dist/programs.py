@@ -14,7 +14,7 @@ import traceback
 import numpy as np
 
 import relational_tensors as rt
-from relational_tensors.models import (
+from relational_tensors.graph.models import (
     chain_feeds,
     llama_block,
     llama_feeds,
@@ -223,7 +223,7 @@ def _gpu_ranks(transport: str) -> dict:
     and replayed where the NCCL program may be captured), each run's output the same."""
     import os
 
-    from relational_tensors.target.devices import visible_gpus
+    from relational_tensors.machine.devices import visible_gpus
 
     world = int(os.environ["WORLD_SIZE"])  # the group is made by the first device="dist" compile
     gpu = int(os.environ.get("LOCAL_RANK", "0")) % visible_gpus()  # as device="dist" picks it

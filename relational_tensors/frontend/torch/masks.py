@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from relational_tensors.core.types import TensorType
-from relational_tensors.frontend.graph import Tensor
 from relational_tensors.frontend.torch.common import _Const, _op_name, _packet
 from relational_tensors.frontend.torch.convert import _torch, _torch_dtype
+from relational_tensors.graph.graph import Tensor
 from relational_tensors.sql_specs.attention import AttentionOp
 
 if TYPE_CHECKING:

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from relational_tensors.frontend.graph import Tensor
 from relational_tensors.frontend.torch.common import _bounds, _Const, _op_name, _out_dtype, _out_shape
 from relational_tensors.frontend.torch.convert import _dtype_name, _is_torch_tensor, torch_to_numpy
 from relational_tensors.frontend.torch.rules_nn import _sdpa
+from relational_tensors.graph.graph import Tensor
 
 if TYPE_CHECKING:
     from relational_tensors.frontend.torch.translator import _Translator

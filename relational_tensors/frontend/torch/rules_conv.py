@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from relational_tensors.frontend.graph import Tensor
 from relational_tensors.frontend.torch.common import _Const, _fail, _out_dtype
 from relational_tensors.frontend.torch.convert import _torch
 from relational_tensors.frontend.torch.registry import register_torch_op
+from relational_tensors.graph.graph import Tensor
 
 if TYPE_CHECKING:
     from relational_tensors.frontend.torch.translator import _Translator

@@ -10,12 +10,12 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from relational_tensors.frontend.graph import Tensor
 from relational_tensors.frontend.torch.common import _Const, _fail, _out_dtype, _out_shape
 from relational_tensors.frontend.torch.convert import _torch, _torch_dtype
 from relational_tensors.frontend.torch.masks import attention_form, visible
 from relational_tensors.frontend.torch.registry import register_torch_op
 from relational_tensors.frontend.torch.rules_random import dropout as _dropout
+from relational_tensors.graph.graph import Tensor
 
 if TYPE_CHECKING:
     from relational_tensors.frontend.torch.translator import _Translator

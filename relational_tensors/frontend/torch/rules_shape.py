@@ -10,10 +10,10 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from relational_tensors.core.dtypes import FLOAT_DTYPES
-from relational_tensors.frontend.graph import Tensor
 from relational_tensors.frontend.torch.common import _axis, _bounds, _Const, _fail, _out_dtype, _out_shape, _packet
 from relational_tensors.frontend.torch.convert import _torch
 from relational_tensors.frontend.torch.registry import register_torch_op
+from relational_tensors.graph.graph import Tensor
 
 if TYPE_CHECKING:
     from relational_tensors.frontend.torch.translator import _Translator

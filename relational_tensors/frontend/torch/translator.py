@@ -22,8 +22,6 @@ import relational_tensors.frontend.torch.rules_random as rules_random
 import relational_tensors.frontend.torch.rules_reduce as rules_reduce
 import relational_tensors.frontend.torch.rules_shape as rules_shape
 from relational_tensors.errors import GraphError
-from relational_tensors.frontend.autodiff import flows
-from relational_tensors.frontend.graph import Graph, Tensor
 from relational_tensors.frontend.torch.common import (
     _EXACT_WIDENINGS,
     _SHAPE_ONLY,
@@ -52,6 +50,8 @@ from relational_tensors.frontend.torch.patterns import (
     _match_swiglu,
 )
 from relational_tensors.frontend.torch.registry import _RULES, REFUSED
+from relational_tensors.graph.autodiff import flows
+from relational_tensors.graph.graph import Graph, Tensor
 
 __all__ = ["from_torch", "TorchGraph", "SUPPORTED_OPS", "draw_rng"]
 

@@ -1,0 +1,2 @@
+"""The command line: ``relational-tensors`` (``main``), its printed tables (``output``) and the model
+files it compiles (``model_file``)."""

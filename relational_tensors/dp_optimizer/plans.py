@@ -1,0 +1,188 @@
+"""Hand-written parallel plans as named constraint sets, to compare with the optimizer's plan in SQL.
+
+Each function reads the structure of a graph (which tensors are data, which are weights, which index of
+each operator carries which dimension of its inputs) and returns the constraints
+(``compileGraph(graph, constraints=...)``) that express a well-known strategy on ``p`` devices; names
+are never looked at, so the plans apply to any graph of the same shape of computation:
+
+* :func:`data_parallel`: every operator that has a batch index splits it (the rest of the plan, such
+  as the weight updates, is the optimizer's), weights read whole;
+* :func:`megatron_tp`: Megatron-LM tensor parallelism. A weight matmul whose activation arrives
+  unsplit is column-parallel (its weight's output features split), one whose activation arrives split
+  on the contracted features is row-parallel (a partial sum, combined once); the operators between
+  them (rope, attention over heads, SwiGLU) keep the features split, and in a training graph the
+  gradients follow the same rule, which is Megatron's backward;
+* :func:`sequence_parallel`: Megatron tensor parallelism plus the operators it leaves unsplit
+  (norms, residual adds) split over the sequence, as Megatron-LM's sequence parallelism does;
+* :func:`ddp`, :func:`fsdp` (alias :func:`zero3`): data parallelism of a training step with every state
+  replicated (``R``) or sharded on its first dimension (``S(0)``, gathered for each reader).
+
+The batch dimension is the first dimension of the graph's data inputs (role ``input``, rank 2 or
+more), the sequence dimension their second.  A count that an operator cannot split exactly (fewer kv
+heads than devices) takes the largest divisor of ``p`` it allows and leaves the remaining factor to the
+optimizer.
+
+>>> import relational_tensors as rt
+>>> from relational_tensors.graph.models import llama_block
+>>> g = llama_block(1, 64, 64, 8, 8, 128)
+>>> plan = megatron_tp(g, 8)
+>>> plan["q_proj"], plan["attention"], plan["o_proj"], plan["down_proj"]
+('k=8', 'heads_kv=8', 'j=8', 'j=8')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from relational_tensors.dp_optimizer.candidates import specs_for
+from relational_tensors.errors import GraphError
+from relational_tensors.graph.graph import Graph, Node
+
+__all__ = ["data_parallel", "megatron_tp", "sequence_parallel", "ddp", "fsdp", "zero3", "PLANS"]
+
+_MATMULS = ("matmul", "einsum")
+
+
+def _index_dims(node: Node) -> dict[str, tuple[list[tuple[int, ...]], tuple[int, ...]]]:
+    """Per requestable index of an operator: the dimensions of each input, and of the output, it splits
+    (found by splitting it in two: the structure of the operator's own join-agg spec)."""
+    op = node.op
+    assert op is not None
+    out: dict[str, tuple[list[tuple[int, ...]], tuple[int, ...]]] = {}
+    for index in op.requestable():
+        ivs = index.near_equal(2)
+        if ivs is None:
+            continue
+        f = op.spec({index.name: ivs}).functions[0]
+        ins = [tuple(d for d, (a, b) in enumerate(zip(f.inputs[k].shape, t.shape)) if a < b)
+               for k, t in enumerate(op.input_types)]
+        out[index.name] = (ins, tuple(d for d, (a, b) in enumerate(zip(f.output.shape, op.output_type.shape))
+                                      if a < b))
+    return out
+
+
+class _Graph:
+    """The structure the plans read: index maps, weights and data inputs, and the splits each operator
+    offers on ``p`` devices."""
+
+    def __init__(self, graph: Graph, p: int) -> None:
+        if not isinstance(graph, Graph):
+            raise GraphError(f"a hand plan is built from an rt.Graph; got {type(graph).__name__}.")
+        if not isinstance(p, int) or isinstance(p, bool) or p < 1:
+            raise GraphError(f"a hand plan is built for p >= 1 devices; got p={p!r}.")
+        self.graph, self.p = graph, p
+        self.dims = {n.id: _index_dims(n) for n in graph.operators}
+        weight = {n.id for n in graph.inputs if n.role in ("parameter", "state")}
+        for n in graph.operators:  # a weight, or computed from weights only (a cast of one)
+            if n.inputs and all(i in weight for i in n.inputs):
+                weight.add(n.id)
+        self.weight = weight
+        self.data = [n for n in graph.inputs if n.role == "input" and n.type.rank >= 2]
+
+    def count(self, node: Node, index: str) -> int | None:
+        """The largest divisor of p (above 1) that ``node`` offers a spec for with ``index`` split so."""
+        offered = {dict(s.split).get(index, 1) for _, s in specs_for(node.op, self.p)}  # type: ignore[arg-type]
+        return max((n for n in offered if n > 1 and self.p % n == 0), default=None)
+
+    def carried(self, dim: int) -> dict[int, set[int]]:
+        """Per tensor, its dimensions that carry dimension ``dim`` of the data inputs."""
+        marked: dict[int, set[int]] = {n.id: {dim} for n in self.data if dim < n.type.rank}
+        for n in self.graph.operators:
+            hits = self._indices(n, marked)
+            outs = {d for x in hits for d in self.dims[n.id][x][1]}
+            if outs:
+                marked[n.id] = outs
+        return marked
+
+    def _indices(self, n: Node, marked: dict[int, set[int]]) -> list[str]:
+        """The indices of operator ``n`` that split a marked dimension of one of its inputs."""
+        return [x for x, (ins, _) in self.dims[n.id].items()
+                if any(set(ins[k]) & marked.get(i, set()) for k, i in enumerate(n.inputs))]
+
+    def along(self, dim: int, only: Sequence[Node] | None = None) -> dict[str, str]:
+        """Each operator (of ``only``) split along the indices carrying data dimension ``dim``: the widest."""
+        marked = self.carried(dim)
+        out: dict[str, str] = {}
+        for n in self.graph.operators if only is None else only:
+            best = None
+            for x in self._indices(n, marked):
+                c = self.count(n, x)
+                if c is not None and (best is None or c > best[1]):
+                    best = (x, c)
+            if best is not None:
+                out[n.name] = f"{best[0]}={best[1]}"
+        return out
+
+
+def data_parallel(graph: Graph, p: int) -> dict[str, str]:
+    """Every operator with a batch index split along it (the largest count up to ``p`` it offers)."""
+    return _Graph(graph, p).along(0)
+
+
+def megatron_tp(graph: Graph, p: int) -> dict[str, str]:
+    """Megatron-LM tensor parallelism: column-parallel then row-parallel weight matmuls, the features
+    split in between (see the module's docstring)."""
+    return _megatron(_Graph(graph, p))[0]
+
+
+def _megatron(s: _Graph) -> tuple[dict[str, str], list[Node]]:
+    """The tensor-parallel constraints, and the operators they leave to the optimizer."""
+    split: dict[int, int] = {}  # tensor -> its dimension split over the devices
+    out: dict[str, str] = {}
+    free: list[Node] = []
+    for n in s.graph.operators:
+        dims = s.dims[n.id]
+        acts = [k for k, i in enumerate(n.inputs) if i not in s.weight]
+        weights = [k for k, i in enumerate(n.inputs) if i in s.weight]
+        choice = None
+        sharded = [(k, split[n.inputs[k]]) for k in acts if n.inputs[k] in split]
+        if sharded:  # keep the features split (row-parallel where the index is contracted)
+            for k, d in sharded:
+                for x, (ins, _) in dims.items():
+                    if d in ins[k] and s.count(n, x):
+                        choice = x
+                        break
+                if choice:
+                    break
+        elif n.op is not None and n.op.kind in _MATMULS and acts and weights:  # column-parallel
+            k = acts[0]
+            for x, (ins, o) in dims.items():
+                if o and not ins[k] and any(ins[w] for w in weights) and s.count(n, x):
+                    choice = x
+                    break
+        if choice is None:
+            free.append(n)
+            continue
+        out[n.name] = f"{choice}={s.count(n, choice)}"
+        if dims[choice][1]:
+            split[n.id] = dims[choice][1][0]
+    return out, free
+
+
+def sequence_parallel(graph: Graph, p: int) -> dict[str, str]:
+    """Megatron tensor parallelism, and the operators it leaves unsplit split over the sequence."""
+    s = _Graph(graph, p)
+    tp, free = _megatron(s)
+    return {**s.along(1, free), **tp}
+
+
+def _states(graph: Graph, layout: str) -> dict[str, str]:
+    return {n.name: layout for n in graph.inputs if n.role == "state"}
+
+
+def ddp(graph: Graph, p: int) -> dict[str, str]:
+    """Data parallelism of a training step, every state (parameters, master weights, moments) replicated."""
+    return {**_states(graph, "R"), **data_parallel(graph, p)}
+
+
+def fsdp(graph: Graph, p: int) -> dict[str, str]:
+    """Data parallelism of a training step, every state sharded on its first dimension and gathered for
+    each reader (FSDP's full sharding, ZeRO stage 3)."""
+    return {**_states(graph, "S(0)"), **data_parallel(graph, p)}
+
+
+zero3 = fsdp
+
+# the hand plans by name (bench/hand_plans.py, the CLI's --plan)
+PLANS = {"data_parallel": data_parallel, "megatron_tp": megatron_tp, "sequence_parallel": sequence_parallel,
+         "ddp": ddp, "fsdp": fsdp, "zero3": zero3}

@@ -1,0 +1,609 @@
+"""Compilation: an ordered, literal list of passes from a graph to a plan.
+
+>>> import relational_tensors as rt
+>>> g = rt.Graph(); a = g.input("a", [64, 64]); b = g.input("b", [64, 64])
+>>> _ = g.save(g.matmul(a, b), name="c")
+>>> rt.compileGraph(g, device="cpu:8").plan.split("matmul_2")
+'i=2,j=2,k=2'
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from relational_tensors.catalog import Catalog
+from relational_tensors.core.dtypes import itemsize, partial_dtype
+from relational_tensors.dp_optimizer import repeats
+from relational_tensors.dp_optimizer.candidates import Candidates, build_candidates
+from relational_tensors.dp_optimizer.constraints import Constraints, parse_constraints
+from relational_tensors.dp_optimizer.costs import cost_model as get_cost_model
+from relational_tensors.dp_optimizer.plan import LogicalPlan
+from relational_tensors.dp_optimizer.select import select_dp, select_exact, select_greedy, select_random
+from relational_tensors.dp_optimizer.trees import Piece, cut_pieces
+from relational_tensors.driver.compiled import CompiledGraph
+from relational_tensors.driver.options import CompileOptions
+from relational_tensors.driver.registry import operator_table
+from relational_tensors.errors import GraphError, OutOfMemoryPlanError, PlanError
+from relational_tensors.graph.graph import Graph
+from relational_tensors.machine.target import Target
+from relational_tensors.machine.topology import Topology
+from relational_tensors.physical.lower import Lowered, covers, lower, value_blocks
+from relational_tensors.physical.tasks import Liveness, graph_liveness
+
+__all__ = ["compileGraph", "compile", "CompiledGraph", "PASSES"]
+
+# per-pass timings at INFO, each pass's start at DEBUG (with extra fields rt_pass, rt_index and rt_total, which
+# the command line's progress bar reads); the library adds no handler beyond the package's NullHandler
+log = logging.getLogger("relational_tensors.compile")
+
+_GC_YOUNG = 100_000  # net allocations between collections of the youngest generation while searching (Python: 700)
+
+
+@dataclass
+class _State:
+    graph: Graph
+    options: CompileOptions
+    catalog: Catalog
+    device: object
+    target: Target | None = None
+    limits: dict[int, int] | None = None  # bytes each device may use (None: unknown, unchecked)
+    limit: int | None = None              # the least of them: what a spec's working set must fit
+    cid: int = -1
+    candidates: Candidates | None = None
+    pieces: list[Piece] = field(default_factory=list)
+    cut: dict[tuple[int, int], bool] = field(default_factory=dict)
+    choice: dict[int, int] = field(default_factory=dict)
+    plan: LogicalPlan | None = None
+    lowered: Lowered | None = None
+    live: Liveness | None = None
+    kept: dict[int, str] = field(default_factory=dict)  # assigned state -> how it is kept (default "as read")
+    constraints: Constraints = field(default_factory=Constraints)
+    collect: bool = False  # the caller had Python's cyclic collector on (see compileGraph and _collecting)
+    searched_programs: int = 0  # schedule_mode="search": programs searched, and how many the budget stopped
+    search_timeouts: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def _pass_target(s: _State) -> None:
+    o = s.options
+    s.target = Target.resolve(s.device, o.topology, o.calibration)
+    s.limits = _device_memory(s)
+    s.limit = min(s.limits.values()) if s.limits else None
+    devices = s.target.devices
+    from relational_tensors._version import __version__
+
+    s.cid = s.catalog.new_compilation(label=o.label or ",".join(s.graph.outputs), devices=devices.p,
+                                      device=str(devices), selector=o.selector, seed=o.seed,
+                                      cost_model=o.cost_model,
+                                      memory_per_device=s.limit, topology=s.target.topology.name,
+                                      schedule_mode="search" if o.searched else "naive", tactic=o.tactic,
+                                      calibration=s.target.kernels.source, keep_states=o.keep_states,
+                                      graph_fingerprint=s.graph.fingerprint(), version=__version__,
+                                      cost_unit=COST_UNITS.get(o.cost_model, o.cost_model),
+                                      memory_limit=o.memory_per_device)
+
+
+def _pass_candidates(s: _State) -> None:
+    assert s.target is not None
+    model = get_cost_model(s.options.cost_model, s.target)
+    s.constraints = parse_constraints(s.graph.nodes, s.options.constraints, s.target.p)
+    s.candidates = build_candidates(s.graph, s.target.p, model, s.limit,
+                                    "memory_per_device" if s.options.memory_per_device is not None
+                                    else s.target.memory_source(), constraints=s.constraints.splits,
+                                    layouts=s.constraints.layouts)
+
+
+def _pass_pieces(s: _State) -> None:
+    s.pieces, s.cut = cut_pieces(s.graph, s.options.tactic)
+
+
+def _pass_catalog(s: _State) -> None:
+    g, cat, cid = s.graph, s.catalog, s.cid
+    assert s.candidates is not None
+    consumers = g.consumers()
+    saved = set(g.outputs.values())
+    cat.insert("tensors", pa.table({
+        "tensor_id": pa.array([n.id for n in g.nodes], pa.int32()),
+        "name": [n.name for n in g.nodes],
+        "role": [n.role for n in g.nodes],
+        "dtype": [n.type.dtype for n in g.nodes],
+        "shape": ["x".join(map(str, n.type.shape)) for n in g.nodes],
+        "dims": [",".join(n.type.names) for n in g.nodes],
+        "elements": pa.array([n.type.volume for n in g.nodes], pa.int64()),
+        "bytes": pa.array([n.type.nbytes for n in g.nodes], pa.int64()),
+        "consumers": pa.array([len(consumers[n.id]) for n in g.nodes], pa.int32()),
+        "saved": [n.id in saved for n in g.nodes],
+    }), cid)
+    cat.insert("operator_kinds", operator_table(), cid)
+    piece_of = {v: pc.piece_id for pc in s.pieces for v in pc.members}
+    ops = g.operators
+    texts: dict[int, tuple[str, str, str, str]] = {}  # per class of equal operators: signature, params, ...
+    for n in ops:
+        cls = s.candidates.templates[n.id].index
+        if cls not in texts:
+            op = n.op
+            assert op is not None
+            texts[cls] = (op.signature(), json.dumps(op.params(), default=str),
+                          ",".join(f"{x.name}={x.extent}" for x in op.requestable()), str(op.aggregation))
+    described = [texts[s.candidates.templates[n.id].index] for n in ops]
+    cat.insert("operators", pa.table({
+        "op_id": pa.array([n.id for n in ops], pa.int32()),
+        "op_name": [n.name for n in ops],
+        "op_kind": [n.kind for n in ops],
+        "signature": [d[0] for d in described],
+        "params": [d[1] for d in described],
+        "shardable": [d[2] for d in described],
+        "aggregation": [d[3] for d in described],
+        "tree_id": pa.array([piece_of[n.id] for n in ops], pa.int32()),
+    }), cid)
+    sources, carried = s.candidates.sources, s.candidates.carried
+    edges = [(n.id, k, i, sources.get((n.id, k)), s.cut[(n.id, k)], (n.id, k) in carried)
+             for n in ops for k, i in enumerate(n.inputs)]
+    cat.insert("edges", pa.table({
+        "op_id": pa.array([e[0] for e in edges], pa.int32()),
+        "input_pos": pa.array([e[1] for e in edges], pa.int32()),
+        "tensor_id": pa.array([e[2] for e in edges], pa.int32()),
+        "producer_op": pa.array([e[3] for e in edges], pa.int32()),
+        "cut": [e[4] for e in edges],
+        "carried": [e[5] for e in edges],
+    }), cid)
+    pinned = s.options.constraints
+    if pinned:
+        cat.insert("constraints", pa.table({"target": [t for t, _ in pinned],
+                                            "target_id": pa.array([g.node(t).id for t, _ in pinned], pa.int32()),
+                                            "kind": [s.constraints.kinds[t] for t, _ in pinned],
+                                            "value": [v for _, v in pinned]}), cid)
+    cat.insert("tilings", s.candidates.tilings.arrow(), cid)
+    cat.insert("candidate_specs", s.candidates.arrow_specs(), cid)
+    cat.insert("spec_inputs", s.candidates.arrow_inputs(g, piece_of), cid)
+    if s.candidates.prices:
+        cat.insert("edge_prices", s.candidates.arrow_prices(), cid)
+
+
+def _choose(s: _State, memory_price: float = 0.0) -> tuple[dict[int, int], LogicalPlan]:
+    """One spec per operator by the options' selector (``memory_price``: per resident byte, DP only)."""
+    assert s.candidates is not None
+    sel = s.options.selector
+    if sel == "dp":
+        choice = select_dp(s.catalog, s.cid, s.graph, s.candidates, s.pieces, memory_price=memory_price,
+                           refine_choice=s.options.refine)
+    elif sel == "exact":
+        choice = select_exact(s.catalog, s.cid, s.graph, s.candidates, memory_price=memory_price)
+    elif sel == "greedy":
+        choice = select_greedy(s.catalog, s.cid)
+    else:
+        choice = select_random(s.catalog, s.cid, s.candidates, s.options.seed)
+    return choice, LogicalPlan(s.graph, s.candidates, choice, sel, s.options.cost_model)
+
+
+def _pass_select(s: _State) -> None:
+    s.choice, s.plan = _choose(s)
+
+
+def _pass_check(s: _State) -> None:
+    """Changes nothing: every operator has one spec of at most p function specs (p unless it is too
+    small to split so) whose outputs tile its output."""
+    assert s.plan is not None and s.target is not None
+    for n in s.graph.operators:
+        if n.id not in s.choice:
+            raise PlanError(f"check after 'select': operator {n.name!r} has no spec.")
+        spec = s.plan.spec(n.id)
+        if not 1 <= spec.p <= s.target.p:
+            raise PlanError(f"check after 'select': {n.name!r} has {spec.p} function specs for p={s.target.p}.")
+        if spec.output_type != n.type or spec.output_tiling.space != n.type.box:
+            raise PlanError(f"check after 'select': the spec of {n.name!r} changed its output type.")
+
+
+@contextmanager
+def _collecting(on: bool) -> Iterator[None]:
+    """Python's cyclic collector running, if ``on``, at a young-generation threshold of at least _GC_YOUNG;
+    then off again with the caller's thresholds.  The search leaves reference cycles in proportion to the
+    proposals it judges, not to the plan, so they are reclaimed as it goes."""
+    thresholds = gc.get_threshold()
+    if not on or gc.isenabled() or not thresholds[0]:  # threshold 0: the caller wants no automatic collection
+        yield
+        return
+    gc.set_threshold(max(thresholds[0], _GC_YOUNG), *thresholds[1:])
+    gc.enable()
+    try:
+        yield
+    finally:
+        gc.disable()
+        gc.set_threshold(*thresholds)
+
+
+def _searched(s: _State, plan: LogicalPlan, naive: Lowered) -> Lowered:
+    """``plan`` lowered with searched exchange programs, unless the whole plan simulates faster with the
+    naive ones (``naive``): the search improves each program on its own, and programs that overlap can
+    interfere on shared links.  The programs share ``search_total_steps``, weighed by their naive runs in
+    ``naive`` (the programs of assigned states keep their devices and are not searched)."""
+    from relational_tensors.exchange.searcher import make_searcher
+    from relational_tensors.physical.simulate import simulate_plan
+
+    assert s.target is not None
+    t, o = s.target, s.options
+    synth = make_searcher(t.topology, seed=o.seed, budget_s=o.search_budget_s, max_steps=o.search_steps,
+                          total_steps=o.search_total_steps)
+    with _collecting(s.collect):
+        synth.spread((prog, naive.memberships.get(name, {})) for name, prog in naive.programs.items()
+                     if not name.startswith("assign:"))
+        searched = _lower(s, plan, synth)
+    s.search_timeouts = sum(r.out_of_time for r in synth.results)
+    s.searched_programs = len(synth.results)
+    log.info("search: %d exchange programs, %d at their lower bound, %d proposals judged (limit %s over the plan, "
+             "%s per program)", len(synth.results), sum(r.at_bound for r in synth.results),
+             sum(r.steps for r in synth.results), o.search_total_steps, o.search_steps)
+    if s.search_timeouts:
+        log.warning("search: the budget of %g s per program stopped %d of %d searches, so the plan depends on "
+                    "this machine's speed; raise search_budget_s or lower search_total_steps", o.search_budget_s,
+                    s.search_timeouts, len(synth.results))
+    if simulate_plan(naive.dag, s.graph, t.topology, t.kernels, t.shared_gpus).time < simulate_plan(
+            searched.dag, s.graph, t.topology, t.kernels, t.shared_gpus).time:
+        return naive
+    return searched
+
+
+def _lower(s: _State, plan: LogicalPlan, synthesize: Any = None, kept: dict[int, str] | None = None) -> Lowered:
+    """``plan`` lowered under the compilation's kept states (or ``kept``), pinned layouts and phases."""
+    return lower(plan, "naive", synthesize, kept=s.kept if kept is None else kept,
+                 later=s.options.second_phase_inputs, layouts=s.constraints.layouts, share=repeats.enabled())
+
+
+def _pass_lower(s: _State) -> None:
+    assert s.plan is not None
+    if s.options.keep_states != "auto":
+        s.kept = {state: s.options.keep_states for state in s.graph.assignments}
+    s.kept.update({state: "pinned" for state in s.graph.assignments if state in s.constraints.layouts})
+    s.lowered = _lower(s, s.plan)
+
+
+def _pass_search(s: _State) -> None:
+    if s.options.searched:
+        assert s.plan is not None and s.lowered is not None
+        s.lowered = _searched(s, s.plan, s.lowered)
+
+
+def _device_memory(s: _State) -> dict[int, int] | None:
+    """Bytes each logical device may use: memory_per_device, else what the target has (each GPU's
+    memory, an absent machine's from its topology, the host's available memory for CPU devices)."""
+    assert s.target is not None
+    if s.options.memory_per_device is not None:
+        return {d: s.options.memory_per_device for d in range(s.target.p)}
+    return s.target.memory()
+
+
+def _liveness(s: _State, dag: Any, categories: bool = False) -> Liveness:
+    """The liveness of a lowering of the graph, with the kernels' scratch at its task on a GPU target (the
+    GPU executor gives it in the arena, alive during its task); CPU devices' NumPy kernels need none."""
+    assert s.target is not None
+    scratch = None
+    if s.target.devices.kind == "cuda":
+        from relational_tensors.kernels.launchers import kernel_scratch
+
+        scratch = kernel_scratch(dag)
+    return graph_liveness(s.graph, dag, categories=categories, scratch=scratch)
+
+
+def _fits(live: Liveness, limits: dict[int, int] | None) -> bool:
+    return limits is None or all(live.peak[d] <= limits[d] for d in live.peak)
+
+
+def _pass_liveness(s: _State) -> None:
+    assert s.lowered is not None
+    s.live = _liveness(s, s.lowered.dag, categories=True)
+
+
+def _keep_sharded(s: _State, limits: dict[int, int]) -> bool:
+    """Under memory pressure, assigned states are kept sharded (one copy of their value's blocks,
+    gathered for each reader during the step, like ZeRO-3/FSDP) instead of as their readers read them:
+    first the states whose sharding saves the most bytes on the devices over their limit, until the
+    estimate fits, then every state that saves any.  True if a lowering with those states sharded fits
+    (the state then holds it); otherwise the state holds the leanest one tried."""
+    assert s.lowered is not None and s.plan is not None and s.live is not None
+    graph, dag = s.graph, s.lowered.dag
+    saves: dict[int, dict[int, int]] = {}  # state -> device -> bytes saved by keeping it sharded
+    for state, value in graph.assignments.items():
+        if s.kept.get(state, "as read") in ("sharded", "pinned"):
+            continue
+        node = graph.nodes[state]
+        now: dict[int, int] = {}
+        for _, b in dag.inputs.get(node.name, []):
+            now[dag.buffers[b].device] = now.get(dag.buffers[b].device, 0) + dag.buffers[b].nbytes
+        for box, device in value_blocks(s.plan.spec(value)):
+            now[device] = now.get(device, 0) - box.volume * itemsize(node.type.dtype)
+        if any(v > 0 for v in now.values()):
+            saves[state] = now
+    if not saves:
+        return False
+    over = {d: s.live.peak[d] - limits[d] for d in limits if s.live.peak[d] > limits[d]}
+    order = sorted(saves, key=lambda st: (-sum(max(saves[st].get(d, 0), 0) for d in over), st))
+    tried: list[dict[int, str]] = []
+    chosen: dict[int, str] = dict(s.kept)
+    left = dict(over)
+    for state in order:
+        chosen[state] = "sharded"
+        for d in left:
+            left[d] -= saves[state].get(d, 0)
+        if all(v <= 0 for v in left.values()):
+            break
+    tried.append(chosen)
+    everything = {**s.kept, **{st: "sharded" for st in saves}}
+    if everything != chosen:
+        tried.append(everything)
+    for kept in tried:
+        lowered = _lower(s, s.plan, kept=kept)
+        if s.options.searched:
+            s.kept = kept
+            lowered = _searched(s, s.plan, lowered)
+        live = _liveness(s, lowered.dag)
+        s.kept, s.lowered, s.live = kept, lowered, live
+        if _fits(live, limits):
+            return True
+    return False
+
+
+def _pass_fit_memory(s: _State) -> None:
+    """A plan whose peak exceeds a device's memory keeps its assigned states sharded (``_keep_sharded``);
+    if that is not enough, a DP plan is re-chosen with a growing price on the graph-input bytes each
+    spec keeps resident (a Lagrangian relaxation of the memory constraint), up to eight times, each
+    re-chosen plan lowered (and searched) as the passes before did; if none fits, the plan is refused
+    with the peak of the best one found."""
+    assert s.lowered is not None and s.plan is not None and s.live is not None
+    limits = s.limits
+    if _fits(s.live, limits):
+        return
+    assert limits is not None
+
+    def excess(live: Liveness) -> int:
+        return max(live.peak[d] - limits[d] for d in live.peak)
+
+    best, best_dag = s.live, s.lowered.dag
+    if s.options.keep_states == "auto" and _keep_sharded(s, limits):
+        return
+    if s.live.peak != best.peak and excess(s.live) < excess(best):
+        best, best_dag = s.live, s.lowered.dag
+    if s.options.selector in ("dp", "exact"):
+        resident = sum(s.plan.candidate(o).resident_bytes for o in s.choice) or 1
+        price = max(s.plan.cost, 1.0) / resident
+        for _ in range(8):
+            choice, plan = _choose(s, memory_price=price)
+            lowered = _lower(s, plan)
+            if s.options.searched:
+                lowered = _searched(s, plan, lowered)
+            live = _liveness(s, lowered.dag)
+            if _fits(live, limits):
+                s.choice, s.plan, s.lowered, s.live = choice, plan, lowered, live
+                return
+            if excess(live) < excess(best):
+                best, best_dag = live, lowered.dag
+            price *= 4
+    worst = max(best.peak, key=lambda d: best.peak[d] - limits[d])
+    parts = _liveness(s, best_dag, categories=True).at_peak.get(worst, {})
+    largest = ", ".join(f"{k} {v:,}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])[:3] if v > 0)
+    raise OutOfMemoryPlanError(
+        f"device {worst} needs {best.peak[worst]:,} bytes at its peak under the best plan found "
+        f"({best.resident[worst]:,} of them loaded inputs; largest: {largest}), but has {limits[worst]:,}. "
+        "Use more devices or a larger memory_per_device."
+    )
+
+
+def _pass_verify(s: _State) -> None:
+    """Changes nothing: every searched exchange program is valid (Definition 5.5) with the membership
+    lowering used (a naive one is checked for structure: the lowering fired it and found every
+    requirement delivered, which is its closure), every kernel computes its function spec's block on
+    the device it was placed on, saved outputs are covered by their blocks with their dtypes unchanged,
+    and every assigned state's kept blocks cover it and are written once."""
+    from relational_tensors.core.tiling import check_tiles
+    from relational_tensors.exchange.closure import check, check_structure
+
+    assert s.lowered is not None and s.plan is not None
+    low = s.lowered
+    checked: set[tuple[int, int, bool]] = set()  # identical layers share one program object: checked once
+    for name, prog in low.programs.items():
+        membership = low.memberships.get(name, {})
+        key = (id(prog), id(membership), name in low.searched)
+        if key in checked:
+            continue
+        checked.add(key)
+        try:
+            (check if name in low.searched else check_structure)(prog, membership)
+        except Exception as e:
+            raise PlanError(f"verify after 'lower': the exchange program of {name!r} is invalid: {e}") from e
+    for t in low.dag.tasks:
+        if t.kind == "kernel":
+            f = t.kernel.function
+            out = low.dag.buffers[t.outputs[0]]
+            assert t.op is not None  # a kernel task serves an operator
+            node = s.graph.nodes[t.op]
+            dtype = node.type.dtype if t.kernel.final else partial_dtype(node.type.dtype)
+            if out.box != f.output or out.dtype != dtype or out.device != low.placement[t.op][t.kernel.index]:
+                raise PlanError(f"verify after 'lower': kernel {t.label} writes {out.box} ({out.dtype}) on device "
+                                f"{out.device}, not its function spec's block {f.output} ({dtype}).")
+    for name, blocks in low.dag.outputs.items():
+        node = s.graph.nodes[s.graph.outputs[name]]
+        try:
+            check_tiles([box for box, _ in blocks], node.type.box)
+        except Exception as e:
+            raise PlanError(f"verify after 'lower': the blocks of saved output {name!r} do not tile it: {e}") from e
+    written: dict[int, int] = {}
+    for t in low.dag.tasks:
+        if t.kind == "assign":
+            src, dst = (low.dag.buffers[b] for b in (*t.inputs, *t.outputs))
+            if (src.box, src.dtype, src.device, src.partial) != (dst.box, dst.dtype, dst.device, None):
+                raise PlanError(f"verify after 'lower': {t.label} writes {src.box} ({src.dtype}, device "
+                                f"{src.device}) into the kept block {dst.box} ({dst.dtype}, device {dst.device}).")
+            written[dst.id] = written.get(dst.id, 0) + 1
+    # a next value assembled in its kept block in place: the blocks the run writes of it, by kept block
+    kept_blocks = low.dag.kept_state_blocks()
+    in_place: dict[int, list[Any]] = {}
+    for t in low.dag.tasks:
+        if t.kind != "assign":
+            for r, b in zip(low.dag.overwrites(t, kept_blocks), t.outputs):
+                in_place.setdefault(r, []).append(low.dag.buffers[b].box)
+    for name in low.dag.assigned:
+        kept = low.dag.inputs[name]
+        if not covers([box for box, _ in kept], s.graph.node(name).type.box) or any(
+                not (written.get(b) == 1 and b not in in_place
+                     or b not in written and covers(in_place.get(b, []), box)) for box, b in kept):
+            raise PlanError(f"verify after 'lower': state {name!r} must keep blocks covering it, each written "
+                            "once per execution: by an assign task, or by the copies and assembly of its next "
+                            "value in place.")
+
+
+def _pass_record(s: _State) -> None:
+    """The physical plan into the catalog: placements, exchange programs and their actions, tasks, edge
+    traffic, device memory by category, and the layouts states keep between executions."""
+    from relational_tensors.driver.visualize import kept_layouts
+    from relational_tensors.physical.record import physical_tables
+
+    assert s.lowered is not None and s.plan is not None and s.live is not None
+    if not s.live.at_peak and s.lowered.dag.buffers:  # a lowering re-chosen for memory: split it by category
+        s.live = _liveness(s, s.lowered.dag, categories=True)
+    for table, rows in physical_tables(s.plan, s.lowered, s.live).items():
+        if rows.num_rows:
+            s.catalog.insert(table, rows, s.cid)
+    rows = kept_layouts(s.graph, s.lowered)
+    if rows:
+        cols = ("state_id", "state", "value_op", "kept", "placement", "blocks", "bytes_per_device", "bytes_total",
+                "write_bytes")
+        types = {"state_id": pa.int32(), "value_op": pa.int32(), "blocks": pa.int32(), "bytes_per_device": pa.int64(),
+                 "bytes_total": pa.int64(), "write_bytes": pa.int64()}
+        s.catalog.insert("state_layouts", pa.table({c: pa.array([r[c] for r in rows], types.get(c, pa.string()))
+                                                    for c in cols}), s.cid)
+
+
+COST_UNITS = {"paper": "elements", "bytes": "bytes", "calibrated": "seconds"}  # plan_cost's unit per model
+
+
+# The pipeline, in order, each with the reason it exists.
+PASSES: tuple[tuple[str, Callable[[_State], None], str], ...] = (
+    ("target", _pass_target, "resolve the devices, their topology and kernel model once; open a compilation"),
+    ("candidates", _pass_candidates, "enumerate and cost every operator's join-agg specs for p"),
+    ("pieces", _pass_pieces, "cut the graph at multi-consumer tensors into pieces the DP solves exactly"),
+    ("catalog", _pass_catalog, "write tensors, operators, edges, tilings and costed specs as Arrow tables"),
+    ("select", _pass_select, "choose one spec per operator (dp, greedy or random)"),
+    ("check", _pass_check, "verify the plan without changing it"),
+    ("lower", _pass_lower, "place function specs, build naive exchange programs and the task DAG"),
+    ("search", _pass_search, "schedule_mode='search': searched programs, kept if the whole plan is no slower"),
+    ("liveness", _pass_liveness, "free buffers after last use; the peak bytes of every device"),
+    ("fit_memory", _pass_fit_memory, "re-choose a DP plan that exceeds device memory, else refuse it"),
+    ("verify", _pass_verify, "check the physical plan without changing it: valid programs, placed kernels, outputs"),
+    ("record", _pass_record, "write the physical plan into the catalog: placements, exchanges, tasks, "
+                             "traffic, memory, kept state layouts"),
+)
+
+
+def _constraint_pairs(constraints: Mapping[str, str] | None) -> tuple[tuple[str, str], ...]:
+    if constraints is None:
+        return ()
+    if not isinstance(constraints, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
+                                                        for k, v in constraints.items()):
+        raise GraphError("constraints maps operator names to splits and input or state names to layouts, e.g. "
+                         f"{{'attention': 'heads_kv=8', 'x': 'S(0)', 'wq': 'R'}}; got {constraints!r}.")
+    return tuple(sorted(constraints.items()))
+
+
+def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed: int = 0,
+                 cost_model: str = "paper", memory_per_device: int | None = None,
+                 catalog: str | Path | Catalog | None = None, tactic: str = "tree",
+                 label: str | None = None, schedule_mode: str = "naive",
+                 topology: str | Topology | None = None, search_budget_s: float = 0.5, search_steps: int | None = None,
+                 search_total_steps: int | None = 400,
+                 calibration: str | None = None, attention: str = "triton", refine: bool = True,
+                 keep_states: str = "auto", second_phase_inputs: Any = (),
+                 constraints: Mapping[str, str] | None = None, process_group: Any = None,
+                 timeout: float | None = None, transport: str | None = None) -> CompiledGraph:
+    """Plan ``graph`` for the devices named by ``device`` (see ``relational_tensors.machine.devices``).
+
+    The options are those of :class:`~relational_tensors.driver.options.CompileOptions`, validated once here;
+    ``catalog`` is a path to persist the catalog (default: in memory); ``topology`` None is hgx-h200
+    (under ``device="dist"``: the measured topology file, else the GPUs' kind).  ``device="dist"`` plans for every
+    rank of a torch.distributed launch (``process_group``: the group to run in, default the world;
+    ``timeout``: seconds a rank waits for a transfer; ``transport``: ``nccl`` or ``gloo``, for GPU ranks), see
+    ``relational_tensors.driver.distributed``.
+    """
+    if isinstance(device, str) and device.startswith("dist"):
+        from relational_tensors.driver.distributed import compile_distributed
+
+        return compile_distributed(graph, process_group, timeout, device, transport, selector=selector, seed=seed,
+                                   cost_model=cost_model, memory_per_device=memory_per_device, catalog=catalog,
+                                   tactic=tactic, label=label, schedule_mode=schedule_mode, topology=topology,
+                                   search_budget_s=search_budget_s, search_steps=search_steps,
+                                   search_total_steps=search_total_steps, calibration=calibration,
+                                   attention=attention, refine=refine, keep_states=keep_states,
+                                   second_phase_inputs=second_phase_inputs, constraints=constraints)
+    if process_group is not None or timeout is not None or transport is not None:
+        raise GraphError("process_group=, timeout= and transport= are for device='dist' (one process per device "
+                         f"under torchrun); got device={device!r}.")
+    # planning allocates millions of small objects and few cycles, in numbers that grow with the plan: the
+    # cyclic collector would only rescan them (a third of a 32-layer compile), so it is off while planning,
+    # except while searching exchange programs (_collecting), whose cycles grow with the search's effort
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        if not isinstance(graph, Graph):
+            raise GraphError(f"compileGraph takes an rt.Graph; got {type(graph).__name__}.")
+        options = CompileOptions(selector=selector, seed=seed, cost_model=cost_model,
+                                 memory_per_device=memory_per_device, tactic=tactic, label=label,
+                                 schedule_mode=schedule_mode, topology=CompileOptions.default("topology")
+                                 if topology is None else topology, search_budget_s=search_budget_s,
+                                 search_steps=search_steps, search_total_steps=search_total_steps,
+                                 calibration=calibration, attention=attention, refine=refine,
+                                 keep_states=keep_states, second_phase_inputs=frozenset(
+                                     [second_phase_inputs] if isinstance(second_phase_inputs, str)
+                                     else second_phase_inputs),
+                                 constraints=_constraint_pairs(constraints))
+        inputs = {n.name for n in graph.inputs}
+        strange = sorted(set(options.second_phase_inputs) - inputs)
+        if strange:
+            raise GraphError(f"second_phase_inputs names graph inputs; {strange} are not inputs of this graph "
+                             f"(its inputs: {sorted(inputs)[:8]}{' ...' if len(inputs) > 8 else ''}).")
+        if not graph.operators:
+            raise PlanError("the graph has no operators to plan; add some and save an output.")
+        if not graph.outputs:
+            raise PlanError("the graph saves no output, so a run would return nothing; save the tensors you want "
+                            "back with g.save(t, name=...).")
+        cat = catalog if isinstance(catalog, Catalog) else Catalog(catalog)
+        state = _State(graph, options, cat, device, collect=collecting)
+        try:
+            for index, (name, run, _reason) in enumerate(PASSES):
+                log.debug("pass %s begins", name, extra={"rt_pass": name, "rt_index": index, "rt_total": len(PASSES)})
+                t0 = time.perf_counter()
+                run(state)
+                state.timings[name] = time.perf_counter() - t0
+                log.info("pass %-10s %8.3f s", name, state.timings[name])
+            assert state.plan is not None
+            compiled = CompiledGraph(state)
+        except BaseException as e:  # the compilation stays in the catalog, saying why it has no plan
+            if state.cid >= 0:
+                status = "refused" if isinstance(e, OutOfMemoryPlanError) else "failed"
+                cat.finish_compilation(state.cid, status, error=e, planning_seconds=sum(state.timings.values()))
+            raise
+        log.info("compiled %d operators for %d devices in %.3f s", len(graph.operators), state.target.p
+                 if state.target is not None else 0, sum(state.timings.values()))
+        cat.finish_compilation(state.cid, "ok", plan_cost=state.plan.cost,
+                               planning_seconds=sum(state.timings.values()),
+                               peak_bytes=max(compiled.memory().values(), default=0))
+        return compiled
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def compile(graph: Graph, devices: object = None, **options: Any) -> CompiledGraph:
+    """``compileGraph`` with the Pythonic keyword ``devices``."""
+    known = {f.name for f in fields(CompileOptions)} | {"catalog"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise PlanError(f"unknown compile options {unknown}; the options are {sorted(known)}.")
+    return compileGraph(graph, device=devices, **options)

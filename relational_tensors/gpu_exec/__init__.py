@@ -1,5 +1,0 @@
-"""Executors of the task DAG: ``numpy`` (virtual CPU devices) and, on GPUs, ``cupy``."""
-
-from relational_tensors.gpu_exec.numpy_backend import NumpyExecutor
-
-__all__ = ["NumpyExecutor"]

@@ -1,0 +1,161 @@
+"""Attention and its backward: the Triton flash-style kernels (or the FlashAttention library), the
+masked and float64 forms on host copies or CuPy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from relational_tensors.core.dtypes import float32_to_bf16_bits
+from relational_tensors.core.spec import FunctionSpec
+from relational_tensors.kernels.launchers.base import _computable, host_kernel, launcher
+
+
+def _attention_constants(op: Any) -> dict[str, np.ndarray]:
+    rows = np.arange(op.input_types[0].shape[1])
+    lo, hi = op._key_limits(rows)
+    return {"row_lo": lo.astype(np.int32), "row_hi": hi.astype(np.int32)}
+
+
+def _dense_attention(op: Any, f: FunctionSpec, ins: list, out: Any, stream: int) -> None:
+    """The operator's chunked kernel with CuPy arrays (float32 scores, cuBLAS contractions): the GPU path of
+    key padding, masks and biases, which the Triton kernel's per-row key ranges cannot express."""
+    import cupy
+
+    with cupy.cuda.ExternalStream(stream):
+        o, lse = op.dense([_computable(b) for b in ins], f, cupy)
+        for buf, value in (zip(out, (o, lse)) if isinstance(out, tuple) else [(out, o)]):
+            dst = buf.cupy()
+            dst[...] = float32_to_bf16_bits(value.astype(cupy.float32), cupy) if buf.dtype == "bfloat16" \
+                else value.astype(dst.dtype)
+
+
+def _masked(op: Any) -> bool:
+    """The masked forms of attention (extra mask or bias inputs, key lengths) run on CuPy, which allocates."""
+    return bool(op.extras) or op.key_lengths is not None
+
+
+def _lse_allocates(op: Any) -> bool:
+    return _masked(op) or op.input_types[0].dtype == "float64"  # those run the NumPy kernel on host copies
+
+
+def _grad_allocates(op: Any) -> bool:
+    # the masked forms, the bias gradient and float64 run the NumPy kernel on host copies
+    return _masked(op) or op.part == "dbias" or op.input_types[0].dtype == "float64"
+
+
+@launcher("attention", constants=_attention_constants, allocates=_masked)
+def _attention(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels import flash
+    from relational_tensors.kernels import triton_copy as tc
+    from relational_tensors.kernels.triton_attention import attention
+
+    if op.extras or op.key_lengths is not None:  # key padding, masks and biases: dense chunks on the device
+        _dense_attention(op, f, ins, out, stream)
+        return
+    q, k, v = ins
+    o, lse = out if isinstance(out, tuple) else (out, None)
+    if k.shape[1] == 0:  # this query block sees none of these keys
+        tc.fill(o, 0.0)
+        if lse is not None:
+            tc.fill(lse, float("-inf"))
+        return
+    if "flash" in consts:  # a library FlashAttention kernel computes this block exactly
+        flash.attention(q, k, v, o, consts["flash"], op.is_causal, op.softmax_scale, stream)
+        return
+    attention(q, k, v, o, lse, consts["row_lo"], consts["row_hi"], f.inputs[0].lower[1], f.inputs[1].lower[1],
+              op.softmax_scale)
+
+
+def key_query_limits(row_lo: np.ndarray, row_hi: np.ndarray, n_keys: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per key c, the rows [qlo[c], qhi[c]) that see it, from every row's keys [row_lo[r], row_hi[r]) (both
+    ends non-decreasing in r, so the rows that see a key are one range, and its ends non-decreasing in c).
+
+    >>> key_query_limits(np.array([0, 0, 0, 2]), np.array([1, 2, 3, 4]), 4)
+    (array([0, 1, 2, 3]), array([3, 3, 4, 4]))
+    """
+    keys = np.arange(n_keys)
+    return np.searchsorted(row_hi, keys, side="right"), np.searchsorted(row_lo, keys, side="right")
+
+
+def _attention_grad_constants(op: Any) -> dict[str, np.ndarray]:
+    lo, hi = op._key_limits(np.arange(op.input_types[0].shape[1]))
+    qlo, qhi = key_query_limits(lo, hi, op.input_types[1].shape[1])
+    return {"row_lo": lo.astype(np.int32), "row_hi": hi.astype(np.int32), "key_qlo": qlo.astype(np.int32),
+            "key_qhi": qhi.astype(np.int32)}
+
+
+def _host_form(op: Any) -> bool:
+    """Whether an attention-backward operator runs its NumPy kernel on host copies whatever its blocks: key
+    padding, masks, biases and key lengths (which per-row key ranges cannot express), the bias gradient and
+    float64 (no float64 attention on GPUs)."""
+    return (bool(op.extras) or op.key_lengths is not None or getattr(op, "part", "") == "dbias"
+            or op.input_types[0].dtype == "float64")
+
+
+def _grad_on_host(op: Any, bufs: list) -> bool:
+    """Whether an attention-backward block runs on host copies: a host form (``_host_form``), or blocks
+    whose last axis is not contiguous."""
+    return _host_form(op) or any(b.shape[-1] > 1 and b.strides[-1] != 1 for b in bufs)
+
+
+@launcher("attention_lse", constants=_attention_grad_constants, allocates=_lse_allocates)
+def _attention_lse(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels import triton_copy as tc
+    from relational_tensors.kernels.triton_attention_grad import attention_lse
+
+    if _grad_on_host(op, [*ins[:2], out]):
+        host_kernel(op, f, ins, out, stream)
+        return
+    q, k = ins[:2]
+    if k.shape[1] == 0:  # this query block sees none of these keys
+        tc.fill(out, float("-inf"))
+        return
+    attention_lse(q, k, out, consts["row_lo"], consts["row_hi"], f.inputs[0].lower[1], f.inputs[1].lower[1],
+                  op.softmax_scale)
+
+
+@launcher("attention_delta")
+def _attention_delta(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels.triton_attention_grad import attention_delta
+
+    attention_delta(ins[0], ins[1], out)
+
+
+def _attention_grad_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str] | None:
+    """float32 partials of a dk|dv pass that splits its query heads (``kernels.scratch.dkv_splits``)."""
+    from relational_tensors.kernels.scratch import dkv_scratch
+
+    if op.part not in ("dk", "dv", "dkv") or _host_form(op):
+        return None
+    (nb, _, hq, d), (_, skv, hkv, _), dv = f.inputs[0].shape, f.inputs[1].shape, f.inputs[2].shape[3]
+    width = (d if op.part in ("dk", "dkv") else 0) + (dv if op.part in ("dv", "dkv") else 0)
+    need = dkv_scratch(nb, skv, hkv, hq // hkv, width) if hkv else 0
+    return ((need,), "float32") if need else None
+
+
+@launcher("attention_grad", constants=_attention_grad_constants, scratch=_attention_grad_scratch,
+          allocates=_grad_allocates)
+def _attention_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels import triton_copy as tc
+    from relational_tensors.kernels.triton_attention_grad import attention_dkv, attention_dq
+
+    if _grad_on_host(op, [*ins[:4], out]):
+        host_kernel(op, f, ins, out, stream)
+        return
+    q, k, v, do, lse, delta = ins[:6]
+    q_offset, k_offset = f.inputs[0].lower[1], f.inputs[1].lower[1]
+    if op.part == "dq":
+        if k.shape[1] == 0:  # these rows see none of these keys
+            tc.fill(out, 0.0)
+            return
+        attention_dq(q, k, v, do, lse, delta, out, consts["row_lo"], consts["row_hi"], q_offset, k_offset,
+                     op.softmax_scale)
+        return
+    if q.shape[1] == 0:  # no row of this query block sees these keys
+        tc.fill(out, 0.0)
+        return
+    attention_dkv(q, k, v, do, lse, delta, out, consts["key_qlo"], consts["key_qhi"], q_offset, k_offset,
+                  op.softmax_scale, dk=op.part in ("dk", "dkv"), dv=op.part in ("dv", "dkv"),
+                  scratch=consts.get("scratch"))

@@ -1,0 +1,160 @@
+"""The registry of GPU launchers, keyed by operator kind, and what every family of launchers shares.
+
+A launcher receives the operator, the function spec, device views of its input blocks and of its
+output block (an lse partial is an (out, lse) pair), per-operator constants already on the device,
+and the stream; it launches without allocating, unless its ``allocates`` says so (for the kind, or
+per operator), which keeps a program that uses it out of CUDA-graph capture.  Registration imports
+neither CuPy nor Triton: each launcher imports its kernels when it first runs, so the registry can be
+read (and checked complete) on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from relational_tensors.core.dtypes import bf16_bits_to_float32, compute_dtype, itemsize, numpy_dtype
+from relational_tensors.core.spec import FunctionSpec
+from relational_tensors.errors import ExecError
+from relational_tensors.sql_specs.base import Operator
+
+__all__ = ["Launcher", "LAUNCHERS", "launcher", "launcher_for", "op_constants", "scratch_shape", "task_scratch",
+           "scratch_bytes", "kernel_scratch", "allocates", "host_kernel", "HOST_KINDS", "FLOATS"]
+
+LaunchFn = Callable[[Any, FunctionSpec, list, Any, dict, int], None]
+Constants = Callable[[Any], dict[str, np.ndarray]]
+Scratch = Callable[[Any, FunctionSpec], tuple[tuple[int, ...], str] | None]  # None: no scratch for this one
+Allocates = Callable[[Any], bool]  # per operator: whether its kernel allocates
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """How one operator kind runs on a GPU: the launch, and what it needs set up before it.
+
+    ``constants`` gives host arrays its kernels read on every device that runs the operator (copied
+    to each device once); ``scratch`` the shape and dtype of scratch one function spec needs besides
+    its output; ``allocates`` whether its kernels allocate device memory (True or False for every
+    operator of the kind, or a rule reading the operator's parameters)."""
+
+    kind: str
+    launch: LaunchFn
+    constants: Constants | None = None
+    scratch: Scratch | None = None
+    allocates: bool | Allocates = False
+
+    def allocates_for(self, op: Any) -> bool:
+        """Whether this launch of ``op`` allocates (which keeps its program out of CUDA-graph capture)."""
+        return bool(self.allocates(op)) if callable(self.allocates) else self.allocates
+
+
+LAUNCHERS: dict[str, Launcher] = {}
+
+
+def launcher(*kinds: str, constants: Constants | None = None, scratch: Scratch | None = None,
+             allocates: bool | Allocates = False) -> Callable[[LaunchFn], LaunchFn]:
+    """Decorator: ``fn`` launches the GPU kernel of the operator ``kinds``."""
+    def register(fn: LaunchFn) -> LaunchFn:
+        for kind in kinds:
+            old = LAUNCHERS.get(kind)
+            if old is not None and old.launch is not fn:
+                raise ValueError(f"a GPU launcher for operator kind {kind!r} is registered twice")
+            LAUNCHERS[kind] = Launcher(kind, fn, constants, scratch, allocates)
+        return fn
+    return register
+
+
+def launcher_for(kind: str) -> Launcher:
+    """The launcher of ``kind``; an operator without one is refused by name."""
+    found = LAUNCHERS.get(kind)
+    if found is None:
+        raise ExecError(f"operator kind {kind!r} has no GPU launcher (registered: {sorted(LAUNCHERS)}); "
+                        "register one with @launcher in a module of relational_tensors/kernels/launchers/, or run on "
+                        "device='cpu:N'.")
+    return found
+
+
+def op_constants(op: Operator) -> dict[str, np.ndarray]:
+    """Host arrays an operator's kernels read on every device that runs it."""
+    make = launcher_for(op.kind).constants
+    return make(op) if make is not None else {}
+
+
+def allocates(op: Operator) -> bool:
+    """Whether the GPU kernel of ``op`` allocates (see :class:`Launcher`)."""
+    return launcher_for(op.kind).allocates_for(op)
+
+
+def scratch_shape(op: Operator, f: FunctionSpec) -> tuple[tuple[int, ...], str] | None:
+    """Scratch a function spec's kernel needs besides its output (a transposed copy for reductions)."""
+    make = launcher_for(op.kind).scratch
+    return make(op, f) if make is not None else None
+
+
+def task_scratch(dag: Any) -> dict[int, tuple[tuple[int, ...], str]]:
+    """Kernel task -> the scratch its kernel needs (``scratch_shape``), for the tasks that need some."""
+    out = {}
+    for t in dag.tasks:
+        if t.kind == "kernel" and t.op is not None:
+            op = dag.nodes[t.op].op
+            if op is None:
+                continue
+            need = scratch_shape(op, t.kernel.function)
+            if need is not None:
+                out[t.id] = need
+    return out
+
+
+def scratch_bytes(needs: dict[int, tuple[tuple[int, ...], str]]) -> dict[int, int]:
+    """``task_scratch``'s needs in bytes, for the memory plan."""
+    return {t: math.prod(shape) * itemsize(dtype) for t, (shape, dtype) in needs.items()}
+
+
+def kernel_scratch(dag: Any) -> dict[int, int]:
+    """Kernel task -> bytes of scratch the GPU executor gives it (``task_scratch``), for the liveness of a
+    GPU plan: computed without Triton or CuPy (``kernels.scratch``), so any machine can count it."""
+    return scratch_bytes(task_scratch(dag))
+
+
+def host_kernel(op: Any, f: FunctionSpec, ins: list, out: Any, stream: int) -> None:
+    """Run the operator's NumPy kernel on host copies of its blocks and copy the result back: the GPU path
+    of the operators without a device kernel yet (their launchers allocate, which keeps a program that uses
+    them out of CUDA-graph capture)."""
+    import cupy
+
+    with cupy.cuda.ExternalStream(stream):
+        host = op.kernel([cupy.asnumpy(b.cupy()).view(numpy_dtype("bfloat16")) if b.dtype == "bfloat16"
+                          else cupy.asnumpy(b.cupy()) for b in ins], f)
+        # an operator with a log-sum-exp returns (block, lse); out is that pair only where the ⊕ needs it
+        pairs = zip(out, host) if isinstance(out, tuple) else [(out, host[0] if isinstance(host, tuple) else host)]
+        for buf, value in pairs:
+            value = np.ascontiguousarray(np.asarray(value).astype(numpy_dtype(buf.dtype), copy=False))
+            buf.cupy().set(value.view(np.uint16) if buf.dtype == "bfloat16" else value)
+
+
+FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+# operators whose GPU kernel is their NumPy kernel on host copies (SQL operators evaluate arbitrary
+# expressions; the gradient operators without device kernels yet)
+HOST_KINDS = ("sql", "pad", "where", "conv_grad", "pool", "pool_grad")
+
+
+@launcher(*HOST_KINDS, allocates=True)
+def _host(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    host_kernel(op, f, ins, out, stream)
+
+
+def _computable(b: Any) -> Any:
+    """A block as a CuPy array in its compute dtype (16-bit floats as float32; bool and float64 as they are),
+    for the operators whose GPU path is their own NumPy-style code over CuPy."""
+    import cupy
+
+    a = b.cupy()
+    if b.dtype == "bfloat16":
+        return bf16_bits_to_float32(a, cupy)
+    return a if b.dtype == "bool" else a.astype(compute_dtype(b.dtype), copy=False)
+

@@ -1,0 +1,118 @@
+"""Elementwise operators and their gradients: unary, binary, SwiGLU, rope, dropout and random draws
+(Triton kernels; masks, integers and a few float64 forms on CuPy or host copies)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from relational_tensors.core.dtypes import FLOAT_DTYPES
+from relational_tensors.core.spec import FunctionSpec
+from relational_tensors.kernels.launchers.base import host_kernel, launcher
+from relational_tensors.sql_specs.elementwise import COMPARISONS, LOGICAL
+
+SCALAR_UFUNCS = {"scale": "multiply", "add_scalar": "add", "pow": "power"}
+
+
+def _mask_unary(op: Any) -> bool:
+    return "bool" in (op.input_types[0].dtype, op.output_type.dtype)  # masks run on host copies
+
+
+def _mask_binary(op: Any) -> bool:
+    return op.op in COMPARISONS or op.op in LOGICAL  # masks run on host copies
+
+
+@launcher("unary", allocates=_mask_unary)
+def _unary(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels import triton_elementwise as te
+
+    if "bool" in (out.dtype, ins[0].dtype):  # masks: built once per call, on host copies
+        host_kernel(op, f, ins, out, stream)
+        return
+    if out.dtype == "float64" and op.op in SCALAR_UFUNCS:
+        # Triton passes a Python float as a float32 argument: a float64 scalar goes through CuPy
+        import cupy
+
+        with cupy.cuda.ExternalStream(stream):
+            getattr(cupy, SCALAR_UFUNCS[op.op])(ins[0].cupy(), float(op.arg), out=out.cupy())
+        return
+    te.unary(ins[0], out, op.op, 0.0 if op.op == "cast" else float(op.arg))
+
+
+@launcher("binary", allocates=_mask_binary)
+def _binary(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels import triton_elementwise as te
+
+    if op.op not in te.BINARY_CODES:  # comparisons and logic make boolean masks: on host copies
+        host_kernel(op, f, ins, out, stream)
+        return
+    te.binary(ins[0], ins[1], out, op.op)
+
+
+@launcher("swiglu")
+def _swiglu(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels import triton_elementwise as te
+
+    te.swiglu(ins[0], ins[1], out)
+
+
+def _rope_constants(op: Any) -> dict[str, np.ndarray]:
+    from relational_tensors.sql_specs.packing import sequence_bounds
+
+    length = op.input_types[0].shape[1]
+    start, _ = sequence_bounds(np.arange(length), op.seq_ends, length)
+    return {"seq_start": start.astype(np.int32)}
+
+
+@launcher("rope", constants=_rope_constants,
+          allocates=lambda op: op.freq_dtype is not None)  # rounded frequencies: NumPy on host copies
+def _rope(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels.triton_rope import rope
+
+    if op.freq_dtype is not None:  # rounded frequencies: no device kernel yet
+        host_kernel(op, f, ins, out, stream)
+        return
+    rope(ins[0], out, consts["seq_start"], f.inputs[0].lower[1], op.base, op.inverse)
+
+
+@launcher("dropout")
+def _dropout(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels import triton_random as tr
+
+    # the block's place in the whole tensor fixes its draws; the state is read on the device
+    tr.dropout(ins[0], ins[1], out, f.output.lower, op.output_type.shape, float(op.p), op.stream)
+
+
+@launcher("random")
+def _random(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels import triton_random as tr
+
+    tr.random(ins[0], out, f.output.lower, op.output_type.shape, op.stream, op.distribution, float(op.p))
+
+
+@launcher("unary_grad")
+def _unary_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels import triton_elementwise_grad as teg
+
+    teg.unary_grad(ins[0], ins[1], out, op.op, float(op.arg))
+
+
+@launcher("binary_grad", allocates=lambda op: op.output_type.dtype not in FLOAT_DTYPES)  # integers: host
+def _binary_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels import triton_elementwise_grad as teg
+
+    if out.dtype not in ("float16", "bfloat16", "float32", "float64"):  # integer operands: on host copies
+        host_kernel(op, f, ins, out, stream)
+        return
+    teg.binary_grad(ins[0], ins[1], ins[2], out, op.op, op.wrt)
+
+
+@launcher("swiglu_grad")
+def _swiglu_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels import triton_elementwise_grad as teg
+
+    if isinstance(out, tuple):  # (this gradient, the sibling task's): both from one pass
+        teg.swiglu_grad(ins[0], ins[1], ins[2], out[0], op.wrt, other=out[1])
+    else:
+        teg.swiglu_grad(ins[0], ins[1], ins[2], out, op.wrt)

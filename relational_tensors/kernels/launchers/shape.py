@@ -1,0 +1,78 @@
+"""Data movement: reshape, permute, expand, slice, concat, embedding lookups and the embedding gradient
+(strided copies, no arithmetic)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from relational_tensors.core.spec import FunctionSpec
+from relational_tensors.kernels.launchers.base import launcher
+
+
+@launcher("reshape")
+def _reshape(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels import triton_copy as tc
+    from relational_tensors.kernels.common import DevBuf
+
+    x = ins[0]
+    tc.copy_box(DevBuf(x.ptr, out.shape, x.dtype, x.device), out)
+
+
+@launcher("permute")
+def _permute(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels import triton_copy as tc
+
+    tc.copy_box(ins[0].permuted(op.perm), out)
+
+
+@launcher("expand")
+def _expand(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    """A broadcast copy: the input block read with stride 0 along the dimensions it repeats."""
+    from relational_tensors.kernels import triton_copy as tc
+    from relational_tensors.kernels.common import DevBuf
+
+    x = ins[0]
+    strides = tuple(0 if a == 1 and n != 1 else s for a, n, s in zip(x.shape, out.shape, x.strides))
+    tc.copy_box(DevBuf(x.ptr, out.shape, x.dtype, x.device, strides), out)
+
+
+@launcher("slice")
+def _slice(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels import triton_copy as tc
+
+    tc.copy_box(ins[0], out)
+
+
+@launcher("concat")
+def _concat(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels import triton_copy as tc
+
+    axis = op._axis()
+    at = 0
+    for blk in ins:
+        n = blk.shape[axis]
+        if n and blk.size:
+            lower = tuple(at if d == axis else 0 for d in range(len(out.shape)))
+            tc.copy_box(blk, out.sub(lower, blk.shape))
+        at += n
+
+
+@launcher("embedding")
+def _embedding(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels import triton_copy as tc
+
+    tc.embedding(ins[0], ins[1], out, f.inputs[0].lower[0])
+
+
+def _embedding_grad_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str]:
+    """The sort keys of the block's token ids."""
+    from relational_tensors.kernels.scratch import embedding_grad_scratch
+
+    return (embedding_grad_scratch(f.inputs[0].volume),), "int64"
+
+
+@launcher("embedding_grad", scratch=_embedding_grad_scratch)
+def _embedding_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels.triton_embedding_grad import embedding_grad
+
+    embedding_grad(ins[0], ins[1], out, consts["scratch"], f.output.lower[0])

@@ -1,0 +1,197 @@
+"""Elementwise kernels: unary ops, broadcasting binaries, SwiGLU, casts. fp32 math inside (fp64 for
+float64, and exact integer arithmetic in the binaries)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from relational_tensors.core.dtypes import itemsize
+from relational_tensors.kernels.common import DevBuf, Ptr, acc_type, outer_split
+from relational_tensors.kernels.triton_copy import index4
+
+__all__ = ["unary", "binary", "swiglu", "unary_math", "binary_math", "UNARY_CODES", "BINARY_CODES"]
+
+BLOCK = 1024
+UNARY_CODES = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3, "sigmoid": 4, "tanh": 5, "exp": 6, "log": 7,
+               "neg": 8, "abs": 9, "sqrt": 10, "rsqrt": 11, "square": 12, "scale": 13, "add_scalar": 14,
+               "pow": 15, "cast": 16, "fill": 17, "log1p": 18, "expm1": 19, "erf": 20, "sin": 21, "cos": 22,
+               "detach": 16, "floor": 23}
+BINARY_CODES = {"add": 0, "sub": 1, "mul": 2, "div": 3, "maximum": 4, "minimum": 5, "eq": 6, "logaddexp": 7}
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def unary_math(x, arg, OP: tl.constexpr):
+    """Unary op code ``OP`` of ``x`` (already in its compute type), ``arg`` its scalar: the arithmetic of every
+    unary kernel, the fused ones (``triton_fused``) included, so that they compute the same bits."""
+    if OP == 0:
+        y = tl.maximum(x, 0.0)
+    elif OP == 1:
+        y = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+    elif OP == 2:
+        y = 0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+    elif OP == 3:
+        y = x * tl.sigmoid(x)
+    elif OP == 4:
+        y = tl.sigmoid(x)
+    elif OP == 5:
+        y = _tanh(x)
+    elif OP == 6:
+        y = tl.exp(x)
+    elif OP == 7:
+        y = tl.log(x)
+    elif OP == 8:
+        y = -x
+    elif OP == 9:
+        y = tl.abs(x)
+    elif OP == 10:
+        y = tl.sqrt(x)
+    elif OP == 11:
+        y = tl.rsqrt(x)
+    elif OP == 12:
+        y = x * x
+    elif OP == 13:
+        y = x * arg
+    elif OP == 14:
+        y = x + arg
+    elif OP == 15:
+        y = tl.exp2(arg * tl.log2(x))
+    elif OP == 17:
+        y = tl.zeros_like(x) + arg
+    elif OP == 18:  # log(1 + x) with the rounding of 1 + x corrected (Goldberg's formula), plain log far from 0
+        u = 1.0 + x
+        y = tl.where(u == 1.0, x, tl.where(tl.abs(x) > 1.0, tl.log(u), tl.log(u) * (x / (u - 1.0))))
+    elif OP == 19:  # exp(x) - 1 with the same correction through u = exp(x), plain exp(x) - 1 far from 0
+        u = tl.exp(x)
+        y = tl.where(u == 1.0, x, tl.where(tl.abs(x) > 1.0, u - 1.0, (u - 1.0) * (x / tl.log(u))))
+    elif OP == 20:
+        y = tl.erf(x)
+    elif OP == 21:
+        y = tl.sin(x)
+    elif OP == 22:
+        y = tl.cos(x)
+    elif OP == 23:
+        y = tl.floor(x)
+    else:
+        y = x
+    return y
+
+
+@triton.jit
+def _unary_kernel(x_ptr, out_ptr, n, arg, OP: tl.constexpr, BLOCK_SIZE: tl.constexpr, ACC: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0).to(ACC)
+    y = unary_math(x, arg, OP)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _cast_kernel(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def unary(x: DevBuf, out: DevBuf, op: str, arg: float = 0.0) -> None:
+    """out = op(x) elementwise on contiguous views (``cast`` converts exactly, without fp32)."""
+    n = x.size
+    if not n:
+        return
+    grid = (triton.cdiv(n, BLOCK),)
+    if op == "cast":
+        _cast_kernel[grid](Ptr(x), Ptr(out), n, BLOCK_SIZE=BLOCK)
+    else:
+        _unary_kernel[grid](Ptr(x), Ptr(out), n, float(arg), OP=UNARY_CODES[op], BLOCK_SIZE=BLOCK,
+                            ACC=acc_type(out.dtype))
+
+
+@triton.jit
+def binary_math(x, y, OP: tl.constexpr, ACC: tl.constexpr):
+    """Binary op code ``OP`` of ``x`` and ``y`` (already in the compute type ``ACC``): the arithmetic of every
+    binary kernel, the fused ones included."""
+    if OP == 0:
+        r = x + y
+    elif OP == 1:
+        r = x - y
+    elif OP == 2:
+        r = x * y
+    elif OP == 3:
+        r = x / y
+    elif OP == 4:
+        r = tl.maximum(x, y)
+    elif OP == 5:
+        r = tl.minimum(x, y)
+    elif OP == 6:
+        r = tl.where(x == y, 1.0, 0.0).to(ACC)
+    else:  # log(e^x + e^y), -inf where both are
+        top = tl.maximum(x, y)
+        safe = tl.where(top == float("-inf"), 0.0, top)
+        r = tl.where(top == float("-inf"), top, safe + tl.log(tl.exp(x - safe) + tl.exp(y - safe)))
+    return r
+
+
+@triton.jit
+def _binary_kernel(x_ptr, y_ptr, out_ptr, n, size_1, size_2, size_3,
+                   sx0, sx1, sx2, sx3, sy0, sy1, sy2, sy3, so0, so1, so2, so3,
+                   OP: tl.constexpr, BLOCK_SIZE: tl.constexpr, ACC: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offs < n
+    i0, i1, i2, i3 = index4(offs, size_1, size_2, size_3)
+    x = tl.load(x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2 + i3 * sx3, mask=mask).to(ACC)
+    y = tl.load(y_ptr + i0 * sy0 + i1 * sy1 + i2 * sy2 + i3 * sy3, mask=mask).to(ACC)
+    r = binary_math(x, y, OP, ACC)
+    tl.store(out_ptr + i0 * so0 + i1 * so1 + i2 * so2 + i3 * so3, r.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def binary(x: DevBuf, y: DevBuf, out: DevBuf, op: str) -> None:
+    """out = x op y with NumPy broadcasting (x and y broadcast to out's shape); any strides, so the ⊕ of
+    an exchange reads atoms and writes pieces in place inside larger blocks (out may alias x)."""
+    n = out.size
+    if not n:
+        return
+
+    def bstrides(v: DevBuf) -> tuple[int, ...]:  # stride 0 along broadcast dimensions
+        pad = len(out.shape) - len(v.shape)
+        res = []
+        for i, n_out in enumerate(out.shape):
+            if i < pad or (v.shape[i - pad] == 1 and n_out != 1):
+                res.append(0)
+            else:
+                res.append(v.strides[i - pad])
+        return tuple(res)
+
+    sizes = (itemsize(out.dtype), itemsize(x.dtype), itemsize(y.dtype))
+    for offs, shape, (so, sx, sy) in outer_split(out.shape, (out.strides, bstrides(x), bstrides(y)), 4):
+        po, px, py = (Ptr(v.ptr + o * size, v.dtype) for v, o, size in zip((out, x, y), offs, sizes))
+        m = shape[0] * shape[1] * shape[2] * shape[3]
+        _binary_kernel[(triton.cdiv(m, BLOCK),)](px, py, po, m, shape[1], shape[2], shape[3], *sx, *sy, *so,
+                                                OP=BINARY_CODES[op], BLOCK_SIZE=BLOCK,
+                                                ACC=acc_type(out.dtype, exact_ints=True))
+
+
+@triton.jit
+def _swiglu_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr, ACC: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offs < n
+    a = tl.load(a_ptr + offs, mask=mask).to(ACC)
+    b = tl.load(b_ptr + offs, mask=mask).to(ACC)
+    tl.store(out_ptr + offs, (a * tl.sigmoid(a) * b).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def swiglu(a: DevBuf, b: DevBuf, out: DevBuf) -> None:
+    """out = silu(a) * b in one pass."""
+    n = out.size
+    if n:
+        _swiglu_kernel[(triton.cdiv(n, BLOCK),)](Ptr(a), Ptr(b), Ptr(out), n, BLOCK_SIZE=BLOCK,
+                                                 ACC=acc_type(out.dtype))

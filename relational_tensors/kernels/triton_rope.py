@@ -1,0 +1,66 @@
+"""Rotary embedding on x[batch, seq, heads, d_head] with positions from the block's offset; the inverse
+rotation (the angles negated) is the gradient of a rotation."""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+from relational_tensors.kernels.common import DevBuf, Ptr, acc_type
+
+__all__ = ["rope"]
+
+BLOCK_S = 32  # (batch, position) rows per program; the angles of a row serve all its heads
+
+
+@triton.jit
+def _rope_kernel(x_ptr, out_ptr, start_ptr, n_pos, seq, heads, half, s_offset, log2_base, heads_per,
+                 BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, INVERSE: tl.constexpr, ACC: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    groups = tl.cdiv(heads, heads_per)
+    p = (pid // groups) * BLOCK_S + tl.arange(0, BLOCK_S)  # flattened (batch, position)
+    h0 = (pid % groups) * heads_per
+    pmask = p < n_pos
+    pos_abs = s_offset + p % seq
+    pos = (pos_abs - tl.load(start_ptr + pos_abs, mask=pmask, other=0)).to(tl.float64)
+    i = tl.arange(0, BLOCK_H)
+    imask = i < half
+    inv = tl.exp2(-(2.0 * i.to(tl.float64) / (2 * half)) * log2_base)
+    # the angle in float64, reduced to [0, 2pi) there, so long sequences keep their precision; once per
+    # position and frequency, then applied to every head of this program
+    ang = pos[:, None] * inv[None, :]
+    two_pi = 6.283185307179586
+    ang = (ang - two_pi * tl.floor(ang / two_pi)).to(tl.float32)
+    c = tl.cos(ang).to(ACC)
+    sn = tl.sin(ang).to(ACC)
+    if INVERSE:
+        sn = -sn
+    mask = pmask[:, None] & imask[None, :]
+    row = p[:, None] * (heads * 2 * half) + i[None, :]
+    for j in range(0, heads_per):
+        h = h0 + j
+        hmask = mask & (i * 0 + h < heads)[None, :]  # compared as a vector (Triton's interpreter needs it)
+        base = row + h * (2 * half)
+        x1 = tl.load(x_ptr + base, mask=hmask, other=0.0).to(ACC)
+        x2 = tl.load(x_ptr + base + half, mask=hmask, other=0.0).to(ACC)
+        tl.store(out_ptr + base, (x1 * c - x2 * sn).to(out_ptr.dtype.element_ty), mask=hmask)
+        tl.store(out_ptr + base + half, (x2 * c + x1 * sn).to(out_ptr.dtype.element_ty), mask=hmask)
+
+
+def rope(x: DevBuf, out: DevBuf, seq_start: DevBuf, s_offset: int, base: float, inverse: bool = False) -> None:
+    """Rotate-half RoPE of contiguous x; ``seq_start[p]`` is the start of the packed sequence holding
+    absolute position p (all zeros without packing); x's positions start at ``s_offset``; ``inverse``
+    rotates by the negated angles."""
+    b, s, h, d = x.shape
+    n_pos = b * s
+    if n_pos and h:
+        half = d // 2
+        blocks = triton.cdiv(n_pos, BLOCK_S)
+        # enough programs to fill the GPU (about 1024), as many heads per program as that allows
+        heads_per = max(1, min(h, blocks * h // 1024))
+        grid = (blocks * triton.cdiv(h, heads_per),)
+        _rope_kernel[grid](Ptr(x), Ptr(out), Ptr(seq_start), n_pos, s, h, half, s_offset, math.log2(base), heads_per,
+                           BLOCK_S=BLOCK_S, BLOCK_H=triton.next_power_of_2(max(half, 1)), INVERSE=bool(inverse),
+                           ACC=acc_type(x.dtype))
