@@ -258,7 +258,7 @@ g = rt.Graph(); x = g.input('x', [9, 4], 'float64'); w = g.state('w', [4, 3], 'f
 loss = g.save(g.sum(g.unary(g.matmul(x, w), 'square'), axis=(0, 1)), name='loss')
 opt = rt.optim.sgd(g, [w], g.grad(loss, [w]), lr=0.1, momentum=0.9)
 """
-SAVED = "path = os.path.join(TMP, 'mm.plan'); rt.compileGraph(mm(), device='cpu:3').save(path)\n"
+SAVED = "path = os.path.join(TMP, 'mm.plan'); rt.save_plan(rt.compileGraph(mm(), device='cpu:3'), path)\n"
 PHASED = """
 g = mm(); y = g.tensor(g.outputs['y']); c = g.input('cot', [10, 5]); (d,) = g.vjp(y, c, [g.tensor(g.node('w').id)])
 g.save(d, name='dw'); cg = rt.compileGraph(g, device='cpu:2', second_phase_inputs=['cot'])
@@ -296,7 +296,7 @@ PLANS = {
                                      "rt.load_plan(path, mm())",
     "load a missing plan": "rt.load_plan(os.path.join(TMP, 'missing.plan'), mm())",
     "load a plan for no graph": SAVED + "rt.load_plan(path, None)",
-    "save a plan nowhere": "c2(mm()).save(os.path.join(TMP, 'no', 'such', 'dir.plan'))",
+    "save a plan nowhere": "rt.save_plan(c2(mm()), os.path.join(TMP, 'no', 'such', 'dir.plan'))",
     "dist outside a launch": "[os.environ.pop(v, None) for v in ('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')]; "
                              "rt.compileGraph(mm(), device='dist')",
     "timeout without dist": "rt.compileGraph(mm(), device='cpu:2', timeout=5)",

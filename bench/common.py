@@ -34,7 +34,7 @@ import numpy as np
 import relational_tensors as rt
 from relational_tensors.graph.graph import Graph
 from relational_tensors.graph.models import LLAMA3_8B, llama_block, matrix_chain
-from relational_tensors.machine.topology import get_topology
+from relational_tensors.machine.machines import get_topology
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"

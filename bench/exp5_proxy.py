@@ -40,7 +40,7 @@ def main() -> None:
     setups = common.setups(args.quick)
 
     from relational_tensors.machine.kernel_model import KernelModel
-    from relational_tensors.machine.topology import get_topology
+    from relational_tensors.machine.machines import get_topology
 
     source = KernelModel.from_calibration(get_topology(TOPOLOGY), None).source
     calibrated_note = (

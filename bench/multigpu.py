@@ -513,7 +513,7 @@ def _train_tables(report: Report, ours_data: dict[str, Any], base: dict[int, dic
 def _against_builtin(measured: Topology, topo_txt: str | None, builtin: str = "hgx-h200") -> str:
     """The built-in topology the planner assumes, checked against the measured one and ``nvidia-smi topo -m``:
     per-pair link bandwidth and HBM rate as ratios, and whether every GPU pair is on NVLink."""
-    from relational_tensors.machine.topology import get_topology
+    from relational_tensors.machine.machines import get_topology
 
     n = len(measured.sites)
     ref = get_topology(builtin, gpus=n) if n <= 8 else get_topology(builtin)

@@ -23,7 +23,7 @@ from common import write_table  # bench/common.py (scripts run from the reposito
 
 import relational_tensors as rt
 from relational_tensors.graph.models import LLAMA3_8B, llama_block, matrix_chain
-from relational_tensors.machine.topology import get_topology
+from relational_tensors.machine.machines import get_topology
 
 MACHINES = ("hgx-h200", "2x-hgx-h200-ib", "4x-hgx-h200-ib", "h200-nvl72", "gb200-nvl72")
 NODE = {"hgx-h200": 8, "2x-hgx-h200-ib": 8, "4x-hgx-h200-ib": 8, "h200-nvl72": 72, "gb200-nvl72": 72}

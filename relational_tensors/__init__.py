@@ -10,6 +10,10 @@ import logging as _logging
 import relational_tensors.dp_optimizer.plans as plans
 import relational_tensors.graph.optim as optim
 from relational_tensors._version import __version__ as __version__
+from relational_tensors.api.compile import compile as compile
+from relational_tensors.api.compile import compileGraph as compileGraph
+from relational_tensors.api.compile import load_plan as load_plan
+from relational_tensors.api.compile import save_plan as save_plan
 from relational_tensors.api.parallelize import ParallelModule as ParallelModule
 from relational_tensors.api.parallelize import parallelize as parallelize
 from relational_tensors.api.training import TrainStep as TrainStep
@@ -29,11 +33,8 @@ from relational_tensors.core.types import Box as Box
 from relational_tensors.core.types import Interval as Interval
 from relational_tensors.core.types import TensorType as TensorType
 from relational_tensors.core.types import tensorDesc as tensorDesc
-from relational_tensors.driver.compiler import CompiledGraph as CompiledGraph
-from relational_tensors.driver.compiler import compile as compile
-from relational_tensors.driver.compiler import compileGraph as compileGraph
+from relational_tensors.driver.compiled import CompiledGraph as CompiledGraph
 from relational_tensors.driver.options import CompileOptions as CompileOptions
-from relational_tensors.driver.plan_file import load_plan as load_plan
 from relational_tensors.errors import CatalogError as CatalogError
 from relational_tensors.errors import CommandError as CommandError
 from relational_tensors.errors import ExchangeError as ExchangeError
@@ -60,7 +61,7 @@ __all__ = [
     "Aggregation", "SUM", "MAX", "MIN", "LSE", "AGGREGATIONS", "OPERATORS",
     "RelationalTensorsError", "GraphError", "SpecError", "PlanError", "OutOfMemoryPlanError",
     "ExchangeError", "ExecError", "CatalogError", "CommandError",
-    "compileGraph", "compile", "CompiledGraph", "load_plan", "CompileOptions", "Target",
+    "compileGraph", "compile", "CompiledGraph", "load_plan", "save_plan", "CompileOptions", "Target",
     "from_torch", "parallelize", "TorchGraph", "ParallelModule", "optim", "plans", "train_step", "TrainStep",
 ]
 

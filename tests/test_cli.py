@@ -198,7 +198,7 @@ def test_simulate_prints_seconds(models: Path) -> None:
 
 
 def test_topology_from_a_json_file(models: Path, tmp_path: Path) -> None:
-    from relational_tensors.machine.topology import get_topology
+    from relational_tensors.machine.machines import get_topology
 
     (tmp_path / "a100.json").write_text(get_topology("dgx-a100").to_json())
     by_file = json.loads(ok(run_cli("simulate", models / "mlp.py", "--topology", tmp_path / "a100.json", "--json")))

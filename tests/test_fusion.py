@@ -40,15 +40,9 @@ from relational_tensors.core.dtypes import itemsize, numpy_dtype  # noqa: E402
 from relational_tensors.graph.models import llama_training_feeds, llama_training_graph  # noqa: E402
 from relational_tensors.graph.optim import adamw  # noqa: E402
 from relational_tensors.kernels.common import contiguous_strides  # noqa: E402
+from relational_tensors.kernels.fused_expr import FusedExpr  # noqa: E402
 from relational_tensors.physical.tasks import TaskDAG  # noqa: E402
-from relational_tensors.runtime.fusion import (  # noqa: E402
-    FusedExpr,
-    FusedSchedule,
-    FusionGroup,
-    fusion_enabled,
-    fusion_groups,
-    fusion_plan,
-)
+from relational_tensors.runtime.fusion import FusedSchedule, FusionGroup, fusion_enabled, fusion_groups, fusion_plan  # noqa: E402
 from relational_tensors.runtime.memory_plan import (  # noqa: E402
     SIBLINGS,
     MemoryPlan,

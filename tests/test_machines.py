@@ -9,8 +9,8 @@ import pytest
 import relational_tensors as rt
 from relational_tensors.errors import ExchangeError
 from relational_tensors.machine.kernel_model import KernelModel
-from relational_tensors.machine.machines import from_builder, rails
-from relational_tensors.machine.topology import TOPOLOGIES, Topology, get_topology
+from relational_tensors.machine.machines import TOPOLOGIES, get_topology
+from relational_tensors.machine.topology import Topology, from_builder, rails
 
 
 def test_the_shipped_machines_are_registered_with_their_figures() -> None:

@@ -353,7 +353,7 @@ def _grid(rows: int, cols: int, n: int = 64) -> tuple:
 @pytest.fixture(scope="module")
 def kernels():
     from relational_tensors.machine.kernel_model import KernelModel
-    from relational_tensors.machine.topology import get_topology
+    from relational_tensors.machine.machines import get_topology
 
     return KernelModel(get_topology("dgx-a100"))
 

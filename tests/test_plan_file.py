@@ -1,4 +1,4 @@
-"""Plans saved and reloaded (``cg.save``, ``rt.load_plan``): the same program without planning again,
+"""Plans saved and reloaded (``rt.save_plan``, ``rt.load_plan``): the same program without planning again,
 bit-identical results, the catalog rows restored, and every file or graph that does not match refused."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def test_a_reloaded_plan_is_the_same_program_and_gives_the_same_bits(tmp_path: P
                                                                      options: dict) -> None:
     g = llama_block(2, 24, 32, 4, 2, 40)
     cg = rt.compileGraph(g, device=f"cpu:{p}", **options)
-    cg.save(tmp_path / "block.plan")
+    rt.save_plan(cg, tmp_path / "block.plan")
     again = rt.load_plan(tmp_path / "block.plan", g)
     assert again.graph is g and again.plan.choice == cg.plan.choice
     assert again.exchange_programs() == cg.exchange_programs() and again.memory() == cg.memory()
@@ -40,7 +40,7 @@ def test_a_reloaded_plan_is_the_same_program_and_gives_the_same_bits(tmp_path: P
 def test_a_reloaded_training_step_keeps_training_bit_for_bit(tmp_path: Path) -> None:
     g = llama_training_graph(2, 16, 32, 4, 2, 48, 64, optimizer="adamw")
     cg = rt.compileGraph(g, device="cpu:4", keep_states="sharded")
-    cg.save(tmp_path / "step.plan")
+    rt.save_plan(cg, tmp_path / "step.plan")
     again = rt.load_plan(tmp_path / "step.plan", g)
     feeds = llama_training_feeds(g)
     states = [n.name for n in g.inputs if n.role == "state"]
@@ -69,7 +69,7 @@ def test_a_plan_loads_into_a_catalog_file_as_a_new_compilation(tmp_path: Path) -
 def test_a_plan_for_another_graph_or_a_damaged_file_is_refused(tmp_path: Path) -> None:
     g = llama_block(1, 16, 32, 4, 2, 40)
     path = tmp_path / "b.plan"
-    rt.compileGraph(g, device="cpu:2").save(path)
+    rt.save_plan(rt.compileGraph(g, device="cpu:2"), path)
     for other in (llama_block(1, 17, 32, 4, 2, 40), llama_block(1, 16, 32, 4, 2, 40, eps=1e-6)):
         with pytest.raises(rt.PlanError, match="made for another graph"):
             rt.load_plan(path, other)
@@ -96,4 +96,4 @@ def test_a_plan_for_another_graph_or_a_damaged_file_is_refused(tmp_path: Path) -
     with pytest.raises(rt.GraphError, match="rt.Graph"):
         rt.load_plan(path, "g")  # type: ignore[arg-type]
     with pytest.raises(rt.PlanError, match="cannot write"):
-        rt.compileGraph(g, device="cpu:2").save(tmp_path / "no" / "such" / "dir.plan")
+        rt.save_plan(rt.compileGraph(g, device="cpu:2"), tmp_path / "no" / "such" / "dir.plan")

@@ -12,7 +12,7 @@ from relational_tensors.exchange.closure import check
 from relational_tensors.exchange.simulator import simulate
 from relational_tensors.exchange.text import parse
 from relational_tensors.graph.models import LLAMA3_8B, llama_block
-from relational_tensors.machine.topology import get_topology
+from relational_tensors.machine.machines import get_topology
 from relational_tensors.physical.simulate import _busy_cost, _compute_cost, simulate_plan
 
 A100 = get_topology("dgx-a100")

@@ -25,7 +25,8 @@ from relational_tensors.exchange.searcher import Searcher, make_searcher
 from relational_tensors.exchange.simulator import simulate
 from relational_tensors.exchange.text import parse, to_text
 from relational_tensors.graph.models import LLAMA3_8B, llama_block, llama_feeds
-from relational_tensors.machine.topology import Route, Topology, get_topology
+from relational_tensors.machine.machines import get_topology
+from relational_tensors.machine.topology import Route, Topology
 from relational_tensors.physical.lower import lower
 from relational_tensors.physical.simulate import simulate_plan
 from relational_tensors.physical.tasks import liveness

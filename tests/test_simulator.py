@@ -17,7 +17,8 @@ from relational_tensors.exchange.ast import Action, ExProg, InAtom, Partition, R
 from relational_tensors.exchange.closure import memberships
 from relational_tensors.exchange.simulator import MAX_EXHAUSTIVE, SimResult, simulate
 from relational_tensors.machine.flows import FlowNetwork
-from relational_tensors.machine.topology import DGX1V_LINKS, TOPOLOGIES, Topology, get_topology, multi_node
+from relational_tensors.machine.machines import TOPOLOGIES, get_topology
+from relational_tensors.machine.topology import DGX1V_LINKS, Topology, multi_node
 
 GB = 1e9
 # DGX-A100
@@ -431,7 +432,7 @@ def test_get_topology_shrinks_and_errors():
 
 
 def test_multi_node_of_v100_renames_per_server_resources():
-    t = multi_node("dgx-v100", 2, 12.5e9)
+    t = multi_node(get_topology("dgx-v100"), 2, 12.5e9)
     assert t.route(8, 11).resources == ("nvlink(8->11)",)
     assert t.route(8, 13).resources == ("pcie-bridge[node 1]",)
     assert t.route(0, 8).resources == ("node_out[0]", "node_in[1]")

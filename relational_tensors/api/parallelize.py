@@ -237,7 +237,7 @@ class ParallelModule:
         input names) appended, compiled like the forward in two phases: the cotangents, inputs
         ``cot.<output>``, are loaded for the second."""
         if wrt not in self._backwards:
-            from relational_tensors.driver.compiler import compileGraph
+            from relational_tensors.api.compile import compileGraph
 
             g = _prune(self._differentiable())  # a copy to append the gradient to (nodes are shared)
             outs = [n for kind, n in g.output_leaves if kind == "saved"
@@ -354,7 +354,7 @@ def parallelize(module: Any, example_inputs: Any, device: Any = None, **compile_
     ``device`` and ``compile_options`` are those of ``rt.compileGraph`` (``"cpu:N"``,
     a GPU count or list, ``selector=``, ``cost_model=``, ``memory_per_device=``, ...).
     """
-    from relational_tensors.driver.compiler import compileGraph
+    from relational_tensors.api.compile import compileGraph
 
     graph = from_torch(module, example_inputs)
     return ParallelModule(graph, compileGraph(graph, device=device, **compile_options), module, example_inputs,

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from relational_tensors.api.compile import compileGraph
 from relational_tensors.core.dtypes import FLOAT_DTYPES
-from relational_tensors.driver.compiler import compileGraph
 from relational_tensors.errors import ExecError, GraphError
 from relational_tensors.frontend.torch.convert import _torch, numpy_to_torch, torch_to_numpy
 from relational_tensors.frontend.torch.translator import TorchGraph, draw_rng, from_torch

@@ -214,7 +214,7 @@ def prepare(con: duckdb.DuckDBPyConnection, path: str, schema: Schema, schema_sq
         steps.append(views_sql(views_text, temp=False, shown=SHOWN))
         steps += [f"COMMENT ON VIEW {v} IS '{_MARK} (catalog version {VERSION})'" for v in VIEWS]
     if found.version != VERSION:  # every table and column carries its meaning (catalog.dictionary)
-        from relational_tensors.catalog.dictionary import comment_statements
+        from relational_tensors.catalog.comments import comment_statements
 
         steps += comment_statements(schema_sql)
     row: list[object] | None = None

@@ -72,7 +72,7 @@ class _Memory:
         """Attach database ``name`` and create the schema in it with ``con`` (left using it)."""
         con.execute(f"ATTACH ':memory:' AS {name}; USE {name}")
         con.execute(self.schema_sql)
-        from relational_tensors.catalog.dictionary import comment_statements
+        from relational_tensors.catalog.comments import comment_statements
 
         con.execute(";\n".join(comment_statements(self.schema_sql)))
         con.execute(views_sql(self.views_text, temp=False, shown=SHOWN))

@@ -99,7 +99,8 @@ def _device_arg(text: str | None) -> object:
 
 def _topology_arg(name: str) -> Any:
     """A registered topology name, or the path of a topology JSON file (loaded)."""
-    from relational_tensors.machine.topology import Topology, get_topology
+    from relational_tensors.machine.machines import get_topology
+    from relational_tensors.machine.topology import Topology
 
     if name.endswith(".json") or Path(name).is_file():
         if not Path(name).is_file():
@@ -117,13 +118,15 @@ def _topology_name(topology: Any) -> str:
 
 
 def _compile(args: argparse.Namespace, ui: Ui, graph: Any) -> Any:
-    import relational_tensors as rt
+    from relational_tensors.api.compile import compileGraph, save_plan
+    from relational_tensors.dp_optimizer.plans import PLANS
+    from relational_tensors.machine.target import Target
 
     device = _device_arg(args.devices)
     constraints: dict[str, str] = {}
     if args.hand_plan:
-        p = rt.Target.resolve(device, args.topology_value, args.calibration).p
-        constraints.update(rt.plans.PLANS[args.hand_plan](graph, p))
+        p = Target.resolve(device, args.topology_value, args.calibration).p
+        constraints.update(PLANS[args.hand_plan](graph, p))
     for text in args.constraint:
         target, sep, value = text.partition("=")
         if not sep or not target or not value:
@@ -131,7 +134,7 @@ def _compile(args: argparse.Namespace, ui: Ui, graph: Any) -> Any:
                                f"attention=heads_kv=8 or x=S(0)); got {text!r}.")
         constraints[target] = value
     with ui.compiling(f"planning {len(graph.operators)} operators for {device or 'every GPU'}"):
-        cg = rt.compileGraph(graph, device=device, selector=args.selector, seed=args.seed,
+        cg = compileGraph(graph, device=device, selector=args.selector, seed=args.seed,
                              cost_model=args.cost_model, memory_per_device=args.memory_per_device,
                              catalog=args.catalog, tactic=args.tactic, schedule_mode=args.schedule,
                              topology=args.topology_value, search_budget_s=args.search_budget,
@@ -139,7 +142,7 @@ def _compile(args: argparse.Namespace, ui: Ui, graph: Any) -> Any:
                              calibration=args.calibration, attention=args.attention, refine=not args.no_refine,
                              keep_states=args.keep_states, constraints=constraints or None)
     if args.save_plan:
-        cg.save(args.save_plan)
+        save_plan(cg, args.save_plan)
     return cg
 
 
@@ -168,7 +171,7 @@ def cmd_run(args: argparse.Namespace, ui: Ui) -> int:
     """Plan and run a model file (--devices dist under torchrun: one process per device, rank 0 reports)."""
     import numpy as np
 
-    import relational_tensors as rt
+    from relational_tensors.graph.reference import reference
 
     args.topology_value = _topology_arg(args.topology)
     with ui.status(f"loading {args.file}"), contextlib.redirect_stdout(sys.stderr if ui.json else sys.stdout):
@@ -189,7 +192,7 @@ def cmd_run(args: argparse.Namespace, ui: Ui) -> int:
         outs = {name: np.asarray(cg.offload(name)) for name in graph.outputs}
     ran = time.perf_counter() - t0
     cg.close()  # a distributed run: every rank done, the group torn down before any process exits
-    want = rt.reference(graph, feeds) if args.check else {}
+    want = reference(graph, feeds) if args.check else {}
     rows, ok = [], True
     for name, out in outs.items():
         row = {"output": name, "shape": list(out.shape), "dtype": str(out.dtype),
@@ -504,7 +507,7 @@ def cmd_query(args: argparse.Namespace, ui: Ui) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace, ui: Ui) -> int:
-    name = "relational_tensors.machine.calibrate"
+    name = "relational_tensors.kernels.probes"
     try:
         module = importlib.import_module(name)
     except ModuleNotFoundError as e:
@@ -517,9 +520,10 @@ def cmd_calibrate(args: argparse.Namespace, ui: Ui) -> int:
 def cmd_demo(args: argparse.Namespace, ui: Ui) -> int:
     import numpy as np
 
-    import relational_tensors as rt
+    from relational_tensors.api.compile import compileGraph
     from relational_tensors.driver.visualize import plan_rows, plan_table, show_tiling
     from relational_tensors.graph.models import llama_block, llama_feeds
+    from relational_tensors.graph.reference import reference
 
     topology = _topology_arg(args.topology)
     topo = _topology_name(topology)
@@ -530,7 +534,7 @@ def cmd_demo(args: argparse.Namespace, ui: Ui) -> int:
            "8 query / 2 kv heads, d_ff 704, float32")
     t0 = time.perf_counter()
     with ui.status("planning"):
-        cg = rt.compileGraph(g, device=device, topology=topology)
+        cg = compileGraph(g, device=device, topology=topology)
     planned = time.perf_counter() - t0
     rows = plan_rows(cg)
     if ui.people:
@@ -542,7 +546,7 @@ def cmd_demo(args: argparse.Namespace, ui: Ui) -> int:
     with ui.status(f"running on {cg.p} devices"):
         out = cg.run(feeds)["y"]
     ran = time.perf_counter() - t0
-    ref = rt.reference(g, feeds)["y"]
+    ref = reference(g, feeds)["y"]
     err = float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
     ok = err < 1e-4
     peak = max(cg.memory().values())
@@ -643,7 +647,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from relational_tensors._version import __version__
-    from relational_tensors.machine.topology import TOPOLOGIES
+    from relational_tensors.machine.machines import TOPOLOGIES
 
     parser = _Parser(
         prog=PROG, description="Plan AI computations over many devices as joins followed by aggregations.",

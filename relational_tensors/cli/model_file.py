@@ -84,10 +84,10 @@ def load_model(path: str) -> tuple[Graph, Callable[[], dict[str, Any]]]:
 
         return graph, feeds
     if isinstance(made, (tuple, list)) and len(made) == 2 and _is_torch_module(made[0]):
-        import relational_tensors as rt
+        from relational_tensors.frontend.torch import from_torch
 
         module, example = made
-        traced = rt.from_torch(module, example)
+        traced = from_torch(module, example)
         inputs = tuple(example) if isinstance(example, (tuple, list)) else (example,)
         return traced, lambda: traced.feeds(*inputs)
     raise CommandError(f"{path}: {source} must be an rt.Graph or a (torch.nn.Module, example inputs) pair; "

@@ -22,9 +22,10 @@ from relational_tensors.machine.devices import visible_gpus
 from relational_tensors.machine.target import Target
 from relational_tensors.machine.topology import Topology
 from relational_tensors.physical.simulate import PlanSimResult
+from relational_tensors.runtime import Ranks, executor_for
 
 if TYPE_CHECKING:
-    from relational_tensors.driver.compiler import _State
+    from relational_tensors.driver.state import CompileState
 
 __all__ = ["CompiledGraph"]
 
@@ -32,7 +33,7 @@ __all__ = ["CompiledGraph"]
 class CompiledGraph:
     """A graph with its plan, and the catalog that explains it."""
 
-    def __init__(self, state: _State) -> None:
+    def __init__(self, state: CompileState) -> None:
         assert state.plan is not None and state.target is not None
         assert state.lowered is not None and state.live is not None
         self.graph = state.graph
@@ -51,6 +52,7 @@ class CompiledGraph:
         self.dag = state.lowered.dag
         self.live = state.live
         self._executor: Any = None
+        self.ranks: Ranks | None = None  # the process group it runs over, one rank per device (run_on_ranks)
         self._simulations: dict[Any, PlanSimResult] = {}
         self._simulated_issue: Any = None  # how the GPU executor issues the tasks (simulation(), found once)
         self._states: dict[str, np.ndarray] = {}  # host copies of the states no operator assigns
@@ -90,34 +92,21 @@ class CompiledGraph:
     def spec(self, op: str) -> Any:
         return self.plan.spec(op)
 
-    def save(self, path: str | Path) -> None:
-        """Write this compiled plan to ``path``; ``rt.load_plan(path, graph)`` rebuilds it without planning
-        (see ``relational_tensors.driver.plan_file``)."""
-        from relational_tensors.driver.plan_file import save_plan
-
-        save_plan(self, path)
-
     # --- execution -----------------------------------------------------------------
     @property
     def executor(self) -> Any:
-        """The backend that runs this program here (NumPy virtual devices or CuPy GPUs), made on first use."""
+        """The backend that runs this program here (NumPy virtual devices, CuPy GPUs, or this rank's share
+        under ``device="dist"``), made on first use."""
         if self._executor is None:
-            if self.devices.kind == "cpu":
-                from relational_tensors.runtime.numpy_backend import NumpyExecutor
-
-                self._executor = NumpyExecutor(self.dag, self.live)
-            elif visible_gpus() > max(self.devices.physical):
-                from relational_tensors.runtime.cupy_backend import CupyExecutor
-
-                self._executor = CupyExecutor(self.dag, self.live, self.devices,
-                                              attention=self.options.attention)
-            else:
-                raise ExecError(
-                    f"this program was compiled for {self.devices} ({self.target.topology.name}), and no GPU "
-                    "backend can run it here. Compile with device='cpu:N' to run on N virtual CPU devices; "
-                    "simulate() and trace() work for any device."
-                )
+            self._executor = executor_for(self.devices, self.dag, self.live, self.options.attention, self.ranks,
+                                          where=self.target.topology.name)
         return self._executor
+
+    def run_on_ranks(self, ranks: Ranks) -> None:
+        """Run this program as one rank of ``ranks`` (the distributed path: every rank holds the same plan)."""
+        self.ranks = ranks
+        self._executor = None
+        _ = self.executor
 
     def _name(self, tensor: Tensor | str, role: str) -> str:
         """The name of a graph tensor given by handle or by name."""

@@ -3,7 +3,7 @@
 >>> import relational_tensors as rt
 >>> g = rt.Graph(); a = g.input("a", [64, 64]); b = g.input("b", [64, 64])
 >>> _ = g.save(g.matmul(a, b), name="c")
->>> rt.compileGraph(g, device="cpu:8").plan.split("matmul_2")
+>>> run(g, rt.CompileOptions(device="cpu:8")).plan.split("matmul_2")
 'i=2,j=2,k=2'
 """
 
@@ -13,9 +13,8 @@ import gc
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -24,23 +23,23 @@ import pyarrow as pa
 from relational_tensors.catalog import Catalog
 from relational_tensors.core.dtypes import itemsize, partial_dtype
 from relational_tensors.dp_optimizer import repeats
-from relational_tensors.dp_optimizer.candidates import Candidates, build_candidates
-from relational_tensors.dp_optimizer.constraints import Constraints, parse_constraints
+from relational_tensors.dp_optimizer.candidates import build_candidates
+from relational_tensors.dp_optimizer.constraints import parse_constraints
 from relational_tensors.dp_optimizer.costs import cost_model as get_cost_model
 from relational_tensors.dp_optimizer.plan import LogicalPlan
 from relational_tensors.dp_optimizer.select import select_dp, select_exact, select_greedy, select_random
-from relational_tensors.dp_optimizer.trees import Piece, cut_pieces
+from relational_tensors.dp_optimizer.trees import cut_pieces
 from relational_tensors.driver.compiled import CompiledGraph
 from relational_tensors.driver.options import CompileOptions
 from relational_tensors.driver.registry import operator_table
+from relational_tensors.driver.state import CompileState
 from relational_tensors.errors import GraphError, OutOfMemoryPlanError, PlanError
 from relational_tensors.graph.graph import Graph
 from relational_tensors.machine.target import Target
-from relational_tensors.machine.topology import Topology
 from relational_tensors.physical.lower import Lowered, covers, lower, value_blocks
 from relational_tensors.physical.tasks import Liveness, graph_liveness
 
-__all__ = ["compileGraph", "compile", "CompiledGraph", "PASSES"]
+__all__ = ["run", "CompiledGraph", "PASSES"]
 
 # per-pass timings at INFO, each pass's start at DEBUG (with extra fields rt_pass, rt_index and rt_total, which
 # the command line's progress bar reads); the library adds no handler beyond the package's NullHandler
@@ -49,34 +48,9 @@ log = logging.getLogger("relational_tensors.compile")
 _GC_YOUNG = 100_000  # net allocations between collections of the youngest generation while searching (Python: 700)
 
 
-@dataclass
-class _State:
-    graph: Graph
-    options: CompileOptions
-    catalog: Catalog
-    device: object
-    target: Target | None = None
-    limits: dict[int, int] | None = None  # bytes each device may use (None: unknown, unchecked)
-    limit: int | None = None              # the least of them: what a spec's working set must fit
-    cid: int = -1
-    candidates: Candidates | None = None
-    pieces: list[Piece] = field(default_factory=list)
-    cut: dict[tuple[int, int], bool] = field(default_factory=dict)
-    choice: dict[int, int] = field(default_factory=dict)
-    plan: LogicalPlan | None = None
-    lowered: Lowered | None = None
-    live: Liveness | None = None
-    kept: dict[int, str] = field(default_factory=dict)  # assigned state -> how it is kept (default "as read")
-    constraints: Constraints = field(default_factory=Constraints)
-    collect: bool = False  # the caller had Python's cyclic collector on (see compileGraph and _collecting)
-    searched_programs: int = 0  # schedule_mode="search": programs searched, and how many the budget stopped
-    search_timeouts: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
-
-
-def _pass_target(s: _State) -> None:
+def _pass_target(s: CompileState) -> None:
     o = s.options
-    s.target = Target.resolve(s.device, o.topology, o.calibration)
+    s.target = Target.resolve(o.device, o.topology, o.calibration)
     s.limits = _device_memory(s)
     s.limit = min(s.limits.values()) if s.limits else None
     devices = s.target.devices
@@ -93,7 +67,7 @@ def _pass_target(s: _State) -> None:
                                       memory_limit=o.memory_per_device)
 
 
-def _pass_candidates(s: _State) -> None:
+def _pass_candidates(s: CompileState) -> None:
     assert s.target is not None
     model = get_cost_model(s.options.cost_model, s.target)
     s.constraints = parse_constraints(s.graph.nodes, s.options.constraints, s.target.p)
@@ -103,11 +77,11 @@ def _pass_candidates(s: _State) -> None:
                                     layouts=s.constraints.layouts)
 
 
-def _pass_pieces(s: _State) -> None:
+def _pass_pieces(s: CompileState) -> None:
     s.pieces, s.cut = cut_pieces(s.graph, s.options.tactic)
 
 
-def _pass_catalog(s: _State) -> None:
+def _pass_catalog(s: CompileState) -> None:
     g, cat, cid = s.graph, s.catalog, s.cid
     assert s.candidates is not None
     consumers = g.consumers()
@@ -170,7 +144,7 @@ def _pass_catalog(s: _State) -> None:
         cat.insert("edge_prices", s.candidates.arrow_prices(), cid)
 
 
-def _choose(s: _State, memory_price: float = 0.0) -> tuple[dict[int, int], LogicalPlan]:
+def _choose(s: CompileState, memory_price: float = 0.0) -> tuple[dict[int, int], LogicalPlan]:
     """One spec per operator by the options' selector (``memory_price``: per resident byte, DP only)."""
     assert s.candidates is not None
     sel = s.options.selector
@@ -186,11 +160,11 @@ def _choose(s: _State, memory_price: float = 0.0) -> tuple[dict[int, int], Logic
     return choice, LogicalPlan(s.graph, s.candidates, choice, sel, s.options.cost_model)
 
 
-def _pass_select(s: _State) -> None:
+def _pass_select(s: CompileState) -> None:
     s.choice, s.plan = _choose(s)
 
 
-def _pass_check(s: _State) -> None:
+def _pass_check(s: CompileState) -> None:
     """Changes nothing: every operator has one spec of at most p function specs (p unless it is too
     small to split so) whose outputs tile its output."""
     assert s.plan is not None and s.target is not None
@@ -222,7 +196,7 @@ def _collecting(on: bool) -> Iterator[None]:
         gc.set_threshold(*thresholds)
 
 
-def _searched(s: _State, plan: LogicalPlan, naive: Lowered) -> Lowered:
+def _searched(s: CompileState, plan: LogicalPlan, naive: Lowered) -> Lowered:
     """``plan`` lowered with searched exchange programs, unless the whole plan simulates faster with the
     naive ones (``naive``): the search improves each program on its own, and programs that overlap can
     interfere on shared links.  The programs share ``search_total_steps``, weighed by their naive runs in
@@ -253,13 +227,13 @@ def _searched(s: _State, plan: LogicalPlan, naive: Lowered) -> Lowered:
     return searched
 
 
-def _lower(s: _State, plan: LogicalPlan, synthesize: Any = None, kept: dict[int, str] | None = None) -> Lowered:
+def _lower(s: CompileState, plan: LogicalPlan, synthesize: Any = None, kept: dict[int, str] | None = None) -> Lowered:
     """``plan`` lowered under the compilation's kept states (or ``kept``), pinned layouts and phases."""
     return lower(plan, "naive", synthesize, kept=s.kept if kept is None else kept,
                  later=s.options.second_phase_inputs, layouts=s.constraints.layouts, share=repeats.enabled())
 
 
-def _pass_lower(s: _State) -> None:
+def _pass_lower(s: CompileState) -> None:
     assert s.plan is not None
     if s.options.keep_states != "auto":
         s.kept = {state: s.options.keep_states for state in s.graph.assignments}
@@ -267,13 +241,13 @@ def _pass_lower(s: _State) -> None:
     s.lowered = _lower(s, s.plan)
 
 
-def _pass_search(s: _State) -> None:
+def _pass_search(s: CompileState) -> None:
     if s.options.searched:
         assert s.plan is not None and s.lowered is not None
         s.lowered = _searched(s, s.plan, s.lowered)
 
 
-def _device_memory(s: _State) -> dict[int, int] | None:
+def _device_memory(s: CompileState) -> dict[int, int] | None:
     """Bytes each logical device may use: memory_per_device, else what the target has (each GPU's
     memory, an absent machine's from its topology, the host's available memory for CPU devices)."""
     assert s.target is not None
@@ -282,7 +256,7 @@ def _device_memory(s: _State) -> dict[int, int] | None:
     return s.target.memory()
 
 
-def _liveness(s: _State, dag: Any, categories: bool = False) -> Liveness:
+def _liveness(s: CompileState, dag: Any, categories: bool = False) -> Liveness:
     """The liveness of a lowering of the graph, with the kernels' scratch at its task on a GPU target (the
     GPU executor gives it in the arena, alive during its task); CPU devices' NumPy kernels need none."""
     assert s.target is not None
@@ -298,12 +272,12 @@ def _fits(live: Liveness, limits: dict[int, int] | None) -> bool:
     return limits is None or all(live.peak[d] <= limits[d] for d in live.peak)
 
 
-def _pass_liveness(s: _State) -> None:
+def _pass_liveness(s: CompileState) -> None:
     assert s.lowered is not None
     s.live = _liveness(s, s.lowered.dag, categories=True)
 
 
-def _keep_sharded(s: _State, limits: dict[int, int]) -> bool:
+def _keep_sharded(s: CompileState, limits: dict[int, int]) -> bool:
     """Under memory pressure, assigned states are kept sharded (one copy of their value's blocks,
     gathered for each reader during the step, like ZeRO-3/FSDP) instead of as their readers read them:
     first the states whose sharding saves the most bytes on the devices over their limit, until the
@@ -352,7 +326,7 @@ def _keep_sharded(s: _State, limits: dict[int, int]) -> bool:
     return False
 
 
-def _pass_fit_memory(s: _State) -> None:
+def _pass_fit_memory(s: CompileState) -> None:
     """A plan whose peak exceeds a device's memory keeps its assigned states sharded (``_keep_sharded``);
     if that is not enough, a DP plan is re-chosen with a growing price on the graph-input bytes each
     spec keeps resident (a Lagrangian relaxation of the memory constraint), up to eight times, each
@@ -397,7 +371,7 @@ def _pass_fit_memory(s: _State) -> None:
     )
 
 
-def _pass_verify(s: _State) -> None:
+def _pass_verify(s: CompileState) -> None:
     """Changes nothing: every searched exchange program is valid (Definition 5.5) with the membership
     lowering used (a naive one is checked for structure: the lowering fired it and found every
     requirement delivered, which is its closure), every kernel computes its function spec's block on
@@ -460,7 +434,7 @@ def _pass_verify(s: _State) -> None:
                             "value in place.")
 
 
-def _pass_record(s: _State) -> None:
+def _pass_record(s: CompileState) -> None:
     """The physical plan into the catalog: placements, exchange programs and their actions, tasks, edge
     traffic, device memory by category, and the layouts states keep between executions."""
     from relational_tensors.driver.visualize import kept_layouts
@@ -486,7 +460,7 @@ COST_UNITS = {"paper": "elements", "bytes": "bytes", "calibrated": "seconds"}  #
 
 
 # The pipeline, in order, each with the reason it exists.
-PASSES: tuple[tuple[str, Callable[[_State], None], str], ...] = (
+PASSES: tuple[tuple[str, Callable[[CompileState], None], str], ...] = (
     ("target", _pass_target, "resolve the devices, their topology and kernel model once; open a compilation"),
     ("candidates", _pass_candidates, "enumerate and cost every operator's join-agg specs for p"),
     ("pieces", _pass_pieces, "cut the graph at multi-consumer tensors into pieces the DP solves exactly"),
@@ -503,48 +477,11 @@ PASSES: tuple[tuple[str, Callable[[_State], None], str], ...] = (
 )
 
 
-def _constraint_pairs(constraints: Mapping[str, str] | None) -> tuple[tuple[str, str], ...]:
-    if constraints is None:
-        return ()
-    if not isinstance(constraints, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
-                                                        for k, v in constraints.items()):
-        raise GraphError("constraints maps operator names to splits and input or state names to layouts, e.g. "
-                         f"{{'attention': 'heads_kv=8', 'x': 'S(0)', 'wq': 'R'}}; got {constraints!r}.")
-    return tuple(sorted(constraints.items()))
-
-
-def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed: int = 0,
-                 cost_model: str = "paper", memory_per_device: int | None = None,
-                 catalog: str | Path | Catalog | None = None, tactic: str = "tree",
-                 label: str | None = None, schedule_mode: str = "naive",
-                 topology: str | Topology | None = None, search_budget_s: float = 0.5, search_steps: int | None = None,
-                 search_total_steps: int | None = 400,
-                 calibration: str | None = None, attention: str = "triton", refine: bool = True,
-                 keep_states: str = "auto", second_phase_inputs: Any = (),
-                 constraints: Mapping[str, str] | None = None, process_group: Any = None,
-                 timeout: float | None = None, transport: str | None = None) -> CompiledGraph:
-    """Plan ``graph`` for the devices named by ``device`` (see ``relational_tensors.machine.devices``).
-
-    The options are those of :class:`~relational_tensors.driver.options.CompileOptions`, validated once here;
-    ``catalog`` is a path to persist the catalog (default: in memory); ``topology`` None is hgx-h200
-    (under ``device="dist"``: the measured topology file, else the GPUs' kind).  ``device="dist"`` plans for every
-    rank of a torch.distributed launch (``process_group``: the group to run in, default the world;
-    ``timeout``: seconds a rank waits for a transfer; ``transport``: ``nccl`` or ``gloo``, for GPU ranks), see
-    ``relational_tensors.driver.distributed``.
-    """
-    if isinstance(device, str) and device.startswith("dist"):
-        from relational_tensors.driver.distributed import compile_distributed
-
-        return compile_distributed(graph, process_group, timeout, device, transport, selector=selector, seed=seed,
-                                   cost_model=cost_model, memory_per_device=memory_per_device, catalog=catalog,
-                                   tactic=tactic, label=label, schedule_mode=schedule_mode, topology=topology,
-                                   search_budget_s=search_budget_s, search_steps=search_steps,
-                                   search_total_steps=search_total_steps, calibration=calibration,
-                                   attention=attention, refine=refine, keep_states=keep_states,
-                                   second_phase_inputs=second_phase_inputs, constraints=constraints)
-    if process_group is not None or timeout is not None or transport is not None:
-        raise GraphError("process_group=, timeout= and transport= are for device='dist' (one process per device "
-                         f"under torchrun); got device={device!r}.")
+def run(graph: Graph, options: CompileOptions, catalog: str | Path | Catalog | None = None) -> CompiledGraph:
+    """Plan ``graph`` with ``options`` (already validated) on ``options.device``: the passes of ``PASSES`` in
+    order over one :class:`CompileState`; ``catalog`` is where the compilation's rows go (a path to persist
+    them, default: in memory).  Every compilation is a row of the catalog, with why it has no plan if a
+    pass raised."""
     # planning allocates millions of small objects and few cycles, in numbers that grow with the plan: the
     # cyclic collector would only rescan them (a third of a 32-layer compile), so it is off while planning,
     # except while searching exchange programs (_collecting), whose cycles grow with the search's effort
@@ -553,16 +490,6 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
     try:
         if not isinstance(graph, Graph):
             raise GraphError(f"compileGraph takes an rt.Graph; got {type(graph).__name__}.")
-        options = CompileOptions(selector=selector, seed=seed, cost_model=cost_model,
-                                 memory_per_device=memory_per_device, tactic=tactic, label=label,
-                                 schedule_mode=schedule_mode, topology=CompileOptions.default("topology")
-                                 if topology is None else topology, search_budget_s=search_budget_s,
-                                 search_steps=search_steps, search_total_steps=search_total_steps,
-                                 calibration=calibration, attention=attention, refine=refine,
-                                 keep_states=keep_states, second_phase_inputs=frozenset(
-                                     [second_phase_inputs] if isinstance(second_phase_inputs, str)
-                                     else second_phase_inputs),
-                                 constraints=_constraint_pairs(constraints))
         inputs = {n.name for n in graph.inputs}
         strange = sorted(set(options.second_phase_inputs) - inputs)
         if strange:
@@ -574,12 +501,12 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
             raise PlanError("the graph saves no output, so a run would return nothing; save the tensors you want "
                             "back with g.save(t, name=...).")
         cat = catalog if isinstance(catalog, Catalog) else Catalog(catalog)
-        state = _State(graph, options, cat, device, collect=collecting)
+        state = CompileState(graph, options, cat, collect=collecting)
         try:
-            for index, (name, run, _reason) in enumerate(PASSES):
+            for index, (name, run_pass, _reason) in enumerate(PASSES):
                 log.debug("pass %s begins", name, extra={"rt_pass": name, "rt_index": index, "rt_total": len(PASSES)})
                 t0 = time.perf_counter()
-                run(state)
+                run_pass(state)
                 state.timings[name] = time.perf_counter() - t0
                 log.info("pass %-10s %8.3f s", name, state.timings[name])
             assert state.plan is not None
@@ -598,12 +525,3 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
     finally:
         if collecting:
             gc.enable()
-
-
-def compile(graph: Graph, devices: object = None, **options: Any) -> CompiledGraph:
-    """``compileGraph`` with the Pythonic keyword ``devices``."""
-    known = {f.name for f in fields(CompileOptions)} | {"catalog"}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise PlanError(f"unknown compile options {unknown}; the options are {sorted(known)}.")
-    return compileGraph(graph, device=devices, **options)

@@ -5,7 +5,7 @@ plans for as many devices as the group has ranks: every rank checks that it hold
 (equal fingerprints, else every rank refuses before anything runs), rank 0 plans, and the others load
 its plan (``plan_file.dumps``, broadcast) instead of planning again; the point-to-point schedule is
 checked (``physical.p2p``) and each rank gets an executor for its own device
-(``gpu_exec.dist_backend``).  ``cg.load``, ``cg.execute`` and ``cg.offload`` are then called on every
+(``runtime.dist_backend``).  ``cg.load``, ``cg.execute`` and ``cg.offload`` are then called on every
 rank, in the same order.  CPU ranks use gloo.  Where no process group is initialized, the environment
 ``torchrun`` sets (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) initializes one.
 """
@@ -14,10 +14,16 @@ from __future__ import annotations
 
 import datetime
 import os
+from dataclasses import replace
 from typing import Any
 
+from relational_tensors.driver.compiled import CompiledGraph
+from relational_tensors.driver.compiler import run
+from relational_tensors.driver.options import CompileOptions
+from relational_tensors.driver.plan_file import dumps, loads
 from relational_tensors.errors import ExecError, GraphError
 from relational_tensors.graph.graph import Graph
+from relational_tensors.runtime import Ranks
 
 __all__ = ["compile_distributed", "DEFAULT_TIMEOUT_S"]
 
@@ -110,24 +116,23 @@ def _topology(gpu: int | None) -> Any:
     return "hgx-h200"
 
 
-def compile_distributed(graph: Graph, process_group: Any = None, timeout: float | None = None,
-                        kind: str = "dist", transport: str | None = None, **options: Any) -> Any:
+def compile_distributed(graph: Graph, options: CompileOptions, catalog: Any = None, process_group: Any = None,
+                        timeout: float | None = None, transport: str | None = None,
+                        topology_given: bool = True) -> CompiledGraph:
     """The plan of ``graph`` for every rank of the process group, planned once on rank 0 (``options`` as
-    for ``compileGraph``; ``timeout`` in seconds bounds each transfer of a group this call initializes;
-    ``kind`` and ``transport``: see :func:`_gpu`)."""
-    from relational_tensors.driver.compiler import compileGraph
-    from relational_tensors.driver.plan_file import dumps, loads
+    ``compileGraph`` validated them, ``options.device`` one of ``dist``, ``dist:cpu``, ``dist:cuda``; without
+    ``topology_given`` the topology is this machine's, see :func:`_topology`); ``timeout`` in seconds
+    bounds each transfer of a group this call initializes; ``transport``: see :func:`_gpu`."""
     from relational_tensors.physical.p2p import check_schedule
-    from relational_tensors.runtime.dist_backend import DistExecutor
 
     if not isinstance(graph, Graph):
         raise GraphError(f"compileGraph takes an rt.Graph; got {type(graph).__name__}.")
     wait = DEFAULT_TIMEOUT_S if timeout is None else timeout
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait > 0:
         raise GraphError(f"timeout is the seconds a rank waits for a transfer, a positive number; got {timeout!r}.")
-    gpu, transport, sharing = _gpu(kind, transport)
-    if options.get("topology") is None:
-        options["topology"] = _topology(gpu)
+    gpu, transport, sharing = _gpu(str(options.device), transport)
+    if not topology_given:
+        options = replace(options, topology=_topology(gpu))
     dist, group, owned = _group(process_group, float(wait), gpu if transport == "nccl" else None)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     first = 0 if group is None else dist.get_global_rank(group, 0)
@@ -138,13 +143,13 @@ def compile_distributed(graph: Graph, process_group: Any = None, timeout: float 
         raise ExecError(f"rank {rank}: the ranks hold different graphs (ranks {odd} differ from rank 0: another "
                         "name, shape, dtype or operator); every rank must build the same graph.")
     blob: list[Any] = [None]
-    if gpu is not None and options.get("memory_per_device") is None:  # each rank's share of its GPU
+    if gpu is not None and options.memory_per_device is None:  # each rank's share of its GPU
         import cupy
 
-        options["memory_per_device"] = cupy.cuda.Device(gpu).mem_info[1] // sharing
+        options = replace(options, memory_per_device=cupy.cuda.Device(gpu).mem_info[1] // sharing)
     if rank == 0:
         try:  # planned for virtual devices: the same DAG, and no executor built for them here
-            cg = compileGraph(graph, device=f"cpu:{world}", **options)
+            cg = run(graph, replace(options, device=f"cpu:{world}"), catalog)
             blob = [dumps(cg)]
         except Exception as e:  # the other ranks must not wait for a plan that never comes
             blob = [e]
@@ -154,16 +159,7 @@ def compile_distributed(graph: Graph, process_group: Any = None, timeout: float 
     if isinstance(blob[0], Exception):
         raise ExecError(f"rank {rank}: rank 0 could not plan the graph: {blob[0]}") from None
     if rank != 0:
-        cg = loads(blob[0], graph, where="the plan rank 0 sent")
+        cg = loads(blob[0], graph, catalog, where="the plan rank 0 sent")
     check_schedule(cg.dag)
-    if gpu is None:
-        cg._executor = DistExecutor(cg.dag, cg.live, group=group)
-    else:
-        from relational_tensors.machine.devices import parse_devices
-        from relational_tensors.runtime.dist_cupy import DistCupyExecutor
-
-        devices = parse_devices("cuda:" + ",".join([str(gpu)] * world))
-        cg._executor = DistCupyExecutor(cg.dag, cg.live, devices, group, transport,
-                                        attention=options.get("attention", "triton"))
-    cg._executor.owns_group = owned
+    cg.run_on_ranks(Ranks(group, gpu, transport, world, owned))
     return cg

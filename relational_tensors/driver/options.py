@@ -38,8 +38,12 @@ def _choice(default: str, choices: tuple[str, ...], what: str) -> Any:
 
 @dataclass(frozen=True)
 class CompileOptions:
-    """How to plan: the selector, cost model, DP tactic, exchange synthesis, topology and limits.
+    """Where and how to plan: the devices, the selector, cost model, DP tactic, exchange synthesis, topology
+    and limits.
 
+    ``device`` names the devices (``"cpu:N"``, ``"cuda:0,1"``, ``"cuda:0,0,0,0"`` for logical devices of one
+    GPU, a ``DeviceSet``, ``"dist"`` for one process per device under torchrun; None: every visible GPU, else
+    8 virtual CPU devices; see ``machine.devices``);
     ``selector`` is ``dp`` (Algorithm 1, then with ``refine`` a coordinate descent on the whole-plan cost
     across the tensors the DP cuts), ``greedy`` or ``random`` (with ``seed``); ``cost_model`` is
     ``paper`` (elements), ``bytes`` or ``calibrated`` (seconds on ``topology`` with the kernel rates of
@@ -60,6 +64,7 @@ class CompileOptions:
     (name -> ``R``, ``S(d)`` or ``dim=n,...``; see ``dp_optimizer.constraints``).
     """
 
+    device: object = None
     selector: str = _choice("dp", SELECTORS, "selector")
     seed: int = 0
     cost_model: str = _choice("paper", COST_MODEL_NAMES, "cost model")

@@ -1,6 +1,6 @@
 """Compiled plans saved to a file and loaded again without planning.
 
-``cg.save(path)`` writes the compiled program (the logical plan, the lowered task DAG with its exchange
+``rt.save_plan(cg, path)`` writes the compiled program (the logical plan, the lowered task DAG with its exchange
 programs, the liveness and memory plan, the options) and the compilation's catalog rows;
 ``rt.load_plan(path, graph)`` rebuilds the :class:`~relational_tensors.driver.compiler.CompiledGraph` for
 ``graph`` (the graph object the caller holds, so its tensor handles work) after checking that the
@@ -14,7 +14,7 @@ unpickled; like any pickle, load only plan files you trust (your own).
 >>> import os, tempfile, numpy as np, relational_tensors as rt
 >>> g = rt.Graph(); a = g.input("a", [8, 8]); _ = g.save(g.matmul(a, a), name="c")
 >>> path = os.path.join(tempfile.mkdtemp(), "mm.plan")
->>> cg = rt.compileGraph(g, device="cpu:4"); cg.save(path)
+>>> cg = rt.compileGraph(g, device="cpu:4"); rt.save_plan(cg, path)
 >>> again = rt.load_plan(path, g)
 >>> out = again.run({"a": np.eye(8, dtype=np.float32)})["c"]
 >>> again.plan.split("matmul_1") == cg.plan.split("matmul_1"), float(out.trace())
@@ -43,7 +43,7 @@ __all__ = ["save_plan", "load_plan", "dumps", "loads", "FORMAT"]
 MAGIC = b"relational_tensors plan\n"
 FORMAT = 2  # the layout of a plan file (header fields, pickled members); a new layout is a new number
 # remade on load, or empty (nothing is loaded into a loaded plan)
-_SKIP = ("_catalog", "_compilation_id", "_restore", "_executor", "_simulations", "_states")
+_SKIP = ("_catalog", "_compilation_id", "_restore", "_executor", "ranks", "_simulations", "_states")
 
 
 _SLOTS: dict[type, tuple[tuple[str, Any], ...]] = {}
@@ -161,7 +161,7 @@ def _header(data: bytes, where: str) -> tuple[dict[str, Any], int]:
     """The checked header of a plan's bytes, and where its body starts (a file that is not a plan is refused)."""
     if not data.startswith(MAGIC):
         raise PlanError(f"{where} is not a relational_tensors plan file (it does not start with the plan "
-                        "header); write one with cg.save(path).")
+                        "header); write one with rt.save_plan(cg, path).")
     end = data.find(b"\n", len(MAGIC))
     try:
         header = json.loads(data[len(MAGIC):end if end >= 0 else len(data)])
@@ -215,7 +215,7 @@ def loads(data: bytes, graph: Graph, catalog: str | Path | Catalog | None = None
     cg = CompiledGraph.__new__(CompiledGraph)
     vars(cg).update(saved["members"])
     cg._compilation_id, cg._restore = -1, restore  # cg.catalog puts the rows in
-    cg._executor, cg._simulations, cg._states = None, {}, {}
+    cg._executor, cg.ranks, cg._simulations, cg._states = None, None, {}, {}
     if cg.devices.kind == "cuda" and visible_gpus() > max(cg.devices.physical):
         _ = cg.executor  # as compileGraph does: streams and arenas set up (and checked) before the first run
     return cg

@@ -12,7 +12,8 @@ from collections.abc import Iterable
 from relational_tensors.errors import ExchangeError
 from relational_tensors.exchange.ast import ExProg, aggregate_text
 from relational_tensors.exchange.naive import Membership
-from relational_tensors.machine.topology import Route, Topology, get_topology
+from relational_tensors.machine.machines import get_topology
+from relational_tensors.machine.topology import Route, Topology
 
 __all__ = ["lower_bound", "at_bound", "NEAR"]
 

@@ -54,7 +54,8 @@ from relational_tensors.exchange.bound import at_bound, lower_bound
 from relational_tensors.exchange.closure import check, membership_moves, memberships
 from relational_tensors.exchange.naive import Membership, naive_body
 from relational_tensors.exchange.simulator import SimResult, simulate
-from relational_tensors.machine.topology import Topology, get_topology
+from relational_tensors.machine.machines import get_topology
+from relational_tensors.machine.topology import Topology
 
 __all__ = ["SearchResult", "search_program", "lower_bound", "RULES"]
 

@@ -19,7 +19,8 @@ from relational_tensors.exchange.bound import at_bound, lower_bound
 from relational_tensors.exchange.naive import Membership, naive_body
 from relational_tensors.exchange.search import SearchResult, search_program
 from relational_tensors.exchange.simulator import SimResult, simulate
-from relational_tensors.machine.topology import Topology, get_topology
+from relational_tensors.machine.machines import get_topology
+from relational_tensors.machine.topology import Topology
 
 __all__ = ["Searcher", "make_searcher"]
 

@@ -41,7 +41,8 @@ from relational_tensors.errors import ExchangeError
 from relational_tensors.exchange.ast import Action, ExProg, aggregate_text, exact_cover
 from relational_tensors.exchange.closure import free_sites, membership_moves, memberships
 from relational_tensors.machine.flows import FlowNetwork
-from relational_tensors.machine.topology import Topology, get_topology
+from relational_tensors.machine.machines import get_topology
+from relational_tensors.machine.topology import Topology
 
 __all__ = ["TraceEntry", "SimResult", "simulate", "MAX_EXHAUSTIVE"]
 

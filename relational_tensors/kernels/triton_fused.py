@@ -1,4 +1,4 @@
-"""Fused elementwise kernels, generated per expression (``fusion.FusedExpr``) as Triton source.
+"""Fused elementwise kernels, generated per expression (``fused_expr.FusedExpr``) as Triton source.
 
 The source is written as a module file into a cache directory (``$RELATIONAL_TENSORS_CACHE_DIR`` or
 ``~/.cache/relational_tensors``, under ``fused/``), since ``triton.jit`` reads a kernel's source from its
@@ -9,7 +9,7 @@ its value to its block's dtype, as the unfused kernel's store does; a cast conve
 directly, as the cast kernel does.  The kernel is compiled with ``enable_fp_fusion=False``: a multiply of one
 step and an add of the next stay two roundings, as they are when a store separates them.
 
->>> from relational_tensors.runtime.fusion import FusedExpr
+>>> from relational_tensors.kernels.fused_expr import FusedExpr
 >>> e = FusedExpr((("float32", "full"), ("float32", "scalar")), (("binary", "mul", (0, 1), "float32"),),
 ...               ((2, "bfloat16"),))
 >>> print(source(e).split("mask = offs < n")[1].strip())
@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 
 from relational_tensors.kernels.common import DevBuf, Ptr
+from relational_tensors.kernels.fused_expr import SCALAR_OPS, FusedExpr, broadcast_strides, geometry
 from relational_tensors.kernels.triton_elementwise import BINARY_CODES, UNARY_CODES
-from relational_tensors.runtime.fusion import SCALAR_OPS, FusedExpr, broadcast_strides, geometry
 
 __all__ = ["source", "kernel", "prepare", "cache_dir", "BLOCK"]
 

@@ -1,26 +1,21 @@
-"""``relational-tensors calibrate``: measure this GPU's kernels and write a calibration file.
+"""Calibration: how kernels are timed, and the calibration file that the kernel cost model reads.
 
-Times our own kernels (cuBLAS matmuls, the Triton attention kernel, a memory-bound
-elementwise kernel) over a range of sizes with CUDA events (2 warm-ups, 10 rounds), and
-writes the achieved rates as curves (rate against FLOPs or bytes per call) that
-``KernelModel.from_calibration`` -- the whole-plan simulator and ``cost_model="calibrated"``
--- interpolate.
-
-    relational-tensors calibrate [--out calibration.json] [--quick]
+A calibration file holds the achieved rates of our own kernels as curves (rate against FLOPs or bytes
+per call, per family: ``matmul``, ``attention``, ``memory``) that ``KernelModel.from_calibration`` --
+the whole-plan simulator and ``cost_model="calibrated"`` -- interpolate.  ``kernels.probes`` runs the
+kernels (``relational-tensors calibrate``) with :func:`time_cuda` and writes the file with
+:func:`write_calibration`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import statistics
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "measure", "time_cuda", "time_wall"]
+__all__ = ["time_cuda", "time_wall", "median_seconds", "write_calibration"]
 
 
 def time_cuda(fn: Callable[[], None], stream: Any = None, rounds: int = 10, warmups: int = 2) -> list[float]:
@@ -58,77 +53,14 @@ def time_wall(fn: Callable[[], None], rounds: int = 10, warmups: int = 2) -> lis
     return times
 
 
-def _time(fn: Callable[[], None]) -> float:
+def median_seconds(fn: Callable[[], None]) -> float:
     """Seconds: the median of :func:`time_cuda`."""
     return statistics.median(time_cuda(fn)) * 1e-3
 
 
-def measure(quick: bool = False) -> dict:
-    """Measure matmul, attention and memory rates on GPU 0; returns the calibration dict."""
-    import cupy
-    import numpy as np
-
-    from relational_tensors.kernels import triton_elementwise as te
-    from relational_tensors.kernels.blas import matmul
-    from relational_tensors.kernels.common import DevBuf, bind_triton_to_cupy
-    from relational_tensors.kernels.triton_attention import attention
-
-    bind_triton_to_cupy()
-    stream = cupy.cuda.Stream(non_blocking=True)
-
-    def buf(arr: cupy.ndarray, dtype: str = "float16") -> DevBuf:
-        return DevBuf(arr.data.ptr, tuple(arr.shape), dtype, 0)
-
-    curves: dict[str, list[list[float]]] = {"matmul": [], "attention": [], "memory": []}
-    with stream:
-        sizes = [(1024, 1024, 1024), (4096, 4096, 4096), (8192, 8192, 8192)] if quick else [
-            (1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192),
-            (16384, 4096, 4096), (4096, 4096, 14336), (8192, 14336, 4096), (16384, 16384, 16384)]
-        for m, k, n in sizes:
-            a = cupy.random.standard_normal((m, k), dtype=cupy.float32).astype(cupy.float16)
-            b = cupy.random.standard_normal((k, n), dtype=cupy.float32).astype(cupy.float16)
-            c = cupy.empty((m, n), dtype=cupy.float16)
-            mm_args = (buf(a), buf(b), buf(c), stream.ptr)
-            t = _time(partial(matmul, *mm_args))
-            curves["matmul"].append([2.0 * m * n * k, 2.0 * m * n * k / t])
-        # up to the 128K-token sequence of the paper's largest workload: the rate still changes past 32K
-        for seq in ([1024, 8192] if quick else [1024, 4096, 8192, 32768, 131072]):
-            hq, hkv, d = 32, 8, 128
-            q = cupy.random.standard_normal((1, seq, hq, d), dtype=cupy.float32).astype(cupy.float16)
-            k = cupy.random.standard_normal((1, seq, hkv, d), dtype=cupy.float32).astype(cupy.float16)
-            v = cupy.random.standard_normal((1, seq, hkv, d), dtype=cupy.float32).astype(cupy.float16)
-            o = cupy.empty_like(q)
-            rows = np.arange(seq)
-            lo = cupy.asarray(np.zeros(seq, np.int32))
-            hi = cupy.asarray((rows + 1).astype(np.int32))
-            attn_args = (buf(q), buf(k), buf(v), buf(o), None, buf(lo, "int32"), buf(hi, "int32"), 0, 0,
-                         1 / math.sqrt(d))
-            t = _time(partial(attention, *attn_args))
-            flops = 4.0 * hq * d * seq * (seq + 1) / 2
-            curves["attention"].append([flops, flops / t])
-        for n in ([1 << 22, 1 << 28] if quick else [1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28]):
-            x = cupy.random.standard_normal(n, dtype=cupy.float32).astype(cupy.float16)
-            y = cupy.empty_like(x)
-            unary_args = (buf(x), buf(y), "relu")
-            t = _time(partial(te.unary, *unary_args))
-            curves["memory"].append([4.0 * n, 4.0 * n / t])
-    props = cupy.cuda.runtime.getDeviceProperties(0)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-    return {"gpu": name, "source": "relational-tensors calibrate: our kernels, CUDA events, median of 10 rounds",
+def write_calibration(curves: dict[str, list[list[float]]], gpu: str, out: str | Path) -> dict:
+    """Write a calibration file of ``curves`` measured on ``gpu`` to ``out``; returns what it wrote."""
+    data = {"gpu": gpu, "source": "relational-tensors calibrate: our kernels, CUDA events, median of 10 rounds",
             "curves": curves}
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="relational-tensors calibrate", description=__doc__)
-    ap.add_argument("--out", default="calibration.json")
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args(argv)
-    from relational_tensors.errors import ExecError
-    from relational_tensors.machine.devices import visible_gpus
-
-    if visible_gpus() == 0:
-        raise ExecError("calibration measures a GPU, and none is visible (CuPy and a CUDA driver are needed).")
-    data = measure(args.quick)
-    Path(args.out).write_text(json.dumps(data, indent=2))
-    print(f"wrote {args.out}: " + ", ".join(f"{k} {len(v)} points" for k, v in data["curves"].items()))
-    return 0
+    Path(out).write_text(json.dumps(data, indent=2))
+    return data

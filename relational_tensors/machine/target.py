@@ -22,7 +22,8 @@ from relational_tensors.machine.devices import (
     visible_gpus,
 )
 from relational_tensors.machine.kernel_model import KernelModel
-from relational_tensors.machine.topology import Topology, get_topology
+from relational_tensors.machine.machines import get_topology
+from relational_tensors.machine.topology import Topology
 
 __all__ = ["Target"]
 

@@ -13,11 +13,17 @@ per-link) resource; any other name (``pcie-bridge``, ``node_out[0]``) belongs to
 the server as a whole.  Each GPU also has an HBM resource ``hbm(i)`` at
 ``hbm_bandwidth``, added by :meth:`Topology.capacities`.
 
->>> t = get_topology("dgx-v100")
+A topology file either lists every route (what :meth:`Topology.to_json` writes, and what a measuring
+script produces) or names a *builder* and its parameters, which is how a machine's data sheet reads
+(:func:`from_builder`): ``nvswitch`` (``gpus`` GPUs on one non-blocking switch, ``link_bandwidth``
+bytes/s per GPU and direction) or ``rails`` (``nodes`` copies of the ``base`` machine, every GPU with a
+NIC of its own, rail-aligned: see :func:`rails`).  Both take the GPU's ``hbm_bandwidth``,
+``memory_bytes`` and ``peak_flops`` (``rails`` inherits the base's) and an optional ``chip``: the
+machine whose calibration the GPUs use.  The registry of named machines is ``machine.machines``.
+
+>>> t = dgx_v100()
 >>> t.route(0, 3), t.bandwidth(0, 3), t.bandwidth(0, 1), t.bandwidth(0, 5)
 (Route(resources=('nvlink(0->3)',), latency=2e-06), 50000000000.0, 25000000000.0, 15750000000.0)
->>> get_topology("dgx-a100", gpus=4).sites
-(0, 1, 2, 3)
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import pyarrow as pa
 from relational_tensors.core.numbers import is_integer, is_number
 from relational_tensors.errors import ExchangeError
 
-__all__ = ["Route", "Topology", "TOPOLOGIES", "get_topology", "multi_node", "nvswitch", "pcie_server", "dgx_v100"]
+__all__ = ["Route", "Topology", "multi_node", "nvswitch", "pcie_server", "dgx_v100", "rails", "from_builder"]
 
 GB = 1e9
 GIB = 1 << 30
@@ -328,9 +334,7 @@ def _from_document(doc: object, origin: str) -> Topology:
     fmt = doc.get("format", _FORMAT)
     if fmt != _FORMAT:
         raise ExchangeError(f"unknown topology format {show(fmt)}; expected {_FORMAT!r}.")
-    if "builder" in doc:  # a machine described by its builder's parameters (target/machines.py)
-        from relational_tensors.machine.machines import from_builder
-
+    if "builder" in doc:  # a machine described by its builder's parameters (see from_builder)
         return from_builder(doc)
     name, sites = need("name"), need("sites")
     if not isinstance(sites, list):
@@ -521,7 +525,7 @@ def node_copies(base: Topology, nodes: int, who: str) -> tuple[dict[str, float],
     return resources, routes
 
 
-def multi_node(base: str | Topology, nodes: int, network_bandwidth: float,
+def multi_node(base: Topology, nodes: int, network_bandwidth: float,
                network_latency: float = NETWORK_LATENCY, name: str | None = None) -> Topology:
     """``nodes`` copies of a server joined by a network of ``network_bandwidth`` bytes/s per node and direction.
 
@@ -530,11 +534,11 @@ def multi_node(base: str | Topology, nodes: int, network_bandwidth: float,
     ``egress(src)`` (when the base has it), ``node_out[src node]``,
     ``node_in[dst node]`` and ``ingress(dst)`` (when the base has it).
 
-    >>> t = multi_node("dgx-h100", 2, 50e9)
+    >>> t = multi_node(nvswitch("dgx-h100", 8, 450e9, 3350e9, 80 << 30, {"bfloat16": 989e12}), 2, 50e9)
     >>> t.route(0, 9).resources, t.bandwidth(0, 9)
     (('egress(0)', 'node_out[0]', 'node_in[1]', 'ingress(9)'), 50000000000.0)
     """
-    b = get_topology(base) if isinstance(base, str) else base
+    b = base
     resources, routes = node_copies(b, nodes, "multi_node")
     k = len(b.sites)
     where = f"multi_node of {b.name!r}"
@@ -556,83 +560,66 @@ def multi_node(base: str | Topology, nodes: int, network_bandwidth: float,
                     b.peak_flops, b.launch_latency, resources, routes, b.gpu_machine)
 
 
-def _registry() -> dict[str, Topology]:
-    a100 = {"float16": 312e12, "bfloat16": 312e12, "tf32": 156e12, "float32": 19.5e12}
-    hopper = {"float16": 989e12, "bfloat16": 989e12, "tf32": 494.5e12, "float32": 67e12}
-    tops = [
-        nvswitch("dgx-a100", 8, 300 * GB, 1555 * GB, 40 * GIB, a100),
-        nvswitch("dgx-h100", 8, 450 * GB, 3350 * GB, 80 * GIB, hopper),
-        nvswitch("hgx-h200", 8, 450 * GB, 4800 * GB, 141 * GIB, hopper),
-        dgx_v100(),
-        pcie_server("pcie", 8, 32 * GB, 32 * GB, 1555 * GB, 40 * GIB, a100),
-    ]
-    reg = {t.name: t for t in tops}
-    # 400 Gb/s per node: 50 GB/s each direction.
-    reg["2x-dgx-h100"] = multi_node(reg["dgx-h100"], 2, 50 * GB)
-    from relational_tensors.machine.machines import shipped_machines  # after the builders it uses
+def rails(base: Topology, nodes: int, nic_bandwidth: float, network_latency: float = NETWORK_LATENCY,
+          name: str | None = None) -> Topology:
+    """``nodes`` copies of ``base`` joined by one NIC per GPU, rail-aligned (see the module's text).
 
-    reg.update(shipped_machines(reg))
-    return reg
-
-
-TOPOLOGIES: dict[str, Topology] = _registry()
-
-
-def get_topology(name: str | Topology, gpus: int | None = None) -> Topology:
-    """A registered topology (or the one given, or a JSON file), restricted to its first ``gpus`` sites;
-    a switch topology asked for more GPUs than it has is widened to a larger switch of the same GPUs.
-
-    >>> get_topology("dgx-h100", gpus=2).table().column("bandwidth").to_pylist()
-    [450000000000.0, 450000000000.0]
-    """
-    known = f"known: {sorted(TOPOLOGIES)} (or build one with nvswitch(), multi_node() or Topology.from_json())"
-    if isinstance(name, Topology):
-        top = name
-    elif isinstance(name, str) and name in TOPOLOGIES:
-        top = TOPOLOGIES[name]
-    elif isinstance(name, (str, os.PathLike)) and os.path.isdir(name):
-        raise ExchangeError(f"topology {os.fspath(name)!r} is a directory, not a topology: give a registered "
-                            f"name or the path of a topology JSON file; {known}.")
-    elif isinstance(name, os.PathLike) or (isinstance(name, str) and name.endswith(".json")):
-        if not os.path.exists(name):
-            raise ExchangeError(f"no topology file {os.fspath(name)!r}: it does not exist; give a registered "
-                                f"name or the path of an existing topology JSON file; {known}.")
-        top = Topology.from_json(name)  # a file written by a measuring script
-    elif isinstance(name, str):
-        raise ExchangeError(f"unknown topology {name!r}; {known}.")
-    else:
-        raise ExchangeError(f"a topology is a registered name, a Topology or the path of a topology JSON file; "
-                            f"got {type(name).__name__} {show(name)}; {known}.")
-    if gpus is not None and not is_integer(gpus):
-        raise ExchangeError(f"gpus must be a whole number of GPUs (or None for all of them); got {show(gpus)}.")
-    if gpus is None or gpus == len(top.sites):
-        return top
-    if gpus < 1:
-        raise ExchangeError(f"a topology needs at least one GPU; got gpus={gpus}.")
-    if gpus > len(top.sites):
-        switch = _switch_links(top)
-        if switch is None:
-            raise ExchangeError(
-                f"topology {top.name!r} has {len(top.sites)} GPUs and no switch to widen; got gpus={gpus}. "
-                f"Compile for at most {len(top.sites)} devices, or pass a topology with {gpus} GPUs "
-                "(nvswitch(), multi_node() or Topology.from_json()).")
-        # the same GPUs on a larger non-blocking switch: what a plan for more logical devices than the
-        # machine has GPUs (cpu:16, say) is priced against; the name keeps the GPUs' calibration
-        return nvswitch(top.name, gpus, switch[0], top.hbm_bandwidth, top.memory_bytes, top.peak_flops,
-                        switch[1], top.launch_latency, top.chip)
-    return top.subset(top.sites[:gpus])
+    Site ``node * gpus_per_node + i`` is GPU ``i`` of ``node``; inside a node the base's routes apply."""
+    resources, routes = node_copies(base, nodes, "rails")
+    k = len(base.sites)
+    nic = _positive(f"rails of {base.name!r}", "nic_bandwidth", nic_bandwidth, "bytes/s per NIC and direction")
+    n_sites = nodes * k
+    for s in range(n_sites):
+        resources[f"nic_out({s})"] = nic
+        resources[f"nic_in({s})"] = nic
+    for s in range(n_sites):
+        for d in range(n_sites):
+            if s // k == d // k:
+                continue
+            if s % k == d % k:
+                routes[(s, d)] = Route((f"nic_out({s})", f"nic_in({d})"), network_latency)
+            else:  # to the GPU of the destination's rail inside the source node, then out through its NIC
+                hop = (s // k) * k + d % k
+                inner = routes[(s, hop)]
+                routes[(s, d)] = Route((*inner.resources, f"nic_out({hop})", f"nic_in({d})"),
+                                       inner.latency + network_latency)
+    return Topology(name or f"{nodes}x-{base.name}-rails", tuple(range(n_sites)), base.hbm_bandwidth,
+                    base.memory_bytes, base.peak_flops, base.launch_latency, resources, routes, base.gpu_machine)
 
 
-def _switch_links(top: Topology) -> tuple[float, float] | None:
-    """(link bandwidth, latency) of a uniform non-blocking switch as :func:`nvswitch` builds it;
-    None for any other topology."""
-    sites = top.sites
-    if set(top.resources) != {f"{kind}({i})" for i in sites for kind in ("egress", "ingress")}:
-        return None
-    bandwidths = set(top.resources.values())
-    latencies = {r.latency for r in top.routes.values()}
-    if len(bandwidths) != 1 or len(latencies) > 1:
-        return None
-    if any(r.resources != (f"egress({s})", f"ingress({d})") for (s, d), r in top.routes.items()):
-        return None
-    return bandwidths.pop(), latencies.pop() if latencies else NVLINK_LATENCY
+_BUILDERS = {
+    "nvswitch": ("gpus", "link_bandwidth", "hbm_bandwidth", "memory_bytes", "peak_flops"),
+    "rails": ("base", "nodes", "nic_bandwidth"),
+}
+_OPTIONAL = {"format", "name", "builder", "chip", "notes", "latency", "launch_latency", "network_latency"}
+
+
+def from_builder(doc: Mapping[str, Any], known: Mapping[str, Topology] | None = None) -> Topology:
+    """The topology a builder document describes (the module's text); errors name the field."""
+    builder, name = doc.get("builder"), doc.get("name")
+    if builder not in _BUILDERS:
+        raise ExchangeError(f"unknown builder {show(builder)}; a machine file names one of {sorted(_BUILDERS)}, "
+                            "or lists its routes as Topology.to_json() writes them.")
+    if not isinstance(name, str) or not name:
+        raise ExchangeError(f"a machine file needs a name (a non-empty string); got {show(name)}.")
+    need = _BUILDERS[builder]
+    missing = [k for k in need if k not in doc]
+    extra = sorted(set(doc) - set(need) - _OPTIONAL)
+    if missing or extra:
+        raise ExchangeError(f"the {builder} builder takes {', '.join(need)} (and optionally "
+                            f"{', '.join(sorted(_OPTIONAL - {'format', 'name', 'builder'}))}); got "
+                            f"{'no ' + ', '.join(missing) if missing else ''}"
+                            f"{' and ' if missing and extra else ''}{'unknown ' + ', '.join(extra) if extra else ''}.")
+    chip = doc.get("chip", "")
+    if not isinstance(chip, str):
+        raise ExchangeError(f"chip must be the name of the machine whose GPUs these are; got {show(chip)}.")
+    if builder == "nvswitch":
+        return nvswitch(name, doc["gpus"], doc["link_bandwidth"], doc["hbm_bandwidth"], doc["memory_bytes"],
+                        doc["peak_flops"], doc.get("latency", NVLINK_LATENCY),
+                        doc.get("launch_latency", LAUNCH_LATENCY), chip)
+    base_name = doc["base"]
+    base = (known or {}).get(base_name) if isinstance(base_name, str) else None
+    if base is None:
+        raise ExchangeError(f"the rails builder's base must be a registered machine; got {show(base_name)}. Load "
+                            "the file with get_topology(path), which knows the registered machines.")
+    return rails(base, doc["nodes"], doc["nic_bandwidth"], doc.get("network_latency", NETWORK_LATENCY), name)

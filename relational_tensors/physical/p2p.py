@@ -233,4 +233,4 @@ def check_groups(ranks: Sequence[Sequence[Group]]) -> None:
         at = ", ".join(f"rank {r} at {_describe(next(op for op in ranks[r][pos[r]] if op.task not in done))} in a "
                        f"group of {len(ranks[r][pos[r]])}" for r in stuck[:4])
         raise ExchangeError(f"the point-to-point schedule can deadlock: {at} wait for each other. The ranks' "
-                            "transfers must follow one order; report this with the plan (cg.save).")
+                            "transfers must follow one order; report this with the plan (rt.save_plan).")

@@ -164,7 +164,7 @@ class DistCupyExecutor(Ranks, CupyExecutor):
                 if len(views) != len(buffer_parts(dag.buffers[buf])):
                     raise ExecError(f"copy task {t.id} ({t.label}): buffer {buf} has {len(views)} parts on the GPU "
                                     f"but {len(buffer_parts(dag.buffers[buf]))} messages; report this with the "
-                                    "plan (cg.save).")
+                                    "plan (rt.save_plan).")
                 parts += [_Part(t, send, k, v, None) for k, v in enumerate(views)]
             self.postings.append(_Posting(parts, after, tasks=tasks))
         self.waits, self.events = {}, {}  # the base executor's cross-stream waits: replaced by the above

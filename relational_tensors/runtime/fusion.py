@@ -43,7 +43,6 @@ they are alive at its peak.
 
 from __future__ import annotations
 
-import math
 import os
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -51,7 +50,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from relational_tensors.errors import ExecError
-from relational_tensors.kernels.common import contiguous_strides, merge_dims
+from relational_tensors.kernels.common import contiguous_strides
+from relational_tensors.kernels.fused_expr import SCALAR_OPS, FusedExpr, access, broadcast_strides, geometry
 from relational_tensors.physical.simulate import Issue
 from relational_tensors.physical.tasks import Liveness, Task, TaskDAG
 from relational_tensors.runtime.memory_plan import MemoryPlan, plan_memory, sibling_tasks, view_geometry
@@ -64,7 +64,6 @@ FUSE_ENV = "RELATIONAL_TENSORS_FUSE"  # "0": the executor issues every task on i
 UNARY_OPS = frozenset({"relu", "neg", "abs", "sqrt", "rsqrt", "square", "scale", "add_scalar", "pow", "exp",
                        "sigmoid", "silu", "cast", "fill"})
 BINARY_OPS = frozenset({"add", "sub", "mul", "div", "maximum", "minimum", "eq"})
-SCALAR_OPS = frozenset({"scale", "add_scalar", "pow", "fill"})  # unary ops that read their scalar argument
 DTYPES = frozenset({"float16", "bfloat16", "float32"})
 MAX_SPAN = 512  # the most tasks a group spans, first member to last (bounds the checks' cost)
 
@@ -84,21 +83,6 @@ def fusion_enabled(fuse: bool | None = None) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
-class FusedExpr:
-    """What one fused kernel computes, apart from its buffers, sizes and scalar values (its cache key).
-
-    Values are numbered loads first, then steps.  ``loads``: per operand (dtype, access), access one of
-    ``"full"`` (the group's shape, contiguous), ``"scalar"`` (one element, broadcast) and ``"strided"``;
-    ``steps``: (kind, op, value numbers, dtype of its block), kind ``"unary"``, ``"binary"`` or ``"cast"``;
-    ``stores``: (value number, dtype of the block written).  Each unary op in ``SCALAR_OPS`` takes the
-    next scalar argument."""
-
-    loads: tuple[tuple[str, str], ...]
-    steps: tuple[tuple[str, str, tuple[int, ...], str], ...]
-    stores: tuple[tuple[int, str], ...]
-
-
-@dataclass(frozen=True, slots=True)
 class FusionGroup:
     """Tasks issued as one fused kernel at the place of the last: ``operands`` are the buffers it reads (in
     the order of ``expr.loads``), ``outputs`` those it writes (``expr.stores``), ``args`` its scalars."""
@@ -115,43 +99,6 @@ class FusionGroup:
     @property
     def last(self) -> int:
         return self.tasks[-1]
-
-
-def broadcast_strides(shape: Sequence[int], block: Sequence[int], strides: Sequence[int]) -> tuple[int, ...]:
-    """The element strides that read a block of shape ``block`` broadcast to ``shape`` (NumPy's rules):
-    0 along the dimensions it repeats.
-
-    >>> broadcast_strides((4, 3), (1, 3), (3, 1))
-    (0, 1)
-    """
-    pad = len(shape) - len(block)
-    return tuple(0 if i < pad or (block[i - pad] == 1 and n != 1) else strides[i - pad] for i, n in enumerate(shape))
-
-
-def access(shape: Sequence[int], block: Sequence[int], strides: Sequence[int]) -> str:
-    """How a fused kernel over ``shape`` reads an operand block: ``"full"`` (every element, in order),
-    ``"scalar"`` (one element for all) or ``"strided"``.
-
-    >>> access((4, 3), (4, 3), (3, 1)), access((4, 3), (1,), (1,)), access((4, 3), (3,), (1,))
-    ('full', 'scalar', 'strided')
-    """
-    n, size = math.prod(shape), math.prod(block)
-    if size == n and (n <= 1 or all(s == c for s, c, e in zip(broadcast_strides(shape, block, strides),
-                                                               contiguous_strides(tuple(shape)), shape) if e != 1)):
-        return "full"
-    return "scalar" if size == 1 else "strided"
-
-
-def geometry(shape: Sequence[int], strided: Sequence[tuple[int, ...]]) -> tuple[tuple[int, int, int],
-                                                                                list[tuple[int, ...]]] | None:
-    """The sizes of dimensions 1-3 and each strided operand's 4 strides (from its broadcast strides) that
-    index ``shape`` in a rank-4 kernel, or None when more than 4 dimensions remain after merging."""
-    merged, strides = merge_dims(tuple(shape), contiguous_strides(tuple(shape)), *strided)
-    if len(merged) > 4:
-        return None
-    pad = 4 - len(merged)
-    sizes = (1,) * pad + merged
-    return (sizes[1], sizes[2], sizes[3]), [(0,) * pad + s for s in strides[1:]]
 
 
 class _Facts:
@@ -616,7 +563,7 @@ def _named(launch: Callable[[], None], group: FusionGroup, dag: TaskDAG) -> Call
             names = ", ".join(dag.tasks[m].label for m in group.tasks)
             raise ExecError(f"the fused kernel of tasks {list(group.tasks)} ({names}) on logical device "
                             f"{group.device} failed: {type(e).__name__}: {e}. {FUSE_ENV}=0 runs them unfused; "
-                            "report this with the plan (cg.save).") from e
+                            "report this with the plan (rt.save_plan).") from e
     return run
 
 

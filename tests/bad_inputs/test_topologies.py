@@ -28,7 +28,8 @@ from test_cli import MLP
 import relational_tensors as rt
 from relational_tensors.machine.flows import FlowNetwork
 from relational_tensors.machine.kernel_model import KernelModel
-from relational_tensors.machine.topology import Route, Topology, get_topology, multi_node, nvswitch, pcie_server
+from relational_tensors.machine.machines import get_topology
+from relational_tensors.machine.topology import Route, Topology, multi_node, nvswitch, pcie_server
 
 NAN, INF = math.nan, math.inf
 FLOPS = {"float32": 1e12}
@@ -206,12 +207,12 @@ def test_any_non_finite_or_negative_number_in_any_field_is_refused(where: str, v
     (lambda: nvswitch("t", 0, 1e9, 1e12, 1 << 30, FLOPS), "gpus"),
     (lambda: nvswitch("t", 2.5, 1e9, 1e12, 1 << 30, FLOPS), "gpus"),  # type: ignore[arg-type]
     (lambda: pcie_server("t", True, 1e9, 1e9, 1e12, 1 << 30, FLOPS), "gpus"),
-    (lambda: multi_node("dgx-a100", 0, 50e9), "nodes"),
-    (lambda: multi_node("dgx-a100", 1.5, 50e9), "nodes"),  # type: ignore[arg-type]
-    (lambda: multi_node("dgx-a100", 2, NAN), "network_bandwidth"),
-    (lambda: multi_node("dgx-a100", 2, INF), "network_bandwidth"),
-    (lambda: multi_node("dgx-a100", 2, 50e9, network_latency=NAN), "network_latency"),
-    (lambda: multi_node("dgx-a100", 2, 50e9, network_latency=-1.0), "network_latency"),
+    (lambda: multi_node(get_topology("dgx-a100"), 0, 50e9), "nodes"),
+    (lambda: multi_node(get_topology("dgx-a100"), 1.5, 50e9), "nodes"),  # type: ignore[arg-type]
+    (lambda: multi_node(get_topology("dgx-a100"), 2, NAN), "network_bandwidth"),
+    (lambda: multi_node(get_topology("dgx-a100"), 2, INF), "network_bandwidth"),
+    (lambda: multi_node(get_topology("dgx-a100"), 2, 50e9, network_latency=NAN), "network_latency"),
+    (lambda: multi_node(get_topology("dgx-a100"), 2, 50e9, network_latency=-1.0), "network_latency"),
 ])
 def test_builders_name_their_bad_argument(build: Any, words: str) -> None:
     with pytest.raises(rt.ExchangeError, match=words):
