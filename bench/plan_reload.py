@@ -56,7 +56,7 @@ def main() -> None:
         plan_s, cg = rounds(cast(Callable[[], object], lambda g=g, device=device, options=options:
                                  rt.compileGraph(g, device=device, **options)))
         path = folder / "plan.rt"
-        cg.save(path)  # type: ignore[attr-defined]
+        rt.save_plan(cg, path)
         load_s, again = rounds(cast(Callable[[], object], lambda path=path, g=g: rt.load_plan(path, g)))
         same = None
         if str(device).startswith("cpu"):

@@ -1,6 +1,6 @@
 """The plan of the LLaMA-3-8B-shaped block as a training graph at p = 8: the split the optimizer chose for
 each matmul of the forward and each contraction and attention operator of the backward, as a Markdown
-table (the README shows it).
+table (docs/training.md shows it).
 
     python bench/plan_training.py [--tokens 8192] [--cost-model paper] [--out bench/results/plan_training.md]
 """

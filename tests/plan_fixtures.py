@@ -2,7 +2,8 @@
 
 Each case is a graph, a device count and a cost model; its expected text lives in
 ``tests/fixtures/plans/<case>.txt``.  ``tests/test_plan_fixtures.py`` compiles each case again and
-compares the text, so a change to the compiler that changes a plan shows up as a fixture diff.
+compares the text, so a change to the compiler that changes a plan shows up as a fixture diff, and
+runs each plan on its ``cpu:p`` against ``rt.reference`` (on the inputs its ``FixtureGraph.feeds`` draws).
 Rewrite the files (only in a commit that says why a plan changed) with::
 
     python tests/plan_fixtures.py
@@ -14,9 +15,12 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
 
 import relational_tensors as rt
-from relational_tensors.graph.models import LLAMA3_8B, llama_block, matrix_chain
+from relational_tensors.graph.models import LLAMA3_8B, chain_feeds, llama_block, llama_feeds, matrix_chain
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "plans"
 # pinned so that no plan depends on the memory of the host that compiles it (an H200's 141 GiB)
@@ -39,22 +43,37 @@ def odd_block() -> rt.Graph:
     return llama_block(batch=1, seq=777, d_model=192, n_heads=6, n_kv_heads=3, d_ff=500, dtype="float32")
 
 
-GRAPHS: dict[str, tuple[Callable[[], rt.Graph], tuple[int, ...]]] = {
-    "demo_block": (demo_block, (8, 16)),
-    "chain_a": (lambda: matrix_chain("A"), (6,)),
-    "block_128k": (block_128k, (8,)),
-    "odd_block": (odd_block, (5,)),
+class FixtureGraph(NamedTuple):
+    build: Callable[[], rt.Graph]
+    counts: tuple[int, ...]  # the device counts p it is planned for
+    # random inputs for it from a seed (every input, of its shape and dtype; an integer input such as token
+    # ids or a mask needs valid values: see ``feeds_for`` in tests/cases.py)
+    feeds: Callable[[rt.Graph, int], dict[str, np.ndarray]]
+
+
+GRAPHS: dict[str, FixtureGraph] = {
+    "demo_block": FixtureGraph(demo_block, (8, 16), llama_feeds),
+    "chain_a": FixtureGraph(lambda: matrix_chain("A"), (6,), chain_feeds),
+    "block_128k": FixtureGraph(block_128k, (8,), llama_feeds),
+    "odd_block": FixtureGraph(odd_block, (5,), llama_feeds),
 }
 COST_MODELS = ("paper", "calibrated")
 CASES: tuple[tuple[str, str, int, str], ...] = tuple(
     (f"{graph}_p{p}_{model}", graph, p, model)
-    for graph, (_, counts) in GRAPHS.items() for p in counts for model in COST_MODELS)
+    for graph, fixture in GRAPHS.items() for p in fixture.counts for model in COST_MODELS)
 
 
-def plan_text(graph: str, p: int, cost_model: str) -> str:
-    """The plan of one case as text: the explain() table, then each exchange program by name."""
-    cg = rt.compileGraph(GRAPHS[graph][0](), device=f"cpu:{p}", cost_model=cost_model,
-                         memory_per_device=MEMORY_PER_DEVICE)
+def compile_case(graph: str, p: int, cost_model: str) -> rt.CompiledGraph:
+    """The compilation of one case: its graph for ``cpu:p`` with the case's options."""
+    return rt.compileGraph(GRAPHS[graph].build(), device=f"cpu:{p}", cost_model=cost_model,
+                           memory_per_device=MEMORY_PER_DEVICE)
+
+
+def plan_text(graph: str, p: int, cost_model: str, cg: rt.CompiledGraph | None = None) -> str:
+    """The plan of one case as text: the explain() table, then each exchange program by name (of ``cg``,
+    the case's compilation, where given; compiled here otherwise)."""
+    if cg is None:
+        cg = compile_case(graph, p, cost_model)
     table = "".join(_untimed(line) for line in cg.explain(file=_Null(), width=160).splitlines(keepends=True))
     parts = [f"# {graph} on cpu:{p}, cost model {cost_model}\n", table, f"task DAG: {cg.dag.summary()}\n"]
     for name, text in cg.exchange_programs().items():

@@ -313,9 +313,9 @@ def test_calibrate_without_a_gpu_is_a_clear_error() -> None:
 
 def test_calibrate_hands_its_arguments_to_the_module(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[list[str]] = []
-    fake = types.ModuleType("relational_tensors.machine.calibrate")
+    fake = types.ModuleType("relational_tensors.kernels.probes")
     fake.main = lambda argv: seen.append(argv) or 3  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "relational_tensors.machine.calibrate", fake)
+    monkeypatch.setitem(sys.modules, "relational_tensors.kernels.probes", fake)
     assert cli.main(["--quiet", "calibrate", "--out", "c.json", "--quick"]) == 3
     assert seen == [["--out", "c.json", "--quick"]]
 

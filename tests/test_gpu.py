@@ -459,7 +459,7 @@ def test_hand_plans_and_pinned_layouts_on_logical_devices(plan: str, tmp_path) -
     cg = rt.compileGraph(g, device="cuda:0,0,0,0", constraints=cons)
     got = cg.run(feeds)["y"]
     _compare(got, rt.reference(g, feeds)["y"], "bfloat16", reduction=256)
-    cg.save(tmp_path / "p.plan")
+    rt.save_plan(cg, tmp_path / "p.plan")
     again = rt.load_plan(tmp_path / "p.plan", g)
     assert np.array_equal(again.run(feeds)["y"], got)
 

@@ -57,7 +57,7 @@ def test_a_reloaded_training_step_keeps_training_bit_for_bit(tmp_path: Path) -> 
 def test_a_plan_loads_into_a_catalog_file_as_a_new_compilation(tmp_path: Path) -> None:
     g = llama_block(1, 16, 32, 4, 2, 40)
     cg = rt.compileGraph(g, device="cpu:2", label="original")
-    cg.save(tmp_path / "b.plan")
+    rt.save_plan(cg, tmp_path / "b.plan")
     again = rt.load_plan(tmp_path / "b.plan", g, catalog=tmp_path / "c.duckdb")
     rows = again.sql("SELECT label, status, graph_fingerprint FROM compilations").to_pylist()
     assert rows == [{"label": "original", "status": "ok", "graph_fingerprint": g.fingerprint()}]

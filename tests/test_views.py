@@ -161,7 +161,7 @@ def test_a_plan_priced_for_its_local_assembly_computes_the_step() -> None:
         def state(self, name: str, like: str = "numpy") -> np.ndarray:
             return super().state(name)
 
-    cg._executor = OnHost(g, cg.dag, cg.live)
+    cg._executor = OnHost(cg.dag, cg.live)
     got, want = cg.run(feeds), rt.reference(g, feeds)
     _assert_step_matches(got, want)
 

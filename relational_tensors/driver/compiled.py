@@ -267,7 +267,7 @@ class CompiledGraph:
 
     def _issue(self) -> Any:
         """How the executor issues the tasks, for the simulator: on GPUs the fused groups and the tasks it
-        does nothing for (``gpu_exec.fusion.simulated_issue``, found once); None on CPU devices."""
+        does nothing for (``runtime.fusion.simulated_issue``, found once); None on CPU devices."""
         if self.devices.kind != "cuda":
             return None
         if self._simulated_issue is None:

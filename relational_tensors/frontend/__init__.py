@@ -1,6 +1,6 @@
-"""The frontends: ``graph`` (the ``Graph`` a computation is written against), ``torch`` (PyTorch modules
-traced into a ``Graph``; its translation rules are registered with ``register_torch_op``) and
-``parallelize`` (a traced module compiled and called like the module).
+"""The PyTorch frontend: modules traced with torch.export into a ``Graph`` (``frontend.torch``), its
+translation rules registered with ``register_torch_op``.  ``rt.parallelize`` and ``rt.train_step``
+(``api/``) build on it.
 
 Importing this package does not import torch; the torch frontend imports it when it traces.
 """

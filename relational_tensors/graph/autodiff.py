@@ -21,7 +21,7 @@ from relational_tensors.sql_specs.grad import add_all, build
 
 __all__ = ["vjp", "grad", "flows"]
 
-# ``g`` below is a frontend.graph.Graph and the tensors its Tensors (this module is imported by graph.py)
+# ``g`` below is a graph.graph.Graph and the tensors its Tensors (this module is imported by graph.py)
 
 
 def _tensors(g: Any, what: str, xs: object) -> list[Any]:

@@ -495,7 +495,7 @@ class Graph:
     def grad(self, loss: Tensor, wrt: Sequence[Tensor] | Tensor, allow_unused: bool = False) -> list[Tensor]:
         """The gradients of the scalar ``loss`` with respect to each tensor of ``wrt``, appended to this
         graph as operators (save them with ``g.save``).  A tensor no output depends on is refused, or gets
-        zeros with ``allow_unused=True``; see ``frontend.autodiff``."""
+        zeros with ``allow_unused=True``; see ``graph.autodiff``."""
         return _grad(self, loss, wrt, allow_unused)
 
     def vjp(self, outputs: Sequence[Tensor] | Tensor, cotangents: Sequence[Tensor] | Tensor,

@@ -24,14 +24,13 @@ from relational_tensors.machine.topology import (
     GB,
     GIB,
     NVLINK_LATENCY,
+    REGISTERED,
     Topology,
     dgx_v100,
     from_builder,
-    load_json,
     multi_node,
     nvswitch,
     pcie_server,
-    read_text,
     show,
 )
 
@@ -71,6 +70,7 @@ def _registry() -> dict[str, Topology]:
 
 
 TOPOLOGIES: dict[str, Topology] = _registry()
+REGISTERED.update(TOPOLOGIES)
 
 
 def get_topology(name: str | Topology, gpus: int | None = None) -> Topology:
@@ -92,10 +92,7 @@ def get_topology(name: str | Topology, gpus: int | None = None) -> Topology:
         if not os.path.exists(name):
             raise ExchangeError(f"no topology file {os.fspath(name)!r}: it does not exist; give a registered "
                                 f"name or the path of an existing topology JSON file; {known}.")
-        doc = load_json(read_text(name, "topology"), f"topology file {os.fspath(name)!r}", "a topology")
-        # a machine file names its builder (a rails file may name a registered base); else every route
-        top = from_builder(doc, TOPOLOGIES) if isinstance(doc, Mapping) and "builder" in doc else \
-            Topology.from_json(name)
+        top = Topology.from_json(name)
     elif isinstance(name, str):
         raise ExchangeError(f"unknown topology {name!r}; {known}.")
     else:

@@ -89,7 +89,7 @@ def exchange_seconds(blocks: tuple[Box, ...], reads: tuple[Box, ...], dtype: str
     a whole block on its own device holds, when that block is not the read block itself.
 
     >>> from relational_tensors.machine.kernel_model import KernelModel
-    >>> from relational_tensors.machine.topology import get_topology
+    >>> from relational_tensors.machine.machines import get_topology
     >>> km = KernelModel(get_topology("dgx-a100"))
     >>> rows = tuple(Box((i, 0), (i + 1, 4)) for i in range(4))
     >>> cols = tuple(Box((0, j), (4, j + 1)) for j in range(4))
@@ -211,7 +211,7 @@ def device_bandwidth(topo: Any) -> float:
     """Bytes/s each device sends to the others while all of them do (a uniform all-to-all), limited by
     the interconnect resource the most routes share.
 
-    >>> from relational_tensors.machine.topology import get_topology
+    >>> from relational_tensors.machine.machines import get_topology
     >>> device_bandwidth(get_topology("dgx-a100")) / 1e9  # an NVSwitch: each GPU's own link
     300.0
     """

@@ -587,6 +587,10 @@ def rails(base: Topology, nodes: int, nic_bandwidth: float, network_latency: flo
                     base.memory_bytes, base.peak_flops, base.launch_latency, resources, routes, base.gpu_machine)
 
 
+# the named machines a builder document may take as its base: machine.machines registers every one here
+# when it is imported (importing this package does), so a file naming a registered base reads anywhere
+REGISTERED: dict[str, Topology] = {}
+
 _BUILDERS = {
     "nvswitch": ("gpus", "link_bandwidth", "hbm_bandwidth", "memory_bytes", "peak_flops"),
     "rails": ("base", "nodes", "nic_bandwidth"),
@@ -618,8 +622,8 @@ def from_builder(doc: Mapping[str, Any], known: Mapping[str, Topology] | None = 
                         doc["peak_flops"], doc.get("latency", NVLINK_LATENCY),
                         doc.get("launch_latency", LAUNCH_LATENCY), chip)
     base_name = doc["base"]
-    base = (known or {}).get(base_name) if isinstance(base_name, str) else None
+    base = (REGISTERED if known is None else known).get(base_name) if isinstance(base_name, str) else None
     if base is None:
-        raise ExchangeError(f"the rails builder's base must be a registered machine; got {show(base_name)}. Load "
-                            "the file with get_topology(path), which knows the registered machines.")
+        raise ExchangeError(f"the rails builder's base must be a registered machine (known: {sorted(REGISTERED)}); "
+                            f"got {show(base_name)}.")
     return rails(base, doc["nodes"], doc["nic_bandwidth"], doc.get("network_latency", NETWORK_LATENCY), name)

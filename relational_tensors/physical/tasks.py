@@ -470,6 +470,6 @@ def graph_liveness(graph: Graph, dag: TaskDAG, categories: bool = False,
                    scratch: Mapping[int, int] | None = None) -> Liveness:
     """:func:`liveness` of the DAG lowered from ``graph``: its reshape outputs counted in their input's
     memory (``reshape_shares``), with ``categories`` each peak split by ``Graph.memory_categories``, and
-    the kernels' ``scratch`` (task -> bytes; on GPUs, ``gpu_exec.launchers.kernel_scratch``) at its task."""
+    the kernels' ``scratch`` (task -> bytes; on GPUs, ``kernels.launchers.kernel_scratch``) at its task."""
     return liveness(dag, graph.memory_categories().__getitem__ if categories else None, reshape_shares(dag),
                     scratch)

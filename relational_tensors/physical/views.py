@@ -18,7 +18,7 @@ make most of that one pass, without changing what any task computes:
   a view of the kept block the ``assign`` writes: the copies and the assembly write the state in place
   and the ``assign`` goes away.  (Every task writing a kept block waits for every earlier task that
   touched it, as an ``assign`` does: the memory plan's and the stream schedules' rule.)  A value a
-  kernel makes stays: it is fused with its ``assign`` where the executor can (``gpu_exec.fusion``).
+  kernel makes stays: it is fused with its ``assign`` where the executor can (``runtime.fusion``).
 
 Task ids are renumbered; emission order is kept.
 """

@@ -35,7 +35,7 @@ _RESULT_DTYPE: ContextVar[str | None] = ContextVar("result_dtype", default=None)
 
 
 class Handle(Protocol):
-    """A tensor of the graph a gradient is built in (``frontend.graph.Tensor``)."""
+    """A tensor of the graph a gradient is built in (``graph.graph.Tensor``)."""
 
     id: int  # the node that makes it
 

@@ -13,7 +13,7 @@ training loop changes them without recompiling; the seed's 64 bits are read in t
 offset's low 32 bits are used); ``stream`` tells the random sites of one graph apart.  A block knows
 where it sits in the whole tensor (its box), so a block computes exactly the values the whole tensor
 has there: every index splits anywhere and nothing is aggregated.  The GPU kernels
-(``gpu_exec/kernels/triton_random.py``) compute the same bits.
+(``kernels/triton_random.py``) compute the same bits.
 
 * ``dropout(x, rng; p, stream)`` = ``(x · keep) · s`` in x's dtype (computed in x's compute dtype), with
   keep(i) = [u(i) >= p] and s = 1/(1 - p) rounded to the compute dtype.  Since u(i) = k·2^-24 for the

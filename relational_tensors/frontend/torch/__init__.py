@@ -34,7 +34,7 @@ Modules: ``translator`` (tracing, the walk over the fx graph, ``TorchGraph``,
 ``from_torch``), ``patterns`` (the recognized multi-op idioms), ``registry`` (the rule
 table, ``register_torch_op`` and the refused operations), the rules by family
 (``rules_elementwise``, ``rules_linalg``, ``rules_reduce``, ``rules_nn``, ``rules_shape``),
-``masks`` (attention masks read as structure), ``support`` (the README's list of operations,
+``masks`` (attention masks read as structure), ``support`` (docs/pytorch.md's list of operations,
 generated), ``convert`` (torch <-> NumPy) and ``common`` (what the translator, rules and
 patterns share).
 

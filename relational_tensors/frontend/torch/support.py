@@ -1,5 +1,5 @@
-"""The list of supported and refused PyTorch operations, generated from the rule registry (the README
-holds its output between ``<!-- torch-ops -->`` markers, and a test keeps the two equal).
+"""The list of supported and refused PyTorch operations, generated from the rule registry
+(docs/pytorch.md holds its output between ``<!-- torch-ops -->`` markers, and a test keeps the two equal).
 
 ``python -m relational_tensors.frontend.torch.support`` prints it.
 """
