@@ -15,11 +15,12 @@ from hypothesis import strategies as st
 from test_exprog import FAST, reference_valid
 
 import relational_tensors as rt
-from relational_tensors.exchange import search
 from relational_tensors.exchange.ast import ExProg, InAtom, Partition, Requirement
+from relational_tensors.exchange.body import Problem, State, as_step, tidy, to_actions
 from relational_tensors.exchange.bound import lower_bound
 from relational_tensors.exchange.closure import check
 from relational_tensors.exchange.naive import naive_body
+from relational_tensors.exchange.rules import RULES, rule_name
 from relational_tensors.exchange.search import SearchResult, search_program
 from relational_tensors.exchange.searcher import Searcher, make_searcher
 from relational_tensors.exchange.simulator import simulate
@@ -34,13 +35,15 @@ from relational_tensors.runtime.numpy_backend import NumpyExecutor
 
 MB = 10**6
 V100 = get_topology("dgx-v100")
+H200 = get_topology("hgx-h200")
+TOPS = {name: get_topology(name) for name in ("dgx-a100", "dgx-v100", "pcie")}
 
 
 # --- fuzzing -----------------------------------------------------------------------------------------------
 
 @st.composite
 def problems(draw) -> tuple[ExProg, dict[str, tuple[int, ...]], str]:
-    """A preamble over 2-8 sites of a machine, a starting membership and the machine's name.
+    """A preamble over 2-8 sites of a machine, a starting membership and the machine's name (a key of TOPS).
 
     Atoms come in blocks: copies of one block share a size and only copies of one block are
     combined.  Each copy lives at one or two sites.  OUT asks for sums of copies at sites and
@@ -70,7 +73,7 @@ def problems(draw) -> tuple[ExProg, dict[str, tuple[int, ...]], str]:
     return prog, membership, machine
 
 
-def _judge(prog: ExProg, membership: dict, topology: str, r: SearchResult) -> None:
+def _judge(prog: ExProg, membership: dict, topology: Topology, r: SearchResult) -> None:
     searched = prog.with_body(r.body)
     assert reference_valid(searched, r.membership), to_text(searched)
     check(searched, r.membership)
@@ -88,7 +91,8 @@ def _judge(prog: ExProg, membership: dict, topology: str, r: SearchResult) -> No
 @settings(FAST, max_examples=300)
 @given(problems(), st.integers(0, 3))
 def test_searched_programs_are_valid_and_never_slower(problem, seed: int) -> None:
-    prog, membership, topology = problem
+    prog, membership, machine = problem
+    topology = TOPS[machine]
     r = search_program(prog, topology, membership, seed=seed, max_steps=12, budget_s=60)
     _judge(prog, membership, topology, r)
     assert r.steps <= 12
@@ -98,7 +102,8 @@ def test_searched_programs_are_valid_and_never_slower(problem, seed: int) -> Non
 @settings(FAST, max_examples=40)
 @given(problems(), st.integers(0, 3))
 def test_search_is_deterministic_for_a_seed(problem, seed: int) -> None:
-    prog, membership, topology = problem
+    prog, membership, machine = problem
+    topology = TOPS[machine]
     runs = [search_program(prog, topology, membership, seed=seed, max_steps=15, budget_s=60) for _ in range(2)]
     assert runs[0] == runs[1]
 
@@ -106,7 +111,8 @@ def test_search_is_deterministic_for_a_seed(problem, seed: int) -> None:
 @settings(FAST, max_examples=40)
 @given(problems())
 def test_swaps_only_keep_the_readers_sites(problem) -> None:
-    prog, membership, topology = problem
+    prog, membership, machine = problem
+    topology = TOPS[machine]
     r = search_program(prog, topology, membership, max_steps=12, budget_s=60, free_moves=False)
     _judge(prog, membership, topology, r)
     assert lower_bound(prog, topology, membership, free_moves=False) <= r.time * (1 + 1e-9)
@@ -125,18 +131,15 @@ def test_every_rule_proposes_valid_programs() -> None:
         A+B @ 2 -> 3; C @ 4 -> 3; A+B+C @ 3; D @ 2 -> 5"""
     prog, membership = parse(text), {"F0": (3,), "F1": (5,)}
     assert reference_valid(prog, membership)
-    problem = search._Problem(prog, V100, free_moves=True)
-    body = frozenset(map(search._step, prog.body))
-    state = search._State(problem, body, membership, simulate(prog, V100, membership))
-    proposals = [(rule, b, membership) for a in state.actions
-                 for rule, b, _ in search._body_moves(problem, state, a, random.Random(0))]
-    proposals += [(rule, search._relabel(state, swap), m)
-                  for rule, m, swap in search._membership_moves(problem, state, set(prog.gpus))]
-    assert {rule for rule, _, _ in proposals} == set(search.RULES)
-    for rule, b, m in proposals:
-        tidied = search._tidy(problem, b, m)
-        assert tidied is not None, rule
-        assert reference_valid(prog.with_body(search._actions(tidied)), m), rule
+    problem = Problem(prog, V100, free_moves=True)
+    state = State(problem, frozenset(map(as_step, prog.body)), membership, simulate(prog, V100, membership))
+    rng = random.Random(0)
+    proposals = [(rule, rw) for rule in RULES for a in state.actions for rw in rule(state, a, rng)]
+    assert {rule for rule, _ in proposals} == set(RULES)
+    for rule, rw in proposals:
+        tidied = tidy(problem, rw.body, rw.membership)
+        assert tidied is not None, rule_name(rule)
+        assert reference_valid(prog.with_body(to_actions(tidied)), rw.membership), rule_name(rule)
 
 
 def test_the_body_of_the_preamble_is_ignored_and_budgets_bound_the_search() -> None:
@@ -144,9 +147,9 @@ def test_the_body_of_the_preamble_is_ignored_and_budgets_bound_the_search() -> N
         IN: A @ 0 (size: 1 MB), B @ 1 (size: 1 MB)
         OUT: A+B @ 2
         A @ 0 -> 1; A+B @ 1 -> 2""")
-    r = search_program(prog, "dgx-v100", max_steps=0)
+    r = search_program(prog, V100, max_steps=0)
     assert r.body == naive_body(prog) and r.steps == 0 and r.time == r.naive_time
-    r = search_program(prog, "dgx-v100", budget_s=0.0)
+    r = search_program(prog, V100, budget_s=0.0)
     assert r.evaluated == 0 and r.time == r.naive_time
 
 
@@ -163,10 +166,10 @@ def _all_to_all(n: int, size: str = "450 MB") -> ExProg:
 def test_an_all_to_all_on_a_switch_is_at_its_lower_bound_and_not_searched() -> None:
     # every endpoint sends and receives 3 x 450 MB at 450 GB/s: 3 ms plus one 2 us latency, which naive takes
     prog = _all_to_all(4)
-    assert lower_bound(prog, "hgx-h200") == pytest.approx(3e-3 + 2e-6, rel=1e-12)
-    r = search_program(prog, "hgx-h200", max_steps=100, budget_s=60)
+    assert lower_bound(prog, H200) == pytest.approx(3e-3 + 2e-6, rel=1e-12)
+    r = search_program(prog, H200, max_steps=100, budget_s=60)
     assert r.at_bound and r.steps == r.evaluated == 0
-    assert r.time == r.naive_time == pytest.approx(lower_bound(prog, "hgx-h200"), rel=1e-9)
+    assert r.time == r.naive_time == pytest.approx(lower_bound(prog, H200), rel=1e-9)
     # on the cube mesh no resource is shared by every route into a site: only latency is certain
     assert lower_bound(prog, V100) == pytest.approx(2e-6)
     assert not search_program(prog, V100, max_steps=5, budget_s=60).at_bound
@@ -206,7 +209,7 @@ def test_a_searcher_spreads_its_steps_by_naive_time_and_uses() -> None:
         OUT: A @ 5, B @ 4, C @ 7, D @ 6""")
     runs = []
     for _ in range(2):
-        searcher = Searcher("dgx-v100", total_steps=60, budget_s=60)
+        searcher = Searcher(V100, total_steps=60, budget_s=60)
         searcher.spread([(light, {}), (heavy, {}), (heavy, {})])
         for prog in (light, heavy):
             searcher(prog.with_body(()), {})
@@ -215,10 +218,10 @@ def test_a_searcher_spreads_its_steps_by_naive_time_and_uses() -> None:
     assert runs[0] == runs[1]
     assert 0 < light_r.steps < heavy_r.steps and light_r.steps + heavy_r.steps <= 60
     assert heavy_r.time < heavy_r.naive_time
-    nothing = Searcher("dgx-v100", total_steps=0)
+    nothing = Searcher(V100, total_steps=0)
     nothing.spread([(heavy, {})])
     assert nothing(heavy, {})[0] == naive_body(heavy) and nothing.results[0].steps == 0
-    switch = Searcher("hgx-h200", total_steps=60, budget_s=60)
+    switch = Searcher(H200, total_steps=60, budget_s=60)
     switch.spread([(_all_to_all(4), {})])
     switch(_all_to_all(4), {})
     assert switch.results[0].at_bound and switch.steps_left == 60
@@ -230,7 +233,7 @@ def _speedup(text: str, membership: dict | None = None, **options) -> SearchResu
     prog = parse(text)
     start = membership if membership is not None else {}
     r = search_program(prog, V100, start, max_steps=400, budget_s=30, **options)
-    _judge(prog, start, "dgx-v100", r)
+    _judge(prog, start, V100, r)
     print(f"\n  naive {r.naive_time * 1e3:.3f} ms, searched {r.time * 1e3:.3f} ms: {r.speedup:.2f}x "
           f"({r.evaluated} simulated; accepted {dict(sorted(_count(r.accepted).items()))})")
     return r

@@ -15,7 +15,8 @@ import pytest
 from relational_tensors.errors import ExchangeError
 from relational_tensors.exchange.ast import Action, ExProg, InAtom, Partition, Requirement
 from relational_tensors.exchange.closure import memberships
-from relational_tensors.exchange.simulator import MAX_EXHAUSTIVE, SimResult, simulate
+from relational_tensors.exchange.membership import MAX_EXHAUSTIVE, fastest_membership
+from relational_tensors.exchange.simulator import SimResult, better, simulate
 from relational_tensors.machine.flows import FlowNetwork
 from relational_tensors.machine.machines import TOPOLOGIES, get_topology
 from relational_tensors.machine.topology import DGX1V_LINKS, Topology, multi_node
@@ -28,6 +29,10 @@ HBM = 1555e9      # A100 HBM bandwidth
 # DGX-V100
 PCIE_LAT = 5e-6
 NV1, NV2, BRIDGE = 25e9, 50e9, 15.75e9
+
+
+A100, V100, H100 = get_topology("dgx-a100"), get_topology("dgx-v100"), get_topology("dgx-h100")
+H100X2 = get_topology("2x-dgx-h100")
 
 
 def agg(text: str) -> frozenset[str]:
@@ -57,7 +62,7 @@ def test_swap_then_aggregate_on_both():
     # Then A+B @ 0 and A+B @ 1 each read two parts and write one: 3 GB over their own HBM.
     p = program(2, {"A": 0, "B": 1}, {"A+B": (0, 1)},
                 [act("A", 0, 1), act("B", 1, 0), act("A+B", 0), act("A+B", 1)])
-    r = simulate(p, "dgx-a100")
+    r = simulate(p, A100)
     assert r.valid
     assert r.time == pytest.approx(LAT + GB / LINK + 3 * GB / HBM)
     assert ends(r, "transfer") == pytest.approx([LAT + GB / LINK] * 2)
@@ -69,7 +74,7 @@ def test_one_way_then_back():
     # A @ 0 -> 1: LAT + 1/300 s.  A+B @ 1 -> 0: aggregate at 1 (3 GB over HBM), which also
     # satisfies OUT at 1, then send the 1 GB result back: LAT + 1/300 s.  Strictly slower than the swap.
     p = program(2, {"A": 0, "B": 1}, {"A+B": (0, 1)}, [act("A", 0, 1), act("A+B", 1, 0)])
-    r = simulate(p, "dgx-a100")
+    r = simulate(p, A100)
     assert r.valid
     assert r.time == pytest.approx(2 * LAT + 2 * GB / LINK + 3 * GB / HBM)
     assert [e.kind for e in r.trace] == ["transfer", "aggregate", "transfer"]
@@ -80,7 +85,7 @@ def test_partition_source_runs_at_every_site():
     # A+B @ G with G = {0, 1} is the two local aggregations of the swap program.
     p = program(2, {"A": 0, "B": 1}, {"A+B": ("G",)}, [act("A", 0, 1), act("B", 1, 0), act("A+B", "G")],
                 partitions=(Partition("G", 2, (0, 1)),))
-    r = simulate(p, "dgx-a100")
+    r = simulate(p, A100)
     assert r.valid and r.time == pytest.approx(LAT + GB / LINK + 3 * GB / HBM)
     assert r.membership == {"G": (0, 1)}
 
@@ -98,7 +103,7 @@ def test_reduce_then_multicast():
     # Multicast to 1, 2, 3: three flows share egress(0), 100 GB/s each: LAT + 3 GB / 300 GB/s.
     p = program(4, FOUR, TOTAL,
                 [act("B", 1, 0), act("C", 2, 0), act("D", 3, 0), act("A+B+C+D", 0, 1, 2, 3)])
-    r = simulate(p, "dgx-a100")
+    r = simulate(p, A100)
     assert r.valid
     assert r.time == pytest.approx(2 * LAT + 6 * GB / LINK + 5 * GB / HBM)
     gather = [e for e in r.trace if e.kind == "transfer" and e.dest == 0]
@@ -116,8 +121,8 @@ def test_tree_beats_reduce_then_multicast():
                     act("A+B+C+D", 1, 0), act("A+B+C+D", 3, 2)])
     star = program(4, FOUR, TOTAL,
                    [act("B", 1, 0), act("C", 2, 0), act("D", 3, 0), act("A+B+C+D", 0, 1, 2, 3)])
-    t_tree = simulate(tree, "dgx-a100")
-    t_star = simulate(star, "dgx-a100")
+    t_tree = simulate(tree, A100)
+    t_star = simulate(star, A100)
     assert t_tree.valid
     assert t_tree.time == pytest.approx(3 * LAT + 3 * GB / LINK + 6 * GB / HBM)
     assert t_tree.time < t_star.time
@@ -144,13 +149,13 @@ def test_simulator_picks_membership():
     # With 7 in G1 and 0 in G2 each multicast skips its own source: 3 flows share one egress,
     # 100 GB/s each, every destination's ingress is used once: LAT + 3 GB / 300 GB/s.  The first such
     # choice in combination order is G1 = (1, 2, 3, 7).
-    r = simulate(split_program(), "dgx-a100")
+    r = fastest_membership(split_program(), A100)
     assert r.valid
     assert r.membership == {"G1": (1, 2, 3, 7), "G2": (0, 4, 5, 6)}
     assert r.time == pytest.approx(LAT + 3 * GB / LINK)
     assert r.search == "exhaustive"
     # The plain split puts 7 in G2 and 0 in G1: four flows on each egress, 75 GB/s each.
-    plain = simulate(split_program(), "dgx-a100", {"G1": (0, 1, 2, 3), "G2": (4, 5, 6, 7)})
+    plain = simulate(split_program(), A100, {"G1": (0, 1, 2, 3), "G2": (4, 5, 6, 7)})
     assert plain.valid and plain.time == pytest.approx(LAT + 4 * GB / LINK)
     assert plain.membership == {"G1": (0, 1, 2, 3), "G2": (4, 5, 6, 7)}
 
@@ -164,29 +169,55 @@ def test_local_search_when_too_many_memberships():
     p = program(8, {f"A{j}": 7 - j for j in range(8)}, {f"A{j}": (f"P{j}",) for j in range(8)},
                 [act(f"A{j}", 7 - j, f"P{j}") for j in range(8)], partitions=parts)
     assert math.factorial(8) > MAX_EXHAUSTIVE
-    r = simulate(p, "dgx-a100")
+    r = fastest_membership(p, A100)
     assert r.valid and r.search == "local"
     assert r.time == 0.0 and r.trace == ()
     assert r.membership == {f"P{j}": (7 - j,) for j in range(8)}
-    first = simulate(p, "dgx-a100", {f"P{j}": (j,) for j in range(8)})
+    first = simulate(p, A100, {f"P{j}": (j,) for j in range(8)})
     assert first.search == "fixed" and first.time == pytest.approx(LAT + GB / LINK)
 
 
 def test_membership_errors():
     p = split_program()
     with pytest.raises(ExchangeError, match="G2"):
-        simulate(p, "dgx-a100", {"G1": (0, 1, 2, 3)})
+        simulate(p, A100, {"G1": (0, 1, 2, 3)})
     with pytest.raises(ExchangeError, match="disjoint"):
-        simulate(p, "dgx-a100", {"G1": (0, 1, 2, 3), "G2": (3, 4, 5, 6)})
+        simulate(p, A100, {"G1": (0, 1, 2, 3), "G2": (3, 4, 5, 6)})
     with pytest.raises(ExchangeError, match="no membership"):
-        simulate(program(2, {"A": 0}, {"A": ("G",)}, [], partitions=(Partition("G", 3),)), "dgx-a100")
+        fastest_membership(program(2, {"A": 0}, {"A": ("G",)}, [], partitions=(Partition("G", 3),)), A100)
+    with pytest.raises(ExchangeError, match="fastest_membership"):  # simulate runs a membership, never searches
+        simulate(p, A100)
+
+
+def test_the_topology_is_a_topology_not_a_name():
+    with pytest.raises(ExchangeError, match=r"simulate takes a Topology; got the str 'dgx-a100'.*get_topology"):
+        simulate(split_program(), "dgx-a100", {"G1": (0, 1, 2, 3), "G2": (4, 5, 6, 7)})  # type: ignore[arg-type]
+    with pytest.raises(ExchangeError, match="fastest_membership takes a Topology"):
+        fastest_membership(split_program(), "dgx-a100")  # type: ignore[arg-type]
+
+
+def test_better_is_valid_then_faster_then_less_busy_and_keeps_the_first_on_ties():
+    # the same transfer alone (one run), beside a second one (slower), and relayed (as fast, busier)
+    alone = simulate(program(3, {"A": 0}, {"A": (1,)}, [act("A", 0, 1)]), A100)
+    crowded = simulate(program(3, {"A": 0, "B": 0}, {"A": (1,), "B": (2,)}, [act("A", 0, 1), act("B", 0, 2)]), A100)
+    invalid = simulate(program(3, {"A": 0}, {"A": (1,)}, []), A100)
+    assert crowded.time > alone.time and not invalid.valid and invalid.time < alone.time
+    assert better(None, invalid)
+    assert better(invalid, crowded) and not better(crowded, invalid)  # valid first, however slow
+    assert better(crowded, alone) and not better(alone, crowded)      # then faster
+    assert not better(alone, alone)                                   # a tie keeps the first
+    busier = SimResult(alone.time, alone.trace * 2, alone.membership, True)
+    hair = SimResult(alone.time * (1 + 1e-12), (), alone.membership, True)
+    assert better(busier, alone) and not better(alone, busier)        # as fast: less summed stage time wins
+    assert not better(busier, hair)   # a hair slower never wins, however idle
+    assert not better(hair, alone)    # and a hair faster (under TIME_TOL) is no faster: busier, it loses
 
 
 # ---------------------------------------------------------------- DGX-V100
 
 
 def v100(body: list[Action], inputs: dict[str, int], outputs: dict[str, tuple[int, ...]]) -> SimResult:
-    return simulate(program(8, inputs, outputs, body), "dgx-v100")
+    return simulate(program(8, inputs, outputs, body), V100)
 
 
 def test_v100_unlinked_pair_uses_bridge():
@@ -221,43 +252,43 @@ def test_v100_relay_beats_bridge():
 
 def test_multicast_shares_source_egress():
     # Fused or split into three actions, three flows leave GPU 0 together: 100 GB/s each.
-    fused = simulate(program(4, {"A": 0}, {"A": (1, 2, 3)}, [act("A", 0, 1, 2, 3)]), "dgx-a100")
-    split = simulate(program(4, {"A": 0}, {"A": (1, 2, 3)}, [act("A", 0, d) for d in (1, 2, 3)]), "dgx-a100")
+    fused = simulate(program(4, {"A": 0}, {"A": (1, 2, 3)}, [act("A", 0, 1, 2, 3)]), A100)
+    split = simulate(program(4, {"A": 0}, {"A": (1, 2, 3)}, [act("A", 0, d) for d in (1, 2, 3)]), A100)
     for r in (fused, split):
         assert r.valid
         assert ends(r, "transfer") == pytest.approx([LAT + GB / (LINK / 3)] * 3)
-    single = simulate(program(4, {"A": 0}, {"A": (1,)}, [act("A", 0, 1)]), "dgx-a100")
+    single = simulate(program(4, {"A": 0}, {"A": (1,)}, [act("A", 0, 1)]), A100)
     assert single.time == pytest.approx(LAT + GB / LINK)
 
 
 def test_aggregations_share_hbm_and_are_not_repeated():
     # Two different 2-part aggregations at GPU 0 share hbm(0): 3 GB + 3 GB at 1555 GB/s.
     p = program(1, {"A": 0, "B": 0, "C": 0, "D": 0}, {"A+B": (0,), "C+D": (0,)}, [act("A+B", 0), act("C+D", 0)])
-    r = simulate(p, "dgx-a100")
+    r = simulate(p, A100)
     assert ends(r, "aggregate") == pytest.approx([6 * GB / HBM] * 2)
     # A+B @ 0 -> 1 and A+B @ 0 -> 2 aggregate once, then both send.
     q = program(3, {"A": 0, "B": 0}, {"A+B": (1, 2)}, [act("A+B", 0, 1), act("A+B", 0, 2)])
-    r = simulate(q, "dgx-a100")
+    r = simulate(q, A100)
     assert len([e for e in r.trace if e.kind == "aggregate"]) == 1
     assert r.time == pytest.approx(3 * GB / HBM + LAT + 2 * GB / LINK)
 
 
 def test_atom_size_scales_time():
     p = program(2, {"A": 0}, {"A": (1,)}, [act("A", 0, 1)], size=256 << 20)
-    assert simulate(p, "dgx-h100").time == pytest.approx(LAT + (256 << 20) / 450e9)
-    assert simulate(program(2, {"A": 0}, {"A": (1,)}, [act("A", 0, 1)], size=0), "dgx-a100").time == \
+    assert simulate(p, H100).time == pytest.approx(LAT + (256 << 20) / 450e9)
+    assert simulate(program(2, {"A": 0}, {"A": (1,)}, [act("A", 0, 1)], size=0), A100).time == \
         pytest.approx(LAT)
 
 
 def test_multi_node_network_is_shared_per_node():
     # 0 -> 8 crosses node_out[0] and node_in[1] at 50 GB/s with the 10 us network latency; two
     # transfers from node 0 to node 1 share node_out[0]: 25 GB/s each.
-    one = simulate(program(16, {"A": 0}, {"A": (8,)}, [act("A", 0, 8)]), "2x-dgx-h100")
+    one = simulate(program(16, {"A": 0}, {"A": (8,)}, [act("A", 0, 8)]), H100X2)
     assert one.time == pytest.approx(10e-6 + GB / 50e9)
     two = simulate(program(16, {"A": 0, "B": 1}, {"A": (8,), "B": (9,)}, [act("A", 0, 8), act("B", 1, 9)]),
-                   "2x-dgx-h100")
+                   H100X2)
     assert ends(two, "transfer") == pytest.approx([10e-6 + GB / 25e9] * 2)
-    inside = simulate(program(16, {"A": 8}, {"A": (9,)}, [act("A", 8, 9)]), "2x-dgx-h100")
+    inside = simulate(program(16, {"A": 8}, {"A": (9,)}, [act("A", 8, 9)]), H100X2)
     assert inside.time == pytest.approx(LAT + GB / 450e9)
 
 
@@ -267,27 +298,27 @@ def test_multi_node_network_is_shared_per_node():
 def test_invalid_program_reports_invalid():
     # C is nowhere, so A+C @ 0 never becomes eligible and OUT at 1 never holds.
     p = program(2, {"A": 0, "B": 1}, {"A+B": (1,)}, [act("A+C", 0, 1)])
-    r = simulate(p, "dgx-a100")
+    r = simulate(p, A100)
     assert not r.valid
     assert r.unfired == ((act("A+C", 0, 1), 0),)
     assert r.unmet == ((agg("A+B"), 1),)
     assert r.time == 0.0 and r.trace == ()
     # Every action fires, but OUT asks for something nobody sends.
     q = program(2, {"A": 0, "B": 1}, {"A+B": (0, 1)}, [act("A", 0, 1), act("A+B", 1)])
-    r = simulate(q, "dgx-a100")
+    r = simulate(q, A100)
     assert not r.valid and r.unfired == () and r.unmet == ((agg("A+B"), 0),)
 
 
 def test_program_errors():
     with pytest.raises(ExchangeError, match="lacks"):
-        simulate(program(9, {"A": 0}, {"A": (8,)}, [act("A", 0, 8)]), "dgx-a100")
+        simulate(program(9, {"A": 0}, {"A": (8,)}, [act("A", 0, 8)]), A100)
     with pytest.raises(ExchangeError, match="not in GPUS"):
-        simulate(program(2, {"A": 0}, {"A": (3,)}, [act("A", 0, 3)]), "dgx-a100")
+        simulate(program(2, {"A": 0}, {"A": (3,)}, [act("A", 0, 3)]), A100)
     with pytest.raises(ExchangeError, match="PARTITIONS"):
-        simulate(program(2, {"A": 0}, {"A": (1,)}, [act("A", 0, "G")]), "dgx-a100")
+        simulate(program(2, {"A": 0}, {"A": (1,)}, [act("A", 0, "G")]), A100)
     with pytest.raises(ExchangeError, match="one size"):
         p = ExProg((0, 1), (), (InAtom("A", 0, 10), InAtom("B", 1, 20)), (), frozenset({act("A+B", 0)}))
-        simulate(p, "dgx-a100")
+        simulate(p, A100)
 
 
 # ---------------------------------------------------------------- flow engine

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from relational_tensors.errors import ExchangeError
 from relational_tensors.exchange.ast import ExProg, aggregate_text
 from relational_tensors.exchange.naive import Membership
-from relational_tensors.machine.machines import get_topology
+from relational_tensors.exchange.simulator import check_topology
 from relational_tensors.machine.topology import Route, Topology
 
 __all__ = ["lower_bound", "at_bound", "NEAR"]
@@ -20,7 +20,7 @@ __all__ = ["lower_bound", "at_bound", "NEAR"]
 NEAR = 1e-3  # relative: a naive run this close to its lower bound is not searched
 
 
-def lower_bound(prog: ExProg, topology: Topology | str, membership: Membership | None = None, *,
+def lower_bound(prog: ExProg, topology: Topology, membership: Membership | None = None, *,
                 free_moves: bool = True) -> float:
     """A time that no valid body of ``prog`` beats on ``topology``: the busiest endpoint's bytes over its bandwidth.
 
@@ -36,13 +36,14 @@ def lower_bound(prog: ExProg, topology: Topology | str, membership: Membership |
     (the search only swaps) the sites ``membership`` gives them.
 
     >>> from relational_tensors.exchange.text import parse
+    >>> from relational_tensors.machine.machines import get_topology
     >>> prog = parse('''GPUS: 0, 1, 2
     ... IN: A @ 0 (size: 450 MB), B @ 1 (size: 450 MB), C @ 1 (size: 450 MB)
     ... OUT: A @ 1, 2, B+C @ 2''')
-    >>> round(lower_bound(prog, "hgx-h200") * 1e3, 3)  # 2 receives A and B+C: 900 MB at 450 GB/s, + 2 us
+    >>> round(lower_bound(prog, get_topology("hgx-h200")) * 1e3, 3)  # 2 receives A and B+C: 900 MB at 450 GB/s, + 2 us
     2.002
     """
-    top = get_topology(topology) if isinstance(topology, str) else topology
+    top = check_topology(topology, "lower_bound")
     sites = tuple(prog.gpus)
     if len(sites) < 2:
         return 0.0

@@ -18,8 +18,7 @@ from relational_tensors.exchange.ast import Action, ExProg
 from relational_tensors.exchange.bound import at_bound, lower_bound
 from relational_tensors.exchange.naive import Membership, naive_body
 from relational_tensors.exchange.search import SearchResult, search_program
-from relational_tensors.exchange.simulator import SimResult, simulate
-from relational_tensors.machine.machines import get_topology
+from relational_tensors.exchange.simulator import SimResult, check_topology, simulate
 from relational_tensors.machine.topology import Topology
 
 __all__ = ["Searcher", "make_searcher"]
@@ -38,9 +37,9 @@ class Searcher:
     per program synthesized, in lowering order.
     """
 
-    def __init__(self, topology: Topology | str, seed: int = 0, budget_s: float = 0.5,
+    def __init__(self, topology: Topology, seed: int = 0, budget_s: float = 0.5,
                  max_steps: int | None = None, total_steps: int | None = None) -> None:
-        self.topology = get_topology(topology) if isinstance(topology, str) else topology
+        self.topology = check_topology(topology, "Searcher")
         self.seed = seed
         self.budget_s = budget_s
         self.max_steps = max_steps
@@ -140,15 +139,16 @@ def _shape(prog: ExProg) -> tuple:
     return len(prog.gpus), tuple(sorted(atoms.items())), tuple(sorted(needs.items()))
 
 
-def make_searcher(topology: Topology | str, seed: int = 0, budget_s: float = 0.5,
+def make_searcher(topology: Topology, seed: int = 0, budget_s: float = 0.5,
                   max_steps: int | None = None, total_steps: int | None = None) -> Searcher:
     """A :data:`~relational_tensors.physical.lower.Synthesizer` running :func:`search_program` on each
     program it is given (``budget_s`` and at most ``max_steps`` each, ``total_steps`` shared: see
     :class:`Searcher`); it keeps the results for inspection.
 
     >>> from relational_tensors.exchange.text import parse
+    >>> from relational_tensors.machine.machines import get_topology
     >>> prog = parse("GPUS: 0, 1\\nPARTITIONS: F0 {size 1}\\nIN: A @ 0, B @ 1\\nOUT: A+B @ F0")
-    >>> body, m = make_searcher("dgx-a100")(prog, {"F0": (0,)})
+    >>> body, m = make_searcher(get_topology("dgx-a100"))(prog, {"F0": (0,)})
     >>> sorted(len(a.aggregate) for a in body), m
     ([1, 2], {'F0': (0,)})
     """

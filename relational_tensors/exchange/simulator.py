@@ -25,31 +25,31 @@ is the whole cost.
 >>> AB = frozenset("AB")
 >>> prog = ExProg((0, 1), inputs=(InAtom("A", 0), InAtom("B", 1)), outputs=(Requirement(AB, (1,)),),
 ...               body=frozenset({Action(frozenset("A"), 0, (1,)), Action(AB, 1)}))
->>> r = simulate(prog, "dgx-a100")
+>>> from relational_tensors.machine.machines import get_topology
+>>> r = simulate(prog, get_topology("dgx-a100"))
 >>> r.valid, round(r.time * 1e3, 3), [e.kind for e in r.trace]
 (True, 5.265, ['transfer', 'aggregate'])
+
+A program with partitions declared by size runs under the membership it is given;
+:func:`~relational_tensors.exchange.membership.fastest_membership` searches for the best one.
+:func:`better` is the one order on runs, for that search and the body search alike.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from relational_tensors.errors import ExchangeError
 from relational_tensors.exchange.ast import Action, ExProg, aggregate_text, exact_cover
-from relational_tensors.exchange.closure import free_sites, membership_moves, memberships
+from relational_tensors.exchange.closure import check
 from relational_tensors.machine.flows import FlowNetwork
-from relational_tensors.machine.machines import get_topology
 from relational_tensors.machine.topology import Topology
 
-__all__ = ["TraceEntry", "SimResult", "simulate", "MAX_EXHAUSTIVE"]
+__all__ = ["TraceEntry", "SimResult", "simulate", "better", "check_topology", "TIME_TOL", "BUSY_TOL"]
 
-MAX_EXHAUSTIVE = 5040  # up to this many memberships (7 partitions of one GPU over 7) every one is simulated
-_MAX_SCAN = 5040       # beyond it: how many choices to scan for a valid starting point of the local search
-_MAX_ROUNDS = 64       # and how many improving moves the local search may make
-_TOL = 1e-9            # relative: times closer than this are ties
+TIME_TOL = 1e-9   # relative: a run must be this much faster to count as faster
+BUSY_TOL = 1e-6   # relative: and a run no slower this much less busy to count as less busy
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +72,9 @@ class SimResult:
     ``membership`` gives every partition's sites.  ``unfired`` lists the
     (action, site) pairs that never became eligible and ``unmet`` the
     (aggregate, site) requirements of OUT that did not hold.  ``search`` says how
-    the membership was found: ``"fixed"`` (given, or no partition declared by
-    size), ``"exhaustive"`` or ``"local"`` (see :func:`simulate`).
+    the membership was found: ``"fixed"`` (given to :func:`simulate`, or no partition
+    declared by size), ``"exhaustive"`` or ``"local"`` (see
+    :func:`~relational_tensors.exchange.membership.fastest_membership`).
     """
 
     time: float
@@ -86,88 +87,59 @@ class SimResult:
 
     @property
     def busy(self) -> float:
-        """The summed duration of every stage: the tie-breaker between equally fast memberships."""
+        """The summed duration of every stage: the tie-breaker between equally fast runs."""
         return sum(e.end - e.start for e in self.trace)
 
 
-def simulate(prog: ExProg, topology: Topology | str,
-             membership: Mapping[str, tuple[int, ...]] | None = None) -> SimResult:
-    """Simulate ``prog`` on ``topology`` (a :class:`Topology` or a registered name).
+def better(a: SimResult | None, b: SimResult) -> bool:
+    """Whether run ``b`` beats run ``a`` (every run beats None).
 
-    Partitions declared by size take their sites from ``membership``.  When it
-    is None, the choice is searched: with at most :data:`MAX_EXHAUSTIVE`
-    possible memberships every one is simulated; beyond that a local search
-    (swap two sites between partitions, or a partition site with a free GPU)
-    starts from the first valid choice.  The fastest valid run wins, ties going
-    to the smaller summed stage time, then to the earlier choice.  With no valid
-    choice the first choice's (invalid) run is returned; a local search that finds
-    no valid start among the first choices raises ExchangeError instead.
+    A valid run beats an invalid one.  Between two of the same validity, ``b`` wins when it is
+    faster by more than :data:`TIME_TOL` (relative), or when it is no slower at all and its summed
+    stage time (:attr:`SimResult.busy`) is lower by more than :data:`BUSY_TOL`.  Anything else is a
+    tie, and a tie keeps ``a``: the run found first.  "No slower at all" makes a search that only
+    takes better runs never end slower than it started, and the busy tolerance keeps it from
+    taking runs that differ from the current one by float rounding alone.
+
+    >>> from relational_tensors.machine.machines import get_topology
+    >>> from relational_tensors.exchange.text import parse
+    >>> top = get_topology("dgx-a100")
+    >>> direct = simulate(parse("GPUS: 0 1 2\\nIN: A @ 0\\nOUT: A @ 1, 2\\nA @ 0 -> 1, 2"), top)
+    >>> relayed = simulate(parse("GPUS: 0 1 2\\nIN: A @ 0\\nOUT: A @ 1, 2\\nA @ 0 -> 1; A @ 1 -> 2"), top)
+    >>> better(direct, relayed), better(relayed, direct), better(direct, direct)  # relayed: one latency more
+    (False, True, False)
     """
-    top = get_topology(topology) if isinstance(topology, str) else topology
+    if a is None:
+        return True
+    if a.valid != b.valid:
+        return b.valid
+    if b.time < a.time * (1 - TIME_TOL):
+        return True
+    return b.time <= a.time and b.busy < a.busy * (1 - BUSY_TOL)
+
+
+def check_topology(topology: object, where: str) -> Topology:
+    """``topology``, when it is a :class:`Topology`; ExchangeError otherwise (a name is resolved by the caller)."""
+    if isinstance(topology, Topology):
+        return topology
+    shown = f"the {type(topology).__name__} {topology!r}"
+    fix = f"pass get_topology({topology!r})" if isinstance(topology, str) else "build one with get_topology(name)"
+    raise ExchangeError(f"{where} takes a Topology; got {shown}; {fix} "
+                        "(from relational_tensors.machine.machines).")
+
+
+def simulate(prog: ExProg, topology: Topology,
+             membership: Mapping[str, tuple[int, ...]] | None = None) -> SimResult:
+    """Simulate ``prog`` on ``topology`` under ``membership``.
+
+    ``membership`` gives the partitions declared by size their sites; it may be left out when
+    there are none.  To choose it, call
+    :func:`~relational_tensors.exchange.membership.fastest_membership` instead.
+    """
+    top = check_topology(topology, "simulate")
     _check_program(prog, top)
     actions = sorted(prog.body, key=_action_key)
-    sized = [p for p in prog.partitions if p.members is None]
-    if membership is not None or not sized:
-        return _run(prog, top, _full_membership(prog, top, membership or {}), actions)
-    count = _count_memberships(prog)
-    if count == 0:
-        raise ExchangeError(
-            f"no membership fits the sized partitions {[(p.name, p.size) for p in sized]} into the GPUs "
-            f"{prog.gpus} left by the explicit partitions; shrink the partitions or declare more GPUs.")
-    if count <= MAX_EXHAUSTIVE:
-        best: SimResult | None = None
-        for choice in memberships(prog):
-            full = _full_membership(prog, top, choice)
-            if _closure_valid(prog, full, actions):
-                best = _better(best, _run(prog, top, full, actions, "exhaustive"))
-        first = _full_membership(prog, top, next(memberships(prog)))
-        return best or _run(prog, top, first, actions, "exhaustive")
-    start = next((full for choice in itertools.islice(memberships(prog), _MAX_SCAN)
-                  if _closure_valid(prog, full := _full_membership(prog, top, choice), actions)), None)
-    if start is None:
-        raise ExchangeError(
-            f"none of the first {_MAX_SCAN} of {count} memberships of {[p.name for p in sized]} makes the "
-            "program valid; pass membership= explicitly.")
-    best = _run(prog, top, start, actions, "local")
-    for _ in range(_MAX_ROUNDS):
-        step = None
-        for full in _neighbours(prog, best.membership):
-            if _closure_valid(prog, full, actions):
-                step = _better(step, _run(prog, top, full, actions, "local"))
-        if step is None or _better(best, step) is best:
-            break
-        best = step
-    return best
-
-
-def _count_memberships(prog: ExProg) -> int:
-    count, left = 1, len(free_sites(prog))
-    for p in prog.partitions:
-        if p.members is None:
-            count *= math.comb(left, p.size) if p.size <= left else 0
-            left -= p.size
-    return count
-
-
-def _better(a: SimResult | None, b: SimResult) -> SimResult:
-    """The better of two runs: valid, then faster, then less summed stage time; ``a`` on a tie."""
-    if a is None:
-        return b
-    if a.valid != b.valid:
-        return a if a.valid else b
-    if b.time < a.time * (1 - _TOL):
-        return b
-    if b.time <= a.time * (1 + _TOL) and b.busy < a.busy * (1 - _TOL):
-        return b
-    return a
-
-
-def _neighbours(prog: ExProg, membership: Mapping[str, tuple[int, ...]]) -> Iterator[dict[str, tuple[int, ...]]]:
-    """Memberships one move away: two sized partitions swap a site, or one trades a site for a free GPU."""
-    used = {s for sites in membership.values() for s in sites}
-    free = [g for g in free_sites(prog) if g not in used]
-    for _, moved, _ in membership_moves(membership, [p.name for p in prog.partitions if p.members is None], free):
-        yield moved
+    return _run(prog, top, _full_membership(prog, top, membership or {}), actions)
 
 
 # ------------------------------------------------------------------------ checks
@@ -228,7 +200,8 @@ def _full_membership(prog: ExProg, top: Topology,
             raise ExchangeError(f"partition {p.name} is declared as {sites}; membership says {given[p.name]}.")
         if len(sites) != p.size or len(set(sites)) != p.size or not set(sites) <= set(prog.gpus):
             raise ExchangeError(f"partition {p.name} needs {p.size} distinct sites from GPUS {prog.gpus}; "
-                                f"got {sites or 'none'} (pass membership={{{p.name!r}: (...)}}).")
+                                f"got {sites or 'none'}; pass membership={{{p.name!r}: (...)}}, or call "
+                                "fastest_membership(prog, topology) to choose one.")
         full[p.name] = sites
     seen: dict[int, str] = {}
     for name, sites in full.items():
@@ -258,8 +231,6 @@ def _dests(prog: ExProg, action: Action, site: int, membership: Mapping[str, tup
 
 def _closure_valid(prog: ExProg, membership: Mapping[str, tuple[int, ...]], actions: list[Action]) -> bool:
     """Untimed validity, judged by the closure of Definition 5.5 (the one judge of validity)."""
-    from relational_tensors.exchange.closure import check
-
     sized = {name: sites for name, sites in membership.items()
              if (part := prog.partition(name)) is not None and part.members is None}
     try:
@@ -272,8 +243,7 @@ def _closure_valid(prog: ExProg, membership: Mapping[str, tuple[int, ...]], acti
 # ------------------------------------------------------------------------ the timed run
 
 
-def _run(prog: ExProg, top: Topology, membership: dict[str, tuple[int, ...]], actions: list[Action],
-         search: str = "fixed") -> SimResult:
+def _run(prog: ExProg, top: Topology, membership: dict[str, tuple[int, ...]], actions: list[Action]) -> SimResult:
     sizes = prog.atom_sizes()
     net: FlowNetwork[tuple] = FlowNetwork(top.capacities())  # keyed ("aggregate", X, s) or ("transfer", action, s, d)
     state: dict[int, set[frozenset[str]]] = {g: set() for g in prog.gpus}
@@ -340,5 +310,4 @@ def _run(prog: ExProg, top: Topology, membership: dict[str, tuple[int, ...]], ac
                   for s in _sites(prog, t, membership) if r.aggregate not in state[s])
     trace.sort(key=lambda e: (e.start, e.end, e.site, -1 if e.dest is None else e.dest, _action_key(e.action)))
     valid = not unfired and not unmet and _closure_valid(prog, membership, actions)
-    return SimResult(max((e.end for e in trace), default=0.0), tuple(trace), membership,
-                     valid, unfired, unmet, search)
+    return SimResult(max((e.end for e in trace), default=0.0), tuple(trace), membership, valid, unfired, unmet)
