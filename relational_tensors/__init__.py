@@ -14,6 +14,7 @@ from relational_tensors.api.compile import compile as compile
 from relational_tensors.api.compile import compileGraph as compileGraph
 from relational_tensors.api.compile import load_plan as load_plan
 from relational_tensors.api.compile import save_plan as save_plan
+from relational_tensors.api.dynamo import dynamo_backend as dynamo_backend
 from relational_tensors.api.parallelize import ParallelModule as ParallelModule
 from relational_tensors.api.parallelize import parallelize as parallelize
 from relational_tensors.api.training import TrainStep as TrainStep
@@ -62,7 +63,8 @@ __all__ = [
     "RelationalTensorsError", "GraphError", "SpecError", "PlanError", "OutOfMemoryPlanError",
     "ExchangeError", "ExecError", "CatalogError", "CommandError",
     "compileGraph", "compile", "CompiledGraph", "load_plan", "save_plan", "CompileOptions", "Target",
-    "from_torch", "parallelize", "TorchGraph", "ParallelModule", "optim", "plans", "train_step", "TrainStep",
+    "from_torch", "parallelize", "dynamo_backend", "TorchGraph", "ParallelModule", "optim", "plans", "train_step",
+    "TrainStep",
 ]
 
 # a library prints nothing unless asked: its loggers ("relational_tensors.compile": per-pass timings at INFO)
