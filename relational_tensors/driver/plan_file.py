@@ -7,9 +7,13 @@ programs, the liveness and memory plan, the options) and the compilation's catal
 graph's fingerprint is the one the plan was made for, and restores the rows into a catalog (in memory
 by default), so ``cg.sql`` and the named queries explain the loaded plan as they did the original.
 
-The file is a short header (a magic line and one JSON line: format, package version, graph
-fingerprint, device) followed by a pickle of the program.  The header is checked before anything is
-unpickled; like any pickle, load only plan files you trust (your own).
+The file is a magic line, one JSON header line (format, package version, graph fingerprint, device, the
+body's length and its SHA-256) and the body: the program as one JSON document and its binary blobs
+(arrays as ``.npy``, catalog rows as Arrow IPC; ``driver.plan_codec``), each framed by its length.  The
+checksum covers the header's fields and the whole body, so a damaged, truncated or edited file is
+refused before anything is decoded; a file for another graph or another package version is refused
+naming what differs; decoding never runs code from the file.  A save writes a temporary file beside the
+target and renames it, so an interrupted save leaves the previous file as it was.
 
 >>> import os, tempfile, numpy as np, relational_tensors as rt
 >>> g = rt.Graph(); a = g.input("a", [8, 8]); _ = g.save(g.matmul(a, a), name="c")
@@ -23,17 +27,21 @@ unpickled; like any pickle, load only plan files you trust (your own).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
-import io
+import hashlib
 import json
-import pickle
+import os
+import struct
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from relational_tensors.catalog import Catalog
+from relational_tensors.driver.plan_codec import decode, encode
 from relational_tensors.errors import CatalogError, GraphError, PlanError
-from relational_tensors.graph.graph import Graph, Node
+from relational_tensors.graph.graph import Graph
 
 if TYPE_CHECKING:
     from relational_tensors.driver.compiler import CompiledGraph
@@ -41,73 +49,9 @@ if TYPE_CHECKING:
 __all__ = ["save_plan", "load_plan", "dumps", "loads", "FORMAT"]
 
 MAGIC = b"relational_tensors plan\n"
-FORMAT = 2  # the layout of a plan file (header fields, pickled members); a new layout is a new number
+FORMAT = 3  # the layout of a plan file (header fields, the encoded body); a new layout is a new number
 # remade on load, or empty (nothing is loaded into a loaded plan)
 _SKIP = ("_catalog", "_compilation_id", "_restore", "_executor", "ranks", "_simulations", "_states")
-
-
-_SLOTS: dict[type, tuple[tuple[str, Any], ...]] = {}
-
-
-def _slots(cls: type) -> tuple[tuple[str, Any], ...]:
-    """Every slot of a slotted class, its bases' first (the fields of a ``slots=True`` dataclass), with
-    the slot's own setter (a frozen dataclass's ``__setattr__`` refuses; its slots do not)."""
-    found = _SLOTS.get(cls)
-    if found is None:
-        out: list[tuple[str, Any]] = []
-        for klass in reversed(cls.__mro__):
-            own = klass.__dict__.get("__slots__", ())
-            for name in [own] if isinstance(own, str) else own:
-                if not name.startswith("__"):
-                    out.append((name, klass.__dict__[name].__set__))
-        found = _SLOTS[cls] = tuple(out)
-    return found
-
-
-def _rebuild(cls: type, values: tuple[Any, ...]) -> Any:
-    obj: Any = object.__new__(cls)
-    for (_, setter), value in zip(_slots(cls), values):
-        setter(obj, value)
-    return obj
-
-
-class _Pickler(pickle.Pickler):
-    """Pickles a compiled graph's members, leaving out its graph and its nodes (the caller's graph takes
-    their place).
-
-    Slotted dataclasses (boxes, intervals, function specs, tasks: most of a program) are pickled as
-    their slot values and rebuilt by setting them, which loads several times faster than the
-    dataclass's own ``__setstate__``."""
-
-    def __init__(self, file: Any, graph: Graph) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.graph = graph
-
-    def persistent_id(self, obj: Any) -> Any:
-        if obj is self.graph:
-            return "graph"
-        if type(obj) is Node and obj.id < len(self.graph.nodes) and self.graph.nodes[obj.id] is obj:
-            return ("node", obj.id)  # the task DAG's operator table: the caller's graph's own nodes
-        return None
-
-    def reducer_override(self, obj: Any) -> Any:
-        cls = type(obj)
-        if "__dataclass_fields__" in cls.__dict__ and "__slots__" in cls.__dict__:
-            return _rebuild, (cls, tuple(getattr(obj, n) for n, _ in _slots(cls)))
-        return NotImplemented
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: Any, graph: Graph) -> None:
-        super().__init__(file)
-        self.graph = graph
-
-    def persistent_load(self, pid: Any) -> Any:
-        if pid == "graph":
-            return self.graph
-        if isinstance(pid, tuple) and len(pid) == 2 and pid[0] == "node" and 0 <= pid[1] < len(self.graph.nodes):
-            return self.graph.nodes[pid[1]]
-        raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
 
 
 def _catalog_rows(cg: CompiledGraph) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -127,34 +71,86 @@ def _catalog_rows(cg: CompiledGraph) -> tuple[dict[str, Any], dict[str, Any]]:
     return row, tables
 
 
+def _digest(header: dict[str, Any], body: bytes | memoryview) -> str:
+    """SHA-256 of the header's fields (all but the digest itself, in a fixed order) and the body."""
+    h = hashlib.sha256(json.dumps({k: v for k, v in header.items() if k != "sha256"}, sort_keys=True).encode())
+    h.update(body)
+    return h.hexdigest()
+
+
+def _frame(parts: list[bytes]) -> bytes:
+    """``parts`` each preceded by its length (8 bytes, little-endian), after their count."""
+    return struct.pack("<Q", len(parts)) + b"".join(struct.pack("<Q", len(p)) + p for p in parts)
+
+
+def _unframe(body: memoryview) -> list[bytes]:
+    (count,), at = struct.unpack_from("<Q", body, 0), 8
+    if count > len(body) // 8:
+        raise PlanError("holds more parts than it has bytes")
+    parts = []
+    for _ in range(count):
+        (size,) = struct.unpack_from("<Q", body, at)
+        at += 8
+        if at + size > len(body):
+            raise PlanError("ends inside a part")
+        parts.append(bytes(body[at:at + size]))
+        at += size
+    if at != len(body):
+        raise PlanError("has bytes after its last part")
+    return parts
+
+
 def dumps(cg: CompiledGraph) -> bytes:
     """``cg``'s program and catalog rows as the bytes of a plan file (see the module's docstring)."""
     from relational_tensors._version import __version__
 
     members = {k: v for k, v in vars(cg).items() if k not in _SKIP}
     row, tables = _catalog_rows(cg)
-    header = {"format": FORMAT, "package": __version__, "fingerprint": cg.graph.fingerprint(),
-              "device": str(cg.devices), "saved": datetime.datetime.now().isoformat(timespec="seconds")}
-    buf = io.BytesIO()
-    buf.write(MAGIC + json.dumps(header).encode() + b"\n")
     collecting = gc.isenabled()
     gc.disable()
     try:
-        _Pickler(buf, cg.graph).dump({"members": members, "compilation": row, "tables": tables})
+        doc, blobs = encode({"members": members, "compilation": row, "tables": tables}, cg.graph)
     finally:
         if collecting:
             gc.enable()
-    return buf.getvalue()
+    body = _frame([doc, *blobs])
+    header = {"format": FORMAT, "package": __version__, "fingerprint": cg.graph.fingerprint(),
+              "device": str(cg.devices), "saved": datetime.datetime.now().isoformat(timespec="seconds"),
+              "body_bytes": len(body)}
+    header["sha256"] = _digest(header, body)
+    return MAGIC + json.dumps(header).encode() + b"\n" + body
+
+
+def _write_atomically(path: str | Path, data: bytes, what: str) -> None:
+    """Write ``data`` to a temporary file beside ``path``, then rename it over ``path``."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise PlanError(f"a {what} is written to a path (a str or os.PathLike); got {type(path).__name__}.")
+    target = Path(path)
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        tmp = None
+    except OSError as e:
+        raise PlanError(f"cannot write the {what} to {str(path)!r}: {e.strerror or e}. Give a writable path.") \
+            from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def save_plan(cg: CompiledGraph, path: str | Path) -> None:
-    """Write ``cg``'s program and catalog rows to ``path``."""
-    data = dumps(cg)
-    try:
-        with open(path, "wb") as f:
-            f.write(data)
-    except OSError as e:
-        raise PlanError(f"cannot write the plan to {str(path)!r}: {e.strerror or e}. Give a writable path.") from None
+    """Write ``cg``'s program and catalog rows to ``path`` (atomically: see the module's docstring)."""
+    from relational_tensors.driver.compiled import CompiledGraph as Compiled
+
+    if not isinstance(cg, Compiled):
+        raise PlanError(f"save_plan saves a compiled graph (rt.compileGraph's result); got {type(cg).__name__}.")
+    _write_atomically(path, dumps(cg), "plan")
 
 
 def _header(data: bytes, where: str) -> tuple[dict[str, Any], int]:
@@ -171,6 +167,10 @@ def _header(data: bytes, where: str) -> tuple[dict[str, Any], int]:
         found = header.get("format") if isinstance(header, dict) else "?"
         raise PlanError(f"the plan file {where} has format {found}; this package reads format {FORMAT}. "
                         "Plan the graph again and save it.")
+    body = memoryview(data)[end + 1:] if end >= 0 else memoryview(b"")
+    if header.get("body_bytes") != len(body):
+        raise PlanError(f"the plan file {where} is truncated or extended: its header says {header.get('body_bytes')} "
+                        f"bytes of program, and {len(body)} follow; save the plan again.")
     return header, end + 1
 
 
@@ -185,6 +185,9 @@ def loads(data: bytes, graph: Graph, catalog: str | Path | Catalog | None = None
 
     if not isinstance(graph, Graph):
         raise GraphError(f"load_plan needs the rt.Graph the plan was made for; got {type(graph).__name__}.")
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise PlanError(f"a plan is read from bytes (a plan file's content); got {type(data).__name__}.")
+    data = bytes(data)
     header, start = _header(data, where)
     if header.get("package") != __version__:
         raise PlanError(f"{where} was saved by relational_tensors {header.get('package')}; this is "
@@ -193,10 +196,18 @@ def loads(data: bytes, graph: Graph, catalog: str | Path | Catalog | None = None
         raise PlanError(f"{where} was made for another graph (fingerprint "
                         f"{str(header.get('fingerprint'))[:12]}…, this graph's is {graph.fingerprint()[:12]}…): "
                         "a changed name, shape, dtype or operator changes it. Plan this graph with compileGraph.")
+    if not isinstance(header.get("sha256"), str) or _digest(header, memoryview(data)[start:]) != header["sha256"]:
+        raise PlanError(f"the plan file {where} is damaged or edited: its checksum does not match its header and "
+                        "program; save the plan again.")
     collecting = gc.isenabled()
     gc.disable()  # tens of thousands of small acyclic objects: the cyclic collector would only rescan them
     try:
-        saved = _Unpickler(io.BytesIO(memoryview(data)[start:]), graph).load()
+        doc, *blobs = _unframe(memoryview(data)[start:])
+        saved = decode(doc, blobs, graph)
+        if not isinstance(saved, dict) or not {"members", "compilation", "tables"} <= set(saved):
+            raise PlanError("does not hold a program")
+    except PlanError as e:
+        raise PlanError(f"the plan file {where} {e}; save the plan again.") from None
     except Exception as e:  # a truncated or damaged body
         raise PlanError(f"the plan file {where} is damaged ({type(e).__name__}); save the plan again.") from None
     finally:
@@ -223,6 +234,8 @@ def loads(data: bytes, graph: Graph, catalog: str | Path | Catalog | None = None
 
 def load_plan(path: str | Path, graph: Graph, catalog: str | Path | Catalog | None = None) -> CompiledGraph:
     """The compiled plan saved at ``path``, for ``graph`` (see :func:`loads`)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise PlanError(f"load_plan reads a plan file's path (a str or os.PathLike); got {type(path).__name__}.")
     try:
         with open(path, "rb") as f:
             data = f.read()
