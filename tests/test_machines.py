@@ -90,3 +90,12 @@ def test_a_plan_across_two_rail_joined_nodes_computes_the_reference() -> None:
     cg = rt.compileGraph(g, device="cpu:16", topology="2x-hgx-h200-ib", cost_model="calibrated")
     np.testing.assert_allclose(cg.run(feeds)["y"], rt.reference(g, feeds)["y"], rtol=1e-4, atol=1e-4)
     assert cg.simulate() > 0
+
+
+@pytest.mark.parametrize("device", ["cpu:²", "cpu:٣", "cuda:0,¹", "cpu:-1", "cpu:1.5", "tpu:2", "", 3.5, ["cpu"],
+                                    True, "cpu:0", 0])
+def test_a_device_of_another_form_is_refused_by_rule(device: object) -> None:
+    from relational_tensors.machine.devices import parse_devices
+
+    with pytest.raises(rt.PlanError, match="device"):
+        parse_devices(device)

@@ -43,7 +43,7 @@ class CompileOptions:
 
     ``device`` names the devices (``"cpu:N"``, ``"cuda:0,1"``, ``"cuda:0,0,0,0"`` for logical devices of one
     GPU, a ``DeviceSet``, ``"dist"`` for one process per device under torchrun; None: every visible GPU, else
-    8 virtual CPU devices; see ``machine.devices``);
+    one virtual CPU device per core; see ``machine.devices``);
     ``selector`` is ``dp`` (Algorithm 1, then with ``refine`` a coordinate descent on the whole-plan cost
     across the tensors the DP cuts), ``greedy`` or ``random`` (with ``seed``); ``cost_model`` is
     ``paper`` (elements), ``bytes`` or ``calibrated`` (seconds on ``topology`` with the kernel rates of

@@ -110,7 +110,7 @@ def parse_devices(device: object) -> DeviceSet:
         if kind == "cpu":
             if rest == "":
                 return DeviceSet("cpu", (0,))
-            if not rest.isdigit():
+            if not (rest.isascii() and rest.isdigit()):  # '²'.isdigit() is True, and int('²') fails
                 raise bad
             if int(rest) < 1:
                 raise PlanError(f"device count must be at least 1; got {device!r}. Use 'cpu:1' or more.")
@@ -119,7 +119,7 @@ def parse_devices(device: object) -> DeviceSet:
             if rest == "":
                 return parse_devices(None) if visible_gpus() else DeviceSet("cuda", (0,))
             parts = rest.split(",")
-            if not all(x.strip().isdigit() for x in parts):
+            if not all(x.strip().isascii() and x.strip().isdigit() for x in parts):
                 raise bad
             _bounded(len(parts), device)
             return DeviceSet("cuda", tuple(int(x) for x in parts))
