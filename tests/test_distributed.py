@@ -146,6 +146,25 @@ def test_a_stalled_rank_ends_the_others_within_the_timeout(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
+def test_a_rank_that_exits_before_compiling_ends_the_others_with_an_exec_error(tmp_path: Path) -> None:
+    out = tmp_path / "res.json"
+    r = torchrun(3, out, "--only", "early", timeout=120)
+    for rank in (0, 1):
+        res = json.loads(Path(f"{out}.{rank}").read_text())
+        assert res["error"] and f"rank {rank}" in res["error"] and "did not form" in res["error"], \
+            (res, r.stderr[-2000:])
+        assert res["seconds"] <= 15, res  # the 3 s timeout (and torch's own retries), not the 300 s default
+
+
+@pytest.mark.parametrize("group", ["world", 0, object()])
+def test_a_process_group_of_another_kind_is_refused(group: object) -> None:
+    pytest.importorskip("torch")
+    g = llama_block(1, 8, 16, 2, 1, 24)
+    with pytest.raises(rt.GraphError, match="ProcessGroup"):
+        rt.compileGraph(g, device="dist:cpu", process_group=group)
+
+
+@pytest.mark.slow
 def test_a_checkpoint_is_read_shard_by_shard(tmp_path: Path) -> None:
     """Each of 4 ranks reads only its quarter of a 256 MiB checkpoint: its resident set grows by less than
     its blocks plus 64 MiB (a whole-file read would grow by the file)."""

@@ -40,6 +40,10 @@ def _group(process_group: Any, timeout: float, nccl_gpu: int | None = None) -> t
                         "(pip install 'relational_tensors[torch]') and launch with torchrun.") from None
     if process_group is not None:
         mesh = getattr(process_group, "get_group", None)  # a DeviceMesh: its one-dimensional group
+        if not callable(mesh) and not isinstance(process_group, dist.ProcessGroup):
+            raise GraphError(f"process_group takes a torch.distributed ProcessGroup or a one-dimensional DeviceMesh; "
+                             f"got {type(process_group).__name__} {process_group!r}. Leave it out to run over the "
+                             "launch's default group.")
         group = mesh() if callable(mesh) and getattr(process_group, "ndim", 1) == 1 else process_group
         if callable(mesh) and getattr(process_group, "ndim", 1) != 1:
             raise GraphError(f"process_group takes a process group or a one-dimensional DeviceMesh; got a mesh of "
@@ -55,8 +59,14 @@ def _group(process_group: Any, timeout: float, nccl_gpu: int | None = None) -> t
             import torch
 
             torch.cuda.set_device(nccl_gpu)
-        dist.init_process_group("gloo" if nccl_gpu is None else "cpu:gloo,cuda:nccl",
-                                timeout=datetime.timedelta(seconds=timeout))
+        try:
+            dist.init_process_group("gloo" if nccl_gpu is None else "cpu:gloo,cuda:nccl",
+                                    timeout=datetime.timedelta(seconds=timeout))
+        except Exception as e:  # torch's store and backend errors, whatever their class
+            raise ExecError(f"rank {os.environ.get('RANK')}: the process group did not form within {timeout:g} s "
+                            f"({type(e).__name__}: {_first_line(e)}); a rank exited or never started, or the ranks "
+                            f"disagree on WORLD_SIZE ({os.environ.get('WORLD_SIZE')} here), MASTER_ADDR or "
+                            "MASTER_PORT. Launch every rank with the same torchrun command.") from None
         return dist, None, True
     return dist, None, False
 
@@ -87,6 +97,22 @@ def _gpu(kind: str, transport: str | None) -> tuple[int | None, str, int]:
         raise ExecError(f"{os.environ.get('LOCAL_WORLD_SIZE')} ranks share {gpus} GPUs here and NCCL needs a GPU "
                         "per rank; give transport='gloo' (transfers staged through the host) to share GPUs.")
     return local % gpus, transport, per_gpu
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:200]
+
+
+def _collective(rank: int, what: str, wait: float, fn: Any, *args: Any, **kwargs: Any) -> None:
+    """``fn(*args, **kwargs)``, a collective of every rank; its failure (a rank gone, or past the group's
+    timeout) is an ExecError naming this rank and what the ranks were exchanging."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:
+        raise ExecError(f"rank {rank}: exchanging {what} with the other ranks failed ({type(e).__name__}: "
+                        f"{_first_line(e)}); a rank exited, or did not reach compileGraph within the group's "
+                        f"timeout ({wait:g} s for a group this call made). Every rank must compile the same "
+                        "graph.") from None
 
 
 TOPOLOGY_FILE = "RELATIONAL_TENSORS_TOPOLOGY"  # environment: a measured topology file (bench/measure_topology.py)
@@ -137,7 +163,8 @@ def compile_distributed(graph: Graph, options: CompileOptions, catalog: Any = No
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     first = 0 if group is None else dist.get_global_rank(group, 0)
     prints: list[Any] = [None] * world
-    dist.all_gather_object(prints, graph.fingerprint(), group=group)
+    _collective(rank, "the graphs' fingerprints", wait, dist.all_gather_object, prints, graph.fingerprint(),
+                group=group)
     if len(set(prints)) != 1:
         odd = [r for r, f in enumerate(prints) if f != prints[0]]
         raise ExecError(f"rank {rank}: the ranks hold different graphs (ranks {odd} differ from rank 0: another "
@@ -153,9 +180,9 @@ def compile_distributed(graph: Graph, options: CompileOptions, catalog: Any = No
             blob = [dumps(cg)]
         except Exception as e:  # the other ranks must not wait for a plan that never comes
             blob = [e]
-            dist.broadcast_object_list(blob, src=first, group=group)
+            _collective(rank, "rank 0's plan", wait, dist.broadcast_object_list, blob, src=first, group=group)
             raise
-    dist.broadcast_object_list(blob, src=first, group=group)
+    _collective(rank, "rank 0's plan", wait, dist.broadcast_object_list, blob, src=first, group=group)
     if isinstance(blob[0], Exception):
         raise ExecError(f"rank {rank}: rank 0 could not plan the graph: {blob[0]}") from None
     if rank != 0:

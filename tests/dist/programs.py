@@ -7,6 +7,7 @@ and compares what it offloads with the single-process NumPy reference; rank 0 wr
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -214,7 +215,21 @@ def module() -> dict:
 
 PROGRAMS = {"block": block, "chain": chain, "step": step, "mismatch": mismatch, "subgroup": subgroup,
             "module": module, "mesh": mesh}
-SOLO = {"killed": killed, "stalled": stalled, "checkpoint": checkpoint}
+def early() -> dict:
+    """The last rank exits before compiling: the others' group never forms, and they end with an ExecError
+    within the 3 s timeout."""
+    if os.environ["RANK"] == str(int(os.environ["WORLD_SIZE"]) - 1):
+        os._exit(0)
+    g = llama_block(1, 8, 16, 2, 1, 24)
+    t0 = time.perf_counter()
+    try:
+        rt.compileGraph(g, device="dist", timeout=3)
+    except rt.ExecError as e:
+        return {"error": str(e), "seconds": time.perf_counter() - t0}
+    return {"error": None}
+
+
+SOLO = {"killed": killed, "stalled": stalled, "checkpoint": checkpoint, "early": early}
 
 
 def _gpu_ranks(transport: str) -> dict:
@@ -283,7 +298,8 @@ def main() -> None:
         import torch.distributed as dist
 
         result = SOLO[only]()
-        with open(f"{out_path}.{dist.get_rank()}", "w") as f:
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])
+        with open(f"{out_path}.{rank}", "w") as f:
             json.dump(result, f)
         return
     for name, fn in ({only: {**PROGRAMS, **GPU_PROGRAMS}[only]} if only else PROGRAMS).items():
@@ -308,8 +324,6 @@ def main() -> None:
     sys.stderr.flush()
     # gloo's threads of the groups made above (a subgroup, a DeviceMesh) can abort the interpreter's own
     # exit on a loaded machine ("terminate called without an active exception"); the results are out
-    import os
-
     os._exit(0)
 
 
