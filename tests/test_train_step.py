@@ -24,7 +24,8 @@ def _rel(a: Any, b: Any, scale: float = 0.0) -> float:
 
 def torch_steps(module: nn.Module, loss_fn: Any, batches: list, optimizer: Any, clip: float | None) -> list[float]:
     cls = torch.optim.AdamW if isinstance(optimizer, rt.optim.AdamW) else torch.optim.SGD
-    args = {k: v for k, v in vars(optimizer).items() if k not in ("max_grad_norm", "master_dtype")}
+    args = {k: v for k, v in vars(optimizer).items()
+            if k not in ("max_grad_norm", "master_dtype", "param_groups", "decoupled_weight_decay")}
     opt = cls(module.parameters(), **args)
     losses = []
     for batch in batches:
@@ -51,11 +52,15 @@ def compare(module: nn.Module, loss_fn: Any, batches: list, optimizer: Any, devi
         for key, value in opt.state[p].items():
             if key != "step" and value is not None:
                 scale[key] = max(scale.get(key, 0.0), 1e-6 * float(value.abs().max()))
+    index = {id(p): i for i, p in enumerate(twin.parameters())}  # torch's optimizer state_dict layout
     for k, p in twin.named_parameters():
-        assert _rel(state["params"][k], p) <= tol, k
+        assert _rel(state["params"][k], p) <= tol and _rel(state["model"][k], p) <= tol, k
         for key, value in opt.state[p].items():
-            if key != "step" and value is not None:
-                assert _rel(state["optimizer"][k][key], value, scale[key]) <= tol, (k, key)
+            ours_value = state["optimizer"]["state"][index[id(p)]][key]
+            if key == "step":
+                assert float(ours_value) == float(value), (k, key)
+            elif value is not None:
+                assert _rel(ours_value, value, scale[key]) <= tol, (k, key)
     return step
 
 

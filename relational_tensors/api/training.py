@@ -1,55 +1,136 @@
 """One training step of a PyTorch module as one plan: its forward, backward and optimizer update.
 
-``rt.train_step(module, loss_fn, example_batch, optimizer=rt.optim.AdamW(...), device=...)`` traces
-``loss_fn(module, *batch)`` (a scalar loss), makes the module's trainable parameters states
-(``g.state``), appends their gradients (``g.grad``) and the optimizer's update (``rt.optim``), and
-compiles the whole step.  ``step(*batch)`` runs one step and returns the loss; the parameters and the
-optimizer's moments persist on the devices between steps.
+``rt.train_step(module, loss_fn, example_batch, optimizer=..., device=...)`` traces ``loss_fn(module, *batch)``
+(a scalar loss), makes the trainable parameters states (``g.state``), appends their gradients (``g.grad``)
+and the optimizer's update (``rt.optim``), and compiles the whole step.  ``step(*batch)`` runs one step and
+returns the loss; the parameters and the optimizer's moments persist on the devices between steps.
+
+What a training user brings, and how it maps onto the graph:
+
+- **The optimizer**: ``rt.optim.AdamW``/``SGD``, or a ``torch.optim.AdamW``, ``Adam`` or ``SGD`` built on the
+  module's parameters, read into the equivalent graph optimizer (``api/torch_optim.py``).  The parameters
+  trained are those of the optimizer's groups that the loss depends on through floating tensors; a
+  parameter that requires grad but is in no group stays as it is, as under torch.
+- **Parameter groups**: each parameter's hyperparameters (weight decay, betas, eps, momentum, ...) are
+  constants of the graph; each group's lr is a graph input of its own (``lr`` for group 0, ``lr.<i>`` for
+  group i), so a schedule, one lr per group included, never recompiles.
+- **Learning rate**: ``step.lrs`` (one per group) and ``step.lr`` (the optimizer's: setting it gives group i
+  ``lr * ratio_i``, its lr over the optimizer's at construction).  ``lr_schedule`` is a callable
+  ``optimizer step index -> lr`` (setting ``step.lr`` before each optimizer step) or a torch ``LRScheduler``
+  on the torch optimizer passed in, stepped after each optimizer step, so the lr of step k is torch's.
+  With a torch optimizer its ``param_groups`` hold the live lrs.
+- **Accumulation** (``accumulate=k``): k calls make one optimizer step.  Each call's loss is scaled by 1/k
+  before the backward (torch's ``(loss / k).backward()``: the step applies the *mean* of the k gradients)
+  and summed into a gradient-accumulator state per parameter; the update, computed in every call, takes
+  effect only in the k-th, where an input gate is 1 (``rt.optim.accumulate``).  The returned loss is the
+  micro-batch's own, unscaled.
+- **state_dict** in torch's layout: ``{"model": module.state_dict()-like, "optimizer": torch's optimizer
+  state_dict, "params": trained parameters (the old layout's key), "steps": optimizer steps}``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from relational_tensors.api.compile import compileGraph
-from relational_tensors.core.dtypes import FLOAT_DTYPES
+from relational_tensors.api.torch_optim import (
+    OptimizerSetup,
+    as_number,
+    compiled_hyperparameters,
+    param_groups_layout,
+    resolve_optimizer,
+    same_value,
+    torch_scalar_dtype,
+)
+from relational_tensors.core.dtypes import FLOAT_DTYPES, numpy_dtype
 from relational_tensors.errors import ExecError, GraphError
-from relational_tensors.frontend.torch.convert import _torch, numpy_to_torch, torch_to_numpy
+from relational_tensors.frontend.torch.convert import _torch, _torch_dtype, numpy_to_torch, torch_to_numpy
 from relational_tensors.frontend.torch.translator import TorchGraph, draw_rng, from_torch
-from relational_tensors.graph.optim import SGD, AdamW, Optimizer
+from relational_tensors.graph.optim import Optimizer
 
 __all__ = ["train_step", "TrainStep"]
 
 PREFIX = "module."  # the wrapper's attribute: graph inputs of the module's tensors are named module.<name>
+APPLY = "accumulate.apply"  # the gate input of gradient accumulation: 1 in the call that steps the optimizer
+_MOMENTS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
 
 class TrainStep:
     """A compiled training step; see the module docstring."""
 
     def __init__(self, module: Any, graph: TorchGraph, compiled: Any, optimizer: Optimizer,
-                 holders: dict[str, tuple[str, bool]], loss: str) -> None:
+                 holders: dict[str, tuple[str, bool]], loss: str, setup: OptimizerSetup,
+                 lr_inputs: Sequence[str | None], accumulate: int = 1) -> None:
         self.module = module
         self.graph = graph
         self.compiled = compiled
         self.optimizer = optimizer  # the states the optimizer added, with their initial values
         self.holders = holders  # module parameter -> (its state in the graph, whether held transposed)
         self.loss = loss
-        self.lr = 0.0  # the learning rate of the next step (an input: changing it needs no recompile)
-        self.steps = 0
+        self.setup = setup  # the graph optimizer, its groups (parameter names in torch's order), the lr drivers
+        self.lr_inputs = list(lr_inputs)  # per group, its lr input (None: the group trains nothing here)
+        self.accumulate = accumulate
+        self.micro = 0  # micro-batches accumulated since the last optimizer step
+        self.steps = 0  # optimizer steps run
+        self._lrs = list(setup.lrs)  # the groups' lrs, where no torch optimizer holds them
         self._pending: dict[str, np.ndarray] = {}  # state values to load with the next step
+        self._loaded_model: dict[str, Any] = {}  # module tensors not trained here that load_state_dict changed
         self._first = True
 
+    # --- learning rates -------------------------------------------------------------------------------
+    @property
+    def lrs(self) -> list[float]:
+        """Each parameter group's learning rate for the next optimizer step."""
+        opt = self.setup.torch_optimizer
+        return [float(as_number(g["lr"])) for g in opt.param_groups] if opt is not None else list(self._lrs)
+
+    @lrs.setter
+    def lrs(self, values: Sequence[float]) -> None:
+        values = [float(v) for v in values]
+        if len(values) != len(self.setup.groups):
+            raise ExecError(f"lrs takes one learning rate per parameter group ({len(self.setup.groups)}); got "
+                            f"{len(values)}: {values}.")
+        if self.setup.torch_optimizer is not None:
+            for group, lr in zip(self.setup.torch_optimizer.param_groups, values):
+                group["lr"] = lr
+        else:
+            self._lrs = values
+
+    @property
+    def lr(self) -> float:
+        """The optimizer's learning rate: group i's is ``lr * ratio_i`` (its lr over the optimizer's, as built)."""
+        ratio = self.setup.ratios[0]
+        return self.lrs[0] / ratio if ratio else self.lrs[0]
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.lrs = [float(value) * r for r in self.setup.ratios]
+
+    # --- one step -------------------------------------------------------------------------------------
     def __call__(self, *batch: Any) -> Any:
-        """Run one step on ``batch`` (tensors like the example batch); returns the loss."""
+        """Run one step on ``batch`` (tensors like the example batch); returns the loss (of this micro-batch
+        where gradients accumulate: the optimizer steps at every ``accumulate``-th call)."""
         names = self.graph.input_names
         if len(batch) != len(names):
             raise ExecError(f"this step was traced with {len(names)} batch tensors; got {len(batch)}.")
-        feeds: dict[str, Any] = {n: torch_to_numpy(x.detach()) for n, x in zip(names, batch) if n is not None}
-        dtype = self.graph.node("lr").type.dtype
-        feeds["lr"] = np.array([self.lr], dtype=dtype)
+        cuda = self.compiled.devices.kind == "cuda"
+        # on GPUs the executor copies a CUDA tensor (any __dlpack__ one) device to device: no host hop; a
+        # CPU tensor goes as a NumPy view, as on CPU devices
+        feeds: dict[str, Any] = {n: x.detach() if cuda and x.device.type == "cuda" else torch_to_numpy(x.detach())
+                                 for n, x in zip(names, batch) if n is not None}
+        if self.setup.schedule is not None:
+            self.lr = float(self.setup.schedule(self.steps))
+        for name, lr in zip(self.lr_inputs, self.lrs):
+            if name is not None:
+                feeds[name] = np.array([lr], dtype=numpy_dtype(self.graph.node(name).type.dtype))
+        applies = self.micro + 1 == self.accumulate
+        if self.accumulate > 1:
+            feeds[APPLY] = np.array([1.0 if applies else 0.0], dtype=numpy_dtype(self.graph.node(APPLY).type.dtype))
         if self.graph.rng_input is not None:  # train-mode dropout: a new draw each step, from torch's generator
             feeds[self.graph.rng_input] = draw_rng()
         if self._first:
@@ -59,9 +140,25 @@ class TrainStep:
         self.compiled.load(feeds)
         self._first, self._pending = False, {}
         self.compiled.execute()
-        self.steps += 1
-        return numpy_to_torch(self.compiled.offload(self.loss))
+        self.micro = 0 if applies else self.micro + 1
+        if applies:
+            self.steps += 1
+            if self.setup.scheduler is not None:
+                with warnings.catch_warnings():  # this step is the optimizer's step() the scheduler looks for
+                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+                    self.setup.scheduler.step()
+        return self._loss_value()
 
+    def _loss_value(self) -> Any:
+        if self.compiled.devices.kind != "cuda":
+            return numpy_to_torch(self.compiled.offload(self.loss))
+        torch = _torch()
+        out = torch.from_dlpack(self.compiled.offload(self.loss, like="cupy"))  # stays on the GPU
+        if self.graph.nodes[self.graph.outputs[self.loss]].type.dtype == "bfloat16" and out.dtype != torch.bfloat16:
+            out = out.view(torch.bfloat16)  # CuPy holds bfloat16 as its bits
+        return out
+
+    # --- the states, read and written -----------------------------------------------------------------
     def _current(self, name: str) -> np.ndarray:
         if name in self._pending:
             return self._pending[name]
@@ -69,65 +166,277 @@ class TrainStep:
             return np.asarray({**self.graph.parameters, **self.optimizer.initial(self.graph.parameters)}[name])
         return np.asarray(self.compiled.offload(name))
 
-    def _entries(self) -> list[tuple[str, str | None, str, bool]]:
-        """Every state of the step: (graph name, module parameter or None, key under it, transposed), the
-        parameters themselves under key "" and their optimizer states under "exp_avg", "master", ..."""
-        out: list[tuple[str, str | None, str, bool]] = [
-            (state, p, "", transposed) for p, (state, transposed) in self.holders.items()]
+    def _value(self, name: str, transposed: bool) -> Any:
+        """State ``name`` as a torch tensor (a copy) in the module's layout."""
+        v = self._current(name)
+        return numpy_to_torch(np.array(v.T if transposed and v.ndim == 2 else v, order="C"))
+
+    def _graph_value(self, name: str, value: Any, transposed: bool) -> np.ndarray:
+        """``value`` (a tensor in the module's layout) as graph input or state ``name`` holds it (a copy)."""
+        torch = _torch()
+        node = self.graph.node(name)
+        t = value.detach() if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+        if transposed and t.ndim == 2:
+            t = t.t()
+        if tuple(t.shape) != tuple(node.type.shape):
+            raise ExecError(f"{name!r} holds shape {tuple(node.type.shape)}; the state gives {tuple(t.shape)}"
+                            f"{' (transposed from the module layout)' if transposed else ''}. Load a state of this "
+                            "module.")
+        return np.array(torch_to_numpy(t.to(device="cpu", dtype=_torch_dtype(node.type.dtype))), order="C")
+
+    def _states_of(self) -> dict[str, dict[str, str]]:
+        """Per trained parameter, its graph states by key: "" the parameter, then "exp_avg", "momentum_buffer",
+        "sgd_first_step", "grad_accum", "master" and the master's "master.exp_avg", ..."""
+        out: dict[str, dict[str, str]] = {p: {"": state} for p, (state, _) in self.holders.items()}
         for name in self.optimizer.states:
-            owner = next((p for p, (state, _) in self.holders.items() if name.startswith(state + ".")), None)
-            key = name[len(self.holders[owner][0]) + 1:] if owner is not None else name
-            out.append((name, owner, key, owner is not None and self.holders[owner][1]))
+            owners = [p for p, (state, _) in self.holders.items() if name.startswith(state + ".")]
+            if owners:
+                owner = max(owners, key=lambda p: len(self.holders[p][0]))
+                out[owner][name[len(self.holders[owner][0]) + 1:]] = name
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        """The parameters under the module's names (in its layout), the optimizer's states per parameter,
-        and the number of steps run."""
-        params: dict[str, Any] = {}
-        optim: dict[str, Any] = {}
-        for name, owner, key, transposed in self._entries():
-            value = self._current(name)
-            value = numpy_to_torch(np.ascontiguousarray(value.T if transposed and value.ndim == 2 else value))
-            if not key:
-                params[str(owner)] = value
-            elif owner is None:
-                optim[key] = value
-            else:
-                optim.setdefault(owner, {})[key] = value
-        return {"params": params, "optimizer": optim, "steps": self.steps}
+    def _entries(self) -> list[tuple[str, str | None, str, bool]]:
+        """Every state of the step: (graph name, module parameter or None, key under it, transposed), the
+        parameters themselves under key "" (the layout of ``state_dict`` before it followed torch's)."""
+        out: list[tuple[str, str | None, str, bool]] = []
+        owned: set[str] = set()
+        for p, keys in self._states_of().items():
+            out += [(name, p, key, self.holders[p][1]) for key, name in keys.items()]
+            owned.update(keys.values())
+        return out + [(name, None, name, False) for name in self.optimizer.states if name not in owned]
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`: the values are loaded with the next step."""
-        unknown = sorted(set(state["params"]) - set(self.holders))
+    def _order(self) -> list[str]:
+        """The parameters in torch's order: their index in the optimizer's state_dict."""
+        return [name for names in self.setup.groups for name in names]
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"model": the module's state_dict with the trained values, "optimizer": the state_dict torch's
+        optimizer would have after the same steps ({"state": {index: {"step", "exp_avg", "exp_avg_sq"} or
+        {"momentum_buffer"}}, "param_groups": [...]}), "params": the trained parameters, "steps": optimizer
+        steps}``; ``torch.save`` keeps tensors shared between "model" and "params" once."""
+        if self.micro:
+            raise ExecError(f"state_dict is taken between optimizer steps; got {self.micro} of {self.accumulate} "
+                            "micro-batches accumulated. Take it after the call that steps the optimizer.")
+        states = self._states_of()
+        params = {p: self._value(keys[""], self.holders[p][1]) for p, keys in states.items()}
+        optimizer = {"state": self._torch_state(states), "param_groups": param_groups_layout(self.setup, self.lrs)}
+        return {"model": self._model_state(params), "optimizer": optimizer, "params": params, "steps": self.steps}
+
+    def _model_state(self, params: dict[str, Any]) -> dict[str, Any]:
+        torch = _torch()
+        first = {id(t): name for name, t in self.module.named_parameters()}
+        out: dict[str, Any] = {}
+        for key, t in self.module.state_dict(keep_vars=True).items():
+            name = first.get(id(t))
+            if name is not None and name in params:  # a tied parameter's other names get copies (safetensors)
+                out[key] = params[name] if key == name else params[name].clone()
+            elif key in self._loaded_model:
+                out[key] = self._loaded_model[key].clone()
+            else:
+                out[key] = t.detach().clone() if isinstance(t, torch.Tensor) else t
+        return out
+
+    def _torch_state(self, states: dict[str, dict[str, str]]) -> dict[int, dict[str, Any]]:
+        torch = _torch()
+        kind = self.optimizer.kind
+        step = float(self._current("adamw.step")[0]) if kind == "adamw" else 0.0
+        out: dict[int, dict[str, Any]] = {}
+        for index, p in enumerate(self._order()):
+            if p not in states or (kind == "adamw" and not step):  # torch has no state before a first step
+                continue
+            keys, transposed = states[p], self.holders[p][1]
+            entry: dict[str, Any] = {}
+            if kind == "adamw":
+                entry["step"] = torch.tensor(step, dtype=torch_scalar_dtype())
+            flag = keys.get("sgd_first_step", keys.get("master.sgd_first_step"))
+            if kind == "adamw" or (flag is not None and self._current(flag)[0] == 0):
+                for key in _MOMENTS[kind]:
+                    entry[key] = self._value(keys.get(key, keys.get(f"master.{key}", "")), transposed)
+            if "master" in keys:  # master_dtype's float32 copy: torch has none, and keeps the key when it loads
+                entry["master"] = self._value(keys["master"], transposed)
+            if entry:
+                out[index] = entry
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict`, from torch's ``{"model": module.state_dict(), "optimizer":
+        optimizer.state_dict()}`` (either part alone too), or from the layout before (``params`` and the
+        optimizer's states per parameter name); the values are loaded with the next step."""
+        if not isinstance(state, Mapping) or not {"model", "params", "optimizer"} & set(state):
+            raise ExecError("load_state_dict takes {'model': ..., 'optimizer': ...} (this step's state_dict, or "
+                            f"torch's module and optimizer state_dicts); got {type(state).__name__} with keys "
+                            f"{sorted(state) if isinstance(state, Mapping) else '-'}.")
+        if "model" in state:
+            self._load_model(state["model"])
+        elif "params" in state:
+            self._load_params(state["params"])
+        optim = state.get("optimizer")
+        if isinstance(optim, Mapping) and "state" in optim and "param_groups" in optim:
+            self._load_torch_optimizer(optim)
+        elif optim is not None:
+            self._load_named_optimizer(optim)
+        if "steps" in state:
+            self.steps = int(state["steps"])
+        self.micro = 0  # a loaded state starts at an optimizer step: nothing accumulated
+        for keys in self._states_of().values():
+            if "grad_accum" in keys:
+                self._pending[keys["grad_accum"]] = self._fill(keys["grad_accum"])
+
+    def _load_params(self, params: Mapping[str, Any]) -> None:
+        unknown = sorted(set(params) - set(self.holders))
         if unknown:
             raise ExecError(f"the state names parameters {unknown}, which this step does not train.")
+        missing = sorted(set(self.holders) - set(params))
+        if missing:
+            raise ExecError(f"the state has no value for {missing}, which this step trains. Load a state of this "
+                            "module.")
+        for p, (name, transposed) in self.holders.items():
+            self._pending[name] = self._graph_value(name, params[p], transposed)
+
+    def _load_model(self, model: Mapping[str, Any]) -> None:
+        torch = _torch()
+        own = self.module.state_dict(keep_vars=True)
+        unknown = sorted(set(model) - set(own))
+        if unknown:
+            raise ExecError(f"the model state has keys the module has not: {unknown[:6]}. Load a state_dict of this "
+                            "module.")
+        alias = {name: self._first_names().get(id(t), name) for name, t in own.items()}
+        self._load_params({p: model[key] for key, p in alias.items() if key in model and p in self.holders})
+        deps = {d for ds in self.graph.derived.values() for d in ds}  # named as graph origins: module.<name>
+        for key, value in model.items():
+            name = alias[key]
+            if name in self.holders or not isinstance(value, torch.Tensor):
+                continue
+            held = own[key].detach()
+            changed = tuple(value.shape) != tuple(held.shape) or not torch.equal(value.detach().cpu(), held.cpu())
+            if changed and PREFIX + name in deps:
+                raise ExecError(f"{key!r} changes a value folded into the plan when it was traced; load it into the "
+                                "module (module.load_state_dict) and build the step again.")
+            for gname, (origin, transposed) in self.graph.origins.items():
+                if origin == PREFIX + name and gname in self.graph.parameters:
+                    new = self._graph_value(gname, value, transposed)
+                    if not np.array_equal(new, self.graph.parameters[gname]):
+                        self.graph.parameters[gname] = self._pending[gname] = new
+            if changed:
+                self._loaded_model[key] = value.detach().clone()
+            else:
+                self._loaded_model.pop(key, None)
+
+    def _first_names(self) -> dict[int, str]:
+        return {id(t): name for name, t in self.module.named_parameters()}
+
+    def _load_torch_optimizer(self, optim: Mapping[str, Any]) -> None:
+        groups = list(optim["param_groups"])
+        sizes, ours = [len(g["params"]) for g in groups], [len(names) for names in self.setup.groups]
+        if sizes != ours:
+            raise ExecError(f"the optimizer state has param groups of {sizes} parameters; this step's optimizer has "
+                            f"{ours}. Build the step with the optimizer and groups the state was saved from.")
+        kind = self.optimizer.kind
+        theirs = {"momentum": "sgd", "betas": "adamw"}
+        for saved in groups:
+            other = next((theirs[k] for k in theirs if k in saved and theirs[k] != kind), None)
+            if other is not None:
+                raise ExecError(f"the optimizer state is {other}'s (its param groups have "
+                                f"{'momentum' if other == 'sgd' else 'betas'}); this step runs {kind}. Load the state "
+                                "of the same optimizer class.")
+        for i, (saved, compiled) in enumerate(zip(groups, compiled_hyperparameters(self.setup))):
+            for key, value in compiled.items():
+                if key in saved and not same_value(saved[key], value):
+                    raise ExecError(f"{key} is a constant of the compiled step: {value!r} in group {i}; the "
+                                    f"optimizer state has {saved[key]!r}. Build the step with {key}={saved[key]!r}.")
+        if self.setup.torch_optimizer is not None:  # as torch's load_state_dict: the groups take the saved values
+            for live, saved in zip(self.setup.torch_optimizer.param_groups, groups):
+                live.update({k: v for k, v in saved.items() if k != "params"})
+        else:
+            self._lrs = [float(as_number(g["lr"])) for g in groups]
+        by_index = {int(i): name for saved, names in zip(groups, self.setup.groups)
+                    for i, name in zip(saved["params"], names)}
+        unknown = sorted(int(i) for i in optim["state"] if int(i) not in by_index)
+        if unknown:
+            raise ExecError(f"the optimizer state has entries for parameters {unknown}, which its param_groups do "
+                            "not list.")
+        entries = {by_index[int(i)]: e for i, e in optim["state"].items()}
+        extra = sorted({k for e in entries.values() for k in e} - {"step", "master", *_MOMENTS[kind]})
+        if extra:
+            raise ExecError(f"this step runs {kind}, whose state is step and {list(_MOMENTS[kind])}; the optimizer "
+                            f"state has {extra}. Load the state of the same optimizer class.")
+        states = self._states_of()
+        if kind == "adamw":
+            self._load_adam_step(entries)
+        for p, keys in states.items():
+            entry, transposed = entries.get(p, {}), self.holders[p][1]
+            flag = keys.get("sgd_first_step", keys.get("master.sgd_first_step"))
+            for key in _MOMENTS[kind]:
+                name = keys.get(key, keys.get(f"master.{key}"))
+                if name is None:  # SGD without momentum keeps none
+                    continue
+                value = entry.get(key)
+                self._pending[name] = (self._fill(name) if value is None
+                                       else self._graph_value(name, value, transposed))
+                if flag is not None:  # torch's buffer exists from the first step on
+                    self._pending[flag] = np.full((1,), 1.0 if value is None else 0.0,
+                                                  dtype=numpy_dtype(self.graph.node(flag).type.dtype))
+            if "master" in keys:
+                self._pending[keys["master"]] = (self._graph_value(keys["master"], entry["master"], transposed)
+                                                 if "master" in entry else self._master_from(keys))
+
+    def _load_adam_step(self, entries: dict[str, dict[str, Any]]) -> None:
+        have = [p for p in self.holders if "step" in entries.get(p, {})]
+        steps = sorted({float(as_number(entries[p]["step"])) for p in have})
+        if (have and len(have) != len(self.holders)) or len(steps) > 1:
+            raise ExecError(f"one AdamW step count is shared by the parameters here; the optimizer state has steps "
+                            f"{steps} for {len(have)} of the {len(self.holders)} trained parameters. Load a state "
+                            "where every trained parameter took the same steps.")
+        step = steps[0] if steps else 0.0
+        self._pending["adamw.step"] = np.full((1,), step, dtype=numpy_dtype(self.graph.node("adamw.step").type.dtype))
+        self.steps = int(step)
+
+    def _fill(self, name: str) -> np.ndarray:
+        """Optimizer state ``name`` at its start (zeros; torch's state before a first step)."""
+        t, fill = self.optimizer.states[name]
+        return np.full(t.shape, fill, dtype=numpy_dtype(t.dtype))
+
+    def _master_from(self, keys: dict[str, str]) -> np.ndarray:
+        """Master weights as the parameter's value (torch keeps none: a loaded state starts them there)."""
+        dtype = numpy_dtype(self.graph.node(keys["master"]).type.dtype)
+        return np.asarray(self._current(keys[""]), dtype=np.float64).astype(dtype)
+
+    def _load_named_optimizer(self, optim: Mapping[str, Any]) -> None:
+        """The layout before torch's: states per parameter name, "adamw.step" at the top."""
         for name, owner, key, transposed in self._entries():
-            value = state["params"][owner] if not key else \
-                state["optimizer"][key] if owner is None else state["optimizer"][owner][key]
-            a = torch_to_numpy(value.detach())
-            self._pending[name] = np.ascontiguousarray(a.T if transposed and a.ndim == 2 else a)
-        self.steps = int(state.get("steps", 0))
+            if not key or key == "grad_accum":
+                continue
+            value = optim.get(key) if owner is None else optim.get(owner, {}).get(key)
+            if value is None:
+                raise ExecError(f"the optimizer state has no {key!r}{f' for {owner!r}' if owner else ''}; load a "
+                                "state_dict of this step's optimizer.")
+            self._pending[name] = self._graph_value(name, value, transposed)
 
     def load_into(self, module: Any = None) -> None:
         """Copy the trained parameters into ``module`` (default: the module the step was built from)."""
         torch = _torch()
         module = self.module if module is None else module
         params = dict(module.named_parameters())
+        states = self._states_of()
         with torch.no_grad():
-            for p, value in self.state_dict()["params"].items():
+            for p, keys in states.items():
+                value = self._value(keys[""], self.holders[p][1])
                 params[p].copy_(value.to(params[p].dtype))
 
 
-def train_step(module: Any, loss_fn: Any, example_batch: Any, optimizer: AdamW | SGD | None = None,
-               device: Any = None, **compile_options: Any) -> TrainStep:
+def train_step(module: Any, loss_fn: Any, example_batch: Any, optimizer: Any = None, device: Any = None, *,
+               lr_schedule: Any = None, accumulate: int = 1, **compile_options: Any) -> TrainStep:
     """Compile one training step of ``module``: ``loss_fn(module, *batch)`` returns a scalar loss, and
-    ``optimizer`` (``rt.optim.AdamW`` or ``rt.optim.SGD``, torch's arguments) updates every parameter
-    that requires grad.  ``device`` and ``compile_options`` are those of ``rt.compileGraph``."""
+    ``optimizer`` updates the parameters of its groups that get a gradient.  ``optimizer``:
+    ``rt.optim.AdamW``/``SGD`` (torch's arguments, ``param_groups``), or a ``torch.optim.AdamW``, ``Adam`` or
+    ``SGD`` on the module's parameters.  ``lr_schedule``: ``callable(step) -> lr`` or a torch ``LRScheduler``
+    on that torch optimizer.  ``accumulate=k``: k calls per optimizer step, applying the mean of their
+    gradients.  ``device`` and ``compile_options`` are those of ``rt.compileGraph``."""
     torch = _torch()
-    if optimizer is None:
-        optimizer = AdamW()
-    if not isinstance(optimizer, (AdamW, SGD)):
-        raise GraphError(f"optimizer must be rt.optim.AdamW(...) or rt.optim.SGD(...); got {optimizer!r}.")
+    setup = resolve_optimizer(module, optimizer, lr_schedule)
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise GraphError(f"accumulate is the number of micro-batches per optimizer step, an int >= 1; got "
+                         f"{accumulate!r}.")
     batch = tuple(example_batch) if isinstance(example_batch, (tuple, list)) else (example_batch,)
 
     base: Any = torch.nn.Module
@@ -146,25 +455,34 @@ def train_step(module: Any, loss_fn: Any, example_batch: Any, optimizer: AdamW |
             g.nodes[g.outputs[saved[0]]].type.dtype not in FLOAT_DTYPES:
         raise GraphError("loss_fn(module, *batch) must return one floating scalar (the loss).")
     # every differentiated parameter is one graph input (tied ones included), named as named_parameters()
-    # names it; those the loss depends on through floating tensors are trained, as torch's optimizers
-    # update exactly the parameters that get a gradient
+    # names it; those the loss depends on through floating tensors and that the optimizer holds are trained,
+    # as torch's optimizers update exactly their parameters that get a gradient
     loss = g.tensor(g.outputs[saved[0]])
-    holders = {origin[len(PREFIX):]: held for origin, held in g.trained([loss]).items()}
+    reached = {origin[len(PREFIX):]: held for origin, held in g.trained([loss]).items()}
+    group_of = {name: i for i, names in enumerate(setup.groups) for name in names}
+    holders = {p: held for p, held in reached.items() if p in group_of}
     if not holders:
         trainable = [k for k, t in module.named_parameters() if t.requires_grad]
         read = sorted(origin[len(PREFIX):] for origin, _ in g.origins.values() if origin in g.differentiated)
-        why = (f"it reads {read} only through integer or boolean values, which have no gradient" if read else
+        why = (f"the optimizer's groups hold none of {sorted(reached)}" if reached else
+               f"it reads {read} only through integer or boolean values, which have no gradient" if read else
                "the loss reads none of them" if trainable else "none requires grad")
-        raise GraphError(f"train_step trains the module's parameters that require grad and that the loss depends "
-                         f"on; {why}. Got {len(trainable)} parameters that require grad.")
-    for graph_name, _ in holders.values():  # trainable parameters persist across steps: states
+        raise GraphError(f"train_step trains the module's parameters that require grad, that the loss depends "
+                         f"on and that the optimizer holds; {why}. Got {len(trainable)} parameters that require grad.")
+    for graph_name, _ in holders.values():  # trained parameters persist across steps: states
         node = g.node(graph_name)
         g.nodes[node.id] = dataclasses.replace(node, role="state")
     states = [g.tensor(g.node(graph_name).id) for graph_name, _ in holders.values()]
-    grads = g.grad(loss, states)
-    lr = g.input("lr", [1], states[0].dtype)
-    opt = optimizer.build(g, states, grads, lr)
+    # accumulation: torch's (loss / k).backward(), so the k gradients sum to their mean
+    grads = g.grad(loss if accumulate == 1 else g.unary(loss, "scale", 1.0 / accumulate), states)
+    groups = [group_of[p] for p in holders]
+    lrs: list[Any] = [None] * len(setup.groups)
+    lr_dtype = setup.spec.master_dtype or states[0].dtype  # the update's dtype: a bfloat16 lr would round
+    for i in sorted(set(groups)):  # one lr input per group: a schedule of any group needs no recompile
+        lrs[i] = g.input("lr" if i == 0 else f"lr.{i}", [1], lr_dtype)
+    apply = g.input(APPLY, [1], states[0].dtype) if accumulate > 1 else None
+    opt = setup.spec.build(g, states, grads, lrs, groups=groups, apply=apply)
     compiled = compileGraph(g, device=device, **compile_options)
-    step = TrainStep(module, g, compiled, opt, holders, saved[0])
-    step.lr = optimizer.lr
-    return step
+    return TrainStep(module, g, compiled, opt, holders, saved[0], setup,
+                     [None if t is None else t.name for t in lrs], accumulate)
+

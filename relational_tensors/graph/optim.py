@@ -7,6 +7,11 @@ too; :meth:`Optimizer.initial` gives the values to load before the first step (t
 ``lr`` is a [1] tensor (a graph input, so a schedule changes it without recompiling) or a number.
 ``clip_grad_norm`` scales gradients to a global norm, as ``torch.nn.utils.clip_grad_norm_`` does.
 
+Every hyperparameter (``lr``, ``weight_decay``, ``betas``, ``eps``, ``momentum``, ...) takes one value for
+all parameters or a list of one per parameter: torch's parameter groups become constants per parameter
+(``AdamW(param_groups=...)`` builds those lists).  ``accumulate`` sums gradients over executions into states,
+and ``gate=`` makes an update take effect only in executions where the gate is 1 (gradient accumulation).
+
 >>> import relational_tensors as rt
 >>> g = rt.Graph(); x = g.input("x", [4, 3]); w = g.state("w", [3, 2])
 >>> loss = g.sum(g.unary(g.matmul(x, w), "square"), axis=(0, 1))
@@ -18,9 +23,9 @@ too; :meth:`Optimizer.initial` gives the values to load before the first step (t
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, cast
 
 import numpy as np
 
@@ -29,7 +34,9 @@ from relational_tensors.core.numbers import is_number
 from relational_tensors.errors import GraphError
 from relational_tensors.graph.graph import Graph, Tensor
 
-__all__ = ["Optimizer", "sgd", "adamw", "clip_grad_norm", "AdamW", "SGD"]
+__all__ = ["Optimizer", "sgd", "adamw", "accumulate", "clip_grad_norm", "AdamW", "SGD"]
+
+Rate = Tensor | float  # a learning rate: a [1] tensor of the graph (an input: no recompile) or a number
 
 
 @dataclass
@@ -87,7 +94,19 @@ def _check(g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
             raise GraphError(f"the gradient of {p.name!r} must have its shape {p.shape}; got {d.shape}.")
 
 
-def _rate(g: Graph, lr: Tensor | float, like: Tensor, what: str = "lr") -> Tensor | float:
+def _each(what: str, value: Any, n: int, nested: bool = False) -> list[Any]:
+    """``value`` for each of ``n`` parameters: one value for all, or a list of one per parameter (``nested``:
+    the value itself is a pair, as ``betas``, so a list of pairs is per parameter)."""
+    per = isinstance(value, (list, tuple)) and (not nested or (len(value) > 0 and isinstance(value[0], (list, tuple))))
+    if not per:
+        return [value] * n
+    if len(value) != n:
+        raise GraphError(f"{what} takes one value for all parameters or one per parameter ({n}); got {len(value)} "
+                         f"values: {value!r}.")
+    return list(value)
+
+
+def _rate(g: Graph, lr: Rate, like: Tensor, what: str = "lr") -> Rate:
     """``lr`` as a [1] tensor of the parameter's dtype, or a finite number."""
     if isinstance(lr, Tensor):
         if lr.graph is not g or lr.shape != (1,):
@@ -98,7 +117,7 @@ def _rate(g: Graph, lr: Tensor | float, like: Tensor, what: str = "lr") -> Tenso
     return float(lr)
 
 
-def _times(g: Graph, x: Tensor, a: Tensor | float) -> Tensor:
+def _times(g: Graph, x: Tensor, a: Rate) -> Tensor:
     """x · a for a number or a [1] tensor a."""
     return g.unary(x, "scale", a) if isinstance(a, float) else g.mul(x, a)
 
@@ -111,6 +130,34 @@ def _number(what: str, value: object, lo: float = 0.0, hi: float = math.inf, hi_
     return float(value)  # type: ignore[arg-type]
 
 
+class _Put:
+    """``g.assign``, or with a ``gate`` ([1], 0 or 1) the gated assignment ``new·gate + old·(1 - gate)``:
+    exactly ``new`` where the gate is 1 and exactly ``old`` where it is 0 (x·1 = x and x + 0 = x in floating
+    point), so an update computed in every execution takes effect only in some."""
+
+    def __init__(self, g: Graph, gate: Tensor | None) -> None:
+        if gate is not None and (gate.graph is not g or gate.shape != (1,)):
+            raise GraphError(f"a gate must be a [1] tensor of this graph (1: apply the update, 0: keep the states); "
+                             f"got {gate!r}.")
+        self.g, self.gate = g, gate
+        self._by_dtype: dict[str, tuple[Tensor, Tensor]] = {}
+
+    def factors(self, dtype: str) -> tuple[Tensor, Tensor]:
+        """(gate, 1 - gate) in ``dtype``."""
+        assert self.gate is not None
+        if dtype not in self._by_dtype:
+            on = self.gate if self.gate.dtype == dtype else self.g.cast(self.gate, dtype)
+            self._by_dtype[dtype] = (on, self.g.unary(self.g.unary(on, "neg"), "add_scalar", 1.0))
+        return self._by_dtype[dtype]
+
+    def __call__(self, state: Tensor, new: Tensor) -> None:
+        if self.gate is None:
+            self.g.assign(state, new)
+            return
+        on, off = self.factors(state.dtype)
+        self.g.assign(state, self.g.add(self.g.mul(new, on), self.g.mul(state, off)))
+
+
 def _master(g: Graph, opt: Optimizer, p: Tensor, d: Tensor, master_dtype: str | None) -> tuple[Tensor, Tensor]:
     """The tensor the update works on: ``p`` itself, or its master copy in ``master_dtype`` (mixed precision:
     16-bit parameters, float32 master weights and optimizer states), with the gradient in that dtype."""
@@ -121,13 +168,11 @@ def _master(g: Graph, opt: Optimizer, p: Tensor, d: Tensor, master_dtype: str | 
     return master, (d if d.dtype == master_dtype else g.cast(d, master_dtype))
 
 
-def _write(g: Graph, p: Tensor, work: Tensor, new: Tensor) -> None:
+def _write(put: _Put, p: Tensor, work: Tensor, new: Tensor) -> None:
     """Assign the update: to the parameter, or to its master copy and the parameter rounded from it."""
-    if work is p:
-        g.assign(p, new)
-    else:
-        g.assign(work, new)
-        g.assign(p, g.cast(new, p.dtype))
+    put(work, new)
+    if work is not p:
+        put(p, put.g.cast(new, p.dtype))
 
 
 @_scoped
@@ -148,108 +193,272 @@ def clip_grad_norm(g: Graph, grads: Sequence[Tensor], max_norm: float) -> list[T
 
 
 @_scoped
-def sgd(g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Tensor | float, momentum: float = 0.0,
-        dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
-        maximize: bool = False, master_dtype: str | None = None) -> Optimizer:
+def accumulate(g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor],
+               apply: Tensor) -> tuple[list[Tensor], Optimizer]:
+    """Gradient accumulation: each gradient plus the state ``<param>.grad_accum`` (zeros at first), what the
+    executions since the last one where ``apply`` ([1]: 0 or 1) was 1 summed; after an execution where it
+    is 1 the sums start again from zero.  Returns the sums (the gradients to apply, gated by ``apply``) and
+    the accumulator states.  Scale each micro-batch's loss by 1/k for the mean, as torch's ``loss / k``.
+
+    >>> import relational_tensors as rt
+    >>> g = rt.Graph(); w = g.state("w", [3]); apply = g.input("apply", [1])
+    >>> sums, acc = accumulate(g, [w], g.grad(g.sum(g.unary(w, "square"), axis=0), [w]), apply)
+    >>> sorted(acc.initial())
+    ['w.grad_accum']
+    """
+    if len(params) != len(grads) or not params:
+        raise GraphError(f"accumulate takes one gradient per parameter; got {len(params)} parameters and "
+                         f"{len(grads)} gradients.")
+    put = _Put(g, apply)
+    acc = Optimizer("accumulate")
+    out = []
+    for p, d in zip(params, grads):
+        held = acc._state(g, f"{p.name}.grad_accum", d)
+        total = g.add(held, d)
+        g.assign(held, g.mul(total, put.factors(total.dtype)[1]))  # zero after an applying execution
+        out.append(total)
+    return out, acc
+
+
+@_scoped
+def sgd(g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Rate | Sequence[Rate],
+        momentum: float | Sequence[float] = 0.0, dampening: float | Sequence[float] = 0.0,
+        weight_decay: float | Sequence[float] = 0.0, nesterov: bool | Sequence[bool] = False,
+        maximize: bool = False, master_dtype: str | None = None, gate: Tensor | None = None) -> Optimizer:
     """``torch.optim.SGD``'s update of each parameter, assigned to it (with ``master_dtype``, kept in master
-    weights of that dtype and rounded into the parameter)."""
+    weights of that dtype and rounded into the parameter; with ``gate``, only where the gate is 1).
+    Hyperparameters are one value or one per parameter."""
     _check(g, params, grads)
-    momentum, dampening = _number("momentum", momentum), _number("dampening", dampening)
-    weight_decay = _number("weight_decay", weight_decay)
-    if nesterov and (momentum <= 0 or dampening != 0):
-        raise GraphError("Nesterov momentum needs momentum > 0 and dampening 0 (torch's rule).")
+    n, put = len(params), _Put(g, gate)
+    rates = _each("lr", lr, n)
+    hyper = zip(_each("momentum", momentum, n), _each("dampening", dampening, n),
+                _each("weight_decay", weight_decay, n), _each("nesterov", nesterov, n))
     opt = Optimizer("sgd")
-    for p0, d0 in zip(params, grads):
+    for p0, d0, rate0, (mom, damp, wd, nest) in zip(params, grads, rates, hyper):
+        mom, damp, wd = _number("momentum", mom), _number("dampening", damp), _number("weight_decay", wd)
+        if nest and (mom <= 0 or damp != 0):
+            raise GraphError(f"Nesterov momentum needs momentum > 0 and dampening 0 (torch's rule); got momentum "
+                             f"{mom:g} and dampening {damp:g} for {p0.name!r}.")
         p, d = _master(g, opt, p0, d0, master_dtype)
-        rate = _rate(g, lr, p)
+        rate = _rate(g, rate0, p)
         if maximize:
             d = g.unary(d, "neg")
-        if weight_decay:
-            d = g.add(d, g.unary(p, "scale", weight_decay))
-        if momentum:
+        if wd:
+            d = g.add(d, g.unary(p, "scale", wd))
+        if mom:
             buf = opt._state(g, f"{p.name}.momentum_buffer", p)
             first = opt._state(g, f"{p.name}.sgd_first_step", p, 1.0, shape=[1])  # 1 until the first step
-            later = g.add(g.unary(buf, "scale", momentum), g.unary(d, "scale", 1.0 - dampening))
+            later = g.add(g.unary(buf, "scale", mom), g.unary(d, "scale", 1.0 - damp))
             # torch's buffer starts as a copy of the first step's gradient
             new_buf = g.add(g.mul(d, first), g.mul(later, g.unary(g.unary(first, "neg"), "add_scalar", 1.0)))
-            g.assign(buf, new_buf)
-            g.assign(first, g.unary(first, "scale", 0.0))
-            d = g.add(d, g.unary(new_buf, "scale", momentum)) if nesterov else new_buf
-        _write(g, p0, p, g.sub(p, _times(g, d, rate)))
+            put(buf, new_buf)
+            put(first, g.unary(first, "scale", 0.0))
+            d = g.add(d, g.unary(new_buf, "scale", mom)) if nest else new_buf
+        _write(put, p0, p, g.sub(p, _times(g, d, rate)))
     return opt
 
 
 @_scoped
-def adamw(g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Tensor | float,
-          betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
-          maximize: bool = False, master_dtype: str | None = None) -> Optimizer:
+def adamw(g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Rate | Sequence[Rate],
+          betas: tuple[float, float] | Sequence[tuple[float, float]] = (0.9, 0.999),
+          eps: float | Sequence[float] = 1e-8, weight_decay: float | Sequence[float] = 0.01,
+          maximize: bool = False, master_dtype: str | None = None,
+          decoupled_weight_decay: bool | Sequence[bool] = True, gate: Tensor | None = None) -> Optimizer:
     """``torch.optim.AdamW``'s update (decoupled weight decay, bias-corrected moments) of each parameter,
     assigned to it; the step count is one [1] state shared by the parameters.  With ``master_dtype`` (e.g.
     float32 for bfloat16 parameters) the update, the moments and master weights are in that dtype and the
-    parameters are rounded from the masters after each step."""
+    parameters are rounded from the masters after each step.  ``decoupled_weight_decay=False`` is
+    ``torch.optim.Adam``'s L2 penalty (the decay added to the gradient); with ``gate``, the states change only
+    where the gate is 1.  Hyperparameters are one value or one per parameter."""
     _check(g, params, grads)
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise GraphError(f"betas must be a pair of numbers in [0, 1); got {betas!r}.")
-    b1, b2 = (_number("betas", b, 0.0, 1.0, hi_open=True) for b in betas)
-    eps, weight_decay = _number("eps", eps), _number("weight_decay", weight_decay)
+    n, put = len(params), _Put(g, gate)
+    rates = _each("lr", lr, n)
+    hyper = zip(_each("betas", betas, n, nested=True), _each("eps", eps, n), _each("weight_decay", weight_decay, n),
+                _each("decoupled_weight_decay", decoupled_weight_decay, n))
     opt = Optimizer("adamw")
     step = opt._state(g, "adamw.step", params[0], 0.0, shape=[1], dtype=master_dtype or params[0].dtype)
-    step = g.assign(step, g.unary(step, "add_scalar", 1.0))
+    new_step = g.unary(step, "add_scalar", 1.0)
+    put(step, new_step)
 
     def correction(beta: float, t: Tensor) -> Tensor:  # 1 - beta ** step
         power = g.unary(g.unary(t, "scale", math.log(beta)), "exp") if beta > 0 else g.unary(t, "scale", 0.0)
         return g.unary(g.unary(power, "neg"), "add_scalar", 1.0)
 
-    for p0, d0 in zip(params, grads):
+    for p0, d0, rate0, (pair, eps_p, wd, decoupled) in zip(params, grads, rates, hyper):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise GraphError(f"betas must be a pair of numbers in [0, 1); got {pair!r} for {p0.name!r}.")
+        b1, b2 = (_number("betas", b, 0.0, 1.0, hi_open=True) for b in pair)
+        eps_p, wd = _number("eps", eps_p), _number("weight_decay", wd)
         p, d = _master(g, opt, p0, d0, master_dtype)
-        rate = _rate(g, lr, p)
-        t = step if step.dtype == p.dtype else g.cast(step, p.dtype)
+        rate = _rate(g, rate0, p)
+        t = new_step if new_step.dtype == p.dtype else g.cast(new_step, p.dtype)
         if maximize:
             d = g.unary(d, "neg")
         m = opt._state(g, f"{p.name}.exp_avg", p)
         v = opt._state(g, f"{p.name}.exp_avg_sq", p)
-        decayed = p  # torch: param.mul_(1 - lr * weight_decay)
-        if weight_decay and isinstance(rate, Tensor):
-            decayed = g.mul(p, g.unary(g.unary(rate, "scale", -weight_decay), "add_scalar", 1.0))
-        elif weight_decay and isinstance(rate, float):
-            decayed = g.unary(p, "scale", 1.0 - rate * weight_decay)
+        decayed = p  # AdamW: param.mul_(1 - lr * weight_decay); Adam: grad + weight_decay * param
+        if wd and not decoupled:
+            d = g.add(d, g.unary(p, "scale", wd))
+        elif wd and isinstance(rate, Tensor):
+            decayed = g.mul(p, g.unary(g.unary(rate, "scale", -wd), "add_scalar", 1.0))
+        elif wd and isinstance(rate, float):
+            decayed = g.unary(p, "scale", 1.0 - rate * wd)
         new_m = g.add(m, g.unary(g.sub(d, m), "scale", 1.0 - b1))  # torch's lerp
         new_v = g.add(g.unary(v, "scale", b2), g.unary(g.mul(d, d), "scale", 1.0 - b2))
-        g.assign(m, new_m)
-        g.assign(v, new_v)
+        put(m, new_m)
+        put(v, new_v)
         step_size = g.div(rate, correction(b1, t)) if isinstance(rate, Tensor) else \
             g.unary(g.unary(correction(b1, t), "pow", -1.0), "scale", rate)
-        denom = g.unary(g.div(g.unary(new_v, "sqrt"), g.unary(correction(b2, t), "sqrt")), "add_scalar", eps)
-        _write(g, p0, p, g.sub(decayed, g.mul(g.div(new_m, denom), step_size)))
+        denom = g.unary(g.div(g.unary(new_v, "sqrt"), g.unary(correction(b2, t), "sqrt")), "add_scalar", eps_p)
+        _write(put, p0, p, g.sub(decayed, g.mul(g.div(new_m, denom), step_size)))
     return opt
 
 
-def _clipped(g: Graph, grads: Sequence[Tensor], max_norm: float | None, master_dtype: str | None) -> list[Tensor]:
-    """The gradients in the master dtype (when there is one), clipped to ``max_norm`` (when given)."""
-    out = [g.cast(d, master_dtype) if master_dtype and d.dtype != master_dtype else d for d in grads]
-    return clip_grad_norm(g, out, max_norm) if max_norm is not None else out
+class _Spec:
+    """What ``AdamW`` and ``SGD`` share: parameter groups, and building the update into a graph.
+
+    ``param_groups`` follows torch's: a list of dicts, each with ``params`` (state names; ``rt.train_step``
+    also takes the module's parameter names or the ``torch.nn.Parameter`` objects) and any hyperparameter of
+    ``GROUP_KEYS`` that differs from the optimizer's.  Each parameter gets its group's hyperparameters as
+    constants of the graph; the learning rate stays an input: ``build`` takes one lr tensor per group, or one
+    for all, which each group multiplies by its ratio ``group lr / optimizer lr``.
+    """
+
+    GROUP_KEYS: ClassVar[tuple[str, ...]] = ()
+    lr: float
+    param_groups: Sequence[Mapping[str, Any]]
+    max_grad_norm: float | None
+    master_dtype: str | None
+
+    def groups(self) -> list[dict[str, Any]]:
+        """Each parameter group's hyperparameters (the optimizer's, overridden by the group's own) and its
+        ``params``; with no ``param_groups``, one group whose ``params`` is None (every parameter).
+
+        >>> groups = [{"params": ["w"]}, {"params": ["b"], "weight_decay": 0}]
+        >>> spec = AdamW(lr=1e-2, weight_decay=0.1, param_groups=groups)
+        >>> [(h["params"], h["lr"], h["weight_decay"]) for h in spec.groups()]
+        [(['w'], 0.01, 0.1), (['b'], 0.01, 0)]
+        """
+        base = {k: getattr(self, k) for k in self.GROUP_KEYS}
+        if not self.param_groups:
+            return [{**base, "params": None}]
+        out = []
+        for i, group in enumerate(self.param_groups):
+            if not isinstance(group, Mapping) or "params" not in group:
+                raise GraphError(f"a parameter group is a dict with 'params' and any of {list(self.GROUP_KEYS)}; "
+                                 f"group {i} is {group!r}.")
+            unknown = sorted(set(group) - {"params", *self.GROUP_KEYS})
+            if unknown:
+                raise GraphError(f"a parameter group of {type(self).__name__} may set {list(self.GROUP_KEYS)}; "
+                                 f"group {i} sets {unknown}. Remove them, or use the optimizer that has them.")
+            params = group["params"]
+            params = [params] if isinstance(params, str) or hasattr(params, "shape") else list(params)
+            out.append({**base, **{k: v for k, v in group.items() if k != "params"}, "params": params})
+        return out
+
+    def _group_of(self, params: Sequence[Tensor], groups: Sequence[int] | None,
+                  hyper: list[dict[str, Any]]) -> list[int]:
+        """The group of each parameter: ``groups`` as given, or found by state name in ``param_groups``."""
+        if groups is not None:
+            if len(groups) != len(params) or any(not 0 <= i < len(hyper) for i in groups):
+                raise GraphError(f"groups= gives each of the {len(params)} parameters a group index below "
+                                 f"{len(hyper)}; got {list(groups)}.")
+            return list(groups)
+        if hyper[0]["params"] is None:
+            return [0] * len(params)
+        where: dict[str, int] = {}
+        for i, h in enumerate(hyper):
+            for name in h["params"]:
+                if not isinstance(name, str):
+                    raise GraphError(f"parameter group {i} names a parameter by a tensor; here groups are matched by "
+                                     "state name: list names, or pass groups= (rt.train_step resolves tensors).")
+                if name in where:
+                    raise GraphError(f"a parameter is in one group; {name!r} is in groups {where[name]} and {i}.")
+                where[name] = i
+        missing = [p.name for p in params if p.name not in where]
+        if missing:
+            raise GraphError(f"every parameter updated must be in a parameter group; got {missing} in none of the "
+                             f"groups {[h['params'] for h in hyper]}. Add them to a group.")
+        return [where[p.name] for p in params]
+
+    def _rates(self, g: Graph, lr: Rate | Sequence[Rate | None], index: list[int],
+               hyper: list[dict[str, Any]]) -> list[Rate]:
+        """One learning rate per parameter: its group's lr input, or the one lr times the group's ratio."""
+        if isinstance(lr, (list, tuple)):
+            if len(lr) != len(hyper) or any(lr[i] is None for i in index):
+                raise GraphError(f"build takes one lr per parameter group ({len(hyper)}, None only for a group "
+                                 f"with no parameter here); got {len(lr)}: {list(lr)!r}.")
+            return [lr[i] for i in index]  # type: ignore[misc]
+        one = cast(Rate, lr)
+        scaled: dict[int, Rate] = {}
+        for i in sorted(set(index)):
+            group_lr = _number("lr", hyper[i]["lr"])
+            if group_lr == self.lr:
+                scaled[i] = one
+            elif not self.lr:
+                raise GraphError(f"a group's lr is the optimizer's lr times a ratio, undefined when that lr is 0; "
+                                 f"got group {i} lr {group_lr:g}. Give build one lr per group.")
+            elif isinstance(one, Tensor):
+                scaled[i] = g.unary(one, "scale", group_lr / self.lr)
+            else:
+                scaled[i] = float(one) * group_lr / self.lr
+        return [scaled[i] for i in index]
+
+    def build(self, g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Rate | Sequence[Rate | None],
+              groups: Sequence[int] | None = None, apply: Tensor | None = None) -> Optimizer:
+        """Append the update of ``params`` from ``grads`` to ``g``: clipped to ``max_grad_norm`` (when set),
+        each parameter with its group's hyperparameters (``groups``: the group index of each parameter, else
+        found by name), ``lr`` one [1] tensor per group or one for all.  With ``apply`` ([1], 0 or 1) the
+        gradients accumulate over executions (``accumulate``) and the update (clipping included) applies
+        their sum where ``apply`` is 1."""
+        hyper = self.groups()
+        index = self._group_of(params, groups, hyper)
+        rates = self._rates(g, lr, index, hyper)
+        master = self.master_dtype
+        grads = [g.cast(d, master) if master and d.dtype != master else d for d in grads]
+        acc = None
+        if apply is not None:
+            grads, acc = accumulate(g, params, grads, apply)
+        if self.max_grad_norm is not None:
+            grads = clip_grad_norm(g, grads, self.max_grad_norm)
+        opt = self._update(g, params, grads, rates, [hyper[i] for i in index], apply)
+        if acc is not None:
+            opt.states = {**acc.states, **opt.states}
+        return opt
+
+    def _update(self, g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], rates: list[Rate],
+                hyper: list[dict[str, Any]], gate: Tensor | None) -> Optimizer:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
-class AdamW:
-    """``torch.optim.AdamW``'s arguments, for ``rt.train_step`` (plus ``max_grad_norm``: clip first)."""
+class AdamW(_Spec):
+    """``torch.optim.AdamW``'s arguments, for ``rt.train_step`` (plus ``max_grad_norm``: clip first;
+    ``param_groups``: torch's groups, see ``_Spec``; ``decoupled_weight_decay=False``: ``torch.optim.Adam``)."""
 
+    GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay")
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.01
     max_grad_norm: float | None = None
     master_dtype: str | None = None
+    param_groups: Sequence[Mapping[str, Any]] = ()
+    decoupled_weight_decay: bool = True
 
-    def build(self, g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Tensor) -> Optimizer:
-        grads = _clipped(g, grads, self.max_grad_norm, self.master_dtype)
-        return adamw(g, params, grads, lr, self.betas, self.eps, self.weight_decay, master_dtype=self.master_dtype)
+    def _update(self, g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], rates: list[Rate],
+                hyper: list[dict[str, Any]], gate: Tensor | None) -> Optimizer:
+        return adamw(g, params, grads, rates, [tuple(h["betas"]) for h in hyper], [h["eps"] for h in hyper],
+                     [h["weight_decay"] for h in hyper], master_dtype=self.master_dtype,
+                     decoupled_weight_decay=[bool(h["decoupled_weight_decay"]) for h in hyper], gate=gate)
 
 
 @dataclass(frozen=True)
-class SGD:
-    """``torch.optim.SGD``'s arguments, for ``rt.train_step`` (plus ``max_grad_norm``: clip first)."""
+class SGD(_Spec):
+    """``torch.optim.SGD``'s arguments, for ``rt.train_step`` (plus ``max_grad_norm``: clip first;
+    ``param_groups``: torch's groups, see ``_Spec``)."""
 
+    GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
     lr: float = 1e-3
     momentum: float = 0.0
     dampening: float = 0.0
@@ -257,8 +466,10 @@ class SGD:
     nesterov: bool = False
     max_grad_norm: float | None = None
     master_dtype: str | None = None
+    param_groups: Sequence[Mapping[str, Any]] = ()
 
-    def build(self, g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Tensor) -> Optimizer:
-        grads = _clipped(g, grads, self.max_grad_norm, self.master_dtype)
-        return sgd(g, params, grads, lr, self.momentum, self.dampening, self.weight_decay, self.nesterov,
-                   master_dtype=self.master_dtype)
+    def _update(self, g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], rates: list[Rate],
+                hyper: list[dict[str, Any]], gate: Tensor | None) -> Optimizer:
+        return sgd(g, params, grads, rates, [h["momentum"] for h in hyper], [h["dampening"] for h in hyper],
+                   [h["weight_decay"] for h in hyper], [bool(h["nesterov"]) for h in hyper],
+                   master_dtype=self.master_dtype, gate=gate)
