@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 from typing import Any
 
 import numpy as np
@@ -342,12 +343,13 @@ def test_many_random_groups_lrs_and_accumulation_equal_torch(kind: str, split: b
 
 def test_refusals_say_what_to_do() -> None:
     model, batch = _model(), _batches(1)[0]
+    with pytest.raises(rt.GraphError, match="may set"):  # refused as the optimizer is made
+        rt.optim.AdamW(param_groups=[{"params": ["up.weight"], "momentum": 0.9}])
     cases = [
         (torch.optim.AdamW(model.parameters(), amsgrad=True), None, "no amsgrad"),
         (torch.optim.SGD(model.parameters(), lr=0.1, maximize=True), None, "no maximize"),
         (torch.optim.RMSprop(model.parameters()), None, "AdamW, Adam and SGD"),
         (torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1), None, "not one of them"),
-        (rt.optim.AdamW(param_groups=[{"params": ["up.weight"], "momentum": 0.9}]), None, "may set"),
         (rt.optim.SGD(param_groups=[{"params": ["up.weight"]}, {"params": ["up.weight"]}]), None, "in one"),
         ("adam", None, "rt.optim.AdamW"),
         (None, torch.optim.lr_scheduler.ReduceLROnPlateau(torch.optim.SGD(model.parameters(), lr=0.1)), "metric"),
@@ -363,3 +365,36 @@ def test_refusals_say_what_to_do() -> None:
     with pytest.raises(rt.GraphError, match="groups hold none"):
         model.down.requires_grad_(False)
         rt.train_step(model, ce, batch, optimizer=torch.optim.SGD(model.down.parameters(), lr=0.1), device="cpu:2")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: rt.optim.AdamW(lr=-1e-3), lambda: rt.optim.AdamW(lr=float("nan")), lambda: rt.optim.SGD(lr=float("inf")),
+    lambda: rt.optim.AdamW(lr=None), lambda: rt.optim.AdamW(betas=(1.0, 0.9)), lambda: rt.optim.AdamW(eps=-1e-8),
+    lambda: rt.optim.SGD(lr=0.1, nesterov=True), lambda: rt.optim.SGD(lr=0.1, momentum=-0.9),
+    lambda: rt.optim.AdamW(param_groups=[{"params": ["w"], "weight_decay": float("inf")}]),
+    lambda: rt.optim.AdamW(max_grad_norm=0.0),
+])
+def test_hyperparameters_torch_refuses_are_refused(make: Any) -> None:
+    with pytest.raises(rt.GraphError):
+        make()
+
+
+def test_a_bad_learning_rate_or_batch_is_refused_and_changes_nothing() -> None:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    x, t = torch.randn(5, 4), torch.randn(5, 2)
+    step = rt.train_step(m, lambda m, x, t: torch.nn.functional.mse_loss(m(x), t), (x, t),
+                         optimizer=rt.optim.AdamW(lr=1e-2), device="cpu:2")
+    for bad in (None, float("nan"), float("inf"), -1.0, "0.1"):
+        with pytest.raises(rt.ExecError, match="learning rate"):
+            step.lr = bad
+    assert step.lr == pytest.approx(1e-2)
+    for batch, words in (((x.numpy(), t), "torch tensor"), ((None, t), "torch tensor"),
+                         ((x.double(), t), "dtype float32"), ((torch.randn(6, 4), t), "shape")):
+        with pytest.raises(rt.ExecError, match=words):
+            step(*batch)
+    before = {k: v.clone() for k, v in step.state_dict()["model"].items()}
+    with pytest.raises(rt.ExecError):
+        step.load_state_dict({"model": {"0.weight": torch.zeros(3, 3)}})
+    assert all(torch.equal(before[k], v) for k, v in step.state_dict()["model"].items())
+    assert math.isfinite(float(step(x, t)))

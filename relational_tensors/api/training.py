@@ -91,7 +91,9 @@ class TrainStep:
 
     @lrs.setter
     def lrs(self, values: Sequence[float]) -> None:
-        values = [float(v) for v in values]
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise ExecError(f"lrs takes one learning rate per parameter group; got {values!r}.")
+        values = [_rate(v) for v in values]
         if len(values) != len(self.setup.groups):
             raise ExecError(f"lrs takes one learning rate per parameter group ({len(self.setup.groups)}); got "
                             f"{len(values)}: {values}.")
@@ -109,7 +111,7 @@ class TrainStep:
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self.lrs = [float(value) * r for r in self.setup.ratios]
+        self.lrs = [_rate(value) * r for r in self.setup.ratios]
 
     # --- one step -------------------------------------------------------------------------------------
     def __call__(self, *batch: Any) -> Any:
@@ -118,6 +120,17 @@ class TrainStep:
         names = self.graph.input_names
         if len(batch) != len(names):
             raise ExecError(f"this step was traced with {len(names)} batch tensors; got {len(batch)}.")
+        torch = _torch()
+        for k, (x, n) in enumerate(zip(batch, names)):
+            if n is None:
+                continue
+            want = self.graph.node(n).type
+            if not isinstance(x, torch.Tensor):
+                raise ExecError(f"batch tensor {k} must be a torch tensor of shape {want.shape} and dtype "
+                                f"{want.dtype}, as in the example batch; got {type(x).__name__}.")
+            if str(x.dtype).removeprefix("torch.") != want.dtype:
+                raise ExecError(f"batch tensor {k} must have dtype {want.dtype}, as in the example batch; got "
+                                f"{str(x.dtype).removeprefix('torch.')}. Convert it (x.to(torch.{want.dtype})).")
         cuda = self.compiled.devices.kind == "cuda"
         # on GPUs the executor copies a CUDA tensor (any __dlpack__ one) device to device: no host hop; a
         # CPU tensor goes as a NumPy view, as on CPU devices
@@ -422,6 +435,17 @@ class TrainStep:
             for p, keys in states.items():
                 value = self._value(keys[""], self.holders[p][1])
                 params[p].copy_(value.to(params[p].dtype))
+
+
+def _rate(value: Any) -> float:
+    """A learning rate as torch takes one: a finite number, not negative."""
+    try:
+        rate = float(value) if not isinstance(value, (bool, str, bytes)) and value is not None else float("nan")
+    except (TypeError, ValueError):
+        rate = float("nan")
+    if not 0 <= rate < float("inf"):
+        raise ExecError(f"a learning rate is a finite number >= 0 (torch refuses others); got {value!r}.")
+    return rate
 
 
 def train_step(module: Any, loss_fn: Any, example_batch: Any, optimizer: Any = None, device: Any = None, *,

@@ -330,6 +330,28 @@ class _Spec:
     max_grad_norm: float | None
     master_dtype: str | None
 
+    def __post_init__(self) -> None:
+        """Every hyperparameter checked as torch checks it (and finite), the optimizer's and each group's."""
+        for i, h in enumerate(self.groups()):
+            where = "" if not self.param_groups else f" (parameter group {i})"
+            for key, value in h.items():
+                if key == "lr":
+                    _number(f"{type(self).__name__} lr{where}", value)
+                elif key == "betas":
+                    if not isinstance(value, (tuple, list)) or len(value) != 2:
+                        raise GraphError(f"betas{where} is a pair of numbers in [0, 1); got {value!r}.")
+                    for k, b in enumerate(value):
+                        _number(f"betas[{k}]{where}", b, 0.0, 1.0, hi_open=True)
+                elif key in ("eps", "weight_decay", "momentum", "dampening"):
+                    _number(f"{key}{where}", value)
+                elif key in ("nesterov", "decoupled_weight_decay") and not isinstance(value, bool):
+                    raise GraphError(f"{key}{where} is True or False; got {value!r}.")
+            if h.get("nesterov") and (h.get("momentum", 0) <= 0 or h.get("dampening", 0) != 0):
+                raise GraphError(f"Nesterov momentum{where} needs momentum > 0 and dampening 0 (torch's rule); got "
+                                 f"momentum={h.get('momentum')}, dampening={h.get('dampening')}.")
+        if self.max_grad_norm is not None and _number("max_grad_norm", self.max_grad_norm) == 0:
+            raise GraphError("max_grad_norm is a positive number (or None: no clipping); got 0.")
+
     def groups(self) -> list[dict[str, Any]]:
         """Each parameter group's hyperparameters (the optimizer's, overridden by the group's own) and its
         ``params``; with no ``param_groups``, one group whose ``params`` is None (every parameter).
