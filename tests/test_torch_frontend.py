@@ -190,11 +190,15 @@ def test_parallel_module_exposes_graph_plan_and_explain(capsys: pytest.CaptureFi
     assert "linear:matmul" in text and "linear:matmul" in capsys.readouterr().out
     assert fast.compiled.sql("SELECT count(*) AS n FROM plan").column("n")[0].as_py() == 2
     assert "2 operators on cpu:2" in repr(fast)
+    x = torch.randn(5, 16)  # a new shape is traced and planned once, then kept
+    torch.testing.assert_close(fast(x), fast.module(x))
+    assert fast.cache_info().misses == 2
+    static = parallelize(nn.Linear(16, 8).eval(), (torch.randn(4, 16),), device="cpu:2", recompile=False)
     with pytest.raises(rt.ExecError, match=r"input 0 must have the traced shape \(4, 16\) and dtype float32; "
                                            r"got \(5, 16\) float32"):
-        fast(torch.randn(5, 16))
+        static(torch.randn(5, 16))
     with pytest.raises(rt.ExecError, match="traced with 1 inputs; got 2"):
-        fast(torch.randn(4, 16), torch.randn(4, 16))
+        static(torch.randn(4, 16), torch.randn(4, 16))
 
 
 def test_outputs_keep_the_module_structure() -> None:

@@ -1,11 +1,22 @@
-"""A PyTorch module, traced, planned over every device and called like the module.
+"""A PyTorch module, traced, planned over every device and called like the module: ``rt.parallelize``
+returns a :class:`ParallelModule`, a ``torch.nn.Module`` that holds the module it was given.
 
-Called with grad enabled and parameters (or inputs) that require grad, the module is differentiable:
-its outputs require grad, and ``loss.backward()`` fills each parameter's ``.grad`` and each input's
-that requires one.  Both run one compiled program, the traced forward with its gradient graph appended
-(``g.vjp``), in two phases: the call runs the forward phase, whose activations stay on the devices, and
-the backward loads the output cotangents and runs the rest.  A backward whose forward is no longer the
-program's latest (two calls before one backward) runs its forward phase again from the saved inputs.
+* **A module as torch users hold one.**  The wrapped module is its submodule ``module``, so
+  ``parameters()``, ``state_dict()`` (keys ``module.<name>``, as under ``DistributedDataParallel``),
+  ``load_state_dict()``, ``train()``/``eval()`` and ``.to()`` work on it; a call after an optimizer step or
+  a ``load_state_dict`` reads the new weights.  It fits in ``nn.Sequential``.
+* **Positional and keyword inputs, any output structure.**  A call's ``*args, **kwargs`` are flattened
+  (``torch.utils._pytree``): tensors are the program's inputs, other values (``return_dict=True``, a
+  scale) are bound at trace time and are part of the signature.  The output has the module's structure:
+  a tensor, tuples, dicts, a transformers ``ModelOutput``.
+* **One program per signature.**  A signature is the inputs' structure, shapes and dtypes, the other
+  values, and the train/eval flags of every submodule.  Each new signature is traced and planned once and
+  kept (``recompile=True``, the default), least recently used dropped beyond ``cache_size`` (each
+  program holds its own copy of the weights on the devices; ``cache_info()`` counts); ``recompile=False`` keeps the example's signature only (a train/eval switch aside) and refuses
+  others.  ``bucket=`` pads the sequence axis up to a bucket length so that lengths share a program
+  (``relational_tensors.api.buckets``).
+* **Pickling** (``torch.save(pm)``, ``copy.deepcopy``) keeps the wrapped module, the example inputs and
+  the options, not the compiled programs: the copy plans again at its first call.
 
 >>> import pytest; torch = pytest.importorskip("torch")
 >>> from relational_tensors.api.parallelize import parallelize
@@ -14,348 +25,381 @@ program's latest (two calls before one backward) runs its forward phase again fr
 >>> fast = parallelize(layer, (x,), device="cpu:4")
 >>> bool(torch.allclose(fast(x), layer(x), atol=1e-5)), [n.kind for n in fast.graph.operators][:3]
 (True, ['matmul', 'binary', 'unary'])
+>>> isinstance(fast, torch.nn.Module), sorted(fast.state_dict())[:2]
+(True, ['module.0.bias', 'module.0.weight'])
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
-from typing import Any
+import inspect
+import re
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
-from relational_tensors.core.dtypes import FLOAT_DTYPES
-from relational_tensors.errors import ExecError
-from relational_tensors.frontend.torch.convert import _torch, _torch_dtype, numpy_to_torch, torch_to_numpy
-from relational_tensors.frontend.torch.translator import TorchGraph, _prune, draw_rng, from_torch
+from relational_tensors.api.buckets import Buckets, Unpad
+from relational_tensors.api.program import Program, modes_of
+from relational_tensors.errors import ExecError, GraphError
+from relational_tensors.frontend.torch.convert import _dtype_name, _torch
+from relational_tensors.frontend.torch.translator import TorchGraph, from_torch
 
-__all__ = ["parallelize", "ParallelModule"]
+if TYPE_CHECKING:  # to type checkers a ParallelModule is the torch.nn.Module it is at run time
+    from torch.nn import Module as _TorchModule
+else:
+    _TorchModule = object
+
+__all__ = ["parallelize", "ParallelModule", "CacheInfo"]
 
 
-class ParallelModule:
-    """The compiled form of a module: ``__call__(*tensors)`` returns what the module's forward returns.
+class CacheInfo(NamedTuple):
+    """What ``ParallelModule.cache_info()`` returns (as ``functools.lru_cache``'s): calls that found their
+    program, programs compiled, the most kept, and how many are kept now."""
 
-    Parameters are loaded onto the devices once, at the first call; each call then
-    loads its inputs, executes the plan and offloads the outputs as torch tensors
-    (sharing memory with the offloaded arrays: ``torch.from_numpy`` on CPU devices,
-    DLPack on GPUs).  ``graph`` is the traced :class:`TorchGraph`, ``compiled`` the
-    ``CompiledGraph`` (``plan``, ``catalog``, ``explain()``, ``sql()``).
+    hits: int
+    misses: int
+    maxsize: int
+    currsize: int
 
-    The weights are the module's as traced.  A call after the module's parameters or buffers
-    changed (in place, or replaced) is refused rather than run on the old values;
-    :meth:`reload_weights` reads the current ones.
+
+# --- signatures --------------------------------------------------------------------------------------------------
+
+def _split_example(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """(args, kwargs) from the example inputs: a tensor, a tuple of positional inputs, a dict of keyword
+    inputs, or a pair (args tuple, kwargs dict)."""
+    torch = _torch()
+    e = example_inputs
+    if isinstance(e, torch.Tensor):
+        return (e,), {}
+    if isinstance(e, dict):
+        return (), dict(e)
+    if isinstance(e, (tuple, list)):
+        if len(e) == 2 and isinstance(e[0], (tuple, list)) and isinstance(e[1], dict):
+            return tuple(e[0]), dict(e[1])
+        return tuple(e), {}
+    raise GraphError("example_inputs are a tensor, a tuple of positional inputs, a dict of keyword inputs or a "
+                     f"pair (args, kwargs); got {type(e).__name__}.")
+
+
+def _static(value: Any) -> Any:
+    """A non-tensor input as part of a signature: itself where hashable, else its repr."""
+    try:
+        hash(value)
+    except TypeError:
+        return ("repr", repr(value))
+    return value
+
+
+def _signature(flat: Sequence[Any], spec: Any) -> tuple[Any, ...]:
+    """What a trace depends on in a call's inputs: their structure, each tensor's shape and dtype, each
+    other value."""
+    torch = _torch()
+    return (str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", _static(x))
+                             for x in flat))
+
+
+def _labels(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+    """Per flattened input, how an error names it: ``0`` (by position), ``'attention_mask'``, ``0[1]``."""
+    pytree = _torch().utils._pytree
+    out = []
+    for path, _ in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        head = path[1]
+        first = str(head.idx) if path[0].idx == 0 else repr(head.key)
+        out.append(first + "".join(str(k) for k in path[2:]))
+    return out
+
+
+def _input_names(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+    """Per flattened input, the graph input's name: the forward's parameter name it binds to (a keyword's
+    own name), with the place inside a nested input appended (``past_0_1``)."""
+    pytree = _torch().utils._pytree
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = [p.name for p in params if p.kind in kinds]
+    var = next((p.name for p in params if p.kind == inspect.Parameter.VAR_POSITIONAL), "args")
+    names: list[str] = []
+    for path, _ in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        head = path[1]
+        if path[0].idx == 0:
+            base = positional[head.idx] if head.idx < len(positional) else f"{var}_{head.idx - len(positional)}"
+        else:
+            base = str(head.key)
+        name = re.sub(r"\W", "_", "_".join([base, *(re.sub(r"\W", "", str(k)) for k in path[2:])]))
+        name = name if name and not name[0].isdigit() else f"input_{name}"
+        unique, n = name, 1
+        while unique in names:
+            unique, n = f"{name}_{n}", n + 1
+        names.append(unique)
+    return names
+
+
+def _bound(module: Any, spec: Any, flat: Sequence[Any], names: Sequence[str]) -> Any:
+    """``module`` as a module that takes its tensor inputs by position (named ``names``) and calls the
+    module's forward with them and the call's other values put back in their places (keywords included).
+
+    It is the same module seen through a subclass: it shares the module's ``__dict__`` (parameters,
+    buffers, submodules, hooks, flags), so its tensors have the module's own names, and a trace of it
+    records the module's own submodule paths.  Its ``forward`` is a property, which wins over a forward
+    set on the instance (accelerate's hooks set one); that one is what it calls."""
+    torch = _torch()
+    base = type(module)
+    positions = [k for k, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    statics = [None if isinstance(x, torch.Tensor) else x for x in flat]
+    pytree = torch.utils._pytree
+
+    def forward(self: Any, *tensors: Any) -> Any:
+        values = list(statics)
+        for k, t in zip(positions, tensors):
+            values[k] = t
+        args, kwargs = pytree.tree_unflatten(values, spec)
+        own = self.__dict__.get("forward")
+        return own(*args, **kwargs) if own is not None else base.forward(self, *args, **kwargs)
+
+    only = inspect.Parameter.POSITIONAL_ONLY
+    forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]  # torch.export names the inputs so
+        [inspect.Parameter("self", only), *(inspect.Parameter(names[k], only) for k in positions)])
+    view_class = type(base.__name__, (base,), {"forward": property(lambda self: forward.__get__(self)),
+                                               "__module__": base.__module__, "__qualname__": base.__qualname__})
+    view: Any = object.__new__(view_class)
+    object.__setattr__(view, "__dict__", module.__dict__)
+    return view
+
+
+# --- the module ----------------------------------------------------------------------------------------------------
+
+class ParallelModule(_TorchModule):
+    """A module planned over every device: a ``torch.nn.Module`` whose ``forward`` runs the plan.
+
+    Made by :func:`parallelize` (or ``ParallelModule(module, example_inputs, device=...)``, the same).
+    The class is torch-free so that importing the package needs no torch; the instances are of a subclass
+    of it and of ``torch.nn.Module`` made when torch is first needed, so ``isinstance`` holds for both.
+
+    ``module`` is the wrapped module; ``graph``, ``compiled`` and ``explain()`` are those of the program
+    the latest call ran (at first, the example's); ``programs`` maps each kept signature to its
+    :class:`~relational_tensors.api.program.Program`.
     """
 
-    def __init__(self, graph: TorchGraph, compiled: Any, module: Any = None, example_inputs: Any = None,
-                 device: Any = None, compile_options: dict[str, Any] | None = None) -> None:
-        self.graph = graph
-        self.compiled = compiled
-        self.module = module
-        self.example_inputs = example_inputs
+    module: Any  # the wrapped module (a registered submodule)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> ParallelModule:
+        if cls is ParallelModule:  # the torch.nn.Module subclass, made when torch is first needed
+            cls = _module_class()
+        return cast(ParallelModule, object.__new__(cls))
+
+    def __init__(self, module: Any, example_inputs: Any, device: Any = None, *, recompile: bool = True,
+                 cache_size: int = 8, bucket: Sequence[int] | Callable[[int], int] | None = None,
+                 **compile_options: Any) -> None:
+        torch = _torch()
+        if not isinstance(module, torch.nn.Module):
+            raise GraphError(f"parallelize takes a torch.nn.Module; got {type(module).__name__}.")
+        if not isinstance(cache_size, int) or cache_size < 1:
+            raise GraphError(f"cache_size is how many compiled signatures are kept, at least 1; got {cache_size!r}.")
+        super().__init__()  # torch.nn.Module's
+        self.module = module  # registered: its parameters are this module's
+        args, kwargs = _split_example(example_inputs)
+        self.example_inputs = (_detached(args), _detached(kwargs))
         self.device = device
-        self.compile_options = dict(compile_options or {})
-        self._backwards: dict[tuple[str, ...], tuple[TorchGraph, Any, tuple[str, ...]]] = {}
-        # the module traced with its trainable parameters differentiated (made at the first call that needs it),
-        # and the parameters of it that get a gradient
-        self._differentiated: TorchGraph | None = None
-        self._with_grad: frozenset[str] = frozenset()
-        self._weights_version = 0  # bumped when the weights are read again
-        self._loaded_version: dict[tuple[str, ...], int] = {}  # training program -> weights version loaded
-        self._calls = 0  # differentiable calls so far
-        self._latest: dict[tuple[str, ...], int] = {}  # training program -> the call its first phase holds
-        self._parameters_loaded = False
-        self._partial_loads = True  # whether the executor keeps inputs that a load does not name
-        self._state = self._module_state()
+        self.compile_options = dict(compile_options)
+        self.bucket = bucket
+        self.buckets = Buckets(bucket) if bucket is not None else None
+        self.recompile = bool(recompile) or self.buckets is not None
+        self.cache_size = cache_size
+        self._hits = self._misses = 0
+        self._reset()
+        _ = self._program(*self.example_inputs)[0].compiled  # traced and planned now: what fails, fails here
 
-    def _module_state(self) -> dict[str, tuple[int, int, int]]:
-        """Per parameter and buffer of the module: its identity, storage and in-place version counter."""
-        if self.module is None:
-            return {}
-        tensors = [*self.module.named_parameters(), *self.module.named_buffers()]
-        return {name: (id(t), t.data_ptr(), t._version) for name, t in tensors}
+    def _reset(self) -> None:
+        """No compiled program kept (at construction, after unpickling, after ``.to()`` changed the weights'
+        dtypes or devices)."""
+        self.programs: OrderedDict[Any, Program] = OrderedDict()
+        self._unpads: dict[Any, Unpad] = {}
+        self._latest: Any = None
+        pytree = _torch().utils._pytree
+        self._example_signature = _signature(*pytree.tree_flatten(self.example_inputs))
+        self._weights = self._weights_signature()
 
-    def _check_weights(self) -> None:
-        if self.module is None:
-            return
-        now = self._module_state()
-        if now != self._state:
-            changed = sorted(n for n in set(now) | set(self._state) if now.get(n) != self._state.get(n))
-            raise ExecError(f"the module's weights changed since they were read ({', '.join(changed[:4])}"
-                            f"{' ...' if len(changed) > 4 else ''}); the plan would run on the old values. "
-                            "Call reload_weights() to read the current ones.")
+    def _weights_signature(self) -> tuple[Any, ...]:
+        return tuple((t.dtype, t.device) for t in (*self.module.parameters(), *self.module.buffers()))
 
-    def reload_weights(self) -> None:
-        """Read the module's current parameters and buffers (after training steps or a load_state_dict);
-        the next call loads them onto the devices."""
-        if self.module is None:
-            raise ExecError("this ParallelModule was built from a traced graph, not a module: there are no "
-                            "weights to read again. Use rt.parallelize(module, example_inputs).")
-        now = self._module_state()
-        changed = {n for n in set(now) | set(self._state) if now.get(n) != self._state.get(n)}
-        values = self._read_origins(self.graph, changed)
-        if values is None:  # the module's tensors changed shape or names, or a fold must be redone: trace again
-            again = from_torch(self.module, self.example_inputs)
-            if set(again.parameters) != set(self.graph.parameters):
-                raise ExecError("the module no longer traces to the planned graph (its parameters differ); "
-                                "parallelize it again.")
-            values = again.parameters
-        self.graph.parameters = values
-        self._parameters_loaded = False
-        self._weights_version += 1
-        self._state = now
-        if self._differentiated is not None:
-            fresh = self._read_origins(self._differentiated, changed)
-            if fresh is None:  # its folds are stale: traced again when next needed
-                self._differentiated = None
-            else:
-                self._differentiated.parameters = fresh
-        for wrt, (g, _, _) in list(self._backwards.items()):
-            fresh = self._read_origins(g, changed)
-            if fresh is None:
-                del self._backwards[wrt]
-            else:
-                g.parameters = fresh
+    # --- calls ------------------------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward, run by the program planned for these inputs' signature."""
+        program, tensors, unpad = self._program(args, kwargs)
+        out = program(*tensors)
+        return unpad(out) if unpad is not None else out
 
-    def _read_origins(self, graph: TorchGraph, changed: set[str]) -> dict[str, Any] | None:
-        """``graph``'s inputs' values read straight from the module's tensors they hold (transposed and cast
-        as traced), or None where one no longer fits or a constant folded at trace time was computed from
-        one of the ``changed`` tensors (the fold is redone by tracing again)."""
-        assert self.module is not None
-        if any(changed.intersection(deps) for deps in graph.derived.values()):
-            return None
-        tensors = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
-        values = dict(graph.parameters)
-        for name, (origin, transposed) in graph.origins.items():
-            t = tensors.get(origin)
-            node = graph.node(name)
-            if t is None:
-                return None
-            v = t.detach().t() if transposed else t.detach()
-            if tuple(v.shape) != node.type.shape:
-                return None
-            values[name] = torch_to_numpy(v.to(_torch_dtype(node.type.dtype)).cpu().contiguous())
-        return values
+    def _program(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> tuple[Program, list[Any], Callable[[Any], Any] | None]:
+        """The program for a call (compiled if new), its tensor inputs, and what undoes bucket padding."""
+        torch = _torch()
+        pytree = torch.utils._pytree
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        padded = self.buckets.pad(flat) if self.buckets is not None else None
+        if padded is not None:
+            flat = padded.flat
+        signature = _signature(flat, spec)
+        if not self.recompile and signature != self._example_signature:
+            raise self._refusal(args, kwargs, flat, spec)
+        key = (signature, modes_of(self.module))
+        program = self.programs.get(key)
+        if program is None:
+            program = self.programs[key] = self._compile(flat, spec, key[1])
+            self._misses += 1
+            while len(self.programs) > self.cache_size:
+                dropped, _ = self.programs.popitem(last=False)  # least recently used
+                self._unpads.pop(dropped, None)
+        else:
+            self._hits += 1
+            self.programs.move_to_end(key)
+        self._latest = key
+        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+        unpad = None
+        if padded is not None and padded.padded:
+            assert self.buckets is not None
+            if key not in self._unpads:  # checked against torch once per program: the padding is masked
+                self._unpads[key] = self.buckets.check(self.module, args, kwargs, pytree.tree_unflatten(flat, spec),
+                                                       padded)
+            unpad = functools.partial(self._unpads[key], length=padded.length)
+        return program, tensors, unpad
+
+    def _compile(self, flat: list[Any], spec: Any, modes: tuple[bool, ...]) -> Program:
+        """Trace the module on these inputs (planned when first run)."""
+        torch = _torch()
+        pytree = torch.utils._pytree
+        args, kwargs = pytree.tree_unflatten(flat, spec)
+        tensors = tuple(x.detach() for x in flat if isinstance(x, torch.Tensor))
+        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+            traced = self.module  # tensors by position: the module itself
+        else:
+            traced = _bound(self.module, spec, flat, _input_names(self.module, args, kwargs))
+        graph: TorchGraph = from_torch(traced, tensors)
+        # the forward is planned when first run: a call with grad enabled runs the training program instead
+        return Program(graph, None, traced, tensors, self.device, self.compile_options, modes)
+
+    def _refusal(self, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any], spec: Any) -> ExecError:
+        """Why a call's inputs are not the example's, when shapes are static."""
+        torch = _torch()
+        pytree = torch.utils._pytree
+        fix = (" This module was parallelized with recompile=False (one signature): parallelize it again with "
+               "example inputs of the new shape, or leave recompile out to compile each new signature once.")
+        ex_args, ex_kwargs = self.example_inputs
+        ex_flat, ex_spec = pytree.tree_flatten(self.example_inputs)
+        if str(ex_spec) != str(spec):
+            if not kwargs and not ex_kwargs and len(args) != len(ex_args):
+                return ExecError(f"this module was traced with {len(ex_args)} inputs; got {len(args)}.{fix}")
+            return ExecError(f"this module was traced with inputs ({', '.join(_labels(ex_args, ex_kwargs))}); got "
+                             f"({', '.join(_labels(args, kwargs))}).{fix}")
+        for label, x, want in zip(_labels(args, kwargs), flat, ex_flat):
+            if isinstance(want, torch.Tensor) and isinstance(x, torch.Tensor):
+                if tuple(x.shape) != tuple(want.shape) or x.dtype != want.dtype:
+                    return ExecError(f"input {label} must have the traced shape {tuple(want.shape)} and dtype "
+                                     f"{_dtype_name(want.dtype) or want.dtype}; got {tuple(x.shape)} "
+                                     f"{_dtype_name(x.dtype) or x.dtype}.{fix}")
+            elif isinstance(want, torch.Tensor) or isinstance(x, torch.Tensor):
+                return ExecError(f"input {label} was a {type(want).__name__} when traced; got {type(x).__name__}."
+                                 f"{fix}")
+            elif _static(x) != _static(want):
+                return ExecError(f"input {label} was {want!r} when traced (it is bound into the program); got "
+                                 f"{x!r}.{fix}")
+        return ExecError(f"these inputs do not match the traced signature.{fix}")  # pragma: no cover
+
+    # --- what the latest call ran -----------------------------------------------------------------------------
+    def _current(self) -> Program:
+        if self._latest not in self.programs:  # none yet (unpickled, or .to() changed the weights): the example's
+            self._program(*self.example_inputs)
+        return self.programs[self._latest]
+
+    @property
+    def graph(self) -> TorchGraph:
+        """The traced graph of the program the latest call ran."""
+        return self._current().graph
+
+    @property
+    def compiled(self) -> Any:
+        """The ``CompiledGraph`` of the program the latest call ran (``plan``, ``catalog``, ``sql()``)."""
+        return self._current().compiled
 
     def explain(self, file: Any = None, width: int = 160) -> str:
-        """Print (and return) the plan table of the compiled graph."""
-        return self.compiled.explain(file=file, width=width)
+        """Print (and return) the plan table of the program the latest call ran."""
+        return self._current().explain(file=file, width=width)
 
-    def _check(self, inputs: tuple[Any, ...]) -> None:
-        torch = _torch()
-        want = self.graph.input_types
-        if len(inputs) != len(want):
-            raise ExecError(f"this module was traced with {len(want)} inputs; got {len(inputs)}.")
-        for k, (x, (shape, dtype)) in enumerate(zip(inputs, want)):
-            if not isinstance(x, torch.Tensor):
-                raise ExecError(f"input {k} must be a torch tensor; got {type(x).__name__}.")
-            if tuple(x.shape) != shape or str(x.dtype).removeprefix("torch.") != dtype:
-                raise ExecError(
-                    f"input {k} must have the traced shape {shape} and dtype {dtype}; got {tuple(x.shape)} "
-                    f"{str(x.dtype).removeprefix('torch.')}. Shapes are static: parallelize the module again with "
-                    "example inputs of the new shape."
-                )
+    def reload_weights(self) -> None:
+        """Read the module's current parameters and buffers into every kept program (a call does it itself
+        when they changed)."""
+        for program in self.programs.values():
+            program.reload_weights()
 
-    def _feed(self, x: Any) -> Any:
-        # on GPUs the executor copies any __dlpack__ tensor device to device; on CPUs NumPy views it
-        return x.detach() if self.compiled.devices.kind == "cuda" else torch_to_numpy(x)
+    def cache_info(self) -> CacheInfo:
+        """Calls that found their program (hits), programs compiled (misses), ``cache_size``, programs kept."""
+        return CacheInfo(self._hits, self._misses, self.cache_size, len(self.programs))
 
-    def _load(self, inputs: tuple[Any, ...]) -> None:
-        user = {name: self._feed(x) for name, x in zip(self.graph.input_names, inputs) if name is not None}
-        if self.graph.rng_input is not None:  # train-mode dropout and other draws: a new state per call
-            user[self.graph.rng_input] = draw_rng()
-        if self._parameters_loaded and self._partial_loads:
-            try:
-                self.compiled.load(user)
-                return
-            except ExecError as e:
-                if "missing a value" not in str(e):
-                    raise
-                # this executor wants every input on each load: feed the parameters again from now on
-                self._partial_loads = False
-        self.compiled.load({**self.graph.parameters, **user})
-        self._parameters_loaded = True
+    def cache_clear(self) -> None:
+        """Drop every compiled program (the next call plans again)."""
+        self._reset()
 
-    def _offload(self, name: str, compiled: Any = None) -> Any:
-        """Saved output ``name`` of ``compiled`` (default: the forward program) as a torch tensor."""
-        compiled = compiled or self.compiled
-        if compiled.devices.kind == "cuda":
-            out = numpy_to_torch(compiled.offload(name, like="cupy"))  # DLPack: stays on the GPU
-            node = compiled.graph.nodes[compiled.graph.outputs[name]]
-            if node.type.dtype == "bfloat16" and out.dtype != _torch().bfloat16:  # CuPy holds bfloat16 as bits
-                out = out.view(_torch().bfloat16)
-            return out
-        return numpy_to_torch(compiled.offload(name))
+    # --- torch.nn.Module ---------------------------------------------------------------------------------------
+    def _apply(self, fn: Callable[[Any], Any], recurse: bool = True) -> Any:
+        # .to(), .double(), .cuda(), ...: the example inputs follow the weights (a floating example becomes
+        # float64 with them), and programs traced for the old dtypes or devices are dropped
+        out = cast(Any, super())._apply(fn, recurse)
+        if self._weights_signature() != self._weights:
+            torch = _torch()
+            self.example_inputs = torch.utils._pytree.tree_map(
+                lambda x: fn(x) if isinstance(x, torch.Tensor) else x, self.example_inputs)
+            self._reset()
+        return out
 
-    def _run_forward(self, inputs: tuple[Any, ...]) -> dict[str, Any]:
-        self._load(inputs)
-        self.compiled.execute()
-        return {name: self._offload(name) for kind, name in self.graph.output_leaves if kind == "saved"}
+    def extra_repr(self) -> str:
+        if self._latest not in self.programs:
+            return f"device={self.device!r}, not compiled"
+        p = self.programs[self._latest]
+        planned = (f" on {p._compiled.devices}, plan cost {p._compiled.plan.cost:,.0f}" if p._compiled is not None
+                   else f" for device={self.device!r}")
+        return f"{len(p.graph.operators)} operators{planned}, {len(self.programs)} of {self.cache_size} programs kept"
 
-    def _differentiable(self) -> TorchGraph:
-        """The module traced with every parameter that requires grad differentiated (held once, each use
-        computed in the graph); the traced graph itself where there is no module."""
-        if self.module is None:
-            return self.graph
-        if self._differentiated is None:
-            with warnings.catch_warnings():  # what tracing warns about was said when the module was traced
-                warnings.simplefilter("ignore")
-                g = from_torch(self.module, self.example_inputs, differentiate=True)
-            outs = [g.tensor(g.outputs[n]) for kind, n in g.output_leaves if kind == "saved"
-                    and g.nodes[g.outputs[n]].type.dtype in FLOAT_DTYPES]
-            self._differentiated, self._with_grad = g, frozenset(g.trained(outs))
-        return self._differentiated
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # the compiled programs (DuckDB connections, device buffers) are not pickled: the copy plans again
+        skip = {"programs", "_unpads", "_latest", "_hits", "_misses"}
+        return _unpickle, ({k: v for k, v in self.__dict__.items() if k not in skip},)
 
-    def _trainable(self) -> list[tuple[str, Any]]:
-        """The module's parameters that require grad and that some floating output depends on through
-        floating tensors (torch gives the others no gradient)."""
-        if self.module is None or not any(t.requires_grad for t in self.module.parameters()):
-            return []
-        self._differentiable()
-        return [(k, t) for k, t in self.module.named_parameters() if t.requires_grad and k in self._with_grad]
 
-    def _graph_inputs_of(self, param: str) -> list[tuple[str, bool]]:
-        """The graph inputs holding module parameter ``param``, and whether each holds it transposed."""
-        return [(name, t) for name, (origin, t) in self._differentiable().origins.items() if origin == param]
+def _detached(value: Any) -> Any:
+    torch = _torch()
+    return torch.utils._pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, value)
 
-    def __call__(self, *inputs: Any) -> Any:
-        torch = _torch()
-        self._check(inputs)
-        params = self._trainable()
-        floating = [x.is_floating_point() and x.requires_grad for x in inputs]
-        if torch.is_grad_enabled() and (params or any(floating)):
-            if self._module_state() != self._state:  # a training step changed them: read them again
-                self.reload_weights()
-            saved = _function().apply(self, len(inputs), tuple(k for k, _ in params), *inputs,
-                                          *(t for _, t in params))
-            values = dict(zip([n for kind, n in self.graph.output_leaves if kind == "saved"], saved))
-        else:
-            self._check_weights()
-            values = self._run_forward(inputs)
-        leaves = [values[value] if kind == "saved" else value for kind, value in self.graph.output_leaves]
-        return torch.utils._pytree.tree_unflatten(leaves, self.graph.out_spec)
 
-    def _backward_program(self, wrt: tuple[str, ...]) -> tuple[TorchGraph, Any, tuple[str, ...]]:
-        """The traced forward with the gradient of every floating output with respect to ``wrt`` (graph
-        input names) appended, compiled like the forward in two phases: the cotangents, inputs
-        ``cot.<output>``, are loaded for the second."""
-        if wrt not in self._backwards:
-            from relational_tensors.api.compile import compileGraph
-
-            g = _prune(self._differentiable())  # a copy to append the gradient to (nodes are shared)
-            outs = [n for kind, n in g.output_leaves if kind == "saved"
-                    and g.nodes[g.outputs[n]].type.dtype in FLOAT_DTYPES]
-            if not outs:
-                raise ExecError("the module has no floating output to differentiate.")
-            cots = [g.input(f"cot.{n}", g.nodes[g.outputs[n]].type.shape, g.nodes[g.outputs[n]].type.dtype)
-                    for n in outs]
-            grads = g.vjp([g.tensor(g.outputs[n]) for n in outs], cots, [g.tensor(g.node(w).id) for w in wrt],
-                          allow_unused=True)
-            for w, d in zip(wrt, grads):
-                g.save(d, name=f"grad.{w}")
-            compiled = compileGraph(g, device=self.device, second_phase_inputs=[c.name for c in cots],
-                                    **self.compile_options)
-            self._backwards[wrt] = (g, compiled, tuple(outs))
-        return self._backwards[wrt]
-
-    def _run_forward_phase(self, inputs: tuple[Any, ...], wrt: tuple[str, ...], rng: Any) -> dict[str, Any]:
-        """The training program's first phase on ``inputs`` with random state ``rng`` (weights loaded when
-        they changed); its activations stay on the devices for the backward.  Returns the saved outputs."""
-        g, compiled, _ = self._backward_program(wrt)
-        feeds = {name: self._feed(x) for name, x in zip(g.input_names, inputs) if name is not None}
-        if g.rng_input is not None:
-            feeds[g.rng_input] = rng
-        if self._loaded_version.get(wrt) != self._weights_version:
-            feeds = {**g.parameters, **feeds}
-            self._loaded_version[wrt] = self._weights_version
-        compiled.load(feeds)
-        compiled.execute(phase=0)
-        return {name: self._offload(name, compiled) for kind, name in g.output_leaves if kind == "saved"}
-
-    def _run_backward(self, inputs: tuple[Any, ...], cotangents: dict[str, Any], wrt: tuple[str, ...],
-                      call: int, rng: Any) -> list[Any]:
-        g, compiled, outs = self._backward_program(wrt)
-        torch = _torch()
-        if self._latest.get(wrt) != call:  # another call's forward holds the devices: this one's again,
-            self._run_forward_phase(inputs, wrt, rng)  # with the same random draws
-            self._latest[wrt] = call
-        feeds = {}
-        for n in outs:
-            c = cotangents.get(n)
-            t = g.nodes[g.outputs[n]].type
-            feeds[f"cot.{n}"] = (self._feed(c.detach().contiguous()) if c is not None
-                                 else torch_to_numpy(torch.zeros(t.shape, dtype=getattr(torch, t.dtype))))
-        compiled.load(feeds)
-        compiled.execute(phase=1)
-        return [numpy_to_torch(compiled.offload(f"grad.{w}")) for w in wrt]
-
-    forward = __call__
-
-    def __repr__(self) -> str:
-        ops = len(self.graph.operators)
-        return f"ParallelModule({ops} operators on {self.compiled.devices}, plan cost {self.compiled.plan.cost:,.0f})"
+def _unpickle(state: dict[str, Any]) -> Any:
+    """A pickled ParallelModule back, with no program compiled yet."""
+    pm: Any = object.__new__(_module_class())
+    pm.__dict__.update(state)
+    pm._hits = pm._misses = 0
+    pm._reset()
+    return pm
 
 
 @functools.cache
-def _function() -> Any:
-    """The torch.autograd.Function a differentiable call goes through (made when first needed, so importing
-    needs no torch)."""
+def _module_class() -> type:
+    """The ``torch.nn.Module`` subclass of :class:`ParallelModule` its instances are (made once torch is there)."""
     torch = _torch()
-    base: Any = torch.autograd.Function
-
-    class Differentiable(base):  # type: ignore[misc, valid-type]
-        @staticmethod
-        def forward(ctx: Any, pm: ParallelModule, n_inputs: int, params: tuple[str, ...], *args: Any) -> Any:
-            inputs = args[:n_inputs]
-            ctx.pm, ctx.n_inputs, ctx.params = pm, n_inputs, params
-            ctx.save_for_backward(*(x.detach() for x in inputs))
-            # every gradient the backward may be asked for: the parameters', and the inputs' that need one
-            ctx.wrt = (*(name for p in params for name, _ in pm._graph_inputs_of(p)),
-                       *(pm.graph.input_names[k] for k, x in enumerate(inputs)
-                         if x.is_floating_point() and x.requires_grad and pm.graph.input_names[k] is not None))
-            pm._calls += 1
-            ctx.call = pm._calls
-            ctx.rng = draw_rng()
-            if ctx.wrt:
-                values = pm._run_forward_phase(inputs, ctx.wrt, ctx.rng)
-                pm._latest[ctx.wrt] = ctx.call
-            else:
-                values = pm._run_forward(inputs)
-            saved = [values[n] for kind, n in pm.graph.output_leaves if kind == "saved"]
-            ctx.names = [n for kind, n in pm.graph.output_leaves if kind == "saved"]
-            ctx.mark_non_differentiable(*(v for v in saved if not v.is_floating_point()))
-            return tuple(saved)
-
-        @staticmethod
-        def backward(ctx: Any, *grads: Any) -> Any:
-            pm, inputs = ctx.pm, ctx.saved_tensors
-            wanted_inputs = [k for k in range(ctx.n_inputs) if ctx.needs_input_grad[3 + k]
-                             and pm.graph.input_names[k] is not None and pm.graph.input_names[k] in ctx.wrt]
-            holders = {p: pm._graph_inputs_of(p) for p in ctx.params}
-            cots = dict(zip(ctx.names, grads))
-            got = pm._run_backward(inputs, cots, ctx.wrt, ctx.call, ctx.rng) if ctx.wrt else []
-            by_name = dict(zip(ctx.wrt, got))
-            in_grads = [by_name[pm.graph.input_names[k]].to(inputs[k].device) if k in wanted_inputs else None
-                        for k in range(ctx.n_inputs)]
-            params = dict(pm.module.named_parameters())
-            param_grads = []
-            for p in ctx.params:  # a parameter read in several layouts gets the sum of their gradients
-                total = None
-                for name, transposed in holders[p]:
-                    d = by_name[name].t() if transposed else by_name[name]
-                    d = d.to(device=params[p].device, dtype=params[p].dtype)
-                    total = d if total is None else total + d
-                param_grads.append(total)
-            return (None, None, None, *in_grads, *param_grads)
-
-    return Differentiable
+    base: Any = torch.nn.Module
+    return type("ParallelModule", (ParallelModule, base), {"__module__": __name__, "__doc__": ParallelModule.__doc__})
 
 
-def parallelize(module: Any, example_inputs: Any, device: Any = None, **compile_options: Any) -> ParallelModule:
-    """Trace ``module`` on ``example_inputs``, plan it for ``device`` and return a callable like the module.
+def parallelize(module: Any, example_inputs: Any, device: Any = None, *, recompile: bool = True,
+                cache_size: int = 8, bucket: Sequence[int] | Callable[[int], int] | None = None,
+                **compile_options: Any) -> ParallelModule:
+    """Trace ``module`` on ``example_inputs``, plan it for ``device`` and return it as a ``ParallelModule``.
 
-    ``device`` and ``compile_options`` are those of ``rt.compileGraph`` (``"cpu:N"``,
-    a GPU count or list, ``selector=``, ``cost_model=``, ``memory_per_device=``, ...).
+    ``example_inputs``: a tensor, a tuple of positional inputs, a dict of keyword inputs, or a pair
+    ``(args, kwargs)``.  ``recompile``: compile each new input signature once (else a call whose inputs
+    differ from the example's in structure, shape or dtype is refused); ``cache_size``: how many compiled
+    signatures are kept (least recently used dropped); ``bucket``: sequence lengths (or a function of the
+    length) to pad the sequence axis up to, see ``relational_tensors.api.buckets`` (implies ``recompile``).
+    ``device`` and ``compile_options`` are those of ``rt.compileGraph`` (``"cpu:N"``, a GPU count or list,
+    ``selector=``, ``cost_model=``, ``memory_per_device=``, ...).
     """
-    from relational_tensors.api.compile import compileGraph
-
-    graph = from_torch(module, example_inputs)
-    return ParallelModule(graph, compileGraph(graph, device=device, **compile_options), module, example_inputs,
-                          device, compile_options)
+    return ParallelModule(module, example_inputs, device, recompile=recompile, cache_size=cache_size,
+                          bucket=bucket, **compile_options)

@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from relational_tensors.catalog import Catalog
 from relational_tensors.core.feeds import STALE_OUTPUTS, coerce_feed
-from relational_tensors.errors import ExecError, GraphError
+from relational_tensors.errors import ExecError, GraphError, PlanError
 from relational_tensors.graph.graph import Tensor
 from relational_tensors.machine.devices import visible_gpus
 from relational_tensors.machine.target import Target
@@ -62,6 +62,14 @@ class CompiledGraph:
     @property
     def p(self) -> int:
         return self.devices.p
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # pickle, torch.save and copy all come here: a live program (its DuckDB catalog connection, the
+        # devices' buffers, a process group) is no value to serialize; its plan file is
+        raise PlanError("a CompiledGraph cannot be pickled or copied (torch.save pickles it): it holds a live "
+                        f"DuckDB catalog connection and the program's buffers on {self.devices}. Save its plan "
+                        "with rt.save_plan(cg, path) and rebuild it without planning with rt.load_plan(path, "
+                        "graph), giving the graph it was planned for.")
 
     @property
     def catalog(self) -> Catalog:

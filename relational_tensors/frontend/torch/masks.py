@@ -32,7 +32,17 @@ from relational_tensors.sql_specs.attention import AttentionOp
 if TYPE_CHECKING:
     from relational_tensors.frontend.torch.translator import _Translator
 
-__all__ = ["AttentionForm", "attention_form", "constant_structure"]
+__all__ = ["AttentionForm", "attention_form", "constant_structure", "host"]
+
+
+def host(value: Any) -> Any:
+    """A module tensor or constant read at trace time, on the host: a GPU module's buffers, parameters and
+    folded constants are copied (``.detach().cpu()``) before the translator reads their values (NumPy,
+    comparisons with host tensors); a CPU tensor, or anything else, is returned as it is."""
+    device = getattr(value, "device", None)
+    if device is None or device.type == "cpu" or not hasattr(value, "detach"):
+        return value
+    return value.detach().cpu()
 
 
 @dataclass
@@ -129,7 +139,7 @@ def attention_form(tr: _Translator, mask: Any, mask_node: Any, batch: int, heads
         if isinstance(value, _Const) and value.live:  # a trained parameter (a learned bias): computed
             value = tr.sym(value)
         if isinstance(value, _Const):
-            v = value.value
+            v = host(value.value)
             if is_bool:
                 constant = v if constant is None else constant & v
             else:
@@ -154,7 +164,7 @@ def _constant_part(tr: _Translator, form: AttentionForm, full: Any, is_bool: boo
         allowed, bias = ~blocked, torch.where(blocked, torch.zeros(()), full)
     flat = allowed.broadcast_to((*allowed.shape[:2], sq, skv)).reshape(-1, sq, skv)
     first = flat[0]
-    structure = constant_structure(first.numpy()) if bool((flat == first).all()) else None
+    structure = constant_structure(host(first).numpy()) if bool((flat == first).all()) else None
     if structure is not None:
         form.causal, form.seq_ends, form.window = structure
     else:  # exact, without structure: a boolean mask input

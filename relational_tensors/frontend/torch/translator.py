@@ -41,6 +41,7 @@ from relational_tensors.frontend.torch.convert import (
     _torch_dtype,
     torch_to_numpy,
 )
+from relational_tensors.frontend.torch.masks import host
 from relational_tensors.frontend.torch.patterns import (
     _PATTERNS,
     _match_gelu_tanh,
@@ -354,7 +355,7 @@ class _Translator:
                     self._call(node)
             elif node.op == "get_attr":  # a subgraph or tensor held by the exported module
                 value = getattr(self.ep.graph_module, node.target)
-                self.env[node] = _Const(value, None, node.name) if _is_torch_tensor(value) else value
+                self.env[node] = _Const(host(value), None, node.name) if _is_torch_tensor(value) else value
             elif node.op == "output":
                 self._output(node)
         self.current = None
@@ -442,6 +443,7 @@ class _Translator:
             value = self.ep.state_dict.get(spec.target)
             if value is None:
                 value = self.ep.constants[spec.target]
+            value = host(value)  # a GPU module's tensor: its values are read on the host
             name = self.names.get(spec.target, spec.target)
             live = spec.kind == InputKind.PARAMETER and name in self.live
             self.env[node] = _Const(value, name, spec.target, live=live, deps=frozenset({name}))
@@ -551,8 +553,8 @@ class _Translator:
         return self._wrap(value, self.prefix, frozenset(deps))
 
     def _wrap(self, value: Any, origin: str, deps: frozenset[str]) -> Any:
-        if _is_torch_tensor(value):
-            return _Const(value, None, origin, deps=deps)
+        if _is_torch_tensor(value):  # a fold on a GPU module (device= arguments) is brought to the host
+            return _Const(host(value), None, origin, deps=deps)
         if isinstance(value, (list, tuple)):
             return type(value)(self._wrap(v, f"{origin}.{k}", deps) for k, v in enumerate(value))
         return value

@@ -1,0 +1,371 @@
+"""One traced and compiled signature of a parallelized module: a :class:`Program` runs the plan for inputs
+of one set of shapes and dtypes, in one train/eval mode, and is differentiable.
+
+Called with grad enabled and parameters (or inputs) that require grad, a program is differentiable: its
+outputs require grad, and ``loss.backward()`` fills each parameter's ``.grad`` and each input's that
+requires one.  Both run one compiled program, the traced forward with its gradient graph appended
+(``g.vjp``), in two phases: the call runs the forward phase, whose activations stay on the devices, and
+the backward loads the output cotangents and runs the rest.  A backward whose forward is no longer the
+program's latest (two calls before one backward) runs its forward phase again from the saved inputs.
+
+``rt.parallelize`` (``relational_tensors.api.parallelize``) keeps one program per signature it is called
+with; this module knows nothing of signatures, keywords or caching.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from relational_tensors.core.dtypes import FLOAT_DTYPES
+from relational_tensors.errors import ExecError
+from relational_tensors.frontend.torch.convert import _torch, _torch_dtype, numpy_to_torch, torch_to_numpy
+from relational_tensors.frontend.torch.translator import TorchGraph, _prune, draw_rng, from_torch
+
+__all__ = ["Program", "modes_of", "in_modes"]
+
+
+def modes_of(module: Any) -> tuple[bool, ...]:
+    """The train/eval flag of ``module`` and of each of its submodules (``module.modules()`` order): what
+    a trace depends on besides the inputs (dropout, batch norm)."""
+    return tuple(m.training for m in module.modules())
+
+
+@contextlib.contextmanager
+def in_modes(module: Any, modes: tuple[bool, ...] | None) -> Iterator[None]:
+    """``module`` (and its submodules) set to the flags ``modes`` for the block, and put back after it."""
+    if modes is None:
+        yield
+        return
+    subs = list(module.modules())
+    now = tuple(m.training for m in subs)
+    if len(subs) != len(modes) or now == modes:
+        yield
+        return
+    try:
+        for m, flag in zip(subs, modes):
+            m.training = flag
+        yield
+    finally:
+        for m, flag in zip(subs, now):
+            m.training = flag
+
+
+class Program:
+    """A module compiled for one signature: ``__call__(*tensors)`` returns what the module's forward returns.
+
+    ``module`` is what was traced (it takes the tensors by position), ``example_inputs`` the tensors it was
+    traced on and ``modes`` the train/eval flags of its submodules then (``modes_of``): a trace done again
+    (a fold to redo, the differentiated trace) is made in those modes.  Parameters are loaded onto the
+    devices once, at the first call; each call then loads its inputs, executes the plan and offloads the
+    outputs as torch tensors (sharing memory with the offloaded arrays: ``torch.from_numpy`` on CPU
+    devices, DLPack on GPUs).  ``graph`` is the traced :class:`TorchGraph`, ``compiled`` the
+    ``CompiledGraph`` (``plan``, ``catalog``, ``explain()``, ``sql()``).
+
+    A call after the module's parameters or buffers changed (in place, as an optimizer step or
+    ``load_state_dict`` does, or replaced) reads them again first (:meth:`reload_weights`).
+    """
+
+    def __init__(self, graph: TorchGraph, compiled: Any | None, module: Any, example_inputs: tuple[Any, ...],
+                 device: Any = None, compile_options: dict[str, Any] | None = None,
+                 modes: tuple[bool, ...] | None = None) -> None:
+        self.graph = graph
+        self._compiled = compiled
+        self.module = module
+        self.example_inputs = example_inputs
+        self.device = device
+        self.compile_options = dict(compile_options or {})
+        self.modes = modes
+        self._backwards: dict[tuple[str, ...], tuple[TorchGraph, Any, tuple[str, ...]]] = {}
+        # the module traced with its trainable parameters differentiated (made at the first call that needs it),
+        # and the parameters of it that get a gradient
+        self._differentiated: TorchGraph | None = None
+        self._with_grad: frozenset[str] = frozenset()
+        self._weights_version = 0  # bumped when the weights are read again
+        self._loaded_version: dict[tuple[str, ...], int] = {}  # training program -> weights version loaded
+        self._calls = 0  # differentiable calls so far
+        self._latest: dict[tuple[str, ...], int] = {}  # training program -> the call its first phase holds
+        self._parameters_loaded = False
+        self._partial_loads = True  # whether the executor keeps inputs that a load does not name
+        self._state = self._module_state()
+
+    def _module_state(self) -> dict[str, tuple[int, int, int]]:
+        """Per parameter and buffer of the module: its identity, storage and in-place version counter."""
+        tensors = [*self.module.named_parameters(), *self.module.named_buffers()]
+        return {name: (id(t), t.data_ptr(), t._version) for name, t in tensors}
+
+    @property
+    def compiled(self) -> Any:
+        """The forward's ``CompiledGraph``, planned at first use (a call with grad enabled runs the training
+        program instead, planned by :meth:`_backward_program`)."""
+        if self._compiled is None:
+            from relational_tensors.api.compile import compileGraph
+
+            self._compiled = compileGraph(self.graph, device=self.device, **self.compile_options)
+        return self._compiled
+
+    def _trace(self, differentiate: bool = False) -> TorchGraph:
+        """The module traced again on the example inputs, in the modes it was first traced in (what tracing
+        warns about was said the first time)."""
+        with in_modes(self.module, self.modes), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return from_torch(self.module, self.example_inputs, differentiate=differentiate)
+
+    def reload_weights(self) -> None:
+        """Read the module's current parameters and buffers (after training steps or a load_state_dict);
+        the next call loads them onto the devices."""
+        now = self._module_state()
+        changed = {n for n in set(now) | set(self._state) if now.get(n) != self._state.get(n)}
+        values = self._read_origins(self.graph, changed)
+        if values is None:  # the module's tensors changed shape or names, or a fold must be redone: trace again
+            again = self._trace()
+            if set(again.parameters) != set(self.graph.parameters):
+                raise ExecError("the module no longer traces to the planned graph (its parameters differ); "
+                                "parallelize it again.")
+            values = again.parameters
+        self.graph.parameters = values
+        self._parameters_loaded = False
+        self._weights_version += 1
+        self._state = now
+        if self._differentiated is not None:
+            fresh = self._read_origins(self._differentiated, changed)
+            if fresh is None:  # its folds are stale: traced again when next needed
+                self._differentiated = None
+            else:
+                self._differentiated.parameters = fresh
+        for wrt, (g, _, _) in list(self._backwards.items()):
+            fresh = self._read_origins(g, changed)
+            if fresh is None:
+                del self._backwards[wrt]
+            else:
+                g.parameters = fresh
+
+    def _read_origins(self, graph: TorchGraph, changed: set[str]) -> dict[str, Any] | None:
+        """``graph``'s inputs' values read straight from the module's tensors they hold (transposed and cast
+        as traced), or None where one no longer fits or a constant folded at trace time was computed from
+        one of the ``changed`` tensors (the fold is redone by tracing again)."""
+        if any(changed.intersection(deps) for deps in graph.derived.values()):
+            return None
+        tensors = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+        values = dict(graph.parameters)
+        for name, (origin, transposed) in graph.origins.items():
+            t = tensors.get(origin)
+            node = graph.node(name)
+            if t is None:
+                return None
+            v = t.detach().t() if transposed else t.detach()
+            if tuple(v.shape) != node.type.shape:
+                return None
+            values[name] = torch_to_numpy(v.to(_torch_dtype(node.type.dtype)).cpu().contiguous())
+        return values
+
+    def explain(self, file: Any = None, width: int = 160) -> str:
+        """Print (and return) the plan table of the compiled graph."""
+        return self.compiled.explain(file=file, width=width)
+
+    def _check(self, inputs: tuple[Any, ...]) -> None:
+        torch = _torch()
+        want = self.graph.input_types
+        if len(inputs) != len(want):
+            raise ExecError(f"this module was traced with {len(want)} inputs; got {len(inputs)}.")
+        for k, (x, (shape, dtype)) in enumerate(zip(inputs, want)):
+            if not isinstance(x, torch.Tensor):
+                raise ExecError(f"input {k} must be a torch tensor; got {type(x).__name__}.")
+            if tuple(x.shape) != shape or str(x.dtype).removeprefix("torch.") != dtype:
+                raise ExecError(
+                    f"input {k} must have the traced shape {shape} and dtype {dtype}; got {tuple(x.shape)} "
+                    f"{str(x.dtype).removeprefix('torch.')}. A program is planned for one signature: call the "
+                    "module rt.parallelize returned, which plans each new one once."
+                )
+
+    def _feed(self, x: Any, compiled: Any = None) -> Any:
+        # on GPUs the executor copies any __dlpack__ tensor device to device; on CPUs NumPy views it
+        return x.detach() if (compiled or self.compiled).devices.kind == "cuda" else torch_to_numpy(x)
+
+    def _load(self, inputs: tuple[Any, ...]) -> None:
+        user = {name: self._feed(x) for name, x in zip(self.graph.input_names, inputs) if name is not None}
+        if self.graph.rng_input is not None:  # train-mode dropout and other draws: a new state per call
+            user[self.graph.rng_input] = draw_rng()
+        if self._parameters_loaded and self._partial_loads:
+            try:
+                self.compiled.load(user)
+                return
+            except ExecError as e:
+                if "missing a value" not in str(e):
+                    raise
+                # this executor wants every input on each load: feed the parameters again from now on
+                self._partial_loads = False
+        self.compiled.load({**self.graph.parameters, **user})
+        self._parameters_loaded = True
+
+    def _offload(self, name: str, compiled: Any = None) -> Any:
+        """Saved output ``name`` of ``compiled`` (default: the forward program) as a torch tensor."""
+        compiled = compiled or self.compiled
+        if compiled.devices.kind == "cuda":
+            out = numpy_to_torch(compiled.offload(name, like="cupy"))  # DLPack: stays on the GPU
+            node = compiled.graph.nodes[compiled.graph.outputs[name]]
+            if node.type.dtype == "bfloat16" and out.dtype != _torch().bfloat16:  # CuPy holds bfloat16 as bits
+                out = out.view(_torch().bfloat16)
+            return out
+        return numpy_to_torch(compiled.offload(name))
+
+    def _run_forward(self, inputs: tuple[Any, ...]) -> dict[str, Any]:
+        self._load(inputs)
+        self.compiled.execute()
+        return {name: self._offload(name) for kind, name in self.graph.output_leaves if kind == "saved"}
+
+    def _differentiable(self) -> TorchGraph:
+        """The module traced with every parameter that requires grad differentiated (held once, each use
+        computed in the graph)."""
+        if self._differentiated is None:
+            g = self._trace(differentiate=True)
+            outs = [g.tensor(g.outputs[n]) for kind, n in g.output_leaves if kind == "saved"
+                    and g.nodes[g.outputs[n]].type.dtype in FLOAT_DTYPES]
+            self._differentiated, self._with_grad = g, frozenset(g.trained(outs))
+        return self._differentiated
+
+    def _trainable(self) -> list[tuple[str, Any]]:
+        """The module's parameters that require grad and that some floating output depends on through
+        floating tensors (torch gives the others no gradient)."""
+        if not any(t.requires_grad for t in self.module.parameters()):
+            return []
+        self._differentiable()
+        return [(k, t) for k, t in self.module.named_parameters() if t.requires_grad and k in self._with_grad]
+
+    def _graph_inputs_of(self, param: str) -> list[tuple[str, bool]]:
+        """The graph inputs holding module parameter ``param``, and whether each holds it transposed."""
+        return [(name, t) for name, (origin, t) in self._differentiable().origins.items() if origin == param]
+
+    def __call__(self, *inputs: Any) -> Any:
+        torch = _torch()
+        self._check(inputs)
+        if self._module_state() != self._state:  # an optimizer step or a load_state_dict: read them again
+            self.reload_weights()
+        params = self._trainable()
+        floating = [x.is_floating_point() and x.requires_grad for x in inputs]
+        if torch.is_grad_enabled() and (params or any(floating)):
+            saved = _function().apply(self, len(inputs), tuple(k for k, _ in params), *inputs,
+                                          *(t for _, t in params))
+            values = dict(zip([n for kind, n in self.graph.output_leaves if kind == "saved"], saved))
+        else:
+            values = self._run_forward(inputs)
+        leaves = [values[value] if kind == "saved" else value for kind, value in self.graph.output_leaves]
+        return torch.utils._pytree.tree_unflatten(leaves, self.graph.out_spec)
+
+    def _backward_program(self, wrt: tuple[str, ...]) -> tuple[TorchGraph, Any, tuple[str, ...]]:
+        """The traced forward with the gradient of every floating output with respect to ``wrt`` (graph
+        input names) appended, compiled like the forward in two phases: the cotangents, inputs
+        ``cot.<output>``, are loaded for the second."""
+        if wrt not in self._backwards:
+            from relational_tensors.api.compile import compileGraph
+
+            g = _prune(self._differentiable())  # a copy to append the gradient to (nodes are shared)
+            outs = [n for kind, n in g.output_leaves if kind == "saved"
+                    and g.nodes[g.outputs[n]].type.dtype in FLOAT_DTYPES]
+            if not outs:
+                raise ExecError("the module has no floating output to differentiate.")
+            cots = [g.input(f"cot.{n}", g.nodes[g.outputs[n]].type.shape, g.nodes[g.outputs[n]].type.dtype)
+                    for n in outs]
+            grads = g.vjp([g.tensor(g.outputs[n]) for n in outs], cots, [g.tensor(g.node(w).id) for w in wrt],
+                          allow_unused=True)
+            for w, d in zip(wrt, grads):
+                g.save(d, name=f"grad.{w}")
+            compiled = compileGraph(g, device=self.device, second_phase_inputs=[c.name for c in cots],
+                                    **self.compile_options)
+            self._backwards[wrt] = (g, compiled, tuple(outs))
+        return self._backwards[wrt]
+
+    def _run_forward_phase(self, inputs: tuple[Any, ...], wrt: tuple[str, ...], rng: Any) -> dict[str, Any]:
+        """The training program's first phase on ``inputs`` with random state ``rng`` (weights loaded when
+        they changed); its activations stay on the devices for the backward.  Returns the saved outputs."""
+        g, compiled, _ = self._backward_program(wrt)
+        feeds = {name: self._feed(x, compiled) for name, x in zip(g.input_names, inputs) if name is not None}
+        if g.rng_input is not None:
+            feeds[g.rng_input] = rng
+        if self._loaded_version.get(wrt) != self._weights_version:
+            feeds = {**g.parameters, **feeds}
+            self._loaded_version[wrt] = self._weights_version
+        compiled.load(feeds)
+        compiled.execute(phase=0)
+        return {name: self._offload(name, compiled) for kind, name in g.output_leaves if kind == "saved"}
+
+    def _run_backward(self, inputs: tuple[Any, ...], cotangents: dict[str, Any], wrt: tuple[str, ...],
+                      call: int, rng: Any) -> list[Any]:
+        g, compiled, outs = self._backward_program(wrt)
+        torch = _torch()
+        if self._latest.get(wrt) != call:  # another call's forward holds the devices: this one's again,
+            self._run_forward_phase(inputs, wrt, rng)  # with the same random draws
+            self._latest[wrt] = call
+        feeds = {}
+        for n in outs:
+            c = cotangents.get(n)
+            t = g.nodes[g.outputs[n]].type
+            feeds[f"cot.{n}"] = (self._feed(c.detach().contiguous(), compiled) if c is not None
+                                 else torch_to_numpy(torch.zeros(t.shape, dtype=getattr(torch, t.dtype))))
+        compiled.load(feeds)
+        compiled.execute(phase=1)
+        return [numpy_to_torch(compiled.offload(f"grad.{w}")) for w in wrt]
+
+    def __repr__(self) -> str:
+        ops = len(self.graph.operators)
+        return f"Program({ops} operators on {self.compiled.devices}, plan cost {self.compiled.plan.cost:,.0f})"
+
+
+@functools.cache
+def _function() -> Any:
+    """The torch.autograd.Function a differentiable call goes through (made when first needed, so importing
+    needs no torch)."""
+    torch = _torch()
+    base: Any = torch.autograd.Function
+
+    class Differentiable(base):  # type: ignore[misc, valid-type]
+        @staticmethod
+        def forward(ctx: Any, pm: Program, n_inputs: int, params: tuple[str, ...], *args: Any) -> Any:
+            inputs = args[:n_inputs]
+            ctx.pm, ctx.n_inputs, ctx.params = pm, n_inputs, params
+            ctx.save_for_backward(*(x.detach() for x in inputs))
+            # every gradient the backward may be asked for: the parameters', and the inputs' that need one
+            ctx.wrt = (*(name for p in params for name, _ in pm._graph_inputs_of(p)),
+                       *(pm.graph.input_names[k] for k, x in enumerate(inputs)
+                         if x.is_floating_point() and x.requires_grad and pm.graph.input_names[k] is not None))
+            pm._calls += 1
+            ctx.call = pm._calls
+            ctx.rng = draw_rng()
+            if ctx.wrt:
+                values = pm._run_forward_phase(inputs, ctx.wrt, ctx.rng)
+                pm._latest[ctx.wrt] = ctx.call
+            else:
+                values = pm._run_forward(inputs)
+            saved = [values[n] for kind, n in pm.graph.output_leaves if kind == "saved"]
+            ctx.names = [n for kind, n in pm.graph.output_leaves if kind == "saved"]
+            ctx.mark_non_differentiable(*(v for v in saved if not v.is_floating_point()))
+            return tuple(saved)
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            pm, inputs = ctx.pm, ctx.saved_tensors
+            wanted_inputs = [k for k in range(ctx.n_inputs) if ctx.needs_input_grad[3 + k]
+                             and pm.graph.input_names[k] is not None and pm.graph.input_names[k] in ctx.wrt]
+            holders = {p: pm._graph_inputs_of(p) for p in ctx.params}
+            cots = dict(zip(ctx.names, grads))
+            got = pm._run_backward(inputs, cots, ctx.wrt, ctx.call, ctx.rng) if ctx.wrt else []
+            by_name = dict(zip(ctx.wrt, got))
+            in_grads = [by_name[pm.graph.input_names[k]].to(inputs[k].device) if k in wanted_inputs else None
+                        for k in range(ctx.n_inputs)]
+            params = dict(pm.module.named_parameters())
+            param_grads = []
+            for p in ctx.params:  # a parameter read in several layouts gets the sum of their gradients
+                total = None
+                for name, transposed in holders[p]:
+                    d = by_name[name].t() if transposed else by_name[name]
+                    d = d.to(device=params[p].device, dtype=params[p].dtype)
+                    total = d if total is None else total + d
+                param_grads.append(total)
+            return (None, None, None, *in_grads, *param_grads)
+
+    return Differentiable
+
+
