@@ -9,11 +9,12 @@ returns a :class:`ParallelModule`, a ``torch.nn.Module`` that holds the module i
   (``torch.utils._pytree``): tensors are the program's inputs, other values (``return_dict=True``, a
   scale) are bound at trace time and are part of the signature.  The output has the module's structure:
   a tensor, tuples, dicts, a transformers ``ModelOutput``.
-* **One program per signature.**  A signature is the inputs' structure, shapes and dtypes, the other
-  values, and the train/eval flags of every submodule.  Each new signature is traced and planned once and
-  kept (``recompile=True``, the default), least recently used dropped beyond ``cache_size`` (each
-  program holds its own copy of the weights on the devices; ``cache_info()`` counts); ``recompile=False`` keeps the example's signature only (a train/eval switch aside) and refuses
-  others.  ``bucket=`` pads the sequence axis up to a bucket length so that lengths share a program
+* **One program per signature.** A signature is the inputs' structure, shapes and dtypes, the other
+  values, and the train/eval flags of every submodule. Each new signature is traced and planned once and
+  kept (``recompile=True``, the default), least recently used dropped beyond ``cache_size`` (each program
+  holds its own copy of the weights on the devices; ``cache_info()`` counts); ``recompile=False`` keeps
+  the example's signature only (a train/eval switch aside) and refuses others. ``bucket=`` pads the
+  sequence axis up to a bucket length so that lengths share a program
   (``relational_tensors.api.buckets``).
 * **Pickling** (``torch.save(pm)``, ``copy.deepcopy``) keeps the wrapped module, the example inputs and
   the options, not the compiled programs: the copy plans again at its first call.
