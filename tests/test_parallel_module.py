@@ -301,7 +301,7 @@ def test_a_parallel_module_pickles_its_module_and_plans_again() -> None:
 # --- constants of a GPU module are read on the host ----------------------------------------------------------------
 
 def test_frontend_constants_are_read_through_the_host_helper() -> None:
-    from relational_tensors.frontend.torch.masks import host
+    from relational_tensors.frontend.torch.convert import host
 
     cpu = torch.arange(3.0)
     assert host(cpu) is cpu and host(3) == 3  # on the CPU, nothing changes

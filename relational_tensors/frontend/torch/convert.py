@@ -14,7 +14,7 @@ import numpy as np
 from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.errors import GraphError
 
-__all__ = ["torch_to_numpy", "numpy_to_torch"]
+__all__ = ["torch_to_numpy", "numpy_to_torch", "host"]
 
 
 def _torch() -> Any:
@@ -67,3 +67,13 @@ def numpy_to_torch(a: Any) -> Any:
             return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16).reshape(shape)
         return torch.from_numpy(np.ascontiguousarray(a)).reshape(shape)
     return torch.from_dlpack(a)
+
+
+def host(value: Any) -> Any:
+    """A module tensor or constant read at trace time, on the host: a GPU module's buffers, parameters and
+    folded constants are copied (``.detach().cpu()``) before the translator reads their values (NumPy,
+    comparisons with host tensors); a CPU tensor, or anything else, is returned as it is."""
+    device = getattr(value, "device", None)
+    if device is None or device.type == "cpu" or not hasattr(value, "detach"):
+        return value
+    return value.detach().cpu()

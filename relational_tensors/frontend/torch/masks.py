@@ -25,7 +25,7 @@ import numpy as np
 
 from relational_tensors.core.types import TensorType
 from relational_tensors.frontend.torch.common import _Const, _op_name, _packet
-from relational_tensors.frontend.torch.convert import _torch, _torch_dtype
+from relational_tensors.frontend.torch.convert import _torch, _torch_dtype, host
 from relational_tensors.graph.graph import Tensor
 from relational_tensors.sql_specs.attention import AttentionOp
 
@@ -33,16 +33,6 @@ if TYPE_CHECKING:
     from relational_tensors.frontend.torch.translator import _Translator
 
 __all__ = ["AttentionForm", "attention_form", "constant_structure", "host"]
-
-
-def host(value: Any) -> Any:
-    """A module tensor or constant read at trace time, on the host: a GPU module's buffers, parameters and
-    folded constants are copied (``.detach().cpu()``) before the translator reads their values (NumPy,
-    comparisons with host tensors); a CPU tensor, or anything else, is returned as it is."""
-    device = getattr(value, "device", None)
-    if device is None or device.type == "cpu" or not hasattr(value, "detach"):
-        return value
-    return value.detach().cpu()
 
 
 @dataclass

@@ -39,9 +39,9 @@ from relational_tensors.frontend.torch.convert import (
     _is_torch_tensor,
     _torch,
     _torch_dtype,
+    host,
     torch_to_numpy,
 )
-from relational_tensors.frontend.torch.masks import host
 from relational_tensors.frontend.torch.patterns import (
     _PATTERNS,
     _match_gelu_tanh,
