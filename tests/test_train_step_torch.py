@@ -398,3 +398,20 @@ def test_a_bad_learning_rate_or_batch_is_refused_and_changes_nothing() -> None:
         step.load_state_dict({"model": {"0.weight": torch.zeros(3, 3)}})
     assert all(torch.equal(before[k], v) for k, v in step.state_dict()["model"].items())
     assert math.isfinite(float(step(x, t)))
+
+
+@pytest.mark.gpu
+def test_a_host_module_trains_on_a_cuda_batch() -> None:
+    """The module on the host, the batch on the GPU (tracing moves the example to the module's device): the
+    step runs on cuda:0 and gives torch's loss."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    x, t = torch.randn(5, 4, device="cuda"), torch.randn(5, 2, device="cuda")
+    want = float(torch.nn.functional.mse_loss(m.cuda()(x), t))
+    m.cpu()
+    step = rt.train_step(m, lambda m, x, t: torch.nn.functional.mse_loss(m(x), t), (x, t),
+                         optimizer=rt.optim.AdamW(lr=1e-2), device="cuda:0")
+    loss = step(x, t)
+    assert loss.device.type == "cuda" and abs(float(loss) - want) <= 1e-5 * max(1.0, abs(want))

@@ -6,6 +6,7 @@ parameters.  ``SUPPORTED_OPS`` lists the operations with a rule.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import string
 import warnings
@@ -749,6 +750,12 @@ def from_torch(module: Any, example_inputs: Any, casts_in_graph: bool = False,
             raise GraphError(f"from_torch takes tensor example inputs; input {k} is {type(x).__name__}. Bind "
                              "other arguments in the module (a small wrapper module, or functools.partial).")
     _refuse_moe(module)
+    # tracing reads shapes and dtypes only: example inputs go to the module's device (a module on the host
+    # traced with a CUDA batch, as rt.train_step is given one, or the reverse)
+    home = next((t.device for t in itertools.chain(module.parameters(), module.buffers())), None) \
+        if isinstance(module, torch.nn.Module) else None
+    if home is not None:
+        args = tuple(x.to(home) if x.device != home else x for x in args)
     config: Any = getattr(module, "config", None)
     cached = bool(getattr(config, "use_cache", False))
     if cached:  # an HF model's key/value cache is no tensor output: traced without it, and said so
