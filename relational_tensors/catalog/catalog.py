@@ -3,7 +3,8 @@
 In memory by default; give a path to persist it, so the plans of several compilations can be compared
 later with plain SQL.  A file is opened for writing (a compile: the catalog's tables are created, or
 migrated from an older version, see :mod:`relational_tensors.catalog.files`) or, with ``read_only=True``,
-for reading, which changes nothing in it.
+for reading, which changes nothing in it and touches no other file (the connection is sandboxed:
+``files.SANDBOX``).
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ class Catalog:
 
     ``Catalog()`` is in memory; ``Catalog(path)`` opens (or creates) a file for writing, adding what an
     older version's file lacks; ``Catalog(path, read_only=True)`` reads a file without changing it.
+    ``sandboxed`` (default: ``read_only``) gives a connection that reaches no other file, loads no
+    extension and keeps its settings (``files.SANDBOX``): ``COPY ... TO``, ``EXPORT DATABASE``,
+    ``ATTACH``, ``read_csv``, ``INSTALL`` fail in it.  Export a result yourself: ``cat.sql(...)`` is a
+    ``pyarrow.Table``.
 
     >>> cat = Catalog()
     >>> cat.sql("SELECT count(*) AS n FROM candidate_specs").column("n").to_pylist()
@@ -78,14 +83,17 @@ class Catalog:
 
     VERSION = VERSION  # the catalog version this package writes
 
-    def __init__(self, path: str | Path | None = None, read_only: bool = False) -> None:
+    def __init__(self, path: str | Path | None = None, read_only: bool = False, *,
+                 sandboxed: bool | None = None) -> None:
         self.read_only = bool(read_only)
+        self.sandboxed = self.read_only if sandboxed is None else bool(sandboxed)
         self._narrowed: int | None = None
         self._release: weakref.finalize | None = None
         if path is None or path == ":memory:":
-            if self.read_only:
-                raise CatalogError("read_only needs the path of a catalog file; got none (an in-memory catalog "
-                                   "starts empty). Give the path: Catalog(path, read_only=True).")
+            if self.read_only or self.sandboxed:
+                raise CatalogError(f"{'read_only' if self.read_only else 'sandboxed'} needs the path of a catalog "
+                                   "file; got none (an in-memory catalog is shared by this process's compiles). "
+                                   "Give the path: Catalog(path, read_only=True).")
             shared = _memory()
             self.path = ":memory:"
             self.con, name = shared.open()
@@ -98,7 +106,7 @@ class Catalog:
                                f"memory; got {type(path).__name__} {path!r}. Give a file path such as "
                                "'plans.duckdb'.")
         self.path = str(os.fspath(path))
-        self.con = connect(self.path, self.read_only)
+        self.con = connect(self.path, self.read_only, self.sandboxed)
         try:
             if self.read_only:
                 self.version = check_readable(self.con, self.path)

@@ -3,7 +3,8 @@ the user's own, and bringing a catalog written by an older version up to this on
 
 The rules, so that nothing the user stored is lost:
 
-* Reading (``read_only``) opens the file read-only and changes nothing in it.
+* Reading (``read_only``) opens the file read-only and changes nothing in it; the connection is
+  sandboxed (``SANDBOX``): it reads no other file and writes none.
 * Writing adds the catalog's tables, columns and views only where they are missing, and replaces a
   view only when the catalog wrote it (its comment says so; in files older than catalog versions,
   when its text starts as the catalog's did).  An object of the user's own under one of the
@@ -24,7 +25,8 @@ import duckdb
 from relational_tensors.catalog.memory import PACKAGE, SEQUENCES, SHOWN, VERSION, VIEWS, Schema, views_sql
 from relational_tensors.errors import CatalogError
 
-__all__ = ["connect", "prepare", "check_readable", "MIGRATIONS"]
+__all__ = ["connect", "prepare", "check_readable", "split_statements", "MIGRATIONS", "SANDBOX", "READS",
+           "WRITES"]
 
 # The data steps of each catalog version, run after the missing tables and columns are added.
 #   1: compilations.status and error (and catalog_version itself): the finished compilations of older
@@ -57,8 +59,51 @@ def _first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
-def connect(path: str, read_only: bool) -> duckdb.DuckDBPyConnection:
-    mode = "for reading" if read_only else "for writing"
+# A sandboxed connection reaches its own file and nothing else: no other file is read or written (COPY,
+# EXPORT, ATTACH, read_csv, INSTALL), no extension is loaded, and the statements it runs cannot turn that
+# back on (lock_configuration).  Set at connect time, which is the only time DuckDB takes them from us.
+SANDBOX = {"enable_external_access": False, "autoinstall_known_extensions": False,
+           "autoload_known_extensions": False, "lock_configuration": True}
+# The kinds of statement (DuckDB's own ``StatementType``, as its parser tells them) that user SQL runs on a
+# catalog file: the reads on any connection, the writes on one opened for writing.  Every other kind
+# (COPY, EXPORT, ATTACH, DETACH, LOAD, which is INSTALL too, EXTENSION, COPY_DATABASE, or one the duckdb
+# module cannot name) reaches other files or databases.  The connection is what guarantees it (read-only,
+# SANDBOX); these tables let a command refuse a statement by its kind before any of its script runs.
+READS = frozenset({"SELECT", "EXPLAIN", "CALL", "PRAGMA", "PREPARE", "EXECUTE", "TRANSACTION",
+                   "SET",     # SET VARIABLE, USE; settings are locked in the sandbox
+                   "MULTI"})  # PIVOT: a temporary type, then a SELECT
+WRITES = frozenset({"INSERT", "UPDATE", "DELETE", "MERGE_INTO", "CREATE", "CREATE_FUNC", "DROP", "ALTER",
+                    "VACUUM", "ANALYZE"})
+
+
+def split_statements(script: str) -> list[tuple[str, str]]:
+    """The statements of an SQL script with their kinds (a ``duckdb.StatementType`` name, or ``"unknown"``
+    for a kind newer than the module's enum), as DuckDB splits and parses them; empty ones dropped.
+
+    >>> split_statements("SELECT 1; COPY t TO 'x.csv';")
+    [('SELECT 1;', 'SELECT'), ("COPY t TO 'x.csv';", 'COPY')]
+    """
+    try:
+        found = duckdb.extract_statements(script)
+    except duckdb.Error as e:
+        raise CatalogError(f"the SQL does not parse: {' '.join(str(e).split())}") from None
+    out = []
+    for st in found:
+        query = st.query.strip()
+        if not query.rstrip(";").strip():
+            continue
+        try:
+            kind = st.type.name
+        except ValueError:  # UPDATE EXTENSIONS in duckdb 2.0
+            kind = "unknown"
+        out.append((query, kind))
+    return out
+
+
+def connect(path: str, read_only: bool, sandboxed: bool = False) -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection to the catalog file ``path`` (``sandboxed``: see ``SANDBOX``), or a
+    ``CatalogError`` that says why not and what to do."""
+    mode = ("for reading" if read_only else "for writing") + (", sandboxed" if sandboxed else "")
     p = Path(path)
     if p.is_dir():
         raise CatalogError(f"a catalog is a DuckDB file; got {path!r}, which is a folder. "
@@ -70,7 +115,7 @@ def connect(path: str, read_only: bool) -> duckdb.DuckDBPyConnection:
         raise CatalogError(f"cannot create the catalog file {path!r}: its folder {str(p.parent)!r} does not exist. "
                            "Create the folder, or give a path in an existing one.")
     try:
-        return duckdb.connect(path, read_only=read_only)
+        return duckdb.connect(path, read_only=read_only, config=dict(SANDBOX) if sandboxed else {})
     except duckdb.Error as e:
         text = str(e)
         if "Could not set lock" in text or "Conflicting lock" in text:
@@ -82,11 +127,11 @@ def connect(path: str, read_only: bool) -> duckdb.DuckDBPyConnection:
                 "the other process's connection to it (a compile still running, a `relational-tensors sql` "
                 "session, a notebook), or use another file.") from None
         if "different configuration" in text:
-            other = "for writing" if read_only else "read-only"
             raise CatalogError(
-                f"the catalog file {path!r} is already open in this process {other}, and DuckDB opens a file one "
-                f"way per process; got a request to open it {mode}. Close the other Catalog first (cat.close(), "
-                "or cg.catalog.close() for a compiled graph's), or open it the same way.") from None
+                f"the catalog file {path!r} is already open in this process another way (for writing or "
+                "read-only, sandboxed or not: a read-only Catalog is sandboxed), and DuckDB opens a file one "
+                f"way per process; got a request to open it {mode}. Close the other Catalog or connection first "
+                "(cat.close(), or cg.catalog.close() for a compiled graph's), or open it the same way.") from None
         if "not a valid DuckDB database" in text:
             raise CatalogError(
                 f"{path!r} is not a DuckDB database file; got a file that DuckDB cannot read as one. Nothing was "

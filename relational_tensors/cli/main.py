@@ -358,8 +358,11 @@ def _cell(v: Any) -> str:
 
 def cmd_sql(args: argparse.Namespace, ui: Ui) -> int:
     """SQL on a catalog file: the statements of QUERY, of ``-f FILE`` or of stdin (split by DuckDB's own
-    statement splitter), each result shown; the file is opened read-only unless ``--write``."""
+    statement splitter), each result shown.  The file is opened read-only unless ``--write``, and always
+    sandboxed (``catalog.files.SANDBOX``): no statement reaches another file.  Each statement's kind
+    (``duckdb.StatementType``) is checked (``_allowed``) before any of the script runs."""
     from relational_tensors.catalog import Catalog
+    from relational_tensors.catalog.files import split_statements
 
     if not Path(args.catalog_file).is_file():
         raise CommandError(f"no catalog file {args.catalog_file!r}; write one with "
@@ -372,14 +375,15 @@ def cmd_sql(args: argparse.Namespace, ui: Ui) -> int:
             script = Path(args.file).read_text()
         except OSError as e:
             raise CommandError(f"cannot read the SQL file {args.file!r}: {e.strerror or e}.") from None
-    cat = Catalog(args.catalog_file, read_only=not args.write)
+    statements = None if script is None else _allowed(split_statements(script), args.write)
+    cat = Catalog(args.catalog_file, read_only=not args.write, sandboxed=True)
     try:
-        if script is None and sys.stdin.isatty():
+        if statements is None and sys.stdin.isatty():
             return _prompt(cat, ui, args)
-        if script is None:
-            script = sys.stdin.read()
+        if statements is None:
+            statements = _allowed(split_statements(sys.stdin.read()), args.write)
         results = []
-        for statement in _statements(script):
+        for statement in statements:
             results.append(_run_statement(cat, statement, ui, args))
         if ui.json:  # one statement: its rows, as a query always printed; several: each with its rows
             ui.result(results[0]["rows"] if len(results) == 1 else results)
@@ -388,33 +392,53 @@ def cmd_sql(args: argparse.Namespace, ui: Ui) -> int:
         cat.close()
 
 
-def _statements(script: str) -> list[str]:
-    """The statements of an SQL script, as DuckDB splits them (comments and blank ones dropped)."""
-    import duckdb
+def _allowed(statements: list[tuple[str, str]], write: bool) -> list[str]:
+    """The statements' text, once every one's kind is one the sql command runs (``catalog.files.READS``,
+    and ``WRITES`` with ``--write``); else a ``CommandError`` naming the first other one, before any runs."""
+    from relational_tensors.catalog.files import READS, WRITES
 
-    try:
-        found = duckdb.extract_statements(script)
-    except duckdb.Error as e:
-        raise CommandError(f"the SQL does not parse: {' '.join(str(e).split())}") from None
-    return [st.query.strip() for st in found if st.query.strip().rstrip(";").strip()]
-
-
-_WRITES = ("INSERT", "UPDATE", "DELETE", "CREATE", "DROP", "ALTER", "COPY", "ATTACH", "DETACH", "VACUUM",
-           "CHECKPOINT", "COMMENT", "TRUNCATE", "MERGE")
+    for query, kind in statements:
+        if kind in READS or (write and kind in WRITES):
+            continue
+        if kind in WRITES:
+            raise CommandError(f"the sql command opens the catalog read-only unless --write; got a {kind} "
+                               f"statement, which may change it: {_shorten(query)}. Nothing of the script ran. "
+                               "Add --write to change the file.")
+        shown = {"LOAD": "LOAD statement (INSTALL or LOAD)",
+                 "unknown": "statement of a kind this duckdb module does not name"}.get(kind, f"{kind} statement")
+        raise CommandError(f"the sql command reaches the catalog file only, not other files, databases or "
+                           f"extensions, so it runs no {shown}, with or without --write; got: "
+                           f"{_shorten(query)}. Nothing of the script ran. To save a result, print it with "
+                           f"--csv or --json and redirect it (`{PROG} sql --csv CATALOG \"SELECT ...\" > "
+                           "out.csv`); to copy, export, attach or use an extension, open the file with DuckDB itself.")
+    return [query for query, _ in statements]
 
 
 def _run_statement(cat: Any, query: str, ui: Ui, args: argparse.Namespace) -> dict[str, Any]:
+    import duckdb
+    import pyarrow as pa
+
     from relational_tensors.errors import CatalogError
 
     t0 = time.perf_counter()
     try:
-        table = cat.sql(query)
-    except CatalogError as e:
-        first = query.lstrip("(").split(None, 1)[0].upper() if query.split() else ""
-        if cat.read_only and ("read-only" in str(e) or "read only" in str(e) or first in _WRITES):
+        rel = cat.con.sql(query)
+        table = rel.to_arrow_table() if rel is not None else pa.table({})
+    except duckdb.Error as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, duckdb.PermissionException):
+            raise CommandError(f"the sql command reaches the catalog file only (DuckDB's enable_external_access "
+                               f"is off in its connection); got a statement that reaches another file or an "
+                               f"extension ({first}): {_shorten(query)}. Read other files with DuckDB itself, "
+                               "or load them into a catalog of your own.") from None
+        if "configuration has been locked" in first:
+            raise CommandError(f"the sql command's connection keeps its settings (DuckDB's lock_configuration); "
+                               f"got a statement that changes one ({first}): {_shorten(query)}. Leave the "
+                               "setting out; SET VARIABLE still works.") from None
+        if cat.read_only and "read-only" in first:
             raise CommandError(f"the catalog {cat.path!r} is opened read-only, and this statement writes "
                                f"({first}); add --write to change the file. Got: {_shorten(query)}") from None
-        raise
+        raise CatalogError(f"catalog query failed: {first}; got {query!r}.") from None
     took = time.perf_counter() - t0
     if not ui.json:
         if args.csv:
@@ -443,6 +467,8 @@ def _csv(table: Any) -> str:
 def _prompt(cat: Any, ui: Ui, args: argparse.Namespace) -> int:
     """Read statements from the terminal until EOF or ``.quit``: a statement runs once a line ends it with
     ``;``; errors are reported and reading goes on."""
+    from relational_tensors.catalog.files import split_statements
+
     if ui.people:
         ui.say(f"catalog {_escape(cat.path)}{' (read-only)' if cat.read_only else ''}: SQL statements end "
                "with ';'; views plan, specs, plan_inputs, op_times; .tables lists tables, .quit ends.")
@@ -462,7 +488,7 @@ def _prompt(cat: Any, ui: Ui, args: argparse.Namespace) -> int:
         if not pending.rstrip().endswith(";"):
             continue
         try:
-            for statement in _statements(pending):
+            for statement in _allowed(split_statements(pending), args.write):
                 _run_statement(cat, statement, ui, args)
         except RelationalTensorsError as e:
             _error_line(e)
@@ -482,8 +508,8 @@ def cmd_query(args: argparse.Namespace, ui: Ui) -> int:
         key, sep, value = item.partition("=")
         if not sep or not key.isidentifier():
             raise CommandError(f"--param takes NAME=VALUE; got {item!r}.")
-        params[key] = int(value) if value.lstrip("-").isdigit() else value
-    cat = Catalog(args.catalog_file, read_only=True)
+        params[key] = int(value) if re.fullmatch(r"-?[0-9]+", value) else value  # bound, never spliced in
+    cat = Catalog(args.catalog_file, read_only=True)  # read-only catalogs are sandboxed (files.SANDBOX)
     try:
         cid = args.compilation
         if cid is None:
@@ -685,12 +711,14 @@ def build_parser() -> argparse.ArgumentParser:
     _plan_options(e)
     e.add_argument("op", metavar="OP_NAME", help="an operator name (or a saved output's name)")
     s = add("sql", cmd_sql, "run SQL statements on a catalog file: QUERY, -f FILE or stdin (read-only "
-            "unless --write)")
+            "unless --write; no statement reaches another file)")
     s.add_argument("catalog_file", metavar="CATALOG.duckdb")
     s.add_argument("query", nargs="?", default=None, metavar="QUERY",
                    help="one or more statements separated by ';'")
     s.add_argument("-f", "--file", default=None, metavar="FILE", help="read the statements from FILE")
-    s.add_argument("--write", action="store_true", help="open the file for writing (statements may change it)")
+    s.add_argument("--write", action="store_true", help="open the file for writing: INSERT, UPDATE, DELETE, "
+                   "MERGE, CREATE, DROP, ALTER, VACUUM, ANALYZE may change it (COPY, EXPORT, ATTACH, INSTALL, "
+                   "LOAD are refused either way)")
     s.add_argument("--csv", action="store_true", help="print each result as CSV")
     q = add("query", cmd_query, "run a named query (sql/queries) on one compilation of a catalog file")
     q.add_argument("catalog_file", metavar="CATALOG.duckdb")
