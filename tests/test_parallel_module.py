@@ -337,3 +337,20 @@ def test_a_module_on_the_gpu_traces_with_its_constants_read_on_the_host() -> Non
         got = pm(input_ids=ids.cuda(), attention_mask=mask.cuda()).logits
         want = model(input_ids=ids.cuda(), attention_mask=mask.cuda()).logits
     assert got.device.type == "cuda" and _rel(got[mask.bool().cuda()], want[mask.bool().cuda()]) <= 1e-4
+
+
+def test_backward_twice_with_retain_graph_accumulates_as_torch() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    pm = rt.parallelize(m, (x,), device="cpu:2")
+    loss = pm(x).square().mean()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    ours = {k: p.grad.clone() for k, p in m.named_parameters()}
+    m.zero_grad()
+    want = m(x).square().mean()
+    want.backward(retain_graph=True)
+    want.backward()
+    for k, p in m.named_parameters():
+        torch.testing.assert_close(ours[k], p.grad, rtol=1e-10, atol=1e-12, msg=k)

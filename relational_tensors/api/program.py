@@ -87,7 +87,7 @@ class Program:
         self._weights_version = 0  # bumped when the weights are read again
         self._loaded_version: dict[tuple[str, ...], int] = {}  # training program -> weights version loaded
         self._calls = 0  # differentiable calls so far
-        self._latest: dict[tuple[str, ...], int] = {}  # training program -> the call its first phase holds
+        self._latest: dict[tuple[str, ...], int | None] = {}  # training program -> the call its first phase holds
         self._parameters_loaded = False
         self._partial_loads = True  # whether the executor keeps inputs that a load does not name
         self._state = self._module_state()
@@ -307,6 +307,9 @@ class Program:
                                  else torch_to_numpy(torch.zeros(t.shape, dtype=getattr(torch, t.dtype))))
         compiled.load(feeds)
         compiled.execute(phase=1)
+        # the second phase consumed what the first left on the devices: another backward of this call
+        # (retain_graph=True) runs the forward phase again, with the same inputs and random draws
+        self._latest[wrt] = None
         return [numpy_to_torch(compiled.offload(f"grad.{w}")) for w in wrt]
 
     def __repr__(self) -> str:
