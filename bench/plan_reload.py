@@ -1,4 +1,4 @@
-"""Planning against reloading a saved plan (``cg.save``, ``rt.load_plan``), side by side in one process.
+"""Planning against reloading a saved plan (``rt.save_plan``, ``rt.load_plan``), side by side in one process.
 
 For each workload: ``compileGraph`` and ``load_plan`` of the plan it saved, each 2 warm-ups and 10 timed
 rounds (wall clock, in-process, warm caches), medians reported, and the reloaded plan's output checked

@@ -11,6 +11,7 @@ object whose first element names what it is.
   ``["D", k, v, k, v, ...]``: a dict (keys of any encodable kind).
 - ``["p", "module:Class", v, ...]``: an instance whose slots (in their order) all hold integers,
   strings or tuples of them (boxes, intervals), each tuple written as an array;
+- ``["q", "module:Class", v, ...]``: an instance with slots only, every one set, its values in slot order;
 - ``["O", "module:Class", state, slots]``: an instance of a class of this package (``state``: a JSON
   object of its ``__dict__``; ``slots``: the names and values of its slots), rebuilt without calling its
   constructor (``object.__new__``, then its attributes set); ``["R", n]``: the ``n``-th object or
@@ -154,11 +155,14 @@ class _Encoder:
             raise PlanError(f"a plan holding a {cls.__module__}.{cls.__qualname__} cannot be saved; a plan file "
                             "stores the package's own classes, containers and arrays.")
         has_dict, slot_names = _layout(cls)
-        if not has_dict and slot_names is not None:  # slots of integers, strings and tuples of them: one array
+        if not has_dict and slot_names is not None:
             values = [getattr(v, s, _PENDING) for s in slot_names]
+            name = f"{cls.__module__}:{cls.__qualname__}"
             if all(type(x) in _PLAIN or type(x) is tuple and all(type(y) in _PLAIN for y in x) for x in values):
-                return ["p", f"{cls.__module__}:{cls.__qualname__}", *[list(x) if type(x) is tuple else x
-                                                                        for x in values]]
+                # slots of integers, strings and tuples of them (boxes, intervals): one array
+                return ["p", name, *[list(x) if type(x) is tuple else x for x in values]]
+            if _PENDING not in values:  # every slot set: the values in slot order
+                return ["q", name, *[self.value(x) for x in values]]
         state = {k: self.value(x) for k, x in vars(v).items()} if has_dict else None
         slots = None
         if slot_names is not None:
@@ -228,37 +232,65 @@ class _Decoder:
         slot = len(memo)
         memo.append(_PENDING)
         out: Any
-        if tag == "p":
+        if tag == "q":
+            cls = _class(v[1] if len(v) > 1 else None)
+            names = _slot_names(cls)
+            if len(v) - 2 != len(names) or _layout(cls)[0]:
+                raise PlanError(f"holds a {v[1]} with slots it does not have")
+            out = object.__new__(cls)
+            memo[slot] = out
+            put, inline = object.__setattr__, self.inline
+            for name, x in zip(names, itertools.islice(v, 2, None)):
+                put(out, name, inline(x))
+        elif tag == "p":
             out = self._plain_object(v)
         elif tag == "t" or tag == "l":
             items = v[1] if len(v) == 2 else None
-            if type(items) is not list or any(type(x) not in _PLAIN for x in items):
+            if type(items) is not list:
                 raise PlanError("holds a plain sequence that is not one")
             out = tuple(items) if tag == "t" else items
         elif tag == "T" or tag == "Z":
-            items = [self.value(x) for x in itertools.islice(v, 1, None)]
+            inline = self.inline
+            items = [inline(x) for x in itertools.islice(v, 1, None)]
             out = tuple(items) if tag == "T" else frozenset(items)
         elif tag == "O":
             out = self._object(v, slot)
         elif tag == "L" or tag == "S":
             out = [] if tag == "L" else set()
             memo[slot] = out
-            add = out.append if tag == "L" else out.add
+            add, inline = (out.append if tag == "L" else out.add), self.inline
             for x in itertools.islice(v, 1, None):
-                add(self.value(x))
+                add(inline(x))
         elif tag == "D":
             out = {}
             memo[slot] = out
             if len(v) % 2 == 0:
                 raise PlanError("holds a dict with a key and no value")
+            inline = self.inline
             for k in range(1, len(v), 2):
-                key = self.value(v[k])
-                out[key] = self.value(v[k + 1])
+                key = inline(v[k])
+                out[key] = inline(v[k + 1])
         else:
             memo.pop()
             return self._rare(v, tag, slot)
         memo[slot] = out
         return out
+
+    def inline(self, x: Any) -> Any:
+        """``value(x)``, with the commonest cases (a scalar, a reference, a plain tuple) done here."""
+        kind = type(x)
+        if kind is not list:
+            return x if kind in _SCALARS else self.value(x)
+        head = x[0] if x else None
+        if head == "R" and len(x) == 2 and type(x[1]) is int and 0 <= x[1] < len(self.memo):
+            found = self.memo[x[1]]
+            if found is not _PENDING:
+                return found
+        elif head == "t" and len(x) == 2 and type(x[1]) is list:
+            found = tuple(x[1])
+            self.memo.append(found)
+            return found
+        return self.value(x)
 
     def _plain_object(self, v: list) -> Any:
         cls = _class(v[1] if len(v) > 1 else None)
@@ -266,14 +298,9 @@ class _Decoder:
         if _layout(cls)[0] or len(v) - 2 != len(names):
             raise PlanError(f"holds a {v[1]} with slots it does not have")
         out: Any = object.__new__(cls)
+        put = object.__setattr__
         for name, x in zip(names, itertools.islice(v, 2, None)):
-            if type(x) is list:
-                if any(type(y) not in _PLAIN for y in x):
-                    raise PlanError(f"holds a {v[1]} whose {name} is not plain")
-                x = tuple(x)
-            elif type(x) not in _PLAIN:
-                raise PlanError(f"holds a {v[1]} whose {name} is not plain")
-            object.__setattr__(out, name, x)
+            put(out, name, tuple(x) if type(x) is list else x)
         return out
 
     def _object(self, v: list, slot: int) -> Any:
@@ -286,7 +313,8 @@ class _Decoder:
         if state is not None:
             if type(state) is not dict or not hasattr(out, "__dict__"):
                 raise PlanError(f"holds a {v[1]} with attributes it cannot take")
-            out.__dict__.update({k: self.value(x) for k, x in state.items()})
+            inline = self.inline
+            out.__dict__.update({k: inline(x) for k, x in state.items()})
         if slots is not None:
             if type(slots) is not list or len(slots) != 2:
                 raise PlanError(f"holds a {v[1]} with slots written as {slots!r}")
