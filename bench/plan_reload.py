@@ -18,7 +18,10 @@ from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
-from common import write_table  # bench/common.py
+import datetime
+import platform
+
+from common import _cpu_model, _git, write_table  # bench/common.py
 
 import relational_tensors as rt
 from relational_tensors.graph.models import LLAMA3_8B, llama_block, llama_training_graph
@@ -67,7 +70,9 @@ def main() -> None:
         rows.append(dict(workload=name, plan_s=plan_s, load_s=load_s, ratio=load_s / plan_s,
                          file_mb=path.stat().st_size / 1e6, bit_identical=same))
         print(rows[-1], flush=True)
-    lines = ["| workload | planning (s) | reload (s) | reload / planning | file (MB) | output bit-identical |",
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    lines = [f"`python bench/plan_reload.py` — commit {_git()}, {date}, {_cpu_model()} ({platform.node()})", "",
+             "| workload | planning (s) | reload (s) | reload / planning | file (MB) | output bit-identical |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         identical = "-" if r["bit_identical"] is None else "yes" if r["bit_identical"] else "NO"
