@@ -10,6 +10,8 @@ bit for bit against the original's where it runs here (CPU virtual devices).
 from __future__ import annotations
 
 import argparse
+import datetime
+import platform
 import statistics
 import tempfile
 import time
@@ -18,9 +20,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
-import datetime
-import platform
-
 from common import _cpu_model, _git, write_table  # bench/common.py
 
 import relational_tensors as rt
