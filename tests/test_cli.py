@@ -175,6 +175,12 @@ def test_plan_with_a_hand_plan_constraints_and_a_saved_plan(models: Path, tmp_pa
     assert r.returncode == 2 and "invalid choice" in r.stderr
 
 
+def test_two_constraints_on_one_tensor_are_refused_naming_both(models: Path) -> None:
+    r = run_cli("plan", models / "mlp.py", "--devices", "cpu:4", "--constraint", "x=R", "--constraint", "x=S(0)")
+    one_line_error(r, "--constraint x=R", "--constraint x=S(0)")
+    ok(run_cli("plan", models / "mlp.py", "--devices", "cpu:4", "--constraint", "x=R", "--constraint", "x=R", "-q"))
+
+
 def test_module_level_graph_with_a_memory_limit(models: Path) -> None:
     out = ok(run_cli("plan", models / "small.py", "--devices", "cpu:2", "--memory-per-device", "1MiB", "--quiet"))
     assert " r " in out and "predicted_s" in out
@@ -259,6 +265,16 @@ def test_sql_queries_a_catalog_written_by_plan(catalog: Path) -> None:
 def test_sql_errors(catalog: Path, tmp_path: Path) -> None:
     one_line_error(run_cli("sql", catalog, "SELEC nonsense"), "syntax error")
     one_line_error(run_cli("sql", tmp_path / "none.duckdb", "SELECT 1"), "no catalog file")
+
+
+@pytest.mark.parametrize("command", [("sql", "SELECT count(*) FROM compilations"), ("query", "plan_cost")])
+def test_a_truncated_catalog_is_refused_naming_the_file(catalog: Path, tmp_path: Path,
+                                                        command: tuple[str, str]) -> None:
+    cut = tmp_path / "cut.duckdb"
+    data = catalog.read_bytes()
+    cut.write_bytes(data[:len(data) // 2])
+    one_line_error(run_cli(command[0], cut, command[1]), "truncated or damaged", str(cut))
+    assert cut.read_bytes() == data[:len(data) // 2]
 
 
 def test_sql_runs_a_script_of_multi_line_statements_from_stdin_a_file_or_the_argument(catalog: Path,

@@ -151,3 +151,35 @@ def test_bad_layouts_are_refused_with_the_rule() -> None:
                          ("S(x)", "R, S")]:
         with pytest.raises(rt.GraphError, match=match):
             rt.compileGraph(BLOCK, device="cpu:4", constraints={x: value})
+
+
+def _mm() -> rt.Graph:
+    g = rt.Graph()
+    x, w = g.input("x", [10, 6]), g.parameter("w", [6, 5])
+    g.save(g.matmul(x, w), name="y")
+    return g
+
+
+@pytest.mark.parametrize("value, match", [("i=2,i=2", "names 'i' twice"), ("i=2,i=1", "names 'i' twice"),
+                                          ("i=²", "idx=n"), ("i=٣", "idx=n"), ("i=２", "idx=n")])
+def test_a_split_names_each_index_once_in_ascii_digits(value: str, match: str) -> None:
+    g = _mm()
+    with pytest.raises(rt.GraphError, match=match):
+        rt.compileGraph(g, device="cpu:4", constraints={g.operators[0].name: value})
+
+
+@pytest.mark.parametrize("value, match", [("d0=2,d0=2", "dimension 0 \\(d0\\) twice"),
+                                          ("d0=2,0=2", "dimension 0 \\(d0\\) twice"),
+                                          ("d1=2,-1=3", "dimension 1 \\(d1\\) twice"),
+                                          ("d0=²", "R, S"), ("²=2", "R, S"), ("S(²)", "R, S")])
+def test_a_layout_names_each_dimension_once_in_ascii_digits(value: str, match: str) -> None:
+    with pytest.raises(rt.GraphError, match=match):
+        rt.compileGraph(_mm(), device="cpu:4", constraints={"x": value})
+
+
+def test_two_constraints_on_one_node_are_refused_naming_both() -> None:
+    from relational_tensors.dp_optimizer.constraints import parse_constraints
+
+    g = _mm()
+    with pytest.raises(rt.GraphError, match="'x' got two, 'R' and 'S\\(0\\)'"):
+        parse_constraints(g.nodes, [("x", "R"), ("x", "S(0)")], 4)

@@ -354,3 +354,28 @@ def test_backward_twice_with_retain_graph_accumulates_as_torch() -> None:
     want.backward()
     for k, p in m.named_parameters():
         torch.testing.assert_close(ours[k], p.grad, rtol=1e-10, atol=1e-12, msg=k)
+
+
+def test_a_second_derivative_is_refused_and_create_graph_alone_keeps_first_gradients() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    pm = rt.parallelize(m, (x,), device="cpu:2")
+    w = m[0].weight
+    d, dx = torch.autograd.grad(pm(x).square().mean(), [w, x], create_graph=True)
+    want_d, want_dx = torch.autograd.grad(m(x).square().mean(), [w, x])
+    torch.testing.assert_close(d.detach(), want_d, rtol=1e-10, atol=1e-12)  # the first derivative is torch's
+    torch.testing.assert_close(dx.detach(), want_dx, rtol=1e-10, atol=1e-12)
+    for grad in (d, dx):  # differentiating it again is refused, never a silent zero
+        with pytest.raises(rt.ExecError, match="double backward .* not supported.*with the torch module itself"):
+            torch.autograd.grad(grad.pow(2).sum(), [w])
+    # a linear loss (whose incoming gradient needs none) still reaches the refusal through the parameters
+    (d,) = torch.autograd.grad(pm(x).sum(), [w], create_graph=True)
+    with pytest.raises(rt.ExecError, match="double backward"):
+        torch.autograd.grad(d.pow(2).sum(), [w])
+    # backward(create_graph=True) fills .grad as torch does
+    m.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns of the parameter-gradient reference cycle
+        pm(x).square().mean().backward(create_graph=True)
+    torch.testing.assert_close(w.grad.detach(), want_d, rtol=1e-10, atol=1e-12)

@@ -97,3 +97,23 @@ def test_a_plan_for_another_graph_or_a_damaged_file_is_refused(tmp_path: Path) -
         rt.load_plan(path, "g")  # type: ignore[arg-type]
     with pytest.raises(rt.PlanError, match="cannot write"):
         rt.save_plan(rt.compileGraph(g, device="cpu:2"), tmp_path / "no" / "such" / "dir.plan")
+
+
+def test_a_header_nested_too_deep_or_a_catalog_that_is_no_path_is_refused(tmp_path: Path) -> None:
+    from relational_tensors.driver.plan_file import MAGIC
+
+    g = rt.Graph()
+    x, w = g.input("x", [10, 6]), g.parameter("w", [6, 5])
+    g.save(g.matmul(x, w), name="y")
+    path = tmp_path / "mm.plan"
+    rt.save_plan(rt.compileGraph(g, device="cpu:3"), path)
+    data = path.read_bytes()
+    body = data[data.index(b"\n", len(MAGIC)) + 1:]
+    (tmp_path / "deep.plan").write_bytes(MAGIC + b"[" * 100_000 + b"]" * 100_000 + b"\n" + body)
+    with pytest.raises(rt.PlanError, match="damaged header"):
+        rt.load_plan(tmp_path / "deep.plan", g)
+    for catalog in (3, 2.5, b"c.duckdb", "", ["c.duckdb"]):
+        with pytest.raises(rt.CatalogError, match="catalog is a Catalog, the path of a DuckDB file"):
+            rt.load_plan(path, g, catalog=catalog)  # type: ignore[arg-type]
+    again = rt.load_plan(path, g, catalog=tmp_path / "c.duckdb")  # a path or None still loads
+    assert again.plan.choice == rt.load_plan(path, g).plan.choice

@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from relational_tensors.api.device_io import output, stage
 from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.errors import ExecError
 from relational_tensors.frontend.torch.convert import _torch, _torch_dtype, numpy_to_torch, torch_to_numpy
@@ -190,6 +191,8 @@ class Program:
         if self.graph.rng_input is not None:  # train-mode dropout and other draws: a new state per call
             user[self.graph.rng_input] = draw_rng()
         if self._parameters_loaded and self._partial_loads:
+            if stage(self.compiled, user):  # CUDA tensors on GPUs: no host wait
+                return
             try:
                 self.compiled.load(user)
                 return
@@ -204,12 +207,8 @@ class Program:
     def _offload(self, name: str, compiled: Any = None) -> Any:
         """Saved output ``name`` of ``compiled`` (default: the forward program) as a torch tensor."""
         compiled = compiled or self.compiled
-        if compiled.devices.kind == "cuda":
-            out = numpy_to_torch(compiled.offload(name, like="cupy"))  # DLPack: stays on the GPU
-            node = compiled.graph.nodes[compiled.graph.outputs[name]]
-            if node.type.dtype == "bfloat16" and out.dtype != _torch().bfloat16:  # CuPy holds bfloat16 as bits
-                out = out.view(_torch().bfloat16)
-            return out
+        if compiled.devices.kind == "cuda" and hasattr(compiled.executor, "offload_into"):
+            return output(compiled, name)  # a torch CUDA tensor, filled on the launch stream
         return numpy_to_torch(compiled.offload(name))
 
     def _run_forward(self, inputs: tuple[Any, ...]) -> dict[str, Any]:
@@ -288,7 +287,8 @@ class Program:
         if self._loaded_version.get(wrt) != self._weights_version:
             feeds = {**g.parameters, **feeds}
             self._loaded_version[wrt] = self._weights_version
-        compiled.load(feeds)
+        if not stage(compiled, feeds):
+            compiled.load(feeds)
         compiled.execute(phase=0)
         return {name: self._offload(name, compiled) for kind, name in g.output_leaves if kind == "saved"}
 
@@ -305,12 +305,13 @@ class Program:
             t = g.nodes[g.outputs[n]].type
             feeds[f"cot.{n}"] = (self._feed(c.detach().contiguous(), compiled) if c is not None
                                  else torch_to_numpy(torch.zeros(t.shape, dtype=getattr(torch, t.dtype))))
-        compiled.load(feeds)
+        if not stage(compiled, feeds):
+            compiled.load(feeds)
         compiled.execute(phase=1)
         # the second phase consumed what the first left on the devices: another backward of this call
         # (retain_graph=True) runs the forward phase again, with the same inputs and random draws
         self._latest[wrt] = None
-        return [numpy_to_torch(compiled.offload(f"grad.{w}")) for w in wrt]
+        return [self._offload(f"grad.{w}", compiled) for w in wrt]
 
     def __repr__(self) -> str:
         ops = len(self.graph.operators)
@@ -367,8 +368,41 @@ def _function() -> Any:
                     d = d.to(device=params[p].device, dtype=params[p].dtype)
                     total = d if total is None else total + d
                 param_grads.append(total)
+            if torch.is_grad_enabled():  # backward(create_graph=True): these gradients may be differentiated
+                deps = (*(g for g in grads if g is not None and g.requires_grad),
+                        *(params[p] for p in ctx.params if params[p].requires_grad))
+                in_grads = [_once_differentiable().apply(g, *deps) if g is not None else None for g in in_grads]
+                param_grads = [_once_differentiable().apply(g, *deps) if g is not None else None for g in param_grads]
             return (None, None, None, *in_grads, *param_grads)
 
     return Differentiable
+
+
+@functools.cache
+def _once_differentiable() -> Any:
+    """An identity on a gradient whose own backward refuses: what a program's backward returns under
+    ``create_graph=True``, so that differentiating its gradients again is a typed error, not a silent zero.
+
+    Like torch's ``once_differentiable``, which raises a RuntimeError instead.  The program's backward runs on
+    NumPy values, so its gradients carry no graph; ``deps`` (the incoming gradients and the parameters that
+    require one) make the result part of the graph, so any path through it reaches the refusal."""
+    torch = _torch()
+    base: Any = torch.autograd.Function
+
+    class SecondDerivative(base):  # type: ignore[misc, valid-type]
+        @staticmethod
+        def forward(ctx: Any, grad: Any, *deps: Any) -> Any:
+            return grad.clone()
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            raise ExecError(
+                "rt.parallelize differentiates its module once: double backward (a second derivative, a "
+                "gradient penalty, a Hessian-vector product) is not supported; got a backward through the "
+                "gradients of a parallelized module, taken with create_graph=True. Take the second derivative "
+                "with the torch module itself (torch.autograd.grad(..., create_graph=True) on the module, not "
+                "on rt.parallelize's wrapper), or drop create_graph=True.")
+
+    return SecondDerivative
 
 

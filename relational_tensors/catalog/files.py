@@ -16,7 +16,9 @@ The rules, so that nothing the user stored is lost:
 from __future__ import annotations
 
 import datetime
+import os
 import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,6 +102,52 @@ def split_statements(script: str) -> list[tuple[str, str]]:
     return out
 
 
+# DuckDB's file layout (storage/single_file_block_manager.cpp): a main header (checksum, b"DUCK", version,
+# flags) and two database headers, FILE_HEADER bytes each, then the blocks.  The database header with the
+# higher iteration is the live one; after its checksum it holds iteration, meta_block, free_list,
+# block_count and block_alloc_size (0 in old files: the default), all little-endian uint64.
+_FILE_HEADER = 4096
+_BLOCKS_START = 3 * _FILE_HEADER
+_DEFAULT_BLOCK = 262144
+
+
+def _promised_bytes(path: str) -> int | None:
+    """The length the live database header of the DuckDB file ``path`` promises (its blocks' end), or
+    None where the file is not one this check reads (too short, no magic, encrypted, an odd header)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_BLOCKS_START)
+    except OSError:
+        return None
+    if len(head) < _BLOCKS_START or head[8:12] != b"DUCK" or struct.unpack_from("<Q", head, 20)[0] != 0:
+        return None  # flags[0] != 0: an encrypted file, whose database headers are not plain text
+    _, _, _, block_count, block_size = max(struct.unpack_from("<5Q", head, at + 8)
+                                                   for at in (_FILE_HEADER, 2 * _FILE_HEADER))
+    block_size = block_size or _DEFAULT_BLOCK
+    if block_size & (block_size - 1) or not 4096 <= block_size <= 1 << 30 or block_count >= 1 << 40:
+        return None
+    return _BLOCKS_START + block_count * block_size
+
+
+def _check_complete(con: duckdb.DuckDBPyConnection, path: str, promised: int, size: int) -> None:
+    """Refuse a file cut short: one shorter than its header promises is read whole, table by table.
+
+    A checkpoint may free the blocks at the end of the file and truncate it after writing the header,
+    so a shorter file is not damaged by itself; it is when a block a table still uses lies past its
+    end, which DuckDB finds only when a query reads it (an open and a count(*) succeed)."""
+    try:
+        tables = con.execute("SELECT schema_name, table_name FROM duckdb_tables() "
+                             "WHERE database_name = current_database() AND NOT internal").fetchall()
+        for schema, table in tables:
+            con.execute(f'SELECT max(hash(t)) FROM "{schema}"."{table}" AS t').fetchall()  # every column read
+    except duckdb.Error as e:
+        raise CatalogError(
+            f"the catalog file {path!r} is truncated or damaged: its header promises {promised} bytes, the file "
+            f"has {size}, and reading it failed ({_first_line(e)}); got a file cut short (a copy or download "
+            "that stopped early, a full disk). Nothing was changed. Restore it from a backup or copy it again, "
+            "or compile into a new file.") from None
+
+
 def connect(path: str, read_only: bool, sandboxed: bool = False) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection to the catalog file ``path`` (``sandboxed``: see ``SANDBOX``), or a
     ``CatalogError`` that says why not and what to do."""
@@ -114,8 +162,9 @@ def connect(path: str, read_only: bool, sandboxed: bool = False) -> duckdb.DuckD
     if not read_only and not p.parent.is_dir():
         raise CatalogError(f"cannot create the catalog file {path!r}: its folder {str(p.parent)!r} does not exist. "
                            "Create the folder, or give a path in an existing one.")
+    promised = _promised_bytes(path) if p.is_file() else None
     try:
-        return duckdb.connect(path, read_only=read_only, config=dict(SANDBOX) if sandboxed else {})
+        con = duckdb.connect(path, read_only=read_only, config=dict(SANDBOX) if sandboxed else {})
     except duckdb.Error as e:
         text = str(e)
         if "Could not set lock" in text or "Conflicting lock" in text:
@@ -136,8 +185,21 @@ def connect(path: str, read_only: bool, sandboxed: bool = False) -> duckdb.DuckD
             raise CatalogError(
                 f"{path!r} is not a DuckDB database file; got a file that DuckDB cannot read as one. Nothing was "
                 "changed. Give the path of a catalog (or of a new file to write one).") from None
+        if "Could not read enough bytes" in text or "Corrupt database file" in text:
+            raise CatalogError(
+                f"the catalog file {path!r} is truncated or damaged: DuckDB cannot read it ({_first_line(e)}); got "
+                "a file cut short or changed on disk. Nothing was changed. Restore it from a backup or copy it "
+                "again, or compile into a new file.") from None
         raise CatalogError(f"cannot open the catalog {path!r} {mode}: {_first_line(e)}. Check the path and its "
                            f"permissions, or give another file.") from None
+    size = os.path.getsize(path) if promised is not None else 0
+    if promised is not None and size < promised:
+        try:
+            _check_complete(con, path, promised, size)
+        except BaseException:
+            con.close()
+            raise
+    return con
 
 
 @dataclass

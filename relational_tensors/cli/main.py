@@ -127,12 +127,17 @@ def _compile(args: argparse.Namespace, ui: Ui, graph: Any) -> Any:
     if args.hand_plan:
         p = Target.resolve(device, args.topology_value, args.calibration).p
         constraints.update(PLANS[args.hand_plan](graph, p))
+    given: dict[str, str] = {}
     for text in args.constraint:
         target, sep, value = text.partition("=")
         if not sep or not target or not value:
             raise CommandError(f"--constraint is NAME=VALUE (an operator's split or an input's layout, e.g. "
                                f"attention=heads_kv=8 or x=S(0)); got {text!r}.")
-        constraints[target] = value
+        if target in given and given[target] != value:
+            raise CommandError(f"each --constraint names a different operator or tensor; {target!r} got two, "
+                               f"--constraint {target}={given[target]} and --constraint {text}; keep one.")
+        given[target] = value
+    constraints.update(given)  # after --plan: a --constraint overrides the hand plan's choice for its target
     with ui.compiling(f"planning {len(graph.operators)} operators for {device or 'every GPU'}"):
         cg = compileGraph(graph, device=device, selector=args.selector, seed=args.seed,
                              cost_model=args.cost_model, memory_per_device=args.memory_per_device,

@@ -41,7 +41,10 @@ __all__ = ["Constraints", "Held", "parse_constraints", "parse_layout", "layout_k
 
 Held = tuple[tuple[Box, int], ...]  # (block, device) of each copy a pinned tensor is held in
 
-_SHARD = re.compile(r"^S\((-?\d+)\)$")
+# ASCII digits only: str.isdigit() takes "²" and "٣", which int() then refuses or reads as 3
+_COUNT = re.compile(r"[0-9]+")
+_POSITION = re.compile(r"-?[0-9]+")
+_SHARD = re.compile(r"^S\((-?[0-9]+)\)$")
 _PARTIAL = re.compile(r"^P\((\w*)\)$")
 
 
@@ -81,12 +84,18 @@ def parse_layout(name: str, t: TensorType, value: str, p: int) -> Held:
         d %= t.rank
         counts[d] = min(p, t.shape[d])
     else:
+        named: dict[int, str] = {}
         for part in text.split(","):
             key, sep, count = part.partition("=")
-            dim = t.names.index(key) if key in t.names else int(key) if key.lstrip("-").isdigit() else None
-            if not sep or dim is None or not -t.rank <= dim < t.rank or not count.isdigit() or int(count) < 1:
+            dim = t.names.index(key) if key in t.names else int(key) if _POSITION.fullmatch(key) else None
+            if not sep or dim is None or not -t.rank <= dim < t.rank or not _COUNT.fullmatch(count) or int(count) < 1:
                 raise GraphError(f"a layout of {name!r} is R, S(d) or dim=n,...; got {value!r}; {hint}.")
-            counts[dim % t.rank] = int(count)
+            dim %= t.rank
+            if dim in named:
+                raise GraphError(f"a layout of {name!r} gives each dimension one count; got {value!r}, which names "
+                                 f"dimension {dim} ({t.names[dim]}) twice ({named[dim]} and {part}); keep one.")
+            named[dim] = part
+            counts[dim] = int(count)
     blocks = 1
     for c in counts:
         blocks *= c
@@ -110,7 +119,12 @@ def parse_constraints(nodes: Sequence, pairs: Sequence[tuple[str, str]], p: int)
     layout for a graph input, parameter or state."""
     out = Constraints()
     by_name = {n.name: n for n in nodes}
+    seen: dict[str, str] = {}
     for target, value in pairs:
+        if target in seen:
+            raise GraphError(f"a node takes one constraint; {target!r} got two, {seen[target]!r} and {value!r}; "
+                             f"keep the one you mean.")
+        seen[target] = value
         node = by_name.get(target)
         if node is None:
             ops = [n.name for n in nodes if n.op is not None][:6]
@@ -125,9 +139,12 @@ def parse_constraints(nodes: Sequence, pairs: Sequence[tuple[str, str]], p: int)
         want: dict[str, int] = {}
         for part in str(value).replace(" ", "").split(","):
             key, sep, count = part.partition("=")
-            if not sep or key not in indices or not count.isdigit() or int(count) < 1:
+            if not sep or key not in indices or not _COUNT.fullmatch(count) or int(count) < 1:
                 raise GraphError(f"a constraint on {target!r} is idx=n,... over its shardable indices "
                                  f"({', '.join(f'{k}={v}' for k, v in indices.items()) or 'none'}); got {value!r}.")
+            if key in want:
+                raise GraphError(f"a constraint on {target!r} gives each index one count; got {value!r}, which "
+                                 f"names {key!r} twice; keep one.")
             want[key] = int(count)
         out.splits[node.id] = want
         out.kinds[target] = "split"

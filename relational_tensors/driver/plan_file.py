@@ -161,7 +161,7 @@ def _header(data: bytes, where: str) -> tuple[dict[str, Any], int]:
     end = data.find(b"\n", len(MAGIC))
     try:
         header = json.loads(data[len(MAGIC):end if end >= 0 else len(data)])
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: brackets nested deeper than json decodes
         raise PlanError(f"the plan file {where} has a damaged header; save the plan again.") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         found = header.get("format") if isinstance(header, dict) else "?"
@@ -185,6 +185,11 @@ def loads(data: bytes, graph: Graph, catalog: str | Path | Catalog | None = None
 
     if not isinstance(graph, Graph):
         raise GraphError(f"load_plan needs the rt.Graph the plan was made for; got {type(graph).__name__}.")
+    if catalog is not None and not isinstance(catalog, Catalog) and not (
+            isinstance(catalog, (str, os.PathLike)) and isinstance(os.fspath(catalog), str) and os.fspath(catalog)):
+        raise CatalogError(f"load_plan's catalog is a Catalog, the path of a DuckDB file (str or pathlib.Path), or "
+                           f"None for one in memory; got {type(catalog).__name__} {catalog!r}. Give a path such as "
+                           "'plans.duckdb', or leave it out.")
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise PlanError(f"a plan is read from bytes (a plan file's content); got {type(data).__name__}.")
     data = bytes(data)

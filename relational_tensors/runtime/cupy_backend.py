@@ -17,7 +17,10 @@
   (``memory_plan.sibling_tasks``; off with ``siblings=False`` or ``RELATIONAL_TENSORS_SIBLINGS=0``);
 * the first execute() runs eagerly (it compiles the Triton kernels); the
   second captures the whole DAG into one CUDA graph, and every later execute()
-  is a graph launch.
+  is a graph launch;
+* ``stage`` (``cupy_staging``) takes the inputs that change every run on the
+  launch stream without the host waiting; inputs held in several blocks are
+  copied whole into a fixed buffer, and the graph's first tasks copy the blocks.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from relational_tensors.physical.tasks import (
     phase_range,
     phase_ready,
 )
+from relational_tensors.runtime.cupy_staging import Staging, _as_device_array
 from relational_tensors.runtime.fusion import env_switch, fusion_enabled
 from relational_tensors.runtime.memory_plan import (
     ALIGN,
@@ -64,7 +68,7 @@ SIBLINGS_ENV = "RELATIONAL_TENSORS_SIBLINGS"  # "0": every task runs its own ker
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction (and the GPUs) from the unified addresses
 
 
-class CupyExecutor:
+class CupyExecutor(Staging):
     """Runs one TaskDAG on GPUs; ``load`` once, ``execute`` many times (a CUDA graph after the first)."""
 
     def __init__(self, dag: TaskDAG, live: Liveness, devices: DeviceSet,
@@ -118,6 +122,14 @@ class CupyExecutor:
         self.ready = phase_ready(dag)
         self.held = False  # what a first phase left for the second is on the devices
         self.graph_exec: Any = None
+        # inputs staged by stage(): per input, a whole copy on each GPU that holds a block of it, which the
+        # program's first tasks (captured with it) copy into the blocks; and the id checks in flight
+        self.staged: dict[str, dict[int, Any]] = {}
+        self._eager_once = False  # run once eagerly before the next capture (new kernels, new staging)
+        self._id_rules: dict[str, list[tuple[str, int, int | None]]] = {}
+        self._checks: list[tuple[Any, Any, str, str, int, int | None]] = []
+        self._pinned: list[Any] = []
+        self._inflight: list[tuple[Any, list[Any]]] = []  # (copies read, the arrays they read)
         # a kernel task serves an operator node: its op and the node's operator are set
         self.capturable = not any(t.kind == "kernel"
                                   and (allocates(cast(Operator, dag.nodes[cast(int, t.op)].op))
@@ -335,6 +347,10 @@ class CupyExecutor:
         # what the first phase made
         self.done = min(self.done, self.split if set(checked) <= self.dag.later else 0)
         self.held = self.held and set(checked) <= self.dag.later
+        if set(checked) & set(self.staged):  # written to the blocks below: the staged copy is stale
+            for name in set(checked) & set(self.staged):
+                del self.staged[name]
+            self.graph_exec, self._eager_once = None, True
         for name, (on_device, whole) in checked.items():
             t = names[name].type
             if name in pieced:
@@ -455,6 +471,7 @@ class CupyExecutor:
     def synchronize(self) -> None:
         for s in self.streams:
             s.synchronize()
+        self._check_pending(wait=True)
 
     @property
     def fresh(self) -> bool:
@@ -483,7 +500,7 @@ class CupyExecutor:
         if self.graph_exec is not None:
             self._barrier(into=[0])
             self.graph_exec.launch(self.streams[0])
-        elif self.runs >= 1 and self.capturable:
+        elif self.runs >= 1 and self.capturable and not self._eager_once:
             try:
                 self._capture()
             except ExecError:
@@ -494,6 +511,7 @@ class CupyExecutor:
         else:
             self._barrier(into=range(len(self.streams)))
             self._issue_all()
+            self._eager_once = False
         self.runs += 1
         self.done = len(self.dag.tasks)
 
@@ -596,6 +614,7 @@ class CupyExecutor:
         waits, and records the events of all its members."""
         cp = self.cp
         fusion = self.fusion
+        self._prologue(lo, hi)
         for t in self.dag.tasks[lo:hi]:
             if t.kind == "load" or not self._mine(t):
                 continue
@@ -733,17 +752,3 @@ def _device_coerce(cp: Any, name: str, arr: Any, dtype: str, original: Any) -> A
     if not want_int:
         refuse_overflow(name, arr, out, dtype, cp)
     return out
-
-
-def _as_device_array(cp: Any, value: Any) -> Any:
-    """A CuPy view of a device array (CuPy, or anything with __dlpack__ on a GPU), else None."""
-    if isinstance(value, cp.ndarray):
-        return value
-    if hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray):
-        device = getattr(value, "__dlpack_device__", lambda: (1, 0))()
-        if device[0] != 2:  # kDLCUDA
-            return None
-        if str(getattr(value, "dtype", "")).endswith("bfloat16"):
-            value = value.view(__import__("torch").int16)  # CuPy has no bfloat16: move the bits
-        return cp.from_dlpack(value)
-    return None

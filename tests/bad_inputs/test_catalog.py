@@ -152,6 +152,36 @@ def test_files_that_are_not_catalogs(tmp_path: Path) -> None:
         Catalog(read_only=True)
 
 
+def _cut_catalog(tmp_path: Path) -> tuple[Path, bytes]:
+    path = tmp_path / "cut.duckdb"
+    rt.compileGraph(small_graph(), device="cpu:2", catalog=path).catalog.close()
+    data = path.read_bytes()[:path.stat().st_size // 2]
+    path.write_bytes(data)
+    return path, data
+
+
+def test_a_truncated_catalog_is_refused_naming_the_file_and_left_as_it_was(tmp_path: Path) -> None:
+    path, data = _cut_catalog(tmp_path)
+    for open_it in (lambda: Catalog(path, read_only=True), lambda: Catalog(path),
+                    lambda: rt.compileGraph(small_graph(), device="cpu:2", catalog=path)):
+        with pytest.raises(CatalogError, match="truncated or damaged") as e:
+            open_it()
+        assert repr(str(path)) in str(e.value) and "header promises" in str(e.value)
+        assert path.read_bytes() == data
+
+
+def test_a_file_shorter_than_its_header_whose_tail_blocks_are_free_opens(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # a checkpoint truncates the free blocks at a file's end after writing the header that still counts them
+    from relational_tensors.catalog import files
+
+    path = tmp_path / "plans.duckdb"
+    rt.compileGraph(small_graph(), device="cpu:2", catalog=path).catalog.close()
+    monkeypatch.setattr(files, "_promised_bytes", lambda p: path.stat().st_size + 262144)
+    with Catalog(path, read_only=True) as cat:
+        assert cat.sql("SELECT count(*) AS n FROM compilations").column("n").to_pylist() == [1]
+
+
 # --- 3. reads do not write; writes migrate ----------------------------------------------------------
 
 
