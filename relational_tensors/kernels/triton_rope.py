@@ -16,23 +16,30 @@ BLOCK_S = 32  # (batch, position) rows per program; the angles of a row serve al
 
 
 @triton.jit
-def _rope_kernel(x_ptr, out_ptr, start_ptr, n_pos, seq, heads, half, s_offset, log2_base, heads_per,
-                 BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, INVERSE: tl.constexpr, ACC: tl.constexpr):
+def _rope_kernel(x_ptr, out_ptr, start_ptr, inv_ptr, n_pos, seq, heads, half, s_offset, log2_base, heads_per,
+                 BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, INVERSE: tl.constexpr, ACC: tl.constexpr,
+                 ROUNDED: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     groups = tl.cdiv(heads, heads_per)
     p = (pid // groups) * BLOCK_S + tl.arange(0, BLOCK_S)  # flattened (batch, position)
     h0 = (pid % groups) * heads_per
     pmask = p < n_pos
     pos_abs = s_offset + p % seq
-    pos = (pos_abs - tl.load(start_ptr + pos_abs, mask=pmask, other=0)).to(tl.float64)
+    pos = pos_abs - tl.load(start_ptr + pos_abs, mask=pmask, other=0)
     i = tl.arange(0, BLOCK_H)
     imask = i < half
-    inv = tl.exp2(-(2.0 * i.to(tl.float64) / (2 * half)) * log2_base)
-    # the angle in float64, reduced to [0, 2pi) there, so long sequences keep their precision; once per
-    # position and frequency, then applied to every head of this program
-    ang = pos[:, None] * inv[None, :]
-    two_pi = 6.283185307179586
-    ang = (ang - two_pi * tl.floor(ang / two_pi)).to(tl.float32)
+    if ROUNDED:
+        # a module's frequencies held in a 16-bit (or float32) buffer, read as it holds them, and the angle
+        # their float32 product with the position, as the module computes it
+        inv = tl.load(inv_ptr + i, mask=imask, other=0.0)
+        ang = pos.to(tl.float32)[:, None] * inv[None, :]
+    else:
+        inv64 = tl.exp2(-(2.0 * i.to(tl.float64) / (2 * half)) * log2_base)
+        # the angle in float64, reduced to [0, 2pi) there, so long sequences keep their precision; once per
+        # position and frequency, then applied to every head of this program
+        ang64 = pos.to(tl.float64)[:, None] * inv64[None, :]
+        two_pi = 6.283185307179586
+        ang = (ang64 - two_pi * tl.floor(ang64 / two_pi)).to(tl.float32)
     c = tl.cos(ang).to(ACC)
     sn = tl.sin(ang).to(ACC)
     if INVERSE:
@@ -49,10 +56,12 @@ def _rope_kernel(x_ptr, out_ptr, start_ptr, n_pos, seq, heads, half, s_offset, l
         tl.store(out_ptr + base + half, (x2 * c + x1 * sn).to(out_ptr.dtype.element_ty), mask=hmask)
 
 
-def rope(x: DevBuf, out: DevBuf, seq_start: DevBuf, s_offset: int, base: float, inverse: bool = False) -> None:
+def rope(x: DevBuf, out: DevBuf, seq_start: DevBuf, s_offset: int, base: float, inverse: bool = False,
+         inv_freq: DevBuf | None = None) -> None:
     """Rotate-half RoPE of contiguous x; ``seq_start[p]`` is the start of the packed sequence holding
     absolute position p (all zeros without packing); x's positions start at ``s_offset``; ``inverse``
-    rotates by the negated angles."""
+    rotates by the negated angles; ``inv_freq`` (float32, d // 2) gives rounded frequencies
+    (``sql_specs.rope.rounded_frequencies``), whose angles are formed in float32."""
     b, s, h, d = x.shape
     n_pos = b * s
     if n_pos and h:
@@ -61,6 +70,7 @@ def rope(x: DevBuf, out: DevBuf, seq_start: DevBuf, s_offset: int, base: float, 
         # enough programs to fill the GPU (about 1024), as many heads per program as that allows
         heads_per = max(1, min(h, blocks * h // 1024))
         grid = (blocks * triton.cdiv(h, heads_per),)
-        _rope_kernel[grid](Ptr(x), Ptr(out), Ptr(seq_start), n_pos, s, h, half, s_offset, math.log2(base), heads_per,
+        _rope_kernel[grid](Ptr(x), Ptr(out), Ptr(seq_start), Ptr(inv_freq if inv_freq is not None else seq_start),
+                           n_pos, s, h, half, s_offset, math.log2(base), heads_per,
                            BLOCK_S=BLOCK_S, BLOCK_H=triton.next_power_of_2(max(half, 1)), INVERSE=bool(inverse),
-                           ACC=acc_type(x.dtype))
+                           ACC=acc_type(x.dtype), ROUNDED=inv_freq is not None)

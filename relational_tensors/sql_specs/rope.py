@@ -26,20 +26,26 @@ from relational_tensors.sql_specs.common import finite_number
 from relational_tensors.sql_specs.grad import build
 from relational_tensors.sql_specs.packing import check_seq_ends, sequence_bounds
 
-__all__ = ["RopeOp", "rope_tables"]
+__all__ = ["RopeOp", "rope_tables", "rounded_frequencies"]
 
 
 def rope_tables(positions: np.ndarray, d_head: int, base: float, dtype: np.dtype,
                 freq_dtype: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin of shape [len(positions), d_head // 2]."""
-    inv = base ** (-np.arange(0, d_head, 2, dtype=np.float64) / d_head)
     ang: np.ndarray
     if freq_dtype is None:
+        inv = base ** (-np.arange(0, d_head, 2, dtype=np.float64) / d_head)
         ang = positions.astype(np.float64)[:, None] * inv[None, :]
     else:
-        inv32 = inv.astype(numpy_dtype(freq_dtype)).astype(np.float32)
-        ang = positions.astype(np.float32)[:, None] * inv32[None, :]
+        ang = positions.astype(np.float32)[:, None] * rounded_frequencies(d_head, base, freq_dtype)[None, :]
     return np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
+
+
+def rounded_frequencies(d_head: int, base: float, freq_dtype: str) -> np.ndarray:
+    """The d_head // 2 frequencies of a module's ``inv_freq`` buffer held in ``freq_dtype``: computed in
+    float32, cast to the buffer's dtype (as ``module.to(dtype)`` does), read back as float32."""
+    inv = base ** (-np.arange(0, d_head, 2, dtype=np.float64) / d_head)
+    return inv.astype(np.float32).astype(numpy_dtype(freq_dtype)).astype(np.float32)
 
 
 @register

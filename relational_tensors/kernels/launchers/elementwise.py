@@ -59,21 +59,21 @@ def _swiglu(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream:
 
 def _rope_constants(op: Any) -> dict[str, np.ndarray]:
     from relational_tensors.sql_specs.packing import sequence_bounds
+    from relational_tensors.sql_specs.rope import rounded_frequencies
 
     length = op.input_types[0].shape[1]
     start, _ = sequence_bounds(np.arange(length), op.seq_ends, length)
-    return {"seq_start": start.astype(np.int32)}
+    if op.freq_dtype is None:
+        return {"seq_start": start.astype(np.int32)}
+    return {"seq_start": start.astype(np.int32),
+            "inv_freq": rounded_frequencies(op.input_types[0].shape[3], op.base, op.freq_dtype)}
 
 
-@launcher("rope", constants=_rope_constants,
-          allocates=lambda op: op.freq_dtype is not None)  # rounded frequencies: NumPy on host copies
+@launcher("rope", constants=_rope_constants)
 def _rope(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.kernels.triton_rope import rope
 
-    if op.freq_dtype is not None:  # rounded frequencies: no device kernel yet
-        host_kernel(op, f, ins, out, stream)
-        return
-    rope(ins[0], out, consts["seq_start"], f.inputs[0].lower[1], op.base, op.inverse)
+    rope(ins[0], out, consts["seq_start"], f.inputs[0].lower[1], op.base, op.inverse, consts.get("inv_freq"))
 
 
 @launcher("dropout")
