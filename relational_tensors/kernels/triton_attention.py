@@ -21,15 +21,15 @@ import triton.language as tl
 from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.kernels.common import DevBuf, Ptr, fastest_config
 
-__all__ = ["attention"]
+__all__ = ["attention", "padding_limits"]
 
 
 @triton.jit
 def _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, hi, k_offset, qk_scale,
-          dq, dv, k_desc, v_desc, krow, kcol, vcol,
+          dq, dv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk,
           D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
           BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr, KT: tl.constexpr,
-          NEG_SCALE: tl.constexpr, TMA: tl.constexpr):
+          NEG_SCALE: tl.constexpr, TMA: tl.constexpr, BITS: tl.constexpr):
     cols = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
         cmask = cols < end
@@ -58,6 +58,9 @@ def _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, h
     if MASKED:
         abs_cols = k_offset + cols
         visible = (abs_cols[None, :] >= lo[:, None]) & (abs_cols[None, :] < hi[:, None]) & cmask[None, :]
+        if BITS:  # key padding: the real keys of this batch row (every tile is masked then)
+            real = tl.load(kp_base + cols * stride_kpk, mask=cmask, other=0)
+            visible = visible & (real != 0)[None, :]
         s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
@@ -94,14 +97,14 @@ def _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, h
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, hi_ptr,
+def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, hi_ptr, kp_ptr, klim_ptr,
                       sq, skv, hq, group, q_offset, k_offset, qk_scale,
                       stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs,
-                      stride_ob, stride_os, q_desc, k_desc, v_desc,
+                      stride_ob, stride_os, stride_kpb, stride_kpk, klim_b0, q_desc, k_desc, v_desc,
                       D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       WRITE_LSE: tl.constexpr, IEEE: tl.constexpr, KT: tl.constexpr, HEADS_INNER: tl.constexpr,
-                      NEG_SCALE: tl.constexpr, TMA: tl.constexpr):
+                      NEG_SCALE: tl.constexpr, TMA: tl.constexpr, LIMITS: tl.constexpr, BITS: tl.constexpr):
     m_blocks = tl.cdiv(sq, BLOCK_M)  # a 1-D grid: (row block, batch·head) never overflows a grid dimension
     pid = tl.program_id(0).to(tl.int64)
     if HEADS_INNER:
@@ -128,6 +131,11 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, hi_ptr,
     abs_rows = q_offset + rows
     lo = tl.load(lo_ptr + abs_rows, mask=rmask, other=2147483647)
     hi = tl.load(hi_ptr + abs_rows, mask=rmask, other=-2147483647)
+    if LIMITS:  # this batch row's keys lie in [klo, khi) (absolute): key lengths, or padding's first and last
+        klo = tl.load(klim_ptr + (klim_b0 + b) * 2)
+        khi = tl.load(klim_ptr + (klim_b0 + b) * 2 + 1)
+        lo = tl.maximum(lo, klo)
+        hi = tl.minimum(hi, khi)
     lo_min = tl.min(tl.where(rmask, lo, 2147483647), axis=0) - k_offset
     lo_max = tl.max(tl.where(rmask, lo, -2147483647), axis=0) - k_offset
     hi_min = tl.min(tl.where(rmask, hi, 2147483647), axis=0) - k_offset
@@ -138,26 +146,30 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, hi_ptr,
     full_lo = tl.maximum(((tl.maximum(lo_max, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, start)
     full_hi = tl.maximum((tl.minimum(hi_min, skv) // BLOCK_N) * BLOCK_N, full_lo)
     full_hi = tl.minimum(full_hi, tl.maximum(end, full_lo))
+    if BITS:  # padding may leave holes anywhere: every tile is masked
+        full_lo = tl.maximum(end, start)
+        full_hi = full_lo
     k_base = k_ptr + b * stride_kb + hk * D
     v_base = v_ptr + b * stride_vb + hk * DV
     krow = (b * skv).to(tl.int32)
     kcol = (hk * D).to(tl.int32)
     vcol = (hk * DV).to(tl.int32)
+    kp_base = kp_ptr + b * stride_kpb
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for n0 in range(start, tl.minimum(full_lo, end), BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, hi, k_offset,
-                              qk_scale, dq, dv, k_desc, v_desc, krow, kcol, vcol, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-                              True, IEEE, KT, NEG_SCALE, TMA)
+                              qk_scale, dq, dv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, D, DV, BLOCK_D,
+                              BLOCK_DV, BLOCK_N, True, IEEE, KT, NEG_SCALE, TMA, BITS)
     for n0 in range(full_lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, hi, k_offset,
-                              qk_scale, dq, dv, k_desc, v_desc, krow, kcol, vcol, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-                              False, IEEE, KT, NEG_SCALE, TMA)
+                              qk_scale, dq, dv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, D, DV, BLOCK_D,
+                              BLOCK_DV, BLOCK_N, False, IEEE, KT, NEG_SCALE, TMA, BITS)
     for n0 in range(tl.maximum(full_hi, tl.minimum(full_lo, end)), end, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, hi, k_offset,
-                              qk_scale, dq, dv, k_desc, v_desc, krow, kcol, vcol, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-                              True, IEEE, KT, NEG_SCALE, TMA)
+                              qk_scale, dq, dv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, D, DV, BLOCK_D,
+                              BLOCK_DV, BLOCK_N, True, IEEE, KT, NEG_SCALE, TMA, BITS)
     denom = tl.where(l_i > 0, l_i, 1.0)
     out = acc / denom[:, None]
     tl.store(o_ptr + b * stride_ob + rows[:, None].to(tl.int64) * stride_os + h * DV + dv[None, :],
@@ -166,6 +178,36 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, hi_ptr,
         m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
         lse = tl.where(l_i > 0, (m_fin + tl.log2(denom)) / 1.4426950408889634, float("-inf"))
         tl.store(lse_ptr + (b * sq + rows) * hq + h, lse, mask=rmask)
+
+
+@triton.jit
+def _padding_limits_kernel(kp_ptr, out_ptr, skv, stride_b, stride_k, k_offset, BLOCK: tl.constexpr):
+    """Per batch row of a key-padding block: [first real key, last real key + 1) as absolute positions
+    (an empty [k_offset, k_offset) where no key is real)."""
+    b = tl.program_id(0).to(tl.int64)
+    first = tl.full([BLOCK], 2147483647, dtype=tl.int32)
+    last = tl.full([BLOCK], -1, dtype=tl.int32)
+    for c0 in range(0, skv, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        real = tl.load(kp_ptr + b * stride_b + cols * stride_k, mask=cols < skv, other=0) != 0
+        first = tl.minimum(first, tl.where(real, cols, 2147483647))
+        last = tl.maximum(last, tl.where(real, cols, -1))
+    lo = tl.min(first, axis=0)
+    hi = tl.max(last, axis=0) + 1
+    lo = tl.where(hi > 0, lo, 0)
+    tl.store(out_ptr + b * 2, (lo + k_offset).to(tl.int32))
+    tl.store(out_ptr + b * 2 + 1, (hi + k_offset).to(tl.int32))
+
+
+def padding_limits(key_padding: DevBuf, out: DevBuf, k_offset: int) -> None:
+    """``out`` (int32 [b, 2]) = each batch row's first and one-past-last real key of ``key_padding``
+    (bool [b, skv], the keys from absolute position ``k_offset``), the bounds the forward kernel skips
+    tiles outside of."""
+    nb, skv = key_padding.shape
+    if nb:
+        _padding_limits_kernel[(nb,)](Ptr(key_padding), Ptr(out), skv, key_padding.strides[0],
+                                      key_padding.strides[1], k_offset,
+                                      BLOCK=min(1024, triton.next_power_of_2(max(skv, 1))))
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, KT, HEADS_INNER, TMA) tried on the first launch of each shape
@@ -259,34 +301,44 @@ def _pick(key: tuple, args: tuple, consts: dict, sq: int, nbh: int, tma: tuple |
 
 
 def launch_arguments(q: DevBuf, k: DevBuf, v: DevBuf, out: DevBuf, lse: DevBuf | None, row_lo: DevBuf,
-                     row_hi: DevBuf, q_offset: int, k_offset: int,
-                     scale: float) -> tuple[tuple, dict, tuple, tuple | None]:
+                     row_hi: DevBuf, q_offset: int, k_offset: int, scale: float,
+                     key_padding: DevBuf | None = None, limits: DevBuf | None = None,
+                     limits_batch: int = 0) -> tuple[tuple, dict, tuple, tuple | None]:
     """(positional arguments, constexprs, configuration key, tensor-descriptor views or None) of one
     launch; :func:`_launch` adds the configuration.  bench/gpu_kernels.py times configurations
-    through this too."""
+    through this too.  ``key_padding`` (bool [b, skv], True for a real key, the keys of this block) masks
+    keys in every tile; ``limits`` (int32 [B, 2], absolute key positions) bounds batch row
+    ``limits_batch + b``'s keys to [limits[.., 0], limits[.., 1]), so tiles outside are skipped."""
     nb, sq, hq, d = q.shape
     skv, hkv, dvn = k.shape[1], k.shape[2], v.shape[3]
     scale = float(scale)  # a NumPy scalar would make NEG_SCALE a NumPy bool, which Triton refuses
     block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dvn))
     args = (Ptr(q), Ptr(k), Ptr(v), Ptr(out), Ptr(lse) if lse is not None else Ptr(out), Ptr(row_lo), Ptr(row_hi),
+            Ptr(key_padding) if key_padding is not None else Ptr(row_lo),
+            Ptr(limits) if limits is not None else Ptr(row_lo),
             sq, skv, hq, hq // hkv, q_offset, k_offset, scale * math.log2(math.e),
             q.strides[0], q.strides[1], k.strides[0], k.strides[1], v.strides[0], v.strides[1],
-            out.strides[0], out.strides[1])
+            out.strides[0], out.strides[1], key_padding.strides[0] if key_padding is not None else 0,
+            key_padding.strides[1] if key_padding is not None else 0, limits_batch)
     consts = dict(D=d, DV=dvn, BLOCK_D=block_d, BLOCK_DV=block_dv, WRITE_LSE=lse is not None,
-                  IEEE=q.dtype == "float32", NEG_SCALE=bool(scale < 0))
+                  IEEE=q.dtype == "float32", NEG_SCALE=bool(scale < 0), LIMITS=limits is not None,
+                  BITS=key_padding is not None)
     tma = _tma_views(q, k, v)
     key = (d, dvn, q.dtype, lse is not None, scale < 0, tma is not None, triton.next_power_of_2(sq),
-           triton.next_power_of_2(skv), nb * hq)
+           triton.next_power_of_2(skv), nb * hq, limits is not None, key_padding is not None)
     return args, consts, key, tma
 
 
 def attention(q: DevBuf, k: DevBuf, v: DevBuf, out: DevBuf, lse: DevBuf | None, row_lo: DevBuf, row_hi: DevBuf,
-              q_offset: int, k_offset: int, scale: float) -> None:
-    """Attention of contiguous blocks q, k, v into ``out`` (and ``lse`` [b, sq, hq] float32 if given)."""
+              q_offset: int, k_offset: int, scale: float, key_padding: DevBuf | None = None,
+              limits: DevBuf | None = None, limits_batch: int = 0) -> None:
+    """Attention of contiguous blocks q, k, v into ``out`` (and ``lse`` [b, sq, hq] float32 if given); key
+    padding and per-batch key limits as :func:`launch_arguments` takes them."""
     nb, sq, hq = q.shape[:3]
     if out.size == 0:
         return
     if k.shape[1] == 0 or k.shape[2] == 0:
         raise ValueError("attention with no keys is handled by the caller (zero output, -inf lse)")
-    args, consts, key, tma = launch_arguments(q, k, v, out, lse, row_lo, row_hi, q_offset, k_offset, scale)
+    args, consts, key, tma = launch_arguments(q, k, v, out, lse, row_lo, row_hi, q_offset, k_offset, scale,
+                                              key_padding, limits, limits_batch)
     _launch(_pick(key, args, consts, sq, nb * hq, tma), args, consts, sq, nb * hq, tma)

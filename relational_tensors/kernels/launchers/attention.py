@@ -15,7 +15,22 @@ from relational_tensors.kernels.launchers.base import _computable, host_kernel, 
 def _attention_constants(op: Any) -> dict[str, np.ndarray]:
     rows = np.arange(op.input_types[0].shape[1])
     lo, hi = op._key_limits(rows)
-    return {"row_lo": lo.astype(np.int32), "row_hi": hi.astype(np.int32)}
+    out = {"row_lo": lo.astype(np.int32), "row_hi": hi.astype(np.int32)}
+    if op.key_lengths is not None:  # batch row b sees the keys [0, key_lengths[b]): the kernel's key limits
+        lengths = np.asarray(op.key_lengths, dtype=np.int32)
+        out["key_limits"] = np.stack([np.zeros_like(lengths), lengths], axis=1)
+    return out
+
+
+def _padding_only(op: Any) -> bool:
+    """Key padding is the attention's only extra input: the Triton kernel masks it (and skips the tiles
+    before a row's first real key and after its last)."""
+    return op.extras == ("key_padding",)
+
+
+def _attention_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str] | None:
+    """int32 [batch rows, 2]: each row's first and one-past-last real key (``triton_attention.padding_limits``)."""
+    return ((2 * f.inputs[0].shape[0],), "int32") if _padding_only(op) else None
 
 
 def _dense_attention(op: Any, f: FunctionSpec, ins: list, out: Any, stream: int) -> None:
@@ -32,8 +47,14 @@ def _dense_attention(op: Any, f: FunctionSpec, ins: list, out: Any, stream: int)
 
 
 def _masked(op: Any) -> bool:
-    """The masked forms of attention (extra mask or bias inputs, key lengths) run on CuPy, which allocates."""
+    """The masked forms of attention's backward (extra inputs, key lengths) run on host copies, which allocate."""
     return bool(op.extras) or op.key_lengths is not None
+
+
+def _dense(op: Any) -> bool:
+    """The forward forms the Triton kernel does not take (a boolean mask or a bias) run on CuPy, which
+    allocates; key padding and key lengths run in the kernel."""
+    return bool(op.extras) and not _padding_only(op)
 
 
 def _lse_allocates(op: Any) -> bool:
@@ -45,27 +66,40 @@ def _grad_allocates(op: Any) -> bool:
     return _masked(op) or op.part == "dbias" or op.input_types[0].dtype == "float64"
 
 
-@launcher("attention", constants=_attention_constants, allocates=_masked)
+@launcher("attention", constants=_attention_constants, scratch=_attention_scratch, allocates=_dense)
 def _attention(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.kernels import flash
     from relational_tensors.kernels import triton_copy as tc
-    from relational_tensors.kernels.triton_attention import attention
+    from relational_tensors.kernels.common import DevBuf
+    from relational_tensors.kernels.triton_attention import attention, padding_limits
 
-    if op.extras or op.key_lengths is not None:  # key padding, masks and biases: dense chunks on the device
+    if _dense(op):  # masks and biases: dense chunks on the device
         _dense_attention(op, f, ins, out, stream)
         return
-    q, k, v = ins
+    q, k, v = ins[:3]
     o, lse = out if isinstance(out, tuple) else (out, None)
     if k.shape[1] == 0:  # this query block sees none of these keys
         tc.fill(o, 0.0)
         if lse is not None:
             tc.fill(lse, float("-inf"))
         return
+    rows, keys = f.inputs[0].lower[1], f.inputs[1].lower[1]
+    if _padding_only(op):  # the real keys of each batch row: bits in every tile, tiles outside skipped
+        kp = ins[3]
+        room = consts["scratch"]
+        limits = DevBuf(room.ptr, (kp.shape[0], 2), "int32", room.device)
+        padding_limits(kp, limits, keys)
+        attention(q, k, v, o, lse, consts["row_lo"], consts["row_hi"], rows, keys, op.softmax_scale,
+                  key_padding=kp, limits=limits)
+        return
+    if op.key_lengths is not None:  # each batch row's keys end at its length: tiles past it skipped
+        attention(q, k, v, o, lse, consts["row_lo"], consts["row_hi"], rows, keys, op.softmax_scale,
+                  limits=consts["key_limits"], limits_batch=f.inputs[0].lower[0])
+        return
     if "flash" in consts:  # a library FlashAttention kernel computes this block exactly
         flash.attention(q, k, v, o, consts["flash"], op.is_causal, op.softmax_scale, stream)
         return
-    attention(q, k, v, o, lse, consts["row_lo"], consts["row_hi"], f.inputs[0].lower[1], f.inputs[1].lower[1],
-              op.softmax_scale)
+    attention(q, k, v, o, lse, consts["row_lo"], consts["row_hi"], rows, keys, op.softmax_scale)
 
 
 def key_query_limits(row_lo: np.ndarray, row_hi: np.ndarray, n_keys: int) -> tuple[np.ndarray, np.ndarray]:
