@@ -243,9 +243,10 @@ class Program:
         self._check(inputs)
         if self._module_state() != self._state:  # an optimizer step or a load_state_dict: read them again
             self.reload_weights()
-        params = self._trainable()
+        grad = torch.is_grad_enabled()
+        params = self._trainable() if grad else []  # under no_grad no parameter is walked for a gradient
         floating = [x.is_floating_point() and x.requires_grad for x in inputs]
-        if torch.is_grad_enabled() and (params or any(floating)):
+        if grad and (params or any(floating)):
             saved = _function().apply(self, len(inputs), tuple(k for k, _ in params), *inputs,
                                           *(t for _, t in params))
             values = dict(zip([n for kind, n in self.graph.output_leaves if kind == "saved"], saved))

@@ -12,16 +12,18 @@ and the torch objects that keep driving the learning rate.  ``param_groups_layou
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from relational_tensors.errors import GraphError
+from relational_tensors.errors import ExecError, GraphError
 from relational_tensors.frontend.torch.convert import _torch
 from relational_tensors.graph.optim import SGD, AdamW
 
 __all__ = ["OptimizerSetup", "resolve_optimizer", "param_groups_layout", "compiled_hyperparameters", "same_value",
-           "as_number", "torch_scalar_dtype"]
+           "as_number", "torch_scalar_dtype", "check_rate"]
 
 
 @dataclass
@@ -74,6 +76,41 @@ def as_number(value: Any) -> Any:
     if isinstance(value, tuple):
         return tuple(as_number(v) for v in value)
     return value
+
+
+def check_rate(value: Any, where: str = "", fix: str = "") -> float:
+    """``value`` as a learning rate, as torch takes one: a real number (or a one-element tensor), finite, >= 0.
+
+    >>> check_rate(1e-2)
+    0.01
+    >>> check_rate(float("nan"))
+    Traceback (most recent call last):
+    ...
+    relational_tensors.errors.ExecError: a learning rate is a finite number >= 0 (torch refuses others); got nan.
+    """
+    dtype = getattr(value, "dtype", None)
+    complex_ = isinstance(value, complex) or getattr(dtype, "is_complex", False) is True or \
+        getattr(dtype, "kind", "") == "c"
+    rate = math.nan
+    if not (complex_ or value is None or isinstance(value, (bool, str, bytes))):
+        try:
+            rate = float(value)
+        except (TypeError, ValueError, RuntimeError):  # a list, a tensor of several elements
+            pass
+    if not 0 <= rate < math.inf:
+        raise ExecError(f"a learning rate is a finite number >= 0 (torch refuses others); got {value!r}{where}.{fix}")
+    return rate
+
+
+def _checked_schedule(schedule: Callable[[int], Any]) -> Callable[[int], float]:
+    """``schedule`` whose every lr is checked before a step takes it (a bad one is refused with nothing run)."""
+
+    @functools.wraps(schedule)
+    def checked(step: int) -> float:
+        return check_rate(schedule(step), f" from lr_schedule({step})",
+                          " Make the schedule return a finite float >= 0 for every step.")
+
+    return checked
 
 
 def _from_torch(module: Any, opt: Any) -> OptimizerSetup:
@@ -151,7 +188,7 @@ def resolve_optimizer(module: Any, optimizer: Any, lr_schedule: Any) -> Optimize
     elif lr_schedule is not None:
         if not callable(lr_schedule):
             raise GraphError(f"lr_schedule must be a callable step -> lr or a torch LRScheduler; got {lr_schedule!r}.")
-        setup.schedule = lr_schedule
+        setup.schedule = _checked_schedule(lr_schedule)
     return setup
 
 
@@ -198,7 +235,10 @@ def compiled_hyperparameters(setup: OptimizerSetup) -> list[dict[str, Any]]:
 
 def same_value(a: Any, b: Any) -> bool:
     """Hyperparameters equal as numbers (torch may hold them as tensors, tuples or lists)."""
-    a, b = as_number(a), as_number(b)
+    try:
+        a, b = as_number(a), as_number(b)
+    except (RuntimeError, ValueError):  # a tensor of several elements is no hyperparameter
+        return False
     if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
         return isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and len(a) == len(b) and \
             all(same_value(x, y) for x, y in zip(a, b))

@@ -31,6 +31,7 @@ What a training user brings, and how it maps onto the graph:
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -38,9 +39,10 @@ from typing import Any
 import numpy as np
 
 from relational_tensors.api.compile import compileGraph
+from relational_tensors.api.device_io import output, stage
 from relational_tensors.api.torch_optim import (
     OptimizerSetup,
-    as_number,
+    check_rate,
     compiled_hyperparameters,
     param_groups_layout,
     resolve_optimizer,
@@ -58,6 +60,19 @@ __all__ = ["train_step", "TrainStep"]
 PREFIX = "module."  # the wrapper's attribute: graph inputs of the module's tensors are named module.<name>
 APPLY = "accumulate.apply"  # the gate input of gradient accumulation: 1 in the call that steps the optimizer
 _MOMENTS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+
+
+@dataclasses.dataclass
+class _Load:
+    """What one ``load_state_dict`` takes, gathered while every part is checked and taken only at the end, so
+    that a refused state changes nothing."""
+
+    pending: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # values for the next step
+    parameters: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # module tensors folded as inputs
+    model: dict[str, Any] = dataclasses.field(default_factory=dict)  # module key -> loaded tensor (None: as held)
+    lrs: list[float] | None = None  # each group's lr, where no torch optimizer holds them
+    groups: list[dict[str, Any]] | None = None  # the torch optimizer's groups' values, its params excepted
+    steps: int | None = None  # optimizer steps run
 
 
 class TrainStep:
@@ -87,13 +102,19 @@ class TrainStep:
     def lrs(self) -> list[float]:
         """Each parameter group's learning rate for the next optimizer step."""
         opt = self.setup.torch_optimizer
-        return [float(as_number(g["lr"])) for g in opt.param_groups] if opt is not None else list(self._lrs)
+        if opt is None:
+            return list(self._lrs)
+        # the torch optimizer's groups are the user's to change (by hand, or by a scheduler's lambda): checked
+        # where they are read, so a step refuses a bad one before it runs
+        return [check_rate(g.get("lr"), f" as the lr of param group {i} of the torch optimizer",
+                           f" Set optimizer.param_groups[{i}]['lr'] (or fix the lr scheduler that set it).")
+                for i, g in enumerate(opt.param_groups)]
 
     @lrs.setter
     def lrs(self, values: Sequence[float]) -> None:
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
             raise ExecError(f"lrs takes one learning rate per parameter group; got {values!r}.")
-        values = [_rate(v) for v in values]
+        values = [check_rate(v) for v in values]
         if len(values) != len(self.setup.groups):
             raise ExecError(f"lrs takes one learning rate per parameter group ({len(self.setup.groups)}); got "
                             f"{len(values)}: {values}.")
@@ -111,12 +132,13 @@ class TrainStep:
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self.lrs = [_rate(value) * r for r in self.setup.ratios]
+        self.lrs = [check_rate(value) * r for r in self.setup.ratios]
 
     # --- one step -------------------------------------------------------------------------------------
     def __call__(self, *batch: Any) -> Any:
         """Run one step on ``batch`` (tensors like the example batch); returns the loss (of this micro-batch
         where gradients accumulate: the optimizer steps at every ``accumulate``-th call)."""
+        self._check_call(batch)
         names = self.graph.input_names
         if len(batch) != len(names):
             raise ExecError(f"this step was traced with {len(names)} batch tensors; got {len(batch)}.")
@@ -150,7 +172,10 @@ class TrainStep:
             feeds.update(self.graph.parameters)  # frozen parameters, buffers, and the states' first values
             feeds.update(self.optimizer.initial(self.graph.parameters))
         feeds.update(self._pending)
-        self.compiled.load(feeds)
+        # on GPUs, after the first step a step's feeds (the batch, the learning rates, the random state) go
+        # in on the launch stream and the step returns without the host waiting
+        if self._first or self._pending or not stage(self.compiled, feeds):
+            self.compiled.load(feeds)
         self._first, self._pending = False, {}
         self.compiled.execute()
         self.micro = 0 if applies else self.micro + 1
@@ -162,14 +187,20 @@ class TrainStep:
                     self.setup.scheduler.step()
         return self._loss_value()
 
+    def _check_call(self, batch: tuple[Any, ...]) -> None:
+        """What a step refuses before it changes anything, beyond the batch's count, types and dtypes: a batch
+        tensor without data (torch's meta device), a group lr that is not a learning rate."""
+        torch = _torch()
+        for k, x in enumerate(batch):
+            if isinstance(x, torch.Tensor) and x.device.type == "meta":
+                raise ExecError(f"batch tensor {k} is on torch's meta device, which holds no values; got a meta tensor "
+                                f"of shape {tuple(x.shape)}. Pass a tensor with data (on the CPU or a GPU).")
+        _ = self.lrs  # reading them checks each group's lr
+
     def _loss_value(self) -> Any:
         if self.compiled.devices.kind != "cuda":
             return numpy_to_torch(self.compiled.offload(self.loss))
-        torch = _torch()
-        out = torch.from_dlpack(self.compiled.offload(self.loss, like="cupy"))  # stays on the GPU
-        if self.graph.nodes[self.graph.outputs[self.loss]].type.dtype == "bfloat16" and out.dtype != torch.bfloat16:
-            out = out.view(torch.bfloat16)  # CuPy holds bfloat16 as its bits
-        return out
+        return output(self.compiled, self.loss)  # a torch CUDA tensor, its copy queued after the step
 
     # --- the states, read and written -----------------------------------------------------------------
     def _current(self, name: str) -> np.ndarray:
@@ -184,17 +215,17 @@ class TrainStep:
         v = self._current(name)
         return numpy_to_torch(np.array(v.T if transposed and v.ndim == 2 else v, order="C"))
 
-    def _graph_value(self, name: str, value: Any, transposed: bool) -> np.ndarray:
-        """``value`` (a tensor in the module's layout) as graph input or state ``name`` holds it (a copy)."""
-        torch = _torch()
+    def _graph_value(self, name: str, value: Any, transposed: bool, what: str = "") -> np.ndarray:
+        """``value`` (a tensor in the module's layout) as graph input or state ``name`` holds it (a copy);
+        ``what`` says where the state holds it, for a refusal."""
         node = self.graph.node(name)
-        t = value.detach() if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+        t = _real_tensor(value, what or f"the value for {name!r}")
         if transposed and t.ndim == 2:
             t = t.t()
         if tuple(t.shape) != tuple(node.type.shape):
             raise ExecError(f"{name!r} holds shape {tuple(node.type.shape)}; the state gives {tuple(t.shape)}"
-                            f"{' (transposed from the module layout)' if transposed else ''}. Load a state of this "
-                            "module.")
+                            f"{' (transposed from the module layout)' if transposed else ''}"
+                            f"{f' as {what}' if what else ''}. Load a state of this module.")
         return np.array(torch_to_numpy(t.to(device="cpu", dtype=_torch_dtype(node.type.dtype))), order="C")
 
     def _states_of(self) -> dict[str, dict[str, str]]:
@@ -274,29 +305,56 @@ class TrainStep:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict`, from torch's ``{"model": module.state_dict(), "optimizer":
         optimizer.state_dict()}`` (either part alone too), or from the layout before (``params`` and the
-        optimizer's states per parameter name); the values are loaded with the next step."""
+        optimizer's states per parameter name); the values are loaded with the next step.  Every key, shape,
+        dtype, hyperparameter and step count is checked before any is taken: a refused state changes nothing."""
         if not isinstance(state, Mapping) or not {"model", "params", "optimizer"} & set(state):
             raise ExecError("load_state_dict takes {'model': ..., 'optimizer': ...} (this step's state_dict, or "
                             f"torch's module and optimizer state_dicts); got {type(state).__name__} with keys "
-                            f"{sorted(state) if isinstance(state, Mapping) else '-'}.")
+                            f"{sorted(state, key=repr) if isinstance(state, Mapping) else '-'}.")
+        load = _Load()
         if "model" in state:
-            self._load_model(state["model"])
+            self._load_model(state["model"], load)
         elif "params" in state:
-            self._load_params(state["params"])
-        optim = state.get("optimizer")
-        if isinstance(optim, Mapping) and "state" in optim and "param_groups" in optim:
-            self._load_torch_optimizer(optim)
-        elif optim is not None:
-            self._load_named_optimizer(optim)
+            self._load_params(state["params"], load)
+        if "optimizer" in state:
+            optim = state["optimizer"]
+            if isinstance(optim, Mapping) and "state" in optim and "param_groups" in optim:
+                self._load_torch_optimizer(optim, load)
+            elif isinstance(optim, Mapping):
+                self._load_named_optimizer(optim, load)
+            else:
+                raise ExecError(f"the state's 'optimizer' is a dict (torch's optimizer.state_dict(), or this step's); "
+                                f"got {_describe(optim)}. Load a state_dict of this step, or leave the key out.")
         if "steps" in state:
-            self.steps = int(state["steps"])
+            load.steps = _count(state["steps"], "the state's 'steps' (optimizer steps run)")
+        self._commit(load)
+
+    def _commit(self, load: _Load) -> None:
+        """Take a checked load: nothing before this point changed the step."""
+        if load.groups is not None:  # as torch's load_state_dict: the groups take the saved values
+            for live, saved in zip(self.setup.torch_optimizer.param_groups, load.groups):
+                live.update(saved)
+        if load.lrs is not None:
+            self._lrs = load.lrs
+        self.graph.parameters.update(load.parameters)
+        for key, value in load.model.items():
+            if value is None:
+                self._loaded_model.pop(key, None)
+            else:
+                self._loaded_model[key] = value
+        self._pending.update(load.pending)
+        if load.steps is not None:
+            self.steps = load.steps
         self.micro = 0  # a loaded state starts at an optimizer step: nothing accumulated
         for keys in self._states_of().values():
             if "grad_accum" in keys:
                 self._pending[keys["grad_accum"]] = self._fill(keys["grad_accum"])
 
-    def _load_params(self, params: Mapping[str, Any]) -> None:
-        unknown = sorted(set(params) - set(self.holders))
+    def _load_params(self, params: Any, load: _Load, what: str = "the state's 'params'") -> None:
+        if not isinstance(params, Mapping):
+            raise ExecError(f"{what} maps parameter names to tensors; got {_describe(params)}. Load a state_dict of "
+                            "this module.")
+        unknown = sorted(set(params) - set(self.holders), key=repr)
         if unknown:
             raise ExecError(f"the state names parameters {unknown}, which this step does not train.")
         missing = sorted(set(self.holders) - set(params))
@@ -304,42 +362,59 @@ class TrainStep:
             raise ExecError(f"the state has no value for {missing}, which this step trains. Load a state of this "
                             "module.")
         for p, (name, transposed) in self.holders.items():
-            self._pending[name] = self._graph_value(name, params[p], transposed)
+            load.pending[name] = self._graph_value(name, params[p], transposed, f"{what}[{p!r}]")
 
-    def _load_model(self, model: Mapping[str, Any]) -> None:
+    def _load_model(self, model: Any, load: _Load) -> None:
         torch = _torch()
+        if not isinstance(model, Mapping):
+            raise ExecError(f"the state's 'model' is the module's state_dict (names to tensors); got "
+                            f"{_describe(model)}. Load module.state_dict() or this step's state_dict().")
         own = self.module.state_dict(keep_vars=True)
-        unknown = sorted(set(model) - set(own))
+        unknown = sorted(set(model) - set(own), key=repr)
         if unknown:
             raise ExecError(f"the model state has keys the module has not: {unknown[:6]}. Load a state_dict of this "
                             "module.")
         alias = {name: self._first_names().get(id(t), name) for name, t in own.items()}
-        self._load_params({p: model[key] for key, p in alias.items() if key in model and p in self.holders})
+        self._load_params({p: model[key] for key, p in alias.items() if key in model and p in self.holders}, load,
+                          "the state's 'model'")
         deps = {d for ds in self.graph.derived.values() for d in ds}  # named as graph origins: module.<name>
         for key, value in model.items():
             name = alias[key]
-            if name in self.holders or not isinstance(value, torch.Tensor):
+            if name in self.holders or not isinstance(own[key], torch.Tensor):
                 continue
             held = own[key].detach()
-            changed = tuple(value.shape) != tuple(held.shape) or not torch.equal(value.detach().cpu(), held.cpu())
+            what = f"the state's 'model'[{key!r}]"
+            t = _real_tensor(value, what)
+            if tuple(t.shape) != tuple(held.shape):  # torch's load_state_dict: "size mismatch"
+                raise ExecError(f"{what} has shape {tuple(t.shape)}; the module's {key!r} has {tuple(held.shape)}. "
+                                "Load a state_dict of this module.")
+            t = t.to(device="cpu", dtype=held.dtype)  # torch copies a loaded value into the module's dtype
+            changed = not torch.equal(t, held.cpu())
             if changed and PREFIX + name in deps:
                 raise ExecError(f"{key!r} changes a value folded into the plan when it was traced; load it into the "
                                 "module (module.load_state_dict) and build the step again.")
             for gname, (origin, transposed) in self.graph.origins.items():
                 if origin == PREFIX + name and gname in self.graph.parameters:
-                    new = self._graph_value(gname, value, transposed)
+                    new = self._graph_value(gname, t, transposed, what)
                     if not np.array_equal(new, self.graph.parameters[gname]):
-                        self.graph.parameters[gname] = self._pending[gname] = new
-            if changed:
-                self._loaded_model[key] = value.detach().clone()
-            else:
-                self._loaded_model.pop(key, None)
+                        load.parameters[gname] = load.pending[gname] = new
+            load.model[key] = t.clone() if changed else None
 
     def _first_names(self) -> dict[int, str]:
         return {id(t): name for name, t in self.module.named_parameters()}
 
-    def _load_torch_optimizer(self, optim: Mapping[str, Any]) -> None:
-        groups = list(optim["param_groups"])
+    def _load_torch_optimizer(self, optim: Mapping[str, Any], load: _Load) -> None:
+        groups = optim["param_groups"]
+        if isinstance(groups, (str, bytes, Mapping)) or not isinstance(groups, Sequence) or \
+                not all(isinstance(g, Mapping) and "params" in g for g in groups):
+            raise ExecError("the optimizer state's 'param_groups' is a list of dicts, each with 'params' (its "
+                            f"parameters' indices), as torch's optimizer.state_dict() has it; got {_describe(groups)}.")
+        for i, saved in enumerate(groups):
+            params = saved["params"]
+            if isinstance(params, (str, bytes)) or not isinstance(params, Sequence) or \
+                    not all(_is_index(p) for p in params):
+                raise ExecError(f"param_groups[{i}]['params'] of the optimizer state lists parameter indices (ints); "
+                                f"got {params!r}.")
         sizes, ours = [len(g["params"]) for g in groups], [len(names) for names in self.setup.groups]
         if sizes != ours:
             raise ExecError(f"the optimizer state has param groups of {sizes} parameters; this step's optimizer has "
@@ -357,25 +432,44 @@ class TrainStep:
                 if key in saved and not same_value(saved[key], value):
                     raise ExecError(f"{key} is a constant of the compiled step: {value!r} in group {i}; the "
                                     f"optimizer state has {saved[key]!r}. Build the step with {key}={saved[key]!r}.")
-        if self.setup.torch_optimizer is not None:  # as torch's load_state_dict: the groups take the saved values
-            for live, saved in zip(self.setup.torch_optimizer.param_groups, groups):
-                live.update({k: v for k, v in saved.items() if k != "params"})
+        fix = " Load an optimizer state_dict whose learning rates torch would take."
+        lrs = [check_rate(saved.get("lr"), f" as param_groups[{i}]['lr'] of the optimizer state", fix)
+               for i, saved in enumerate(groups)]
+        for i, saved in enumerate(groups):
+            if "initial_lr" in saved:  # a torch scheduler's base lr, copied into the live groups
+                check_rate(saved["initial_lr"], f" as param_groups[{i}]['initial_lr'] of the optimizer state", fix)
+        if self.setup.torch_optimizer is not None:
+            load.groups = [{k: v for k, v in saved.items() if k != "params"} for saved in groups]
         else:
-            self._lrs = [float(as_number(g["lr"])) for g in groups]
-        by_index = {int(i): name for saved, names in zip(groups, self.setup.groups)
-                    for i, name in zip(saved["params"], names)}
-        unknown = sorted(int(i) for i in optim["state"] if int(i) not in by_index)
+            load.lrs = lrs
+        by_index: dict[int, str] = {}
+        for saved, names in zip(groups, self.setup.groups):
+            for i, param in zip(saved["params"], names):
+                if int(i) in by_index:
+                    raise ExecError(f"the optimizer state's param_groups list parameter {int(i)} twice; each index "
+                                    "names one parameter. Load an optimizer state_dict torch wrote.")
+                by_index[int(i)] = param
+        table = optim["state"]
+        if not isinstance(table, Mapping):
+            raise ExecError("the optimizer state's 'state' maps parameter indices to their states (dicts), as "
+                            f"torch's optimizer.state_dict() has it; got {_describe(table)}.")
+        for i, e in table.items():
+            if not _is_index(i) or not isinstance(e, Mapping):
+                raise ExecError("the optimizer state's 'state' maps parameter indices (ints) to dicts of tensors; got "
+                                f"{i!r}: {_describe(e)}.")
+        unknown = sorted(int(i) for i in table if int(i) not in by_index)
         if unknown:
             raise ExecError(f"the optimizer state has entries for parameters {unknown}, which its param_groups do "
                             "not list.")
-        entries = {by_index[int(i)]: e for i, e in optim["state"].items()}
-        extra = sorted({k for e in entries.values() for k in e} - {"step", "master", *_MOMENTS[kind]})
+        entries = {by_index[int(i)]: e for i, e in table.items()}
+        index_of = {name: int(i) for i, name in by_index.items()}
+        extra = sorted({k for e in entries.values() for k in e} - {"step", "master", *_MOMENTS[kind]}, key=repr)
         if extra:
             raise ExecError(f"this step runs {kind}, whose state is step and {list(_MOMENTS[kind])}; the optimizer "
                             f"state has {extra}. Load the state of the same optimizer class.")
         states = self._states_of()
         if kind == "adamw":
-            self._load_adam_step(entries)
+            self._load_adam_step(entries, index_of, load)
         for p, keys in states.items():
             entry, transposed = entries.get(p, {}), self.holders[p][1]
             flag = keys.get("sgd_first_step", keys.get("master.sgd_first_step"))
@@ -384,46 +478,65 @@ class TrainStep:
                 if name is None:  # SGD without momentum keeps none
                     continue
                 value = entry.get(key)
-                self._pending[name] = (self._fill(name) if value is None
-                                       else self._graph_value(name, value, transposed))
+                what = f"the optimizer state's state[{index_of[p]}][{key!r}]"
+                if value is None and key in entry and key != "momentum_buffer":  # torch's SGD may hold None
+                    raise ExecError(f"{what} is None; torch's {kind} holds a tensor of the parameter's shape there "
+                                    "once it has stepped. Load an optimizer state_dict torch wrote, or leave the "
+                                    "entry out (a parameter that has not stepped).")
+                load.pending[name] = (self._fill(name) if value is None
+                                      else self._graph_value(name, value, transposed, what))
                 if flag is not None:  # torch's buffer exists from the first step on
-                    self._pending[flag] = np.full((1,), 1.0 if value is None else 0.0,
-                                                  dtype=numpy_dtype(self.graph.node(flag).type.dtype))
+                    load.pending[flag] = np.full((1,), 1.0 if value is None else 0.0,
+                                                 dtype=numpy_dtype(self.graph.node(flag).type.dtype))
             if "master" in keys:
-                self._pending[keys["master"]] = (self._graph_value(keys["master"], entry["master"], transposed)
-                                                 if "master" in entry else self._master_from(keys))
+                load.pending[keys["master"]] = (
+                    self._graph_value(keys["master"], entry["master"], transposed,
+                                      f"the optimizer state's state[{index_of[p]}]['master']")
+                    if "master" in entry else self._master_from(keys, load))
 
-    def _load_adam_step(self, entries: dict[str, dict[str, Any]]) -> None:
+    def _load_adam_step(self, entries: dict[str, dict[str, Any]], index_of: dict[str, int], load: _Load) -> None:
         have = [p for p in self.holders if "step" in entries.get(p, {})]
-        steps = sorted({float(as_number(entries[p]["step"])) for p in have})
+        steps = sorted({_step_count(entries[p]["step"], f"the optimizer state's state[{index_of[p]}]['step']")
+                        for p in have})
         if (have and len(have) != len(self.holders)) or len(steps) > 1:
             raise ExecError(f"one AdamW step count is shared by the parameters here; the optimizer state has steps "
                             f"{steps} for {len(have)} of the {len(self.holders)} trained parameters. Load a state "
                             "where every trained parameter took the same steps.")
-        step = steps[0] if steps else 0.0
-        self._pending["adamw.step"] = np.full((1,), step, dtype=numpy_dtype(self.graph.node("adamw.step").type.dtype))
-        self.steps = int(step)
+        step = steps[0] if steps else 0
+        load.pending["adamw.step"] = np.full((1,), step, dtype=numpy_dtype(self.graph.node("adamw.step").type.dtype))
+        load.steps = step
 
     def _fill(self, name: str) -> np.ndarray:
         """Optimizer state ``name`` at its start (zeros; torch's state before a first step)."""
         t, fill = self.optimizer.states[name]
         return np.full(t.shape, fill, dtype=numpy_dtype(t.dtype))
 
-    def _master_from(self, keys: dict[str, str]) -> np.ndarray:
+    def _master_from(self, keys: dict[str, str], load: _Load) -> np.ndarray:
         """Master weights as the parameter's value (torch keeps none: a loaded state starts them there)."""
         dtype = numpy_dtype(self.graph.node(keys["master"]).type.dtype)
-        return np.asarray(self._current(keys[""]), dtype=np.float64).astype(dtype)
+        param = load.pending.get(keys[""])
+        value = self._current(keys[""]) if param is None else param
+        return np.asarray(value, dtype=np.float64).astype(dtype)
 
-    def _load_named_optimizer(self, optim: Mapping[str, Any]) -> None:
+    def _load_named_optimizer(self, optim: Mapping[str, Any], load: _Load) -> None:
         """The layout before torch's: states per parameter name, "adamw.step" at the top."""
         for name, owner, key, transposed in self._entries():
             if not key or key == "grad_accum":
                 continue
-            value = optim.get(key) if owner is None else optim.get(owner, {}).get(key)
+            mine = optim if owner is None else optim.get(owner, {})
+            if not isinstance(mine, Mapping):
+                raise ExecError(f"the optimizer state maps {owner!r} to its states by key ({key!r}, ...); got "
+                                f"{_describe(mine)}. Load a state_dict of this step's optimizer.")
+            value = mine.get(key)
             if value is None:
                 raise ExecError(f"the optimizer state has no {key!r}{f' for {owner!r}' if owner else ''}; load a "
                                 "state_dict of this step's optimizer.")
-            self._pending[name] = self._graph_value(name, value, transposed)
+            what = f"the optimizer state's {owner + '/' if owner else ''}{key}"
+            if name == "adamw.step":
+                dtype = numpy_dtype(self.graph.node(name).type.dtype)
+                load.pending[name] = np.full((1,), _step_count(value, what), dtype=dtype)
+            else:
+                load.pending[name] = self._graph_value(name, value, transposed, what)
 
     def load_into(self, module: Any = None) -> None:
         """Copy the trained parameters into ``module`` (default: the module the step was built from)."""
@@ -437,15 +550,66 @@ class TrainStep:
                 params[p].copy_(value.to(params[p].dtype))
 
 
-def _rate(value: Any) -> float:
-    """A learning rate as torch takes one: a finite number, not negative."""
-    try:
-        rate = float(value) if not isinstance(value, (bool, str, bytes)) and value is not None else float("nan")
-    except (TypeError, ValueError):
-        rate = float("nan")
-    if not 0 <= rate < float("inf"):
-        raise ExecError(f"a learning rate is a finite number >= 0 (torch refuses others); got {value!r}.")
-    return rate
+def _describe(value: Any) -> str:
+    """``value`` for an error message: arrays and tensors by type, dtype and shape, anything else by repr."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"a {type(value).__name__} of dtype {value.dtype} and shape {tuple(value.shape)}"
+    text = repr(value)
+    return f"{type(value).__name__} {text[:80] + '...' if len(text) > 80 else text}"
+
+
+def _real_tensor(value: Any, what: str) -> Any:
+    """``value`` of a loaded state as a torch tensor of real numbers (the tensor itself, detached, where it is
+    one): what torch's ``load_state_dict`` copies, casting its dtype; anything else is refused."""
+    torch = _torch()
+    t: Any = None
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "meta" and value.layout == torch.strided and not value.is_complex():
+            t = value.detach()
+    elif value is not None and not isinstance(value, (str, bytes)):
+        try:
+            a = np.asarray(value)
+        except (TypeError, ValueError):  # a ragged list
+            a = None
+        if a is not None and a.dtype == numpy_dtype("bfloat16"):
+            t = numpy_to_torch(a)
+        elif a is not None and a.dtype.kind in "biuf":
+            t = torch.as_tensor(a)
+    if t is None:
+        raise ExecError(f"{what} is a tensor of real numbers (torch's, or a NumPy array), as torch's state_dict "
+                        f"holds; got {_describe(value)}. Load a state_dict of this module and optimizer.")
+    return t
+
+
+def _is_index(value: Any) -> bool:
+    """A parameter index of a torch optimizer state_dict: an int >= 0 (or its decimal text, after JSON)."""
+    if isinstance(value, str):
+        return value.isdecimal()
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and bool(value >= 0)
+
+
+def _count(value: Any, what: str) -> int:
+    """A count of optimizer steps: an int >= 0 (a bool is not one here)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ExecError(f"{what} is an int >= 0; got {_describe(value)}. Load a state_dict this step wrote, or "
+                        "give the count of optimizer steps run.")
+    return int(value)
+
+
+def _step_count(value: Any, what: str) -> int:
+    """A torch optimizer's ``state["step"]`` (a float tensor of one element, or a number): a whole number >= 0."""
+    step = math.nan
+    if not isinstance(value, (bool, str, bytes)) and value is not None and \
+            getattr(getattr(value, "dtype", None), "is_complex", False) is not True:
+        try:
+            step = float(value)  # a tensor or array of one element too
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    if not (0 <= step < math.inf and step.is_integer()):
+        raise ExecError(f"{what} is the count of steps the parameter took, a whole number >= 0; got "
+                        f"{_describe(value) if hasattr(value, 'shape') else repr(value)}. Load an optimizer "
+                        "state_dict torch wrote.")
+    return int(step)
 
 
 def train_step(module: Any, loss_fn: Any, example_batch: Any, optimizer: Any = None, device: Any = None, *,

@@ -31,8 +31,15 @@ def _tensors(g: Any, what: str, xs: object) -> list[Any]:
     return items
 
 
+def _check_flag(allow_unused: object) -> None:
+    if not isinstance(allow_unused, bool):  # a truthy string would quietly give zeros
+        raise GraphError(f"allow_unused is True (zero gradients for tensors no output depends on) or False; got "
+                         f"{allow_unused!r}.")
+
+
 def vjp(g: Any, outputs: object, cotangents: object, wrt: object, allow_unused: bool = False) -> list[Any]:
     """The gradients with respect to ``wrt`` of ``Σ_i <outputs[i], cotangents[i]>``, appended to ``g``."""
+    _check_flag(allow_unused)
     outs = _tensors(g, "outputs", outputs)
     cots = _tensors(g, "cotangents", cotangents)
     targets = _tensors(g, "wrt", wrt)
@@ -143,6 +150,7 @@ def flows(g: Any, outputs: object, wrt: object) -> list[bool]:
 
 def grad(g: Any, loss: object, wrt: object, allow_unused: bool = False) -> list[Any]:
     """The gradients of the scalar ``loss`` (a tensor of one element) with respect to each of ``wrt``."""
+    _check_flag(allow_unused)  # before the seed is appended: a refused call leaves g as it was
     if isinstance(loss, (list, tuple)):
         raise GraphError(f"grad takes one scalar loss tensor; got {loss!r}. Use g.vjp for several outputs.")
     (out,) = _tensors(g, "loss", loss)

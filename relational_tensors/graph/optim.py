@@ -23,7 +23,7 @@ and ``gate=`` makes an update take effect only in executions where the gate is 1
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, cast
 
@@ -374,6 +374,10 @@ class _Spec:
                 raise GraphError(f"a parameter group of {type(self).__name__} may set {list(self.GROUP_KEYS)}; "
                                  f"group {i} sets {unknown}. Remove them, or use the optimizer that has them.")
             params = group["params"]
+            if not (isinstance(params, str) or hasattr(params, "shape") or isinstance(params, Iterable)):
+                raise GraphError(f"a parameter group's 'params' is a parameter or a list of them (state names, or "
+                                 f"for rt.train_step the module's parameter names or tensors); group {i} has "
+                                 f"{params!r}. Give it a list, e.g. {{'params': ['weight']}}.")
             params = [params] if isinstance(params, str) or hasattr(params, "shape") else list(params)
             out.append({**base, **{k: v for k, v in group.items() if k != "params"}, "params": params})
         return out
