@@ -12,7 +12,7 @@ import numpy as np
 
 from relational_tensors.errors import GraphError
 
-__all__ = ["DTYPES", "FLOAT_DTYPES", "canonical_dtype", "numpy_dtype", "itemsize", "compute_dtype",
+__all__ = ["DTYPES", "FLOAT_DTYPES", "canonical_dtype", "numpy_dtype", "itemsize", "compute_dtype", "partial_dtype",
            "bf16_bits_to_float32", "float32_to_bf16_bits"]
 
 DTYPES: dict[str, np.dtype] = {
@@ -55,14 +55,20 @@ def canonical_dtype(dtype: object) -> str:
 
 
 def partial_dtype(name: str) -> str:
-    """The dtype an unaggregated partial of a ``name`` operator is kept and combined in: float32 for the
-    16-bit floats (⊕ in 16 bits would round every partial and overflow on sums that cancel; the result is
-    rounded once, when the aggregate is assembled), the dtype itself otherwise.
+    """The dtype an unaggregated partial of a ``name`` operator is computed, kept and combined in: wider
+    than ``name`` where a 16-bit ⊕ needs it, so that no partial overflows where the single-device result
+    does not, and the result is rounded once, when the aggregate is assembled.  float16 (max 65504) in
+    float32, whose range its sums cannot leave; bfloat16 in float64, since bfloat16 has float32's range
+    (max 3.39e38) and two partials of a sum that cancels (+2·max, -2·max) would each overflow float32 and
+    combine to NaN.  Other dtypes are their own partial dtype.
 
-    >>> partial_dtype("bfloat16"), partial_dtype("float64"), partial_dtype("int32")
-    ('float32', 'float64', 'int32')
+    >>> partial_dtype("bfloat16"), partial_dtype("float16"), partial_dtype("float64"), partial_dtype("int32")
+    ('float64', 'float32', 'float64', 'int32')
     """
-    return "float32" if name in ("float16", "bfloat16") else name
+    return _PARTIAL.get(name, name)
+
+
+_PARTIAL = {"float16": "float32", "bfloat16": "float64"}
 
 
 def numpy_dtype(name: str) -> np.dtype:

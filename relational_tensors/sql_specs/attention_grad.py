@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from relational_tensors.core.aggregation import LOGSUMEXP, SUM
-from relational_tensors.core.dtypes import FLOAT_DTYPES, partial_dtype
+from relational_tensors.core.dtypes import FLOAT_DTYPES, compute_dtype
 from relational_tensors.core.spec import FunctionSpec, ShardableIndex
 from relational_tensors.core.types import Box, Interval, TensorType
 from relational_tensors.errors import GraphError
@@ -40,6 +40,12 @@ __all__ = ["AttentionLseOp", "AttentionDeltaOp", "AttentionGradOp", "GRAD_PARTS"
 
 _ROW_CHUNK = 256  # query rows per NumPy step, to bound the score matrix
 GRAD_PARTS = ("dq", "dk", "dv", "dkv", "dbias")
+
+
+def _stat_dtype(dtype: str) -> str:
+    """The dtype of a row statistic (log-sum-exp, Δ) of ``dtype`` attention: float32 for 16-bit floats, as
+    FlashAttention keeps them (their range is the scores', not a sum's), the dtype itself otherwise."""
+    return str(compute_dtype(dtype)) if dtype in FLOAT_DTYPES else dtype
 
 
 def _check_qk(kind: str, q: TensorType, k: TensorType) -> None:
@@ -76,7 +82,7 @@ class AttentionLseOp(AttentionOp):
         _check_qk(self.kind, q, k)
         self._check_options(q.shape[0], q.shape[1], k.shape[1])
         self._check_extras(self.input_types[2:], q.shape[0], q.shape[2], q.shape[1], k.shape[1])
-        return TensorType.zero(q.shape[:3], partial_dtype(q.dtype), q.names[:3])
+        return TensorType.zero(q.shape[:3], _stat_dtype(q.dtype), q.names[:3])
 
     def signature(self) -> str:
         return "batch seq_q heads_q d_head, batch seq_kv heads_kv d_head -> batch seq_q heads_q"
@@ -136,7 +142,7 @@ class AttentionDeltaOp(IndexedOp):
             raise GraphError(f"attention_delta takes o and dO of one shape [batch, seq, heads, d_v]; got {o.shape}, "
                              f"{do.shape}.")
         dtype = same_dtype(self.kind, self.input_types)
-        return TensorType.zero(o.shape[:3], partial_dtype(dtype), o.names[:3])
+        return TensorType.zero(o.shape[:3], _stat_dtype(dtype), o.names[:3])
 
     def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
         names = self.input_types[0].names
@@ -145,12 +151,23 @@ class AttentionDeltaOp(IndexedOp):
     def dims_out(self) -> tuple[str | None, ...]:
         return self.input_types[0].names[:3]
 
+    def unshardable(self) -> frozenset[str]:
+        # Δ of 16-bit attention is a row's one sum, as in the reference: dS = P∘(dP − Δ) cancels exactly where
+        # dP and Δ are equal, so Δ's float32 partials added in another order (one ulp at 2**35 is 4096)
+        # would turn the reference's 0 into thousands in dq and dk
+        return frozenset(self.input_types[0].names[3:]) if self._sixteen_bit() else frozenset()
+
+    def _sixteen_bit(self) -> bool:
+        return self.input_types[0].dtype in ("float16", "bfloat16")
+
     def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
         return 2.0 * inputs[0].volume
 
     def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
-        o, do = (np.asarray(b).astype(np.float64 if self.output_type.dtype == "float64" else np.float32)
-                 for b in blocks)
+        # float64, rounded once: the products of 16-bit values are exact, so a row's Δ is the same
+        # float32 whatever order a kernel (or a block's shape) adds them in
+        o, do = (np.asarray(b).astype(np.float64 if self.output_type.dtype == "float64" or self._sixteen_bit()
+                                      else np.float32) for b in blocks)
         return self._result(np.einsum("bshd,bshd->bsh", o, do))
 
 

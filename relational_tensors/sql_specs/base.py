@@ -170,8 +170,26 @@ class Operator:
         raise NotImplementedError
 
     # helpers for kernels
+    # a sum of products (einsum, SQL join, convolution): its bfloat16 NumPy kernel computes in float64
+    contraction: ClassVar[bool] = False
+
     def _compute(self, a: np.ndarray) -> np.ndarray:
-        return a.astype(compute_dtype(self.output_type.dtype), copy=False)
+        return a.astype(self._compute_dtype(), copy=False)
+
+    def _compute_dtype(self) -> np.dtype:
+        """The dtype this kernel computes in: the output's compute dtype, or the partial dtype while a
+        partial kernel runs when that is wider (a bfloat16 partial is computed in float64: float32 has
+        bfloat16's range, so a partial sum would overflow where the whole one might not).  A bfloat16
+        contraction computes in float64 whole too: in float32 a sum of products near bfloat16's max
+        overflows or not, to +inf, -inf or NaN, by BLAS's order of summation, which changes with the
+        block's shape; in float64 no sum of products of two or three bfloat16 values overflows."""
+        dt = compute_dtype(self.output_type.dtype)
+        if self.contraction and self.output_type.dtype == "bfloat16":
+            return np.dtype(np.float64)
+        wide = _RESULT_DTYPE.get()
+        if wide is not None and numpy_dtype(wide).kind == "f" and numpy_dtype(wide).itemsize > dt.itemsize:
+            return numpy_dtype(wide)
+        return dt
 
     def partial_kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec, dtype: str) -> Any:
         """``kernel``, with its (partial) output block in ``dtype``, not rounded to the output's dtype (an

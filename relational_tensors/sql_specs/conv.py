@@ -211,6 +211,7 @@ class ConvOp(_Geometry):
     """
 
     kind = "conv"
+    contraction = True
     aggregation = SUM
 
     def _shapes(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -306,6 +307,7 @@ class ConvGradOp(_Geometry):
     """
 
     kind = "conv_grad"
+    contraction = True
     aggregation = SUM
     gradient = SECOND_ORDER
     part: str = "dx"

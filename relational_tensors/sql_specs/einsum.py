@@ -77,6 +77,7 @@ class EinsumOp(IndexedOp):
     """
 
     kind = "einsum"
+    contraction = True
     cost_family = "matmul"
     subscripts: str = ""
 

@@ -290,6 +290,7 @@ class SqlJoinOp(IndexedOp):
     """
 
     kind = "sql"
+    contraction = True
     cost_family = "matmul"
     query: str = ""
     columns: tuple[tuple[str, tuple[str, ...]], ...] = ()

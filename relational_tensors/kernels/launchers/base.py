@@ -17,13 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from relational_tensors.core.dtypes import bf16_bits_to_float32, compute_dtype, itemsize, numpy_dtype
+from relational_tensors.core.dtypes import bf16_bits_to_float32, compute_dtype, itemsize, numpy_dtype, partial_dtype
 from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.errors import ExecError
 from relational_tensors.sql_specs.base import Operator
 
 __all__ = ["Launcher", "LAUNCHERS", "launcher", "launcher_for", "op_constants", "scratch_shape", "task_scratch",
-           "scratch_bytes", "kernel_scratch", "allocates", "host_kernel", "HOST_KINDS", "FLOATS"]
+           "scratch_bytes", "kernel_scratch", "allocates", "host_kernel", "HOST_KINDS", "FLOATS", "widens"]
 
 LaunchFn = Callable[[Any, FunctionSpec, list, Any, dict, int], None]
 Constants = Callable[[Any], dict[str, np.ndarray]]
@@ -55,16 +55,66 @@ LAUNCHERS: dict[str, Launcher] = {}
 
 
 def launcher(*kinds: str, constants: Constants | None = None, scratch: Scratch | None = None,
-             allocates: bool | Allocates = False) -> Callable[[LaunchFn], LaunchFn]:
-    """Decorator: ``fn`` launches the GPU kernel of the operator ``kinds``."""
+             allocates: bool | Allocates = False, widen: bool = True) -> Callable[[LaunchFn], LaunchFn]:
+    """Decorator: ``fn`` launches the GPU kernel of the operator ``kinds``; with ``widen`` (unless it writes
+    every dtype itself, as the host kernels do) its bfloat16 partials go through float32 (``_widening``)."""
     def register(fn: LaunchFn) -> LaunchFn:
+        wrapped = _WIDENED.setdefault(fn, _widening(fn) if widen else fn)
         for kind in kinds:
             old = LAUNCHERS.get(kind)
-            if old is not None and old.launch is not fn:
+            if old is not None and old.launch is not wrapped:
                 raise ValueError(f"a GPU launcher for operator kind {kind!r} is registered twice")
-            LAUNCHERS[kind] = Launcher(kind, fn, constants, scratch, allocates)
+            LAUNCHERS[kind] = Launcher(kind, wrapped, constants, scratch, allocates)
         return fn
     return register
+
+
+_WIDENED: dict[LaunchFn, LaunchFn] = {}
+
+
+def widens(op: Any, out_dtype: str) -> bool:
+    """Whether a kernel of ``op`` writing a block of ``out_dtype`` writes a partial wider than its kernels
+    compute: a bfloat16 operator's float64 partial (``core.dtypes.partial_dtype``), which the GPU kernels
+    (cuBLAS, Triton) compute in float32 and a widening copy writes."""
+    return op.output_type.dtype == "bfloat16" and out_dtype == partial_dtype("bfloat16") != "float32"
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 8) * 8
+
+
+def _first_replaced(out: Any, by: Any) -> Any:
+    return (_first_replaced(out[0], by), *out[1:]) if isinstance(out, tuple) else by
+
+
+def _widening(fn: LaunchFn) -> LaunchFn:
+    """``fn``, writing a bfloat16 operator's float64 partial through float32: the kernel writes its block into
+    the tail of the task's scratch (``task_scratch`` adds it), a copy widens it into the partial."""
+    def launch(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+        first = out
+        while isinstance(first, tuple):  # an lse partial's (block, lse); a sibling's output beside it
+            first = first[0]
+        if not widens(op, first.dtype):
+            fn(op, f, ins, out, consts, stream)
+            return
+        from relational_tensors.kernels import triton_copy as tc
+        from relational_tensors.kernels.common import DevBuf
+
+        room = consts["scratch"]
+        own = scratch_shape(op, f)
+        skip = _aligned(math.prod(own[0]) * itemsize(own[1])) if own is not None else 0
+        narrow = DevBuf(room.ptr + skip, first.shape, "float32", first.device)
+        inner = dict(consts)
+        if own is not None:
+            inner["scratch"] = DevBuf(room.ptr, tuple(own[0]), own[1], room.device)
+        else:
+            inner.pop("scratch")
+        fn(op, f, ins, _first_replaced(out, narrow), inner, stream)
+        tc.copy_box(narrow, first)  # float32 -> float64, exact
+
+    launch.__name__ = launch.__qualname__ = getattr(fn, "__name__", "launch")
+    launch.__doc__ = fn.__doc__
+    return launch
 
 
 def launcher_for(kind: str) -> Launcher:
@@ -103,6 +153,12 @@ def task_scratch(dag: Any) -> dict[int, tuple[tuple[int, ...], str]]:
             if op is None:
                 continue
             need = scratch_shape(op, t.kernel.function)
+            buf = dag.buffers[t.outputs[0]]
+            if widens(op, buf.dtype) and op.kind not in HOST_KINDS:
+                # a float32 block for the kernel to write before it is widened (``_widening``), after the
+                # kernel's own scratch
+                skip = _aligned(math.prod(need[0]) * itemsize(need[1])) if need is not None else 0
+                need = ((skip // 4 + math.prod(buf.box.shape),), "float32")
             if need is not None:
                 out[t.id] = need
     return out
@@ -125,9 +181,13 @@ def host_kernel(op: Any, f: FunctionSpec, ins: list, out: Any, stream: int) -> N
     them out of CUDA-graph capture)."""
     import cupy
 
+    first = out[0] if isinstance(out, tuple) else out
     with cupy.cuda.ExternalStream(stream):
-        host = op.kernel([cupy.asnumpy(b.cupy()).view(numpy_dtype("bfloat16")) if b.dtype == "bfloat16"
-                          else cupy.asnumpy(b.cupy()) for b in ins], f)
+        blocks = [cupy.asnumpy(b.cupy()).view(numpy_dtype("bfloat16")) if b.dtype == "bfloat16"
+                  else cupy.asnumpy(b.cupy()) for b in ins]
+        # a partial (wider than the output) computed as the NumPy executor computes it, not rounded first
+        host = op.kernel(blocks, f) if first.dtype == op.output_type.dtype else \
+            op.partial_kernel(blocks, f, first.dtype)
         # an operator with a log-sum-exp returns (block, lse); out is that pair only where the ⊕ needs it
         pairs = zip(out, host) if isinstance(out, tuple) else [(out, host[0] if isinstance(host, tuple) else host)]
         for buf, value in pairs:
@@ -143,7 +203,7 @@ FLOATS = ("float16", "bfloat16", "float32", "float64")
 HOST_KINDS = ("sql", "pad", "where", "conv_grad", "pool", "pool_grad")
 
 
-@launcher(*HOST_KINDS, allocates=True)
+@launcher(*HOST_KINDS, allocates=True, widen=False)
 def _host(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     host_kernel(op, f, ins, out, stream)
 
