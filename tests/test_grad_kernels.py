@@ -599,7 +599,7 @@ def recorded_kernel_calls(monkeypatch: pytest.MonkeyPatch, g: rt.Graph, feeds: d
     def recording(self: Any, task: Any, ins: list[Any]) -> list[Any]:
         out = original(self, task, ins)
         if task.kind == "kernel":
-            node = self.graph.nodes[task.op]
+            node = self.dag.nodes[task.op]
             if node.kind in KINDS:
                 calls.append((node.op, task.kernel.function, [np.array(a, copy=True) for a in ins],
                               self.dag.buffers[task.outputs[0]].dtype, np.array(out[0], copy=True)))
