@@ -62,6 +62,18 @@ def _span(lo_min, lo_max, hi_min, hi_max, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _row_limits(lo_ptr, hi_ptr, klim_ptr, abs_rows, rmask, batch, LIMITS: tl.constexpr):
+    """Each row's keys [lo, hi) (absolute), within its batch row's key limits where there are some (key
+    lengths, or the first and one-past-last real key of padding)."""
+    lo = tl.load(lo_ptr + abs_rows, mask=rmask, other=_BIG)
+    hi = tl.load(hi_ptr + abs_rows, mask=rmask, other=-_BIG)
+    if LIMITS:
+        lo = tl.maximum(lo, tl.load(klim_ptr + batch * 2))
+        hi = tl.minimum(hi, tl.load(klim_ptr + batch * 2 + 1))
+    return lo, hi
+
+
+@triton.jit
 def _mm(a, b, acc, IEEE: tl.constexpr):
     if IEEE:  # float32 (and float64) multiply exactly, not in TF32
         return tl.dot(a, b, acc, input_precision="ieee")
@@ -87,8 +99,9 @@ def _load_rows(base, rows, stride, cols, n_rows, WIDTH: tl.constexpr, BLOCK_W: t
 
 @triton.jit
 def _lse_tile(l_i, m_i, q, k_base, stride_ks, n0, skv, lo, hi, k_offset, qk_scale, dd, k_desc, krow, kcol,
+              kp_base, stride_kpk,
               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              MASKED: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
+              MASKED: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, BITS: tl.constexpr):
     cols = n0 + tl.arange(0, BLOCK_N)
     if TMA:
         k = k_desc.load([krow + n0, kcol])
@@ -98,6 +111,8 @@ def _lse_tile(l_i, m_i, q, k_base, stride_ks, n0, skv, lo, hi, k_offset, qk_scal
     if MASKED:
         abs_cols = k_offset + cols
         visible = (abs_cols[None, :] >= lo[:, None]) & (abs_cols[None, :] < hi[:, None]) & (cols[None, :] < skv)
+        if BITS:
+            visible = visible & (tl.load(kp_base + cols * stride_kpk, mask=cols < skv, other=0) != 0)[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
@@ -111,9 +126,9 @@ def _lse_tile(l_i, m_i, q, k_base, stride_ks, n0, skv, lo, hi, k_offset, qk_scal
 @triton.jit
 def _lse_kernel(q_ptr, k_ptr, lse_ptr, lo_ptr, hi_ptr, sq, skv, hq, group, q_offset, k_offset, qk_scale,
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_lb, stride_ls, stride_lh,
-                q_desc, k_desc,
+                kp_ptr, klim_ptr, stride_kpb, stride_kpk, klim_b0, q_desc, k_desc,
                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                IEEE: tl.constexpr, ACC: tl.constexpr, TMA: tl.constexpr):
+                IEEE: tl.constexpr, ACC: tl.constexpr, TMA: tl.constexpr, LIMITS: tl.constexpr, BITS: tl.constexpr):
     m_blocks = tl.cdiv(sq, BLOCK_M)
     pid = tl.program_id(0).to(tl.int64)
     nbh = tl.num_programs(0).to(tl.int64) // m_blocks
@@ -129,11 +144,14 @@ def _lse_kernel(q_ptr, k_ptr, lse_ptr, lo_ptr, hi_ptr, sq, skv, hq, group, q_off
         q = q_desc.load([(b * sq + pid_m * BLOCK_M).to(tl.int32), (h * D).to(tl.int32)])
     else:
         q = _load_rows(q_ptr + b * stride_qb + h * stride_qh, rows, stride_qs, dd, sq, D, BLOCK_D, True)
-    lo = tl.load(lo_ptr + q_offset + rows, mask=rmask, other=_BIG)
-    hi = tl.load(hi_ptr + q_offset + rows, mask=rmask, other=-_BIG)
+    lo, hi = _row_limits(lo_ptr, hi_ptr, klim_ptr, q_offset + rows, rmask, klim_b0 + b, LIMITS)
     start, end, full_lo, full_hi = _span(tl.min(lo, axis=0) - k_offset, tl.max(tl.where(rmask, lo, -_BIG), axis=0)
                                          - k_offset, tl.min(tl.where(rmask, hi, _BIG), axis=0) - k_offset,
                                          tl.max(hi, axis=0) - k_offset, skv, BLOCK_N)
+    if BITS:  # padding may leave holes anywhere: every tile is masked
+        full_lo = tl.maximum(end, start)
+        full_hi = full_lo
+    kp_base = kp_ptr + b * stride_kpb
     k_base = k_ptr + b * stride_kb + hk * stride_kh
     krow = (b * skv).to(tl.int32)
     kcol = (hk * D).to(tl.int32)
@@ -141,13 +159,13 @@ def _lse_kernel(q_ptr, k_ptr, lse_ptr, lo_ptr, hi_ptr, sq, skv, hq, group, q_off
     l_i = tl.zeros([BLOCK_M], dtype=ACC)
     for n0 in range(start, tl.minimum(full_lo, end), BLOCK_N):
         l_i, m_i = _lse_tile(l_i, m_i, q, k_base, stride_ks, n0, skv, lo, hi, k_offset, qk_scale, dd, k_desc, krow,
-                             kcol, D, BLOCK_D, BLOCK_M, BLOCK_N, True, IEEE, TMA)
+                             kcol, kp_base, stride_kpk, D, BLOCK_D, BLOCK_M, BLOCK_N, True, IEEE, TMA, BITS)
     for n0 in range(full_lo, full_hi, BLOCK_N):
         l_i, m_i = _lse_tile(l_i, m_i, q, k_base, stride_ks, n0, skv, lo, hi, k_offset, qk_scale, dd, k_desc, krow,
-                             kcol, D, BLOCK_D, BLOCK_M, BLOCK_N, False, IEEE, TMA)
+                             kcol, kp_base, stride_kpk, D, BLOCK_D, BLOCK_M, BLOCK_N, False, IEEE, TMA, BITS)
     for n0 in range(tl.maximum(full_hi, tl.minimum(full_lo, end)), end, BLOCK_N):
         l_i, m_i = _lse_tile(l_i, m_i, q, k_base, stride_ks, n0, skv, lo, hi, k_offset, qk_scale, dd, k_desc, krow,
-                             kcol, D, BLOCK_D, BLOCK_M, BLOCK_N, True, IEEE, TMA)
+                             kcol, kp_base, stride_kpk, D, BLOCK_D, BLOCK_M, BLOCK_N, True, IEEE, TMA, BITS)
     m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
     lse = tl.where(l_i > 0, (m_fin + tl.log2(tl.where(l_i > 0, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
     tl.store(lse_ptr + b * stride_lb + rows.to(tl.int64) * stride_ls + h * stride_lh,
@@ -185,10 +203,10 @@ def _delta_kernel(o_ptr, do_ptr, out_ptr, n_rows, s, h, dv,
 
 @triton.jit
 def _dq_tile(acc, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n0, skv, lo, hi, k_offset, qk_scale,
-             dd, dvv, k_desc, v_desc, krow, kcol, vcol,
+             dd, dvv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk,
              D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
-             TMA: tl.constexpr):
+             TMA: tl.constexpr, BITS: tl.constexpr):
     cols = n0 + tl.arange(0, BLOCK_N)
     if TMA:
         k = k_desc.load([krow + n0, kcol])
@@ -201,6 +219,8 @@ def _dq_tile(acc, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n0, 
     if MASKED:
         abs_cols = k_offset + cols
         visible = (abs_cols[None, :] >= lo[:, None]) & (abs_cols[None, :] < hi[:, None]) & (cols[None, :] < skv)
+        if BITS:
+            visible = visible & (tl.load(kp_base + cols * stride_kpk, mask=cols < skv, other=0) != 0)[None, :]
         p = tl.where(visible, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
     else:
         p = tl.exp2(s * qk_scale - lse2[:, None])
@@ -217,10 +237,11 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, lo_ptr, 
                sq, skv, hq, group, q_offset, k_offset, scale, qk_scale,
                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                stride_gb, stride_gs, stride_gh, stride_lb, stride_ls, stride_lh, stride_tb, stride_ts, stride_th,
-               stride_ob, stride_os, stride_oh, q_desc, k_desc, v_desc, do_desc,
+               stride_ob, stride_os, stride_oh, kp_ptr, klim_ptr, stride_kpb, stride_kpk, klim_b0,
+               q_desc, k_desc, v_desc, do_desc,
                D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr,
-               TMA: tl.constexpr):
+               TMA: tl.constexpr, LIMITS: tl.constexpr, BITS: tl.constexpr):
     m_blocks = tl.cdiv(sq, BLOCK_M)
     pid = tl.program_id(0).to(tl.int64)
     nbh = tl.num_programs(0).to(tl.int64) // m_blocks
@@ -244,11 +265,14 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, lo_ptr, 
     lse2 = lse.to(ACC) * 1.4426950408889634
     delta = tl.load(delta_ptr + b * stride_tb + rows.to(tl.int64) * stride_ts + h * stride_th, mask=rmask,
                     other=0.0).to(ACC)
-    lo = tl.load(lo_ptr + q_offset + rows, mask=rmask, other=_BIG)
-    hi = tl.load(hi_ptr + q_offset + rows, mask=rmask, other=-_BIG)
+    lo, hi = _row_limits(lo_ptr, hi_ptr, klim_ptr, q_offset + rows, rmask, klim_b0 + b, LIMITS)
     start, end, full_lo, full_hi = _span(tl.min(lo, axis=0) - k_offset, tl.max(tl.where(rmask, lo, -_BIG), axis=0)
                                          - k_offset, tl.min(tl.where(rmask, hi, _BIG), axis=0) - k_offset,
                                          tl.max(hi, axis=0) - k_offset, skv, BLOCK_N)
+    if BITS:  # padding may leave holes anywhere: every tile is masked
+        full_lo = tl.maximum(end, start)
+        full_hi = full_lo
+    kp_base = kp_ptr + b * stride_kpb
     k_base = k_ptr + b * stride_kb + hk * stride_kh
     v_base = v_ptr + b * stride_vb + hk * stride_vh
     krow = (b * skv).to(tl.int32)
@@ -257,16 +281,16 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, lo_ptr, 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
     for n0 in range(start, tl.minimum(full_lo, end), BLOCK_N):
         acc = _dq_tile(acc, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n0, skv, lo, hi, k_offset,
-                       qk_scale, dd, dvv, k_desc, v_desc, krow, kcol, vcol, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
-                       True, IEEE, TMA)
+                       qk_scale, dd, dvv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, D, DV, BLOCK_D,
+                       BLOCK_DV, BLOCK_M, BLOCK_N, True, IEEE, TMA, BITS)
     for n0 in range(full_lo, full_hi, BLOCK_N):
         acc = _dq_tile(acc, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n0, skv, lo, hi, k_offset,
-                       qk_scale, dd, dvv, k_desc, v_desc, krow, kcol, vcol, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
-                       False, IEEE, TMA)
+                       qk_scale, dd, dvv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, D, DV, BLOCK_D,
+                       BLOCK_DV, BLOCK_M, BLOCK_N, False, IEEE, TMA, BITS)
     for n0 in range(tl.maximum(full_hi, tl.minimum(full_lo, end)), end, BLOCK_N):
         acc = _dq_tile(acc, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n0, skv, lo, hi, k_offset,
-                       qk_scale, dd, dvv, k_desc, v_desc, krow, kcol, vcol, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
-                       True, IEEE, TMA)
+                       qk_scale, dd, dvv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, D, DV, BLOCK_D,
+                       BLOCK_DV, BLOCK_M, BLOCK_N, True, IEEE, TMA, BITS)
     acc = acc * scale
     tl.store(dq_ptr + b * stride_ob + rows[:, None].to(tl.int64) * stride_os + h * stride_oh + dd[None, :],
              acc.to(dq_ptr.dtype.element_ty), mask=rmask[:, None] & (dd[None, :] < D))
@@ -328,11 +352,12 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
                 sq, skv, hkv, group, stride_split, q_offset, k_offset, scale, qk_scale,
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 stride_gb, stride_gs, stride_gh, stride_lb, stride_ls, stride_lh, stride_tb, stride_ts, stride_th,
-                stride_ob, stride_os, stride_oh, q_desc, k_desc, v_desc, do_desc,
+                stride_ob, stride_os, stride_oh, kp_ptr, klim_ptr, stride_kpb, stride_kpk, klim_b0,
+                q_desc, k_desc, v_desc, do_desc,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_DK: tl.constexpr, WRITE_DV: tl.constexpr,
                 IEEE: tl.constexpr, ACC: tl.constexpr, TMA: tl.constexpr, RELOAD: tl.constexpr,
-                SPLITS: tl.constexpr):
+                SPLITS: tl.constexpr, LIMITS: tl.constexpr, BITS: tl.constexpr):
     n_blocks = tl.cdiv(skv, BLOCK_N)
     pid = tl.program_id(0).to(tl.int64)
     nbh = tl.num_programs(0).to(tl.int64) // n_blocks
@@ -359,11 +384,29 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
     # the rows that see key c are [key_qlo[c], key_qhi[c]), both ends non-decreasing in c
     kqlo = tl.load(kqlo_ptr + k_offset + cols, mask=cmask, other=_BIG)
     kqhi = tl.load(kqhi_ptr + k_offset + cols, mask=cmask, other=-_BIG)
-    first = k_offset + n0
-    last = k_offset + tl.minimum(n0 + BLOCK_N, skv) - 1
-    start, end, full_lo, full_hi = _span(tl.load(kqlo_ptr + first) - q_offset, tl.load(kqlo_ptr + last) - q_offset,
-                                         tl.load(kqhi_ptr + first) - q_offset, tl.load(kqhi_ptr + last) - q_offset,
-                                         sq, BLOCK_M)
+    if LIMITS or BITS:
+        # a key outside its batch row's limits, or padding, is seen by no row: its range is emptied, and the
+        # tile's span is taken over what is left (no tile is whole where one key is hidden)
+        hidden = cols < 0
+        if LIMITS:
+            abs_cols = k_offset + cols
+            hidden = hidden | (abs_cols < tl.load(klim_ptr + (klim_b0 + b) * 2)) | \
+                (abs_cols >= tl.load(klim_ptr + (klim_b0 + b) * 2 + 1))
+        if BITS:
+            hidden = hidden | (tl.load(kp_ptr + b * stride_kpb + cols * stride_kpk, mask=cmask, other=0) == 0)
+        kqlo = tl.where(hidden, _BIG, kqlo)
+        kqhi = tl.where(hidden, -_BIG, kqhi)
+        start, end, full_lo, full_hi = _span(tl.min(kqlo, axis=0) - q_offset,
+                                             tl.max(tl.where(cmask, kqlo, -_BIG), axis=0) - q_offset,
+                                             tl.min(tl.where(cmask, kqhi, _BIG), axis=0) - q_offset,
+                                             tl.max(kqhi, axis=0) - q_offset, sq, BLOCK_M)
+    else:
+        first = k_offset + n0
+        last = k_offset + tl.minimum(n0 + BLOCK_N, skv) - 1
+        start, end, full_lo, full_hi = _span(tl.load(kqlo_ptr + first) - q_offset,
+                                             tl.load(kqlo_ptr + last) - q_offset,
+                                             tl.load(kqhi_ptr + first) - q_offset,
+                                             tl.load(kqhi_ptr + last) - q_offset, sq, BLOCK_M)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
     qrow = (b * sq).to(tl.int32)
@@ -500,6 +543,17 @@ def _widths(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
+def _padding_arguments(fallback: DevBuf, key_padding: DevBuf | None, limits: DevBuf | None,
+                       limits_batch: int) -> tuple[tuple, dict]:
+    """(kernel arguments, constexprs) of key padding (bool [b, skv], this block's keys) and per-batch key
+    limits (int32 [B, 2], absolute; row ``limits_batch + b``), as the forward kernel takes them."""
+    args = (Ptr(key_padding) if key_padding is not None else Ptr(fallback),
+            Ptr(limits) if limits is not None else Ptr(fallback),
+            key_padding.strides[0] if key_padding is not None else 0,
+            key_padding.strides[1] if key_padding is not None else 0, limits_batch)
+    return args, dict(LIMITS=limits is not None, BITS=key_padding is not None)
+
+
 def _shape_key(kind: str, q: DevBuf, k: DevBuf, dv: int, tma: tuple | None, *extra: object) -> tuple:
     nb, sq, hq, d = q.shape
     return (kind, d, dv, q.dtype, tma is not None, triton.next_power_of_2(sq), triton.next_power_of_2(k.shape[1]),
@@ -507,10 +561,12 @@ def _shape_key(kind: str, q: DevBuf, k: DevBuf, dv: int, tma: tuple | None, *ext
 
 
 def attention_lse(q: DevBuf, k: DevBuf, lse: DevBuf, row_lo: DevBuf, row_hi: DevBuf, q_offset: int, k_offset: int,
-                  scale: float, config: Config | None = None) -> None:
+                  scale: float, config: Config | None = None, key_padding: DevBuf | None = None,
+                  limits: DevBuf | None = None, limits_batch: int = 0) -> None:
     """lse [b, sq, hq] = log Σ_visible exp(scale · q·k) of blocks q, k (-inf where a row sees no key).
 
-    ``config`` fixes (BLOCK_M, BLOCK_N, num_warps, num_stages, loads) instead of timing the candidates."""
+    ``config`` fixes (BLOCK_M, BLOCK_N, num_warps, num_stages, loads) instead of timing the candidates;
+    key padding and key limits as the forward kernel takes them (``triton_attention.launch_arguments``)."""
     _check("attention_lse", {"q": q, "k": k})
     nb, sq, hq, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
@@ -522,7 +578,9 @@ def attention_lse(q: DevBuf, k: DevBuf, lse: DevBuf, row_lo: DevBuf, row_hi: Dev
     block_d = _widths(d)
     args = (Ptr(q), Ptr(k), Ptr(lse), Ptr(row_lo), Ptr(row_hi), sq, skv, hq, hq // hkv, q_offset, k_offset,
             float(scale) * math.log2(math.e), *q.strides[:3], *k.strides[:3], *_strides3(lse))
-    consts = dict(D=d, BLOCK_D=block_d, IEEE=ieee, ACC=acc_type(q.dtype))
+    pad_args, pad_consts = _padding_arguments(row_lo, key_padding, limits, limits_batch)
+    args = (*args, *pad_args)
+    consts = dict(D=d, BLOCK_D=block_d, IEEE=ieee, ACC=acc_type(q.dtype), **pad_consts)
     tma = _tma_views((q, k))
 
     def launch(cfg: Config) -> None:
@@ -532,8 +590,8 @@ def attention_lse(q: DevBuf, k: DevBuf, lse: DevBuf, row_lo: DevBuf, row_hi: Dev
         _lse_kernel[(triton.cdiv(sq, bm) * nb * hq,)](*args, *descs, **consts, BLOCK_M=bm, BLOCK_N=bn,
                                                       TMA=use_tma, num_warps=warps, num_stages=stages)
 
-    launch(config or _pick(_shape_key("lse", q, k, 0, tma), (IEEE_CONFIGS if ieee else ROW_CONFIGS)["lse"], tma,
-                           launch))
+    launch(config or _pick(_shape_key("lse", q, k, 0, tma, *pad_consts.values()),
+                           (IEEE_CONFIGS if ieee else ROW_CONFIGS)["lse"], tma, launch))
 
 
 def attention_delta(o: DevBuf, do: DevBuf, out: DevBuf) -> None:
@@ -561,8 +619,10 @@ def _grad_arguments(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, de
 
 def attention_dq(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf, dq: DevBuf,
                  row_lo: DevBuf, row_hi: DevBuf, q_offset: int, k_offset: int, scale: float,
-                 config: Config | None = None) -> None:
-    """dq [b, sq, hq, d] of blocks q, k, v, dO with the rows' full lse and Δ (a key block's partial)."""
+                 config: Config | None = None, key_padding: DevBuf | None = None, limits: DevBuf | None = None,
+                 limits_batch: int = 0) -> None:
+    """dq [b, sq, hq, d] of blocks q, k, v, dO with the rows' full lse and Δ (a key block's partial); key
+    padding and key limits as the forward kernel takes them."""
     _check("attention_dq", {"q": q, "k": k, "v": v, "dO": do, "dq": dq})
     nb, sq, hq, d = q.shape
     skv, hkv, dvn = k.shape[1], k.shape[2], v.shape[3]
@@ -575,7 +635,9 @@ def attention_dq(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta
     args = (Ptr(q), Ptr(k), Ptr(v), Ptr(do), Ptr(lse), Ptr(delta), Ptr(dq), Ptr(row_lo), Ptr(row_hi),
             sq, skv, hq, hq // hkv, q_offset, k_offset, float(scale), float(scale) * math.log2(math.e),
             *_grad_arguments(q, k, v, do, lse, delta, dq))
-    consts = dict(D=d, DV=dvn, BLOCK_D=block_d, BLOCK_DV=block_dv, IEEE=ieee, ACC=acc_type(q.dtype))
+    pad_args, pad_consts = _padding_arguments(row_lo, key_padding, limits, limits_batch)
+    args = (*args, *pad_args)
+    consts = dict(D=d, DV=dvn, BLOCK_D=block_d, BLOCK_DV=block_dv, IEEE=ieee, ACC=acc_type(q.dtype), **pad_consts)
     tma = _tma_views((q, k, v, do))
 
     def launch(cfg: Config) -> None:
@@ -585,18 +647,20 @@ def attention_dq(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta
         _dq_kernel[(triton.cdiv(sq, bm) * nb * hq,)](*args, *descs, **consts, BLOCK_M=bm, BLOCK_N=bn,
                                                      TMA=use_tma, num_warps=warps, num_stages=stages)
 
-    launch(config or _pick(_shape_key("dq", q, k, dvn, tma), (IEEE_CONFIGS if ieee else ROW_CONFIGS)["dq"], tma,
-                           launch))
+    launch(config or _pick(_shape_key("dq", q, k, dvn, tma, *pad_consts.values()),
+                           (IEEE_CONFIGS if ieee else ROW_CONFIGS)["dq"], tma, launch))
 
 
 def attention_dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf, out: DevBuf,
                   key_qlo: DevBuf, key_qhi: DevBuf, q_offset: int, k_offset: int, scale: float,
                   dk: bool = True, dv: bool = True, config: Config | None = None,
-                  scratch: DevBuf | None = None) -> None:
+                  scratch: DevBuf | None = None, key_padding: DevBuf | None = None, limits: DevBuf | None = None,
+                  limits_batch: int = 0) -> None:
     """dk and dv of blocks q, k, v, dO (a query block's partial) into ``out`` [b, skv, hkv, width]: dk in
     [..., :d] and dv after it (width d + d_v), or only the one asked for.  With ``scratch`` (at least
     ``dkv_scratch(...)`` float32 elements) a group's query heads are split among programs where
-    ``dkv_splits`` says so."""
+    ``dkv_splits`` says so.  Key padding and key limits as the forward kernel takes them: a hidden key's
+    dk and dv are 0."""
     _check("attention_dkv", {"q": q, "k": k, "v": v, "dO": do, "out": out})
     nb, sq, hq, d = q.shape
     skv, hkv, dvn = k.shape[1], k.shape[2], v.shape[3]
@@ -622,8 +686,10 @@ def attention_dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delt
     args = (Ptr(q), Ptr(k), Ptr(v), Ptr(do), Ptr(lse), Ptr(delta), Ptr(target), Ptr(key_qlo), Ptr(key_qhi),
             sq, skv, hkv, group, stride_split, q_offset, k_offset, float(scale),
             float(scale) * math.log2(math.e), *_grad_arguments(q, k, v, do, lse, delta, target))
+    pad_args, pad_consts = _padding_arguments(key_qlo, key_padding, limits, limits_batch)
+    args = (*args, *pad_args)
     consts = dict(D=d, DV=dvn, BLOCK_D=block_d, BLOCK_DV=block_dv, WRITE_DK=dk, WRITE_DV=dv, IEEE=ieee,
-                  ACC=acc_type(q.dtype))
+                  ACC=acc_type(q.dtype), **pad_consts)
     tma = _tma_views((q, k, v, do))
 
     def launch(cfg: Config) -> None:
@@ -639,5 +705,5 @@ def attention_dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delt
                 Ptr(target), Ptr(out), rows, skv, hkv, width, splits, stride_split, *_strides3(out),
                 BLOCK_R=32, BLOCK_W=bw, num_warps=4)
 
-    launch(config or _pick(_shape_key("dkv", q, k, dvn, tma, dk, dv, splits),
+    launch(config or _pick(_shape_key("dkv", q, k, dvn, tma, dk, dv, splits, *pad_consts.values()),
                            (IEEE_CONFIGS if ieee else ROW_CONFIGS)["dkv"], tma, launch))

@@ -46,11 +46,6 @@ def _dense_attention(op: Any, f: FunctionSpec, ins: list, out: Any, stream: int)
                 else value.astype(dst.dtype)
 
 
-def _masked(op: Any) -> bool:
-    """The masked forms of attention's backward (extra inputs, key lengths) run on host copies, which allocate."""
-    return bool(op.extras) or op.key_lengths is not None
-
-
 def _dense(op: Any) -> bool:
     """The forward forms the Triton kernel does not take (a boolean mask or a bias) run on CuPy, which
     allocates; key padding and key lengths run in the kernel."""
@@ -58,12 +53,11 @@ def _dense(op: Any) -> bool:
 
 
 def _lse_allocates(op: Any) -> bool:
-    return _masked(op) or op.input_types[0].dtype == "float64"  # those run the NumPy kernel on host copies
+    return _host_form(op)  # masks, biases and float64 run the NumPy kernel on host copies
 
 
 def _grad_allocates(op: Any) -> bool:
-    # the masked forms, the bias gradient and float64 run the NumPy kernel on host copies
-    return _masked(op) or op.part == "dbias" or op.input_types[0].dtype == "float64"
+    return _host_form(op)  # masks, biases, the bias gradient and float64 run the NumPy kernel on host copies
 
 
 @launcher("attention", constants=_attention_constants, scratch=_attention_scratch, allocates=_dense)
@@ -116,16 +110,49 @@ def key_query_limits(row_lo: np.ndarray, row_hi: np.ndarray, n_keys: int) -> tup
 def _attention_grad_constants(op: Any) -> dict[str, np.ndarray]:
     lo, hi = op._key_limits(np.arange(op.input_types[0].shape[1]))
     qlo, qhi = key_query_limits(lo, hi, op.input_types[1].shape[1])
-    return {"row_lo": lo.astype(np.int32), "row_hi": hi.astype(np.int32), "key_qlo": qlo.astype(np.int32),
-            "key_qhi": qhi.astype(np.int32)}
+    out = {"row_lo": lo.astype(np.int32), "row_hi": hi.astype(np.int32), "key_qlo": qlo.astype(np.int32),
+           "key_qhi": qhi.astype(np.int32)}
+    if op.key_lengths is not None:
+        lengths = np.asarray(op.key_lengths, dtype=np.int32)
+        out["key_limits"] = np.stack([np.zeros_like(lengths), lengths], axis=1)
+    return out
 
 
 def _host_form(op: Any) -> bool:
-    """Whether an attention-backward operator runs its NumPy kernel on host copies whatever its blocks: key
-    padding, masks, biases and key lengths (which per-row key ranges cannot express), the bias gradient and
-    float64 (no float64 attention on GPUs)."""
-    return (bool(op.extras) or op.key_lengths is not None or getattr(op, "part", "") == "dbias"
+    """Whether an attention-backward operator runs its NumPy kernel on host copies whatever its blocks: masks
+    and biases (key padding and key lengths run in the kernels), the bias gradient and float64 (no float64
+    attention on GPUs)."""
+    return ((bool(op.extras) and not _padding_only(op)) or getattr(op, "part", "") == "dbias"
             or op.input_types[0].dtype == "float64")
+
+
+_LIMITS_BYTES = 256  # the key limits' room at the head of a backward kernel's scratch (alignment kept after it)
+
+
+def _limits_room(batch: int) -> int:
+    """float32 elements of scratch that hold ``batch`` rows of int32 key limits, rounded to keep alignment."""
+    return -(-(8 * batch) // _LIMITS_BYTES) * _LIMITS_BYTES // 4
+
+
+def _key_padding(op: Any, f: FunctionSpec, ins: list, consts: dict, main: int) -> dict[str, Any]:
+    """The key-padding and key-limit arguments of a backward kernel: padding's limits computed into the head
+    of the task's scratch, or the key lengths' constant limits; none for the other forms."""
+    from relational_tensors.kernels.common import DevBuf
+    from relational_tensors.kernels.triton_attention import padding_limits
+
+    if _padding_only(op):
+        kp = ins[main]
+        room = consts["scratch"]
+        limits = DevBuf(room.ptr, (kp.shape[0], 2), "int32", room.device)
+        padding_limits(kp, limits, f.inputs[1].lower[1])
+        return {"key_padding": kp, "limits": limits}
+    if op.key_lengths is not None:
+        return {"limits": consts["key_limits"], "limits_batch": f.inputs[0].lower[0]}
+    return {}
+
+
+def _lse_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str] | None:
+    return ((_limits_room(f.inputs[0].shape[0]),), "float32") if _padding_only(op) else None
 
 
 def _grad_on_host(op: Any, bufs: list) -> bool:
@@ -134,7 +161,7 @@ def _grad_on_host(op: Any, bufs: list) -> bool:
     return _host_form(op) or any(b.shape[-1] > 1 and b.strides[-1] != 1 for b in bufs)
 
 
-@launcher("attention_lse", constants=_attention_grad_constants, allocates=_lse_allocates)
+@launcher("attention_lse", constants=_attention_grad_constants, scratch=_lse_scratch, allocates=_lse_allocates)
 def _attention_lse(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.kernels import triton_copy as tc
     from relational_tensors.kernels.triton_attention_grad import attention_lse
@@ -147,7 +174,7 @@ def _attention_lse(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, 
         tc.fill(out, float("-inf"))
         return
     attention_lse(q, k, out, consts["row_lo"], consts["row_hi"], f.inputs[0].lower[1], f.inputs[1].lower[1],
-                  op.softmax_scale)
+                  op.softmax_scale, **_key_padding(op, f, ins, consts, 2))
 
 
 @launcher("attention_delta")
@@ -158,15 +185,19 @@ def _attention_delta(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict
 
 
 def _attention_grad_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str] | None:
-    """float32 partials of a dk|dv pass that splits its query heads (``kernels.scratch.dkv_splits``)."""
+    """float32 partials of a dk|dv pass that splits its query heads (``kernels.scratch.dkv_splits``), after
+    the key limits of padding (``_limits_room``)."""
     from relational_tensors.kernels.scratch import dkv_scratch
 
-    if op.part not in ("dk", "dv", "dkv") or _host_form(op):
+    if _host_form(op):
         return None
-    (nb, _, hq, d), (_, skv, hkv, _), dv = f.inputs[0].shape, f.inputs[1].shape, f.inputs[2].shape[3]
-    width = (d if op.part in ("dk", "dkv") else 0) + (dv if op.part in ("dv", "dkv") else 0)
-    need = dkv_scratch(nb, skv, hkv, hq // hkv, width) if hkv else 0
-    return ((need,), "float32") if need else None
+    head = _limits_room(f.inputs[0].shape[0]) if _padding_only(op) else 0
+    need = 0
+    if op.part in ("dk", "dv", "dkv"):
+        (nb, _, hq, d), (_, skv, hkv, _), dv = f.inputs[0].shape, f.inputs[1].shape, f.inputs[2].shape[3]
+        width = (d if op.part in ("dk", "dkv") else 0) + (dv if op.part in ("dv", "dkv") else 0)
+        need = dkv_scratch(nb, skv, hkv, hq // hkv, width) if hkv else 0
+    return ((head + need,), "float32") if head + need else None
 
 
 @launcher("attention_grad", constants=_attention_grad_constants, scratch=_attention_grad_scratch,
@@ -185,11 +216,19 @@ def _attention_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict,
             tc.fill(out, 0.0)
             return
         attention_dq(q, k, v, do, lse, delta, out, consts["row_lo"], consts["row_hi"], q_offset, k_offset,
-                     op.softmax_scale)
+                     op.softmax_scale, **_key_padding(op, f, ins, consts, 6))
         return
     if q.shape[1] == 0:  # no row of this query block sees these keys
         tc.fill(out, 0.0)
         return
+    padding = _key_padding(op, f, ins, consts, 6)
+    scratch = consts.get("scratch")
+    if scratch is not None and _padding_only(op):  # the dk|dv partials after the key limits
+        from relational_tensors.kernels.common import DevBuf
+
+        head = _limits_room(f.inputs[0].shape[0]) * 4
+        rest = scratch.nbytes - head
+        scratch = DevBuf(scratch.ptr + head, (rest // 4,), "float32", scratch.device) if rest > 0 else None
     attention_dkv(q, k, v, do, lse, delta, out, consts["key_qlo"], consts["key_qhi"], q_offset, k_offset,
-                  op.softmax_scale, dk=op.part in ("dk", "dkv"), dv=op.part in ("dv", "dkv"),
-                  scratch=consts.get("scratch"))
+                  op.softmax_scale, dk=op.part in ("dk", "dkv"), dv=op.part in ("dv", "dkv"), scratch=scratch,
+                  **padding)
