@@ -102,19 +102,38 @@ def test_the_backward_reads_the_lse_the_forward_wrote(device: str, monkeypatch: 
         _relative(paired[name], plain[name], 2e-2, f"{device} {name} against the recomputed lse")
 
 
-def test_masked_forms_keep_the_host_path() -> None:
-    # key padding is not a per-row key range: its backward runs the NumPy kernels on host copies, eagerly
+@pytest.mark.parametrize("form", ["key lengths", "key padding", "mask"])
+def test_padded_forms_run_in_the_kernels_and_masks_on_the_host(form: str) -> None:
+    """Key lengths and key padding run in the Triton kernels, forward and backward (captured), a boolean mask
+    on host copies (eagerly): both agree with the reference, split over two logical devices."""
     g = rt.Graph()
     q = g.input("q", [2, 40, 4, 32], "float32")
     k = g.input("k", [2, 40, 2, 32], "float32")
     v = g.input("v", [2, 40, 2, 32], "float32")
-    o = g.attention(q, k, v, causal=True, key_padding=[33, 40])
+    if form == "key lengths":
+        o = g.attention(q, k, v, causal=True, key_padding=[33, 40])
+    elif form == "key padding":
+        o = g.attention(q, k, v, causal=True, key_padding=g.input("kp", [2, 40], "bool"))
+    else:
+        o = g.attention(q, k, v, causal=True, mask=g.input("m", [2, 1, 40, 40], "bool"))
     for name, t in zip(("dq", "dk", "dv"), g.vjp(o, g.input("do", [2, 40, 4, 32], "float32"), [q, k, v])):
         g.save(t, name=name)
-    assert all(launchers.allocates(n.op) for n in g.nodes if n.kind in ("attention_lse", "attention_grad"))
+    g.save(o, name="o")
+    host = form == "mask"
+    assert all(launchers.allocates(n.op) == host for n in g.nodes
+               if n.kind in ("attention", "attention_lse", "attention_grad"))
     feeds = _feeds(g, 1)
+    if form == "key padding":
+        kp = np.ones((2, 40), dtype=bool)
+        kp[0, 31:] = False
+        kp[1, :6] = False
+        kp[1, 20:23] = False
+        feeds["kp"] = kp
+    elif form == "mask":
+        feeds["m"] = np.random.default_rng(5).random((2, 1, 40, 40)) < 0.7
     want = rt.reference(g, feeds)
     cg = rt.compileGraph(g, device="cuda:0,0")
-    got = cg.run(feeds)
-    for name in ("dq", "dk", "dv"):
-        _relative(got[name], want[name], 1e-4, name)
+    for _ in range(3):  # eager, captured, replayed
+        got = cg.run(feeds)
+    for name in ("o", "dq", "dk", "dv"):
+        _relative(got[name], want[name], 1e-4, f"{form} {name}")

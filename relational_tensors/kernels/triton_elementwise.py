@@ -1,7 +1,10 @@
-"""Elementwise kernels: unary ops, broadcasting binaries, SwiGLU, casts. fp32 math inside (fp64 for
-float64, and exact integer arithmetic in the binaries)."""
+"""Elementwise kernels: unary ops, broadcasting binaries, SwiGLU, casts, and the boolean masks
+(comparisons, logic, ``where``, casts to bool). fp32 math inside (fp64 for float64, and exact integer
+arithmetic in the binaries); comparisons in the operands' own dtype."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import triton
 import triton.language as tl
@@ -10,7 +13,8 @@ from relational_tensors.core.dtypes import itemsize
 from relational_tensors.kernels.common import DevBuf, Ptr, acc_type, outer_split
 from relational_tensors.kernels.triton_copy import index4
 
-__all__ = ["unary", "binary", "swiglu", "unary_math", "binary_math", "UNARY_CODES", "BINARY_CODES"]
+__all__ = ["unary", "binary", "swiglu", "unary_math", "binary_math", "UNARY_CODES", "BINARY_CODES",
+           "MASK_CODES", "compare", "where", "to_bool", "logical_not"]
 
 BLOCK = 1024
 UNARY_CODES = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3, "sigmoid": 4, "tanh": 5, "exp": 6, "log": 7,
@@ -156,27 +160,118 @@ def _binary_kernel(x_ptr, y_ptr, out_ptr, n, size_1, size_2, size_3,
 def binary(x: DevBuf, y: DevBuf, out: DevBuf, op: str) -> None:
     """out = x op y with NumPy broadcasting (x and y broadcast to out's shape); any strides, so the ⊕ of
     an exchange reads atoms and writes pieces in place inside larger blocks (out may alias x)."""
-    n = out.size
-    if not n:
+    _broadcast_launch(_binary_kernel, out, (x, y), OP=BINARY_CODES[op], ACC=acc_type(out.dtype, exact_ints=True))
+
+
+# comparisons (in the operands' own dtype, IEEE: NaN compares unequal) and the logic of booleans (any nonzero
+# byte is true); the result is a boolean byte, 0 or 1
+MASK_CODES = {"equal": 0, "not_equal": 1, "less": 2, "less_equal": 3, "greater": 4, "greater_equal": 5,
+              "logical_and": 6, "logical_or": 7, "logical_xor": 8}
+
+
+@triton.jit
+def _mask_kernel(x_ptr, y_ptr, out_ptr, n, size_1, size_2, size_3,
+                 sx0, sx1, sx2, sx3, sy0, sy1, sy2, sy3, so0, so1, so2, so3,
+                 OP: tl.constexpr, WIDEN: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offs < n
+    i0, i1, i2, i3 = index4(offs, size_1, size_2, size_3)
+    x = tl.load(x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2 + i3 * sx3, mask=mask)
+    y = tl.load(y_ptr + i0 * sy0 + i1 * sy1 + i2 * sy2 + i3 * sy3, mask=mask)
+    if WIDEN:  # 16-bit floats compared as the float32 values they are exactly
+        x = x.to(tl.float32)
+        y = y.to(tl.float32)
+    if OP == 0:  # NaN equals nothing, itself included (spelled out: compilers may compare bits)
+        r = (x == y) & (x == x) & (y == y)
+    elif OP == 1:
+        r = ~((x == y) & (x == x) & (y == y))
+    elif OP == 2:
+        r = x < y
+    elif OP == 3:
+        r = x <= y
+    elif OP == 4:
+        r = x > y
+    elif OP == 5:
+        r = x >= y
+    elif OP == 6:
+        r = (x != 0) & (y != 0)
+    elif OP == 7:
+        r = (x != 0) | (y != 0)
+    else:
+        r = (x != 0) ^ (y != 0)
+    tl.store(out_ptr + i0 * so0 + i1 * so1 + i2 * so2 + i3 * so3, r.to(tl.int8), mask=mask)
+
+
+@triton.jit
+def _where_kernel(c_ptr, x_ptr, y_ptr, out_ptr, n, size_1, size_2, size_3,
+                  sc0, sc1, sc2, sc3, sx0, sx1, sx2, sx3, sy0, sy1, sy2, sy3, so0, so1, so2, so3,
+                  BLOCK_SIZE: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offs < n
+    i0, i1, i2, i3 = index4(offs, size_1, size_2, size_3)
+    c = tl.load(c_ptr + i0 * sc0 + i1 * sc1 + i2 * sc2 + i3 * sc3, mask=mask, other=0)
+    x = tl.load(x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2 + i3 * sx3, mask=mask)
+    y = tl.load(y_ptr + i0 * sy0 + i1 * sy1 + i2 * sy2 + i3 * sy3, mask=mask)
+    tl.store(out_ptr + i0 * so0 + i1 * so1 + i2 * so2 + i3 * so3, tl.where(c != 0, x, y), mask=mask)
+
+
+@triton.jit
+def _bool_kernel(x_ptr, out_ptr, n, NOT: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0)
+    if NOT:
+        r = x == 0
+    else:
+        r = x != 0
+    tl.store(out_ptr + offs, r.to(tl.int8), mask=mask)
+
+
+def _broadcast_strides(v: DevBuf, out: DevBuf) -> tuple[int, ...]:
+    """``v``'s strides broadcast to ``out``'s shape: 0 along the dimensions it broadcasts."""
+    pad = len(out.shape) - len(v.shape)
+    return tuple(0 if i < pad or (v.shape[i - pad] == 1 and n_out != 1) else v.strides[i - pad]
+                 for i, n_out in enumerate(out.shape))
+
+
+def _broadcast_launch(kernel: Any, out: DevBuf, ins: tuple[DevBuf, ...], **consts: Any) -> None:
+    """Launch ``kernel`` over ``out`` with ``ins`` broadcast to it (any strides; out may alias an input), a
+    rank-4 piece at a time: the kernel takes the inputs' and out's pointers, the piece's size, and the
+    inputs' and out's four strides each."""
+    if not out.size:
         return
-
-    def bstrides(v: DevBuf) -> tuple[int, ...]:  # stride 0 along broadcast dimensions
-        pad = len(out.shape) - len(v.shape)
-        res = []
-        for i, n_out in enumerate(out.shape):
-            if i < pad or (v.shape[i - pad] == 1 and n_out != 1):
-                res.append(0)
-            else:
-                res.append(v.strides[i - pad])
-        return tuple(res)
-
-    sizes = (itemsize(out.dtype), itemsize(x.dtype), itemsize(y.dtype))
-    for offs, shape, (so, sx, sy) in outer_split(out.shape, (out.strides, bstrides(x), bstrides(y)), 4):
-        po, px, py = (Ptr(v.ptr + o * size, v.dtype) for v, o, size in zip((out, x, y), offs, sizes))
+    bufs = (*ins, out)
+    sizes = tuple(itemsize(v.dtype) for v in bufs)
+    for offs, shape, strides in outer_split(out.shape, tuple(_broadcast_strides(v, out) for v in bufs), 4):
+        ptrs = [Ptr(v.ptr + o * size, v.dtype) for v, o, size in zip(bufs, offs, sizes)]
         m = shape[0] * shape[1] * shape[2] * shape[3]
-        _binary_kernel[(triton.cdiv(m, BLOCK),)](px, py, po, m, shape[1], shape[2], shape[3], *sx, *sy, *so,
-                                                OP=BINARY_CODES[op], BLOCK_SIZE=BLOCK,
-                                                ACC=acc_type(out.dtype, exact_ints=True))
+        kernel[(triton.cdiv(m, BLOCK),)](*ptrs, m, shape[1], shape[2], shape[3], *(x for st in strides for x in st),
+                                         BLOCK_SIZE=BLOCK, **consts)
+
+
+def compare(x: DevBuf, y: DevBuf, out: DevBuf, op: str) -> None:
+    """out (bool) = x op y for a comparison or the logic of two booleans (``MASK_CODES``), broadcast."""
+    _broadcast_launch(_mask_kernel, out, (x, y), OP=MASK_CODES[op], WIDEN=x.dtype in ("bfloat16", "float16"))
+
+
+def where(cond: DevBuf, x: DevBuf, y: DevBuf, out: DevBuf) -> None:
+    """out = x where cond, else y (x, y and out of one dtype), broadcast."""
+    _broadcast_launch(_where_kernel, out, (cond, x, y))
+
+
+def to_bool(x: DevBuf, out: DevBuf) -> None:
+    """out (bool) = x != 0 on contiguous views: the cast to a boolean (NaN is true, as in NumPy)."""
+    if x.size:
+        _bool_kernel[(triton.cdiv(x.size, BLOCK),)](Ptr(x), Ptr(out), x.size, NOT=False, BLOCK_SIZE=BLOCK)
+
+
+def logical_not(x: DevBuf, out: DevBuf) -> None:
+    """out (bool) = not x on contiguous boolean views."""
+    if x.size:
+        _bool_kernel[(triton.cdiv(x.size, BLOCK),)](Ptr(x), Ptr(out), x.size, NOT=True, BLOCK_SIZE=BLOCK)
 
 
 @triton.jit

@@ -1,5 +1,6 @@
-"""Elementwise operators and their gradients: unary, binary, SwiGLU, rope, dropout and random draws
-(Triton kernels; masks, integers and a few float64 forms on CuPy or host copies)."""
+"""Elementwise operators and their gradients: unary, binary, comparisons and logic, ``where``, SwiGLU, rope,
+dropout and random draws (Triton kernels; integer gradients and a few float64 forms on CuPy or host
+copies)."""
 
 from __future__ import annotations
 
@@ -15,20 +16,23 @@ from relational_tensors.sql_specs.elementwise import COMPARISONS, LOGICAL
 SCALAR_UFUNCS = {"scale": "multiply", "add_scalar": "add", "pow": "power"}
 
 
-def _mask_unary(op: Any) -> bool:
-    return "bool" in (op.input_types[0].dtype, op.output_type.dtype)  # masks run on host copies
+def _host_unary(op: Any) -> bool:
+    """A unary on booleans other than a cast or ``logical_not`` runs on host copies (none is built today)."""
+    return "bool" in (op.input_types[0].dtype, op.output_type.dtype) and op.op not in ("cast", "logical_not")
 
 
-def _mask_binary(op: Any) -> bool:
-    return op.op in COMPARISONS or op.op in LOGICAL  # masks run on host copies
-
-
-@launcher("unary", allocates=_mask_unary)
+@launcher("unary", allocates=_host_unary)
 def _unary(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.kernels import triton_elementwise as te
 
-    if "bool" in (out.dtype, ins[0].dtype):  # masks: built once per call, on host copies
+    if _host_unary(op):
         host_kernel(op, f, ins, out, stream)
+        return
+    if op.op == "logical_not":
+        te.logical_not(ins[0], out)
+        return
+    if out.dtype == "bool" and ins[0].dtype != "bool":  # nonzero is true
+        te.to_bool(ins[0], out)
         return
     if out.dtype == "float64" and op.op in SCALAR_UFUNCS:
         # Triton passes a Python float as a float32 argument: a float64 scalar goes through CuPy
@@ -40,14 +44,21 @@ def _unary(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: 
     te.unary(ins[0], out, op.op, 0.0 if op.op == "cast" else float(op.arg))
 
 
-@launcher("binary", allocates=_mask_binary)
+@launcher("binary")
 def _binary(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.kernels import triton_elementwise as te
 
-    if op.op not in te.BINARY_CODES:  # comparisons and logic make boolean masks: on host copies
-        host_kernel(op, f, ins, out, stream)
+    if op.op in COMPARISONS or op.op in LOGICAL:  # a boolean mask, compared in the operands' own dtype
+        te.compare(ins[0], ins[1], out, op.op)
         return
     te.binary(ins[0], ins[1], out, op.op)
+
+
+@launcher("where")
+def _where(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels import triton_elementwise as te
+
+    te.where(ins[0], ins[1], ins[2], out)
 
 
 @launcher("swiglu")

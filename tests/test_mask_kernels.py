@@ -1,0 +1,119 @@
+"""The Triton kernels of boolean masks against NumPy: comparisons (in the operands' own dtype, NaN
+included), the logic of booleans, ``where`` and the casts to and from bool, with broadcasting.
+
+Without a GPU the kernels run in Triton's interpreter on CPU.  Every result is exact (a comparison, a
+selection or a cast to 0/1), so it must equal NumPy's bit for bit."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from relational_tensors.machine.devices import visible_gpus
+
+torch = pytest.importorskip("torch")
+GPU = visible_gpus() > 0 and torch.cuda.is_available()
+_MODULE = "relational_tensors.kernels.triton_elementwise"
+if not GPU and _MODULE in sys.modules:
+    pytest.skip("the kernel module was defined for a GPU before this module could ask for the interpreter",
+                allow_module_level=True)
+if not GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+K = importlib.import_module(_MODULE)
+
+from relational_tensors.kernels.common import DevBuf  # noqa: E402
+
+DEVICE = "cuda" if GPU else "cpu"
+TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64, "bool": torch.bool,
+         "float16": torch.float16}
+NAMES = {v: k for k, v in TORCH.items()}
+_TENSORS: dict[int, object] = {}
+
+
+@pytest.fixture(autouse=True)
+def _pointers(monkeypatch):
+    """In the interpreter a pointer argument must be the torch tensor itself (a bool one as int8)."""
+    _TENSORS.clear()
+    if not GPU:
+        def ptr(buf, dtype=None):
+            t = _TENSORS[buf.ptr if isinstance(buf, DevBuf) else int(buf)]
+            return t.view(torch.int8) if t.dtype == torch.bool else t
+        monkeypatch.setattr(K, "Ptr", ptr)
+    yield
+
+
+def _buf(a: np.ndarray, dtype: str):
+    t = torch.from_numpy(np.ascontiguousarray(a.astype(np.float32) if dtype == "bfloat16" else a))
+    t = t.to(TORCH[dtype]).to(DEVICE).contiguous()
+    _TENSORS[t.data_ptr()] = t
+    return DevBuf(t.data_ptr(), tuple(t.shape), dtype, 0, tuple(t.stride())), t
+
+
+def _values(g: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    if dtype == "bool":
+        return g.random(shape) < 0.5
+    if dtype == "int64":
+        return g.integers(-3, 3, shape)
+    a = np.round(g.standard_normal(shape), 1)  # ties between the operands, and a NaN
+    a.reshape(-1)[0] = np.nan
+    return a.astype(ml_dtypes.bfloat16).astype(np.float32) if dtype == "bfloat16" else a.astype(dtype)
+
+
+SHAPES = [((4, 5), (4, 5)), ((3, 1, 6), (1, 4, 6)), ((2, 3, 4, 5), (5,))]
+
+
+# logic takes booleans; booleans compare only for equality
+PAIRS = [(op, dtype) for op in K.MASK_CODES for dtype in ("float32", "bfloat16", "float16", "int64", "bool")
+         if op.startswith("logical") == (dtype == "bool") or (dtype == "bool" and op in ("equal", "not_equal"))]
+
+
+@pytest.mark.parametrize("shapes", SHAPES)
+@pytest.mark.parametrize(("op", "dtype"), PAIRS)
+def test_comparisons_and_logic_match_numpy(op: str, dtype: str, shapes: tuple) -> None:
+    g = np.random.default_rng(0)
+    x, y = _values(g, shapes[0], dtype), _values(g, shapes[1], dtype)
+    want = {"equal": np.equal, "not_equal": np.not_equal, "less": np.less, "less_equal": np.less_equal,
+            "greater": np.greater, "greater_equal": np.greater_equal, "logical_and": np.logical_and,
+            "logical_or": np.logical_or, "logical_xor": np.logical_xor}[op](x, y)
+    xb, _ = _buf(x, dtype)
+    yb, _ = _buf(y, dtype)
+    ob, out = _buf(np.zeros(want.shape, dtype=bool), "bool")
+    K.compare(xb, yb, ob, op)
+    assert np.array_equal(out.cpu().numpy(), want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int64", "bool"])
+def test_where_matches_numpy(dtype: str) -> None:
+    g = np.random.default_rng(1)
+    cond = g.random((3, 1, 6)) < 0.5
+    x, y = _values(g, (1, 4, 6), dtype), _values(g, (3, 4, 1), dtype)
+    want = np.where(cond, x, y)
+    cb, _ = _buf(cond, "bool")
+    xb, _ = _buf(x, dtype)
+    yb, _ = _buf(y, dtype)
+    ob, out = _buf(np.zeros(want.shape, dtype=want.dtype), dtype)
+    K.where(cb, xb, yb, ob)
+    np.testing.assert_array_equal(out.float().cpu().numpy() if dtype == "bfloat16" else out.cpu().numpy(), want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int64"])
+def test_casts_to_and_from_bool_and_logical_not(dtype: str) -> None:
+    g = np.random.default_rng(2)
+    x = _values(g, (7, 9), dtype)
+    x.reshape(-1)[1:4] = 0
+    xb, _ = _buf(x, dtype)
+    ob, out = _buf(np.zeros(x.shape, dtype=bool), "bool")
+    K.to_bool(xb, ob)
+    assert np.array_equal(out.cpu().numpy(), x.astype(bool))
+    nb, negated = _buf(np.zeros(x.shape, dtype=bool), "bool")
+    K.logical_not(ob, nb)
+    assert np.array_equal(negated.cpu().numpy(), ~x.astype(bool))
+    back, values = _buf(np.zeros(x.shape, dtype=np.float32), "float32")
+    K.unary(ob, back, "cast")
+    assert np.array_equal(values.cpu().numpy(), x.astype(bool).astype(np.float32))
