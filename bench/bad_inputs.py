@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -1981,8 +1983,13 @@ def main() -> None:
     for c, o, d in bad:
         print(f"  {o:>17}  [{c.klass}] {c.name}: {d}")
     if args.json:
-        args.json.write_text(json.dumps([dict(klass=c.klass, name=c.name, expect=c.expect, outcome=o, detail=d)
-                                         for c, (o, d) in zip(cases, results)], indent=1))
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        record = {"command": "python " + " ".join(sys.argv), "commit": commit or "unknown",
+                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "machine": f"{platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+                  "cases": [dict(klass=c.klass, name=c.name, expect=c.expect, outcome=o, detail=d)
+                            for c, (o, d) in zip(cases, results)]}
+        args.json.write_text(json.dumps(record, indent=1))
     sys.exit(1 if bad else 0)
 
 
