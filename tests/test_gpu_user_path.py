@@ -168,3 +168,52 @@ def test_parallelize_training_on_the_gpu_gives_torch_gradients() -> None:
     for (k, a), b in zip(m.named_parameters(), ref.parameters()):
         assert a.grad.device.type == "cuda", k
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_bf16_llama_training_step_is_captured_whole(padded: bool) -> None:
+    """transformers' LlamaForCausalLM in bfloat16 on the GPU, with and without a padded attention mask:
+    every operator of its training step has a device kernel (rope with rounded frequencies, the mask's
+    cast to bool, key padding in attention forward and backward), so after two steps each step is one
+    graph launch; its first loss is torch's within bfloat16 rounding."""
+    _needs_gpu()
+    transformers = pytest.importorskip("transformers")
+    from relational_tensors.kernels.launchers import allocates
+
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 512, (2, 64), device="cuda")
+    labels = torch.randint(0, 512, (2, 64), device="cuda")
+    mask = torch.ones(2, 64, dtype=torch.long, device="cuda")
+    mask[0, 40:] = 0
+
+    def loss_fn(m: torch.nn.Module, ids: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        logits = m(input_ids=ids, attention_mask=rest[0] if padded else None).logits
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), rest[-1].flatten())
+
+    batch = (ids, mask, labels) if padded else (ids, labels)
+    with torch.no_grad():
+        want = float(loss_fn(model, *batch))
+    step = rt.train_step(model, loss_fn, batch, optimizer=rt.optim.AdamW(lr=1e-4), device="cuda:0")
+    assert not [n.kind for n in step.graph.operators if allocates(n.op)]
+    first = float(step(*batch))
+    assert first == pytest.approx(want, rel=2e-2)
+    step(*batch)
+    step(*batch)
+    ex = step.compiled.executor
+    assert ex.graph_exec is not None
+    launches = []
+    graph = ex.graph_exec
+
+    class Counting:
+        def launch(self, stream: object) -> None:
+            launches.append(stream)
+            graph.launch(stream)
+
+    ex.graph_exec = Counting()
+    for _ in range(3):
+        loss = step(*batch)
+    assert len(launches) == 3 and torch.isfinite(loss).item()
