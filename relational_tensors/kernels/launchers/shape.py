@@ -1,9 +1,11 @@
-"""Data movement: reshape, permute, expand, slice, concat, embedding lookups and the embedding gradient
-(strided copies, no arithmetic)."""
+"""Data movement: reshape, permute, expand, slice, concat, pad, embedding lookups and the embedding
+gradient (strided copies and fills, no arithmetic)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.kernels.launchers.base import launcher
@@ -55,6 +57,27 @@ def _concat(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream:
             lower = tuple(at if d == axis else 0 for d in range(len(out.shape)))
             tc.copy_box(blk, out.sub(lower, blk.shape))
         at += n
+
+
+def _zero_constant(op: Any) -> dict[str, np.ndarray]:
+    return {"zero": np.zeros(8, dtype=np.uint8)}  # zero bits: 0 in every dtype
+
+
+@launcher("pad", constants=_zero_constant)
+def _pad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    """Zeros (a zero read with stride 0 into any strides), then the input block copied to its place along
+    the axis (the gradient of a slice)."""
+    from relational_tensors.kernels import triton_copy as tc
+    from relational_tensors.kernels.common import DevBuf
+
+    zero = consts["zero"]
+    tc.copy_box(DevBuf(zero.ptr, out.shape, out.dtype, zero.device, (0,) * len(out.shape)), out)
+    x = ins[0]
+    if x.size:
+        axis = op.params()["axis"]
+        at = f.inputs[0].lower[axis] + op.start - f.output.lower[axis]
+        lower = tuple(at if d == axis else 0 for d in range(len(out.shape)))
+        tc.copy_box(x, out.sub(lower, x.shape))
 
 
 @launcher("embedding")
