@@ -1,5 +1,5 @@
 """Convolutions: im2col into scratch and one cuBLAS GEMM per group (grouped convolutions contract CuPy
-arrays, which allocates)."""
+arrays, which allocates); pooling and its gradient in Triton kernels."""
 
 from __future__ import annotations
 
@@ -78,3 +78,22 @@ def _conv_dense(op: Any, f: FunctionSpec, ins: list, out: Any, stream: int) -> N
         y = op.dense(_computable(ins[0]), _computable(ins[1]), f, cupy)
         dst = out.cupy()
         dst[...] = float32_to_bf16_bits(y, cupy) if out.dtype == "bfloat16" else y.astype(dst.dtype)
+
+
+@launcher("pool")
+def _pool(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    """Max or average pooling: each output position's window read in place (``kernels.triton_pool``)."""
+    from relational_tensors.kernels.triton_pool import pool
+
+    pool(ins[0], out, f.inputs[0].lower[2:], f.output.lower[2:], op.input_types[0].shape[2:], op.op,
+         op.kernel_size, op.stride, op.padding, op.count_include_pad)
+
+
+@launcher("pool_grad")
+def _pool_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    """The pooling gradient gathered per input position from the windows that cover it (max: from each
+    window's winner, found again from x); no atomics."""
+    from relational_tensors.kernels.triton_pool import pool_grad
+
+    pool_grad(ins[0], ins[1], out, f.inputs[0].lower[2:], f.inputs[1].lower[2:], f.output.lower[2:],
+              op.input_types[0].shape[2:], op.op, op.kernel_size, op.stride, op.padding, op.count_include_pad)
