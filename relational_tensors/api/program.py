@@ -92,11 +92,18 @@ class Program:
         self._parameters_loaded = False
         self._partial_loads = True  # whether the executor keeps inputs that a load does not name
         self._state = self._module_state()
+        self._key = self._state_key()
 
     def _module_state(self) -> dict[str, tuple[int, int, int]]:
         """Per parameter and buffer of the module: its identity, storage and in-place version counter."""
         tensors = [*self.module.named_parameters(), *self.module.named_buffers()]
         return {name: (id(t), t.data_ptr(), t._version) for name, t in tensors}
+
+    def _state_key(self) -> tuple[tuple[int, int, int], ...]:
+        """The same facts of every parameter and buffer, in the modules' order, without their names: what a
+        call checks (half the cost of naming them); only when it changes are the named states compared."""
+        return tuple((id(t), t.data_ptr(), t._version) for m in self.module.modules()
+                     for held in (m._parameters, m._buffers) for t in held.values() if t is not None)
 
     @property
     def compiled(self) -> Any:
@@ -131,6 +138,7 @@ class Program:
         self._parameters_loaded = False
         self._weights_version += 1
         self._state = now
+        self._key = self._state_key()
         if self._differentiated is not None:
             fresh = self._read_origins(self._differentiated, changed)
             if fresh is None:  # its folds are stale: traced again when next needed
@@ -241,8 +249,11 @@ class Program:
     def __call__(self, *inputs: Any) -> Any:
         torch = _torch()
         self._check(inputs)
-        if self._module_state() != self._state:  # an optimizer step or a load_state_dict: read them again
-            self.reload_weights()
+        key = self._state_key()
+        if key != self._key:  # an optimizer step or a load_state_dict: read what changed again
+            if self._module_state() != self._state:
+                self.reload_weights()
+            self._key = key
         grad = torch.is_grad_enabled()
         params = self._trainable() if grad else []  # under no_grad no parameter is walked for a gradient
         floating = [x.is_floating_point() and x.requires_grad for x in inputs]
