@@ -32,8 +32,10 @@ from relational_tensors.sql_specs.attention_grad import AttentionDeltaOp, Attent
 
 torch = pytest.importorskip("torch")
 GPU = visible_gpus() > 0 and torch.cuda.is_available()
+from triton_interpret import interpreted  # noqa: E402
+
 _MODULE = "relational_tensors.kernels.triton_attention_grad"
-if not GPU and _MODULE in sys.modules:
+if not GPU and _MODULE in sys.modules and not interpreted(sys.modules[_MODULE]):
     pytest.skip("the kernel module was defined for a GPU before this module could ask for the interpreter",
                 allow_module_level=True)
 if not GPU:  # kernels are interpreted when they are defined, and Triton asks again at launch: set for good
@@ -66,19 +68,10 @@ def _pointers(monkeypatch):
     if GPU:
         yield
         return
-    import triton.language as tl
-    from triton.runtime import interpreter
+    from triton_interpret import widen_interpreted_dot
 
     monkeypatch.setattr(K, "Ptr", _view)
-    dot = interpreter.InterpreterBuilder.create_dot
-
-    def widened(h):
-        if h.dtype == tl.bfloat16:
-            return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-        return h
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot",
-                        lambda self, a, b, d, *rest: dot(self, widened(a), widened(b), d, *rest))
+    widen_interpreted_dot(monkeypatch)
     yield
 
 

@@ -9,71 +9,34 @@ output), as in the kernel's other tests."""
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import numpy as np
 import pytest
+from triton_interpret import Tensors, kernel_module
 
 from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import Box, TensorType
-from relational_tensors.machine.devices import visible_gpus
 from relational_tensors.sql_specs.attention import AttentionOp
 from relational_tensors.sql_specs.attention_grad import AttentionGradOp, AttentionLseOp
 
 torch = pytest.importorskip("torch")
-GPU = visible_gpus() > 0 and torch.cuda.is_available()
-_MODULE = "relational_tensors.kernels.triton_attention"
-if not GPU and _MODULE in sys.modules:
-    pytest.skip("the kernel module was defined for a GPU before this module could ask for the interpreter",
-                allow_module_level=True)
-if not GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
-K = importlib.import_module(_MODULE)
-G = importlib.import_module("relational_tensors.kernels.triton_attention_grad")
+K = kernel_module("relational_tensors.kernels.triton_attention")
+G = kernel_module("relational_tensors.kernels.triton_attention_grad")
 
-from relational_tensors.kernels.common import DevBuf  # noqa: E402
 from relational_tensors.kernels.launchers.attention import _attention_constants, _attention_grad_constants  # noqa: E402
 
-DEVICE = "cuda" if GPU else "cpu"
 TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int32": torch.int32, "bool": torch.bool}
-NAMES = {v: k for k, v in TORCH.items()}
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}
-_TENSORS: dict[int, object] = {}
+T = Tensors()
 
 
 @pytest.fixture(autouse=True)
 def _pointers(monkeypatch):
-    """In the interpreter a pointer argument must be the torch tensor itself (a bool one as int8, as the
-    kernels read it); the interpreter multiplies bfloat16 operands of ``tl.dot`` as their raw bits, so they
-    are widened to float32 first (exact, and what the tensor cores compute)."""
-    _TENSORS.clear()
-    if not GPU:
-        import triton.language as tl
-        from triton.runtime import interpreter
-
-        def ptr(buf, dtype=None):
-            t = _TENSORS[buf.ptr]
-            return t.view(torch.int8) if t.dtype == torch.bool else t
-        monkeypatch.setattr(K, "Ptr", ptr)
-        monkeypatch.setattr(G, "Ptr", ptr)
-        dot = interpreter.InterpreterBuilder.create_dot
-
-        def widened(h):
-            if h.dtype == tl.bfloat16:
-                return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-            return h
-        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot",
-                            lambda self, a, b, d, *rest: dot(self, widened(a), widened(b), d, *rest))
-    yield
+    T.held.clear()
+    T.patch(monkeypatch, K, G, widen_dot=True)
 
 
 def _buf(t):
-    t = t.to(DEVICE).contiguous()
-    _TENSORS[t.data_ptr()] = t
-    return DevBuf(t.data_ptr(), tuple(t.shape), NAMES[t.dtype], 0, tuple(t.stride())), t
+    return T.buf(t.contiguous())
 
 
 PADDINGS = {

@@ -24,6 +24,20 @@ def _needs_gpu() -> None:
     pytest.importorskip("cupy")
 
 
+def _count_launches(ex: object) -> list:
+    """Record each launch of ``ex``'s captured graph (the list grows as the graph is launched)."""
+    launches: list = []
+    graph = ex.graph_exec  # type: ignore[attr-defined]
+
+    class Counting:
+        def launch(self, stream: object) -> None:
+            launches.append(stream)
+            graph.launch(stream)
+
+    ex.graph_exec = Counting()  # type: ignore[attr-defined]
+    return launches
+
+
 def _mlp() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 32))
@@ -98,16 +112,9 @@ def test_every_step_after_the_first_two_is_one_graph_launch() -> None:
         step(*batch)
     ex = step.compiled.executor
     assert ex.graph_exec is not None
-    launches, eager = [], []
-    graph = ex.graph_exec
+    eager: list = []
     real_issue = ex._issue_all
-
-    class Counting:
-        def launch(self, stream: object) -> None:
-            launches.append(stream)
-            graph.launch(stream)
-
-    ex.graph_exec = Counting()
+    launches = _count_launches(ex)
     ex._issue_all = lambda *a, **k: (eager.append(1), real_issue(*a, **k))
     for batch in batches[3:]:
         step(*batch)
@@ -205,15 +212,7 @@ def test_a_bf16_llama_training_step_is_captured_whole(padded: bool) -> None:
     step(*batch)
     ex = step.compiled.executor
     assert ex.graph_exec is not None
-    launches = []
-    graph = ex.graph_exec
-
-    class Counting:
-        def launch(self, stream: object) -> None:
-            launches.append(stream)
-            graph.launch(stream)
-
-    ex.graph_exec = Counting()
+    launches = _count_launches(ex)
     for _ in range(3):
         loss = step(*batch)
     assert len(launches) == 3 and torch.isfinite(loss).item()

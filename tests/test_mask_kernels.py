@@ -6,53 +6,27 @@ selection or a cast to 0/1), so it must equal NumPy's bit for bit."""
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import ml_dtypes
 import numpy as np
 import pytest
-
-from relational_tensors.machine.devices import visible_gpus
+from triton_interpret import Tensors, kernel_module
 
 torch = pytest.importorskip("torch")
-GPU = visible_gpus() > 0 and torch.cuda.is_available()
-_MODULE = "relational_tensors.kernels.triton_elementwise"
-if not GPU and _MODULE in sys.modules:
-    pytest.skip("the kernel module was defined for a GPU before this module could ask for the interpreter",
-                allow_module_level=True)
-if not GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
-K = importlib.import_module(_MODULE)
-
-from relational_tensors.kernels.common import DevBuf  # noqa: E402
-
-DEVICE = "cuda" if GPU else "cpu"
+K = kernel_module("relational_tensors.kernels.triton_elementwise")
 TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64, "bool": torch.bool,
          "float16": torch.float16}
-NAMES = {v: k for k, v in TORCH.items()}
-_TENSORS: dict[int, object] = {}
+T = Tensors()
 
 
 @pytest.fixture(autouse=True)
 def _pointers(monkeypatch):
-    """In the interpreter a pointer argument must be the torch tensor itself (a bool one as int8)."""
-    _TENSORS.clear()
-    if not GPU:
-        def ptr(buf, dtype=None):
-            t = _TENSORS[buf.ptr if isinstance(buf, DevBuf) else int(buf)]
-            return t.view(torch.int8) if t.dtype == torch.bool else t
-        monkeypatch.setattr(K, "Ptr", ptr)
-    yield
+    T.held.clear()
+    T.patch(monkeypatch, K)
 
 
 def _buf(a: np.ndarray, dtype: str):
-    t = torch.from_numpy(np.ascontiguousarray(a.astype(np.float32) if dtype == "bfloat16" else a))
-    t = t.to(TORCH[dtype]).to(DEVICE).contiguous()
-    _TENSORS[t.data_ptr()] = t
-    return DevBuf(t.data_ptr(), tuple(t.shape), dtype, 0, tuple(t.stride())), t
+    return T.buf(torch.from_numpy(np.ascontiguousarray(a.astype(np.float32) if dtype == "bfloat16" else a))
+                 .to(TORCH[dtype]).contiguous())
 
 
 def _values(g: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:

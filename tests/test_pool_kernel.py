@@ -8,49 +8,31 @@ so float32 agrees to one rounding of the division (1e-6); 16-bit outputs to thei
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import numpy as np
 import pytest
+from triton_interpret import Tensors, kernel_module
 
 from relational_tensors.core.types import TensorType
-from relational_tensors.machine.devices import visible_gpus
 from relational_tensors.sql_specs.pool import PoolGradOp, PoolOp
 
 torch = pytest.importorskip("torch")
-GPU = visible_gpus() > 0 and torch.cuda.is_available()
-_MODULE = "relational_tensors.kernels.triton_pool"
-if not GPU and _MODULE in sys.modules:
-    pytest.skip("the kernel module was defined for a GPU before this module could ask for the interpreter",
-                allow_module_level=True)
-if not GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
-K = importlib.import_module(_MODULE)
+K = kernel_module("relational_tensors.kernels.triton_pool")
 
-from relational_tensors.kernels.common import DevBuf  # noqa: E402
 from relational_tensors.kernels.launchers import HOST_KINDS, allocates, launcher_for  # noqa: E402
 
-DEVICE = "cuda" if GPU else "cpu"
 TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOL = {"float32": 1e-6, "bfloat16": 8e-3}
-_TENSORS: list[object] = []
+T = Tensors()
 
 
 @pytest.fixture(autouse=True)
 def _pointers(monkeypatch):
-    _TENSORS.clear()
-    if not GPU:
-        monkeypatch.setattr(K, "Ptr", lambda buf, dtype=None: next(t for t in _TENSORS if t.data_ptr() == buf.ptr))
-    yield
+    T.held.clear()
+    T.patch(monkeypatch, K)
 
 
 def _buf(a: np.ndarray, dtype: str):
-    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(TORCH[dtype]).to(DEVICE)
-    _TENSORS.append(t)
-    return DevBuf(t.data_ptr(), tuple(t.shape), dtype, 0, tuple(t.stride())), t
+    return T.buf(torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(TORCH[dtype]))
 
 
 CASES = [  # shape, kernel, stride, padding

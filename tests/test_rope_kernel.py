@@ -10,51 +10,29 @@ to one unit in their last place (3e-2 bfloat16 and 4e-3 float16, relative to the
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import numpy as np
 import pytest
+from triton_interpret import Tensors, kernel_module
 
 from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import Box, TensorType
-from relational_tensors.machine.devices import visible_gpus
 from relational_tensors.sql_specs.rope import RopeOp
 
 torch = pytest.importorskip("torch")
-GPU = visible_gpus() > 0 and torch.cuda.is_available()
-_MODULE = "relational_tensors.kernels.triton_rope"
-if not GPU and _MODULE in sys.modules:
-    pytest.skip("the kernel module was defined for a GPU before this module could ask for the interpreter",
-                allow_module_level=True)
-if not GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
-K = importlib.import_module(_MODULE)
-
-from relational_tensors.kernels.common import DevBuf  # noqa: E402
-
-DEVICE = "cuda" if GPU else "cpu"
-TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int32": torch.int32}
-NAMES = {v: k for k, v in TORCH.items()}
+K = kernel_module("relational_tensors.kernels.triton_rope")
+TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOL = {"float32": 2e-6, "bfloat16": 3e-2, "float16": 4e-3}
-_TENSORS: dict[int, object] = {}
+T = Tensors()
 
 
 @pytest.fixture(autouse=True)
 def _pointers(monkeypatch):
-    """In the interpreter a pointer argument must be the torch tensor itself."""
-    _TENSORS.clear()
-    if not GPU:
-        monkeypatch.setattr(K, "Ptr", lambda buf, dtype=None: _TENSORS[buf.ptr])
-    yield
+    T.held.clear()
+    T.patch(monkeypatch, K)
 
 
 def _buf(t):
-    t = t.to(DEVICE).contiguous()
-    _TENSORS[t.data_ptr()] = t
-    return DevBuf(t.data_ptr(), tuple(t.shape), NAMES[t.dtype], 0, tuple(t.stride())), t
+    return T.buf(t.contiguous())
 
 
 @pytest.mark.parametrize("freq_dtype", [None, "bfloat16", "float16", "float32"])

@@ -11,6 +11,7 @@ this way (host arrays of weights, another dtype) goes through the checked ``load
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,9 +19,13 @@ from relational_tensors.frontend.torch.convert import _torch, _torch_dtype
 
 
 def _external(compiled: Any) -> Any:
-    torch = _torch()
-    ex = compiled.executor
-    return torch.cuda.ExternalStream(ex.launch_stream.ptr, device=f"cuda:{compiled.devices.physical[0]}")
+    """The executor's launch stream as torch sees it (made once per stream, not per call)."""
+    return _stream(compiled.executor.launch_stream.ptr, compiled.devices.physical[0])
+
+
+@functools.cache
+def _stream(ptr: int, gpu: int) -> Any:
+    return _torch().cuda.ExternalStream(ptr, device=f"cuda:{gpu}")
 
 
 def stage(compiled: Any, feeds: Mapping[str, Any]) -> bool:

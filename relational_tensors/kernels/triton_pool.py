@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from relational_tensors.kernels.common import DevBuf, Ptr, acc_type
+from relational_tensors.kernels.triton_copy import index4
 
 __all__ = ["pool", "pool_grad"]
 
@@ -24,14 +25,12 @@ BLOCK = 256
 
 
 @triton.jit
-def _coords(offs, m0, m1, m2):
-    """(batch·channel, d0, d1, d2) of flat indices over [batch·channels, m0, m1, m2]."""
-    d2 = offs % m2
-    rest = offs // m2
-    d1 = rest % m1
-    rest = rest // m1
-    d0 = rest % m0
-    return rest // m0, d0, d1, d2
+def _tap(x_bc, i0, i1, i2, xs0, xs1, xs2, xlo0, xlo1, xlo2, e0, e1, e2, live, ACC: tl.constexpr):
+    """(inside, value) of the input at absolute position (i0, i1, i2) of a window: inside the whole
+    tensor (not padding) and this block's value there (0 outside)."""
+    ok = live & (i0 >= 0) & (i0 < e0) & (i1 >= 0) & (i1 < e1) & (i2 >= 0) & (i2 < e2)
+    v = tl.load(x_bc + (i0 - xlo0) * xs0 + (i1 - xlo1) * xs1 + (i2 - xlo2) * xs2, mask=ok, other=0.0).to(ACC)
+    return ok, v
 
 
 @triton.jit
@@ -44,7 +43,7 @@ def _pool_kernel(x_ptr, out_ptr, n, channels,
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     live = offs < n
-    bc, o0, o1, o2 = _coords(offs, m0, m1, m2)
+    bc, o0, o1, o2 = index4(offs, m0, m1, m2)  # bc: batch·channels
     b = bc // channels
     c = bc % channels
     base0 = (olo0 + o0) * S0 - P0
@@ -59,12 +58,8 @@ def _pool_kernel(x_ptr, out_ptr, n, channels,
     for k0 in tl.static_range(K0):
         for k1 in tl.static_range(K1):
             for k2 in tl.static_range(K2):
-                i0 = base0 + k0
-                i1 = base1 + k1
-                i2 = base2 + k2
-                ok = live & (i0 >= 0) & (i0 < e0) & (i1 >= 0) & (i1 < e1) & (i2 >= 0) & (i2 < e2)
-                v = tl.load(x_bc + (i0 - xlo0) * xs0 + (i1 - xlo1) * xs1 + (i2 - xlo2) * xs2, mask=ok,
-                            other=0.0).to(ACC)
+                ok, v = _tap(x_bc, base0 + k0, base1 + k1, base2 + k2, xs0, xs1, xs2, xlo0, xlo1, xlo2,
+                             e0, e1, e2, live, ACC)
                 if MAX:
                     acc = tl.maximum(acc, tl.where(ok, v, float("-inf")))
                 else:
@@ -119,12 +114,8 @@ def _window_winner(x_bc, w0, w1, w2, xs0, xs1, xs2, xlo0, xlo1, xlo2, e0, e1, e2
     for k0 in tl.static_range(K0):
         for k1 in tl.static_range(K1):
             for k2 in tl.static_range(K2):
-                i0 = w0 + k0
-                i1 = w1 + k1
-                i2 = w2 + k2
-                ok = live & (i0 >= 0) & (i0 < e0) & (i1 >= 0) & (i1 < e1) & (i2 >= 0) & (i2 < e2)
-                v = tl.load(x_bc + (i0 - xlo0) * xs0 + (i1 - xlo1) * xs1 + (i2 - xlo2) * xs2, mask=ok,
-                            other=0.0).to(ACC)
+                ok, v = _tap(x_bc, w0 + k0, w1 + k1, w2 + k2, xs0, xs1, xs2, xlo0, xlo1, xlo2, e0, e1, e2, live,
+                             ACC)
                 v = tl.where(ok, v, float("-inf"))
                 more = v > best
                 if k0 == 0 and k1 == 0 and k2 == 0:  # the first tap wins ties and a window of -inf
@@ -146,7 +137,7 @@ def _pool_grad_kernel(x_ptr, dy_ptr, out_ptr, n, channels,
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     live = offs < n
-    bc, r0, r1, r2 = _coords(offs, m0, m1, m2)
+    bc, r0, r1, r2 = index4(offs, m0, m1, m2)  # bc: batch·channels
     b = bc // channels
     c = bc % channels
     a0 = rlo0 + r0  # this input position, absolute
