@@ -161,7 +161,7 @@ def _grad_run(options: dict, dtype: str, kp: np.ndarray | None, q0: int, q1: int
     G.attention_lse(dev[0], dev[1], got_d, consts["row_lo"], consts["row_hi"], q0, k0, lse_op.softmax_scale, **pad)
     want = np.asarray(lse_op.kernel([host[0], host[1], *kp_block], FunctionSpec((qb, kb, *kpb), Box(
         (0, q0, 0), (b, q1, hq)))), np.float32)
-    got = got.numpy()
+    got = got.cpu().numpy()
     assert np.array_equal(np.isneginf(got), np.isneginf(want))
     fin = np.isfinite(want)
     np.testing.assert_allclose(got[fin], want[fin], rtol=0, atol=1e-3)
@@ -179,7 +179,7 @@ def _grad_run(options: dict, dtype: str, kp: np.ndarray | None, q0: int, q1: int
             G.attention_dkv(*dev, lse_d, delta_d, od, consts["key_qlo"], consts["key_qhi"], q0, k0,
                             op.softmax_scale, **pad)
         scale = max(1.0, float(np.abs(want).max()))
-        np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=tol * scale, err_msg=f"{part} {options}")
+        np.testing.assert_allclose(out.cpu().numpy(), want, rtol=0, atol=tol * scale, err_msg=f"{part} {options}")
 
 
 @pytest.mark.parametrize("kind", list(PADDINGS))

@@ -276,13 +276,25 @@ def adamw(g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Rate 
     hyper = zip(_each("betas", betas, n, nested=True), _each("eps", eps, n), _each("weight_decay", weight_decay, n),
                 _each("decoupled_weight_decay", decoupled_weight_decay, n))
     opt = Optimizer("adamw")
-    step = opt._state(g, "adamw.step", params[0], 0.0, shape=[1], dtype=master_dtype or params[0].dtype)
+    # the step count and the bias corrections are float32 (float64 for float64 parameters), as torch's: in a
+    # 16-bit dtype the count stops at 256 and 1 - 0.999 ** 1 rounds to 0
+    wide = "float64" if "float64" in (master_dtype, params[0].dtype) else "float32"
+    step = opt._state(g, "adamw.step", params[0], 0.0, shape=[1], dtype=wide)
     new_step = g.unary(step, "add_scalar", 1.0)
     put(step, new_step)
 
-    def correction(beta: float, t: Tensor) -> Tensor:  # 1 - beta ** step
-        power = g.unary(g.unary(t, "scale", math.log(beta)), "exp") if beta > 0 else g.unary(t, "scale", 0.0)
-        return g.unary(g.unary(power, "neg"), "add_scalar", 1.0)
+    made: dict[tuple[float, bool, str], Tensor] = {}
+
+    def correction(beta: float, root: bool, dtype: str) -> Tensor:
+        """1 - beta ** step, or its square root, computed in the step's dtype and given in ``dtype``."""
+        key = (beta, root, dtype)
+        if key not in made:
+            power = g.unary(g.unary(new_step, "scale", math.log(beta)), "exp") if beta > 0 else \
+                g.unary(new_step, "scale", 0.0)
+            c = g.unary(g.unary(power, "neg"), "add_scalar", 1.0)
+            c = g.unary(c, "sqrt") if root else c
+            made[key] = c if dtype == wide else g.cast(c, dtype)
+        return made[key]
 
     for p0, d0, rate0, (pair, eps_p, wd, decoupled) in zip(params, grads, rates, hyper):
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
@@ -291,7 +303,6 @@ def adamw(g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Rate 
         eps_p, wd = _number("eps", eps_p), _number("weight_decay", wd)
         p, d = _master(g, opt, p0, d0, master_dtype)
         rate = _rate(g, rate0, p)
-        t = new_step if new_step.dtype == p.dtype else g.cast(new_step, p.dtype)
         if maximize:
             d = g.unary(d, "neg")
         m = opt._state(g, f"{p.name}.exp_avg", p)
@@ -307,9 +318,12 @@ def adamw(g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Rate 
         new_v = g.add(g.unary(v, "scale", b2), g.unary(g.mul(d, d), "scale", 1.0 - b2))
         put(m, new_m)
         put(v, new_v)
-        step_size = g.div(rate, correction(b1, t)) if isinstance(rate, Tensor) else \
-            g.unary(g.unary(correction(b1, t), "pow", -1.0), "scale", rate)
-        denom = g.unary(g.div(g.unary(new_v, "sqrt"), g.unary(correction(b2, t), "sqrt")), "add_scalar", eps_p)
+        if isinstance(rate, Tensor):
+            step_size = g.div(rate, correction(b1, False, p.dtype))
+        else:
+            step_size = g.unary(g.unary(correction(b1, False, wide), "pow", -1.0), "scale", rate)
+            step_size = step_size if p.dtype == wide else g.cast(step_size, p.dtype)
+        denom = g.unary(g.div(g.unary(new_v, "sqrt"), correction(b2, True, p.dtype)), "add_scalar", eps_p)
         _write(put, p0, p, g.sub(decayed, g.mul(g.div(new_m, denom), step_size)))
     return opt
 
