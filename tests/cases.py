@@ -164,6 +164,12 @@ CASES: dict[str, Case] = {
     # counter-based random draws: every block draws what the whole tensor has at its flat indices
     "dropout": _one(lambda g, d: g.dropout(g.input("x", [9, 7, 5], d), g.input("rng", [2], "int64"), 0.3, stream=1)),
     "random_uniform": _one(lambda g, d: g.random(g.input("rng", [2], "int64"), [10, 7], d, stream=2)),
+    # routing: each of 2 x 9 tokens' 3 best of 11 experts (topk, then take_along reads their values)
+    "topk_routing": _one(lambda g, d: g.topk(g.input("scores", [2, 9, 11], d), 3)[0]),
+    "take_along_ids": _one(lambda g, d: g.take_along(g.input("x", [4, 6, 9], d),
+                                                     g.input("ids", [4, 6, 5], "int64"))),
+    "one_hot_ids": _one(lambda g, d: g.mul(g.one_hot(g.input("ids", [3, 7], "int64"), 11, d),
+                                           g.input("w", [3, 7, 11], d))),
 }
 
 # forward cases whose operator has no gradient, with the construct the refusal names
@@ -247,10 +253,14 @@ def feeds_for(g: rt.Graph, seed: int = 0) -> dict[str, np.ndarray]:
         if n.type.dtype == "bool":  # masks: most positions on, some rows off
             feeds[n.name] = rng.random(n.type.shape) < 0.75
         elif n.type.dtype.startswith("int"):  # ids of the table an embedding reads, or a cross-entropy's classes
-            reader = next(c for c in g.operators if n.id in c.inputs and c.kind in ("embedding", "cross_entropy",
-                                                                                   "dropout", "random"))
+            reader = next(c for c in g.operators if n.id in c.inputs and c.kind in (
+                "embedding", "cross_entropy", "dropout", "random", "take_along", "one_hot"))
             if reader.kind in ("dropout", "random"):  # a generator state (seed, offset): every bit may be set
                 feeds[n.name] = rng.integers(-2**63, 2**63 - 1, size=2, dtype=np.int64, endpoint=True)
+                continue
+            if reader.kind == "one_hot":  # ids of the classes, and one out of range (a row of zeros)
+                classes = reader.op.classes  # type: ignore[attr-defined]
+                feeds[n.name] = rng.integers(-1, classes + 1, size=n.type.shape)
                 continue
             table = g.nodes[reader.inputs[0]].type.shape
             feeds[n.name] = rng.integers(0, table[0] if reader.kind == "embedding" else table[-1], size=n.type.shape)

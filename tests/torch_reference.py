@@ -125,6 +125,15 @@ def _node(op, xs: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.cat(list(xs), op.axis)
     if kind == "embedding":
         return F.embedding(xs[1], xs[0])
+    if kind == "topk":
+        return torch.topk(xs[0], op.k, largest=op.largest).indices
+    if kind == "take_along":
+        return torch.gather(xs[0], -1, xs[1])
+    if kind == "one_hot":  # an id outside the classes gives zeros (torch refuses it)
+        ids = xs[0]
+        inside = (ids >= 0) & (ids < op.classes)
+        hot = F.one_hot(torch.where(inside, ids, 0), op.classes) * inside[..., None]
+        return hot.to(getattr(torch, op.output_type.dtype))
     if kind == "attention":
         return _attention(*xs, op=op)
     if kind == "where":

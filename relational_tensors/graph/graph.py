@@ -36,6 +36,7 @@ from relational_tensors.sql_specs import (
     EmbeddingOp,
     LayernormOp,
     MatmulOp,
+    OneHotOp,
     Operator,
     PermuteOp,
     PoolOp,
@@ -48,7 +49,9 @@ from relational_tensors.sql_specs import (
     SoftmaxOp,
     SqlJoinOp,
     SwigluOp,
+    TakeAlongOp,
     TokenCountOp,
+    TopkOp,
     UnaryOp,
     WhereOp,
 )
@@ -333,6 +336,21 @@ class Graph:
 
     def embedding(self, table: Tensor, ids: Tensor, name: str | None = None) -> Tensor:
         return self._op(EmbeddingOp((self._t(table), self._t(ids))), (table, ids), name)
+
+    # --- routing ----------------------------------------------------------------
+    def topk(self, x: Tensor, k: int, largest: bool = True, name: str | None = None) -> tuple[Tensor, Tensor]:
+        """``(values, indices)`` of the ``k`` largest (``largest=False``: smallest) entries along x's last
+        axis, best first, as ``torch.topk`` gives them; the gradient flows to x through the values."""
+        ids = self._op(TopkOp((self._t(x),), k, largest), (x,), f"{name}.indices" if name else None)
+        return self.take_along(x, ids, name=name), ids
+
+    def take_along(self, x: Tensor, ids: Tensor, name: str | None = None) -> Tensor:
+        """``out[..., j] = x[..., ids[..., j]]`` (torch's ``gather`` along the last axis)."""
+        return self._op(TakeAlongOp((self._t(x), self._t(ids))), (x, ids), name)
+
+    def one_hot(self, ids: Tensor, classes: int, dtype: str = "float32", name: str | None = None) -> Tensor:
+        """``[..., classes]`` rows of ``dtype``: 1 at each id, 0 elsewhere (an id outside the classes: zeros)."""
+        return self._op(OneHotOp((self._t(ids),), classes, canonical_dtype(dtype)), (ids,), name)
 
     # --- attention --------------------------------------------------------------
     def attention(self, q: Tensor, k: Tensor, v: Tensor, causal: bool | str = False,

@@ -1,5 +1,6 @@
 """Data movement: reshape, permute, expand, slice, concat, pad, embedding lookups and the embedding
-gradient (strided copies and fills, no arithmetic)."""
+gradient (strided copies and fills, no arithmetic), and routing's selections (top-k positions, one-hot
+rows)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from relational_tensors.core.spec import FunctionSpec
-from relational_tensors.kernels.launchers.base import launcher
+from relational_tensors.kernels.launchers.base import host_kernel, launcher
 
 
 @launcher("reshape")
@@ -99,3 +100,36 @@ def _embedding_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict,
     from relational_tensors.kernels.triton_embedding_grad import embedding_grad
 
     embedding_grad(ins[0], ins[1], out, consts["scratch"], f.output.lower[0])
+
+
+MAX_TOPK_ROW = 16384  # a row the top-k kernel holds whole in one program; longer ones run on the host
+
+
+def _topk_on_host(op: Any) -> bool:
+    return bool(op.input_types[0].shape[-1] > MAX_TOPK_ROW)
+
+
+@launcher("topk", allocates=_topk_on_host)
+def _topk(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    """Rows up to ``MAX_TOPK_ROW`` long in one Triton program each; longer rows (top-k over a vocabulary)
+    on host copies."""
+    if _topk_on_host(op):
+        host_kernel(op, f, ins, out, stream)
+        return
+    from relational_tensors.kernels import triton_routing as tr
+
+    tr.topk(ins[0], out, op.k, op.largest)
+
+
+@launcher("one_hot")
+def _one_hot(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels import triton_routing as tr
+
+    tr.one_hot(ins[0], out, f.output.lower[-1])
+
+
+@launcher("take_along")
+def _take_along(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels import triton_routing as tr
+
+    tr.take_along(ins[0], ins[1], out, f.inputs[0].lower[-1])
