@@ -135,3 +135,45 @@ def test_bert_layer_gradients_equal_torch() -> None:
     torch.manual_seed(4)
     probe = torch.randn(24, 64)  # the output is layer-normalized: mean(y²) would not depend on the weights
     assert_same_gradients(Layer(), torch.randn(2, 24, 64), lambda y: (y * probe).sum())
+
+
+class PaddedLookup(nn.Module):
+    """Token ids through an embedding with a padding row (nn.Embedding(padding_idx=...)) and a linear head."""
+
+    def __init__(self, padding_idx: int | None) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 6, padding_idx=padding_idx)
+        with torch.no_grad():
+            self.embed.weight.normal_()  # the padding row too: torch still gives it no gradient
+        self.head = nn.Linear(6, 5)
+
+    def forward(self, ids: Any) -> Any:
+        return self.head(self.embed(ids))
+
+
+@pytest.mark.parametrize("padding_idx", [None, 3, -2])
+def test_an_embeddings_padding_row_gets_no_gradient_as_in_torch(padding_idx: int | None) -> None:
+    """nn.Embedding(padding_idx=p): the row p reads its values but is never trained, through rt.parallelize's
+    backward and through rt.train_step's whole step, as in torch."""
+    torch.manual_seed(0)
+    m = PaddedLookup(padding_idx)
+    ids = torch.tensor([[3, 1, 9, 3], [0, 3, 2, 9]])
+    pm = rt.parallelize(m, (ids,), device="cpu:2")
+    torch.testing.assert_close(pm(ids), m(ids))
+    pm(ids).square().mean().backward()
+    ours = m.embed.weight.grad.clone()
+    m.zero_grad()
+    m(ids).square().mean().backward()
+    torch.testing.assert_close(ours, m.embed.weight.grad, rtol=1e-5, atol=1e-7)
+    row = m.embed.padding_idx
+    if row is not None:
+        assert not ours[row].any()
+    before = m.embed.weight.detach().clone()
+    step = rt.train_step(m, lambda mod, i: mod(i).square().mean(), (ids,), optimizer=rt.optim.SGD(lr=0.5),
+                         device="cpu:3")
+    for _ in range(2):
+        step(ids)
+    step.load_into(m)
+    if row is not None:
+        assert torch.equal(m.embed.weight[row], before[row])  # never trained
+    assert not torch.equal(m.embed.weight[2], before[2])  # a row that was read trained

@@ -175,10 +175,22 @@ def _attention_with_dropout(tr: _Translator, q: Tensor, k: Tensor, v: Tensor, fo
 
 @register_torch_op("embedding")
 def _embedding(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
-    table = tr.sym(a["weight"], _out_dtype(node))
+    """A lookup; with ``padding_idx`` (``nn.Embedding(..., padding_idx=p)``) the row ``p`` gets no gradient,
+    as torch's: the rows read at padding positions are the same values, detached."""
+    weight = a["weight"]
+    table = tr.sym(weight, _out_dtype(node))
     ids = a["indices"]
     ids = tr.materialize(ids, "int64") if isinstance(ids, _Const) else tr.sym(ids)
-    return tr.g.embedding(table, ids, name=tr.name("embedding"))
+    out = tr.g.embedding(table, ids, name=tr.name("embedding"))
+    pad = a.get("padding_idx")
+    trained = not isinstance(weight, _Const) or weight.live
+    if trained and a.get("scale_grad_by_freq"):
+        raise _fail("an embedding with scale_grad_by_freq=True (its gradient divided by each id's count in the "
+                    "batch); supported: scale_grad_by_freq=False")
+    if trained and isinstance(pad, int) and pad >= 0:
+        at_pad = tr.reshape(tr.binary(ids, tr.sym(pad, "int64"), "equal"), (*ids.shape, 1))
+        out = tr.g.where(at_pad, tr.unary(out, "detach"), out, name=tr.name("padding_idx"))
+    return out
 
 
 
