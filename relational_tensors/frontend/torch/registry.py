@@ -23,10 +23,8 @@ _RULES: dict[str, _Rule] = {}
 # operations refused by rule (not merely unknown): why, as the error message says it
 _DATA_DEPENDENT = "it selects by values computed from the inputs, which gives data-dependent indices or shapes"
 REFUSED: dict[str, str] = {
-    "topk": "top-k selection is mixture-of-experts routing or sampling, and MoE routing is not supported yet",
-    "sort": _DATA_DEPENDENT, "argsort": _DATA_DEPENDENT, "argmax": _DATA_DEPENDENT, "argmin": _DATA_DEPENDENT,
+    "sort": _DATA_DEPENDENT, "argsort": _DATA_DEPENDENT,
     "nonzero": _DATA_DEPENDENT, "masked_select": _DATA_DEPENDENT, "unique": _DATA_DEPENDENT,
-    "scatter": _DATA_DEPENDENT, "scatter_add": _DATA_DEPENDENT,
     "index_select": _DATA_DEPENDENT, "index_put": _DATA_DEPENDENT, "index_add": _DATA_DEPENDENT,
     "randn": "normal draws are not supported; rand, rand_like, bernoulli and dropout are",
     "randn_like": "normal draws are not supported; rand, rand_like, bernoulli and dropout are",

@@ -216,3 +216,21 @@ def _where(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     dtype = _out_dtype(node)
     return tr.g.where(tr.sym(a["condition"], "bool"), tr.sym(a["self"], dtype), tr.sym(a["other"], dtype),
                       name=tr.name("where"))
+
+
+@register_torch_op("clamp", "clamp_min", "clamp_max")
+def _clamp(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    """``clamp(x, min, max)`` (bounds numbers or tensors): the bound where x passes it, else x, so the
+    gradient reaches x where ``min <= x <= max`` and each bound where it was taken, as torch's; NaN stays."""
+    dtype = _out_dtype(node)
+    if dtype not in FLOAT_DTYPES:
+        raise _fail(f"clamp of a {dtype} tensor; supported: floating tensors")
+    x = tr.sym(a["self"], dtype)
+    packet = _packet(node)
+    lo = None if packet == "clamp_max" else a.get("min")
+    hi = None if packet == "clamp_min" else a.get("max")
+    for bound, past in ((lo, "less"), (hi, "greater")):
+        if bound is not None:
+            b = tr.sym(bound, dtype)
+            x = tr.g.where(tr.binary(x, b, past), b, x, name=tr.name("clamp"))
+    return x

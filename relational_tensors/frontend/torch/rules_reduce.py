@@ -1,5 +1,6 @@
 """Translation rules for reductions over axes: ``sum``, ``mean``, ``amax``, ``amin``, ``var`` (with
-its correction), ``softmax``, ``log_softmax`` and ``cumsum`` (a product with a triangle of ones).
+its correction), ``softmax``, ``log_softmax``, ``cumsum`` (a product with a triangle of ones) and
+``topk``, ``argmax`` and ``argmin`` (selections: positions by ``topk``, values read back by ``take_along``).
 """
 
 from __future__ import annotations
@@ -83,3 +84,64 @@ def _cumsum(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
         raise _fail(f"cumsum of a tensor of rank {x.rank}; supported: rank up to 25")
     spec = f"{letters},{letters[axis]}z->{letters.replace(letters[axis], 'z')}"
     return tr.g.einsum(spec, x, tr.materialize(tri, work), name=tr.name("cumsum"))
+
+
+@register_torch_op("topk")
+def _topk(tr: _Translator, node: Any, a: dict[str, Any]) -> tuple[Tensor, Tensor]:
+    """``torch.topk``: the values and positions of the k largest (or smallest) along ``dim``, best first
+    (``sorted=False`` gets them sorted too: torch leaves that order unspecified).  Equal values come lower
+    position first, which torch does not promise either."""
+    x = tr.sym(a["self"])
+    if x.dtype not in FLOAT_DTYPES:
+        raise _fail(f"topk of a {x.dtype} tensor; supported: floating tensors (cast first)")
+    k = a["k"]
+    if not isinstance(k, int):
+        raise _fail(f"topk with k={k!r} computed at run time; supported: a k known when tracing")
+    axis = _axis(a["dim"], x.rank)
+    last = x.rank - 1
+    order = [d for d in range(x.rank) if d != axis] + [axis]
+    moved = tr.permute(x, order) if axis != last else x
+    values, ids = tr.g.topk(moved, k, bool(a["largest"]), name=tr.name("topk"))
+    if axis != last:
+        back = [order.index(d) for d in range(x.rank)]
+        values, ids = tr.permute(values, back), tr.permute(ids, back)
+    return values, ids
+
+
+@register_torch_op("argmax", "argmin")
+def _argmax(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    """``argmax``/``argmin``: the position of the first largest (smallest) value along ``dim`` (over the
+    flattened tensor without one), a top-1 selection; NaN counts as the largest, as torch counts it."""
+    x = tr.sym(a["self"])
+    if x.dtype not in FLOAT_DTYPES:
+        raise _fail(f"{_packet(node)} of a {x.dtype} tensor; supported: floating tensors (cast first)")
+    if a["dim"] is None:
+        x, axis = tr.reshape(x, (max(1, math.prod(x.shape)),)), 0
+    else:
+        axis = _axis(a["dim"], x.rank)
+    order = [d for d in range(x.rank) if d != axis] + [axis]
+    moved = tr.permute(x, order) if axis != x.rank - 1 else x
+    _, ids = tr.g.topk(moved, 1, _packet(node) == "argmax", name=tr.name(_packet(node) or "argmax"))
+    return tr.reshape(ids, _out_shape(node))
+
+
+@register_torch_op("max", "min")
+def _max_min(tr: _Translator, node: Any, a: dict[str, Any]) -> Any:
+    """``torch.max(x, dim)`` / ``torch.min(x, dim)``: the values and the first position holding them (a top-1
+    selection); without ``dim``, the largest (smallest) element."""
+    x = tr.sym(a["self"])
+    if x.dtype not in FLOAT_DTYPES:
+        raise _fail(f"{_packet(node)} of a {x.dtype} tensor; supported: floating tensors (cast first)")
+    largest = _packet(node) == "max"
+    if "dim" not in a:
+        flat = tr.reshape(x, (1, max(1, math.prod(x.shape))))
+        values, _ = tr.g.topk(flat, 1, largest, name=tr.name(_packet(node) or "max"))
+        return tr.reshape(values, _out_shape(node))
+    axis = _axis(a["dim"], x.rank)
+    order = [d for d in range(x.rank) if d != axis] + [axis]
+    moved = tr.permute(x, order) if axis != x.rank - 1 else x
+    values, ids = tr.g.topk(moved, 1, largest, name=tr.name(_packet(node) or "max"))
+    shape = tuple(s for d, s in enumerate(x.shape) if d != axis)
+    if a.get("keepdim"):
+        shape = tuple(1 if d == axis else s for d, s in enumerate(x.shape))
+    return tr.reshape(values, shape), tr.reshape(ids, shape)

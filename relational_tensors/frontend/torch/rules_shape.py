@@ -54,6 +54,18 @@ def _expand(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     return x
 
 
+@register_torch_op("copy")
+def _copy(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    """``dst.copy_(src)`` made pure: src in dst's dtype, broadcast to dst's shape (dst's values are gone)."""
+    x = tr.sym(a["src"], _out_dtype(node))
+    shape = _out_shape(node)
+    x = tr.reshape(x, (1,) * (len(shape) - x.rank) + x.shape)
+    for d, (have, want) in enumerate(zip(x.shape, shape)):
+        if have != want:
+            x = tr.repeat(x, d, want)
+    return x
+
+
 @register_torch_op("repeat")
 def _tile(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     x = tr.sym(a["self"])
@@ -110,7 +122,8 @@ def _strided(tr: _Translator, x: Tensor, axis: int, start: int, stop: int, step:
 
 @register_torch_op("gather")
 def _gather(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
-    """``out[..., i, ...] = x[..., index[..., i, ...], ...]`` along ``dim``: a lookup of the flat positions
+    """``out[..., i, ...] = x[..., index[..., i, ...], ...]`` along ``dim``.  Along the last axis with one
+    row of ids per row of x, a ``take_along``; otherwise a lookup of the flat positions
     ``index · stride(dim) + (the offsets of the other axes)`` in x viewed as a one-column table (an embedding,
     whose gradient adds back into x).  Integer x is looked up in float64 (exact below 2**53)."""
     torch = _torch()
@@ -120,6 +133,9 @@ def _gather(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     shape = tuple(index.value.shape) if isinstance(index, _Const) else index.shape
     xs = tuple(x.value.shape) if isinstance(x, _Const) else x.shape
     axis = _axis(a["dim"], len(xs))
+    if axis == len(xs) - 1 and out_dtype in FLOAT_DTYPES and len(shape) == len(xs) and shape[:-1] == xs[:-1]:
+        # along the last axis, one row of ids per row of x (top-k's values): a take_along, split by rows
+        return tr.g.take_along(tr.sym(x, out_dtype), tr.cast(tr.sym(index), "int64"), name=tr.name("gather"))
     strides = [math.prod(xs[k + 1:]) for k in range(len(xs))]
     base = torch.zeros(shape, dtype=torch.int64)
     for k, n in enumerate(shape):
@@ -230,3 +246,43 @@ def _index(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
         raise _fail(f"indexing that gives shape {out} from broadcast aranges; supported: aranges that only "
                     "insert unit axes")
     return tr.reshape(x, (*shape, *x.shape[len(indices):]))
+
+
+@register_torch_op("scatter", "scatter_add")
+def _scatter(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    """``x.scatter(dim, index, value or src)`` and ``scatter_add`` with one row of positions per row of x
+    (index of x's shape but along ``dim``, as routing masks write: ``scores.scatter(-1, top, -inf)``): a
+    one-hot product over the positions.  ``scatter`` with a position written twice keeps the sum of the
+    values written there (torch leaves which one unspecified); ``scatter_add`` adds them, as torch's."""
+    dtype = _out_dtype(node)
+    if dtype not in FLOAT_DTYPES:
+        raise _fail(f"scatter into a {dtype} tensor; supported: floating tensors")
+    x = tr.sym(a["self"], dtype)
+    index = a["index"]
+    ids = tr.materialize(index, "int64") if isinstance(index, _Const) else tr.cast(tr.sym(index), "int64")
+    axis = _axis(a["dim"], x.rank)
+    lead = tuple(s for d, s in enumerate(x.shape) if d != axis)
+    if ids.rank != x.rank or tuple(s for d, s in enumerate(ids.shape) if d != axis) != lead:
+        raise _fail(f"scatter with an index of shape {ids.shape} into {x.shape} along dim {axis}; supported: an "
+                    "index with x's shape except along dim")
+    order = [d for d in range(x.rank) if d != axis] + [axis]
+    back = [order.index(d) for d in range(x.rank)]
+    xm, im = tr.permute(x, order), tr.permute(ids, order)
+    n = x.shape[axis]
+    hot = tr.g.one_hot(im, n, dtype, name=tr.name("scatter_hot"))  # [..., k, n]
+    letters = "abcdefghijlmopqrstuvwxyz"[: x.rank - 1]
+    src = a.get("src")
+    if src is None:  # scatter.value: a number
+        value = a.get("value")
+        hit = tr.binary(tr.g.sum(hot, [x.rank - 1], name=tr.name("scatter_hit")), tr.sym(0.0, dtype), "greater")
+        out = tr.g.where(hit, tr.sym(value, dtype), xm, name=tr.name("scatter"))
+        return tr.permute(out, back)
+    sm = tr.permute(tr.sym(src, dtype), order)
+    if sm.shape != im.shape:
+        raise _fail(f"scatter with src of shape {sm.shape} for an index of shape {im.shape}; supported: equal "
+                    "shapes")
+    placed = tr.g.einsum(f"{letters}k,{letters}kn->{letters}n", sm, hot, name=tr.name("scatter_src"))
+    if _packet(node) == "scatter_add":
+        return tr.permute(tr.binary(xm, placed, "add"), back)
+    hit = tr.binary(tr.g.sum(hot, [x.rank - 1], name=tr.name("scatter_hit")), tr.sym(0.0, dtype), "greater")
+    return tr.permute(tr.g.where(hit, placed, xm, name=tr.name("scatter")), back)

@@ -43,6 +43,7 @@ from relational_tensors.frontend.torch.convert import (
     host,
     torch_to_numpy,
 )
+from relational_tensors.frontend.torch.moe import traceable_experts
 from relational_tensors.frontend.torch.patterns import (
     _PATTERNS,
     _match_gelu_tanh,
@@ -667,17 +668,6 @@ def _prune(g: TorchGraph) -> TorchGraph:
 
 # --- entry point ---------------------------------------------------------------------------------------------------
 
-def _refuse_moe(module: Any) -> None:
-    """Mixture-of-experts layers route each token to its top-k experts, a data-dependent dispatch the
-    graph cannot hold yet: refused by name before tracing (the trace would fail on a guard or on topk)."""
-    for name, sub in module.named_modules():
-        kind = type(sub).__name__
-        if "moe" in kind.lower() or (hasattr(sub, "experts") and hasattr(sub, "gate")):
-            raise GraphError(f"{type(module).__name__} has a mixture-of-experts layer ({name or 'the module'}: "
-                             f"{kind}); MoE routing (each token sent to its top-k experts) is not supported yet. "
-                             "Dense models are.")
-
-
 def _decompose(ep: Any, unruled: Any) -> Any:
     """``ep`` with the operations that have no translation rule lowered by torch's decompositions (the core
     ATen set first, then the rest of its table), where that leads to operations that have one; an operation
@@ -749,7 +739,6 @@ def from_torch(module: Any, example_inputs: Any, casts_in_graph: bool = False,
         if not isinstance(x, torch.Tensor):
             raise GraphError(f"from_torch takes tensor example inputs; input {k} is {type(x).__name__}. Bind "
                              "other arguments in the module (a small wrapper module, or functools.partial).")
-    _refuse_moe(module)
     # tracing reads shapes and dtypes only: example inputs go to the module's device (a module on the host
     # traced with a CUDA batch, as rt.train_step is given one, or the reverse)
     home = next((t.device for t in itertools.chain(module.parameters(), module.buffers())), None) \
@@ -768,7 +757,8 @@ def from_torch(module: Any, example_inputs: Any, casts_in_graph: bool = False,
             warnings.simplefilter("ignore", FutureWarning)
             warnings.simplefilter("ignore", DeprecationWarning)
             try:
-                ep = torch.export.export(module, args, strict=False)
+                with traceable_experts(module):
+                    ep = torch.export.export(module, args, strict=False)
                 ep = ep.run_decompositions({})  # functionalize (in-place ops become pure) without decomposing
             except Exception as e:  # noqa: BLE001 - any tracing failure is reported the same way
                 raise GraphError(f"torch.export could not trace {type(module).__name__}: {type(e).__name__}: "

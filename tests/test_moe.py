@@ -1,0 +1,185 @@
+"""transformers' mixture-of-experts models through ``rt.parallelize`` and ``rt.train_step``: tiny configs of
+Mixtral, Qwen2-MoE (with its gated shared expert), Qwen3-MoE and OLMoE (and GPT-OSS and PhiMoE, whose routers
+clamp and scatter, forward), with padded batches, against the module's own eager run.
+
+The experts trace in their dense form (``frontend/torch/moe.py``: every token through every expert, weighted
+by its routing weight for it); routing is ``topk`` and ``take_along``.  Forward: 1e-5 of the largest logit
+(float32).  Training: three AdamW steps of ``rt.train_step`` against torch's own loop on a twin; the losses
+agree to float32 rounding, the parameters to 2e-4 after three updates of lr 1e-2 (Adam divides each
+gradient by its running magnitude, so a gradient near zero moves a parameter by the learning rate whatever
+its rounding), and every parameter trained."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+
+import relational_tensors as rt
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers", reason="the MoE model tests need pip install transformers")
+nn = torch.nn
+
+COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa", use_cache=False)
+
+
+def _model(name: str) -> Any:
+    torch.manual_seed(0)
+    if name == "mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(**COMMON, num_local_experts=4,
+                                                                          num_experts_per_tok=2))
+    if name == "qwen2_moe":
+        return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+            shared_expert_intermediate_size=40))
+    if name == "qwen3_moe":
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, head_dim=8))
+    if name == "olmoe":  # its embedding has a padding row (pad_token_id=1), which never trains
+        return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2))
+    if name == "gpt_oss":  # biased, transposed, interleaved experts with a clamped gate; attention sinks
+        return transformers.GptOssForCausalLM(transformers.GptOssConfig(
+            **{**COMMON, "attn_implementation": "eager"}, num_local_experts=4, num_experts_per_tok=2, head_dim=8,
+            sliding_window=8, layer_types=["sliding_attention", "full_attention"]))
+    if name == "phimoe":  # sparsemixer routing: max, clamp, scatter of -inf
+        return transformers.PhimoeForCausalLM(transformers.PhimoeConfig(**COMMON, num_local_experts=4,
+                                                                        num_experts_per_tok=2))
+    raise AssertionError(name)
+
+
+def _batch() -> tuple[Any, Any, Any]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (2, 12), generator=g)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, 8:] = 0  # the first sequence padded on the right
+    return ids, mask, torch.randint(0, 64, (2, 12), generator=g)
+
+
+class Logits(nn.Module):
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: Any, mask: Any) -> Any:
+        return self.model(input_ids=ids, attention_mask=mask).logits
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "phimoe"])
+def test_a_moe_model_on_a_padded_batch_equals_its_eager_forward(name: str) -> None:
+    model = _model(name).eval()
+    ids, mask, _ = _batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = rt.parallelize(Logits(model), (ids, mask), device="cpu:3")
+    with torch.no_grad():
+        want = Logits(model)(ids, mask)
+    got = fast(ids, mask)
+    real = mask.bool()  # padded positions' logits are whatever each computes there
+    assert (got - want)[real].abs().max().item() <= 1e-5 * want[real].abs().max().item()
+
+
+def _loss(m: Any, ids: Any, mask: Any, labels: Any) -> Any:
+    logits = m(input_ids=ids, attention_mask=mask).logits
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.masked_fill(mask == 0, -100).flatten())
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_three_adamw_steps_of_a_moe_model_equal_torchs_loop(name: str) -> None:
+    model = _model(name)
+    twin = copy.deepcopy(model)
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    batch = _batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = rt.train_step(model, _loss, batch, optimizer=rt.optim.AdamW(lr=1e-2), device="cpu:2")
+    opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    for _ in range(3):
+        ours = float(step(*batch))
+        opt.zero_grad()
+        theirs = _loss(twin, *batch)
+        theirs.backward()
+        opt.step()
+        assert ours == pytest.approx(theirs.item(), rel=1e-5)
+    step.load_into(model)
+    pad = getattr(model.model.embed_tokens, "padding_idx", None)
+    for (k, a), b in zip(model.named_parameters(), twin.parameters()):
+        assert (a - b).abs().max().item() <= 2e-4, k
+        moved = (a - start[k]).abs()
+        if k.endswith("embed_tokens.weight"):  # the rows of tokens in the batch (not the padding row)
+            moved = moved[[i for i in batch[0].unique().tolist() if i != pad]]
+        assert moved.max().item() > 1e-3, k  # every parameter trained: routers, experts, shared experts
+
+
+def test_moe_gradients_through_parallelize_equal_torch() -> None:
+    """loss.backward() through rt.parallelize on 3 devices gives every parameter torch's gradient: the router
+    through the routing weights it picked, each expert through the tokens routed to it."""
+    model = _model("qwen2_moe")
+    twin = copy.deepcopy(model)
+    ids, mask, labels = _batch()
+
+    class Loss(nn.Module):
+        def __init__(self, m: Any) -> None:
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids: Any, mask: Any, labels: Any) -> Any:
+            return _loss(self.m, ids, mask, labels)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = rt.parallelize(Loss(model), (ids, mask, labels), device="cpu:3")
+    fast(ids, mask, labels).backward()
+    _loss(twin, ids, mask, labels).backward()
+    for (k, a), b in zip(model.named_parameters(), twin.parameters()):
+        scale = max(b.grad.abs().max().item(), 1e-6)
+        assert (a.grad - b.grad).abs().max().item() <= 1e-4 * scale, k
+
+
+class Routed(nn.Module):
+    """Routing written by hand: softmax scores, top-k, renormalized weights, gather, scatter, max, argmax,
+    clamp, and an in-place copy into a buffer made in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(12, 7)
+
+    def forward(self, x: Any) -> Any:
+        scores = torch.softmax(self.gate(x), -1)
+        top, idx = torch.topk(scores, 3, dim=-1)
+        weights = top / top.sum(-1, keepdim=True)
+        masked = scores.scatter(-1, idx, float("-inf"))
+        best, at = masked.max(-1)
+        spread = torch.zeros_like(scores).scatter_add(-1, idx, weights)
+        out = torch.empty_like(spread)
+        out.copy_(spread.clamp(0.1, 0.6))
+        return weights, idx, best, at, torch.gather(scores, -1, idx), out, scores.argmax(0)
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_hand_written_routing_translates_with_gradients(p: int) -> None:
+    torch.manual_seed(p)
+    m = Routed()
+    x = torch.randn(9, 12, requires_grad=True)
+    fast = rt.parallelize(m, (x.detach(),), device=f"cpu:{p}")
+    got, want = fast(x), m(x)
+    for a, b in zip(got, want):
+        if b.dtype.is_floating_point:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(a, b)
+    cot = [torch.randn_like(w) if w.dtype.is_floating_point else None for w in want]
+
+    def total(outs: Any) -> Any:
+        return sum((o * c).sum() for o, c in zip(outs, cot) if c is not None)
+
+    total(got).backward()
+    ours = x.grad.clone(), m.gate.weight.grad.clone()
+    x.grad = None
+    m.zero_grad()
+    total(want).backward()
+    torch.testing.assert_close(ours[0], x.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours[1], m.gate.weight.grad, rtol=1e-5, atol=1e-6)
