@@ -46,7 +46,10 @@ __all__ = ["attention_lse", "attention_delta", "attention_dq", "attention_dkv", 
 # (TMA), 2 (dk|dv only) through tensor descriptors with k and v loaded again for every query tile, where
 # holding them in registers would spill
 Config = tuple[int, int, int, int, int]
-_BIG = tl.constexpr(2147483647)  # past every row and key index: the masked rows' limits
+# past every row and key index: the limits of masked rows and hidden keys.  2**30, not int32's max, so that
+# the tile arithmetic on it (minus an offset, plus a block less one) cannot wrap around: wrapped, a key
+# hidden by padding made its tile look whole to rows past the block's end, which then ran unmasked
+_BIG = tl.constexpr(1 << 30)
 
 
 @triton.jit
@@ -433,6 +436,9 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
                                stride_ts, m0, sq, q_offset, kqlo, kqhi, qk_scale, dd, dvv, q_desc, do_desc, qrow,
                                qcol, gcol, k_desc, v_desc, krow, kcol, vcol, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
                                BLOCK_N, True, WRITE_DK, WRITE_DV, IEEE, TMA, RELOAD)
+    if LIMITS or BITS:  # a hidden key's gradients are 0 by definition, whatever its tiles summed
+        dk = tl.where(hidden[:, None], 0.0, dk)
+        dv = tl.where(hidden[:, None], 0.0, dv)
     out_rows = out_ptr + part * stride_split + b * stride_ob + cols[:, None].to(tl.int64) * stride_os + hk * stride_oh
     if WRITE_DK:
         dk = dk * scale

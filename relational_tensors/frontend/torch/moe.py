@@ -30,7 +30,7 @@ def _is_experts(sub: Any) -> bool:
     weights = [getattr(sub, n, None) for n in ("gate_up_proj", "up_proj")]
     return (isinstance(getattr(sub, "down_proj", None), torch.nn.Parameter)
             and any(isinstance(w, torch.nn.Parameter) for w in weights)
-            and hasattr(sub, "num_experts") and hasattr(sub, "has_gate") and hasattr(sub, "is_transposed"))
+            and hasattr(sub, "num_experts") and (hasattr(sub, "_apply_gate") or hasattr(sub, "act_fn")))
 
 
 def experts_modules(module: Any) -> list[tuple[str, Any]]:
@@ -46,15 +46,18 @@ def _dense_forward(self: Any, hidden_states: Any, top_k_index: Any, top_k_weight
     picked = top_k_index.unsqueeze(-1) == experts  # [tokens, k, experts]; a sentinel id picks none
     zero = torch.zeros((), dtype=top_k_weights.dtype, device=top_k_weights.device)
     combine = torch.where(picked, top_k_weights.unsqueeze(-1), zero).sum(1)  # [tokens, experts]
-    first = self.gate_up_proj if self.has_gate else self.up_proj
-    h = torch.einsum("th,eho->teo" if self.is_transposed else "th,eoh->teo", hidden_states, first)
-    if self.has_bias:
-        h = h + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)
-    h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
-    y = torch.einsum("tei,eih->teh" if self.is_transposed else "tei,ehi->teh", h, self.down_proj)
-    if self.has_bias:
+    # the interface's flags, as transformers' versions have them (a flag it lacks is off)
+    gated, transposed = getattr(self, "has_gate", True), getattr(self, "is_transposed", False)
+    biased = getattr(self, "has_bias", False)
+    first = self.gate_up_proj if gated else self.up_proj
+    h = torch.einsum("th,eho->teo" if transposed else "th,eoh->teo", hidden_states, first)
+    if biased:
+        h = h + (self.gate_up_proj_bias if gated else self.up_proj_bias)
+    h = self._apply_gate(h) if gated else self.act_fn(h)
+    y = torch.einsum("tei,eih->teh" if transposed else "tei,ehi->teh", h, self.down_proj)
+    if biased:
         y = y + self.down_proj_bias
-    if self.has_post_expert_norm:
+    if getattr(self, "has_post_expert_norm", False):
         y = self.post_expert_norm(y)
     wide = torch.promote_types(y.dtype, combine.dtype)
     return torch.einsum("teh,te->th", y.to(wide), combine.to(wide)).to(hidden_states.dtype)
