@@ -217,3 +217,66 @@ def test_a_moe_model_trains_on_the_gpu_captured_as_torch_does(device: str) -> No
         opt.step()
         assert ours.item() == pytest.approx(theirs.item(), rel=1e-4)
     assert step.compiled.executor.graph_exec is not None
+
+
+# --- the graph API's MoE layer and the expert-parallel hand plans ---------------------------------------
+
+def _layer_feeds(g: Any) -> dict[str, Any]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return {n.name: (rng.standard_normal(n.type.shape) / 4).astype(np.float32) for n in g.inputs
+            if n.name != "lr"} | ({"lr": np.array([1e-2], np.float32)} if "lr" in {n.name for n in g.inputs}
+                                  else {})
+
+
+def test_the_graph_moe_layer_is_the_routed_sum_of_its_experts() -> None:
+    """models.moe_layer_graph against a per-token loop over the two experts each token is routed to."""
+    import numpy as np
+
+    from relational_tensors.graph.models import moe_layer_graph
+
+    g = moe_layer_graph(37, 16, experts=4, top_k=2, d_ff=24, dtype="float32")
+    feeds = _layer_feeds(g)
+    want = rt.reference(g, feeds)["y"]
+    x, nw = torch.tensor(feeds["x"]), torch.tensor(feeds["ffn_norm"])
+    h = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-5) * nw
+    top, ids = torch.topk(torch.softmax(h @ torch.tensor(feeds["router"]), -1), 2)
+    top = top / top.sum(-1, keepdim=True)
+    w1, w3, w2 = (torch.tensor(feeds[k]) for k in ("w1", "w3", "w2"))
+    out = x.clone()
+    for t in range(37):
+        for j in range(2):
+            e = ids[t, j]
+            out[t] += top[t, j] * ((nn.functional.silu(h[t] @ w1[e]) * (h[t] @ w3[e])) @ w2[e])
+    np.testing.assert_allclose(want, out.numpy(), rtol=1e-5, atol=1e-6)
+    assert g.nodes[g.inputs[3].id].type.names[0] == "experts"  # w1 [experts, hidden, ff]
+
+
+@pytest.mark.parametrize("plan", ["optimizer", "expert_parallel", "expert_tensor_parallel"])
+@pytest.mark.parametrize("p", [3, 4])
+def test_moe_plans_give_the_reference_step(plan: str, p: int) -> None:
+    """A MoE layer's training step (loss, gradients, AdamW) on cpu:p under the optimizer's plan and the hand
+    plans: the reference's loss and updated weights; expert parallelism splits every expert product over the
+    experts, tensor parallelism inside the experts never does."""
+    import numpy as np
+
+    from relational_tensors.graph.models import moe_layer_graph
+
+    g = moe_layer_graph(24, 16, experts=4, top_k=2, d_ff=12, dtype="float32", training=True, master_dtype=None)
+    constraints = None if plan == "optimizer" else rt.plans.PLANS[plan](g, p)
+    cg = rt.compileGraph(g, device=f"cpu:{p}", constraints=constraints)
+    feeds = _layer_feeds(g)
+    feeds.update({n.name: np.zeros(n.type.shape, np.float32) for n in g.inputs if "exp_avg" in n.name
+                  or n.name == "adamw.step"})
+    want = rt.reference(g, feeds)
+    cg.run(feeds)
+    for name in ("w1", "w2", "w3", "router", "ffn_norm"):
+        np.testing.assert_allclose(cg.offload(name), want[f"{name}.next"],
+                                   rtol=1e-4, atol=1e-6)
+    experts = [n for n in ("expert_gate", "expert_up", "expert_down", "combine")]
+    splits = {n: dict(cg.plan.spec(n).split) for n in experts}
+    if plan == "expert_parallel":
+        assert all(s.get("e", 1) > 1 for s in splits.values()), splits
+    if plan == "expert_tensor_parallel":
+        assert all(s.get("e", 1) == 1 for s in splits.values()) and splits["expert_gate"].get("f", 1) > 1, splits

@@ -15,7 +15,10 @@ are never looked at, so the plans apply to any graph of the same shape of comput
 * :func:`sequence_parallel`: Megatron tensor parallelism plus the operators it leaves unsplit
   (norms, residual adds) split over the sequence, as Megatron-LM's sequence parallelism does;
 * :func:`ddp`, :func:`fsdp` (alias :func:`zero3`): data parallelism of a training step with every state
-  replicated (``R``) or sharded on its first dimension (``S(0)``, gathered for each reader).
+  replicated (``R``) or sharded on its first dimension (``S(0)``, gathered for each reader);
+* :func:`expert_parallel`: a mixture of experts split over its experts (the first dimension of the
+  stacked expert weights, rank 3, and everything computed from them);
+* :func:`expert_tensor_parallel`: Megatron tensor parallelism inside every expert, the experts whole.
 
 The batch dimension is the first dimension of the graph's data inputs (role ``input``, rank 2 or
 more), the sequence dimension their second.  A count that an operator cannot split exactly (fewer kv
@@ -38,7 +41,8 @@ from relational_tensors.dp_optimizer.candidates import specs_for
 from relational_tensors.errors import GraphError
 from relational_tensors.graph.graph import Graph, Node
 
-__all__ = ["data_parallel", "megatron_tp", "sequence_parallel", "ddp", "fsdp", "zero3", "PLANS"]
+__all__ = ["data_parallel", "megatron_tp", "sequence_parallel", "ddp", "fsdp", "zero3", "expert_parallel",
+           "expert_tensor_parallel", "PLANS"]
 
 _MATMULS = ("matmul", "einsum")
 
@@ -84,9 +88,17 @@ class _Graph:
         offered = {dict(s.split).get(index, 1) for _, s in specs_for(node.op, self.p)}  # type: ignore[arg-type]
         return max((n for n in offered if n > 1 and self.p % n == 0), default=None)
 
-    def carried(self, dim: int) -> dict[int, set[int]]:
-        """Per tensor, its dimensions that carry dimension ``dim`` of the data inputs."""
-        marked: dict[int, set[int]] = {n.id: {dim} for n in self.data if dim < n.type.rank}
+    def experts(self) -> dict[int, set[int]]:
+        """The stacked expert weights (weights of rank 3 or more that a matrix product reads): their first
+        dimension, the experts."""
+        read = {i for n in self.graph.operators if n.op is not None and n.op.kind in _MATMULS for i in n.inputs}
+        return {n.id: {0} for n in self.graph.inputs if n.id in self.weight and n.type.rank >= 3 and n.id in read}
+
+    def carried(self, dim: int, seeds: dict[int, set[int]] | None = None) -> dict[int, set[int]]:
+        """Per tensor, its dimensions that carry dimension ``dim`` of the data inputs (or the dimensions
+        ``seeds`` marks, per tensor)."""
+        marked: dict[int, set[int]] = dict(seeds) if seeds is not None else \
+            {n.id: {dim} for n in self.data if dim < n.type.rank}
         for n in self.graph.operators:
             hits = self._indices(n, marked)
             outs = {d for x in hits for d in self.dims[n.id][x][1]}
@@ -99,9 +111,11 @@ class _Graph:
         return [x for x, (ins, _) in self.dims[n.id].items()
                 if any(set(ins[k]) & marked.get(i, set()) for k, i in enumerate(n.inputs))]
 
-    def along(self, dim: int, only: Sequence[Node] | None = None) -> dict[str, str]:
-        """Each operator (of ``only``) split along the indices carrying data dimension ``dim``: the widest."""
-        marked = self.carried(dim)
+    def along(self, dim: int, only: Sequence[Node] | None = None,
+              seeds: dict[int, set[int]] | None = None) -> dict[str, str]:
+        """Each operator (of ``only``) split along the indices carrying data dimension ``dim`` (or the
+        dimensions ``seeds`` marks): the widest."""
+        marked = self.carried(dim, seeds)
         out: dict[str, str] = {}
         for n in self.graph.operators if only is None else only:
             best = None
@@ -125,8 +139,15 @@ def megatron_tp(graph: Graph, p: int) -> dict[str, str]:
     return _megatron(_Graph(graph, p))[0]
 
 
-def _megatron(s: _Graph) -> tuple[dict[str, str], list[Node]]:
-    """The tensor-parallel constraints, and the operators they leave to the optimizer."""
+def _megatron(s: _Graph, keep: dict[int, set[int]] | None = None) -> tuple[dict[str, str], list[Node]]:
+    """The tensor-parallel constraints, and the operators they leave to the optimizer; no index that
+    splits a dimension ``keep`` marks (per tensor) is chosen."""
+    keep = keep or {}
+
+    def allowed(n: Node, x: str) -> bool:
+        ins = s.dims[n.id][x][0]
+        return not any(set(ins[k]) & keep.get(i, set()) for k, i in enumerate(n.inputs))
+
     split: dict[int, int] = {}  # tensor -> its dimension split over the devices
     out: dict[str, str] = {}
     free: list[Node] = []
@@ -139,7 +160,7 @@ def _megatron(s: _Graph) -> tuple[dict[str, str], list[Node]]:
         if sharded:  # keep the features split (row-parallel where the index is contracted)
             for k, d in sharded:
                 for x, (ins, _) in dims.items():
-                    if d in ins[k] and s.count(n, x):
+                    if d in ins[k] and s.count(n, x) and allowed(n, x):
                         choice = x
                         break
                 if choice:
@@ -147,7 +168,7 @@ def _megatron(s: _Graph) -> tuple[dict[str, str], list[Node]]:
         elif n.op is not None and n.op.kind in _MATMULS and acts and weights:  # column-parallel
             k = acts[0]
             for x, (ins, o) in dims.items():
-                if o and not ins[k] and any(ins[w] for w in weights) and s.count(n, x):
+                if o and not ins[k] and any(ins[w] for w in weights) and s.count(n, x) and allowed(n, x):
                     choice = x
                     break
         if choice is None:
@@ -164,6 +185,21 @@ def sequence_parallel(graph: Graph, p: int) -> dict[str, str]:
     s = _Graph(graph, p)
     tp, free = _megatron(s)
     return {**s.along(1, free), **tp}
+
+
+def expert_parallel(graph: Graph, p: int) -> dict[str, str]:
+    """Expert parallelism of a mixture of experts: every operator that carries the experts (the first
+    dimension of the stacked expert weights, and what is computed from them) split along it, as many ways
+    as the experts allow up to ``p``; the rest, and the factor of ``p`` the experts leave, the optimizer's."""
+    s = _Graph(graph, p)
+    return s.along(0, seeds=s.experts())
+
+
+def expert_tensor_parallel(graph: Graph, p: int) -> dict[str, str]:
+    """Megatron tensor parallelism inside each expert: every expert's intermediate features split (column-
+    then row-parallel), the experts never; the router and the rest as Megatron's rule leaves them."""
+    s = _Graph(graph, p)
+    return _megatron(s, keep=s.experts())[0]
 
 
 def _states(graph: Graph, layout: str) -> dict[str, str]:
@@ -185,4 +221,5 @@ zero3 = fsdp
 
 # the hand plans by name (bench/hand_plans.py, the CLI's --plan)
 PLANS = {"data_parallel": data_parallel, "megatron_tp": megatron_tp, "sequence_parallel": sequence_parallel,
-         "ddp": ddp, "fsdp": fsdp, "zero3": zero3}
+         "ddp": ddp, "fsdp": fsdp, "zero3": zero3, "expert_parallel": expert_parallel,
+         "expert_tensor_parallel": expert_tensor_parallel}

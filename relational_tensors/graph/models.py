@@ -20,7 +20,8 @@ from relational_tensors.errors import GraphError
 from relational_tensors.graph.graph import Graph, Tensor
 from relational_tensors.graph.optim import adamw, sgd
 
-__all__ = ["llama_block", "add_llama_block", "llama_feeds", "llama_training_graph", "llama_training_feeds",
+__all__ = ["llama_block", "add_llama_block", "add_moe_ffn", "moe_layer_graph", "MIXTRAL_8X7B_MOE",
+           "QWEN3_30B_A3B_MOE", "llama_feeds", "llama_training_graph", "llama_training_feeds",
            "standard_normal", "LLAMA3_8B", "matrix_chain",
            "chain_dims", "chain_feeds", "CHAINS"]
 
@@ -55,6 +56,65 @@ def add_llama_block(g: Graph, x: Tensor, *, n_heads: int, n_kv_heads: int, d_ff:
     up = g.matmul(h2, param("w3", [d, d_ff]), name=prefix + "up_proj")
     down = g.matmul(g.swiglu(gate, up, name=prefix + "swiglu"), param("w2", [d_ff, d]), name=prefix + "down_proj")
     return g.add(x2, down, name=prefix + "ffn_residual")
+
+
+def add_moe_ffn(g: Graph, x: Tensor, *, experts: int, top_k: int, d_ff: int, prefix: str = "",
+                norm_topk: bool = True, leaf: Any = None) -> Tensor:
+    """Append a mixture-of-experts SwiGLU FFN over tokens ``x [tokens, d]`` (Mixtral's and Qwen3-MoE's):
+    router logits, softmax in float32, the ``top_k`` experts of each token and their weights (renormalized
+    to sum to 1 with ``norm_topk``), and the experts computed densely: every token through every expert,
+    each output weighted by the token's weight for that expert (zero where the router did not pick it).
+    The stacked expert weights are ``[experts, ...]`` with the dimension named ``experts``; the products over
+    it are the ones expert parallelism splits."""
+    d = x.shape[-1]
+    dtype = x.dtype
+    make = g.parameter if leaf is None else leaf
+
+    def param(name: str, shape: Sequence[int], dims: Sequence[str]) -> Tensor:
+        return make(prefix + name, shape, dtype, dims=tuple(dims))
+
+    router = g.matmul(x, param("router", [d, experts], ("hidden", "experts")), name=prefix + "router_proj")
+    probs = g.softmax(g.cast(router, "float32") if dtype != "float32" else router, -1, name=prefix + "router_softmax")
+    top, ids = g.topk(probs, top_k, name=prefix + "route")
+    if norm_topk:
+        top = g.div(top, g.sum(top, -1, keepdims=True), name=prefix + "route_norm")
+    hot = g.one_hot(ids, experts, "float32", name=prefix + "route_hot")
+    weights = g.einsum("tk,tke->te", top, hot, name=prefix + "combine_weights")
+    weights = g.cast(weights, dtype) if dtype != "float32" else weights
+    gate = g.einsum("th,ehf->tef", x, param("w1", [experts, d, d_ff], ("experts", "hidden", "ff")),
+                    name=prefix + "expert_gate")
+    up = g.einsum("th,ehf->tef", x, param("w3", [experts, d, d_ff], ("experts", "hidden", "ff")),
+                  name=prefix + "expert_up")
+    act = g.swiglu(gate, up, name=prefix + "expert_swiglu")
+    down = g.einsum("tef,efh->teh", act, param("w2", [experts, d_ff, d], ("experts", "ff", "hidden")),
+                    name=prefix + "expert_down")
+    return g.einsum("teh,te->th", down, weights, name=prefix + "combine")
+
+
+def moe_layer_graph(tokens: int, d_model: int, experts: int, top_k: int, d_ff: int, dtype: str = "bfloat16",
+                    training: bool = False, master_dtype: str | None = "float32") -> Graph:
+    """One pre-norm mixture-of-experts FFN layer with its residual over ``tokens`` tokens (output ``y``);
+    with ``training`` a whole step: the loss ``mean(y²)``, every gradient, and AdamW on the weights (states,
+    with ``master_dtype`` masters and moments)."""
+    g = Graph()
+    x = g.input("x", [tokens, d_model], dtype, dims=("tokens", "hidden"))
+    leaf = g.state if training else None
+    norm = (g.state if training else g.parameter)("ffn_norm", [d_model], dtype, dims=("hidden",))
+    h = g.rmsnorm(x, norm, 1e-5, name="ffn_rmsnorm")
+    y = g.add(x, add_moe_ffn(g, h, experts=experts, top_k=top_k, d_ff=d_ff, leaf=leaf), name="residual")
+    if not training:
+        g.save(y, name="y")
+        return g
+    y32 = g.cast(y, "float32") if dtype != "float32" else y
+    loss = g.save(g.mean(g.mul(y32, y32), [0, 1], name="loss"), name="loss")
+    params = g.trainable()
+    adamw(g, params, g.grad(loss, params), g.input("lr", [1], dtype), master_dtype=master_dtype)
+    return g
+
+
+# Mixtral-8x7B's and Qwen3-30B-A3B's MoE layers
+MIXTRAL_8X7B_MOE: dict[str, Any] = dict(d_model=4096, experts=8, top_k=2, d_ff=14336)
+QWEN3_30B_A3B_MOE: dict[str, Any] = dict(d_model=2048, experts=128, top_k=8, d_ff=768)
 
 
 def llama_block(batch: int, seq: int, d_model: int, n_heads: int, n_kv_heads: int, d_ff: int,
