@@ -199,8 +199,8 @@ FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
 # operators whose GPU kernel is their NumPy kernel on host copies (SQL operators evaluate arbitrary
-# expressions; the gradient operators without device kernels yet)
-HOST_KINDS = ("sql", "conv_grad")
+# expressions)
+HOST_KINDS = ("sql",)
 
 
 @launcher(*HOST_KINDS, allocates=True, widen=False)

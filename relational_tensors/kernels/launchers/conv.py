@@ -1,15 +1,17 @@
 """Convolutions: im2col into scratch and one cuBLAS GEMM per group (grouped convolutions contract CuPy
-arrays, which allocates); pooling and its gradient in Triton kernels."""
+arrays, which allocates); their gradients as one GEMM per kernel position (grouped ones on host copies);
+pooling and its gradient in Triton kernels."""
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from relational_tensors.core.dtypes import float32_to_bf16_bits
 from relational_tensors.core.spec import FunctionSpec
-from relational_tensors.kernels.launchers.base import _computable, launcher
+from relational_tensors.kernels.launchers.base import _computable, host_kernel, launcher
 
 
 def _conv_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str] | None:
@@ -45,21 +47,9 @@ def _conv(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: i
     box, obox = f.inputs[0], f.output
     ck = c * math.prod(kernel)
     for kk in itertools.product(*(range(k) for k in kernel)):
-        src_lo, dst_lo, size = [], [], []
-        for i in range(rank):
-            s, p, d = op.stride[i], op.padding[i], op.dilation[i]
-            lo, hi, o0 = box.lower[2 + i], box.upper[2 + i], obox.lower[2 + i]
-            shift = p - kk[i] * d  # output o reads input o·s - shift
-            j_lo = max(0, -(-(lo + shift) // s) - o0)
-            j_hi = min(n_out[i], -(-(hi + shift) // s) - o0)
-            size.append(max(0, j_hi - j_lo))
-            src_lo.append((o0 + j_lo) * s - shift - lo)
-            dst_lo.append(j_lo)
-        if 0 in size:
+        dst_lo, size, src = _tap(op, kk, x, box, obox.lower[2:], n_out)
+        if src is None:
             continue
-        src = x.sub((0, 0, *src_lo), (n, c, *size))
-        src = DevBuf(src.ptr, src.shape, src.dtype, src.device,
-                     (*x.strides[:2], *(st * op.stride[i] for i, st in enumerate(x.strides[2:]))))
         dst = cols.sub((0, 0, *kk, *dst_lo), (n, c, *((1,) * rank), *size))
         dst = DevBuf(dst.ptr, (n, c, *size), dst.dtype, dst.device, (*dst.strides[:2], *dst.strides[2 + rank:]))
         tc.copy_box(src, dst)
@@ -68,6 +58,187 @@ def _conv(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: i
     matmul(DevBuf(w.ptr, (w.shape[0], ck), w.dtype, w.device),
            DevBuf(cols.ptr, (n, ck, positions), cols.dtype, cols.device),
            DevBuf(out.ptr, (n, out.shape[1], positions), out.dtype, out.device), stream)
+
+
+def _tap(op: Any, kk: tuple[int, ...], x: Any, box: Any, o0: Sequence[int], n_out: Sequence[int]) -> tuple:
+    """Kernel position ``kk`` against an input block ``x`` (at ``box``) and output positions from ``o0`` (``n_out``
+    of them): (the first output position whose tap lands in the block, relative to ``o0``; how many do, per
+    dimension; the view of ``x`` they read, every ``stride``-th row, or None where none does)."""
+    from relational_tensors.kernels.common import DevBuf
+
+    first, size, src_lo = [], [], []
+    for i in range(op.rank):
+        s, p, d = op.stride[i], op.padding[i], op.dilation[i]
+        lo, hi = box.lower[2 + i], box.upper[2 + i]
+        shift = p - kk[i] * d  # output o reads input o·s - shift
+        j_lo = max(0, -(-(lo + shift) // s) - o0[i])
+        j_hi = min(n_out[i], -(-(hi + shift) // s) - o0[i])
+        size.append(max(0, j_hi - j_lo))
+        src_lo.append((o0[i] + j_lo) * s - shift - lo)
+        first.append(j_lo)
+    if 0 in size:
+        return first, size, None
+    n, c = x.shape[:2]
+    src = x.sub((0, 0, *src_lo), (n, c, *size))
+    return first, size, DevBuf(src.ptr, src.shape, src.dtype, src.device,
+                               (*x.strides[:2], *(st * op.stride[i] for i, st in enumerate(x.strides[2:]))))
+
+
+class _Room:
+    """Views carved one after another out of a task's scratch, each aligned to 256 bytes."""
+
+    def __init__(self, scratch: Any) -> None:
+        self.scratch, self.used = scratch, 0
+
+    def take(self, shape: tuple[int, ...], dtype: str) -> Any:
+        from relational_tensors.kernels.common import DevBuf
+
+        buf = DevBuf(self.scratch.ptr + self.used, tuple(shape), dtype, self.scratch.device)
+        self.used += _aligned(buf.nbytes)
+        if self.used > self.scratch.nbytes:
+            raise ValueError(f"conv_grad's scratch holds {self.scratch.nbytes} bytes; its views need {self.used}")
+        return buf
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 256) * 256
+
+
+def _swap01(buf: Any) -> Any:
+    """The view of ``buf`` with its first two dimensions swapped."""
+    return buf.permuted((1, 0, *range(2, len(buf.shape))))
+
+
+def _conv_grad_views(op: Any, f: FunctionSpec) -> list[tuple[tuple[int, ...], str]]:
+    """The scratch views of a conv_grad block, in order (``_conv_dx`` and ``_conv_dw`` carve them alike)."""
+    wide = "float32" if op.input_types[0].dtype in ("float16", "bfloat16") else op.input_types[0].dtype
+    dtype = op.input_types[0].dtype
+    k = op.kernel_size
+    if op.part == "dw":
+        x, dy = f.inputs
+        n, c, fo, n_out = x.shape[0], x.shape[1], dy.shape[1], dy.shape[2:]
+        return [((fo, n, *n_out), dtype), ((c, n, *n_out), dtype), ((math.prod(k), fo, c), wide)]
+    dy, w = f.inputs
+    n, fo, c, n_out = dy.shape[0], dy.shape[1], w.shape[1], dy.shape[2:]
+    span = _span(op, f)
+    return [((fo, n, *n_out), dtype), ((fo, c), dtype), ((c, n, *n_out), wide),
+            ((n, c, *(b - a for a, b in span)), wide)]
+
+
+def _span(op: Any, f: FunctionSpec) -> list[tuple[int, int]]:
+    """Per spatial dimension, the input rows [lo, hi) that the windows of a dx block's dy positions cover."""
+    out = []
+    for i in range(op.rank):
+        o, r = f.inputs[0].interval(2 + i), f.output.interval(2 + i)
+        s, p, d, k = op.stride[i], op.padding[i], op.dilation[i], op.kernel_size[i]
+        out.append((o.lo * s - p, (o.hi - 1) * s - p + d * (k - 1) + 1) if o.size else (r.lo, r.lo))
+    return out
+
+
+def _conv_grad_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str] | None:
+    if op.groups != 1:
+        return None
+    from relational_tensors.core.dtypes import itemsize
+
+    need = sum(_aligned(math.prod(shape) * itemsize(dtype)) for shape, dtype in _conv_grad_views(op, f))
+    return (need // 4,), "float32"
+
+
+@launcher("conv_grad", scratch=_conv_grad_scratch, allocates=lambda op: op.groups != 1)
+def _conv_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    """A convolution's gradients as GEMMs over the kernel positions, float32 accumulation, nothing allocated
+    (captured with the rest): dw one GEMM per position (dy against that position's im2col columns, batch and
+    positions contracted); dx one GEMM per position (the position's weights against dy) added into the
+    padded rows its taps reach (col2im), then the block's own rows.  Grouped convolutions run the NumPy
+    kernel on host copies."""
+    if op.groups != 1:
+        host_kernel(op, f, ins, out, stream)
+        return
+    (_conv_dw if op.part == "dw" else _conv_dx)(op, f, ins, out, consts, stream)
+
+
+def _conv_dw(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels import blas
+    from relational_tensors.kernels import triton_copy as tc
+
+    x, dy = ins
+    if 0 in (*x.shape[:2], *dy.shape):
+        tc.fill(out, 0.0)
+        return
+    n, c, fo, n_out = x.shape[0], x.shape[1], dy.shape[1], dy.shape[2:]
+    room = _Room(consts["scratch"])
+    dyt, cols, dwk = (room.take(shape, dtype) for shape, dtype in _conv_grad_views(op, f))
+    tc.copy_box(_swap01(dy), dyt)  # [f, n, positions]: batch and positions one contracted run
+    q = n * math.prod(n_out)
+    for t, kk in enumerate(itertools.product(*(range(k) for k in op.kernel_size))):
+        first, size, src = _tap(op, kk, x, f.inputs[0], f.inputs[1].lower[2:], n_out)
+        tc.fill(cols, 0.0)  # the taps that land in the padding
+        if src is not None:
+            tc.copy_box(src, _swap01(cols.sub((0, 0, *first), (c, n, *size))))
+        into = _flat(dwk.sub((t, 0, 0), (1, fo, c)), (fo, c))
+        done = blas.einsum_gemm(_flat(dyt, (fo, q)), _flat(cols, (c, q)), into, ("f", "q"), ("c", "q"), ("f", "c"),
+                                stream)
+        assert done, "a GEMM of contiguous matrices"
+    k = op.kernel_size
+    tc.copy_box(_flat(dwk, (*k, fo, c)).permuted((len(k), len(k) + 1, *range(len(k)))), out)
+
+
+def _conv_dx(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels import blas
+    from relational_tensors.kernels import triton_copy as tc
+    from relational_tensors.kernels import triton_elementwise as te
+
+    dy, w = ins
+    tc.fill(out, 0.0)
+    if 0 in (*dy.shape, w.shape[1]):
+        return
+    n, fo, c, n_out = dy.shape[0], dy.shape[1], w.shape[1], dy.shape[2:]
+    room = _Room(consts["scratch"])
+    dyt, wk, part, buf = (room.take(shape, dtype) for shape, dtype in _conv_grad_views(op, f))
+    tc.copy_box(_swap01(dy), dyt)
+    tc.fill(buf, 0.0)
+    q = n * math.prod(n_out)
+    rank = op.rank
+    for kk in itertools.product(*(range(k) for k in op.kernel_size)):
+        tap = w.sub((0, 0, *kk), (fo, c, *((1,) * rank)))
+        tc.copy_box(_flat_view(tap, (fo, c)), wk)
+        done = blas.einsum_gemm(wk, _flat(dyt, (fo, q)), _flat(part, (c, q)), ("f", "c"), ("f", "q"), ("c", "q"),
+                                stream)
+        assert done, "a GEMM of contiguous matrices"
+        # the rows this position's taps reach: o·stride + kk·dilation from the span's start
+        reach = buf.sub((0, 0, *(kk[i] * op.dilation[i] for i in range(rank))), (n, c, *n_out))
+        reach = _strided(reach, (*buf.strides[:2], *(buf.strides[2 + i] * op.stride[i] for i in range(rank))))
+        te.binary(reach, _swap01(part), reach, "add")
+    lower, shape, start = [], [], []
+    for i, (lo, hi) in enumerate(_span(op, f)):  # the block's rows that some window reaches
+        r = f.output.interval(2 + i)
+        a = max(r.lo, lo)
+        b = max(a, min(r.hi, hi))
+        lower.append(a - lo)
+        start.append(a - r.lo)
+        shape.append(b - a)
+    if 0 not in shape:
+        tc.copy_box(buf.sub((0, 0, *lower), (n, c, *shape)), out.sub((0, 0, *start), (n, c, *shape)))
+
+
+def _flat(buf: Any, shape: tuple[int, ...]) -> Any:
+    """A contiguous buffer seen with another shape of the same size."""
+    from relational_tensors.kernels.common import DevBuf
+
+    return DevBuf(buf.ptr, tuple(shape), buf.dtype, buf.device)
+
+
+def _flat_view(buf: Any, shape: tuple[int, ...]) -> Any:
+    """A view whose trailing unit dimensions are dropped (its strides kept for the rest)."""
+    from relational_tensors.kernels.common import DevBuf
+
+    return DevBuf(buf.ptr, tuple(shape), buf.dtype, buf.device, buf.strides[: len(shape)])
+
+
+def _strided(buf: Any, strides: tuple[int, ...]) -> Any:
+    from relational_tensors.kernels.common import DevBuf
+
+    return DevBuf(buf.ptr, buf.shape, buf.dtype, buf.device, tuple(strides))
 
 
 def _conv_dense(op: Any, f: FunctionSpec, ins: list, out: Any, stream: int) -> None:
