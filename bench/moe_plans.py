@@ -71,6 +71,7 @@ def main() -> None:
                                                   "(experts / top_k times a dispatch's expert FLOPs)",
                                                   "expert_gate split: the split of the first expert product "
                                                   "(e: experts, t: tokens, f: intermediate, h: hidden)"])
+    h["dtype"] = "bfloat16"
     lines = header_markdown(h) + markdown_table(
         ["workload", "p", "plan", "expert_gate split", "cost model ms", "simulated ms", "peak GiB / device",
          "planned in s"], rows)
