@@ -21,6 +21,7 @@ from relational_tensors.catalog import Catalog, load_sql
 from relational_tensors.dp_optimizer import repeats
 from relational_tensors.dp_optimizer.candidates import Candidates
 from relational_tensors.dp_optimizer.exact import exact_choice
+from relational_tensors.dp_optimizer.plan import plan_cost
 from relational_tensors.dp_optimizer.refine import refine
 from relational_tensors.dp_optimizer.trees import Piece
 from relational_tensors.errors import PlanError
@@ -140,11 +141,47 @@ def select_dp(catalog: Catalog, cid: int, graph: Graph, cands: Candidates, piece
             "spec_id": pa.array([r[3] for r in copied], pa.int32())}), cid)
     if refine_choice:
         better = refine(graph, cands, choice, memory_price, pieces)
+        seed = _expert_seed(graph, cands, better)
+        if seed is not None:  # a mixture of experts: descend from expert parallelism too, keep the cheaper
+            other = refine(graph, cands, seed, memory_price, pieces)
+            if _objective(graph, cands, other, memory_price) < _objective(graph, cands, better, memory_price):
+                better = other
         if better != choice:
             catalog.execute("DELETE FROM chosen WHERE compilation_id = ?", [cid])
             _write_chosen(catalog, cid, cands, better)
             choice = better
     return choice
+
+
+def _objective(graph: Graph, cands: Candidates, choice: dict[int, int], memory_price: float) -> float:
+    """What ``refine`` lowers: the plan's cost and the price of the bytes its specs keep resident."""
+    resident = sum(cands.by_op[v][s].resident_bytes for v, s in choice.items())
+    return plan_cost(graph, cands, choice) + memory_price * resident
+
+
+def _expert_seed(graph: Graph, cands: Candidates, choice: dict[int, int]) -> dict[int, int] | None:
+    """``choice`` with every operator that carries the experts of a mixture (``plans.expert_parallel``'s
+    operators) on its cheapest eligible spec that splits them so; None for a graph without stacked expert
+    weights.  Coordinate descent does not leave a plan that splits the experts' features for one that
+    splits the experts, which moves every operator of the chain at once, so ``select_dp`` also descends
+    from here."""
+    from relational_tensors.dp_optimizer.plans import expert_parallel
+
+    wanted = expert_parallel(graph, cands.p)
+    if not wanted:
+        return None
+    by_name = {graph.nodes[v].name: v for v in choice}
+    seed = dict(choice)
+    for name, split in wanted.items():
+        v = by_name.get(name)
+        if v is None:
+            continue
+        index, count = split.split("=")
+        options = [(c.local_cost, s) for s, c in enumerate(cands.by_op[v])
+                   if c.eligible and dict(c.spec.split).get(index, 1) == int(count)]
+        if options:
+            seed[v] = min(options)[1]
+    return seed
 
 
 def _solve(catalog: Catalog, cid: int, cands: Candidates, group: list[Piece], piece_of: dict[int, int],
