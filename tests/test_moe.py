@@ -298,3 +298,30 @@ def test_the_optimizer_finds_expert_parallelism_for_a_moe_training_step() -> Non
     hand = rt.compileGraph(g, device=8, topology="hgx-h200", cost_model="calibrated",
                            constraints=rt.plans.expert_parallel(g, 8))
     assert dp.cost <= hand.plan.cost * (1 + 1e-9)
+
+
+def test_mixtral_with_its_load_balancing_loss_and_labels_trains_as_torch() -> None:
+    """model(input_ids, labels=...).loss with output_router_logits: transformers' own shifted loss (F.pad of
+    the labels) plus the router's load-balancing loss (torch.histc of the picked experts), three AdamW steps
+    against torch's loop."""
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                                     router_aux_loss_coef=0.02)
+    model = transformers.MixtralForCausalLM(cfg)
+    twin = copy.deepcopy(model)
+    ids = _batch()[0]
+
+    def loss_fn(m: Any, ids: Any) -> Any:
+        return m(input_ids=ids, labels=ids).loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = rt.train_step(model, loss_fn, (ids,), optimizer=rt.optim.AdamW(lr=1e-2), device="cpu:2")
+    opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    for _ in range(3):
+        ours = step(ids).item()
+        opt.zero_grad()
+        theirs = loss_fn(twin, ids)
+        theirs.backward()
+        opt.step()
+        assert ours == pytest.approx(theirs.item(), rel=1e-5)

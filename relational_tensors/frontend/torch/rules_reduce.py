@@ -145,3 +145,26 @@ def _max_min(tr: _Translator, node: Any, a: dict[str, Any]) -> Any:
     if a.get("keepdim"):
         shape = tuple(1 if d == axis else s for d, s in enumerate(x.shape))
     return tr.reshape(values, shape), tr.reshape(ids, shape)
+
+
+@register_torch_op("histc")
+def _histc(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    """``torch.histc(x, bins, min, max)``: the count of elements in each of ``bins`` equal bins of
+    [min, max] (max itself in the last; elements outside, and NaN, in none), a sum of one-hot rows.  The
+    range must be given (min < max): the data's own range would be a value the graph does not know."""
+    dtype = _out_dtype(node) or "float32"
+    bins, lo, hi = int(a["bins"]), float(a["min"]), float(a["max"])
+    if not lo < hi:
+        raise _fail(f"histc over [{lo}, {hi}]; supported: an explicit range with min < max")
+    x = tr.sym(a["self"])
+    x = tr.cast(x, "float64" if x.dtype in ("int32", "int64", "float64") else "float32")
+    at = tr.unary(tr.unary(tr.unary(x, "add_scalar", -lo), "scale", bins / (hi - lo)), "floor")
+    top = tr.sym(float(hi), x.dtype)
+    at = tr.g.where(tr.binary(x, top, "equal"), tr.sym(float(bins - 1), x.dtype), at, name=tr.name("histc_top"))
+    inside = tr.binary(tr.binary(x, tr.sym(float(lo), x.dtype), "greater_equal"), tr.binary(x, top, "less_equal"),
+                       "logical_and")
+    at = tr.g.where(inside, at, tr.sym(-1.0, x.dtype), name=tr.name("histc_bin"))
+    hot = tr.g.one_hot(tr.cast(at, "int64"), bins, dtype if dtype in FLOAT_DTYPES else "float32",
+                       name=tr.name("histc"))
+    counts = tr.g.sum(hot, list(range(hot.rank - 1)), name=tr.name("histc_counts")) if hot.rank > 1 else hot
+    return tr.cast(counts, dtype)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.frontend.torch.common import _axis, _bounds, _Const, _fail, _out_dtype, _out_shape, _packet
-from relational_tensors.frontend.torch.convert import _torch
+from relational_tensors.frontend.torch.convert import _torch, _torch_dtype
 from relational_tensors.frontend.torch.registry import register_torch_op
 from relational_tensors.graph.graph import Tensor
 
@@ -286,3 +286,33 @@ def _scatter(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
         return tr.permute(tr.binary(xm, placed, "add"), back)
     hit = tr.binary(tr.g.sum(hot, [x.rank - 1], name=tr.name("scatter_hit")), tr.sym(0.0, dtype), "greater")
     return tr.permute(tr.g.where(hit, placed, xm, name=tr.name("scatter")), back)
+
+
+@register_torch_op("pad", "constant_pad_nd")
+def _pad(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    """``F.pad(x, pad, value=v)`` in constant mode: blocks of ``v`` concatenated before and after each padded
+    dimension (the last first, as ``pad`` lists them); a negative amount crops.  Other modes are refused."""
+    mode = a.get("mode", "constant")
+    if mode != "constant":
+        raise _fail(f"pad in mode {mode!r}; supported: mode='constant'")
+    torch = _torch()
+    dtype = _out_dtype(node)
+    x = tr.sym(a["self"], dtype)
+    amounts = [int(v) for v in a["pad"]]
+    value = a.get("value")
+    value = 0 if value is None else value
+    for k in range(len(amounts) // 2):
+        axis = x.rank - 1 - k
+        before, after = amounts[2 * k], amounts[2 * k + 1]
+        if before < 0:
+            x = tr.slice(x, axis, -before, x.shape[axis])
+        if after < 0:
+            x = tr.slice(x, axis, 0, x.shape[axis] + after)
+        parts = []
+        for n in (max(before, 0), max(after, 0)):
+            shape = [*x.shape[:axis], n, *x.shape[axis + 1:]]
+            parts.append(tr.materialize(_Const(torch.full(shape, value, dtype=_torch_dtype(dtype)), None,
+                                               f"{tr.prefix}.pad"), dtype) if n else None)
+        pieces = [p for p in (parts[0], x, parts[1]) if p is not None]
+        x = tr.concat(pieces, axis)
+    return x
