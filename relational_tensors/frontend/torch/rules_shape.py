@@ -297,6 +297,8 @@ def _pad(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
         raise _fail(f"pad in mode {mode!r}; supported: mode='constant'")
     torch = _torch()
     dtype = _out_dtype(node)
+    if dtype is None:
+        raise _fail(f"pad of a {node.meta['val'].dtype} tensor; supported: float, int and bool tensors")
     x = tr.sym(a["self"], dtype)
     amounts = [int(v) for v in a["pad"]]
     value = a.get("value")
