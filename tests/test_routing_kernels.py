@@ -19,7 +19,7 @@ K = kernel_module("relational_tensors.kernels.triton_routing")
 
 from relational_tensors.kernels.launchers import allocates, launcher_for  # noqa: E402
 
-TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bool": torch.bool}
 T = Tensors()
 
 
@@ -61,9 +61,12 @@ def test_topk_matches_the_operator(shape: tuple[int, ...], k: int, largest: bool
         np.testing.assert_array_equal(got.cpu().numpy(), want, err_msg=str(f))
 
 
-def test_topk_of_a_vocabulary_row_runs_on_the_host() -> None:
-    """Rows longer than one program holds (top-k sampling over a vocabulary) take the host path."""
+def test_topk_of_a_vocabulary_row_or_of_many_runs_on_the_host() -> None:
+    """Rows longer than one program holds (top-k sampling over a vocabulary), and a k past the kernel's
+    unrolled picks, take the host path."""
     assert allocates(TopkOp((TensorType.zero((2, 50000)),), 50))
+    assert allocates(TopkOp((TensorType.zero((2, 1000)),), 65))
+    assert not allocates(TopkOp((TensorType.zero((2, 1000)),), 64))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -82,7 +85,7 @@ def test_take_along_matches_the_operator_on_blocks_of_positions(dtype: str) -> N
         np.testing.assert_array_equal(got.cpu().float().numpy(), np.asarray(want, np.float32), err_msg=str(f))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bool"])
 def test_one_hot_matches_the_operator_on_blocks_of_classes(dtype: str) -> None:
     ids = np.random.default_rng(2).integers(-1, 12, (4, 6))  # -1 and 11: outside the 11 classes
     op = OneHotOp((TensorType.zero(ids.shape, "int64"),), 11, dtype)
@@ -90,7 +93,8 @@ def test_one_hot_matches_the_operator_on_blocks_of_classes(dtype: str) -> None:
     for f in spec.functions:
         block = np.ascontiguousarray(ids[f.inputs[0].slices()])
         ib, _ = T.buf(torch.from_numpy(block))
-        ob, got = T.buf(torch.full(f.output.shape, 7.0, dtype=TORCH[dtype]))
+        ob, got = T.buf(torch.full(f.output.shape, 1, dtype=TORCH[dtype]) if dtype == "bool" else
+                        torch.full(f.output.shape, 7.0, dtype=TORCH[dtype]))
         launcher_for("one_hot").launch(op, f, [ib], ob, {}, 0)
         want = op.kernel([block], f)
         np.testing.assert_array_equal(got.cpu().float().numpy(), np.asarray(want, np.float32), err_msg=str(f))

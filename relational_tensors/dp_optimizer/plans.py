@@ -89,10 +89,10 @@ class _Graph:
         return max((n for n in offered if n > 1 and self.p % n == 0), default=None)
 
     def experts(self) -> dict[int, set[int]]:
-        """The stacked expert weights (weights of rank 3 or more that a matrix product reads): their first
-        dimension, the experts."""
+        """The stacked expert weights (weights, or tensors computed from weights only such as their casts, of
+        rank 3 or more that a matrix product reads): their first dimension, the experts."""
         read = {i for n in self.graph.operators if n.op is not None and n.op.kind in _MATMULS for i in n.inputs}
-        return {n.id: {0} for n in self.graph.inputs if n.id in self.weight and n.type.rank >= 3 and n.id in read}
+        return {n.id: {0} for n in self.graph.nodes if n.id in self.weight and n.type.rank >= 3 and n.id in read}
 
     def carried(self, dim: int, seeds: dict[int, set[int]] | None = None) -> dict[int, set[int]]:
         """Per tensor, its dimensions that carry dimension ``dim`` of the data inputs (or the dimensions

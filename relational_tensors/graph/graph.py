@@ -340,7 +340,8 @@ class Graph:
     # --- routing ----------------------------------------------------------------
     def topk(self, x: Tensor, k: int, largest: bool = True, name: str | None = None) -> tuple[Tensor, Tensor]:
         """``(values, indices)`` of the ``k`` largest (``largest=False``: smallest) entries along x's last
-        axis, best first, as ``torch.topk`` gives them; the gradient flows to x through the values."""
+        axis, best first, NaN ranked above every number as ``torch.topk`` ranks it, equal values lower
+        position first (torch promises no order there); the gradient flows to x through the values."""
         ids = self._op(TopkOp((self._t(x),), k, largest), (x,), f"{name}.indices" if name else None)
         return self.take_along(x, ids, name=name), ids
 
@@ -349,7 +350,8 @@ class Graph:
         return self._op(TakeAlongOp((self._t(x), self._t(ids))), (x, ids), name)
 
     def one_hot(self, ids: Tensor, classes: int, dtype: str = "float32", name: str | None = None) -> Tensor:
-        """``[..., classes]`` rows of ``dtype``: 1 at each id, 0 elsewhere (an id outside the classes: zeros)."""
+        """``[..., classes]`` rows of ``dtype`` (floating or bool): 1 at each id, 0 elsewhere (an id outside the
+        classes: zeros)."""
         return self._op(OneHotOp((self._t(ids),), classes, canonical_dtype(dtype)), (ids,), name)
 
     # --- attention --------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Routing's selections: top-k positions and one-hot rows.
 
-Top-k selection: the indices of the ``k`` largest (or smallest) entries along the last axis, as
-``torch.topk`` orders them (the largest first; among equal values the lower index first; NaN above every
-number, as torch ranks it).
+Top-k selection: the indices of the ``k`` largest (or smallest) entries along the last axis, best first,
+NaN above every number, as ``torch.topk`` ranks them; among equal values the lower index first (torch
+promises no order there).
 
 Mixture-of-experts routing is its main use: each token's router scores over the experts pick the
 experts it is sent to.  The leading indices (tokens) split anywhere; the selected axis and the ``k``
@@ -35,7 +35,8 @@ __all__ = ["TopkOp", "OneHotOp", "TakeAlongOp"]
 @register
 @dataclass(frozen=True, eq=True)
 class TopkOp(IndexedOp):
-    """``topk(x[..., n], k) -> int64 [..., k]``: positions along the last axis, best first.
+    """``topk(x[..., n], k) -> int64 [..., k]``: positions along the last axis, best first (ties: the lower
+    position first).
 
     >>> from relational_tensors.core.types import TensorType as T
     >>> op = TopkOp((T.zero((6, 8)),), 2); op.signature(), op.output_type.shape
@@ -85,7 +86,8 @@ class TopkOp(IndexedOp):
 @register
 @dataclass(frozen=True, eq=True)
 class OneHotOp(IndexedOp):
-    """``one_hot(ids[...], classes) -> [..., classes]`` in ``dtype``: 1 where the class is the id, else 0.
+    """``one_hot(ids[...], classes) -> [..., classes]`` in ``dtype`` (floating, or bool): 1 where the class is
+    the id, else 0.
 
     Both the ids and the classes split anywhere: a block of classes ``[c0, c1)`` marks the ids it holds,
     as a vocabulary-parallel embedding does.  An id outside ``[0, classes)`` gives a row of zeros
@@ -107,9 +109,9 @@ class OneHotOp(IndexedOp):
             raise GraphError(f"one_hot takes int32 or int64 ids; got dtype {ids.dtype} for shape {ids.shape}.")
         if not isinstance(self.classes, int) or isinstance(self.classes, bool) or self.classes < 1:
             raise GraphError(f"one_hot needs a positive number of classes; got {self.classes!r}.")
-        if self.dtype not in FLOAT_DTYPES:
-            raise GraphError(f"one_hot writes a floating tensor; got dtype {self.dtype!r}. Supported: "
-                             f"{sorted(FLOAT_DTYPES)}.")
+        if self.dtype not in FLOAT_DTYPES and self.dtype != "bool":
+            raise GraphError(f"one_hot writes a floating or boolean tensor; got dtype {self.dtype!r}. Supported: "
+                             f"{sorted(FLOAT_DTYPES | {'bool'})}.")
         names = (*ids.names, "classes") if "classes" not in ids.names else None
         return TensorType.zero((*ids.shape, self.classes), self.dtype, names)
 
@@ -137,7 +139,8 @@ class TakeAlongOp(IndexedOp):
     The leading indices split anywhere, and so does ``choices``: a block of positions gives the values of the
     ids it holds and zeros elsewhere, ⊕ = sum puts them together (as the embedding's vocabulary does).
     Infinities and NaN are read as they are.  The gradient adds each output's gradient to the position it
-    read: ``dx = Σ_j dy[..., j] · one_hot(ids)[..., j, :]``.
+    read (``dx[..., n] = Σ_j dy[..., j] where ids[..., j] = n``, a selection: an infinite dy stays where it
+    belongs).
 
     >>> from relational_tensors.core.types import TensorType as T
     >>> TakeAlongOp((T.zero((6, 8)), T.zero((6, 2), "int64"))).signature()
@@ -184,6 +187,9 @@ class TakeAlongOp(IndexedOp):
         x, ids = inputs
         if not wanted[0]:
             return None, None
-        hot = build(b, "one_hot", (ids,), classes=x.type.shape[-1], dtype=cotangent.type.dtype)
-        lead = "abcdefghijlmopqrstuvwxyz"[: x.type.rank - 1]
-        return build(b, "einsum", (cotangent, hot), subscripts=f"{lead}k,{lead}kn->{lead}n"), None
+        # dy picked where the one-hot is set and summed over k; a product with the one-hot would make
+        # inf · 0 = NaN across the row
+        hot = build(b, "one_hot", (ids,), classes=x.type.shape[-1], dtype="bool")  # [..., k, n]
+        dy = build(b, "reshape", (cotangent,), shape=(*cotangent.type.shape, 1))
+        picked = build(b, "where", (hot, dy, build(b, "unary", (dy,), op="fill", arg=0.0)))
+        return build(b, "reduce", (picked,), op="sum", axes=(x.type.rank - 1,)), None

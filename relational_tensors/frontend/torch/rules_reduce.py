@@ -108,10 +108,21 @@ def _topk(tr: _Translator, node: Any, a: dict[str, Any]) -> tuple[Tensor, Tensor
     return values, ids
 
 
+def _first_best(tr: _Translator, x: Tensor, axis: int, largest: bool, what: str) -> tuple[Tensor, Tensor]:
+    """The first position of the largest (smallest) value along ``axis``, and that value, as torch's
+    ``max``/``min``/``argmax``/``argmin`` give them: NaN wins either way (the smallest is the first best of
+    -x, where NaN still ranks first)."""
+    order = [d for d in range(x.rank) if d != axis] + [axis]
+    moved = tr.permute(x, order) if axis != x.rank - 1 else x
+    ranked = moved if largest else tr.unary(moved, "neg")
+    _, ids = tr.g.topk(ranked, 1, True, name=tr.name(what))
+    return tr.g.take_along(moved, ids, name=tr.name(f"{what}_value")), ids
+
+
 @register_torch_op("argmax", "argmin")
 def _argmax(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     """``argmax``/``argmin``: the position of the first largest (smallest) value along ``dim`` (over the
-    flattened tensor without one), a top-1 selection; NaN counts as the largest, as torch counts it."""
+    flattened tensor without one), a top-1 selection; a NaN is the answer wherever there is one, as in torch."""
     x = tr.sym(a["self"])
     if x.dtype not in FLOAT_DTYPES:
         raise _fail(f"{_packet(node)} of a {x.dtype} tensor; supported: floating tensors (cast first)")
@@ -119,28 +130,29 @@ def _argmax(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
         x, axis = tr.reshape(x, (max(1, math.prod(x.shape)),)), 0
     else:
         axis = _axis(a["dim"], x.rank)
-    order = [d for d in range(x.rank) if d != axis] + [axis]
-    moved = tr.permute(x, order) if axis != x.rank - 1 else x
-    _, ids = tr.g.topk(moved, 1, _packet(node) == "argmax", name=tr.name(_packet(node) or "argmax"))
+    _, ids = _first_best(tr, x, axis, _packet(node) == "argmax", _packet(node) or "argmax")
     return tr.reshape(ids, _out_shape(node))
 
 
 @register_torch_op("max", "min")
 def _max_min(tr: _Translator, node: Any, a: dict[str, Any]) -> Any:
     """``torch.max(x, dim)`` / ``torch.min(x, dim)``: the values and the first position holding them (a top-1
-    selection); without ``dim``, the largest (smallest) element."""
+    selection, NaN winning as in torch); ``torch.max(x)``: the reduction (``amax``'s rule: the gradient split
+    among ties, as torch splits it); ``torch.max(a, b)``: the elementwise ``maximum``."""
+    packet = _packet(node) or "max"
+    if "other" in a:
+        dtype = _out_dtype(node)
+        return tr.binary(tr.sym(a["self"], dtype), tr.sym(a["other"], dtype), "maximum" if packet == "max"
+                         else "minimum")
     x = tr.sym(a["self"])
     if x.dtype not in FLOAT_DTYPES:
-        raise _fail(f"{_packet(node)} of a {x.dtype} tensor; supported: floating tensors (cast first)")
-    largest = _packet(node) == "max"
+        raise _fail(f"{packet} of a {x.dtype} tensor; supported: floating tensors (cast first)")
+    largest = packet == "max"
     if "dim" not in a:
-        flat = tr.reshape(x, (1, max(1, math.prod(x.shape))))
-        values, _ = tr.g.topk(flat, 1, largest, name=tr.name(_packet(node) or "max"))
-        return tr.reshape(values, _out_shape(node))
+        whole = (tr.g.max if largest else tr.g.min)(x, list(range(x.rank)), name=tr.name(packet)) if x.rank else x
+        return tr.reshape(whole, _out_shape(node))
     axis = _axis(a["dim"], x.rank)
-    order = [d for d in range(x.rank) if d != axis] + [axis]
-    moved = tr.permute(x, order) if axis != x.rank - 1 else x
-    values, ids = tr.g.topk(moved, 1, largest, name=tr.name(_packet(node) or "max"))
+    values, ids = _first_best(tr, x, axis, largest, packet)
     shape = tuple(s for d, s in enumerate(x.shape) if d != axis)
     if a.get("keepdim"):
         shape = tuple(1 if d == axis else s for d, s in enumerate(x.shape))
@@ -158,7 +170,9 @@ def _histc(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
         raise _fail(f"histc over [{lo}, {hi}]; supported: an explicit range with min < max")
     x = tr.sym(a["self"])
     x = tr.cast(x, "float64" if x.dtype in ("int32", "int64", "float64") else "float32")
-    at = tr.unary(tr.unary(tr.unary(x, "add_scalar", -lo), "scale", bins / (hi - lo)), "floor")
+    # torch's (x - min) · bins / (max - min), in that order: values on a bin's edge fall where torch's do
+    scaled = tr.unary(tr.unary(x, "add_scalar", -lo), "scale", float(bins))
+    at = tr.unary(tr.binary(scaled, tr.sym(hi - lo, x.dtype), "div"), "floor")
     top = tr.sym(float(hi), x.dtype)
     at = tr.g.where(tr.binary(x, top, "equal"), tr.sym(float(bins - 1), x.dtype), at, name=tr.name("histc_top"))
     inside = tr.binary(tr.binary(x, tr.sym(float(lo), x.dtype), "greater_equal"), tr.binary(x, top, "less_equal"),

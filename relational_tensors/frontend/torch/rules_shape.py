@@ -252,11 +252,14 @@ def _index(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
 def _scatter(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     """``x.scatter(dim, index, value or src)`` and ``scatter_add`` with one row of positions per row of x
     (index of x's shape but along ``dim``, as routing masks write: ``scores.scatter(-1, top, -inf)``): a
-    one-hot product over the positions.  ``scatter`` with a position written twice keeps the sum of the
-    values written there (torch leaves which one unspecified); ``scatter_add`` adds them, as torch's."""
+    selection over one-hot positions.  ``scatter`` with a position written twice keeps the sum of the values
+    written there (torch leaves which one unspecified); ``scatter_add`` adds them, as torch's; ``reduce=``
+    is refused."""
     dtype = _out_dtype(node)
     if dtype not in FLOAT_DTYPES:
         raise _fail(f"scatter into a {dtype} tensor; supported: floating tensors")
+    if a.get("reduce") is not None:
+        raise _fail(f"scatter with reduce={a['reduce']!r}; supported: scatter without reduce, and scatter_add")
     x = tr.sym(a["self"], dtype)
     index = a["index"]
     ids = tr.materialize(index, "int64") if isinstance(index, _Const) else tr.cast(tr.sym(index), "int64")
@@ -269,22 +272,24 @@ def _scatter(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     back = [order.index(d) for d in range(x.rank)]
     xm, im = tr.permute(x, order), tr.permute(ids, order)
     n = x.shape[axis]
-    hot = tr.g.one_hot(im, n, dtype, name=tr.name("scatter_hot"))  # [..., k, n]
-    letters = "abcdefghijlmopqrstuvwxyz"[: x.rank - 1]
+    hot = tr.g.one_hot(im, n, "bool", name=tr.name("scatter_hot"))  # [..., k, n]
+    hit = tr.binary(tr.g.sum(tr.cast(hot, dtype), [x.rank - 1], name=tr.name("scatter_hits")),
+                    tr.sym(0.0, dtype), "greater")
     src = a.get("src")
     if src is None:  # scatter.value: a number
-        value = a.get("value")
-        hit = tr.binary(tr.g.sum(hot, [x.rank - 1], name=tr.name("scatter_hit")), tr.sym(0.0, dtype), "greater")
-        out = tr.g.where(hit, tr.sym(value, dtype), xm, name=tr.name("scatter"))
+        out = tr.g.where(hit, tr.sym(a.get("value"), dtype), xm, name=tr.name("scatter"))
         return tr.permute(out, back)
     sm = tr.permute(tr.sym(src, dtype), order)
     if sm.shape != im.shape:
         raise _fail(f"scatter with src of shape {sm.shape} for an index of shape {im.shape}; supported: equal "
                     "shapes")
-    placed = tr.g.einsum(f"{letters}k,{letters}kn->{letters}n", sm, hot, name=tr.name("scatter_src"))
+    # each src value picked where its position is set, summed over k (a product with the one-hot would
+    # turn an infinite value into NaN across its row)
+    column = tr.reshape(sm, (*sm.shape, 1))
+    picked = tr.g.where(hot, column, tr.unary(column, "fill", 0.0), name=tr.name("scatter_pick"))
+    placed = tr.g.sum(picked, [x.rank - 1], name=tr.name("scatter_src"))
     if _packet(node) == "scatter_add":
         return tr.permute(tr.binary(xm, placed, "add"), back)
-    hit = tr.binary(tr.g.sum(hot, [x.rank - 1], name=tr.name("scatter_hit")), tr.sym(0.0, dtype), "greater")
     return tr.permute(tr.g.where(hit, placed, xm, name=tr.name("scatter")), back)
 
 

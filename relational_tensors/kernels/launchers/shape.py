@@ -103,16 +103,17 @@ def _embedding_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict,
 
 
 MAX_TOPK_ROW = 16384  # a row the top-k kernel holds whole in one program; longer ones run on the host
+MAX_TOPK_K = 64  # picks the kernel unrolls; more run on the host
 
 
 def _topk_on_host(op: Any) -> bool:
-    return bool(op.input_types[0].shape[-1] > MAX_TOPK_ROW)
+    return bool(op.input_types[0].shape[-1] > MAX_TOPK_ROW or op.k > MAX_TOPK_K)
 
 
 @launcher("topk", allocates=_topk_on_host)
 def _topk(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
-    """Rows up to ``MAX_TOPK_ROW`` long in one Triton program each; longer rows (top-k over a vocabulary)
-    on host copies."""
+    """Rows up to ``MAX_TOPK_ROW`` long in one Triton program each, up to ``MAX_TOPK_K`` picks unrolled;
+    longer rows (top-k over a vocabulary) and more picks on host copies."""
     if _topk_on_host(op):
         host_kernel(op, f, ins, out, stream)
         return
