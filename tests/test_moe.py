@@ -325,3 +325,50 @@ def test_mixtral_with_its_load_balancing_loss_and_labels_trains_as_torch() -> No
         theirs.backward()
         opt.step()
         assert ours == pytest.approx(theirs.item(), rel=1e-5)
+
+
+class Selections(nn.Module):
+    """torch's selections at their edges: NaN, infinities, ties, bin edges, the elementwise max/min."""
+
+    def forward(self, x: Any, y: Any, src: Any) -> Any:
+        i = torch.tensor([[0, 2, 3], [1, 3, 0]])
+        edges = torch.cat([torch.arange(11.0) * 0.3, torch.tensor([0.9, 2.1, 1.5])]) + 0 * x.sum()
+        return (torch.max(x, y), torch.min(x, y), torch.argmin(x, 1), torch.argmax(x, 0), *x.min(1), *x.max(1),
+                x.min(), x.max(), torch.histc(edges, 10, 0, 3), torch.zeros(2, 4).scatter(-1, i, src),
+                x.scatter_add(-1, i, src), torch.gather(x, -1, i))
+
+
+def test_selections_keep_torchs_nan_inf_tie_and_edge_rules() -> None:
+    x = torch.tensor([[1.0, float("nan"), 0.0, 0.0], [3.0, 2.0, 2.0, 3.0]], requires_grad=True)
+    y = torch.tensor([[5.0, 0.0, 1.0, -1.0], [0.0, 7.0, 2.0, 3.0]])
+    src = torch.tensor([[-float("inf"), 1.0, 2.0], [2.0, float("inf"), 3.0]])
+    fast = rt.parallelize(Selections(), (x.detach(), y, src), device="cpu:2")
+    got, want = fast(x, y, src), Selections()(x, y, src)
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b) or torch.allclose(a, b, equal_nan=True), (k, a, b)
+    # an infinite gradient stays in its place (x without its NaN: the outputs the loss does not read get zero
+    # cotangents, and a reduction's gradient over a NaN is 0 · NaN; docs/limits.md)
+    x = torch.tensor([[1.0, 4.0, 0.0, 0.0], [3.0, 2.0, 2.0, 3.0]], requires_grad=True)
+    fast = rt.parallelize(Selections(), (x.detach(), y, src), device="cpu:2")
+    cot = torch.tensor([[float("inf"), 1.0, 0.5], [2.0, 0.0, 1.0]])
+    ours = torch.autograd.grad((fast(x, y, src)[-1] * cot).sum(), x)[0]
+    theirs = torch.autograd.grad((Selections()(x, y, src)[-1] * cot).sum(), x)[0]
+    assert torch.equal(ours, theirs)
+    ties = torch.tensor([2.0, 2.0, 1.0], requires_grad=True)  # max(): the gradient split among ties, as torch's
+    whole = rt.parallelize(_Max(), (ties.detach(),), device="cpu:1")
+    assert torch.equal(torch.autograd.grad(whole(ties), ties)[0], torch.tensor([0.5, 0.5, 0.0]))
+
+
+class _Max(nn.Module):
+    def forward(self, x: Any) -> Any:
+        return x.max()
+
+
+class _ScatterReduce(nn.Module):
+    def forward(self, x: Any) -> Any:
+        return x.scatter(-1, torch.tensor([[0, 1]]), torch.ones(1, 2), reduce="multiply")
+
+
+def test_scatter_with_reduce_is_refused() -> None:
+    with pytest.raises(rt.GraphError, match="reduce='multiply'"):
+        rt.parallelize(_ScatterReduce(), (torch.ones(1, 3),), device="cpu:1")

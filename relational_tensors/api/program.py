@@ -25,6 +25,7 @@ from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.errors import ExecError
 from relational_tensors.frontend.torch.convert import _torch, _torch_dtype, numpy_to_torch, torch_to_numpy
 from relational_tensors.frontend.torch.translator import TorchGraph, _prune, draw_rng, from_torch
+from relational_tensors.graph.autodiff import flows
 
 __all__ = ["Program", "modes_of", "in_modes"]
 
@@ -274,14 +275,17 @@ class Program:
             from relational_tensors.api.compile import compileGraph
 
             g = _prune(self._differentiable())  # a copy to append the gradient to (nodes are shared)
+            targets = [g.tensor(g.node(w).id) for w in wrt]
+            # the floating outputs some of ``wrt`` reaches through floating tensors (a histogram of the
+            # weights, or an output of the inputs alone, takes no cotangent: torch gives it no grad_fn)
             outs = [n for kind, n in g.output_leaves if kind == "saved"
-                    and g.nodes[g.outputs[n]].type.dtype in FLOAT_DTYPES]
+                    and g.nodes[g.outputs[n]].type.dtype in FLOAT_DTYPES
+                    and any(flows(g, [g.tensor(g.outputs[n])], targets))]
             if not outs:
                 raise ExecError("the module has no floating output to differentiate.")
             cots = [g.input(f"cot.{n}", g.nodes[g.outputs[n]].type.shape, g.nodes[g.outputs[n]].type.dtype)
                     for n in outs]
-            grads = g.vjp([g.tensor(g.outputs[n]) for n in outs], cots, [g.tensor(g.node(w).id) for w in wrt],
-                          allow_unused=True)
+            grads = g.vjp([g.tensor(g.outputs[n]) for n in outs], cots, targets, allow_unused=True)
             for w, d in zip(wrt, grads):
                 g.save(d, name=f"grad.{w}")
             compiled = compileGraph(g, device=self.device, second_phase_inputs=[c.name for c in cots],

@@ -130,11 +130,13 @@ def _needed(nodes: list[Any], targets: list[Any], outs: list[Any]) -> set[int]:
     for n in nodes:
         if n.id not in reached and n.type.dtype in FLOAT_DTYPES and any(i in reached for i in n.inputs):
             reached.add(n.id)
-    live = {o.id for o in outs}
+    # back from the outputs through reached tensors only: a path that passes an integer (a histogram's bin
+    # ids) carries no gradient
+    live = {o.id for o in outs if o.id in reached}
     for n in reversed(nodes):
         if n.id in live:
-            live.update(n.inputs)
-    return reached & live
+            live.update(i for i in n.inputs if i in reached)
+    return live
 
 
 def flows(g: Any, outputs: object, wrt: object) -> list[bool]:
