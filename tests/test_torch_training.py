@@ -177,3 +177,36 @@ def test_an_embeddings_padding_row_gets_no_gradient_as_in_torch(padding_idx: int
     if row is not None:
         assert torch.equal(m.embed.weight[row], before[row])  # never trained
     assert not torch.equal(m.embed.weight[2], before[2])  # a row that was read trained
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: Any) -> Any:
+        h = self.lin(x)
+        return h.max(), h * 2
+
+
+@pytest.mark.parametrize("read", ["second", "both"])
+def test_outputs_the_loss_does_not_read_take_no_part_in_the_backward(read: str) -> None:
+    """torch's backward skips an output the loss does not read: a max over a row holding NaN leaves the
+    other output's gradients finite; read too, its gradient goes to the NaN entries, as torch's does."""
+    torch.manual_seed(0)
+    m = TwoHeads()
+    x = torch.tensor([[1.0, float("nan"), 0.0, 2.0], [3.0, 2.0, 2.0, 3.0]])
+    fast = rt.parallelize(m, (x,), device="cpu:2")
+
+    def grads(f: Any) -> Any:
+        m.zero_grad()
+        top, twice = f(x)
+        loss = twice[1].sum() if read == "second" else top + twice.sum()
+        loss.backward()
+        return m.lin.weight.grad.clone(), m.lin.bias.grad.clone()
+
+    for a, b in zip(grads(fast), grads(m)):
+        torch.testing.assert_close(a, b, equal_nan=True)
+    for _ in range(2):  # the program for the outputs read is kept: the next steps run it directly
+        for a, b in zip(grads(fast), grads(m)):
+            torch.testing.assert_close(a, b, equal_nan=True)

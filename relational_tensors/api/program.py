@@ -81,15 +81,19 @@ class Program:
         self.device = device
         self.compile_options = dict(compile_options or {})
         self.modes = modes
-        self._backwards: dict[tuple[str, ...], tuple[TorchGraph, Any, tuple[str, ...]]] = {}
+        # training programs by (wrt, the outputs given a cotangent: None for every one a gradient reaches)
+        self._backwards: dict[tuple[tuple[str, ...], tuple[str, ...] | None],
+                              tuple[TorchGraph, Any, tuple[str, ...]]] = {}
+        self._given: dict[tuple[str, ...], tuple[str, ...] | None] = {}  # wrt -> the outputs its last backward read
         # the module traced with its trainable parameters differentiated (made at the first call that needs it),
         # and the parameters of it that get a gradient
         self._differentiated: TorchGraph | None = None
         self._with_grad: frozenset[str] = frozenset()
         self._weights_version = 0  # bumped when the weights are read again
-        self._loaded_version: dict[tuple[str, ...], int] = {}  # training program -> weights version loaded
+        self._loaded_version: dict[Any, int] = {}  # training program -> weights version loaded
         self._calls = 0  # differentiable calls so far
-        self._latest: dict[tuple[str, ...], int | None] = {}  # training program -> the call its first phase holds
+        # wrt -> (the call whose first phase is on the devices, the program's outputs), or None
+        self._latest: dict[tuple[str, ...], tuple[int, tuple[str, ...] | None] | None] = {}
         self._parameters_loaded = False
         self._partial_loads = True  # whether the executor keeps inputs that a load does not name
         self._state = self._module_state()
@@ -146,10 +150,10 @@ class Program:
                 self._differentiated = None
             else:
                 self._differentiated.parameters = fresh
-        for wrt, (g, _, _) in list(self._backwards.items()):
+        for key, (g, _, _) in list(self._backwards.items()):
             fresh = self._read_origins(g, changed)
             if fresh is None:
-                del self._backwards[wrt]
+                del self._backwards[key]
             else:
                 g.parameters = fresh
 
@@ -267,11 +271,14 @@ class Program:
         leaves = [values[value] if kind == "saved" else value for kind, value in self.graph.output_leaves]
         return torch.utils._pytree.tree_unflatten(leaves, self.graph.out_spec)
 
-    def _backward_program(self, wrt: tuple[str, ...]) -> tuple[TorchGraph, Any, tuple[str, ...]]:
-        """The traced forward with the gradient of every floating output with respect to ``wrt`` (graph
-        input names) appended, compiled like the forward in two phases: the cotangents, inputs
+    def _backward_program(self, wrt: tuple[str, ...], given: tuple[str, ...] | None = None
+                          ) -> tuple[TorchGraph, Any, tuple[str, ...]]:
+        """The traced forward with the gradient with respect to ``wrt`` (graph input names) of every floating
+        output a gradient reaches (of those in ``given`` only, when given: torch's backward skips the outputs
+        the loss does not read) appended, compiled like the forward in two phases: the cotangents, inputs
         ``cot.<output>``, are loaded for the second."""
-        if wrt not in self._backwards:
+        key = (wrt, given)
+        if key not in self._backwards:
             from relational_tensors.api.compile import compileGraph
 
             g = _prune(self._differentiable())  # a copy to append the gradient to (nodes are shared)
@@ -280,6 +287,7 @@ class Program:
             # weights, or an output of the inputs alone, takes no cotangent: torch gives it no grad_fn)
             outs = [n for kind, n in g.output_leaves if kind == "saved"
                     and g.nodes[g.outputs[n]].type.dtype in FLOAT_DTYPES
+                    and (given is None or n in given)
                     and any(flows(g, [g.tensor(g.outputs[n])], targets))]
             if not outs:
                 raise ExecError("the module has no floating output to differentiate.")
@@ -290,37 +298,45 @@ class Program:
                 g.save(d, name=f"grad.{w}")
             compiled = compileGraph(g, device=self.device, second_phase_inputs=[c.name for c in cots],
                                     **self.compile_options)
-            self._backwards[wrt] = (g, compiled, tuple(outs))
-        return self._backwards[wrt]
+            self._backwards[key] = (g, compiled, tuple(outs))
+        return self._backwards[key]
 
-    def _run_forward_phase(self, inputs: tuple[Any, ...], wrt: tuple[str, ...], rng: Any) -> dict[str, Any]:
+    def _run_forward_phase(self, inputs: tuple[Any, ...], wrt: tuple[str, ...], rng: Any, call: int,
+                           given: Any = "last") -> dict[str, Any]:
         """The training program's first phase on ``inputs`` with random state ``rng`` (weights loaded when
-        they changed); its activations stay on the devices for the backward.  Returns the saved outputs."""
-        g, compiled, _ = self._backward_program(wrt)
+        they changed); its activations stay on the devices for the backward of ``call``.  The program is the
+        one for the outputs ``given`` a cotangent (by default those the last backward of ``wrt`` read).
+        Returns the saved outputs."""
+        given = self._given.get(wrt) if given == "last" else given
+        g, compiled, _ = self._backward_program(wrt, given)
         feeds = {name: self._feed(x, compiled) for name, x in zip(g.input_names, inputs) if name is not None}
         if g.rng_input is not None:
             feeds[g.rng_input] = rng
-        if self._loaded_version.get(wrt) != self._weights_version:
+        if self._loaded_version.get((wrt, given)) != self._weights_version:
             feeds = {**g.parameters, **feeds}
-            self._loaded_version[wrt] = self._weights_version
+            self._loaded_version[(wrt, given)] = self._weights_version
         if not stage(compiled, feeds):
             compiled.load(feeds)
         compiled.execute(phase=0)
+        self._latest[wrt] = (call, given)
         return {name: self._offload(name, compiled) for kind, name in g.output_leaves if kind == "saved"}
 
     def _run_backward(self, inputs: tuple[Any, ...], cotangents: dict[str, Any], wrt: tuple[str, ...],
                       call: int, rng: Any) -> list[Any]:
-        g, compiled, outs = self._backward_program(wrt)
+        """The gradients with respect to ``wrt`` from the cotangents of the outputs the loss read (None for
+        the others, which take no part, as in torch's backward)."""
         torch = _torch()
-        if self._latest.get(wrt) != call:  # another call's forward holds the devices: this one's again,
-            self._run_forward_phase(inputs, wrt, rng)  # with the same random draws
-            self._latest[wrt] = call
-        feeds = {}
-        for n in outs:
-            c = cotangents.get(n)
-            t = g.nodes[g.outputs[n]].type
-            feeds[f"cot.{n}"] = (self._feed(c.detach().contiguous(), compiled) if c is not None
-                                 else torch_to_numpy(torch.zeros(t.shape, dtype=getattr(torch, t.dtype))))
+        every = self._backward_program(wrt, None)[2]
+        read = tuple(n for n in every if cotangents.get(n) is not None)
+        if not read:  # the loss reads no output a gradient reaches: zeros, as torch's materialized gradients
+            g = self._backward_program(wrt, None)[0]
+            return [torch.zeros(g.node(w).type.shape, dtype=getattr(torch, g.node(w).type.dtype)) for w in wrt]
+        given = None if read == every else read
+        self._given[wrt] = given
+        g, compiled, outs = self._backward_program(wrt, given)
+        if self._latest.get(wrt) != (call, given):  # another call's forward, or another program's, holds the
+            self._run_forward_phase(inputs, wrt, rng, call, given)  # devices: this one's again, same draws
+        feeds = {f"cot.{n}": self._feed(cotangents[n].detach().contiguous(), compiled) for n in outs}
         if not stage(compiled, feeds):
             compiled.load(feeds)
         compiled.execute(phase=1)
@@ -355,8 +371,8 @@ def _function() -> Any:
             ctx.call = pm._calls
             ctx.rng = draw_rng()
             if ctx.wrt:
-                values = pm._run_forward_phase(inputs, ctx.wrt, ctx.rng)
-                pm._latest[ctx.wrt] = ctx.call
+                ctx.set_materialize_grads(False)  # an output the loss does not read: None, not zeros
+                values = pm._run_forward_phase(inputs, ctx.wrt, ctx.rng, ctx.call)
             else:
                 values = pm._run_forward(inputs)
             saved = [values[n] for kind, n in pm.graph.output_leaves if kind == "saved"]

@@ -134,8 +134,8 @@ def binary_math(x, y, OP: tl.constexpr, ACC: tl.constexpr):
         r = tl.maximum(x, y)
     elif OP == 5:
         r = tl.minimum(x, y)
-    elif OP == 6:
-        r = tl.where(x == y, 1.0, 0.0).to(ACC)
+    elif OP == 6:  # equal, or both NaN
+        r = tl.where((x == y) | ((x != x) & (y != y)), 1.0, 0.0).to(ACC)
     else:  # log(e^x + e^y), -inf where both are
         top = tl.maximum(x, y)
         safe = tl.where(top == float("-inf"), 0.0, top)

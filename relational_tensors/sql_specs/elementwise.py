@@ -126,7 +126,9 @@ BINARY_FUNCTIONS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "div": np.divide,
     "maximum": np.maximum,
     "minimum": np.minimum,
-    "eq": lambda x, y: (x == y).astype(np.result_type(x, y)),  # 1 where equal, else 0 (no gradient)
+    # 1 where equal or both NaN, else 0 (no gradient): a max or min's winners, NaN included (torch gives a NaN
+    # maximum's gradient to the NaN entries)
+    "eq": lambda x, y: ((x == y) | (np.isnan(x) & np.isnan(y))).astype(np.result_type(x, y)),
 }
 # comparisons of two tensors of one dtype, and the logic of two booleans: a boolean result, no gradient
 COMPARISONS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
