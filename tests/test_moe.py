@@ -1,6 +1,7 @@
 """transformers' mixture-of-experts models through ``rt.parallelize`` and ``rt.train_step``: tiny configs of
-Mixtral, Qwen2-MoE (with its gated shared expert), Qwen3-MoE and OLMoE (and GPT-OSS and PhiMoE, whose routers
-clamp and scatter, forward), with padded batches, against the module's own eager run.
+Mixtral, Qwen2-MoE (with its gated shared expert), Qwen3-MoE, OLMoE and DeepSeek-V3 (group-limited routing,
+MLA attention) (and GPT-OSS and PhiMoE, whose routers clamp and scatter, forward), with padded batches,
+against the module's own eager run.
 
 The experts trace in their dense form (``frontend/torch/moe.py``: every token through every expert, weighted
 by its routing weight for it); routing is ``topk`` and ``take_along``.  Forward: 1e-5 of the largest logit
@@ -48,6 +49,14 @@ def _model(name: str) -> Any:
     if name == "phimoe":  # sparsemixer routing: max, clamp, scatter of -inf
         return transformers.PhimoeForCausalLM(transformers.PhimoeConfig(**COMMON, num_local_experts=4,
                                                                         num_experts_per_tok=2))
+    if name == "deepseek_v3":  # group-limited sigmoid routing, a shared expert, MLA attention (slice writes)
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            **{**COMMON, "num_key_value_heads": 4}, n_routed_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+            q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8))
+        with torch.no_grad():  # its router starts at zeros: every expert tied, and ties are ordered apart
+            model.model.layers[1].mlp.gate.weight.normal_(std=0.1)
+        return model
     raise AssertionError(name)
 
 
@@ -68,7 +77,7 @@ class Logits(nn.Module):
         return self.model(input_ids=ids, attention_mask=mask).logits
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "phimoe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "phimoe", "deepseek_v3"])
 def test_a_moe_model_on_a_padded_batch_equals_its_eager_forward(name: str) -> None:
     model = _model(name).eval()
     ids, mask, _ = _batch()
@@ -87,7 +96,7 @@ def _loss(m: Any, ids: Any, mask: Any, labels: Any) -> Any:
     return nn.functional.cross_entropy(logits.flatten(0, 1), labels.masked_fill(mask == 0, -100).flatten())
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"])
 def test_three_adamw_steps_of_a_moe_model_equal_torchs_loop(name: str) -> None:
     model = _model(name)
     twin = copy.deepcopy(model)

@@ -323,3 +323,25 @@ def _pad(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
         pieces = [p for p in (parts[0], x, parts[1]) if p is not None]
         x = tr.concat(pieces, axis)
     return x
+
+
+@register_torch_op("slice_scatter")
+def _slice_scatter(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    """``x[..., start:end] = src`` made pure (an in-place write into a slice of a new tensor, as DeepSeek's
+    attention builds its keys): the slices of x before and after, and src between, concatenated; a step
+    other than 1 is refused."""
+    dtype = _out_dtype(node)
+    x = tr.sym(a["self"], dtype)
+    src = tr.sym(a["src"], dtype)
+    axis = _axis(a["dim"], x.rank)
+    n = x.shape[axis]
+    start = 0 if a.get("start") is None else int(a["start"])
+    end = n if a.get("end") is None else int(a["end"])
+    start, end = (min(max(v + n if v < 0 else v, 0), n) for v in (start, end))
+    if int(a.get("step") or 1) != 1:
+        raise _fail(f"slice_scatter with step {a['step']}; supported: step 1")
+    if src.shape[axis] != max(0, end - start):
+        raise _fail(f"slice_scatter of {src.shape[axis]} rows into [{start}, {end}); supported: the slice's size")
+    parts = [*([tr.slice(x, axis, 0, start)] if start > 0 else []), src,
+             *([tr.slice(x, axis, end, n)] if end < n else [])]
+    return tr.concat(parts, axis)
