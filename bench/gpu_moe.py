@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_user_path import engine_ms  # bench/gpu_user_path.py: the engine alone, CUDA events
+from gpu_user_path import time_ms as cuda_ms
 
 import relational_tensors as rt
 
@@ -41,36 +43,17 @@ DEVICES = ("cuda:0", "cuda:0,0,0,0,0,0,0,0")
 
 
 def time_ms(fn: Callable[[], Any], cuda: bool) -> float:
+    """gpu_user_path's CUDA-event timing on a GPU; wall-clock medians of the same rounds for --smoke."""
+    if cuda:
+        return cuda_ms(fn)
     for _ in range(2):
         fn()
     times = []
     for _ in range(10):
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
-
-
-def _engine(compiled: Any, cuda: bool) -> Callable[[], None]:
-    """The compiled program's ``execute`` alone, its inputs already loaded; on a GPU torch's stream waits
-    for the engine's launch stream after it, so the CUDA events bracket the engine's own work."""
-    if not cuda:
-        return compiled.execute
-    launch = torch.cuda.ExternalStream(compiled.executor.launch_stream.ptr)
-
-    def run() -> None:
-        compiled.execute()
-        torch.cuda.current_stream().wait_stream(launch)
-    return run
 
 
 def block(tokens: int, smoke: bool, device: str, dtype: Any) -> tuple[Callable[[], Any], torch.Tensor, dict]:
@@ -160,7 +143,7 @@ def rows_for(mode: str, make: Callable[[], Any], x: torch.Tensor, train: bool, c
                 if mode == "user":
                     out[key] = time_ms(fn, cuda)
                 else:
-                    out[f"graph {device}"] = time_ms(_engine(target, cuda), cuda)
+                    out[f"graph {device}"] = engine_ms(target) if cuda else time_ms(target.execute, False)
     except Exception as e:  # recorded, not hidden: the table shows what failed
         out[mode] = f"{type(e).__name__}: {str(e)[:200]}"
         traceback.print_exc()

@@ -187,10 +187,24 @@ def sequence_parallel(graph: Graph, p: int) -> dict[str, str]:
     return {**s.along(1, free), **tp}
 
 
+def stacked_weights(graph: Graph) -> bool:
+    """Whether a matrix product reads a weight of rank 3 or more (or a cast of one): a cheap test, made before
+    the index maps a hand plan reads, that the graph may hold a mixture of experts."""
+    stacked = {n.id for n in graph.inputs if n.role in ("parameter", "state") and n.type.rank >= 3}
+    for n in graph.operators:
+        if n.op is not None and n.op.kind == "unary" and n.inputs[0] in stacked:
+            stacked.add(n.id)
+        elif n.op is not None and n.op.kind in _MATMULS and stacked.intersection(n.inputs):
+            return True
+    return False
+
+
 def expert_parallel(graph: Graph, p: int) -> dict[str, str]:
     """Expert parallelism of a mixture of experts: every operator that carries the experts (the first
     dimension of the stacked expert weights, and what is computed from them) split along it, as many ways
     as the experts allow up to ``p``; the rest, and the factor of ``p`` the experts leave, the optimizer's."""
+    if not stacked_weights(graph):
+        return {}
     s = _Graph(graph, p)
     return s.along(0, seeds=s.experts())
 

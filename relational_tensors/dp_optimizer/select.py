@@ -165,8 +165,10 @@ def _expert_seed(graph: Graph, cands: Candidates, choice: dict[int, int]) -> dic
     weights.  Coordinate descent does not leave a plan that splits the experts' features for one that
     splits the experts, which moves every operator of the chain at once, so ``select_dp`` also descends
     from here."""
-    from relational_tensors.dp_optimizer.plans import expert_parallel
+    from relational_tensors.dp_optimizer.plans import expert_parallel, stacked_weights
 
+    if not stacked_weights(graph):  # most graphs: no index maps built, nothing added to planning
+        return None
     wanted = expert_parallel(graph, cands.p)
     if not wanted:
         return None

@@ -379,14 +379,23 @@ class ConvGradOp(_Geometry):
         a, b = (self._compute(x) for x in blocks)
         return self._result(self._dx(a, b, f) if self.part == "dx" else self._dw(a, b, f))
 
+    def span(self, f: FunctionSpec) -> list[tuple[int, int]]:
+        """A dx block's padded input rows [lo, hi) per spatial dimension: those its dy positions' windows
+        cover (the block's own start, empty, where it has no dy position)."""
+        out = []
+        for i in range(self.rank):
+            o, r = f.inputs[0].interval(2 + i), f.output.interval(2 + i)
+            s, p, d, k = self.stride[i], self.padding[i], self.dilation[i], self.kernel_size[i]
+            out.append((o.lo * s - p, (o.hi - 1) * s - p + d * (k - 1) + 1) if o.size else (r.lo, r.lo))
+        return out
+
     def _dx(self, dy: np.ndarray, w: np.ndarray, f: FunctionSpec) -> np.ndarray:
         """Scatter each kernel position's contribution into the padded rows the dy block's windows cover,
         then cut out the block's own rows."""
         outs = [f.inputs[0].interval(2 + i) for i in range(self.rank)]
         rows = [f.output.interval(2 + i) for i in range(self.rank)]
         n_out = [o.size for o in outs]
-        span = [(o.lo * s - p, (o.hi - 1) * s - p + d * (k - 1) + 1) if o.size else (r.lo, r.lo)
-                for o, s, p, d, k, r in zip(outs, self.stride, self.padding, self.dilation, self.kernel_size, rows)]
+        span = self.span(f)
         groups = 1 if self.groups == 1 else f.output.shape[1] // w.shape[1]
         buf = np.zeros((dy.shape[0], f.output.shape[1], *(hi - lo for lo, hi in span)), dtype=dy.dtype)
         if 0 not in n_out and dy.shape[1]:

@@ -117,6 +117,13 @@ def _axis(dim: int, rank: int) -> int:
     return dim % rank if rank else 0
 
 
+def _axis_last(axis: int, rank: int) -> tuple[list[int], list[int]]:
+    """(the permutation that moves ``axis`` last, the one that moves it back): a selection along any axis
+    made along the last one."""
+    order = [d for d in range(rank) if d != axis] + [axis]
+    return order, [order.index(d) for d in range(rank)]
+
+
 def _scalar(v: Any) -> float | None:
     """A Python number, or a one-element constant tensor, as a float."""
     if isinstance(v, bool):

@@ -9,7 +9,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from relational_tensors.core.dtypes import FLOAT_DTYPES
-from relational_tensors.frontend.torch.common import _axis, _Const, _fail, _out_dtype, _out_shape, _packet
+from relational_tensors.frontend.torch.common import _axis, _axis_last, _Const, _fail, _out_dtype, _out_shape, _packet
 from relational_tensors.frontend.torch.convert import _torch, _torch_dtype
 from relational_tensors.frontend.torch.registry import register_torch_op
 from relational_tensors.graph.graph import Tensor
@@ -97,23 +97,16 @@ def _topk(tr: _Translator, node: Any, a: dict[str, Any]) -> tuple[Tensor, Tensor
     k = a["k"]
     if not isinstance(k, int):
         raise _fail(f"topk with k={k!r} computed at run time; supported: a k known when tracing")
-    axis = _axis(a["dim"], x.rank)
-    last = x.rank - 1
-    order = [d for d in range(x.rank) if d != axis] + [axis]
-    moved = tr.permute(x, order) if axis != last else x
-    values, ids = tr.g.topk(moved, k, bool(a["largest"]), name=tr.name("topk"))
-    if axis != last:
-        back = [order.index(d) for d in range(x.rank)]
-        values, ids = tr.permute(values, back), tr.permute(ids, back)
-    return values, ids
+    order, back = _axis_last(_axis(a["dim"], x.rank), x.rank)
+    values, ids = tr.g.topk(tr.permute(x, order), k, bool(a["largest"]), name=tr.name("topk"))
+    return tr.permute(values, back), tr.permute(ids, back)
 
 
 def _first_best(tr: _Translator, x: Tensor, axis: int, largest: bool, what: str) -> tuple[Tensor, Tensor]:
     """The first position of the largest (smallest) value along ``axis``, and that value, as torch's
     ``max``/``min``/``argmax``/``argmin`` give them: NaN wins either way (the smallest is the first best of
     -x, where NaN still ranks first)."""
-    order = [d for d in range(x.rank) if d != axis] + [axis]
-    moved = tr.permute(x, order) if axis != x.rank - 1 else x
+    moved = tr.permute(x, _axis_last(axis, x.rank)[0])
     ranked = moved if largest else tr.unary(moved, "neg")
     _, ids = tr.g.topk(ranked, 1, True, name=tr.name(what))
     return tr.g.take_along(moved, ids, name=tr.name(f"{what}_value")), ids

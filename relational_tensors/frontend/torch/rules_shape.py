@@ -10,7 +10,16 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from relational_tensors.core.dtypes import FLOAT_DTYPES
-from relational_tensors.frontend.torch.common import _axis, _bounds, _Const, _fail, _out_dtype, _out_shape, _packet
+from relational_tensors.frontend.torch.common import (
+    _axis,
+    _axis_last,
+    _bounds,
+    _Const,
+    _fail,
+    _out_dtype,
+    _out_shape,
+    _packet,
+)
 from relational_tensors.frontend.torch.convert import _torch, _torch_dtype
 from relational_tensors.frontend.torch.registry import register_torch_op
 from relational_tensors.graph.graph import Tensor
@@ -43,27 +52,24 @@ def _permute(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     return tr.permute(tr.sym(a["self"]), perm)
 
 
-@register_torch_op("expand", "expand_as")
-def _expand(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
-    x = tr.sym(a["self"])
-    shape = _out_shape(node)
+def _broadcast_to(tr: _Translator, x: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """``x`` broadcast to ``shape`` (leading unit dimensions added, size-1 dimensions repeated)."""
     x = tr.reshape(x, (1,) * (len(shape) - x.rank) + x.shape)
     for d, (have, want) in enumerate(zip(x.shape, shape)):
         if have != want:
             x = tr.repeat(x, d, want)
     return x
+
+
+@register_torch_op("expand", "expand_as")
+def _expand(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    return _broadcast_to(tr, tr.sym(a["self"]), _out_shape(node))
 
 
 @register_torch_op("copy")
 def _copy(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     """``dst.copy_(src)`` made pure: src in dst's dtype, broadcast to dst's shape (dst's values are gone)."""
-    x = tr.sym(a["src"], _out_dtype(node))
-    shape = _out_shape(node)
-    x = tr.reshape(x, (1,) * (len(shape) - x.rank) + x.shape)
-    for d, (have, want) in enumerate(zip(x.shape, shape)):
-        if have != want:
-            x = tr.repeat(x, d, want)
-    return x
+    return _broadcast_to(tr, tr.sym(a["src"], _out_dtype(node)), _out_shape(node))
 
 
 @register_torch_op("repeat")
@@ -268,8 +274,7 @@ def _scatter(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     if ids.rank != x.rank or tuple(s for d, s in enumerate(ids.shape) if d != axis) != lead:
         raise _fail(f"scatter with an index of shape {ids.shape} into {x.shape} along dim {axis}; supported: an "
                     "index with x's shape except along dim")
-    order = [d for d in range(x.rank) if d != axis] + [axis]
-    back = [order.index(d) for d in range(x.rank)]
+    order, back = _axis_last(axis, x.rank)
     xm, im = tr.permute(x, order), tr.permute(ids, order)
     n = x.shape[axis]
     hot = tr.g.one_hot(im, n, "bool", name=tr.name("scatter_hot"))  # [..., k, n]

@@ -120,19 +120,9 @@ def _conv_grad_views(op: Any, f: FunctionSpec) -> list[tuple[tuple[int, ...], st
         return [((fo, n, *n_out), dtype), ((c, n, *n_out), dtype), ((math.prod(k), fo, c), wide)]
     dy, w = f.inputs
     n, fo, c, n_out = dy.shape[0], dy.shape[1], w.shape[1], dy.shape[2:]
-    span = _span(op, f)
+    span = op.span(f)
     return [((fo, n, *n_out), dtype), ((fo, c), dtype), ((c, n, *n_out), wide),
             ((n, c, *(b - a for a, b in span)), wide)]
-
-
-def _span(op: Any, f: FunctionSpec) -> list[tuple[int, int]]:
-    """Per spatial dimension, the input rows [lo, hi) that the windows of a dx block's dy positions cover."""
-    out = []
-    for i in range(op.rank):
-        o, r = f.inputs[0].interval(2 + i), f.output.interval(2 + i)
-        s, p, d, k = op.stride[i], op.padding[i], op.dilation[i], op.kernel_size[i]
-        out.append((o.lo * s - p, (o.hi - 1) * s - p + d * (k - 1) + 1) if o.size else (r.lo, r.lo))
-    return out
 
 
 def _conv_grad_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str] | None:
@@ -210,7 +200,7 @@ def _conv_dx(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream
         reach = _strided(reach, (*buf.strides[:2], *(buf.strides[2 + i] * op.stride[i] for i in range(rank))))
         te.binary(reach, _swap01(part), reach, "add")
     lower, shape, start = [], [], []
-    for i, (lo, hi) in enumerate(_span(op, f)):  # the block's rows that some window reaches
+    for i, (lo, hi) in enumerate(op.span(f)):  # the block's rows that some window reaches
         r = f.output.interval(2 + i)
         a = max(r.lo, lo)
         b = max(a, min(r.hi, hi))
