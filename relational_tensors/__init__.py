@@ -15,6 +15,9 @@ from relational_tensors.api.compile import compileGraph as compileGraph
 from relational_tensors.api.compile import load_plan as load_plan
 from relational_tensors.api.compile import save_plan as save_plan
 from relational_tensors.api.dynamo import dynamo_backend as dynamo_backend
+from relational_tensors.api.generation import Decoder as Decoder
+from relational_tensors.api.generation import decoder as decoder
+from relational_tensors.api.generation import generate as generate
 from relational_tensors.api.parallelize import ParallelModule as ParallelModule
 from relational_tensors.api.parallelize import parallelize as parallelize
 from relational_tensors.api.training import TrainStep as TrainStep

@@ -295,8 +295,9 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, max_new_tok
     """Generate up to ``max_new_tokens`` tokens after each prompt of ``input_ids [batch, prompt]`` (padded on
     the left, ``attention_mask`` 1 on real tokens) with ``model``, a transformers causal LM, planned for
     ``device``; returns ``[batch, prompt + new]`` as ``model.generate`` does.  ``eos_token_id`` and
-    ``pad_token_id`` default to the model's generation config; ``seed`` seeds the sampling generator
-    (default: torch's global one).  The decoder's programs are kept per model and reused by later calls."""
+    ``pad_token_id`` default to the model's generation config; ``seed`` seeds a generator of its own for
+    sampling (default: torch's global one, as transformers draws: ``torch.manual_seed`` makes it repeat).
+    ``top_k`` and ``top_p`` of None filter nothing (transformers' generation config defaults top_k to 50).  The decoder's programs are kept per model and reused by later calls."""
     torch = _torch()
     _check_sampling(do_sample, temperature, top_k, top_p, max_new_tokens)
     ids, mask = _prompt(input_ids, attention_mask)
@@ -315,9 +316,9 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, max_new_tok
         dec = held[key] = Decoder(model, b, max_len, device, **compile_options)
     generator = None
     logits = dec.prefill(ids, mask)
-    if do_sample:
+    if do_sample and seed is not None:  # else torch's default generator of the logits' device draws
         generator = torch.Generator(device=logits.device)
-        generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        generator.manual_seed(seed)
     eos_t = torch.tensor(eos, dtype=torch.int64, device=logits.device)
     done = torch.zeros(b, dtype=torch.bool, device=logits.device)
     new: list[Any] = []

@@ -1,0 +1,192 @@
+"""Generation (``rt.generate``, ``rt.decoder``) against transformers: greedy tokens equal to ``model.generate``'s
+on left-padded batches for tiny Llama, Qwen2 (with sliding layers), Mistral and Phi-3 (with windows shorter
+than the run) and Gemma configs, on one and on several virtual devices; each step's logits equal to the
+model's own forward with its cache; sampling reproducible for a seed and equal to transformers' for the same
+seed; bad requests refused with the rule."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+import relational_tensors as rt  # noqa: E402
+
+COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, eos_token_id=None)
+
+
+def _config(kind: str) -> object:
+    if kind == "llama":
+        return transformers.LlamaConfig(**COMMON)
+    if kind == "qwen2-sliding":  # layer 1 slides over 4 positions
+        return transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    if kind == "mistral":
+        return transformers.MistralConfig(**COMMON, sliding_window=4)
+    if kind == "gemma":
+        return transformers.GemmaConfig(**COMMON, head_dim=8)
+    if kind == "phi3":
+        return transformers.Phi3Config(**COMMON, sliding_window=5)
+    raise ValueError(kind)
+
+
+def _model(kind: str, dtype: torch.dtype = torch.float32) -> object:
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(_config(kind)).eval().to(dtype)
+
+
+def _batch(b: int = 3, s: int = 7, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts padded on the left: row 1 by 2 tokens, row 2 by 5."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 64, (b, s), generator=gen)
+    mask = torch.ones_like(ids)
+    for row, pad in ((1, 2), (2, 5)):
+        if row < b:
+            mask[row, :pad] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize("kind,device", [("llama", "cpu:2"), ("qwen2-sliding", "cpu:3"), ("mistral", "cpu"),
+                                         ("gemma", "cpu:2"), ("phi3", "cpu:2")])
+def test_greedy_tokens_equal_transformers(kind: str, device: str) -> None:
+    model = _model(kind)
+    ids, mask = _batch()
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    got = rt.generate(model, ids, mask, max_new_tokens=12, device=device)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_each_step_logits_equal_the_models_forward() -> None:
+    """Prefill and every decode step against the model's forward with its own cache, float32 to 1e-5."""
+    model = _model("qwen2-sliding")
+    ids, mask = _batch()
+    dec = rt.decoder(model, max_batch=3, max_len=40, device="cpu:2")
+    logits = dec.prefill(ids, mask)
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        torch.testing.assert_close(logits, out.logits[:, -1], rtol=1e-5, atol=1e-5)
+        full_mask = mask
+        for _ in range(9):
+            token = out.logits[:, -1].argmax(-1)
+            full_mask = torch.cat([full_mask, torch.ones_like(full_mask[:, :1])], 1)
+            positions = positions[:, -1:] + 1
+            out = model(input_ids=token[:, None], attention_mask=full_mask, position_ids=positions,
+                        past_key_values=cache)
+            logits = dec.decode(token)
+            torch.testing.assert_close(logits, out.logits[:, -1], rtol=1e-5, atol=1e-5)
+    assert len(dec._prefills) == 1 and len(dec._decodes) == 1
+    text = dec.explain()
+    assert "prefill" in text and "decode step" in text
+
+
+def test_prompt_lengths_share_a_bucket_and_a_new_batch_restarts() -> None:
+    """Two prompt lengths in one bucket reuse one prefill program; a second prefill starts afresh (the cache
+    of the first batch is not read)."""
+    model = _model("llama")
+    dec = rt.decoder(model, max_batch=2, max_len=64)
+    for s in (5, 9):
+        ids, mask = _batch(2, s, seed=s)
+        first = dec.prefill(ids, mask)
+        steps = [first.argmax(-1)]
+        for _ in range(4):
+            steps.append(dec.decode(steps[-1]).argmax(-1))
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert torch.equal(torch.stack(steps, 1), want[:, s:])
+    assert list(dec._prefills) == [(2, 16)]
+
+
+def test_eos_pads_finished_sequences_and_stops() -> None:
+    model = _model("llama")
+    ids, mask = _batch()
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    eos = int(free[0, 7 + 2])  # the third token row 0 generates
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                          eos_token_id=eos)
+    got = rt.generate(model, ids, mask, max_new_tokens=8, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(got, want)
+
+
+def test_sampling_is_seeded_and_equals_transformers() -> None:
+    model = _model("gemma")
+    ids, mask = _batch()
+    kwargs = dict(max_new_tokens=10, do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
+    a = rt.generate(model, ids, mask, seed=7, **kwargs)
+    b = rt.generate(model, ids, mask, seed=7, **kwargs)
+    c = rt.generate(model, ids, mask, seed=8, **kwargs)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    # without a seed, torch's global generator draws, as transformers' sampling does
+    torch.manual_seed(3)
+    want = model.generate(ids, attention_mask=mask, pad_token_id=0, **kwargs)
+    torch.manual_seed(3)
+    got = rt.generate(model, ids, mask, **kwargs)
+    assert torch.equal(got, want)
+
+
+def test_bfloat16_logits_match_at_16_bit_tolerance() -> None:
+    """bf16 weights and cache: the prefill's and steps' logits against the model's within bf16 rounding
+    (a few units of 2**-8 relative over two layers)."""
+    model = _model("llama", torch.bfloat16)
+    ids, mask = _batch()
+    dec = rt.decoder(model, max_batch=3, max_len=32, device="cpu:2")
+    logits = dec.prefill(ids, mask)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits[:, -1]
+    assert logits.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.float(), want.float(), rtol=0.05, atol=0.05)
+
+
+def test_bad_requests_are_refused_with_the_rule() -> None:
+    model = _model("llama")
+    ids, mask = _batch()
+    right = torch.ones_like(mask)
+    right[0, -2:] = 0
+    with pytest.raises(rt.GraphError, match="padded on the left"):
+        rt.generate(model, ids, right)
+    with pytest.raises(rt.GraphError, match="at least one real token"):
+        rt.generate(model, ids, torch.zeros_like(mask))
+    with pytest.raises(rt.GraphError, match="max_new_tokens"):
+        rt.generate(model, ids, mask, max_new_tokens=0)
+    with pytest.raises(rt.GraphError, match="temperature"):
+        rt.generate(model, ids, mask, do_sample=True, temperature=0.0)
+    with pytest.raises(rt.GraphError, match="top_p"):
+        rt.generate(model, ids, mask, do_sample=True, top_p=1.5)
+    with pytest.raises(rt.GraphError, match="integer torch tensor"):
+        rt.generate(model, ids.float(), mask)
+    with pytest.raises(rt.GraphError, match="causal language model"):
+        rt.generate(torch.nn.Linear(2, 2), ids)
+    dec = rt.decoder(model, max_batch=2, max_len=16)
+    with pytest.raises(rt.ExecError, match="max_batch=2"):
+        dec.prefill(ids, mask)
+    with pytest.raises(rt.ExecError, match="prefill"):
+        dec.decode(torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(rt.ExecError, match="max_len=16"):
+        dec.prefill(torch.ones((1, 16), dtype=torch.int64))
+    dec.prefill(torch.ones((1, 15), dtype=torch.int64))
+    with pytest.raises(rt.ExecError, match="one token per sequence"):
+        dec.decode(torch.zeros(3, dtype=torch.int64))
+    dec.decode(torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(rt.ExecError, match="all used"):
+        dec.decode(torch.zeros(1, dtype=torch.int64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["cuda:0", "cuda:0,0,0"])
+def test_greedy_on_a_gpu(device: str) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    pytest.importorskip("cupy")
+    model = _model("qwen2-sliding").to("cuda:0")
+    ids, mask = _batch()
+    ids, mask = ids.cuda(), mask.cuda()
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    got = rt.generate(model, ids, mask, max_new_tokens=12, device=device)
+    assert got.device == want.device and torch.equal(got, want)
+    bf = _model("llama", torch.bfloat16).to("cuda:0")
+    dec = rt.decoder(bf, max_batch=3, max_len=48, device=device)
+    logits = dec.prefill(ids, mask)
+    assert logits.is_cuda and logits.dtype == torch.bfloat16
+    with torch.no_grad():
+        ref = bf(input_ids=ids, attention_mask=mask).logits[:, -1]
+    torch.testing.assert_close(logits.float(), ref.float(), rtol=0.05, atol=0.05)
