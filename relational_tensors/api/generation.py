@@ -297,7 +297,8 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, max_new_tok
     ``device``; returns ``[batch, prompt + new]`` as ``model.generate`` does.  ``eos_token_id`` and
     ``pad_token_id`` default to the model's generation config; ``seed`` seeds a generator of its own for
     sampling (default: torch's global one, as transformers draws: ``torch.manual_seed`` makes it repeat).
-    ``top_k`` and ``top_p`` of None filter nothing (transformers' generation config defaults top_k to 50).  The decoder's programs are kept per model and reused by later calls."""
+    ``top_k`` and ``top_p`` of None filter nothing (transformers' generation config defaults top_k to 50).
+    The decoder's programs are kept per model and reused by later calls."""
     torch = _torch()
     _check_sampling(do_sample, temperature, top_k, top_p, max_new_tokens)
     ids, mask = _prompt(input_ids, attention_mask)
