@@ -76,7 +76,7 @@ def test_each_step_logits_equal_the_models_forward() -> None:
                         past_key_values=cache)
             logits = dec.decode(token)
             torch.testing.assert_close(logits, out.logits[:, -1], rtol=1e-5, atol=1e-5)
-    assert len(dec._prefills) == 1 and len(dec._decodes) == 1
+    assert len(dec._prefills) == 1 and dec._decode is not None
     text = dec.explain()
     assert "prefill" in text and "decode step" in text
 
@@ -95,6 +95,49 @@ def test_prompt_lengths_share_a_bucket_and_a_new_batch_restarts() -> None:
         want = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
         assert torch.equal(torch.stack(steps, 1), want[:, s:])
     assert list(dec._prefills) == [(2, 16)]
+
+
+def test_sequences_joining_and_leaving_get_the_tokens_they_get_alone() -> None:
+    """Continuous batching: three requests through two slots, joining and leaving between steps, each gets
+    the greedy tokens it gets alone (and transformers gives it alone)."""
+    model = _model("mistral")  # a window of 4: each slot's window follows its own positions
+    gen = torch.Generator().manual_seed(5)
+    prompts = {name: torch.randint(1, 64, (1, s), generator=gen) for name, s in (("a", 5), ("b", 9), ("c", 3))}
+    wanted = {"a": 6, "b": 9, "c": 7}
+    alone = {name: model.generate(p, max_new_tokens=wanted[name], do_sample=False, pad_token_id=0)[0, p.shape[1]:]
+             for name, p in prompts.items()}
+    dec = rt.decoder(model, max_batch=2, max_len=40, device="cpu:2")
+    got: dict[str, list[int]] = {}
+    slot_of: dict[str, int] = {}
+    last: dict[str, int] = {}
+
+    def join(name: str) -> None:
+        (slot,), logits = dec.join(prompts[name])
+        slot_of[name], got[name] = slot, [int(logits[0].argmax())]
+
+    def step() -> None:
+        running = {slot_of[n]: n for n in slot_of}
+        order = [running[r] for r in dec.slots]
+        logits = dec.decode(torch.tensor([got[n][-1] for n in order]))
+        for n, row in zip(order, logits):
+            got[n].append(int(row.argmax()))
+        for n in order:
+            if len(got[n]) == wanted[n]:
+                dec.leave(slot_of.pop(n))
+                last[n] = len(got[n])
+
+    join("a")
+    step()
+    join("b")  # a is two tokens in; b joins the free slot
+    while "a" in slot_of:
+        step()
+    join("c")  # c takes the slot a left
+    assert slot_of["c"] == 0
+    while slot_of:
+        step()
+    for name in prompts:
+        assert got[name] == alone[name].tolist(), name
+    assert list(dec._prefills) == [(1, 16)]  # one prompt bucket: one prefill program for all three
 
 
 def test_eos_pads_finished_sequences_and_stops() -> None:
@@ -159,16 +202,21 @@ def test_bad_requests_are_refused_with_the_rule() -> None:
     dec = rt.decoder(model, max_batch=2, max_len=16)
     with pytest.raises(rt.ExecError, match="max_batch=2"):
         dec.prefill(ids, mask)
-    with pytest.raises(rt.ExecError, match="prefill"):
+    with pytest.raises(rt.ExecError, match="none is running"):
         dec.decode(torch.zeros(2, dtype=torch.int64))
     with pytest.raises(rt.ExecError, match="max_len=16"):
         dec.prefill(torch.ones((1, 16), dtype=torch.int64))
     dec.prefill(torch.ones((1, 15), dtype=torch.int64))
-    with pytest.raises(rt.ExecError, match="one token per sequence"):
+    with pytest.raises(rt.ExecError, match="one token per running sequence"):
         dec.decode(torch.zeros(3, dtype=torch.int64))
     dec.decode(torch.zeros(1, dtype=torch.int64))
-    with pytest.raises(rt.ExecError, match="all used"):
+    with pytest.raises(rt.ExecError, match="all used by slot"):
         dec.decode(torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(rt.ExecError, match="leave takes slots"):
+        dec.leave(1)
+    dec.leave(0)
+    with pytest.raises(rt.ExecError, match="slots with 0 free|free"):
+        dec.join(torch.ones((3, 4), dtype=torch.int64))
 
 
 @pytest.mark.gpu

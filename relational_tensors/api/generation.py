@@ -10,8 +10,9 @@ sequence sees), runs, and returns the last logits as a torch tensor on the plan'
 
 Batches follow transformers' ``generate``: prompts padded on the left (``attention_mask`` 0 on padding), all
 sequences writing the same cache position each step, positions counted over real tokens only.  Prompt
-lengths are padded further on the left to a multiple of :data:`PROMPT_BUCKET` (fewer prefill programs);
-models with a sliding window, whose masks count padded positions, keep the exact length.
+lengths are padded further on the left to a multiple of :data:`PROMPT_BUCKET` (fewer prefill programs):
+masked keys, positions counted over real tokens, and sliding windows over differences of cache indices
+make the extra padding change nothing.
 
 :func:`generate` runs the loop: greedy (``argmax``) or sampled with temperature, top-k and top-p as
 transformers' logits processors apply them, with torch on the logits' device (a seeded ``torch.Generator``:
@@ -68,6 +69,12 @@ class _Program:
             return output(self.compiled, name)
         return numpy_to_torch(self.compiled.offload(name))
 
+    def state(self, name: str) -> Any:
+        """State ``name``'s current value as a torch tensor (a copy, on the plan's first GPU or the host)."""
+        if self.cuda:
+            return _torch().from_dlpack(self.compiled.offload(name, like="cupy"))
+        return numpy_to_torch(self.compiled.offload(name))
+
     def run(self, feeds: dict[str, Any], outputs: Sequence[str]) -> list[Any]:
         self.load(feeds)
         self.compiled.execute()
@@ -75,10 +82,14 @@ class _Program:
 
 
 class Decoder:
-    """Prefill and decode programs of one model (see the module docstring): ``prefill(ids, attention_mask)``
-    starts a batch and returns its next-token logits ``[batch, vocab]``; ``decode(next_tokens)`` appends one
-    token per sequence and returns the next logits.  ``max_batch`` and ``max_len`` (prompt and generated
-    tokens) bound what it accepts; ``device`` and ``compile_options`` are those of ``rt.compileGraph``."""
+    """Prefill and decode programs of one model, over ``max_batch`` sequence slots (see the module docstring).
+
+    ``prefill(ids, attention_mask)`` starts a batch in slots 0..b-1 and returns its next-token logits
+    ``[b, vocab]``; ``decode(next_tokens)`` appends one token to each running sequence (in slot order) and
+    returns the logits of the token after it.  Between steps sequences join (``join``: their prompts
+    prefilled into free slots) and leave (``leave``), each with its own length and positions, without
+    planning again.  ``max_len`` bounds a sequence (prompt and generated tokens); ``device`` and
+    ``compile_options`` are those of ``rt.compileGraph``."""
 
     def __init__(self, model: Any, max_batch: int, max_len: int, device: Any = None, **compile_options: Any) -> None:
         for what, value in (("max_batch", max_batch), ("max_len", max_len)):
@@ -90,12 +101,13 @@ class Decoder:
         self.device = device
         self.options = compile_options
         self._prefills: dict[tuple[int, int], _Program] = {}
-        self._decodes: dict[int, _Program] = {}
-        self._batch: int | None = None  # the running batch's size, its next write position, its inputs
-        self._at = 0
-        self._keys_ok: Any = None
-        self._positions: Any = None
-        self._pending: dict[str, Any] = {}  # caches for a decode program not yet loaded
+        self._decode: _Program | None = None
+        self._where = "cpu"  # the torch device the step's inputs are made on (the plan's first GPU, or the host)
+        # per slot: the cache position it writes next (-1: free) and its next token's position
+        self._at = [-1] * max_batch
+        self._position = [0] * max_batch
+        self._keys_ok: Any = None  # [max_batch, max_len] bool on the step's device: the positions each slot sees
+        self._writes: list[tuple[int, int, dict[str, Any]]] = []  # (slot, length, layer caches) to write
 
     # --- programs ---------------------------------------------------------------------------------------
     def prefill_program(self, batch: int, length: int) -> _Program:
@@ -105,101 +117,147 @@ class Decoder:
             self._prefills[key] = _Program(prefill_graph(self.model, batch, length), self.device, self.options)
         return self._prefills[key]
 
-    def decode_program(self, batch: int) -> _Program:
-        """The decode step of ``batch`` sequences over the ``max_len`` cache (planned at first use)."""
-        if batch not in self._decodes:
-            self._decodes[batch] = _Program(decode_graph(self.model, batch, self.max_len), self.device, self.options)
-        return self._decodes[batch]
+    def decode_program(self) -> _Program:
+        """The decode step over every slot and the ``max_len`` cache (planned at first use)."""
+        if self._decode is None:
+            self._decode = _Program(decode_graph(self.model, self.max_batch, self.max_len), self.device,
+                                    self.options)
+        return self._decode
 
     def explain(self, file: Any = None, width: int = 160) -> str:
-        """The plans of the programs made so far: each prefill's and each decode step's."""
+        """The plans of the programs made so far: each prefill's and the decode step's."""
         out = io.StringIO()
         for (b, s), p in sorted(self._prefills.items()):
             out.write(f"== prefill: {b} prompts of {s} tokens ==\n")
             out.write(p.compiled.explain(file=io.StringIO(), width=width))
-        for b, p in sorted(self._decodes.items()):
-            out.write(f"== decode step: {b} sequences, cache of {self.max_len} positions ==\n")
-            out.write(p.compiled.explain(file=io.StringIO(), width=width))
+        if self._decode is not None:
+            out.write(f"== decode step: {self.max_batch} slots, a cache of {self.max_len} positions ==\n")
+            out.write(self._decode.compiled.explain(file=io.StringIO(), width=width))
         text = out.getvalue()
         if file is not None:
             print(text, file=file, end="")
         return text
 
-    # --- running ----------------------------------------------------------------------------------------
+    @property
+    def slots(self) -> list[int]:
+        """The slots holding a sequence, in order: ``decode`` takes and returns one row per slot here."""
+        return [r for r, at in enumerate(self._at) if at >= 0]
+
+    # --- sequences joining and leaving ----------------------------------------------------------------------
     def _bucket(self, length: int) -> int:
         rounded = -(-length // PROMPT_BUCKET) * PROMPT_BUCKET
-        if any(w is not None for w in self.shape.windows) or rounded >= self.max_len:
-            return length
-        return rounded
+        return rounded if rounded < self.max_len else length
 
-    def prefill(self, input_ids: Any, attention_mask: Any = None) -> Any:
-        """Start a batch: ``input_ids [batch, prompt]`` padded on the left, ``attention_mask`` 1 on real
-        tokens (default: all real).  Returns the logits of each prompt's next token ``[batch, vocab]``."""
+    def join(self, input_ids: Any, attention_mask: Any = None) -> tuple[list[int], Any]:
+        """Add the sequences of ``input_ids [n, prompt]`` (padded on the left, ``attention_mask`` 1 on real
+        tokens) in free slots; returns their slots and the logits of each one's next token ``[n, vocab]``."""
         torch = _torch()
         ids, mask = _prompt(input_ids, attention_mask)
-        b, s = ids.shape
-        if b > self.max_batch:
-            raise ExecError(f"this decoder takes at most max_batch={self.max_batch} sequences; got {b}. Make the "
-                            "decoder with a larger max_batch.")
+        n, s = ids.shape
+        free = [r for r, at in enumerate(self._at) if at < 0]
+        if n > len(free):
+            raise ExecError(f"{n} sequences join a decoder of max_batch={self.max_batch} slots with {len(free)} free; "
+                            "let sequences leave first, or make the decoder with a larger max_batch.")
         if s >= self.max_len:
             raise ExecError(f"a prompt of {s} tokens leaves no room to generate in a cache of max_len="
                             f"{self.max_len} positions; make the decoder with a larger max_len.")
         length = self._bucket(s)
         if length > s:  # more padding on the left: masked, positions unchanged
-            ids = torch.cat([torch.zeros((b, length - s), dtype=ids.dtype), ids], 1)
-            mask = torch.cat([torch.zeros((b, length - s), dtype=mask.dtype), mask], 1)
+            ids = torch.cat([torch.zeros((n, length - s), dtype=ids.dtype), ids], 1)
+            mask = torch.cat([torch.zeros((n, length - s), dtype=mask.dtype), mask], 1)
         positions = (mask.to(torch.int64).cumsum(-1) - 1).clamp(min=0)
-        program = self.prefill_program(b, length)
-        place = program.compiled.devices
-        dev = f"cuda:{place.physical[0]}" if program.cuda else "cpu"
-        ids, mask, positions = ids.to(dev), mask.to(dev), positions.to(dev)
-        names = ["logits"] + [cache_name(i, w) for i in range(self.shape.layers) for w in "kv"]
-        logits, *kv = program.run({"ids": ids, "keys_ok": mask, "positions": positions}, names)
-        step = self.decode_program(b)
-        caches = {}
-        for name, t in zip(names[1:], kv):
-            full = torch.zeros((b, t.shape[1], self.max_len, t.shape[3]), dtype=t.dtype, device=t.device)
-            full[:, :, :length] = t
-            caches[name] = full
-        self._keys_ok = torch.zeros((b, self.max_len), dtype=torch.bool, device=dev)
-        self._keys_ok[:, :length] = mask
-        self._positions = positions[:, -1:] + 1
-        if step.loaded:
-            step.load(caches)
-        else:
-            self._pending = caches
-        self._batch, self._at = b, length
-        return logits
+        program = self.prefill_program(n, length)
+        if program.cuda:
+            self._where = f"cuda:{program.compiled.devices.physical[0]}"
+        names = [cache_name(i, w) for i in range(self.shape.layers) for w in "kv"]
+        feeds = {"ids": ids, "keys_ok": mask, "positions": positions}
+        logits, *kv = program.run({k: v.to(self._where) for k, v in feeds.items()}, ["logits", *names])
+        if self._keys_ok is None:
+            self._keys_ok = torch.zeros((self.max_batch, self.max_len), dtype=torch.bool, device=self._where)
+        slots = free[:n]
+        for i, r in enumerate(slots):
+            self._writes = [w for w in self._writes if w[0] != r]
+            self._writes.append((r, length, {name: t[i] for name, t in zip(names, kv)}))
+            self._keys_ok[r] = False
+            self._keys_ok[r, :length] = mask[i].to(self._where)
+            self._at[r], self._position[r] = length, int(positions[i, -1]) + 1
+        return slots, logits
+
+    def leave(self, slots: int | Sequence[int]) -> None:
+        """Free ``slots``: their sequences end, and a later ``join`` may take them."""
+        for r in [slots] if isinstance(slots, int) else list(slots):
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.max_batch or self._at[r] < 0:
+                raise ExecError(f"leave takes slots holding a sequence ({self.slots}); got {r!r}.")
+            self._at[r] = -1
+            self._keys_ok[r] = False
+            self._writes = [w for w in self._writes if w[0] != r]
+
+    def prefill(self, input_ids: Any, attention_mask: Any = None) -> Any:
+        """Start a batch: every running sequence leaves, and those of ``input_ids [batch, prompt]`` (padded on
+        the left, ``attention_mask`` 1 on real tokens; default all real) join in slots 0..batch-1.  Returns
+        the logits of each prompt's next token ``[batch, vocab]``."""
+        if self.slots:
+            self.leave(self.slots)
+        return self.join(input_ids, attention_mask)[1]
+
+    # --- the decode step ------------------------------------------------------------------------------------
+    def _write_caches(self, step: _Program) -> dict[str, Any]:
+        """The cache states with the joined sequences' prompts written into their slots (the rest of each
+        slot cleared): what to load before the step."""
+        torch = _torch()
+        if not self._writes:
+            return {}
+        out = {}
+        for i in range(self.shape.layers):
+            for w in "kv":
+                name = cache_name(i, w)
+                dim = self.shape.key_dim if w == "k" else self.shape.value_dim
+                cache = step.state(name) if step.loaded else torch.zeros(
+                    (self.max_batch, self.shape.kv_heads, self.max_len, dim), dtype=self.shape.dtype,
+                    device=self._where)
+                for r, length, kv in self._writes:
+                    cache[r] = 0
+                    cache[r, :, :length] = kv[name]
+                out[name] = cache
+        self._writes = []
+        return out
 
     def decode(self, next_tokens: Any) -> Any:
-        """Append ``next_tokens [batch]`` (or ``[batch, 1]``) to the running batch; returns the logits of the
-        token after them ``[batch, vocab]``."""
+        """Append ``next_tokens`` (one per running sequence, in the order of ``slots``) and return the logits of
+        the token after each ``[len(slots), vocab]``."""
         torch = _torch()
-        if self._batch is None:
-            raise ExecError("decode continues a batch that prefill started; call prefill(input_ids) first.")
-        if self._at >= self.max_len:
-            raise ExecError(f"the cache holds max_len={self.max_len} positions, all used; make the decoder with a "
-                            "larger max_len.")
-        step = self.decode_program(self._batch)
-        tokens = torch.as_tensor(next_tokens).reshape(-1, 1).to(torch.int64).to(self._keys_ok.device)
-        if tokens.shape[0] != self._batch:
-            raise ExecError(f"decode takes one token per sequence of the batch ({self._batch}); got "
+        slots = self.slots
+        if not slots:
+            raise ExecError("decode continues sequences that prefill or join started; none is running.")
+        tokens = torch.as_tensor(next_tokens).reshape(-1).to(self._where, torch.int64)
+        if tokens.shape[0] != len(slots):
+            raise ExecError(f"decode takes one token per running sequence ({len(slots)}, slots {slots}); got "
                             f"{tokens.shape[0]}.")
-        write = torch.zeros((self.max_len,), dtype=torch.bool, device=tokens.device)
-        write[self._at] = True
-        self._keys_ok[:, self._at] = True
-        feeds = {"ids": tokens, "keys_ok": self._keys_ok, "positions": self._positions, "write": write}
-        if not step.loaded:
-            feeds.update(self._pending)
-            self._pending = {}
+        full = [r for r in slots if self._at[r] >= self.max_len]
+        if full:
+            raise ExecError(f"the cache holds max_len={self.max_len} positions, all used by slot(s) {full}; let "
+                            "them leave, or make the decoder with a larger max_len.")
+        step = self.decode_program()
+        rows = torch.tensor(slots, device=self._where)
+        at = torch.tensor([self._at[r] for r in slots], device=self._where)
+        ids = torch.zeros((self.max_batch, 1), dtype=torch.int64, device=self._where)
+        ids[rows, 0] = tokens
+        positions = torch.zeros((self.max_batch, 1), dtype=torch.int64, device=self._where)
+        positions[rows, 0] = torch.tensor([self._position[r] for r in slots], device=self._where)
+        write = torch.zeros((self.max_batch, self.max_len), dtype=torch.bool, device=self._where)
+        write[rows, at] = True
+        self._keys_ok[rows, at] = True
+        feeds = {"ids": ids, "keys_ok": self._keys_ok, "positions": positions, "write": write}
+        feeds.update(self._write_caches(step))
         (logits,) = step.run(feeds, ["logits"])
-        self._positions = self._positions + 1
-        self._at += 1
-        return logits
+        for r in slots:
+            self._at[r] += 1
+            self._position[r] += 1
+        return logits[rows] if len(slots) < self.max_batch else logits
 
     def __repr__(self) -> str:
         return (f"Decoder({type(self.model).__name__}, max_batch={self.max_batch}, max_len={self.max_len}, "
-                f"prefills={sorted(self._prefills)}, decodes={sorted(self._decodes)})")
+                f"slots={self.slots}, prefills={sorted(self._prefills)})")
 
 
 def _prompt(input_ids: Any, attention_mask: Any) -> tuple[Any, Any]:

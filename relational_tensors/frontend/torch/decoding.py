@@ -4,8 +4,8 @@ the key/value cache as states.
 transformers keeps the cache in a ``Cache`` object that its attention layers update as they run.  Here
 the cache is explicit: :func:`decode_graph` traces one decode step of ``batch`` sequences, each layer's keys
 and values ``[batch, kv_heads, max_len, head_dim]`` graph inputs that become states (``g.state``), and the
-step's keys and values written into them at the write position (a boolean ``[max_len]`` input with one True)
-assigned back (``g.assign``), so the cache stays on the devices, laid out as the plan chooses.
+step's keys and values written into them at each sequence's write position (a boolean ``[batch, max_len]``
+input, one True per row, none for an idle row) assigned back (``g.assign``), so the cache stays on the devices, laid out as the plan chooses.
 :func:`prefill_graph` traces the prompt's forward and returns its keys and values as outputs, which the
 caller writes into the decode program's states.
 
@@ -116,7 +116,7 @@ def _cache_class() -> type:
             if key.shape[2] != 1:
                 raise GraphError(f"a decode step writes one token per sequence; layer {layer_idx} got keys of "
                                  f"{key.shape[2]} positions.")
-            at = self.write[None, None, :, None]
+            at = self.write[:, None, :, None]
             keys, values = torch.where(at, key, past_k), torch.where(at, value, past_v)
             self.new[layer_idx] = (keys, values)
             return keys, values
@@ -131,9 +131,9 @@ def _cache_class() -> type:
     return StepCache
 
 
-def _masks(shape: CacheShape, allowed: Any, query_index: Any, key_index: Any, dtype: Any, eager: bool) -> Any:
+def _masks(shape: CacheShape, allowed: Any, distance: Any, dtype: Any, eager: bool) -> Any:
     """The 4-D mask(s) the model's layers read: ``allowed`` [batch, queries, keys] and, per window, keys
-    within it (query index - key index < window)."""
+    within it (``distance``, query index minus key index broadcast to ``allowed``, below the window)."""
     torch = _torch()
 
     def finish(ok: Any) -> Any:
@@ -141,9 +141,7 @@ def _masks(shape: CacheShape, allowed: Any, query_index: Any, key_index: Any, dt
         return torch.where(ok, 0.0, torch.finfo(dtype).min).to(dtype) if eager else ok
 
     def windowed(window: int | None) -> Any:
-        if window is None:
-            return allowed
-        return allowed & ((query_index[:, None] - key_index[None, :]) < window)[None]
+        return allowed if window is None else allowed & (distance < window)
 
     if shape.layer_types is None:
         return finish(windowed(shape.windows[0]))
@@ -184,12 +182,13 @@ def _step_modules(model: Any, shape: CacheShape) -> tuple[type, type]:
             index = torch.arange(s, device=ids.device)
             allowed = keys_ok[:, None, :] & (index[None, :] <= index[:, None])[None]
             cache = _cache_class()(None, None, shape.layers)
-            logits = _call_model(self.model, ids, _masks(shape, allowed, index, index, shape.dtype, eager),
-                                 positions, cache)
+            distance = (index[:, None] - index[None, :])[None]
+            logits = _call_model(self.model, ids, _masks(shape, allowed, distance, shape.dtype, eager), positions,
+                                 cache)
             return (logits, *[t for kv in cache.new for t in kv])
 
     class Decode(base):  # type: ignore[misc, valid-type]
-        """(ids [b, 1], keys_ok [b, L], positions [b, 1], write [L], k0, v0, ...) -> (logits, k0', v0', ...)."""
+        """(ids [b, 1], keys_ok [b, L], positions [b, 1], write [b, L], k0, v0, ...) -> (logits, k0', v0', ...)."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -198,11 +197,11 @@ def _step_modules(model: Any, shape: CacheShape) -> tuple[type, type]:
         def forward(self, ids: Any, keys_ok: Any, positions: Any, write: Any, *past: Any) -> Any:
             length = keys_ok.shape[1]
             index = torch.arange(length, device=ids.device, dtype=torch.float32)  # exact to 2**24 positions
-            at = (write.to(torch.float32) * index).sum(0, keepdim=True)  # the write position: the query's index
-            allowed = keys_ok[:, None, :]
+            at = (write.to(torch.float32) * index).sum(1)  # each sequence's write position: its query's index
+            distance = (at[:, None] - index[None, :])[:, None, :]
             pairs = [(past[2 * i], past[2 * i + 1]) for i in range(shape.layers)]
             cache = _cache_class()(pairs, write, shape.layers)
-            logits = _call_model(self.model, ids, _masks(shape, allowed, at, index, shape.dtype, eager),
+            logits = _call_model(self.model, ids, _masks(shape, keys_ok[:, None, :], distance, shape.dtype, eager),
                                  positions, cache)
             return (logits, *[t for kv in cache.new for t in kv])
 
@@ -248,7 +247,8 @@ def prefill_graph(model: Any, batch: int, length: int) -> TorchGraph:
 def decode_graph(model: Any, batch: int, max_len: int) -> TorchGraph:
     """One decode step of ``batch`` sequences over a cache of ``max_len`` positions: inputs ``ids`` [b, 1],
     ``keys_ok`` [b, max_len] (the cache positions each sequence sees, the written one included),
-    ``positions`` [b, 1] and ``write`` [max_len] (True at the position this step writes); states
+    ``positions`` [b, 1] and ``write`` [b, max_len] (True at the position each sequence writes this step; a
+    row without one writes nothing); states
     ``cache.<i>.k`` / ``cache.<i>.v``, assigned this step's cache; output ``logits``."""
     torch = _torch()
     shape = cache_shape(model)
@@ -256,8 +256,8 @@ def decode_graph(model: Any, batch: int, max_len: int) -> TorchGraph:
     device = next(model.parameters()).device
     ids, _, positions = _examples(model, shape, batch, 1)
     ok = torch.ones((batch, max_len), dtype=torch.bool, device=device)
-    write = torch.zeros((max_len,), dtype=torch.bool, device=device)
-    write[0] = True
+    write = torch.zeros((batch, max_len), dtype=torch.bool, device=device)
+    write[:, 0] = True
     past = []
     for _ in range(shape.layers):
         past.append(torch.zeros((batch, shape.kv_heads, max_len, shape.key_dim), dtype=shape.dtype, device=device))
