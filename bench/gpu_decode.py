@@ -1,0 +1,251 @@
+"""Generation on one GPU, as a transformers user runs it: a LLaMA-3-8B-shaped ``LlamaForCausalLM`` (32
+layers, 4096 wide, GQA 32/8 heads, 14,336 intermediate, 128,256 vocabulary) with random weights in
+bfloat16, side by side in one run:
+
+* **prefill** of one prompt of 2,048 and of 8,192 tokens: ``Decoder.prefill`` (ours, the next token's
+  logits on the GPU) against the model's own forward with ``logits_to_keep=1`` (eager);
+* **decode** tokens/s at batch 1, 8 and 64 after a prompt of ``--context`` tokens: one ``Decoder.decode``
+  step (ours) against transformers' ``generate`` with its static cache, which compiles the step with
+  ``torch.compile(mode="reduce-overhead")`` (per token: the time of ``--steps`` more tokens over their
+  number), and against the HBM-bandwidth ceiling: the bytes a step must read (every weight but the
+  embedding table, plus each sequence's cache) over this GPU's measured copy bandwidth;
+* the batch-1 step on 8 logical devices of the GPU (``cuda:0,0,0,0,0,0,0,0``).
+
+2 warm-ups and 10 timed rounds, CUDA events, medians.  Each program holds its own copy of the weights, so
+the decoders are made one at a time and freed.
+
+    python bench/gpu_decode.py [--layers 32] [--context 1024] [--out bench/results]
+    python bench/gpu_decode.py --smoke        # a 2-layer model of 64 wide on cpu:2, wall-clock: the script's check
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import platform
+import statistics
+import subprocess
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import relational_tensors as rt
+
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=16384, rope_theta=500000.0)
+SMOKE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1024)
+
+
+def time_ms(fn: Callable[[], Any], cuda: bool) -> float:
+    """2 warm-ups and 10 timed rounds: CUDA events on a GPU, wall-clock on the host; the median."""
+    for _ in range(2):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def make_model(config: dict, layers: int, device: str) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**{**config, "num_hidden_layers": layers}, pad_token_id=0, eos_token_id=None,
+                      bos_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16 if device != "cpu" else torch.float32).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        try:
+            import cupy
+
+            cupy.get_default_memory_pool().free_all_blocks()
+        except ImportError:
+            pass
+
+
+def prompt(batch: int, length: int, vocab: int, device: str) -> torch.Tensor:
+    return torch.randint(1, vocab, (batch, length), generator=torch.Generator().manual_seed(batch)).to(device)
+
+
+def ceiling_ms(model: Any, batch: int, context: int, bandwidth: float) -> float:
+    """The bytes one decode step must read (weights but the embedding table; each sequence's keys and
+    values over its context) over ``bandwidth`` (bytes/s)."""
+    cfg = model.config
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
+    return 1e3 * (weights + batch * context * kv) / bandwidth
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 4 GiB device-to-device copy (each byte read once and written once)."""
+    a = torch.empty(2**31, dtype=torch.int16, device="cuda")
+    b = torch.empty_like(a)
+    ms = time_ms(lambda: b.copy_(a), True)
+    del a, b
+    return 2 * 2**32 / (ms * 1e-3)
+
+
+def ours_prefill(model: Any, length: int, device: str, cuda: bool) -> float:
+    dec = rt.decoder(model, max_batch=1, max_len=length + 16, device=device)
+    ids = prompt(1, length, model.config.vocab_size, "cuda" if cuda else "cpu")
+    ms = time_ms(lambda: dec.prefill(ids), cuda)
+    del dec
+    free()
+    return ms
+
+
+def torch_prefill(model: Any, length: int, cuda: bool) -> float:
+    ids = prompt(1, length, model.config.vocab_size, "cuda" if cuda else "cpu")
+    with torch.no_grad():
+        return time_ms(lambda: model(input_ids=ids, logits_to_keep=1), cuda)
+
+
+def ours_decode(model: Any, batch: int, context: int, device: str, cuda: bool) -> tuple[float, bool]:
+    dec = rt.decoder(model, max_batch=batch, max_len=context + 32, device=device)
+    ids = prompt(batch, context, model.config.vocab_size, "cuda" if cuda else "cpu")
+    token = dec.prefill(ids).argmax(-1)
+    # the first steps' greedy tokens against transformers' own (a wrong cache would show here)
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=3, do_sample=False)[:, context:]
+    got = [token]
+    for _ in range(2):
+        got.append(dec.decode(got[-1]).argmax(-1))
+    same = bool(torch.equal(torch.stack(got, 1), want))
+    ms = time_ms(lambda: dec.decode(token), cuda)
+    del dec
+    free()
+    return ms, same
+
+
+def hf_decode(model: Any, batch: int, context: int, steps: int, cuda: bool) -> float:
+    """Per-token time of transformers' static-cache generate (compiled on GPUs): (steps + 8 tokens) minus
+    8 tokens, over steps."""
+    ids = prompt(batch, context, model.config.vocab_size, "cuda" if cuda else "cpu")
+
+    def gen(n: int) -> Callable[[], Any]:
+        return lambda: model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                      cache_implementation="static")
+    with torch.no_grad():
+        short, long = time_ms(gen(8), cuda), time_ms(gen(8 + steps), cuda)
+    free()
+    return (long - short) / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--prefills", default="2048,8192")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--skip", default="", help="comma-separated parts to leave out: prefill, hf, logical")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default="bench/results")
+    a = ap.parse_args()
+    cuda = not a.smoke
+    device = "cuda:0" if cuda else "cpu:2"
+    skip = set(filter(None, a.skip.split(",")))
+    model = make_model(SMOKE if a.smoke else LLAMA3_8B, 2 if a.smoke else a.layers, "cuda" if cuda else "cpu")
+    bandwidth = copy_bandwidth() if cuda else None
+    rows: list[dict[str, Any]] = []
+
+    def record(**row: Any) -> None:
+        rows.append(row)
+        print(row, flush=True)
+
+    def attempt(what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception as e:  # recorded, not hidden: the table shows what failed
+            traceback.print_exc()
+            record(part=what, error=f"{type(e).__name__}: {str(e)[:200]}")
+            free()
+            return None
+
+    prefills = [int(n) for n in a.prefills.split(",")] if not a.smoke else [48]
+    if "prefill" not in skip:
+        for n in prefills:
+            ours = attempt(f"prefill {n}", lambda n=n: ours_prefill(model, n, device, cuda))
+            ref = attempt(f"prefill {n} torch", lambda n=n: torch_prefill(model, n, cuda))
+            record(part="prefill", tokens=n, ours_ms=ours, torch_eager_ms=ref)
+    context = 40 if a.smoke else a.context
+    for b in [int(x) for x in a.batches.split(",")]:
+        got = attempt(f"decode b={b}", lambda b=b: ours_decode(model, b, context, device, cuda))
+        hf = None if "hf" in skip else attempt(f"decode b={b} hf", lambda b=b: hf_decode(model, b, context, a.steps, cuda))
+        ceiling = ceiling_ms(model, b, context, bandwidth) if bandwidth else None
+        ms, same = got if got else (None, None)
+        record(part="decode", batch=b, context=context, ours_ms=ms, greedy_equal=same, hf_static_compiled_ms=hf,
+               ceiling_ms=ceiling, ours_tokens_s=b * 1e3 / ms if ms else None,
+               hf_tokens_s=b * 1e3 / hf if hf else None, of_ceiling=ceiling / ms if ceiling and ms else None)
+    if "logical" not in skip:
+        logical = "cuda:0,0,0,0,0,0,0,0" if cuda else "cpu:4"
+        got = attempt("decode logical", lambda: ours_decode(model, 1, context, logical, cuda))
+        if got:
+            record(part="decode", batch=1, context=context, device=logical, ours_ms=got[0], greedy_equal=got[1],
+                   ours_tokens_s=1e3 / got[0])
+    write(a, rows, bandwidth)
+
+
+def write(a: argparse.Namespace, rows: list[dict[str, Any]], bandwidth: float | None) -> None:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    machine = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not a.smoke else platform.processor()
+    command = "python bench/gpu_decode.py" + (" --smoke" if a.smoke else f" --layers {a.layers} --context {a.context}")
+    record = {"command": command, "commit": commit or "unknown",
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": f"{machine}, {platform.node()}", "copy_bandwidth_bytes_s": bandwidth, "rows": rows}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "gpu_decode_smoke" if a.smoke else "gpu_decode"
+    (out / f"{name}.json").write_text(json.dumps(record, indent=2))
+
+    def f(x: Any, spec: str = ".2f") -> str:
+        return format(x, spec) if isinstance(x, float) else "-" if x is None else str(x)
+    lines = [f"`{command}` at {record['commit']}, {record['date']}, {record['machine']}", "",
+             f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s" if bandwidth else "copy bandwidth: not measured (smoke)",
+             "", "| part | shape | ours ms | baseline ms | ours tokens/s | baseline tokens/s | ceiling ms | of ceiling "
+             "| greedy = transformers |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['part']} | failed: {r['error']} | | | | | | | |")
+        elif r["part"] == "prefill":
+            lines.append(f"| prefill (eager forward) | 1 × {r['tokens']} | {f(r['ours_ms'])} | {f(r['torch_eager_ms'])} "
+                         "| | | | | |")
+        else:
+            shape = f"batch {r['batch']}, context {r['context']}" + (f", {r['device']}" if "device" in r else "")
+            lines.append(f"| decode step (static-cache generate, compiled) | {shape} | {f(r['ours_ms'])} | "
+                         f"{f(r.get('hf_static_compiled_ms'))} | {f(r.get('ours_tokens_s'), '.0f')} | "
+                         f"{f(r.get('hf_tokens_s'), '.0f')} | {f(r.get('ceiling_ms'))} | {f(r.get('of_ceiling'))} | "
+                         f"{r.get('greedy_equal')} |")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
