@@ -108,17 +108,13 @@ def copy_bandwidth() -> float:
     a = torch.empty(2**31, dtype=torch.int16, device="cuda")
     b = torch.empty_like(a)
     ms = time_ms(lambda: b.copy_(a), True)
-    del a, b
     return 2 * 2**32 / (ms * 1e-3)
 
 
 def ours_prefill(model: Any, length: int, device: str, cuda: bool) -> float:
     dec = rt.decoder(model, max_batch=1, max_len=length + 16, device=device)
     ids = prompt(1, length, model.config.vocab_size, "cuda" if cuda else "cpu")
-    ms = time_ms(lambda: dec.prefill(ids), cuda)
-    del dec
-    free()
-    return ms
+    return time_ms(lambda: dec.prefill(ids), cuda)
 
 
 def torch_prefill(model: Any, length: int, cuda: bool) -> float:
@@ -138,10 +134,7 @@ def ours_decode(model: Any, batch: int, context: int, device: str, cuda: bool) -
     for _ in range(2):
         got.append(dec.decode(got[-1]).argmax(-1))
     same = bool(torch.equal(torch.stack(got, 1), want))
-    ms = time_ms(lambda: dec.decode(token), cuda)
-    del dec
-    free()
-    return ms, same
+    return time_ms(lambda: dec.decode(token), cuda), same
 
 
 def hf_decode(model: Any, batch: int, context: int, steps: int, cuda: bool) -> float:
@@ -186,8 +179,9 @@ def main() -> None:
         except Exception as e:  # recorded, not hidden: the table shows what failed
             traceback.print_exc()
             record(part=what, error=f"{type(e).__name__}: {str(e)[:200]}")
-            free()
             return None
+        finally:  # each decoder's programs hold their own weights: freed before the next
+            free()
 
     prefills = [int(n) for n in a.prefills.split(",")] if not a.smoke else [48]
     if "prefill" not in skip:
@@ -198,7 +192,8 @@ def main() -> None:
     context = 40 if a.smoke else a.context
     for b in [int(x) for x in a.batches.split(",")]:
         got = attempt(f"decode b={b}", lambda b=b: ours_decode(model, b, context, device, cuda))
-        hf = None if "hf" in skip else attempt(f"decode b={b} hf", lambda b=b: hf_decode(model, b, context, a.steps, cuda))
+        hf = None if "hf" in skip else attempt(f"decode b={b} hf",
+                                               lambda b=b: hf_decode(model, b, context, a.steps, cuda))
         ceiling = ceiling_ms(model, b, context, bandwidth) if bandwidth else None
         ms, same = got if got else (None, None)
         record(part="decode", batch=b, context=context, ours_ms=ms, greedy_equal=same, hf_static_compiled_ms=hf,
@@ -235,8 +230,8 @@ def write(a: argparse.Namespace, rows: list[dict[str, Any]], bandwidth: float | 
         if "error" in r:
             lines.append(f"| {r['part']} | failed: {r['error']} | | | | | | | |")
         elif r["part"] == "prefill":
-            lines.append(f"| prefill (eager forward) | 1 × {r['tokens']} | {f(r['ours_ms'])} | {f(r['torch_eager_ms'])} "
-                         "| | | | | |")
+            lines.append(f"| prefill (eager forward) | 1 × {r['tokens']} | {f(r['ours_ms'])} | "
+                         f"{f(r['torch_eager_ms'])} | | | | | |")
         else:
             shape = f"batch {r['batch']}, context {r['context']}" + (f", {r['device']}" if "device" in r else "")
             lines.append(f"| decode step (static-cache generate, compiled) | {shape} | {f(r['ours_ms'])} | "
