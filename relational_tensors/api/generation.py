@@ -213,11 +213,11 @@ class Decoder:
                 name = cache_name(i, w)
                 dim = self.shape.key_dim if w == "k" else self.shape.value_dim
                 cache = step.state(name) if step.loaded else torch.zeros(
-                    (self.max_batch, self.shape.kv_heads, self.max_len, dim), dtype=self.shape.dtype,
+                    (self.max_batch, self.max_len, self.shape.kv_heads, dim), dtype=self.shape.dtype,
                     device=self._where)
                 for r, length, kv in self._writes:
                     cache[r] = 0
-                    cache[r, :, :length] = kv[name]
+                    cache[r, :length] = kv[name]
                 out[name] = cache
         self._writes = []
         return out

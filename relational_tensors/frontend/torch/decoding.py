@@ -3,7 +3,7 @@ the key/value cache as states.
 
 transformers keeps the cache in a ``Cache`` object that its attention layers update as they run.  Here
 the cache is explicit: :func:`decode_graph` traces one decode step of ``batch`` sequences, each layer's keys
-and values ``[batch, kv_heads, max_len, head_dim]`` graph inputs that become states (``g.state``), and the
+and values ``[batch, max_len, kv_heads, head_dim]`` (the attention operator's layout) graph inputs that become states (``g.state``), and the
 step's keys and values, written into them at each sequence's write position (a boolean ``[batch, max_len]``
 input, one True per row, none for an idle row), assigned back (``g.assign``): the cache stays on the
 devices, laid out as the plan chooses.  :func:`prefill_graph` traces the prompt's forward and returns its
@@ -34,7 +34,7 @@ __all__ = ["CacheShape", "cache_shape", "prefill_graph", "decode_graph", "cache_
 
 @dataclasses.dataclass(frozen=True)
 class CacheShape:
-    """What a model's key/value cache is: per layer, keys ``[batch, kv_heads, length, key_dim]`` and values
+    """What a model's key/value cache is: per layer, keys ``[batch, length, kv_heads, key_dim]`` and values
     ``[..., value_dim]`` of ``dtype``; ``window`` per layer (None: full attention)."""
 
     layers: int
@@ -110,16 +110,17 @@ def _cache_class() -> type:
         def update(self, key: Any, value: Any, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
             torch = _torch()
             if self.past is None:
-                self.new[layer_idx] = (key, value)
+                self.new[layer_idx] = (key.transpose(1, 2), value.transpose(1, 2))
                 return key, value
             past_k, past_v = self.past[layer_idx]
             if key.shape[2] != 1:
                 raise GraphError(f"a decode step writes one token per sequence; layer {layer_idx} got keys of "
                                  f"{key.shape[2]} positions.")
-            at = self.write[:, None, :, None]
-            keys, values = torch.where(at, key, past_k), torch.where(at, value, past_v)
+            at = self.write[:, :, None, None]
+            keys = torch.where(at, key.transpose(1, 2), past_k)  # [batch, length, heads, dim]
+            values = torch.where(at, value.transpose(1, 2), past_v)
             self.new[layer_idx] = (keys, values)
-            return keys, values
+            return keys.transpose(1, 2), values.transpose(1, 2)
 
         def get_seq_length(self, layer_idx: int = 0) -> int:
             return 0
@@ -260,8 +261,8 @@ def decode_graph(model: Any, batch: int, max_len: int) -> TorchGraph:
     write[:, 0] = True
     past = []
     for _ in range(shape.layers):
-        past.append(torch.zeros((batch, shape.kv_heads, max_len, shape.key_dim), dtype=shape.dtype, device=device))
-        past.append(torch.zeros((batch, shape.kv_heads, max_len, shape.value_dim), dtype=shape.dtype, device=device))
+        past.append(torch.zeros((batch, max_len, shape.kv_heads, shape.key_dim), dtype=shape.dtype, device=device))
+        past.append(torch.zeros((batch, max_len, shape.kv_heads, shape.value_dim), dtype=shape.dtype, device=device))
     g = _trace(decode(), (ids, ok, positions, write, *past))
     _rename_outputs(g, shape)
     given = g.input_names[4:]
