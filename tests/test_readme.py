@@ -112,3 +112,16 @@ def test_readme_lists_the_torch_operations_the_registry_has() -> None:
     listed = _page("docs/pytorch.md").split("<!-- torch-ops -->\n", 1)[1].split("\n<!-- /torch-ops -->", 1)[0]
     assert listed == support_markdown(), ("docs/pytorch.md's list of torch operations is stale; regenerate it with "
                                           "python -m relational_tensors.frontend.torch.support")
+
+
+def test_readme_generation_example_runs() -> None:
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    section = _page("README.md").split("## From PyTorch", 1)[1]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    code = next(b for b in blocks if "rt.generate" in b)
+    scope: dict = {"torch": torch, "rt": __import__("relational_tensors")}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert scope["tokens"].shape == (2, 25)
