@@ -3,11 +3,11 @@ the key/value cache as states.
 
 transformers keeps the cache in a ``Cache`` object that its attention layers update as they run.  Here
 the cache is explicit: :func:`decode_graph` traces one decode step of ``batch`` sequences, each layer's keys
-and values ``[batch, max_len, kv_heads, head_dim]`` (the attention operator's layout) graph inputs that become states (``g.state``), and the
-step's keys and values, written into them at each sequence's write position (a boolean ``[batch, max_len]``
-input, one True per row, none for an idle row), assigned back (``g.assign``): the cache stays on the
-devices, laid out as the plan chooses.  :func:`prefill_graph` traces the prompt's forward and returns its
-keys and values as outputs, which the caller writes into the decode program's states.
+and values ``[batch, max_len, kv_heads, head_dim]`` (the attention operator's layout) graph inputs that
+become states (``g.state``), and the step's keys and values, written into them at each sequence's write
+position (a boolean ``[batch, max_len]`` input, one True per row, none for an idle row), assigned back
+(``g.assign``): the cache stays on the devices, laid out as the plan chooses.  :func:`prefill_graph` traces
+the prompt's forward and returns its keys and values as outputs, which the caller writes into the decode program's states.
 
 The attention mask is built here, not by the model: a boolean ``[batch, 1, queries, keys]`` mask (an
 additive float one for eager attention), from which keys are real (``keys_ok``), causality, and the sliding
