@@ -7,7 +7,8 @@ and values ``[batch, max_len, kv_heads, head_dim]`` (the attention operator's la
 become states (``g.state``), and the step's keys and values, written into them at each sequence's write
 position (a boolean ``[batch, max_len]`` input, one True per row, none for an idle row), assigned back
 (``g.assign``): the cache stays on the devices, laid out as the plan chooses.  :func:`prefill_graph` traces
-the prompt's forward and returns its keys and values as outputs, which the caller writes into the decode program's states.
+the prompt's forward and returns its keys and values as outputs, which the caller writes into the decode
+program's states.
 
 The attention mask is built here, not by the model: a boolean ``[batch, 1, queries, keys]`` mask (an
 additive float one for eager attention), from which keys are real (``keys_ok``), causality, and the sliding
