@@ -219,6 +219,45 @@ def test_bad_requests_are_refused_with_the_rule() -> None:
         dec.join(torch.ones((3, 4), dtype=torch.int64))
 
 
+def _graph_lm_and_its_transformers_twin() -> tuple[object, object]:
+    """A graph-API CausalLM with random weights, and transformers' Llama holding the same weights."""
+    import numpy as np
+
+    from relational_tensors.graph.models import CausalLM
+
+    shape = dict(vocab=64, d_model=32, layers=2, n_heads=4, n_kv_heads=2, d_ff=48, rope_base=10000.0)
+    rng = np.random.default_rng(0)
+    weights = {n: (rng.standard_normal(s) * (0.3 if len(s) == 2 else 0.1) + (len(s) == 1)).astype(np.float32)
+               for n, s in CausalLM(**shape).parameter_shapes().items()}
+    lm = CausalLM(**shape, weights=weights)
+    twin = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **{**COMMON, "intermediate_size": 48}, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=None)).eval()
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "wq",
+             "self_attn.k_proj": "wk", "self_attn.v_proj": "wv", "self_attn.o_proj": "wo", "mlp.gate_proj": "w1",
+             "mlp.up_proj": "w3", "mlp.down_proj": "w2"}
+    state = {"model.embed_tokens.weight": weights["embed"], "model.norm.weight": weights["norm"],
+             "lm_head.weight": weights["lm_head"].T}
+    for i in range(2):
+        for theirs, ours in names.items():
+            w = weights[f"l{i}.{ours}"]
+            state[f"model.layers.{i}.{theirs}.weight"] = w if w.ndim == 1 else w.T
+    twin.load_state_dict({k: torch.tensor(np.ascontiguousarray(v)) for k, v in state.items()}, strict=False)
+    return lm, twin
+
+
+def test_a_graph_api_model_generates_what_its_transformers_twin_does() -> None:
+    lm, twin = _graph_lm_and_its_transformers_twin()
+    ids, mask = _batch()
+    want = twin.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    got = rt.generate(lm, ids, mask, max_new_tokens=12, pad_token_id=0, device="cpu:3")
+    assert torch.equal(got, want)
+    from relational_tensors.graph.models import CausalLM
+
+    with pytest.raises(rt.GraphError, match="no weights"):
+        rt.generate(CausalLM(vocab=64, d_model=32, layers=1, n_heads=4, n_kv_heads=2, d_ff=48), ids)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("device", ["cuda:0", "cuda:0,0,0"])
 def test_greedy_on_a_gpu(device: str) -> None:

@@ -25,15 +25,16 @@ from __future__ import annotations
 
 import io
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from relational_tensors.api.compile import compileGraph
 from relational_tensors.api.device_io import output, stage
 from relational_tensors.errors import ExecError, GraphError
-from relational_tensors.frontend.torch.convert import _torch, numpy_to_torch, torch_to_numpy
+from relational_tensors.frontend.torch.convert import _torch, _torch_dtype, numpy_to_torch, torch_to_numpy
 from relational_tensors.frontend.torch.decoding import CacheShape, cache_name, cache_shape, decode_graph, prefill_graph
-from relational_tensors.frontend.torch.translator import TorchGraph
+from relational_tensors.graph.graph import Graph
+from relational_tensors.graph.models import CausalLM, lm_decode_graph, lm_prefill_graph
 
 __all__ = ["Decoder", "decoder", "generate", "PROMPT_BUCKET", "LENGTH_BUCKET"]
 
@@ -42,10 +43,11 @@ LENGTH_BUCKET = 256  # rt.generate's cache length: prompt + new tokens rounded u
 
 
 class _Program:
-    """One traced step compiled: its parameters loaded at the first run, then only what changes."""
+    """One step compiled: its parameters loaded at the first run, then only what changes."""
 
-    def __init__(self, graph: TorchGraph, device: Any, options: dict[str, Any]) -> None:
+    def __init__(self, graph: Graph, parameters: Mapping[str, Any], device: Any, options: dict[str, Any]) -> None:
         self.graph = graph
+        self.parameters = parameters
         self.compiled = compileGraph(graph, device=device, **options)
         self.loaded = False
 
@@ -59,7 +61,7 @@ class _Program:
     def load(self, feeds: dict[str, Any]) -> None:
         values = {name: self.feed(x) for name, x in feeds.items()}
         if not self.loaded:
-            self.compiled.load({**self.graph.parameters, **values})
+            self.compiled.load({**self.parameters, **values})
             self.loaded = True
         elif not stage(self.compiled, values):
             self.compiled.load(values)
@@ -96,7 +98,7 @@ class Decoder:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise GraphError(f"decoder's {what} is a positive int; got {value!r}.")
         self.model = model
-        self.shape: CacheShape = cache_shape(model)
+        self.shape: CacheShape = _cache_shape(model)
         self.max_batch, self.max_len = max_batch, max_len
         self.device = device
         self.options = compile_options
@@ -114,14 +116,15 @@ class Decoder:
         """The prefill program of ``batch`` prompts of ``length`` tokens (planned at first use)."""
         key = (batch, length)
         if key not in self._prefills:
-            self._prefills[key] = _Program(prefill_graph(self.model, batch, length), self.device, self.options)
+            graph, params = _graph(self.model, batch, length, None)
+            self._prefills[key] = _Program(graph, params, self.device, self.options)
         return self._prefills[key]
 
     def decode_program(self) -> _Program:
         """The decode step over every slot and the ``max_len`` cache (planned at first use)."""
         if self._decode is None:
-            self._decode = _Program(decode_graph(self.model, self.max_batch, self.max_len), self.device,
-                                    self.options)
+            graph, params = _graph(self.model, self.max_batch, 1, self.max_len)
+            self._decode = _Program(graph, params, self.device, self.options)
         return self._decode
 
     def explain(self, file: Any = None, width: int = 160) -> str:
@@ -260,6 +263,25 @@ class Decoder:
                 f"slots={self.slots}, prefills={sorted(self._prefills)})")
 
 
+def _cache_shape(model: Any) -> CacheShape:
+    """The cache of a transformers model or of a graph-API :class:`CausalLM`."""
+    if isinstance(model, CausalLM):
+        return CacheShape(model.layers, model.n_kv_heads, model.head_dim, model.head_dim, _torch_dtype(model.dtype),
+                          (None,) * model.layers, None)
+    return cache_shape(model)
+
+
+def _graph(model: Any, batch: int, length: int, max_len: int | None) -> tuple[Graph, Mapping[str, Any]]:
+    """The prefill (``max_len`` None) or decode step's graph of ``model`` and its parameters' values."""
+    if isinstance(model, CausalLM):
+        feeds = model.feeds()
+        if max_len is None:
+            return lm_prefill_graph(model, batch, length), feeds
+        return lm_decode_graph(model, batch, max_len), feeds
+    g = prefill_graph(model, batch, length) if max_len is None else decode_graph(model, batch, max_len)
+    return g, g.parameters
+
+
 def _prompt(input_ids: Any, attention_mask: Any) -> tuple[Any, Any]:
     torch = _torch()
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64,
@@ -360,7 +382,7 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, max_new_tok
     torch = _torch()
     _check_sampling(do_sample, temperature, top_k, top_p, max_new_tokens)
     ids, mask = _prompt(input_ids, attention_mask)
-    config = getattr(model, "generation_config", None)
+    config = getattr(model, "generation_config", None)  # a graph-API CausalLM has none
     eos = _token_ids(eos_token_id if eos_token_id is not None else getattr(config, "eos_token_id", None))
     pad = pad_token_id if pad_token_id is not None else getattr(config, "pad_token_id", None)
     if pad is None:

@@ -11,6 +11,7 @@ import math
 import os
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -20,7 +21,8 @@ from relational_tensors.errors import GraphError
 from relational_tensors.graph.graph import Graph, Tensor
 from relational_tensors.graph.optim import adamw, sgd
 
-__all__ = ["llama_block", "add_llama_block", "add_moe_ffn", "moe_layer_graph", "MIXTRAL_8X7B_MOE",
+__all__ = ["CausalLM", "lm_prefill_graph", "lm_decode_graph", "cache_name",
+           "llama_block", "add_llama_block", "add_moe_ffn", "moe_layer_graph", "MIXTRAL_8X7B_MOE",
            "QWEN3_30B_A3B_MOE", "llama_feeds", "llama_training_graph", "llama_training_feeds",
            "standard_normal", "LLAMA3_8B", "matrix_chain",
            "chain_dims", "chain_feeds", "CHAINS"]
@@ -115,6 +117,159 @@ def moe_layer_graph(tokens: int, d_model: int, experts: int, top_k: int, d_ff: i
 # Mixtral-8x7B's and Qwen3-30B-A3B's MoE layers
 MIXTRAL_8X7B_MOE: dict[str, Any] = dict(d_model=4096, experts=8, top_k=2, d_ff=14336)
 QWEN3_30B_A3B_MOE: dict[str, Any] = dict(d_model=2048, experts=128, top_k=8, d_ff=768)
+
+
+def cache_name(layer: int, which: str) -> str:
+    """The graph name of layer ``layer``'s cached keys (``which="k"``) or values (``"v"``)."""
+    return f"cache.{layer}.{which}"
+
+
+@dataclass(frozen=True, eq=False)
+class CausalLM:
+    """A LLaMA-style causal language model for generation (``rt.generate``, ``rt.decoder``): token embedding,
+    ``layers`` pre-norm blocks (GQA attention with rotary positions, SwiGLU FFN), final RMSNorm and LM head.
+
+    ``weights`` maps each parameter of :func:`lm_prefill_graph` to its array (``embed`` [vocab, d],
+    ``l<i>.wq`` [d, heads * head_dim], ..., ``norm`` [d], ``lm_head`` [d, vocab]; ``inv_freq`` is made
+    here); without weights the model plans and simulates but does not run."""
+
+    vocab: int
+    d_model: int
+    layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    eps: float = 1e-5
+    rope_base: float = 500000.0
+    dtype: str = "float32"
+    weights: Any = None  # Mapping[str, np.ndarray] | None
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every weight's name and shape (``inv_freq`` excluded)."""
+        d, dh = self.d_model, self.head_dim
+        out: dict[str, tuple[int, ...]] = {"embed": (self.vocab, d)}
+        for i in range(self.layers):
+            out.update({f"l{i}.attn_norm": (d,), f"l{i}.wq": (d, self.n_heads * dh),
+                        f"l{i}.wk": (d, self.n_kv_heads * dh), f"l{i}.wv": (d, self.n_kv_heads * dh),
+                        f"l{i}.wo": (self.n_heads * dh, d), f"l{i}.ffn_norm": (d,), f"l{i}.w1": (d, self.d_ff),
+                        f"l{i}.w3": (d, self.d_ff), f"l{i}.w2": (self.d_ff, d)})
+        out.update({"norm": (d,), "lm_head": (d, self.vocab)})
+        return out
+
+    def inv_freq(self) -> np.ndarray:
+        """The rotary frequencies, float32 (as transformers computes them)."""
+        dh = self.head_dim
+        return (1.0 / (self.rope_base ** (np.arange(0, dh, 2, dtype=np.int64).astype(np.float32) / dh))).astype(
+            np.float32)
+
+    def feeds(self) -> dict[str, np.ndarray]:
+        """The weights as graph feeds, checked against their shapes and cast to the model's dtype."""
+        if self.weights is None:
+            raise GraphError("this CausalLM has no weights; give CausalLM(..., weights={name: array}) to run it "
+                             "(without weights it plans and simulates only).")
+        out: dict[str, np.ndarray] = {}
+        for name, shape in self.parameter_shapes().items():
+            if name not in self.weights:
+                raise GraphError(f"CausalLM weights lack {name!r} of shape {shape}.")
+            value = np.asarray(self.weights[name])
+            if value.shape != shape:
+                raise GraphError(f"CausalLM weight {name!r} has shape {value.shape}; the model needs {shape}.")
+            out[name] = value.astype(numpy_dtype(self.dtype), copy=False)
+        out["inv_freq"] = self.inv_freq()
+        return out
+
+
+def _rotary(g: Graph, x: Tensor, cos: Tensor, sin: Tensor, name: str) -> Tensor:
+    """Rotate-half rotary embedding of ``x [b, s, h, dh]`` with ``cos``/``sin`` ``[b, s, 1, dh]``."""
+    half = x.shape[-1] // 2
+    x1, x2 = g.slice(x, -1, 0, half), g.slice(x, -1, half, x.shape[-1])
+    rotated = g.concat([g.unary(x2, "neg"), x1], -1)
+    return g.add(g.mul(x, cos), g.mul(rotated, sin), name=name)
+
+
+def _lm_body(g: Graph, lm: CausalLM, ids: Tensor, positions: Tensor,
+             attend: Any) -> Tensor:
+    """Embedding, the blocks and the final norm over the tokens ``ids [b, s]`` at ``positions [b, s]``;
+    ``attend(layer, q, k, v)`` returns each layer's attention output ``[b, s, heads, head_dim]``.  Returns
+    the last position's normalized hidden state ``[b, d]``."""
+    b, s = ids.shape
+    d, dh, dtype = lm.d_model, lm.head_dim, lm.dtype
+    x = g.embedding(g.parameter("embed", [lm.vocab, d], dtype), ids, name="embed_tokens")
+    angles = g.mul(g.reshape(g.cast(positions, "float32"), [b, s, 1]),
+                   g.reshape(g.parameter("inv_freq", [dh // 2], "float32"), [1, 1, dh // 2]), name="rope_angles")
+    angles = g.reshape(g.concat([angles, angles], -1), [b, s, 1, dh])
+    cos, sin = g.unary(angles, "cos"), g.unary(angles, "sin")
+    if dtype != "float32":
+        cos, sin = g.cast(cos, dtype), g.cast(sin, dtype)
+    for i in range(lm.layers):
+        p = f"l{i}."
+
+        def param(name: str, shape: Sequence[int], p: str = p) -> Tensor:
+            return g.parameter(p + name, shape, dtype)
+
+        h = g.rmsnorm(x, param("attn_norm", [d]), lm.eps, name=p + "attn_rmsnorm")
+        q = g.reshape(g.matmul(h, param("wq", [d, lm.n_heads * dh]), name=p + "q_proj"), [b, s, lm.n_heads, dh])
+        k = g.reshape(g.matmul(h, param("wk", [d, lm.n_kv_heads * dh]), name=p + "k_proj"), [b, s, lm.n_kv_heads, dh])
+        v = g.reshape(g.matmul(h, param("wv", [d, lm.n_kv_heads * dh]), name=p + "v_proj"), [b, s, lm.n_kv_heads, dh])
+        q, k = _rotary(g, q, cos, sin, p + "q_rope"), _rotary(g, k, cos, sin, p + "k_rope")
+        a = attend(i, q, k, v)
+        o = g.matmul(g.reshape(a, [b, s, lm.n_heads * dh]), param("wo", [lm.n_heads * dh, d]), name=p + "o_proj")
+        x = g.add(x, o, name=p + "attn_residual")
+        h2 = g.rmsnorm(x, param("ffn_norm", [d]), lm.eps, name=p + "ffn_rmsnorm")
+        gate = g.matmul(h2, param("w1", [d, lm.d_ff]), name=p + "gate_proj")
+        up = g.matmul(h2, param("w3", [d, lm.d_ff]), name=p + "up_proj")
+        down = g.matmul(g.swiglu(gate, up, name=p + "swiglu"), param("w2", [lm.d_ff, d]), name=p + "down_proj")
+        x = g.add(x, down, name=p + "ffn_residual")
+    last = g.reshape(g.slice(x, 1, s - 1, s), [b, d]) if s > 1 else g.reshape(x, [b, d])
+    return g.rmsnorm(last, g.parameter("norm", [d], dtype), lm.eps, name="final_norm")
+
+
+def lm_prefill_graph(lm: CausalLM, batch: int, length: int) -> Graph:
+    """The prompt's forward of ``batch`` prompts of ``length`` tokens: inputs ``ids`` [b, s] int64,
+    ``keys_ok`` [b, s] bool (real tokens) and ``positions`` [b, s] int64; outputs ``logits`` [b, vocab] (the
+    last position's) and each layer's keys and values ``cache.<i>.k`` / ``cache.<i>.v`` [b, s, kv_heads,
+    head_dim]."""
+    g = Graph()
+    ids = g.input("ids", [batch, length], "int64")
+    keys_ok = g.input("keys_ok", [batch, length], "bool")
+    positions = g.input("positions", [batch, length], "int64")
+
+    def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        g.save(k, name=cache_name(i, "k"))
+        g.save(v, name=cache_name(i, "v"))
+        return g.attention(q, k, v, causal=True, key_padding=keys_ok, name=f"l{i}.attention")
+
+    h = _lm_body(g, lm, ids, positions, attend)
+    g.save(g.matmul(h, g.parameter("lm_head", [lm.d_model, lm.vocab], lm.dtype), name="lm_head_proj"), name="logits")
+    return g
+
+
+def lm_decode_graph(lm: CausalLM, batch: int, max_len: int) -> Graph:
+    """One decode step of ``batch`` sequences over a cache of ``max_len`` positions: inputs ``ids`` [b, 1],
+    ``keys_ok`` [b, max_len] (the positions each sequence sees, this step's included), ``positions`` [b, 1]
+    and ``write`` [b, max_len] (True where each sequence writes this step); states ``cache.<i>.k`` /
+    ``cache.<i>.v`` [b, max_len, kv_heads, head_dim], assigned the step's cache; output ``logits``."""
+    g = Graph()
+    ids = g.input("ids", [batch, 1], "int64")
+    keys_ok = g.input("keys_ok", [batch, max_len], "bool")
+    positions = g.input("positions", [batch, 1], "int64")
+    write = g.reshape(g.input("write", [batch, max_len], "bool"), [batch, max_len, 1, 1])
+    dh = lm.head_dim
+
+    def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        written = []
+        for which, new in (("k", k), ("v", v)):
+            state = g.state(cache_name(i, which), [batch, max_len, lm.n_kv_heads, dh], lm.dtype)
+            written.append(g.assign(state, g.where(write, new, state, name=f"l{i}.cache_{which}_write")))
+        return g.attention(q, written[0], written[1], key_padding=keys_ok, name=f"l{i}.attention")
+
+    h = _lm_body(g, lm, ids, positions, attend)
+    g.save(g.matmul(h, g.parameter("lm_head", [lm.d_model, lm.vocab], lm.dtype), name="lm_head_proj"), name="logits")
+    return g
 
 
 def llama_block(batch: int, seq: int, d_model: int, n_heads: int, n_kv_heads: int, d_ff: int,

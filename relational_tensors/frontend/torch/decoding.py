@@ -29,6 +29,7 @@ from typing import Any
 from relational_tensors.errors import GraphError
 from relational_tensors.frontend.torch.convert import _torch
 from relational_tensors.frontend.torch.translator import TorchGraph, from_torch
+from relational_tensors.graph.models import cache_name
 
 __all__ = ["CacheShape", "cache_shape", "prefill_graph", "decode_graph", "cache_name"]
 
@@ -45,11 +46,6 @@ class CacheShape:
     dtype: Any  # a torch dtype
     windows: tuple[int | None, ...]
     layer_types: tuple[str, ...] | None  # transformers' per-layer mask keys, where the model takes a dict of masks
-
-
-def cache_name(layer: int, which: str) -> str:
-    """The graph name of layer ``layer``'s keys (``which="k"``) or values (``"v"``)."""
-    return f"cache.{layer}.{which}"
 
 
 def _config(model: Any) -> Any:
