@@ -42,6 +42,7 @@ __all__ = ["connect", "prepare", "check_readable", "split_statements", "MIGRATIO
 #      tactic, calibration, keep_states, graph_fingerprint, version, cost_unit, predicted_seconds and
 #      peak_bytes (older compilations keep NULL: they were not recorded); a COMMENT ON every table and
 #      column (from sql/schema.sql, applied by every migration).
+#   6: operator_kinds.gpu_form (a new column; older rows keep NULL).
 #   5: candidate_specs.layout_cost (older rows: 0, as no layout was pinned), layout constraints,
 #      compilations.memory_limit (older rows: NULL) and the table macros (sql/macros.sql).
 MIGRATIONS: dict[int, tuple[str, ...]] = {

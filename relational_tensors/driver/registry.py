@@ -7,7 +7,7 @@ whether its kernels allocate.  :func:`problems` lists every kind that lacks a pa
 
 >>> problems()
 []
->>> print(describe().splitlines()[0])
+>>> print(describe().splitlines()[0][:101])
 kind                class               ⊕          cost family  GPU launcher  GPU allocates  gradient
 """
 
@@ -32,7 +32,8 @@ def operator_rows(operators: Mapping[str, type[Operator]] | None = None,
     launchers = LAUNCHERS if launchers is None else launchers
     return [dict(kind=kind, op_class=cls.__name__, module=cls.__module__, aggregation=_aggregation(cls),
                  cost_family=cls.cost_family, numpy_kernel=cls.kernel is not Operator.kernel,
-                 gpu_launcher=kind in launchers, gpu_allocates=_allocates(launchers.get(kind)), gradient=cls.gradient)
+                 gpu_launcher=kind in launchers, gpu_allocates=_allocates(launchers.get(kind)), gradient=cls.gradient,
+                 gpu_form=launchers[kind].gpu_form if kind in launchers else "none")
             for kind, cls in operators.items()]
 
 
@@ -55,10 +56,10 @@ def operator_table() -> pa.Table:
 
 def describe() -> str:
     """The registry as plain text, one kind a line."""
-    head = ("kind", "class", "⊕", "cost family", "GPU launcher", "GPU allocates", "gradient")
+    head = ("kind", "class", "⊕", "cost family", "GPU launcher", "GPU allocates", "gradient", "on GPUs")
     lines = [(r["kind"], r["op_class"], r["aggregation"], r["cost_family"], "yes" if r["gpu_launcher"] else "NO",
-              {True: "yes", False: "no", None: "per op"}[r["gpu_allocates"]], r["gradient"])  # type: ignore[index]
-             for r in operator_rows()]
+              {True: "yes", False: "no", None: "per op"}[r["gpu_allocates"]], r["gradient"],  # type: ignore[index]
+              r["gpu_form"]) for r in operator_rows()]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
     return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in (head, *lines))
 
@@ -76,6 +77,9 @@ def problems(case_kinds: Iterable[str] | None = None, operators: Mapping[str, ty
         if not row["gpu_launcher"]:
             found.append(f"operator {kind!r} has no GPU launcher: register one with @launcher({kind!r}) in "
                          "relational_tensors/kernels/launchers.py.")
+        elif row["gpu_form"] != "kernel" and str(row["gpu_form"]).endswith((": ", "except ")):
+            found.append(f"operator {kind!r} has a GPU launcher that may allocate without saying which forms do: "
+                         "pass host_forms= to @launcher.")
         if row["cost_family"] not in COST_FAMILIES:
             found.append(f"operator {kind!r} declares cost family {row['cost_family']!r}; choose one of "
                          f"{COST_FAMILIES}.")

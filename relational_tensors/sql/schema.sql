@@ -57,7 +57,9 @@ CREATE TABLE IF NOT EXISTS operator_kinds (
     gpu_launcher    BOOLEAN,                  -- it has a GPU launcher
     gpu_allocates   BOOLEAN,        -- its GPU kernel allocates (keeps a program out of CUDA-graph capture;
                                     -- NULL: each operator's parameters decide)
-    gradient        VARCHAR         -- 'yes' where it declares its vector-Jacobian product, else why not
+    gradient        VARCHAR,        -- 'yes' where it declares its vector-Jacobian product, else why not
+    gpu_form        VARCHAR         -- where it runs on GPUs: 'kernel' (device kernels, captured), 'kernel except
+                                    -- <forms>' or 'host: <forms>' (on host copies or allocating CuPy code)
 );
 
 -- every tensor of the graph (inputs, parameters, states and operator outputs)

@@ -60,7 +60,8 @@ def _grad_allocates(op: Any) -> bool:
     return _host_form(op)  # masks, biases, the bias gradient and float64 run the NumPy kernel on host copies
 
 
-@launcher("attention", constants=_attention_constants, scratch=_attention_scratch, allocates=_dense)
+@launcher("attention", constants=_attention_constants, scratch=_attention_scratch, allocates=_dense,
+          host_forms="a boolean mask or an additive bias (chunked CuPy: float32 scores through cuBLAS)")
 def _attention(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.kernels import flash
     from relational_tensors.kernels import triton_copy as tc
@@ -161,7 +162,8 @@ def _grad_on_host(op: Any, bufs: list) -> bool:
     return _host_form(op) or any(b.shape[-1] > 1 and b.strides[-1] != 1 for b in bufs)
 
 
-@launcher("attention_lse", constants=_attention_grad_constants, scratch=_lse_scratch, allocates=_lse_allocates)
+@launcher("attention_lse", constants=_attention_grad_constants, scratch=_lse_scratch, allocates=_lse_allocates,
+          host_forms="a boolean mask, an additive bias, or float64 (the NumPy kernel on host copies)")
 def _attention_lse(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.kernels import triton_copy as tc
     from relational_tensors.kernels.triton_attention_grad import attention_lse
@@ -201,7 +203,9 @@ def _attention_grad_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], 
 
 
 @launcher("attention_grad", constants=_attention_grad_constants, scratch=_attention_grad_scratch,
-          allocates=_grad_allocates)
+          allocates=_grad_allocates,
+          host_forms="a boolean mask, an additive bias and its gradient, or float64 (the NumPy kernel on host "
+                     "copies)")
 def _attention_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.kernels import triton_copy as tc
     from relational_tensors.kernels.triton_attention_grad import attention_dkv, attention_dq

@@ -38,13 +38,26 @@ class Launcher:
     ``constants`` gives host arrays its kernels read on every device that runs the operator (copied
     to each device once); ``scratch`` the shape and dtype of scratch one function spec needs besides
     its output; ``allocates`` whether its kernels allocate device memory (True or False for every
-    operator of the kind, or a rule reading the operator's parameters)."""
+    operator of the kind, or a rule reading the operator's parameters); ``host_forms`` which forms of the
+    kind run off the device kernels (on host copies, or allocating CuPy code): every launcher that may
+    allocate says which, and why."""
 
     kind: str
     launch: LaunchFn
     constants: Constants | None = None
     scratch: Scratch | None = None
     allocates: bool | Allocates = False
+    host_forms: str = ""
+
+    @property
+    def gpu_form(self) -> str:
+        """Where the kind runs on GPUs: ``kernel`` (every form in device kernels, captured), ``kernel except
+        <forms>``, or ``host: <forms>`` (every form on host copies)."""
+        if self.allocates is False:
+            return "kernel"
+        if self.allocates is True:
+            return f"host: {self.host_forms}"
+        return f"kernel except {self.host_forms}"
 
     def allocates_for(self, op: Any) -> bool:
         """Whether this launch of ``op`` allocates (which keeps its program out of CUDA-graph capture)."""
@@ -55,16 +68,18 @@ LAUNCHERS: dict[str, Launcher] = {}
 
 
 def launcher(*kinds: str, constants: Constants | None = None, scratch: Scratch | None = None,
-             allocates: bool | Allocates = False, widen: bool = True) -> Callable[[LaunchFn], LaunchFn]:
+             allocates: bool | Allocates = False, widen: bool = True,
+             host_forms: str = "") -> Callable[[LaunchFn], LaunchFn]:
     """Decorator: ``fn`` launches the GPU kernel of the operator ``kinds``; with ``widen`` (unless it writes
-    every dtype itself, as the host kernels do) its bfloat16 partials go through float32 (``_widening``)."""
+    every dtype itself, as the host kernels do) its bfloat16 partials go through float32 (``_widening``).
+    A launcher that may allocate names the forms that do in ``host_forms``."""
     def register(fn: LaunchFn) -> LaunchFn:
         wrapped = _WIDENED.setdefault(fn, _widening(fn) if widen else fn)
         for kind in kinds:
             old = LAUNCHERS.get(kind)
             if old is not None and old.launch is not wrapped:
                 raise ValueError(f"a GPU launcher for operator kind {kind!r} is registered twice")
-            LAUNCHERS[kind] = Launcher(kind, wrapped, constants, scratch, allocates)
+            LAUNCHERS[kind] = Launcher(kind, wrapped, constants, scratch, allocates, host_forms)
         return fn
     return register
 
@@ -203,7 +218,8 @@ FLOATS = ("float16", "bfloat16", "float32", "float64")
 HOST_KINDS = ("sql",)
 
 
-@launcher(*HOST_KINDS, allocates=True, widen=False)
+@launcher(*HOST_KINDS, allocates=True, widen=False,
+          host_forms="an operator defined by SQL evaluates its expression with its NumPy kernel")
 def _host(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     host_kernel(op, f, ins, out, stream)
 

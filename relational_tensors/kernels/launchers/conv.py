@@ -23,7 +23,8 @@ def _conv_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str] | Non
 
 
 # grouped: the contractions over CuPy arrays (which allocate); else im2col in scratch and cuBLAS
-@launcher("conv", scratch=_conv_scratch, allocates=lambda op: op.groups != 1)
+@launcher("conv", scratch=_conv_scratch, allocates=lambda op: op.groups != 1,
+          host_forms="grouped and depthwise convolutions (CuPy, per group)")
 def _conv(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     """im2col into scratch (one strided copy per kernel position), then one strided-batched cuBLAS GEMM:
     out[n] [f, o] = w [f, c·k] @ cols[n] [c·k, o] for every batch row n, float32 accumulation; nothing
@@ -134,7 +135,8 @@ def _conv_grad_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str] 
     return (need // 4,), "float32"
 
 
-@launcher("conv_grad", scratch=_conv_grad_scratch, allocates=lambda op: op.groups != 1)
+@launcher("conv_grad", scratch=_conv_grad_scratch, allocates=lambda op: op.groups != 1,
+          host_forms="grouped and depthwise convolutions (the NumPy kernel on host copies)")
 def _conv_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     """A convolution's gradients as GEMMs over the kernel positions, float32 accumulation, nothing allocated
     (captured with the rest): dw one GEMM per position (dy against that position's im2col columns, batch and

@@ -21,7 +21,8 @@ def _host_unary(op: Any) -> bool:
     return "bool" in (op.input_types[0].dtype, op.output_type.dtype) and op.op not in ("cast", "logical_not")
 
 
-@launcher("unary", allocates=_host_unary)
+@launcher("unary", allocates=_host_unary,
+          host_forms="a unary on booleans other than a cast or logical_not (the NumPy kernel on host copies)")
 def _unary(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.kernels import triton_elementwise as te
 
@@ -109,7 +110,8 @@ def _unary_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, str
     teg.unary_grad(ins[0], ins[1], out, op.op, float(op.arg))
 
 
-@launcher("binary_grad", allocates=lambda op: op.output_type.dtype not in FLOAT_DTYPES)  # integers: host
+@launcher("binary_grad", allocates=lambda op: op.output_type.dtype not in FLOAT_DTYPES,
+          host_forms="integer operands (the NumPy kernel on host copies)")
 def _binary_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.kernels import triton_elementwise_grad as teg
 

@@ -44,7 +44,8 @@ def _gemm_able(la: tuple[str, ...], lb: tuple[str, ...], lo: tuple[str, ...], sa
                             la, lb, lo) is not None
 
 
-@launcher("einsum", allocates=_einsum_allocates)
+@launcher("einsum", allocates=_einsum_allocates,
+          host_forms="an einsum of three or more operands, or of two that no GEMM computes (cupy.einsum)")
 def _einsum(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     """A two-operand einsum that is a (batched) matrix product, the matmul gradients among them, is one
     cuBLAS GEMM on the blocks as they lie (nothing allocated, so it is captured); any other einsum runs

@@ -110,7 +110,8 @@ def _topk_on_host(op: Any) -> bool:
     return bool(op.input_types[0].shape[-1] > MAX_TOPK_ROW or op.k > MAX_TOPK_K)
 
 
-@launcher("topk", allocates=_topk_on_host)
+@launcher("topk", allocates=_topk_on_host,
+          host_forms="rows longer than 16,384 or k above 64 (the NumPy kernel on host copies)")
 def _topk(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     """Rows up to ``MAX_TOPK_ROW`` long in one Triton program each, up to ``MAX_TOPK_K`` picks unrolled;
     longer rows (top-k over a vocabulary) and more picks on host copies."""
