@@ -144,7 +144,9 @@ class CalibratedCostModel(CostModel):
         widths = [itemsize(t.dtype) for t in spec.input_types]
         worst = 0.0
         for f in spec.functions:
-            nbytes = sum(b.volume * w for b, w in zip(f.inputs, widths)) + f.output.volume * out_w
+            nbytes = op.kernel_bytes([b.volume * w for b, w in zip(f.inputs, widths)], f.output.volume * out_w) \
+                if hasattr(op, "kernel_bytes") else sum(b.volume * w for b, w in zip(f.inputs, widths)) + \
+                f.output.volume * out_w
             worst = max(worst, model.time(f.flops, nbytes, spec.output_type.dtype, family))
         return worst * self.sharing
 

@@ -86,7 +86,8 @@ def _compute_cost(dag: TaskDAG, graph: Graph, task: Any, model: KernelModel) -> 
     if task.kind == "kernel":
         node = graph.nodes[task.op]
         f = task.kernel.function
-        return model.time(f.flops, nbytes(task.inputs) + nbytes(task.outputs), node.type.dtype, node.op.cost_family)
+        moved = node.op.kernel_bytes([dag.buffers[b].nbytes for b in task.inputs], nbytes(task.outputs))
+        return model.time(f.flops, moved, node.type.dtype, node.op.cost_family)
     if task.kind == "aggregate":
         return combine_seconds(model, out.box.volume, len(task.inputs), nbytes(task.inputs) + out.nbytes, out.dtype)
     # decompose and recompose read and write every byte they move once (a recompose moves only the
@@ -101,7 +102,8 @@ def _busy_cost(dag: TaskDAG, graph: Graph, task: Any, model: KernelModel, alone:
     if task.kind != "kernel":  # copies within memory: at the roofline's memory rate already
         return body
     node = graph.nodes[task.op]
-    nbytes = sum(dag.buffers[b].nbytes for b in (*task.inputs, *task.outputs))
+    nbytes = node.op.kernel_bytes([dag.buffers[b].nbytes for b in task.inputs],
+                                  sum(dag.buffers[b].nbytes for b in task.outputs))
     return min(body, model.busy_time(task.kernel.function.flops, nbytes, node.type.dtype, node.op.cost_family))
 
 

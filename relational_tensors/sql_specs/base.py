@@ -127,6 +127,12 @@ class Operator:
     def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
         return float(output.volume)
 
+    def kernel_bytes(self, input_bytes: Sequence[float], output_bytes: float) -> float:
+        """The bytes a kernel of this operator moves, given its input blocks' and output block's sizes: every
+        byte of each by default (what the kernel model prices); an operator reading only part of an input
+        (a lookup's rows) says so."""
+        return float(sum(input_bytes)) + output_bytes
+
     def box_maker(self) -> Callable[[Choice], tuple[tuple[Box, ...], Box]]:
         """(input blocks, output block) of a choice: ``input_box`` and ``output_box``, or a faster
         equivalent that works out once what every function spec of one ``spec`` call shares."""

@@ -68,6 +68,11 @@ class EmbeddingOp(IndexedOp):
     def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
         return float(output.volume)
 
+    def kernel_bytes(self, input_bytes: Sequence[float], output_bytes: float) -> float:
+        """A lookup reads the rows it gathers (at most the output's bytes), not its whole block of the table."""
+        table, ids = input_bytes
+        return min(table, output_bytes) + ids + output_bytes
+
     def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
         table, ids = blocks
         check_ids(ids, self.input_types[0].shape[0])
