@@ -29,6 +29,7 @@ from relational_tensors.sql_specs import (
     AttentionOp,
     BinaryOp,
     ConcatOp,
+    ConvGradOp,
     ConvOp,
     CrossEntropyOp,
     DropoutOp,
@@ -38,6 +39,7 @@ from relational_tensors.sql_specs import (
     MatmulOp,
     OneHotOp,
     Operator,
+    PadOp,
     PermuteOp,
     PoolOp,
     RandomOp,
@@ -425,6 +427,57 @@ class Graph:
             raise GraphError(f"conv bias must have shape [out_channels] = [{wt.shape[0]}]; got {bt.shape}.")
         b = self.reshape(bias, [wt.shape[0], *([1] * rank)])
         return self.add(y, b, name=name)
+
+    def conv_transpose(self, x: Tensor, w: Tensor, bias: Tensor | None = None, stride: int | Sequence[int] = 1,
+                       padding: int | Sequence[int] = 0, output_padding: int | Sequence[int] = 0,
+                       dilation: int | Sequence[int] = 1, groups: int = 1, name: str | None = None) -> Tensor:
+        """Transposed convolution of x [batch, in_channels, *spatial] with w [in_channels, out_channels/groups,
+        *kernel], PyTorch's ``conv_transpose1d/2d/3d``: the gradient of ``conv`` with respect to its input (the
+        ``conv_grad`` operator, part dx), each output size ``(in - 1)·stride - 2·padding + dilation·(kernel -
+        1) + output_padding + 1``; ``bias`` [out_channels] is added."""
+        xt, wt = self._t(x), self._t(w)
+        rank = max(xt.rank - 2, 1)
+        if xt.rank != rank + 2 or wt.rank != rank + 2:
+            raise GraphError(f"conv_transpose takes x [batch, channels, *spatial] and w [in_channels, "
+                             f"out_channels/groups, *kernel] of one rank; got {xt.shape} and {wt.shape}.")
+        stride_t, dilation_t = _per_dim("stride", stride, rank), _per_dim("dilation", dilation, rank)
+        padding_t = _per_dim("padding", padding, rank, 0)
+        extra = _per_dim("output_padding", output_padding, rank, 0)
+        if any(e >= max(s, d) for e, s, d in zip(extra, stride_t, dilation_t)):
+            raise GraphError(f"conv_transpose's output_padding must be smaller than the stride or the dilation "
+                             f"(PyTorch's rule); got output_padding {extra}, stride {stride_t}, dilation {dilation_t}.")
+        size = tuple((n - 1) * s - 2 * p + d * (k - 1) + e + 1 for n, s, p, d, k, e in
+                     zip(xt.shape[2:], stride_t, padding_t, dilation_t, wt.shape[2:], extra))
+        if any(n < 1 for n in size):
+            raise GraphError(f"conv_transpose's output would have sizes {size}; the padding is too large for input "
+                             f"{xt.shape[2:]} and kernel {wt.shape[2:]}.")
+        # an output the forward convolution maps back onto x (output padding below the stride) is one
+        # conv_grad; otherwise (output padding from a dilation) the whole unpadded output, cropped by the
+        # padding and extended with zeros by the output padding
+        if all((n + 2 * p - d * (k - 1) - 1) // s + 1 == m for n, p, d, k, s, m in
+               zip(size, padding_t, dilation_t, wt.shape[2:], stride_t, xt.shape[2:])):
+            op = ConvGradOp((xt, wt), stride_t, padding_t, dilation_t, groups, part="dx", size=size)
+            y = self._op(op, (x, w), name if bias is None else None)
+        else:
+            full = tuple((m - 1) * s + d * (k - 1) + 1 for m, s, d, k in
+                         zip(xt.shape[2:], stride_t, dilation_t, wt.shape[2:]))
+            y = self._op(ConvGradOp((xt, wt), stride_t, (0,) * rank, dilation_t, groups, part="dx", size=full),
+                         (x, w), None)
+            for axis, (p, n, whole) in enumerate(zip(padding_t, size, full)):
+                if p + n > whole:  # zeros after the whole output, then the padding's crop
+                    y = self._op(PadOp((self._t(y),), axis + 2, 0, p + n), (y,), None)
+                    whole = p + n
+                if (p, p + n) != (0, whole):
+                    y = self.slice(y, axis + 2, p, p + n)
+            if bias is None:
+                return self._op(ReshapeOp((self._t(y),), self._t(y).shape), (y,), name) if name else y
+        if bias is None:
+            return y
+        out_channels = wt.shape[1] * groups
+        if self._t(bias).shape != (out_channels,):
+            raise GraphError(f"conv_transpose bias must have shape [out_channels] = [{out_channels}]; got "
+                             f"{self._t(bias).shape}.")
+        return self.add(y, self.reshape(bias, [out_channels, *([1] * rank)]), name=name)
 
     def _patchify(self, x: Tensor, w: Tensor, name: str | None) -> Tensor:
         """A convolution whose stride is its kernel (ViT's patch embedding) as the matmul it is: the windows do

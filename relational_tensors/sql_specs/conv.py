@@ -35,7 +35,7 @@ from relational_tensors.core.types import Box, Interval, TensorType
 from relational_tensors.errors import GraphError
 from relational_tensors.sql_specs.base import Builder, Choice, Grads, Operator, register
 from relational_tensors.sql_specs.common import same_dtype
-from relational_tensors.sql_specs.grad import SECOND_ORDER, build
+from relational_tensors.sql_specs.grad import build
 
 __all__ = ["ConvOp", "ConvGradOp", "conv_output_size", "input_window", "output_range"]
 
@@ -309,7 +309,7 @@ class ConvGradOp(_Geometry):
     kind = "conv_grad"
     contraction = True
     aggregation = SUM
-    gradient = SECOND_ORDER
+    gradient = "yes for part dx (the transposed convolution); dw is a gradient operator (no second derivatives)"
     part: str = "dx"
     size: tuple[int, ...] = ()
 
@@ -332,6 +332,19 @@ class ConvGradOp(_Geometry):
             raise GraphError(f"conv_grad's dy must have the forward's output shape {(x[0], w[0], *out)}; got {y}.")
         shape = x if self.part == "dx" else w
         return TensorType.zero(shape, self.input_types[0].dtype)
+
+    def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any,
+            wanted: tuple[bool, ...]) -> Grads:
+        """``part="dx"`` is the transposed convolution of its ``dy`` by ``w``: its gradient with respect to ``dy``
+        is the forward convolution of the cotangent by ``w``, and with respect to ``w`` the weight gradient of
+        that convolution (input: the cotangent; output gradient: ``dy``)."""
+        if self.part != "dx":
+            raise GraphError(f"conv_grad part {self.part!r} has no gradient: second derivatives are not built.")
+        dy, w = inputs
+        common = dict(stride=self.stride, padding=self.padding, dilation=self.dilation, groups=self.groups)
+        ddy = build(b, "conv", (cotangent, w), **common) if wanted[0] else None
+        dw = build(b, "conv_grad", (cotangent, dy), part="dw", size=w.type.shape[2:], **common) if wanted[1] else None
+        return ddy, dw
 
     def params(self) -> dict[str, object]:
         return {**super().params(), "part": self.part, "size": self.size}

@@ -31,9 +31,6 @@ REFUSED: dict[str, str] = {
     "normal": "normal draws are not supported; rand, rand_like, bernoulli and dropout are",
     "multinomial": "sampling from a distribution over categories is not supported; rand, rand_like, bernoulli "
                    "and dropout are",
-    "conv_transpose1d": "transposed convolution has no operator yet",
-    "conv_transpose2d": "transposed convolution has no operator yet",
-    "conv_transpose3d": "transposed convolution has no operator yet",
     "_native_batch_norm_legit": "batch norm in training mode updates running statistics; call module.eval()",
     "_native_batch_norm_legit_functional": "batch norm in training mode updates running statistics; call "
                                            "module.eval()",

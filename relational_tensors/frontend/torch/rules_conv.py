@@ -1,4 +1,5 @@
-"""Translation rules for convolutions and pooling: ``conv1d/2d/3d`` and ``convolution`` (not transposed),
+"""Translation rules for convolutions and pooling: ``conv1d/2d/3d``, ``conv_transpose1d/2d/3d`` and
+``convolution`` (transposed or not; a transposed one is ``g.conv_transpose``, conv_grad's dx part),
 ``max_pool1d/2d/3d`` and ``avg_pool1d/2d/3d`` (``ceil_mode=False``), ``adaptive_avg_pool1d/2d/3d``
 (a global average is a mean; an output size that divides the input is an average pool; others are
 refused), and batch norm in eval mode (``_native_batch_norm_legit_no_training``: an elementwise affine
@@ -32,10 +33,24 @@ def _conv(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
                      dilation=list(a["dilation"]), groups=int(a["groups"]), name=tr.name("conv"))
 
 
+@register_torch_op("conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
+def _conv_transpose(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    dtype = _out_dtype(node)
+    x, w = tr.sym(a["input"], dtype), tr.sym(a["weight"], dtype)
+    return tr.g.conv_transpose(x, w, _bias(tr, a.get("bias"), dtype), stride=list(a["stride"]),
+                               padding=list(a["padding"]), output_padding=list(a["output_padding"]),
+                               dilation=list(a["dilation"]), groups=int(a["groups"]), name=tr.name("conv_transpose"))
+
+
 @register_torch_op("convolution")
 def _convolution(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     if a["transposed"]:
-        raise _fail("a transposed convolution; supported: convolution (transposed convolution has no operator yet)")
+        dtype = _out_dtype(node)
+        x, w = tr.sym(a["input"], dtype), tr.sym(a["weight"], dtype)
+        return tr.g.conv_transpose(x, w, _bias(tr, a.get("bias"), dtype), stride=list(a["stride"]),
+                                   padding=list(a["padding"]), output_padding=list(a["output_padding"]),
+                                   dilation=list(a["dilation"]), groups=int(a["groups"]),
+                                   name=tr.name("conv_transpose"))
     if any(int(p) for p in a["output_padding"]):
         raise _fail(f"output_padding {list(a['output_padding'])} of a convolution; supported: 0")
     dtype = _out_dtype(node)
