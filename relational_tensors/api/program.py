@@ -227,7 +227,23 @@ class Program:
     def _run_forward(self, inputs: tuple[Any, ...]) -> dict[str, Any]:
         self._load(inputs)
         self.compiled.execute()
+        self._update_buffers(self.graph, self.compiled)
         return {name: self._offload(name) for kind, name in self.graph.output_leaves if kind == "saved"}
+
+    def _update_buffers(self, graph: TorchGraph, compiled: Any) -> None:
+        """The module's buffers that its forward updates (batch norm's running statistics and counter in
+        training mode) take their new values in place, as the module's own forward leaves them; the next call
+        reads them again (their versions changed)."""
+        if not graph.buffer_updates and not graph.buffer_increments:
+            return
+        torch = _torch()
+        with torch.no_grad():
+            for name, out in graph.buffer_updates.items():
+                buf = self.module.get_buffer(name)
+                buf.copy_(self._offload(out, compiled).to(buf.device, buf.dtype))
+            for name, step in graph.buffer_increments.items():
+                buf = self.module.get_buffer(name)
+                buf.add_(step.to(buf.device, buf.dtype))
 
     def _differentiable(self) -> TorchGraph:
         """The module traced with every parameter that requires grad differentiated (held once, each use
@@ -302,7 +318,7 @@ class Program:
         return self._backwards[key]
 
     def _run_forward_phase(self, inputs: tuple[Any, ...], wrt: tuple[str, ...], rng: Any, call: int,
-                           given: Any = "last") -> dict[str, Any]:
+                           given: Any = "last", update_buffers: bool = False) -> dict[str, Any]:
         """The training program's first phase on ``inputs`` with random state ``rng`` (weights loaded when
         they changed); its activations stay on the devices for the backward of ``call``.  The program is the
         one for the outputs ``given`` a cotangent (by default those the last backward of ``wrt`` read).
@@ -319,6 +335,8 @@ class Program:
             compiled.load(feeds)
         compiled.execute(phase=0)
         self._latest[wrt] = (call, given)
+        if update_buffers:  # the call's own forward, not a backward's rerun of it
+            self._update_buffers(g, compiled)
         return {name: self._offload(name, compiled) for kind, name in g.output_leaves if kind == "saved"}
 
     def _run_backward(self, inputs: tuple[Any, ...], cotangents: dict[str, Any], wrt: tuple[str, ...],
@@ -372,7 +390,7 @@ def _function() -> Any:
             ctx.rng = draw_rng()
             if ctx.wrt:
                 ctx.set_materialize_grads(False)  # an output the loss does not read: None, not zeros
-                values = pm._run_forward_phase(inputs, ctx.wrt, ctx.rng, ctx.call)
+                values = pm._run_forward_phase(inputs, ctx.wrt, ctx.rng, ctx.call, update_buffers=True)
             else:
                 values = pm._run_forward(inputs)
             saved = [values[n] for kind, n in pm.graph.output_leaves if kind == "saved"]

@@ -96,6 +96,11 @@ class TrainStep:
         self._pending: dict[str, np.ndarray] = {}  # state values to load with the next step
         self._loaded_model: dict[str, Any] = {}  # module tensors not trained here that load_state_dict changed
         self._first = True
+        # buffers the forward updates: module buffer -> its state (batch norm's running statistics), and
+        # counters -> (value before the first step, increment per call); calls counts the forward passes
+        self.buffers: dict[str, str] = {}
+        self.counters: dict[str, tuple[Any, Any]] = {}
+        self.calls = 0
 
     # --- learning rates -------------------------------------------------------------------------------
     @property
@@ -178,6 +183,7 @@ class TrainStep:
             self.compiled.load(feeds)
         self._first, self._pending = False, {}
         self.compiled.execute()
+        self.calls += 1
         self.micro = 0 if applies else self.micro + 1
         if applies:
             self.steps += 1
@@ -270,10 +276,13 @@ class TrainStep:
         torch = _torch()
         first = {id(t): name for name, t in self.module.named_parameters()}
         out: dict[str, Any] = {}
+        updated = self._buffer_values()
         for key, t in self.module.state_dict(keep_vars=True).items():
             name = first.get(id(t))
             if name is not None and name in params:  # a tied parameter's other names get copies (safetensors)
                 out[key] = params[name] if key == name else params[name].clone()
+            elif key in updated:
+                out[key] = updated[key]
             elif key in self._loaded_model:
                 out[key] = self._loaded_model[key].clone()
             else:
@@ -539,7 +548,8 @@ class TrainStep:
                 load.pending[name] = self._graph_value(name, value, transposed, what)
 
     def load_into(self, module: Any = None) -> None:
-        """Copy the trained parameters into ``module`` (default: the module the step was built from)."""
+        """Copy the trained parameters into ``module`` (default: the module the step was built from), and the
+        buffers the forward updates (batch norm's running statistics and counters)."""
         torch = _torch()
         module = self.module if module is None else module
         params = dict(module.named_parameters())
@@ -548,6 +558,16 @@ class TrainStep:
             for p, keys in states.items():
                 value = self._value(keys[""], self.holders[p][1])
                 params[p].copy_(value.to(params[p].dtype))
+            for name, value in self._buffer_values().items():
+                buf = module.get_buffer(name)
+                buf.copy_(value.to(buf.device, buf.dtype))
+
+    def _buffer_values(self) -> dict[str, Any]:
+        """The current values of the buffers the forward updates, by module buffer name."""
+        out = {name: self._value(state, False) for name, state in self.buffers.items()}
+        for name, (first, step) in self.counters.items():
+            out[name] = first + step * self.calls
+        return out
 
 
 def _describe(value: Any) -> str:
@@ -660,6 +680,12 @@ def train_step(module: Any, loss_fn: Any, example_batch: Any, optimizer: Any = N
     for graph_name, _ in holders.values():  # trained parameters persist across steps: states
         node = g.node(graph_name)
         g.nodes[node.id] = dataclasses.replace(node, role="state")
+    buffers = {}  # buffers the forward updates (batch norm's running statistics): states assigned each step
+    for name, out in g.buffer_updates.items():
+        node = g.node(name)
+        g.nodes[node.id] = dataclasses.replace(node, role="state")
+        g.assign(g.tensor(node.id), g.tensor(g.outputs[out]))
+        buffers[name[len(PREFIX):]] = name
     states = [g.tensor(g.node(graph_name).id) for graph_name, _ in holders.values()]
     # accumulation: torch's (loss / k).backward(), so the k gradients sum to their mean
     grads = g.grad(loss if accumulate == 1 else g.unary(loss, "scale", 1.0 / accumulate), states)
@@ -671,6 +697,10 @@ def train_step(module: Any, loss_fn: Any, example_batch: Any, optimizer: Any = N
     apply = g.input(APPLY, [1], states[0].dtype) if accumulate > 1 else None
     opt = setup.spec.build(g, states, grads, lrs, groups=groups, apply=apply)
     compiled = compileGraph(g, device=device, **compile_options)
-    return TrainStep(module, g, compiled, opt, holders, saved[0], setup,
+    step = TrainStep(module, g, compiled, opt, holders, saved[0], setup,
                      [None if t is None else t.name for t in lrs], accumulate)
+    step.buffers = buffers
+    step.counters = {name[len(PREFIX):]: (module.get_buffer(name[len(PREFIX):]).detach().clone(), inc)
+                     for name, inc in g.buffer_increments.items()}
+    return step
 

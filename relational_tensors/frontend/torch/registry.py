@@ -32,8 +32,6 @@ REFUSED: dict[str, str] = {
     "multinomial": "sampling from a distribution over categories is not supported; rand, rand_like, bernoulli "
                    "and dropout are",
     "_native_batch_norm_legit": "batch norm in training mode updates running statistics; call module.eval()",
-    "_native_batch_norm_legit_functional": "batch norm in training mode updates running statistics; call "
-                                           "module.eval()",
     "max_pool2d_with_indices": "max pooling that returns its indices (return_indices=True) is not supported",
     "adaptive_max_pool2d": "adaptive max pooling has no operator yet",
 }

@@ -2,8 +2,10 @@
 ``convolution`` (transposed or not; a transposed one is ``g.conv_transpose``, conv_grad's dx part),
 ``max_pool1d/2d/3d`` and ``avg_pool1d/2d/3d`` (``ceil_mode=False``), ``adaptive_avg_pool1d/2d/3d``
 (a global average is a mean; an output size that divides the input is an average pool; others are
-refused), and batch norm in eval mode (``_native_batch_norm_legit_no_training``: an elementwise affine
-from the running statistics, folded at trace time, or with trained affine parameters computed in the graph).
+refused), batch norm in eval mode (``_native_batch_norm_legit_no_training``: an elementwise affine
+from the running statistics, folded at trace time, or with trained affine parameters computed in the graph)
+and in training mode (``_native_batch_norm_legit_functional``: batch statistics as reductions, and the
+running statistics' next values as outputs that update the module's buffers).
 """
 
 from __future__ import annotations
@@ -96,6 +98,51 @@ def _adaptive_avg_pool(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
                     "divide it (windows of different sizes); supported: output sizes that divide the input, or 1")
     k = [n // o for n, o in zip(spatial, sizes)]
     return tr.g.avg_pool(x, k, k, 0, name=tr.name("adaptive_avg_pool"))
+
+
+@register_torch_op("_native_batch_norm_legit_functional")
+def _batch_norm_train(tr: _Translator, node: Any, a: dict[str, Any]) -> list[Any]:
+    """Batch norm in training mode: each channel normalized by its batch statistics (mean and biased variance
+    over batch and space, in float32 for 16-bit inputs: reductions whose batch and spatial splits aggregate
+    partial sums, the synchronized batch norm of data parallelism), then the affine; the running statistics'
+    next values ``(1 - momentum)·running + momentum·batch`` (the variance unbiased) are outputs, which the
+    traced module's buffer updates read (``TorchGraph.buffer_updates``)."""
+    if not a.get("training", True):
+        raise _fail("_native_batch_norm_legit_functional with training=False; supported: training=True")
+    x = tr.sym(a["input"])
+    dtype = x.dtype
+    wide = "float32" if dtype in ("float16", "bfloat16") else dtype
+    xf = tr.g.cast(x, wide) if wide != dtype else x
+    channels = x.shape[1]
+    axes = [0, *range(2, x.rank)]
+    count = x.type.volume // channels
+    shape = [channels, *([1] * (x.rank - 2))]
+    mean = tr.g.mean(xf, axes, keepdims=True, name=tr.name("batch_mean"))
+    diff = tr.g.sub(xf, mean)
+    var = tr.g.mean(tr.g.mul(diff, diff), axes, keepdims=True, name=tr.name("batch_var"))
+    invstd = tr.unary(tr.unary(var, "add_scalar", float(a["eps"])), "rsqrt")
+    y = tr.g.mul(diff, invstd)
+    if a.get("weight") is not None:
+        y = tr.g.mul(y, tr.g.reshape(tr.sym(a["weight"], wide), shape))
+    if a.get("bias") is not None:
+        y = tr.g.add(y, tr.g.reshape(tr.sym(a["bias"], wide), shape))
+    y = tr.g.cast(y, dtype) if wide != dtype else y
+    momentum = float(a["momentum"])
+    out: list[Any] = [y, tr.g.reshape(mean, [channels]), tr.g.reshape(invstd, [channels])]
+    for key, batch in (("running_mean", mean), ("running_var", var)):
+        running = a.get(key)
+        if running is None:
+            out.append(None)
+            continue
+        stat = tr.g.reshape(batch, [channels])
+        if key == "running_var":  # the running variance is the unbiased one
+            stat = tr.unary(stat, "scale", count / max(count - 1, 1))
+        have = tr.sym(running)
+        wide_running = tr.g.cast(have, wide) if have.dtype != wide else have
+        new = tr.g.add(tr.unary(wide_running, "scale", 1.0 - momentum), tr.unary(stat, "scale", momentum),
+                       name=tr.name(f"next_{key}"))
+        out.append(tr.g.cast(new, have.dtype) if have.dtype != wide else new)
+    return out
 
 
 @register_torch_op("_native_batch_norm_legit_no_training")

@@ -80,7 +80,10 @@ class TorchGraph(Graph):
                     feeds it with :func:`draw_rng` (torch's generator: ``torch.manual_seed`` makes it repeat);
     ``input_names`` per positional user input, its graph input name (None if the module ignores it);
     ``output_names`` the saved outputs, in the order of the module's flattened outputs;
-    ``source``      node name -> the source line of the module it was translated from.
+    ``source``      node name -> the source line of the module it was translated from;
+    ``buffer_updates`` module buffer name -> the saved output holding its next value (batch norm's running
+                    statistics in training mode); ``buffer_increments`` buffer name -> the integer increment
+                    a counter gets every call (batch norm's ``num_batches_tracked``).
     """
 
     def __init__(self) -> None:
@@ -98,6 +101,10 @@ class TorchGraph(Graph):
         self.output_leaves: tuple[tuple[str, Any], ...] = ()
         self.out_spec: Any = None
         self.input_types: tuple[tuple[tuple[int, ...], str], ...] = ()
+        # buffers the forward updates: module buffer name -> the saved output of its next value, or the
+        # increment a counter gets every call
+        self.buffer_updates: dict[str, str] = {}
+        self.buffer_increments: dict[str, Any] = {}
 
     def feeds(self, *inputs: Any) -> dict[str, Any]:
         """Every graph input's value: the parameters, and ``inputs`` (torch tensors or arrays) by position."""
@@ -579,6 +586,25 @@ class _Translator:
             return type(result)(self._check_item(node, r, v) for r, v in zip(result, val))
         return result
 
+    def _buffer_update(self, target: str, value: Any) -> None:
+        """A buffer the forward updates (batch norm's running statistics, its batch counter): a value computed in
+        the graph is saved as ``buffer.<name>``; one that depends on no input (a counter's increment) is the
+        same change every call, kept as that increment."""
+        name = self.names.get(target, target)
+        if isinstance(value, Tensor):
+            out = f"buffer.{name}"
+            self.g.save(value, name=out)
+            self.g.buffer_updates[name] = out
+            return
+        old = self.ep.state_dict.get(target, self.ep.constants.get(target))
+        new = value.value if isinstance(value, _Const) else value
+        torch = _torch()
+        if old is None or not isinstance(new, torch.Tensor) or new.dtype.is_floating_point:
+            raise GraphError(f"the forward updates buffer {name!r} by a value computed from no input that is not an "
+                             "integer counter; from_torch keeps buffer updates computed in the graph (batch norm's "
+                             "running statistics) and counters' increments. Move the update out of forward.")
+        self.g.buffer_increments[name] = (host(new) - host(old)).clone()
+
     def _check_item(self, node: Any, r: Any, v: Any) -> Any:
         if isinstance(r, Tensor) and tuple(r.shape) != tuple(v.shape):
             raise GraphError(f"the rule for {_op_name(node)} produced shape {r.shape}, but torch records "
@@ -589,13 +615,18 @@ class _Translator:
         from torch.export.graph_signature import OutputKind
 
         specs = self.ep.graph_signature.output_specs
-        bad = [s for s in specs if s.kind != OutputKind.USER_OUTPUT]
+        bad = [s for s in specs if s.kind not in (OutputKind.USER_OUTPUT, OutputKind.BUFFER_MUTATION)]
         if bad:
             what = ", ".join(f"{s.kind.name.lower()} of {s.target!r}" for s in bad)
             raise GraphError(f"from_torch translates pure functions; this module's forward has side effects "
                              f"({what}). Move state updates (running statistics, counters, caches) out of forward, "
                              "or call module.eval().")
-        values = node.args[0]
+        values = []
+        for spec, v in zip(specs, node.args[0]):
+            if spec.kind == OutputKind.USER_OUTPUT:
+                values.append(v)
+            else:
+                self._buffer_update(spec.target, self._arg(v))
         leaves: list[tuple[str, Any]] = []
         names: list[str] = []
         single = len(values) == 1
@@ -661,6 +692,8 @@ def _prune(g: TorchGraph) -> TorchGraph:
     out.input_types = g.input_types
     out.output_names = g.output_names
     out.output_leaves = g.output_leaves
+    out.buffer_updates = dict(g.buffer_updates)
+    out.buffer_increments = dict(g.buffer_increments)
     out.out_spec = g.out_spec
     out.source = {k: v for k, v in g.source.items() if k in kept}
     return out
