@@ -21,7 +21,7 @@ from relational_tensors.errors import GraphError
 from relational_tensors.graph.graph import Graph, Tensor
 from relational_tensors.graph.optim import adamw, sgd
 
-__all__ = ["CausalLM", "lm_prefill_graph", "lm_decode_graph", "cache_name",
+__all__ = ["MoeLosses", "moe_constants", "GATES", "CausalLM", "lm_prefill_graph", "lm_decode_graph", "cache_name",
            "llama_block", "add_llama_block", "add_moe_ffn", "moe_layer_graph", "MIXTRAL_8X7B_MOE",
            "QWEN3_30B_A3B_MOE", "llama_feeds", "llama_training_graph", "llama_training_feeds",
            "standard_normal", "LLAMA3_8B", "matrix_chain",
@@ -60,55 +60,152 @@ def add_llama_block(g: Graph, x: Tensor, *, n_heads: int, n_kv_heads: int, d_ff:
     return g.add(x2, down, name=prefix + "ffn_residual")
 
 
+@dataclass
+class MoeLosses:
+    """The router's auxiliary losses of one MoE layer, float32 ``[1]``: ``balance`` the load-balancing loss
+    as transformers' ``load_balancing_loss_func`` computes it (experts · Σ_e f_e · P_e, f_e the fraction of
+    tokens routed to expert e over the top_k slots, P_e its mean router probability: top_k when perfectly
+    balanced; Switch Transformer's loss at top_k = 1) and ``z`` the router z-loss of ST-MoE (the mean over
+    tokens of logsumexp(logits)²)."""
+
+    balance: Tensor
+    z: Tensor
+
+
+GATES = ("softmax", "softmax_topk", "sigmoid")
+
+
 def add_moe_ffn(g: Graph, x: Tensor, *, experts: int, top_k: int, d_ff: int, prefix: str = "",
-                norm_topk: bool = True, leaf: Any = None) -> Tensor:
-    """Append a mixture-of-experts SwiGLU FFN over tokens ``x [tokens, d]`` (Mixtral's and Qwen3-MoE's):
-    router logits, softmax in float32, the ``top_k`` experts of each token and their weights (renormalized
-    to sum to 1 with ``norm_topk``), and the experts computed densely: every token through every expert,
-    each output weighted by the token's weight for that expert (zero where the router did not pick it).
-    The stacked expert weights are ``[experts, ...]`` with the dimension named ``experts``; the products over
-    it are the ones expert parallelism splits."""
-    d = x.shape[-1]
+                norm_topk: bool = True, leaf: Any = None, gate: str = "softmax", selection_bias: bool = False,
+                scaling: float = 1.0, shared_d_ff: int = 0, capacity_factor: float | None = None,
+                losses: list[MoeLosses] | None = None) -> Tensor:
+    """Append a mixture-of-experts SwiGLU FFN over tokens ``x [tokens, d]``.
+
+    The router: ``gate="softmax"`` (softmax over the experts, then the ``top_k``: Mixtral, Qwen-MoE),
+    ``"softmax_topk"`` (the top_k logits, then a softmax over them) or ``"sigmoid"`` (per-expert sigmoid
+    scores: DeepSeek-V3), all in float32; ``selection_bias`` adds a per-expert bias (``<prefix>router_bias``,
+    DeepSeek-V3's load-balancing correction) to the scores used to *choose* experts, not to weight them;
+    ``norm_topk`` renormalizes the chosen weights to sum to 1 and ``scaling`` multiplies them.
+    ``capacity_factor``: each expert takes at most ``ceil(capacity_factor · tokens · top_k / experts)`` routed
+    pairs, first come (token order, then rank) first served; a pair past it is dropped (weight 0), as
+    GShard and Switch drop them; None is dropless, as the HF models compute.  ``shared_d_ff``: a shared
+    expert of that width every token goes through (DeepSeek, Qwen2-MoE).  ``losses``: a list the layer's
+    :class:`MoeLosses` is appended to.
+
+    The experts are computed densely: every token through every expert, each output weighted by the
+    token's weight for that expert (zero where the router did not pick it).  The stacked expert weights
+    are ``[experts, ...]`` with the dimension named ``experts``; the products over it are the ones expert
+    parallelism splits."""
+    if gate not in GATES:
+        raise GraphError(f"add_moe_ffn's gate is one of {GATES}; got {gate!r}.")
+    if not 1 <= top_k <= experts:
+        raise GraphError(f"add_moe_ffn routes each token to 1 <= top_k <= experts ({experts}) experts; got {top_k}.")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise GraphError(f"capacity_factor is a positive number (or None: dropless); got {capacity_factor!r}.")
+    tokens, d = x.shape
     dtype = x.dtype
     make = g.parameter if leaf is None else leaf
 
-    def param(name: str, shape: Sequence[int], dims: Sequence[str]) -> Tensor:
-        return make(prefix + name, shape, dtype, dims=tuple(dims))
+    def param(name: str, shape: Sequence[int], dims: Sequence[str], kind: str = dtype) -> Tensor:
+        return make(prefix + name, shape, kind, dims=tuple(dims))
 
-    router = g.matmul(x, param("router", [d, experts], ("hidden", "experts")), name=prefix + "router_proj")
-    probs = g.softmax(g.cast(router, "float32") if dtype != "float32" else router, -1, name=prefix + "router_softmax")
-    top, ids = g.topk(probs, top_k, name=prefix + "route")
+    logits = g.matmul(x, param("router", [d, experts], ("hidden", "experts")), name=prefix + "router_proj")
+    logits = g.cast(logits, "float32") if dtype != "float32" else logits
+    if gate == "softmax_topk":
+        top_logits, ids = g.topk(logits, top_k, name=prefix + "route")
+        top = g.softmax(top_logits, -1, name=prefix + "route_softmax")
+        probs = g.softmax(logits, -1, name=prefix + "router_softmax")  # for the balance loss
+    else:
+        probs = g.softmax(logits, -1, name=prefix + "router_softmax") if gate == "softmax" else \
+            g.unary(logits, "sigmoid", name=prefix + "router_sigmoid")
+        if selection_bias:
+            bias = g.input(prefix + "router_bias", [experts], "float32", dims=("experts",))  # set by a rule, not
+            chooser = g.add(probs, g.reshape(bias, [1, experts]), name=prefix + "route_scores")  # by gradients
+            ids = g.topk(chooser, top_k, name=prefix + "route")[1]
+            top = g.take_along(probs, ids, name=prefix + "route_weights")
+        else:
+            top, ids = g.topk(probs, top_k, name=prefix + "route")
     if norm_topk:
         top = g.div(top, g.sum(top, -1, keepdims=True), name=prefix + "route_norm")
-    hot = g.one_hot(ids, experts, "float32", name=prefix + "route_hot")
+    if scaling != 1.0:
+        top = g.unary(top, "scale", float(scaling), name=prefix + "route_scale")
+    hot = g.one_hot(ids, experts, "float32", name=prefix + "route_hot")  # [tokens, k, experts]
+    if capacity_factor is not None:
+        capacity = math.ceil(capacity_factor * tokens * top_k / experts)
+        pairs = g.reshape(hot, [tokens * top_k, experts], name=prefix + "route_pairs")
+        # each pair's place in its expert's queue: the pairs before it (token order, then rank) routed there
+        order = g.input(prefix + "route_order", [tokens * top_k, tokens * top_k], "float32")  # moe_constants
+        before = g.einsum("pe,pq->qe", pairs, order, name=prefix + "route_queue")
+        place = g.reshape(g.sum(g.mul(before, pairs), -1), [tokens, top_k], name=prefix + "route_place")
+        limit = g.unary(place, "fill", float(capacity), name=prefix + "route_capacity")
+        kept = g.cast(g.binary(place, limit, "less"), "float32", name=prefix + "route_kept")
+        top = g.mul(top, kept, name=prefix + "route_capped")
     weights = g.einsum("tk,tke->te", top, hot, name=prefix + "combine_weights")
     weights = g.cast(weights, dtype) if dtype != "float32" else weights
-    gate = g.einsum("th,ehf->tef", x, param("w1", [experts, d, d_ff], ("experts", "hidden", "ff")),
-                    name=prefix + "expert_gate")
+    gate_h = g.einsum("th,ehf->tef", x, param("w1", [experts, d, d_ff], ("experts", "hidden", "ff")),
+                      name=prefix + "expert_gate")
     up = g.einsum("th,ehf->tef", x, param("w3", [experts, d, d_ff], ("experts", "hidden", "ff")),
                   name=prefix + "expert_up")
-    act = g.swiglu(gate, up, name=prefix + "expert_swiglu")
+    act = g.swiglu(gate_h, up, name=prefix + "expert_swiglu")
     down = g.einsum("tef,efh->teh", act, param("w2", [experts, d_ff, d], ("experts", "ff", "hidden")),
                     name=prefix + "expert_down")
-    return g.einsum("teh,te->th", down, weights, name=prefix + "combine")
+    y = g.einsum("teh,te->th", down, weights, name=prefix + "combine")
+    if shared_d_ff:
+        sg = g.matmul(x, param("shared_w1", [d, shared_d_ff], ("hidden", "ff")), name=prefix + "shared_gate")
+        su = g.matmul(x, param("shared_w3", [d, shared_d_ff], ("hidden", "ff")), name=prefix + "shared_up")
+        sd = g.matmul(g.swiglu(sg, su, name=prefix + "shared_swiglu"),
+                      param("shared_w2", [shared_d_ff, d], ("ff", "hidden")), name=prefix + "shared_down")
+        y = g.add(y, sd, name=prefix + "shared_add")
+    if losses is not None:
+        routed = g.sum(g.reshape(hot, [tokens * top_k, experts]), 0, name=prefix + "route_counts")  # [experts]
+        share = g.unary(routed, "scale", 1.0 / tokens)
+        mean_prob = g.mean(probs, 0, name=prefix + "router_mean_prob")
+        balance = g.unary(g.sum(g.mul(share, mean_prob), -1, keepdims=True), "scale", float(experts),
+                          name=prefix + "balance_loss")
+        lse = g.logsumexp(logits, -1, name=prefix + "router_lse")
+        z = g.mean(g.mul(lse, lse), -1, keepdims=True, name=prefix + "z_loss")
+        losses.append(MoeLosses(balance, z))
+    return y
+
+
+def moe_constants(g: Graph) -> dict[str, np.ndarray]:
+    """The values of the constant inputs ``add_moe_ffn`` made in ``g`` (with a capacity: the order of the
+    routed pairs, ``[p, q] = 1`` where pair p comes before pair q), for the feeds."""
+    out: dict[str, np.ndarray] = {}
+    for n in g.inputs:
+        if n.name.endswith("route_order"):
+            out[n.name] = np.triu(np.ones(n.type.shape, dtype=np.float32), 1)
+    return out
 
 
 def moe_layer_graph(tokens: int, d_model: int, experts: int, top_k: int, d_ff: int, dtype: str = "bfloat16",
-                    training: bool = False, master_dtype: str | None = "float32") -> Graph:
+                    training: bool = False, master_dtype: str | None = "float32", balance_coef: float = 0.0,
+                    z_coef: float = 0.0, **router: Any) -> Graph:
     """One pre-norm mixture-of-experts FFN layer with its residual over ``tokens`` tokens (output ``y``);
-    with ``training`` a whole step: the loss ``mean(y²)``, every gradient, and AdamW on the weights (states,
-    with ``master_dtype`` masters and moments)."""
+    with ``training`` a whole step: the loss ``mean(y²)`` plus ``balance_coef`` times the load-balancing
+    loss and ``z_coef`` times the router z-loss (saved as ``balance_loss`` and ``z_loss`` when asked for),
+    every gradient, and AdamW on the weights (states, with ``master_dtype`` masters and moments).
+    ``router``: ``add_moe_ffn``'s gate, selection_bias, scaling, shared_d_ff and capacity_factor."""
     g = Graph()
     x = g.input("x", [tokens, d_model], dtype, dims=("tokens", "hidden"))
     leaf = g.state if training else None
     norm = (g.state if training else g.parameter)("ffn_norm", [d_model], dtype, dims=("hidden",))
     h = g.rmsnorm(x, norm, 1e-5, name="ffn_rmsnorm")
-    y = g.add(x, add_moe_ffn(g, h, experts=experts, top_k=top_k, d_ff=d_ff, leaf=leaf), name="residual")
+    found: list[MoeLosses] = []
+    wanted = balance_coef != 0.0 or z_coef != 0.0
+    y = g.add(x, add_moe_ffn(g, h, experts=experts, top_k=top_k, d_ff=d_ff, leaf=leaf,
+                             losses=found if wanted else None, **router), name="residual")
     if not training:
         g.save(y, name="y")
         return g
     y32 = g.cast(y, "float32") if dtype != "float32" else y
-    loss = g.save(g.mean(g.mul(y32, y32), [0, 1], name="loss"), name="loss")
+    loss = g.mean(g.mul(y32, y32), [0, 1], keepdims=True, name="task_loss")
+    for coef, part in ((balance_coef, "balance"), (z_coef, "z")):
+        if coef != 0.0:
+            term = getattr(found[0], part)
+            g.save(term, name=f"{part}_loss")
+            loss = g.add(loss, g.unary(term, "scale", float(coef)))
+    loss = g.save(g.reshape(loss, [], name="loss"), name="loss")
     params = g.trainable()
     adamw(g, params, g.grad(loss, params), g.input("lr", [1], dtype), master_dtype=master_dtype)
     return g
