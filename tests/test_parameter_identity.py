@@ -223,7 +223,7 @@ def test_attention_dropout_is_softmax_dropped_by_the_counter_based_mask_then_tim
     """SDPA with dropout_p (transformers in training) against torch: the probabilities [b, h, sq, skv] of a
     causal GQA attention dropped where the generator's u(i) < p (its stream 1, the module's one draw), scaled
     by 1 / (1 - p), times v."""
-    from relational_tensors.frontend.torch.translator import draw_rng
+    from relational_tensors.frontend.torch.torch_graph import draw_rng
     from relational_tensors.sql_specs.random import philox_uniform
 
     class Attn(nn.Module):

@@ -43,7 +43,8 @@ from relational_tensors.api.buckets import Buckets, Unpad
 from relational_tensors.api.program import Program, modes_of
 from relational_tensors.errors import ExecError, GraphError
 from relational_tensors.frontend.torch.convert import _dtype_name, _torch
-from relational_tensors.frontend.torch.translator import TorchGraph, from_torch
+from relational_tensors.frontend.torch.torch_graph import TorchGraph
+from relational_tensors.frontend.torch.translator import from_torch
 
 if TYPE_CHECKING:  # to type checkers a ParallelModule is the torch.nn.Module it is at run time
     from torch.nn import Module as _TorchModule

@@ -24,7 +24,8 @@ from relational_tensors.api.device_io import output, stage
 from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.errors import ExecError
 from relational_tensors.frontend.torch.convert import _torch, _torch_dtype, numpy_to_torch, torch_to_numpy
-from relational_tensors.frontend.torch.translator import TorchGraph, _prune, draw_rng, from_torch
+from relational_tensors.frontend.torch.torch_graph import TorchGraph, _prune, draw_rng
+from relational_tensors.frontend.torch.translator import from_torch
 from relational_tensors.graph.autodiff import flows
 
 __all__ = ["Program", "modes_of", "in_modes"]

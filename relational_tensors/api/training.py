@@ -52,7 +52,8 @@ from relational_tensors.api.torch_optim import (
 from relational_tensors.core.dtypes import FLOAT_DTYPES, numpy_dtype
 from relational_tensors.errors import ExecError, GraphError
 from relational_tensors.frontend.torch.convert import _torch, _torch_dtype, numpy_to_torch, torch_to_numpy
-from relational_tensors.frontend.torch.translator import TorchGraph, draw_rng, from_torch
+from relational_tensors.frontend.torch.torch_graph import TorchGraph, draw_rng
+from relational_tensors.frontend.torch.translator import from_torch
 from relational_tensors.graph.optim import Optimizer
 
 __all__ = ["train_step", "TrainStep"]

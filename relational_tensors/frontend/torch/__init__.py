@@ -49,6 +49,7 @@ patterns share).
 
 from relational_tensors.frontend.torch.convert import numpy_to_torch, torch_to_numpy
 from relational_tensors.frontend.torch.registry import register_torch_op
-from relational_tensors.frontend.torch.translator import SUPPORTED_OPS, TorchGraph, from_torch
+from relational_tensors.frontend.torch.torch_graph import TorchGraph
+from relational_tensors.frontend.torch.translator import SUPPORTED_OPS, from_torch
 
 __all__ = ["from_torch", "TorchGraph", "SUPPORTED_OPS", "torch_to_numpy", "numpy_to_torch", "register_torch_op"]

@@ -28,7 +28,8 @@ from typing import Any
 
 from relational_tensors.errors import GraphError
 from relational_tensors.frontend.torch.convert import _torch
-from relational_tensors.frontend.torch.translator import TorchGraph, from_torch
+from relational_tensors.frontend.torch.torch_graph import TorchGraph
+from relational_tensors.frontend.torch.translator import from_torch
 from relational_tensors.graph.models import cache_name
 
 __all__ = ["CacheShape", "cache_shape", "prefill_graph", "decode_graph", "cache_name"]
