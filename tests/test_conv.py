@@ -267,3 +267,22 @@ def test_a_cnn_trains_with_torch_autograd_gradients() -> None:
     cnn(x).square().sum().backward()
     for k, p in cnn.named_parameters():
         torch.testing.assert_close(ours[k], p.grad, rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("module,shape", [(nn.AdaptiveMaxPool1d(1), (2, 3, 8)),
+                                          (nn.AdaptiveMaxPool2d((2, 3)), (2, 3, 8, 9)),
+                                          (nn.AdaptiveMaxPool3d(2), (1, 2, 4, 4, 6))])
+def test_adaptive_max_pooling_to_sizes_that_divide(module: nn.Module, shape: tuple) -> None:
+    x = torch.randn(*shape, requires_grad=True)
+    y, want = rt.parallelize(module, (x,), device="cpu:3")(x), module(x)
+    torch.testing.assert_close(y, want)
+    ct = torch.randn_like(want)
+    torch.testing.assert_close(torch.autograd.grad(y, x, ct)[0], torch.autograd.grad(want, x, ct)[0])
+
+
+def test_adaptive_max_pooling_with_indices_or_uneven_windows_is_refused() -> None:
+    with pytest.raises(rt.GraphError, match="returns its indices"):
+        x = torch.randn(1, 2, 6, 6)
+        rt.parallelize(nn.AdaptiveMaxPool2d(3, return_indices=True), (x,))(x)
+    with pytest.raises(rt.GraphError, match="does not divide"):
+        rt.parallelize(nn.AdaptiveMaxPool2d(4), (torch.randn(1, 2, 6, 6),))(torch.randn(1, 2, 6, 6))

@@ -33,7 +33,6 @@ REFUSED: dict[str, str] = {
                    "and dropout are",
     "_native_batch_norm_legit": "batch norm in training mode updates running statistics; call module.eval()",
     "max_pool2d_with_indices": "max pooling that returns its indices (return_indices=True) is not supported",
-    "adaptive_max_pool2d": "adaptive max pooling has no operator yet",
 }
 
 

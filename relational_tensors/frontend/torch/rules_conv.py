@@ -2,10 +2,11 @@
 ``convolution`` (transposed or not; a transposed one is ``g.conv_transpose``, conv_grad's dx part),
 ``max_pool1d/2d/3d`` and ``avg_pool1d/2d/3d`` (``ceil_mode=False``), ``adaptive_avg_pool1d/2d/3d``
 (a global average is a mean; an output size that divides the input is an average pool; others are
-refused), batch norm in eval mode (``_native_batch_norm_legit_no_training``: an elementwise affine
-from the running statistics, folded at trace time, or with trained affine parameters computed in the graph)
-and in training mode (``_native_batch_norm_legit_functional``: batch statistics as reductions, and the
-running statistics' next values as outputs that update the module's buffers).
+refused) and ``adaptive_max_pool1d/2d/3d`` (output sizes that divide the input: a max pool), batch norm
+in eval mode (``_native_batch_norm_legit_no_training``: an elementwise affine from the running statistics,
+folded at trace time, or with trained affine parameters computed in the graph) and in training mode
+(``_native_batch_norm_legit_functional``: batch statistics as reductions, and the running statistics'
+next values as outputs that update the module's buffers).
 """
 
 from __future__ import annotations
@@ -98,6 +99,22 @@ def _adaptive_avg_pool(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
                     "divide it (windows of different sizes); supported: output sizes that divide the input, or 1")
     k = [n // o for n, o in zip(spatial, sizes)]
     return tr.g.avg_pool(x, k, k, 0, name=tr.name("adaptive_avg_pool"))
+
+
+@register_torch_op("adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d")
+def _adaptive_max_pool(tr: _Translator, node: Any, a: dict[str, Any]) -> list[Any]:
+    """Adaptive max pooling to output sizes that divide the input: a max pool whose window and stride are the
+    quotients (a global max where every size is 1); the indices torch also returns are refused if read."""
+    if any(u.args[1] != 0 for u in node.users):
+        raise _fail("adaptive max pooling that returns its indices (return_indices=True); supported: the values")
+    x = tr.sym(a["self"])
+    sizes = [int(o) for o in a["output_size"]]
+    spatial = x.shape[x.rank - len(sizes):]
+    if any(n % o for n, o in zip(spatial, sizes)) or x.rank != len(sizes) + 2:
+        raise _fail(f"adaptive max pooling of spatial size {tuple(spatial)} to {tuple(sizes)}, which does not "
+                    "divide it (windows of different sizes); supported: output sizes that divide the input")
+    k = [n // o for n, o in zip(spatial, sizes)]
+    return [tr.g.max_pool(x, k, k, 0, name=tr.name("adaptive_max_pool")), None]
 
 
 @register_torch_op("_native_batch_norm_legit_functional")
