@@ -56,6 +56,32 @@ def test_greedy_tokens_equal_transformers(kind: str, device: str) -> None:
     assert got.dtype == want.dtype and torch.equal(got, want)
 
 
+MORE = {  # more families: eager attention with softcapping and windows (Gemma 2), mixed layers (Gemma 3), ...
+    "gemma2": ("Gemma2Config", dict(head_dim=8, sliding_window=4, query_pre_attn_scalar=8)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=8, sliding_window=4, query_pre_attn_scalar=8)),
+    "qwen3": ("Qwen3Config", dict(head_dim=8)),
+    "olmo2": ("Olmo2Config", {}),
+    "granite": ("GraniteConfig", {}),
+    "stablelm": ("StableLmConfig", {}),
+    "phi": ("PhiConfig", {}),
+    "starcoder2": ("Starcoder2Config", dict(sliding_window=4)),
+    "smollm3": ("SmolLM3Config", {}),
+}
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=() if k in ("gemma2", "gemma3") else pytest.mark.slow)
+                                  for k in MORE])
+def test_greedy_tokens_of_more_families_equal_transformers(kind: str) -> None:
+    name, extra = MORE[kind]
+    if not hasattr(transformers, name):
+        pytest.skip(f"this transformers has no {name}")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**COMMON, **extra)).eval()
+    ids, mask = _batch()
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert torch.equal(rt.generate(model, ids, mask, max_new_tokens=10, device="cpu:2"), want)
+
+
 def test_each_step_logits_equal_the_models_forward() -> None:
     """Prefill and every decode step against the model's forward with its own cache, float32 to 1e-5."""
     model = _model("qwen2-sliding")
