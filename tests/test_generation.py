@@ -107,6 +107,14 @@ def test_each_step_logits_equal_the_models_forward() -> None:
     assert "prefill" in text and "decode step" in text
 
 
+def test_one_catalog_holds_the_prefill_and_the_decode_plans(tmp_path: object) -> None:
+    model = _model("llama")
+    dec = rt.decoder(model, max_batch=2, max_len=48, device="cpu:2", catalog=str(tmp_path) + "/gen.duckdb")
+    dec.decode(dec.prefill(_batch(2)[0]).argmax(-1))
+    labels = dec.decode_program().compiled.sql("SELECT label FROM compilations ORDER BY compilation_id")
+    assert labels["label"].to_pylist() == ["prefill 2x16", "decode 2x48"]
+
+
 def test_prompt_lengths_share_a_bucket_and_a_new_batch_restarts() -> None:
     """Two prompt lengths in one bucket reuse one prefill program; a second prefill starts afresh (the cache
     of the first batch is not read)."""

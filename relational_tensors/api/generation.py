@@ -45,10 +45,11 @@ LENGTH_BUCKET = 256  # rt.generate's cache length: prompt + new tokens rounded u
 class _Program:
     """One step compiled: its parameters loaded at the first run, then only what changes."""
 
-    def __init__(self, graph: Graph, parameters: Mapping[str, Any], device: Any, options: dict[str, Any]) -> None:
+    def __init__(self, graph: Graph, parameters: Mapping[str, Any], device: Any, options: dict[str, Any],
+                 label: str) -> None:
         self.graph = graph
         self.parameters = parameters
-        self.compiled = compileGraph(graph, device=device, **options)
+        self.compiled = compileGraph(graph, device=device, **{"label": label, **options})
         self.loaded = False
 
     @property
@@ -91,7 +92,8 @@ class Decoder:
     returns the logits of the token after it.  Between steps sequences join (``join``: their prompts
     prefilled into free slots) and leave (``leave``), each with its own length and positions, without
     planning again.  ``max_len`` bounds a sequence (prompt and generated tokens); ``device`` and
-    ``compile_options`` are those of ``rt.compileGraph``."""
+    ``compile_options`` are those of ``rt.compileGraph`` (with ``catalog=PATH`` every program of the decoder
+    is recorded in one catalog, labelled ``prefill BxS`` or ``decode BxL``)."""
 
     def __init__(self, model: Any, max_batch: int, max_len: int, device: Any = None, **compile_options: Any) -> None:
         for what, value in (("max_batch", max_batch), ("max_len", max_len)):
@@ -117,14 +119,15 @@ class Decoder:
         key = (batch, length)
         if key not in self._prefills:
             graph, params = _graph(self.model, batch, length, None)
-            self._prefills[key] = _Program(graph, params, self.device, self.options)
+            self._prefills[key] = _Program(graph, params, self.device, self.options, f"prefill {batch}x{length}")
         return self._prefills[key]
 
     def decode_program(self) -> _Program:
         """The decode step over every slot and the ``max_len`` cache (planned at first use)."""
         if self._decode is None:
             graph, params = _graph(self.model, self.max_batch, 1, self.max_len)
-            self._decode = _Program(graph, params, self.device, self.options)
+            self._decode = _Program(graph, params, self.device, self.options,
+                                    f"decode {self.max_batch}x{self.max_len}")
         return self._decode
 
     def explain(self, file: Any = None, width: int = 160) -> str:
