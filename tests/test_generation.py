@@ -69,8 +69,7 @@ MORE = {  # more families: eager attention with softcapping and windows (Gemma 2
 }
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=() if k in ("gemma2", "gemma3") else pytest.mark.slow)
-                                  for k in MORE])
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=() if k == "gemma2" else pytest.mark.slow) for k in MORE])
 def test_greedy_tokens_of_more_families_equal_transformers(kind: str) -> None:
     name, extra = MORE[kind]
     if not hasattr(transformers, name):
