@@ -25,15 +25,14 @@ import datetime
 import gc
 import json
 import platform
-import statistics
 import subprocess
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_moe import time_ms  # bench/gpu_moe.py: CUDA events on a GPU, wall-clock on the host; 2 + 10 rounds
 
 import relational_tensors as rt
 
@@ -41,28 +40,6 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=16384, rope_theta=500000.0)
 SMOKE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1024)
-
-
-def time_ms(fn: Callable[[], Any], cuda: bool) -> float:
-    """2 warm-ups and 10 timed rounds: CUDA events on a GPU, wall-clock on the host; the median."""
-    for _ in range(2):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
 
 
 def make_model(config: dict, layers: int, device: str) -> Any:

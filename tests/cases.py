@@ -246,6 +246,21 @@ def check_plan(g: rt.Graph, feeds: dict, p: int, reruns: tuple[dict, ...] = (),
     return cg
 
 
+def request_for(draw: Callable, op: object) -> dict:
+    """A hypothesis draw (wrap with ``st.composite``) of an interval request for ``op``: each requestable
+    index left whole or cut at up to 4 of its legal cuts."""
+    from hypothesis import strategies as st
+
+    request = {}
+    for index in op.requestable():  # type: ignore[attr-defined]
+        cuts = list(index.legal_cuts())
+        if cuts and draw(st.booleans()):
+            chosen = sorted(draw(st.sets(st.sampled_from(cuts), min_size=1, max_size=min(4, len(cuts)))))
+            bounds = [0, *chosen, index.extent]
+            request[index.name] = tuple(rt.Interval(a, b) for a, b in zip(bounds, bounds[1:]))
+    return request
+
+
 def feeds_for(g: rt.Graph, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     feeds = {}

@@ -10,11 +10,14 @@ from typing import Any
 import numpy as np
 import pytest
 from cases import feeds_for
+from cases import request_for as _request_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import relational_tensors as rt
 from relational_tensors.graph.reference import execute_spec
+
+request_for = st.composite(_request_for)
 
 torch = pytest.importorskip("torch")
 nn, F = torch.nn, torch.nn.functional
@@ -47,18 +50,6 @@ def _conv_graph(f: dict) -> tuple[rt.Graph, str]:
 def _torch_conv(f: dict, x: np.ndarray, w: np.ndarray) -> np.ndarray:
     fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[f["rank"]]
     return fn(torch.tensor(x), torch.tensor(w), None, f["s"], f["p"], f["d"], f["groups"]).numpy()
-
-
-@st.composite
-def request_for(draw, op):
-    request = {}
-    for index in op.requestable():
-        cuts = list(index.legal_cuts())
-        if cuts and draw(st.booleans()):
-            chosen = sorted(draw(st.sets(st.sampled_from(cuts), min_size=1, max_size=min(4, len(cuts)))))
-            bounds = [0, *chosen, index.extent]
-            request[index.name] = tuple(rt.Interval(a, b) for a, b in zip(bounds, bounds[1:]))
-    return request
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

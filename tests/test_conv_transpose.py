@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cases import request_for as _request_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,6 +17,7 @@ from relational_tensors.graph.reference import execute_spec
 
 torch = pytest.importorskip("torch")
 nn, F = torch.nn, torch.nn.functional
+request_for = st.composite(_request_for)
 
 
 @st.composite
@@ -49,18 +51,6 @@ def _graph(f: dict) -> tuple[rt.Graph, str]:
 def _torch(f: dict, x: np.ndarray, w: np.ndarray) -> np.ndarray:
     fn = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[f["rank"]]
     return fn(torch.tensor(x), torch.tensor(w), None, f["s"], f["p"], f["e"], f["groups"], f["d"]).numpy()
-
-
-@st.composite
-def request_for(draw, op):
-    request = {}
-    for index in op.requestable():
-        cuts = list(index.legal_cuts())
-        if cuts and draw(st.booleans()):
-            chosen = sorted(draw(st.sets(st.sampled_from(cuts), min_size=1, max_size=min(4, len(cuts)))))
-            bounds = [0, *chosen, index.extent]
-            request[index.name] = tuple(rt.Interval(a, b) for a, b in zip(bounds, bounds[1:]))
-    return request
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
