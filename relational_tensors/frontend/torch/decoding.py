@@ -207,7 +207,7 @@ def _step_modules(model: Any, shape: CacheShape) -> tuple[type, type]:
     return Prefill, Decode
 
 
-def _examples(model: Any, shape: CacheShape, batch: int, length: int) -> tuple[Any, Any, Any]:
+def _examples(model: Any, batch: int, length: int) -> tuple[Any, Any, Any]:
     torch = _torch()
     device = next(model.parameters()).device
     ids = torch.zeros((batch, length), dtype=torch.int64, device=device)
@@ -238,7 +238,7 @@ def prefill_graph(model: Any, batch: int, length: int) -> TorchGraph:
     keys and values ``cache.<i>.k`` / ``cache.<i>.v`` of the prompt."""
     shape = cache_shape(model)
     prefill, _ = _step_modules(model, shape)
-    g = _trace(prefill(), _examples(model, shape, batch, length))
+    g = _trace(prefill(), _examples(model, batch, length))
     _rename_outputs(g, shape)
     return g
 
@@ -253,7 +253,7 @@ def decode_graph(model: Any, batch: int, max_len: int) -> TorchGraph:
     shape = cache_shape(model)
     _, decode = _step_modules(model, shape)
     device = next(model.parameters()).device
-    ids, _, positions = _examples(model, shape, batch, 1)
+    ids, _, positions = _examples(model, batch, 1)
     ok = torch.ones((batch, max_len), dtype=torch.bool, device=device)
     write = torch.zeros((batch, max_len), dtype=torch.bool, device=device)
     write[:, 0] = True
