@@ -20,6 +20,7 @@ def test_the_shipped_machines_are_registered_with_their_figures() -> None:
     assert gb.flops("bfloat16") == 2.5e15
     assert h.bandwidth(0, 71) == 450e9 and h.memory_bytes == 141 << 30 and h.flops("bfloat16") == 989e12
     assert len(get_topology("2x-hgx-h200-ib").sites) == 16 and len(get_topology("4x-hgx-h200-ib").sites) == 32
+    assert len(get_topology("8x-hgx-h200-ib").sites) == 64
 
 
 def test_a_domain_of_h200s_uses_the_h200_calibration_and_the_new_chip_none() -> None:

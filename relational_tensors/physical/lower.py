@@ -470,9 +470,9 @@ class _Lowering:
         the states whose last reader it is.  An operator whose lowering has the geometry of one lowered
         before (``_geometry_key``) replays that one's tasks with fresh buffer ids (``_Replay``)."""
         outputs = self._outputs(op_id)
-        hint = self._hint(outputs)
+        hint = self._hint(op_id, outputs)
         readable = {i: self._readable(i) for i in dict.fromkeys(self.graph.nodes[op_id].inputs)}
-        key = self._geometry_key(op_id, hint, readable) if self.share and op_id not in self.assign_after else None
+        key = self._geometry_key(op_id, hint, readable) if self.share else None
         replay = self.replays.get(key) if key is not None else None
         tasks = len(self.dag.tasks)
         if replay is not None:
@@ -497,9 +497,17 @@ class _Lowering:
             blocks = self.outputs_memo[id(spec)] = tuple(f.output for f in spec.functions)
         return blocks
 
-    def _hint(self, outputs: tuple[Box, ...]) -> tuple[int, ...] | None:
-        """The placement of the last operator lowered whose function specs write ``outputs``; None for none
-        or the identity (which ties go to anyway: equal geometries stay equal)."""
+    def _hint(self, op_id: int, outputs: tuple[Box, ...]) -> tuple[int, ...] | None:
+        """The placement of the last operator lowered whose function specs write ``outputs``, for an operator
+        none of whose inputs is on a device yet (an update chain starting from states not yet loaded); None
+        for any other, for none or for the identity (which ties go to anyway: equal geometries stay equal).
+        An operator that reads placed bytes breaks their ties by the identity, not by the placement of an
+        earlier one: a hint there would carry each layer's tie-breaks into the next, and identical layers
+        would be placed differently (and lowered afresh) layer after layer."""
+        graph = self.graph
+        if any(graph.nodes[i].op is not None or i in self.held or i in self.loaded_blocks
+               for i in graph.nodes[op_id].inputs):
+            return None
         hint = self.recent.get(outputs)
         return None if hint is None or hint == tuple(range(len(hint))) else hint
 
