@@ -44,11 +44,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import WORKLOADS  # the paper's five token workloads (bench/common.py)
+from common import WORKLOADS, header, header_markdown  # the paper's five token workloads (bench/common.py)
 
 import relational_tensors as rt
 from relational_tensors.dp_optimizer.candidates import specs_for
 from relational_tensors.graph.models import LLAMA3_8B, llama_block, llama_training_graph
+from relational_tensors.machine.machines import TOPOLOGIES
 
 VOCAB = 128256  # LLaMA 3's
 
@@ -83,15 +84,29 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def machine_for(topology: str, p: int) -> str:
+    """``auto``: one HGX H200 node up to 8 GPUs, nodes of 8 on InfiniBand rails where a machine file has
+    that many (``{n}x-hgx-h200-ib``), else the H200s on one switch; any other name as given."""
+    if topology != "auto":
+        return topology
+    if p <= 8:
+        return "hgx-h200"
+    rails = f"{p // 8}x-hgx-h200-ib"
+    return rails if p % 8 == 0 and rails in TOPOLOGIES else "hgx-h200"
+
+
 def scale_case(case: dict) -> dict:
     """One case of ``--scale``, in this process: cold compile, warm compiles, optional simulation."""
     p, layers = case["p"], case["layers"]
     if case["graph"] == "train":
         g = llama_training_graph(1, case["tokens"], dtype="bfloat16", vocab=VOCAB, layers=layers, **LLAMA3_8B)
+    elif case["graph"] == "step":
+        g = llama_training_graph(1, case["tokens"], dtype="bfloat16", vocab=VOCAB, layers=layers, optimizer="adamw",
+                                 **LLAMA3_8B)
     else:
         g = llama_block(1, case["tokens"], dtype="float16", layers=layers, **LLAMA3_8B)
     options = dict(device=f"cpu:{p}", memory_per_device=H200_MEMORY, schedule_mode=case["schedule"],
-                   topology=case["topology"])
+                   topology=machine_for(case["topology"], p))
     if case["schedule"] == "search":
         options.update(search_steps=case["search_steps"])
     before = _rss_mib()
@@ -120,6 +135,21 @@ def scale_case(case: dict) -> dict:
     return out
 
 
+def _growth(rows: list[dict[str, Any]], along: str, fixed: tuple[str, ...]) -> dict[str, float]:
+    """The exponent of the compile time (warm where measured, else cold) in ``along``, from the smallest to
+    the largest value of it, per combination of the ``fixed`` columns that has two or more."""
+    by: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault(tuple(r[k] for k in fixed), []).append(r)
+    out = {}
+    for key, rs in by.items():
+        rs = sorted(rs, key=lambda r: r[along])
+        t = [r["warm_cpu_s"] or r["cold_cpu_s"] for r in (rs[0], rs[-1])]
+        if len(rs) > 1 and rs[0][along] != rs[-1][along] and all(t):
+            out["/".join(map(str, key))] = math.log(t[1] / t[0]) / math.log(rs[-1][along] / rs[0][along])
+    return out
+
+
 def scale(args: argparse.Namespace) -> None:
     cases = [dict(p=p, layers=d, schedule=sch, graph=gr, tokens=args.tokens, warm=args.warm, simulate=args.simulate,
                   topology=args.topology, search_steps=args.search_steps)
@@ -133,32 +163,29 @@ def scale(args: argparse.Namespace) -> None:
         r = json.loads(run.stdout.strip().splitlines()[-1])
         rows.append(r)
         print(json.dumps(r), flush=True)
-    by: dict[tuple[str, str, int], list[dict[str, Any]]] = {(r["graph"], r["schedule"], r["layers"]): [] for r in rows}
-    for r in rows:
-        by[(r["graph"], r["schedule"], r["layers"])].append(r)
-    growth = {}
-    for key, rs in by.items():
-        rs = sorted(rs, key=lambda r: r["p"])
-        if len(rs) > 1 and rs[0]["warm_cpu_s"] and rs[-1]["warm_cpu_s"]:
-            growth["/".join(map(str, key))] = math.log(rs[-1]["warm_cpu_s"] / rs[0]["warm_cpu_s"]) / math.log(
-                rs[-1]["p"] / rs[0]["p"])
-    lines = ["| graph | layers | schedule | p | ops | tasks | cold (CPU s) | warm (CPU s) | lower | verify | select "
-             "| simulate (CPU s) | peak RSS (MiB) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    growth = {f"in p ({k})": e for k, e in _growth(rows, "p", ("graph", "schedule", "layers")).items()}
+    growth.update({f"in layers ({k})": e for k, e in _growth(rows, "layers", ("graph", "schedule", "p")).items()})
+    lines = ["| graph | layers | schedule | p | machine | ops | tasks | cold (CPU s) | warm (CPU s) | lower | liveness "
+             "| verify | record | select | simulate (CPU s) | peak RSS (MiB) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ps = r["passes"]
         sim = f"{r['simulate_cpu_s']:.2f}" if "simulate_cpu_s" in r else "-"
         warm = f"{r['warm_cpu_s']:.2f}" if r["warm_cpu_s"] is not None else "-"
-        lines.append(f"| {r['graph']} | {r['layers']} | {r['schedule']} | {r['p']} | {r['ops']} | {r['tasks']} | "
-                     f"{r['cold_cpu_s']:.2f} | {warm} | {ps.get('lower', 0):.2f} | {ps.get('verify', 0):.2f} | "
+        lines.append(f"| {r['graph']} | {r['layers']} | {r['schedule']} | {r['p']} | "
+                     f"{machine_for(r['topology'], r['p'])} | {r['ops']} | {r['tasks']} | "
+                     f"{r['cold_cpu_s']:.2f} | {warm} | {ps.get('lower', 0):.2f} | {ps.get('liveness', 0):.2f} | "
+                     f"{ps.get('verify', 0):.2f} | {ps.get('record', 0):.2f} | "
                      f"{ps.get('select', 0):.2f} | {sim} | {r['rss_peak_mib']:.0f} |")
     for name, e in growth.items():
-        lines.append(f"\nGrowth of the warm compile in p ({name}): p^{e:.2f}")
+        lines.append(f"\nGrowth of the compile time {name}: exponent {e:.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}",
-            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "growth": growth}
-    out.with_suffix(".json").write_text(json.dumps({**meta, "cases": rows}, indent=2))
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    head = header("Planning time against devices and depth", [], "cpu:<p> (logical devices, plans priced for "
+                  "the machine in each row)", notes=["CPU seconds of this process (all threads); peak RSS per case"])
+    head["dtype"] = "bfloat16 (train, step), float16 (block)"
+    out.with_suffix(".json").write_text(json.dumps({**head, "growth": growth, "cases": rows}, indent=2))
+    out.with_suffix(".md").write_text("\n".join([*header_markdown(head), *lines]) + "\n")
     print("\n".join(lines))
 
 
@@ -172,11 +199,12 @@ def main() -> None:
     ap.add_argument("--p", default="8,16,32,64,72,128")
     ap.add_argument("--depths", default="1")
     ap.add_argument("--schedules", default="naive")
-    ap.add_argument("--graphs", default="block", help="block (forward) and/or train (forward + backward)")
+    ap.add_argument("--graphs", default="block",
+                    help="block (forward), train (forward + backward) and/or step (the whole training step, AdamW)")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--warm", type=int, default=2, help="warm compiles after the cold one")
     ap.add_argument("--simulate", action="store_true")
-    ap.add_argument("--topology", default="hgx-h200")
+    ap.add_argument("--topology", default="hgx-h200", help="a machine name, or auto (see machine_for)")
     ap.add_argument("--search-steps", type=int, default=None)
     ap.add_argument("--out", default="bench/results/compile_scale")
     ap.add_argument("--case", help=argparse.SUPPRESS)

@@ -3,10 +3,13 @@
 Per operator, in topological order:
 
 1. placement: each function spec goes to a device, greedily matching the
-   specs to the devices that already hold most of the bytes they read; on a
-   tie, the devices of the last operator with the same output blocks (so a
-   chain of elementwise updates whose states are not yet loaded follows the
-   gradient it started from), then the identity;
+   specs to the devices that already hold most of the bytes they read, then the
+   identity; an operator none of whose inputs is placed yet (a chain of
+   elementwise updates whose states are not yet loaded) takes the devices of the
+   last operator with the same output blocks (so it follows the gradient it
+   started from).  Ties among placed bytes never follow an earlier operator:
+   that would carry one layer's tie-breaks into the next, and identical layers
+   would be placed, and lowered, differently;
 2. the ExProg preamble: atoms are the cells of the overlay of the producer's
    output blocks and the blocks the operator reads (one atom per cell and
    producing copy, unaggregated); IN puts each at the device of its copy, OUT
