@@ -93,12 +93,30 @@ class Decoder:
     prefilled into free slots) and leave (``leave``), each with its own length and positions, without
     planning again.  ``max_len`` bounds a sequence (prompt and generated tokens); ``device`` and
     ``compile_options`` are those of ``rt.compileGraph`` (with ``catalog=PATH`` every program of the decoder
-    is recorded in one catalog, labelled ``prefill BxS`` or ``decode BxL``)."""
+    is recorded in one catalog, labelled ``prefill BxS`` or ``decode BxL``).
 
-    def __init__(self, model: Any, max_batch: int, max_len: int, device: Any = None, **compile_options: Any) -> None:
-        for what, value in (("max_batch", max_batch), ("max_len", max_len)):
+    With ``block_size`` the cache is **paged**: each layer's keys and values are one pool of ``num_blocks``
+    blocks of ``block_size`` positions that all slots share (block 0 is scratch: idle slots write there and
+    nothing reads it), a sequence takes a block when it reaches one more ``block_size`` positions and gives
+    its blocks back when it leaves, and the decode step reads each sequence's positions through a table of
+    pool rows (an input, like the tokens).  ``num_blocks`` defaults to enough for every slot's whole
+    ``max_len``; fewer makes sequences share the memory, and a step that finds no free block is refused."""
+
+    def __init__(self, model: Any, max_batch: int, max_len: int, device: Any = None, block_size: int | None = None,
+                 num_blocks: int | None = None, **compile_options: Any) -> None:
+        for what, value in (("max_batch", max_batch), ("max_len", max_len), ("block_size", block_size or 1),
+                            ("num_blocks", num_blocks or 2)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise GraphError(f"decoder's {what} is a positive int; got {value!r}.")
+        if block_size is None and num_blocks is not None:
+            raise GraphError(f"num_blocks={num_blocks} sizes a paged cache; give block_size too (positions per "
+                             "block), or leave both out for a cache of max_len positions per slot.")
+        if block_size is not None and isinstance(model, CausalLM):
+            raise GraphError("a paged cache (block_size) is built from a transformers model's attention; a graph-API "
+                             "CausalLM's decode step keeps a cache per slot: leave block_size out.")
+        if num_blocks is not None and num_blocks < 2:
+            raise GraphError(f"a paged cache needs the scratch block and at least one more; got num_blocks="
+                             f"{num_blocks}.")
         self.model = model
         self.shape: CacheShape = _cache_shape(model)
         self.max_batch, self.max_len = max_batch, max_len
@@ -112,6 +130,12 @@ class Decoder:
         self._position = [0] * max_batch
         self._keys_ok: Any = None  # [max_batch, max_len] bool on the step's device: the positions each slot sees
         self._writes: list[tuple[int, int, dict[str, Any]]] = []  # (slot, length, layer caches) to write
+        self.block_size = block_size
+        per_slot = -(-max_len // block_size) if block_size else 0
+        self.num_blocks = (num_blocks or max_batch * per_slot + 1) if block_size else None
+        self._free = list(range(1, self.num_blocks)) if self.num_blocks else []  # blocks no slot holds
+        self._blocks: list[list[int]] = [[] for _ in range(max_batch)]  # per slot: its blocks, in order
+        self._rows: Any = None  # [max_batch, max_len] int64: the pool row of each slot's positions (0: scratch)
 
     # --- programs ---------------------------------------------------------------------------------------
     def prefill_program(self, batch: int, length: int) -> _Program:
@@ -125,7 +149,7 @@ class Decoder:
     def decode_program(self) -> _Program:
         """The decode step over every slot and the ``max_len`` cache (planned at first use)."""
         if self._decode is None:
-            graph, params = _graph(self.model, self.max_batch, 1, self.max_len)
+            graph, params = _graph(self.model, self.max_batch, 1, self.max_len, self.pool_rows)
             self._decode = _Program(graph, params, self.device, self.options,
                                     f"decode {self.max_batch}x{self.max_len}")
         return self._decode
@@ -143,6 +167,11 @@ class Decoder:
         if file is not None:
             print(text, file=file, end="")
         return text
+
+    @property
+    def pool_rows(self) -> int | None:
+        """The rows of each layer's paged cache pool (None: the cache is not paged)."""
+        return self.num_blocks * self.block_size if self.block_size and self.num_blocks else None
 
     @property
     def slots(self) -> list[int]:
@@ -181,6 +210,8 @@ class Decoder:
         if self._keys_ok is None:
             self._keys_ok = torch.zeros((self.max_batch, self.max_len), dtype=torch.bool, device=self._where)
         slots = free[:n]
+        if self.block_size:
+            self._take_blocks(slots, length)
         for i, r in enumerate(slots):
             self._writes = [w for w in self._writes if w[0] != r]
             self._writes.append((r, length, {name: t[i] for name, t in zip(names, kv)}))
@@ -197,6 +228,10 @@ class Decoder:
             self._at[r] = -1
             self._keys_ok[r] = False
             self._writes = [w for w in self._writes if w[0] != r]
+            if self.block_size:
+                self._free.extend(self._blocks[r])
+                self._blocks[r] = []
+                self._rows[r] = 0
 
     def prefill(self, input_ids: Any, attention_mask: Any = None) -> Any:
         """Start a batch: every running sequence leaves, and those of ``input_ids [batch, prompt]`` (padded on
@@ -205,6 +240,34 @@ class Decoder:
         if self.slots:
             self.leave(self.slots)
         return self.join(input_ids, attention_mask)[1]
+
+    # --- paged cache ---------------------------------------------------------------------------------------
+    def _take_blocks(self, slots: Sequence[int], length: int) -> None:
+        """Give each of ``slots`` the blocks that hold ``length`` positions (it holds none yet), or refuse."""
+        torch = _torch()
+        bs = self.block_size
+        assert bs is not None
+        if self._rows is None:
+            self._rows = torch.zeros((self.max_batch, self.max_len), dtype=torch.int64, device=self._where)
+        need = -(-length // bs)
+        if need * len(slots) > len(self._free):
+            raise ExecError(f"{len(slots)} prompt(s) of {length} positions need {need * len(slots)} cache blocks of "
+                            f"{bs}; {len(self._free)} of the decoder's num_blocks={self.num_blocks} are free. Let "
+                            "sequences leave first, or make the decoder with more num_blocks.")
+        for r in slots:
+            for _ in range(need):
+                self._grow(r)
+
+    def _grow(self, r: int) -> None:
+        """One more block for slot ``r``: its next ``block_size`` positions map to the block's pool rows."""
+        torch = _torch()
+        bs = self.block_size
+        assert bs is not None
+        block = self._free.pop(0)
+        start = len(self._blocks[r]) * bs
+        stop = min(start + bs, self.max_len)
+        self._blocks[r].append(block)
+        self._rows[r, start:stop] = torch.arange(block * bs, block * bs + stop - start, device=self._where)
 
     # --- the decode step ------------------------------------------------------------------------------------
     def _write_caches(self, step: _Program) -> dict[str, Any]:
@@ -218,10 +281,13 @@ class Decoder:
             for w in "kv":
                 name = cache_name(i, w)
                 dim = self.shape.key_dim if w == "k" else self.shape.value_dim
+                lead = (self.pool_rows,) if self.pool_rows else (self.max_batch, self.max_len)
                 cache = step.state(name) if step.loaded else torch.zeros(
-                    (self.max_batch, self.max_len, self.shape.kv_heads, dim), dtype=self.shape.dtype,
-                    device=self._where)
+                    (*lead, self.shape.kv_heads, dim), dtype=self.shape.dtype, device=self._where)
                 for r, length, kv in self._writes:
+                    if self.block_size:  # the prompt's positions into the slot's pool rows
+                        cache[self._rows[r, :length]] = kv[name].to(cache.device)
+                        continue
                     cache[r] = 0
                     cache[r, :length] = kv[name]
                 out[name] = cache
@@ -243,6 +309,14 @@ class Decoder:
         if full:
             raise ExecError(f"the cache holds max_len={self.max_len} positions, all used by slot(s) {full}; let "
                             "them leave, or make the decoder with a larger max_len.")
+        if self.block_size:  # a slot at the end of its last block takes another
+            grow = [r for r in slots if self._at[r] >= len(self._blocks[r]) * self.block_size]
+            if len(grow) > len(self._free):
+                raise ExecError(f"slot(s) {grow} each need a new cache block of {self.block_size} positions; "
+                                f"{len(self._free)} of the decoder's num_blocks={self.num_blocks} are free. Let "
+                                "sequences leave, or make the decoder with more num_blocks.")
+            for r in grow:
+                self._grow(r)
         step = self.decode_program()
         rows = torch.tensor(slots, device=self._where)
         at = torch.tensor([self._at[r] for r in slots], device=self._where)
@@ -254,6 +328,10 @@ class Decoder:
         write[rows, at] = True
         self._keys_ok[rows, at] = True
         feeds = {"ids": ids, "keys_ok": self._keys_ok, "positions": positions, "write": write}
+        if self.block_size:
+            write_rows = torch.zeros(self.max_batch, dtype=torch.int64, device=self._where)  # idle: scratch row 0
+            write_rows[rows] = self._rows[rows, at]
+            feeds.update(rows=self._rows, write_rows=write_rows)
         feeds.update(self._write_caches(step))
         (logits,) = step.run(feeds, ["logits"])
         for r in slots:
@@ -274,14 +352,16 @@ def _cache_shape(model: Any) -> CacheShape:
     return cache_shape(model)
 
 
-def _graph(model: Any, batch: int, length: int, max_len: int | None) -> tuple[Graph, Mapping[str, Any]]:
-    """The prefill (``max_len`` None) or decode step's graph of ``model`` and its parameters' values."""
+def _graph(model: Any, batch: int, length: int, max_len: int | None,
+           pool_rows: int | None = None) -> tuple[Graph, Mapping[str, Any]]:
+    """The prefill (``max_len`` None) or decode step's graph of ``model`` (``pool_rows``: over a paged cache)
+    and its parameters' values."""
     if isinstance(model, CausalLM):
         feeds = model.feeds()
         if max_len is None:
             return lm_prefill_graph(model, batch, length), feeds
         return lm_decode_graph(model, batch, max_len), feeds
-    g = prefill_graph(model, batch, length) if max_len is None else decode_graph(model, batch, max_len)
+    g = prefill_graph(model, batch, length) if max_len is None else decode_graph(model, batch, max_len, pool_rows)
     return g, g.parameters
 
 
@@ -319,10 +399,12 @@ def _describe(x: Any) -> str:
 _DECODERS: weakref.WeakKeyDictionary[Any, dict[Any, Decoder]] = weakref.WeakKeyDictionary()
 
 
-def decoder(model: Any, max_batch: int = 1, max_len: int = 2048, device: Any = None, **compile_options: Any) -> Decoder:
+def decoder(model: Any, max_batch: int = 1, max_len: int = 2048, device: Any = None, block_size: int | None = None,
+            num_blocks: int | None = None, **compile_options: Any) -> Decoder:
     """A :class:`Decoder` for ``model`` (a transformers causal LM): prefill and decode programs planned for
-    ``device`` (as ``rt.compileGraph``'s), the cache ``max_len`` positions long."""
-    return Decoder(model, max_batch, max_len, device, **compile_options)
+    ``device`` (as ``rt.compileGraph``'s), the cache ``max_len`` positions long (``block_size``: paged, in
+    ``num_blocks`` blocks that the slots share)."""
+    return Decoder(model, max_batch, max_len, device, block_size, num_blocks, **compile_options)
 
 
 def _select(logits: Any, do_sample: bool, temperature: float, top_k: int | None, top_p: float | None,

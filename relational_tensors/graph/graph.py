@@ -34,6 +34,7 @@ from relational_tensors.sql_specs import (
     CrossEntropyOp,
     DropoutOp,
     EinsumOp,
+    EmbeddingGradOp,
     EmbeddingOp,
     LayernormOp,
     MatmulOp,
@@ -338,6 +339,10 @@ class Graph:
 
     def embedding(self, table: Tensor, ids: Tensor, name: str | None = None) -> Tensor:
         return self._op(EmbeddingOp((self._t(table), self._t(ids))), (table, ids), name)
+
+    def embedding_grad(self, ids: Tensor, rows: Tensor, vocab: int, name: str | None = None) -> Tensor:
+        """``[vocab, embed]``: row v the sum of the ``rows [..., embed]`` whose id is v (zeros for none)."""
+        return self._op(EmbeddingGradOp((self._t(ids), self._t(rows)), vocab), (ids, rows), name)
 
     # --- routing ----------------------------------------------------------------
     def topk(self, x: Tensor, k: int, largest: bool = True, name: str | None = None) -> tuple[Tensor, Tensor]:

@@ -39,13 +39,14 @@ from typing import Any
 
 import numpy as np
 
-from relational_tensors.core.dtypes import itemsize, partial_dtype
+from relational_tensors.core.dtypes import partial_dtype
 from relational_tensors.core.types import Box
 from relational_tensors.dp_optimizer.plan import LogicalPlan
 from relational_tensors.errors import ExchangeError
 from relational_tensors.exchange.ast import ExProg, InAtom, Partition, Requirement, aggregate_text, exact_cover
 from relational_tensors.exchange.naive import Membership, Synthesizer, naive
 from relational_tensors.graph.graph import Graph
+from relational_tensors.physical.placement import place
 from relational_tensors.physical.tasks import (
     AggregatePayload,
     Buffer,
@@ -88,61 +89,6 @@ class Lowered:
     write_bytes: dict[int, int] = field(default_factory=dict)  # state -> bytes moved to write its value
     searched: frozenset[str] = frozenset()  # the programs not written by the naive synthesizer
     replayed: int = 0  # operators lowered by replaying the tasks of one of the same geometry
-
-
-def place(plan: LogicalPlan, op_id: int, placement: dict[int, tuple[int, ...]],
-          memo: dict | None = None, held: dict[int, tuple[tuple[Box, int], ...]] | None = None,
-          hint: tuple[int, ...] | None = None) -> tuple[int, ...]:
-    """Devices for the function specs of ``op_id``: most co-resident input bytes first; on ties ``hint``
-    (function spec -> device, the placement of the last operator with the same output blocks), then the
-    identity.
-
-    ``held`` gives the (block, device) of inputs that are no operator's output but are kept on the
-    devices (sharded states).  ``memo`` caches the answer by the specs and producer placements
-    involved, which repeat across the identical layers of a deep model."""
-    graph = plan.graph
-    node = graph.nodes[op_id]
-    spec = plan.spec(op_id)
-    held = held or {}
-    inputs = [(k, tuple((ff.output, w) for ff, w in zip(plan.spec(i).functions, placement[i])))
-              if graph.nodes[i].op is not None else (k, held[i])
-              for k, i in enumerate(node.inputs) if graph.nodes[i].op is not None or i in held]
-    key = (spec, tuple(inputs), hint)
-    if memo is not None and key in memo:
-        return memo[key]
-    p, devices = spec.p, plan.p  # fewer function specs than devices when the operator is too small
-    # score[g, d]: bytes of the inputs of function spec g already on device d (integer overlap volumes of
-    # every needed block with every held block, on arrays: p x p intersections per input at p = 128)
-    score = np.zeros((p, devices), dtype=np.int64)
-    for k, blocks in inputs:
-        if not blocks:
-            continue
-        width, rank = itemsize(spec.input_types[k].dtype), spec.input_types[k].rank
-        need_lo, need_hi = (np.array([getattr(f.inputs[k], side) for f in spec.functions], dtype=np.int64)
-                            .reshape(p, rank) for side in ("lower", "upper"))
-        held_lo, held_hi = (np.array([getattr(box, side) for box, _ in blocks], dtype=np.int64)
-                            .reshape(len(blocks), rank) for side in ("lower", "upper"))
-        sides = (np.minimum(need_hi[:, None, :], held_hi[None, :, :])
-                 - np.maximum(need_lo[:, None, :], held_lo[None, :, :]))
-        overlap = np.prod(np.maximum(sides, 0), axis=2) * width  # [p, blocks]
-        np.add.at(score.T, np.array([d for _, d in blocks]), overlap.T)
-    gs, ds = np.divmod(np.arange(p * devices), devices)
-    hinted = ds != (np.asarray(hint, dtype=np.int64)[gs] if hint is not None and len(hint) == p else gs)
-    # most co-resident bytes first, then the hint, then the identity (g on device g), then by (g, d)
-    order = np.lexsort((ds, gs, gs != ds, hinted, -score.ravel()))
-    out: dict[int, int] = {}
-    used: set[int] = set()
-    for at in order.tolist():
-        g, d = divmod(at, devices)
-        if g not in out and d not in used:
-            out[g] = d
-            used.add(d)
-            if len(out) == p:
-                break
-    result = tuple(out[g] for g in range(p))
-    if memo is not None:
-        memo[key] = result
-    return result
 
 
 def value_blocks(spec: Any) -> tuple[tuple[Box, int], ...]:

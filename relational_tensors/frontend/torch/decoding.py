@@ -100,8 +100,9 @@ def _cache_class() -> type:
         """The keys and values of one step, as the attention layers see them: the prompt's own (prefill), or
         the cache with this step's written at the write position (decode); ``new`` records each layer's."""
 
-        def __init__(self, past: list[tuple[Any, Any]] | None, write: Any, layers: int) -> None:
-            self.past, self.write = past, write
+        def __init__(self, past: list[tuple[Any, Any]] | None, write: Any, layers: int,
+                     paged: tuple[Any, Any] | None = None) -> None:
+            self.past, self.write, self.paged = past, write, paged
             self.new: list[tuple[Any, Any] | None] = [None] * layers
             self.layers: list[Any] = []
 
@@ -114,6 +115,12 @@ def _cache_class() -> type:
             if key.shape[2] != 1:
                 raise GraphError(f"a decode step writes one token per sequence; layer {layer_idx} got keys of "
                                  f"{key.shape[2]} positions.")
+            if self.paged is not None:  # pools of rows: write each sequence's row, read its rows in order
+                rows, write_rows = self.paged
+                pool_k = past_k.index_put((write_rows,), key[:, :, 0])
+                pool_v = past_v.index_put((write_rows,), value[:, :, 0])
+                self.new[layer_idx] = (pool_k, pool_v)
+                return pool_k[rows].transpose(1, 2), pool_v[rows].transpose(1, 2)
             at = self.write[:, :, None, None]
             keys = torch.where(at, key.transpose(1, 2), past_k)  # [batch, length, heads, dim]
             values = torch.where(at, value.transpose(1, 2), past_v)
@@ -164,7 +171,7 @@ def _eager(model: Any) -> bool:
     return getattr(_config(model), "_attn_implementation", "sdpa") == "eager"
 
 
-def _step_modules(model: Any, shape: CacheShape) -> tuple[type, type]:
+def _step_modules(model: Any, shape: CacheShape) -> tuple[type, type, type]:
     torch = _torch()
     eager = _eager(model)
     base: Any = torch.nn.Module
@@ -186,6 +193,27 @@ def _step_modules(model: Any, shape: CacheShape) -> tuple[type, type]:
                                  cache)
             return (logits, *[t for kv in cache.new for t in kv])
 
+    class PagedDecode(base):  # type: ignore[misc, valid-type]
+        """(ids [b, 1], keys_ok [b, L], positions [b, 1], write [b, L], rows [b, L], write_rows [b], k0, v0, ...)
+        -> (logits, k0', v0', ...), each layer's cache a pool ``[pool rows, kv_heads, dim]``: position j of
+        sequence b is pool row ``rows[b, j]``, and this step's keys and values go to row ``write_rows[b]``."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: Any, keys_ok: Any, positions: Any, write: Any, rows: Any, write_rows: Any,
+                    *past: Any) -> Any:
+            length = keys_ok.shape[1]
+            index = torch.arange(length, device=ids.device, dtype=torch.float32)
+            at = (write.to(torch.float32) * index).sum(1)
+            distance = (at[:, None] - index[None, :])[:, None, :]
+            pairs = [(past[2 * i], past[2 * i + 1]) for i in range(shape.layers)]
+            cache = _cache_class()(pairs, write, shape.layers, (rows, write_rows))
+            logits = _call_model(self.model, ids, _masks(shape, keys_ok[:, None, :], distance, shape.dtype, eager),
+                                 positions, cache)
+            return (logits, *[t for kv in cache.new for t in kv])
+
     class Decode(base):  # type: ignore[misc, valid-type]
         """(ids [b, 1], keys_ok [b, L], positions [b, 1], write [b, L], k0, v0, ...) -> (logits, k0', v0', ...)."""
 
@@ -204,7 +232,7 @@ def _step_modules(model: Any, shape: CacheShape) -> tuple[type, type]:
                                  positions, cache)
             return (logits, *[t for kv in cache.new for t in kv])
 
-    return Prefill, Decode
+    return Prefill, Decode, PagedDecode
 
 
 def _examples(model: Any, batch: int, length: int) -> tuple[Any, Any, Any]:
@@ -237,34 +265,44 @@ def prefill_graph(model: Any, batch: int, length: int) -> TorchGraph:
     attention mask, boolean) and ``positions``; outputs ``logits`` (the last position's) and each layer's
     keys and values ``cache.<i>.k`` / ``cache.<i>.v`` of the prompt."""
     shape = cache_shape(model)
-    prefill, _ = _step_modules(model, shape)
+    prefill, _, _ = _step_modules(model, shape)
     g = _trace(prefill(), _examples(model, batch, length))
     _rename_outputs(g, shape)
     return g
 
 
-def decode_graph(model: Any, batch: int, max_len: int) -> TorchGraph:
+def decode_graph(model: Any, batch: int, max_len: int, pool_rows: int | None = None) -> TorchGraph:
     """One decode step of ``batch`` sequences over a cache of ``max_len`` positions: inputs ``ids`` [b, 1],
     ``keys_ok`` [b, max_len] (the cache positions each sequence sees, the written one included),
     ``positions`` [b, 1] and ``write`` [b, max_len] (True at the position each sequence writes this step; a
     row without one writes nothing); states
-    ``cache.<i>.k`` / ``cache.<i>.v``, assigned this step's cache; output ``logits``."""
+    ``cache.<i>.k`` / ``cache.<i>.v``, assigned this step's cache; output ``logits``.
+
+    With ``pool_rows`` the cache is paged: each state a pool ``[pool_rows, kv_heads, dim]`` that all sequences
+    share, and two more inputs, ``rows`` [b, max_len] (the pool row of each of a sequence's positions) and
+    ``write_rows`` [b] (the row each sequence writes this step; an idle one writes a row nobody reads)."""
     torch = _torch()
     shape = cache_shape(model)
-    _, decode = _step_modules(model, shape)
+    _, decode, paged = _step_modules(model, shape)
     device = next(model.parameters()).device
     ids, _, positions = _examples(model, batch, 1)
     ok = torch.ones((batch, max_len), dtype=torch.bool, device=device)
     write = torch.zeros((batch, max_len), dtype=torch.bool, device=device)
     write[:, 0] = True
+    lead: tuple[int, ...] = (batch, max_len) if pool_rows is None else (pool_rows,)
+    given: tuple[Any, ...] = (ids, ok, positions, write)
+    if pool_rows is not None:
+        rows = torch.zeros((batch, max_len), dtype=torch.int64, device=device)
+        given = (*given, rows, torch.arange(batch, dtype=torch.int64, device=device) % pool_rows)
     past = []
     for _ in range(shape.layers):
-        past.append(torch.zeros((batch, max_len, shape.kv_heads, shape.key_dim), dtype=shape.dtype, device=device))
-        past.append(torch.zeros((batch, max_len, shape.kv_heads, shape.value_dim), dtype=shape.dtype, device=device))
-    g = _trace(decode(), (ids, ok, positions, write, *past))
+        past.append(torch.zeros((*lead, shape.kv_heads, shape.key_dim), dtype=shape.dtype, device=device))
+        past.append(torch.zeros((*lead, shape.kv_heads, shape.value_dim), dtype=shape.dtype, device=device))
+    g = _trace((decode if pool_rows is None else paged)(), (*given, *past))
     _rename_outputs(g, shape)
-    given = g.input_names[4:]
-    for i, name in enumerate(given):  # the cache inputs become states, assigned the step's cache
+    first = len(given)
+    caches = g.input_names[first:]
+    for i, name in enumerate(caches):  # the cache inputs become states, assigned the step's cache
         if name is None:
             raise GraphError("a decode step reads every layer's cache; this model's step ignores one. This is a bug "
                              "in generation, please report it.")
@@ -274,6 +312,6 @@ def decode_graph(model: Any, batch: int, max_len: int) -> TorchGraph:
         g._names.add(state)
         value = g.tensor(g.outputs.pop(state))
         g.assign(g.tensor(node.id), value)
-    g.input_names = (*g.input_names[:4], *[None] * len(given))
+    g.input_names = (*g.input_names[:first], *[None] * len(caches))
     g.output_names, g.output_leaves = ("logits",), (("saved", "logits"),)
     return g

@@ -224,9 +224,11 @@ def _index(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     x = tr.sym(a["self"])
     indices = list(a["indices"])
     out = _out_shape(node)
+    if len(indices) == 1 and indices[0] is not None and not isinstance(indices[0], _Const):
+        return _take_rows(tr, x, tr.sym(indices[0]))
     if len(indices) > x.rank or any(not isinstance(i, _Const) for i in indices):
-        raise _fail("indexing with indices computed from the inputs (a gather); supported: constant aranges that "
-                    "broadcast dimensions")
+        raise _fail("indexing with indices computed from the inputs other than x[ids] (rows of the first "
+                    "dimension); supported: x[ids], and constant aranges that broadcast dimensions")
     rank = len(out) - (x.rank - len(indices))
     placed: list[int] = []
     for d, idx in enumerate(indices):
@@ -252,6 +254,87 @@ def _index(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
         raise _fail(f"indexing that gives shape {out} from broadcast aranges; supported: aranges that only "
                     "insert unit axes")
     return tr.reshape(x, (*shape, *x.shape[len(indices):]))
+
+
+def _rows_index(what: str, x: Tensor, ids: Tensor) -> Tensor:
+    if ids.dtype not in ("int32", "int64"):
+        raise _fail(f"{what} with {ids.dtype} indices; supported: integer row ids (a boolean mask selects a "
+                    "data-dependent number of rows)")
+    if x.rank < 1:
+        raise _fail(f"{what} into a 0-d tensor; supported: rows of a tensor of rank 1 or more")
+    return ids
+
+
+def _take_rows(tr: _Translator, x: Tensor, ids: Tensor) -> Tensor:
+    """``x[ids]`` with ids computed from the inputs: the rows of x's first dimension at ids, ``[*ids, *rest]``,
+    an embedding lookup of x viewed as a ``[rows, rest]`` table (non-floating x looked up in float64, exact
+    below 2**53).  An id outside the rows is refused by the host executor; torch raises on it too."""
+    ids = _rows_index("indexing x[ids]", x, ids)
+    work = x.dtype if x.dtype in FLOAT_DTYPES else "float64"
+    rest = x.shape[1:]
+    table = tr.reshape(tr.cast(x, work), (x.shape[0], math.prod(rest)))
+    rows = tr.g.embedding(table, tr.cast(ids, "int64"), name=tr.name("index"))
+    return tr.cast(tr.reshape(rows, (*ids.shape, *rest)), x.dtype)
+
+
+@register_torch_op("index_select")
+def _index_select(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    """``x.index_select(dim, ids)``: the entries at ids along dim (``_take_rows`` with dim moved first)."""
+    x = tr.sym(a["self"])
+    axis = _axis(a["dim"], max(x.rank, 1))
+    order = (axis, *[d for d in range(x.rank) if d != axis])
+    ids = tr.sym(a["index"])
+    rows = _take_rows(tr, tr.permute(x, order), tr.reshape(ids, (math.prod(ids.shape),)))
+    return tr.permute(rows, [order.index(d) for d in range(x.rank)])
+
+
+def _write_rows(tr: _Translator, x: Tensor, ids: Any, values: Any, accumulate: bool, what: str) -> Tensor:
+    """x with the rows of its first dimension at ids replaced by values (``accumulate``: added to); see
+    ``_index_put``."""
+    if x.dtype not in FLOAT_DTYPES:
+        raise _fail(f"{what} into a {x.dtype} tensor; supported: floating tensors")
+    ids = tr.cast(_rows_index(what, x, tr.sym(ids)), "int64")
+    rest, n = x.shape[1:], x.shape[0]
+    width, count = math.prod(rest), math.prod(ids.shape)
+    values = _broadcast_to(tr, tr.sym(values, x.dtype), (*ids.shape, *rest))
+    flat = tr.reshape(ids, (count,))
+    written = tr.g.embedding_grad(flat, tr.reshape(values, (count, width)), n, name=tr.name("index_put_rows"))
+    table = tr.reshape(x, (n, width))
+    if accumulate:
+        out = tr.binary(table, written, "add")
+    else:
+        ones = tr.unary(tr.reshape(tr.cast(flat, x.dtype), (count, 1)), "fill", 1.0)
+        hits = tr.g.embedding_grad(flat, ones, n, name=tr.name("index_put_hits"))
+        out = tr.g.where(tr.binary(hits, tr.sym(0.0, x.dtype), "greater"), written, table,
+                         name=tr.name("index_put"))
+    return tr.reshape(out, x.shape)
+
+
+@register_torch_op("index_copy")
+def _index_copy(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    """``x.index_copy(dim, ids, source)``: the entries at ids along dim replaced by source's (``_write_rows``
+    with dim moved first)."""
+    x = tr.sym(a["self"])
+    axis = _axis(a["dim"], max(x.rank, 1))
+    order = (axis, *[d for d in range(x.rank) if d != axis])
+    src = tr.permute(tr.sym(a["source"], x.dtype), order)
+    out = _write_rows(tr, tr.permute(x, order), a["index"], src, False, "index_copy")
+    return tr.permute(out, [order.index(d) for d in range(x.rank)])
+
+
+@register_torch_op("index_put")
+def _index_put(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    """``x.index_put((ids,), values, accumulate)`` (``x[ids] = values``, ``x.index_put_``): the rows of x's first
+    dimension at ids replaced by values (``accumulate=True``: added to), values broadcast to ``[*ids, *rest]``;
+    the rows are scattered with the embedding's gradient (each row the sum of the values written there) and
+    selected where written.  A row written twice without ``accumulate`` gets the sum of its values (torch
+    leaves which one it keeps unspecified)."""
+    x = tr.sym(a["self"])
+    indices = list(a["indices"])
+    if len(indices) != 1 or indices[0] is None:
+        raise _fail(f"index_put with {len(indices)} index tensors; supported: one, on the first dimension "
+                    "(x[ids] = values)")
+    return _write_rows(tr, x, indices[0], a["values"], bool(a.get("accumulate", False)), "index_put")
 
 
 @register_torch_op("scatter", "scatter_add")
