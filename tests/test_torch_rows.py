@@ -65,6 +65,11 @@ class Copy(nn.Module):
         return x.index_copy(1, ids, v)
 
 
+class Add(nn.Module):
+    def forward(self, x: Any, ids: Any, v: Any) -> Any:
+        return x.index_add(1, ids, v, alpha=0.5)
+
+
 @pytest.mark.parametrize("device", ["cpu:1", "cpu:3"])
 @pytest.mark.parametrize("ids_shape", [(5,), (2, 3)])
 def test_rows_at_input_ids(device: str, ids_shape: tuple[int, ...]) -> None:
@@ -96,10 +101,11 @@ def test_index_put_accumulates_repeated_rows_and_broadcasts_values() -> None:
     _check(Put(False), (x, torch.tensor([3, 0]), torch.randn(4)), "cpu:2")  # one row of values for each id
 
 
-def test_setitem_and_index_copy() -> None:
+def test_setitem_index_copy_and_index_add() -> None:
     x = torch.randn(8, 6)
     _check(Assign(), (x, torch.tensor([6, 0, 3]), torch.randn(3, 6)), "cpu:3")
     _check(Copy(), (x, torch.tensor([5, 1]), torch.randn(8, 2)), "cpu:3")
+    _check(Add(), (x, torch.tensor([5, 1, 5]), torch.randn(8, 3)), "cpu:3")  # a column added twice
 
 
 def test_bfloat16_rows_are_written_exactly() -> None:

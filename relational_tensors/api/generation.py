@@ -104,8 +104,10 @@ class Decoder:
 
     def __init__(self, model: Any, max_batch: int, max_len: int, device: Any = None, block_size: int | None = None,
                  num_blocks: int | None = None, **compile_options: Any) -> None:
-        for what, value in (("max_batch", max_batch), ("max_len", max_len), ("block_size", block_size or 1),
-                            ("num_blocks", num_blocks or 2)):
+        sizes = (("max_batch", max_batch), ("max_len", max_len), ("block_size", block_size), ("num_blocks", num_blocks))
+        for what, value in sizes:
+            if value is None and what in ("block_size", "num_blocks"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise GraphError(f"decoder's {what} is a positive int; got {value!r}.")
         if block_size is None and num_blocks is not None:
@@ -333,7 +335,8 @@ class Decoder:
             write_rows[rows] = self._rows[rows, at]
             feeds.update(rows=self._rows, write_rows=write_rows)
         feeds.update(self._write_caches(step))
-        (logits,) = step.run(feeds, ["logits"])
+        read = {n.name for n in step.graph.inputs}  # (a step without sliding windows never reads ``write``)
+        (logits,) = step.run({k: v for k, v in feeds.items() if k in read}, ["logits"])
         for r in slots:
             self._at[r] += 1
             self._position[r] += 1

@@ -25,7 +25,6 @@ _DATA_DEPENDENT = "it selects by values computed from the inputs, which gives da
 REFUSED: dict[str, str] = {
     "sort": _DATA_DEPENDENT, "argsort": _DATA_DEPENDENT,
     "nonzero": _DATA_DEPENDENT, "masked_select": _DATA_DEPENDENT, "unique": _DATA_DEPENDENT,
-    "index_add": _DATA_DEPENDENT,
     "randn": "normal draws are not supported; rand, rand_like, bernoulli and dropout are",
     "randn_like": "normal draws are not supported; rand, rand_like, bernoulli and dropout are",
     "normal": "normal draws are not supported; rand, rand_like, bernoulli and dropout are",

@@ -310,15 +310,18 @@ def _write_rows(tr: _Translator, x: Tensor, ids: Any, values: Any, accumulate: b
     return tr.reshape(out, x.shape)
 
 
-@register_torch_op("index_copy")
+@register_torch_op("index_copy", "index_add")
 def _index_copy(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
-    """``x.index_copy(dim, ids, source)``: the entries at ids along dim replaced by source's (``_write_rows``
-    with dim moved first)."""
+    """``x.index_copy(dim, ids, source)`` and ``x.index_add(dim, ids, source, alpha)``: the entries at ids along
+    dim replaced by source's, or source times alpha added to them (``_write_rows`` with dim moved first)."""
     x = tr.sym(a["self"])
     axis = _axis(a["dim"], max(x.rank, 1))
     order = (axis, *[d for d in range(x.rank) if d != axis])
     src = tr.permute(tr.sym(a["source"], x.dtype), order)
-    out = _write_rows(tr, tr.permute(x, order), a["index"], src, False, "index_copy")
+    add = _packet(node) == "index_add"
+    if add and a.get("alpha", 1) != 1:
+        src = tr.binary(src, tr.sym(float(a["alpha"]), x.dtype), "mul")
+    out = _write_rows(tr, tr.permute(x, order), a["index"], src, add, _packet(node))
     return tr.permute(out, [order.index(d) for d in range(x.rank)])
 
 
