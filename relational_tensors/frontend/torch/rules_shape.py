@@ -318,10 +318,10 @@ def _index_copy(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     axis = _axis(a["dim"], max(x.rank, 1))
     order = (axis, *[d for d in range(x.rank) if d != axis])
     src = tr.permute(tr.sym(a["source"], x.dtype), order)
-    add = _packet(node) == "index_add"
-    if add and a.get("alpha", 1) != 1:
+    what = "index_add" if _packet(node) == "index_add" else "index_copy"
+    if what == "index_add" and a.get("alpha", 1) != 1:
         src = tr.binary(src, tr.sym(float(a["alpha"]), x.dtype), "mul")
-    out = _write_rows(tr, tr.permute(x, order), a["index"], src, add, _packet(node))
+    out = _write_rows(tr, tr.permute(x, order), a["index"], src, what == "index_add", what)
     return tr.permute(out, [order.index(d) for d in range(x.rank)])
 
 
