@@ -60,7 +60,9 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CASES), ids=lambda w: f"world{w}")
+# four ranks under -m slow (they take the default run's longest setup); two ranks cover every strategy
+@pytest.fixture(scope="module", params=[pytest.param(w, marks=pytest.mark.slow) if w > 2 else w for w in sorted(CASES)],
+                ids=lambda w: f"world{w}")
 def spawned(request, tmp_path_factory):
     """Every case of one world size, run by ``world`` gloo processes; rank 0's results and outputs."""
     world = request.param

@@ -32,7 +32,8 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids.masked_fill(mask == 0, 0), mask
 
 
-@pytest.mark.parametrize(("kind", "device", "block_size"), [("llama", "cpu:2", 4), ("mistral", "cpu:3", 5)])
+@pytest.mark.parametrize(("kind", "device", "block_size"),
+                         [("llama", "cpu:2", 4), pytest.param("mistral", "cpu:3", 5, marks=pytest.mark.slow)])
 def test_paged_greedy_tokens_equal_transformers(kind: str, device: str, block_size: int) -> None:
     """Blocks that do not divide the prompt bucket or the cache; a sliding window over paged positions."""
     model = _model(kind)
