@@ -89,6 +89,33 @@ def test_training_plans_keep_their_layouts_and_train_like_the_free_plan(name: st
         assert all(rows[s]["bytes_per_device"] == g.node(s).type.nbytes for s in states)
 
 
+@pytest.mark.parametrize("name,layout", [("megatron_dp", None), ("fsdp_tp", "S(0)")])
+def test_two_dimensional_plans_split_heads_in_groups_and_the_batch_across(name: str, layout: str | None) -> None:
+    """Tensor parallelism in groups of 2 and data parallelism over 3 groups on 6 devices (the batch of 6,
+    the heads of 4): both splits in one spec, and one AdamW step equal to the free plan's."""
+    g = llama_training_graph(6, 16, 32, 4, 2, 48, 64, optimizer="adamw")
+    feeds = llama_training_feeds(g)
+    states = [n.name for n in g.inputs if n.role == "state"]
+    constraints = rt.plans.PLANS[name](g, 6, tp=2)
+    free = rt.compileGraph(g, device="cpu:6")
+    cg = rt.compileGraph(g, device="cpu:6", constraints=constraints)
+    assert {k: v for k, v in _split(cg, "q_proj").items() if v > 1} == {"k": 2, "b0": 3}
+    got = {}
+    for c in (free, cg):
+        c.load(feeds)
+        c.execute()
+        got[c] = {s: c.offload(s) for s in states}
+    for s in states:
+        assert np.abs(got[cg][s] - got[free][s]).max() <= 1e-5 * np.abs(got[free][s]).max() + 1e-7, s
+    rows = {r["state"]: r for r in cg.state_layouts()}
+    if layout is not None:
+        assert rows["wq"]["placement"] == layout
+    else:  # as read: a group's half of the weight held by every group (at least half on each device)
+        assert rows["wq"]["bytes_per_device"] >= g.node("wq").type.nbytes // 2
+    with pytest.raises(rt.GraphError, match="tp dividing p"):
+        rt.plans.PLANS[name](g, 6, tp=4)
+
+
 def test_a_hand_plan_needs_a_graph_and_a_device_count() -> None:
     with pytest.raises(rt.GraphError, match="p >= 1"):
         rt.plans.megatron_tp(_block(), 0)

@@ -16,6 +16,8 @@ are never looked at, so the plans apply to any graph of the same shape of comput
   (norms, residual adds) split over the sequence, as Megatron-LM's sequence parallelism does;
 * :func:`ddp`, :func:`fsdp` (alias :func:`zero3`): data parallelism of a training step with every state
   replicated (``R``) or sharded on its first dimension (``S(0)``, gathered for each reader);
+* :func:`megatron_dp`, :func:`fsdp_tp`: two dimensions, tensor parallelism inside groups of ``tp`` devices
+  (a node) and data parallelism across them, the states replicated across the groups or sharded over all;
 * :func:`expert_parallel`: a mixture of experts split over its experts (the first dimension of the
   stacked expert weights, rank 3, and everything computed from them);
 * :func:`expert_tensor_parallel`: Megatron tensor parallelism inside every expert, the experts whole.
@@ -41,7 +43,8 @@ from relational_tensors.dp_optimizer.candidates import specs_for
 from relational_tensors.errors import GraphError
 from relational_tensors.graph.graph import Graph, Node
 
-__all__ = ["data_parallel", "megatron_tp", "sequence_parallel", "ddp", "fsdp", "zero3", "expert_parallel",
+__all__ = ["data_parallel", "megatron_tp", "sequence_parallel", "ddp", "fsdp", "zero3", "megatron_dp", "fsdp_tp",
+           "expert_parallel",
            "expert_tensor_parallel", "PLANS"]
 
 _MATMULS = ("matmul", "einsum")
@@ -233,7 +236,42 @@ def fsdp(graph: Graph, p: int) -> dict[str, str]:
 
 zero3 = fsdp
 
+
+def megatron_dp(graph: Graph, p: int, tp: int = 8) -> dict[str, str]:
+    """Megatron-LM's two-dimensional layout: tensor parallelism over groups of ``tp`` devices (one NVLink
+    node of eight by default) and data parallelism over the ``p // tp`` groups; each weight split as its
+    group reads it and replicated across the groups (as Megatron's data-parallel replicas hold it).  An
+    operator tensor parallelism leaves unsplit takes the data split alone, and the rest of ``p``, the
+    optimizer's."""
+    tp_plan, dp_plan = _two_dimensional(graph, p, tp)
+    return _joined(tp_plan, dp_plan)
+
+
+def fsdp_tp(graph: Graph, p: int, tp: int = 8) -> dict[str, str]:
+    """:func:`megatron_dp` with every state sharded on its first dimension over all ``p`` devices and
+    gathered for its readers (FSDP across the groups, tensor parallelism inside them: torchtitan's 2-D)."""
+    return {**_states(graph, "S(0)"), **megatron_dp(graph, p, tp)}
+
+
+def _two_dimensional(graph: Graph, p: int, tp: int) -> tuple[dict[str, str], dict[str, str]]:
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or not isinstance(p, int) or p % tp:
+        raise GraphError(f"a two-dimensional plan needs tp dividing p (tensor-parallel groups of tp devices); "
+                         f"got tp={tp!r}, p={p!r}.")
+    return megatron_tp(graph, tp), data_parallel(graph, p // tp)
+
+
+def _joined(*plans: dict[str, str]) -> dict[str, str]:
+    """Per operator, the splits of every plan together (counts of one index multiplied)."""
+    out: dict[str, dict[str, int]] = {}
+    for plan in plans:
+        for name, text in plan.items():
+            splits = out.setdefault(name, {})
+            for part in text.split(","):
+                index, _, count = part.partition("=")
+                splits[index] = splits.get(index, 1) * int(count)
+    return {name: ",".join(f"{k}={v}" for k, v in splits.items()) for name, splits in out.items()}
+
 # the hand plans by name (bench/hand_plans.py, the CLI's --plan)
 PLANS = {"data_parallel": data_parallel, "megatron_tp": megatron_tp, "sequence_parallel": sequence_parallel,
-         "ddp": ddp, "fsdp": fsdp, "zero3": zero3, "expert_parallel": expert_parallel,
-         "expert_tensor_parallel": expert_tensor_parallel}
+         "ddp": ddp, "fsdp": fsdp, "zero3": zero3, "megatron_dp": megatron_dp, "fsdp_tp": fsdp_tp,
+         "expert_parallel": expert_parallel, "expert_tensor_parallel": expert_tensor_parallel}
