@@ -32,6 +32,7 @@ longer the block stays alive.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -102,10 +103,15 @@ def value_blocks(spec: Any) -> tuple[tuple[Box, int], ...]:
 
 def covers(boxes: Sequence[Box], space: Box) -> bool:
     """Whether the union of ``boxes`` (which may overlap) is all of ``space``: every cell of the overlay
-    of their edges lies in one of them."""
+    of their edges lies in one of them (memoized: the identical layers of a deep model ask alike)."""
+    return _covers(tuple(boxes), space)
+
+
+@functools.lru_cache(maxsize=4096)
+def _covers(boxes: tuple[Box, ...], space: Box) -> bool:
     if space.is_empty:
         return True
-    boxes = [b for b in boxes if not b.is_empty]
+    boxes = tuple(b for b in boxes if not b.is_empty)
     if not boxes:
         return False
     breaks = [np.unique([space.lower[d], space.upper[d], *(x for b in boxes for x in (b.lower[d], b.upper[d]))])
