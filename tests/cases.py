@@ -66,6 +66,9 @@ CASES: dict[str, Case] = {
     "concat": _one(lambda g, d: g.concat([g.input("a", [5, 3], d), g.input("b", [5, 7], d),
                                           g.input("c", [5, 2], d)], 1)),
     "embedding": _one(lambda g, d: g.embedding(g.input("table", [23, 6], d), g.input("ids", [3, 7], "int64"))),
+    # the rows' scatter (an embedding's gradient, and what x[ids] = v writes with): ids repeat in 21 over 13 rows
+    "embedding_grad": _one(lambda g, d: g.embedding_grad(g.input("ids", [3, 7], "int64"), g.input("rows", [3, 7, 5], d),
+                                                         13)),
     "attention_plain": _one(lambda g, d: g.attention(g.input("q", [2, 11, 4, 8], d), g.input("k", [2, 13, 2, 8], d),
                                                      g.input("v", [2, 13, 2, 8], d))),
     "attention_causal_gqa_8kv": _one(lambda g, d: g.attention(g.input("q", [1, 12, 16, 4], d),
@@ -269,13 +272,16 @@ def feeds_for(g: rt.Graph, seed: int = 0) -> dict[str, np.ndarray]:
             feeds[n.name] = rng.random(n.type.shape) < 0.75
         elif n.type.dtype.startswith("int"):  # ids of the table an embedding reads, or a cross-entropy's classes
             reader = next(c for c in g.operators if n.id in c.inputs and c.kind in (
-                "embedding", "cross_entropy", "dropout", "random", "take_along", "one_hot"))
+                "embedding", "embedding_grad", "cross_entropy", "dropout", "random", "take_along", "one_hot"))
             if reader.kind in ("dropout", "random"):  # a generator state (seed, offset): every bit may be set
                 feeds[n.name] = rng.integers(-2**63, 2**63 - 1, size=2, dtype=np.int64, endpoint=True)
                 continue
             if reader.kind == "one_hot":  # ids of the classes, and one out of range (a row of zeros)
                 classes = reader.op.classes  # type: ignore[attr-defined]
                 feeds[n.name] = rng.integers(-1, classes + 1, size=n.type.shape)
+                continue
+            if reader.kind == "embedding_grad":  # ids of the rows it scatters into
+                feeds[n.name] = rng.integers(0, reader.op.vocab, size=n.type.shape)  # type: ignore[attr-defined]
                 continue
             table = g.nodes[reader.inputs[0]].type.shape
             feeds[n.name] = rng.integers(0, table[0] if reader.kind == "embedding" else table[-1], size=n.type.shape)

@@ -125,6 +125,10 @@ def _node(op, xs: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.cat(list(xs), op.axis)
     if kind == "embedding":
         return F.embedding(xs[1], xs[0])
+    if kind == "embedding_grad":  # each row the sum of the rows whose id it is
+        ids, rows = xs
+        out = torch.zeros((op.vocab, rows.shape[-1]), dtype=rows.dtype)
+        return out.index_add(0, ids.reshape(-1).long(), rows.reshape(-1, rows.shape[-1]))
     if kind == "topk":
         return torch.topk(xs[0], op.k, largest=op.largest).indices
     if kind == "take_along":

@@ -23,7 +23,7 @@ from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import Box, TensorType
 from relational_tensors.errors import ExecError, GraphError
 from relational_tensors.sql_specs.base import Builder, Grads, IndexedOp, register
-from relational_tensors.sql_specs.grad import SECOND_ORDER, build
+from relational_tensors.sql_specs.grad import build
 
 __all__ = ["EmbeddingOp", "EmbeddingGradOp", "check_ids"]
 
@@ -100,7 +100,6 @@ class EmbeddingGradOp(IndexedOp):
     """
 
     kind = "embedding_grad"
-    gradient = SECOND_ORDER
     vocab: int = 1
 
     def infer(self) -> TensorType:
@@ -136,3 +135,10 @@ class EmbeddingGradOp(IndexedOp):
         mine = (flat >= v0) & (flat < v1)
         np.add.at(out, flat[mine] - v0, self._compute(dy).reshape(-1, dy.shape[-1])[mine])
         return self._result(out)
+
+    def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any,
+            wanted: tuple[bool, ...]) -> Grads:
+        """Each row's sum reaches every row it sums: ``dy``'s gradient is the cotangent's rows at ids (the
+        scatter's transpose, a lookup); the rows ``x[ids] = v`` writes get theirs this way."""
+        ids, _ = inputs
+        return (None, build(b, "embedding", (cotangent, ids)) if wanted[1] else None)
