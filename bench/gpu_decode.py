@@ -100,8 +100,9 @@ def torch_prefill(model: Any, length: int, cuda: bool) -> float:
         return time_ms(lambda: model(input_ids=ids, logits_to_keep=1), cuda)
 
 
-def ours_decode(model: Any, batch: int, context: int, device: str, cuda: bool) -> tuple[float, bool]:
-    dec = rt.decoder(model, max_batch=batch, max_len=context + 32, device=device)
+def ours_decode(model: Any, batch: int, context: int, device: str, cuda: bool,
+                block_size: int | None = None) -> tuple[float, bool]:
+    dec = rt.decoder(model, max_batch=batch, max_len=context + 32, device=device, block_size=block_size)
     ids = prompt(batch, context, model.config.vocab_size, "cuda" if cuda else "cpu")
     token = dec.prefill(ids).argmax(-1)
     # the first steps' greedy tokens against transformers' own (a wrong cache would show here)
@@ -136,6 +137,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out: prefill, hf, logical")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="also time the decode step over a paged cache of blocks of this many positions")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
@@ -176,6 +179,13 @@ def main() -> None:
         record(part="decode", batch=b, context=context, ours_ms=ms, greedy_equal=same, hf_static_compiled_ms=hf,
                ceiling_ms=ceiling, ours_tokens_s=b * 1e3 / ms if ms else None,
                hf_tokens_s=b * 1e3 / hf if hf else None, of_ceiling=ceiling / ms if ceiling and ms else None)
+        if a.block_size:
+            paged = attempt(f"decode b={b} paged", lambda b=b: ours_decode(model, b, context, device, cuda,
+                                                                           a.block_size))
+            if paged:
+                record(part="decode", batch=b, context=context, device=f"{device}, paged {a.block_size}",
+                       ours_ms=paged[0], greedy_equal=paged[1], ours_tokens_s=b * 1e3 / paged[0],
+                       ceiling_ms=ceiling, of_ceiling=ceiling / paged[0] if ceiling else None)
     if "logical" not in skip:
         logical = "cuda:0,0,0,0,0,0,0,0" if cuda else "cpu:4"
         got = attempt("decode logical", lambda: ours_decode(model, 1, context, logical, cuda))
