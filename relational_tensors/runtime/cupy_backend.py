@@ -357,8 +357,9 @@ class CupyExecutor(Staging):
                 for _, b, host in pieced[name]:
                     view = self.views[b]
                     with cp.cuda.Device(view.device):
-                        view.cupy().set(np.ascontiguousarray(host).view(np.uint16) if t.dtype == "bfloat16"
-                                        else np.ascontiguousarray(host))
+                        dst = view.cupy()  # (a scalar block: a value of shape (1,) fills a 0-d buffer)
+                        dst.set((np.ascontiguousarray(host).view(np.uint16) if t.dtype == "bfloat16"
+                                 else np.ascontiguousarray(host)).reshape(dst.shape))
                 continue
             blocks = self.dag.inputs[name]
             blocks = [(box, b) for box, b in blocks if self._keeps(self.dag.buffers[b].device)]
@@ -368,7 +369,7 @@ class CupyExecutor(Staging):
                     with cp.cuda.Device(view.device):
                         src = on_device[box.slices()]
                         dst = view.cupy()
-                        dst[...] = src
+                        dst[...] = src.reshape(dst.shape)
             else:
                 for box, b in blocks:
                     view = self.views[b]
@@ -376,7 +377,8 @@ class CupyExecutor(Staging):
                     if t.dtype == "bfloat16":
                         host = host.view(np.uint16)
                     with cp.cuda.Device(view.device):
-                        view.cupy().set(host)
+                        dst = view.cupy()
+                        dst.set(host.reshape(dst.shape))
         for d in set(self.phys):
             with cp.cuda.Device(d):
                 cp.cuda.Device(d).synchronize()
