@@ -203,6 +203,8 @@ class Decoder:
             ids = torch.cat([torch.zeros((n, length - s), dtype=ids.dtype), ids], 1)
             mask = torch.cat([torch.zeros((n, length - s), dtype=mask.dtype), mask], 1)
         positions = (mask.to(torch.int64).cumsum(-1) - 1).clamp(min=0)
+        if self.block_size:
+            self._check_blocks(n * -(-length // self.block_size), f"{n} prompt(s) of {length} positions")
         program = self.prefill_program(n, length)
         if program.cuda:
             self._where = f"cuda:{program.compiled.devices.physical[0]}"
@@ -252,13 +254,16 @@ class Decoder:
         if self._rows is None:
             self._rows = torch.zeros((self.max_batch, self.max_len), dtype=torch.int64, device=self._where)
         need = -(-length // bs)
-        if need * len(slots) > len(self._free):
-            raise ExecError(f"{len(slots)} prompt(s) of {length} positions need {need * len(slots)} cache blocks of "
-                            f"{bs}; {len(self._free)} of the decoder's num_blocks={self.num_blocks} are free. Let "
-                            "sequences leave first, or make the decoder with more num_blocks.")
+        self._check_blocks(need * len(slots), f"{len(slots)} prompt(s) of {length} positions")
         for r in slots:
             for _ in range(need):
                 self._grow(r)
+
+    def _check_blocks(self, need: int, what: str) -> None:
+        if need > len(self._free):
+            raise ExecError(f"{what} need {need} cache blocks of {self.block_size}; {len(self._free)} of the decoder's "
+                            f"num_blocks={self.num_blocks} are free. Let sequences leave first, or make the decoder "
+                            "with more num_blocks.")
 
     def _grow(self, r: int) -> None:
         """One more block for slot ``r``: its next ``block_size`` positions map to the block's pool rows."""
