@@ -134,12 +134,16 @@ def rows_for(mode: str, make: Callable[[], Any], x: torch.Tensor, train: bool, c
                     target = st.compiled
                     key = f"train_step {device}"
                     fn: Callable[[], Any] = lambda s=st: s(x)  # noqa: E731
-                else:
+                else:  # under no_grad, as eager's forward: with grad a call runs the training program
                     pm = rt.parallelize(model.eval(), (x,), device=device)
-                    pm(x)
+                    with torch.no_grad():
+                        pm(x)
                     target = pm.compiled
                     key = f"parallelize {device}"
-                    fn = lambda p=pm: p(x)  # noqa: E731
+
+                    def fn(p: Any = pm) -> Any:
+                        with torch.no_grad():
+                            return p(x)
                 if mode == "user":
                     out[key] = time_ms(fn, cuda)
                 else:
