@@ -10,6 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from serving import Requests  # noqa: E402
+
 import relational_tensors as rt  # noqa: E402
 
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -140,36 +142,18 @@ def test_sequences_joining_and_leaving_get_the_tokens_they_get_alone() -> None:
     alone = {name: model.generate(p, max_new_tokens=wanted[name], do_sample=False, pad_token_id=0)[0, p.shape[1]:]
              for name, p in prompts.items()}
     dec = rt.decoder(model, max_batch=2, max_len=40, device="cpu:2")
-    got: dict[str, list[int]] = {}
-    slot_of: dict[str, int] = {}
-    last: dict[str, int] = {}
-
-    def join(name: str) -> None:
-        (slot,), logits = dec.join(prompts[name])
-        slot_of[name], got[name] = slot, [int(logits[0].argmax())]
-
-    def step() -> None:
-        running = {slot_of[n]: n for n in slot_of}
-        order = [running[r] for r in dec.slots]
-        logits = dec.decode(torch.tensor([got[n][-1] for n in order]))
-        for n, row in zip(order, logits):
-            got[n].append(int(row.argmax()))
-        for n in order:
-            if len(got[n]) == wanted[n]:
-                dec.leave(slot_of.pop(n))
-                last[n] = len(got[n])
-
-    join("a")
-    step()
-    join("b")  # a is two tokens in; b joins the free slot
-    while "a" in slot_of:
-        step()
-    join("c")  # c takes the slot a left
-    assert slot_of["c"] == 0
-    while slot_of:
-        step()
+    requests = Requests(dec, prompts, wanted)
+    requests.join("a")
+    requests.step()
+    requests.join("b")  # a is two tokens in; b joins the free slot
+    while "a" in requests.slot_of:
+        requests.step()
+    requests.join("c")  # c takes the slot a left
+    assert requests.slot_of["c"] == 0
+    while requests.slot_of:
+        requests.step()
     for name in prompts:
-        assert got[name] == alone[name].tolist(), name
+        assert requests.got[name] == alone[name].tolist(), name
     assert list(dec._prefills) == [(1, 16)]  # one prompt bucket: one prefill program for all three
 
 

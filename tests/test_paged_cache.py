@@ -9,6 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from serving import Requests  # noqa: E402
+
 import relational_tensors as rt  # noqa: E402
 from relational_tensors.errors import ExecError, GraphError  # noqa: E402
 
@@ -64,36 +66,23 @@ def test_joining_and_leaving_reuse_blocks_in_a_small_pool() -> None:
     alone = {name: model.generate(p, max_new_tokens=wanted[name], do_sample=False, pad_token_id=0)[0, p.shape[1]:]
              for name, p in prompts.items()}
     dec = rt.decoder(model, max_batch=2, max_len=40, device="cpu:2", block_size=4, num_blocks=11)
-    got: dict[str, list[int]] = {}
-    slot_of: dict[str, int] = {}
-    held: list[int] = []
-
-    def join(name: str) -> None:
-        (slot,), logits = dec.join(prompts[name])
-        slot_of[name], got[name] = slot, [int(logits[0].argmax())]
+    requests, held = Requests(dec, prompts, wanted), []
 
     def step() -> None:
-        running = {slot_of[n]: n for n in slot_of}
-        order = [running[r] for r in dec.slots]
-        logits = dec.decode(torch.tensor([got[n][-1] for n in order]))
+        requests.step()
         held.append(dec.num_blocks - 1 - len(dec._free))
-        for n, row in zip(order, logits):
-            got[n].append(int(row.argmax()))
-        for n in order:
-            if len(got[n]) == wanted[n]:
-                dec.leave(slot_of.pop(n))
 
-    join("a")  # a 16-position prompt bucket: 4 blocks
+    requests.join("a")  # a 16-position prompt bucket: 4 blocks
     step()
-    join("b")  # 4 more: 8 of the 10 usable blocks
-    while "a" in slot_of:
+    requests.join("b")  # 4 more: 8 of the 10 usable blocks
+    while "a" in requests.slot_of:
         step()
     assert len(dec._free) >= 4  # a gave its blocks back
-    join("c")
-    while slot_of:
+    requests.join("c")
+    while requests.slot_of:
         step()
     for name in prompts:
-        assert got[name] == alone[name].tolist(), name
+        assert requests.got[name] == alone[name].tolist(), name
     assert max(held) <= 10 and len(dec._free) == 10  # every block back in the pool
     assert dec._decode is not None and len(dec._prefills) == 1  # no program planned again
 

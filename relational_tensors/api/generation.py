@@ -50,6 +50,7 @@ class _Program:
         self.graph = graph
         self.parameters = parameters
         self.compiled = compileGraph(graph, device=device, **{"label": label, **options})
+        self.reads = frozenset(n.name for n in graph.inputs)  # (a step may not read every input it is given)
         self.loaded = False
 
     @property
@@ -204,7 +205,9 @@ class Decoder:
             mask = torch.cat([torch.zeros((n, length - s), dtype=mask.dtype), mask], 1)
         positions = (mask.to(torch.int64).cumsum(-1) - 1).clamp(min=0)
         if self.block_size:
-            self._check_blocks(n * -(-length // self.block_size), f"{n} prompt(s) of {length} positions")
+            need = n * -(-length // self.block_size)
+            self._check_blocks(need, f"{n} prompt(s) of {length} positions need {need} cache blocks of "
+                                     f"{self.block_size}")
         program = self.prefill_program(n, length)
         if program.cuda:
             self._where = f"cuda:{program.compiled.devices.physical[0]}"
@@ -247,23 +250,21 @@ class Decoder:
 
     # --- paged cache ---------------------------------------------------------------------------------------
     def _take_blocks(self, slots: Sequence[int], length: int) -> None:
-        """Give each of ``slots`` the blocks that hold ``length`` positions (it holds none yet), or refuse."""
+        """Give each of ``slots`` the blocks that hold ``length`` positions (it holds none yet; ``join`` checked
+        that enough are free)."""
         torch = _torch()
-        bs = self.block_size
-        assert bs is not None
+        assert self.block_size is not None
         if self._rows is None:
             self._rows = torch.zeros((self.max_batch, self.max_len), dtype=torch.int64, device=self._where)
-        need = -(-length // bs)
-        self._check_blocks(need * len(slots), f"{len(slots)} prompt(s) of {length} positions")
         for r in slots:
-            for _ in range(need):
+            for _ in range(-(-length // self.block_size)):
                 self._grow(r)
 
     def _check_blocks(self, need: int, what: str) -> None:
+        """Refuse a join or a step that needs more blocks than are free (``what``: who needs them, in words)."""
         if need > len(self._free):
-            raise ExecError(f"{what} need {need} cache blocks of {self.block_size}; {len(self._free)} of the decoder's "
-                            f"num_blocks={self.num_blocks} are free. Let sequences leave first, or make the decoder "
-                            "with more num_blocks.")
+            raise ExecError(f"{what}; {len(self._free)} of the decoder's num_blocks={self.num_blocks} are free. Let "
+                            "sequences leave first, or make the decoder with more num_blocks.")
 
     def _grow(self, r: int) -> None:
         """One more block for slot ``r``: its next ``block_size`` positions map to the block's pool rows."""
@@ -318,10 +319,8 @@ class Decoder:
                             "them leave, or make the decoder with a larger max_len.")
         if self.block_size:  # a slot at the end of its last block takes another
             grow = [r for r in slots if self._at[r] >= len(self._blocks[r]) * self.block_size]
-            if len(grow) > len(self._free):
-                raise ExecError(f"slot(s) {grow} each need a new cache block of {self.block_size} positions; "
-                                f"{len(self._free)} of the decoder's num_blocks={self.num_blocks} are free. Let "
-                                "sequences leave, or make the decoder with more num_blocks.")
+            self._check_blocks(len(grow), f"slot(s) {grow} each need a new cache block of {self.block_size} "
+                                          "positions")
             for r in grow:
                 self._grow(r)
         step = self.decode_program()
@@ -340,8 +339,8 @@ class Decoder:
             write_rows[rows] = self._rows[rows, at]
             feeds.update(rows=self._rows, write_rows=write_rows)
         feeds.update(self._write_caches(step))
-        read = {n.name for n in step.graph.inputs}  # (a step without sliding windows never reads ``write``)
-        (logits,) = step.run({k: v for k, v in feeds.items() if k in read}, ["logits"])
+        # (a step without sliding windows never reads ``write``)
+        (logits,) = step.run({k: v for k, v in feeds.items() if k in step.reads}, ["logits"])
         for r in slots:
             self._at[r] += 1
             self._position[r] += 1

@@ -357,9 +357,8 @@ class CupyExecutor(Staging):
                 for _, b, host in pieced[name]:
                     view = self.views[b]
                     with cp.cuda.Device(view.device):
-                        dst = view.cupy()  # (a scalar block: a value of shape (1,) fills a 0-d buffer)
-                        dst.set((np.ascontiguousarray(host).view(np.uint16) if t.dtype == "bfloat16"
-                                 else np.ascontiguousarray(host)).reshape(dst.shape))
+                        host = np.asarray(host, order="C")  # (not ascontiguousarray: it makes a 0-d block 1-d)
+                        view.cupy().set(host.view(np.uint16) if t.dtype == "bfloat16" else host)
                 continue
             blocks = self.dag.inputs[name]
             blocks = [(box, b) for box, b in blocks if self._keeps(self.dag.buffers[b].device)]
@@ -369,16 +368,15 @@ class CupyExecutor(Staging):
                     with cp.cuda.Device(view.device):
                         src = on_device[box.slices()]
                         dst = view.cupy()
-                        dst[...] = src.reshape(dst.shape)
+                        dst[...] = src
             else:
                 for box, b in blocks:
                     view = self.views[b]
-                    host = np.ascontiguousarray(whole[box.slices()])
+                    host = np.asarray(whole[box.slices()], order="C")  # a 0-d block stays 0-d
                     if t.dtype == "bfloat16":
                         host = host.view(np.uint16)
                     with cp.cuda.Device(view.device):
-                        dst = view.cupy()
-                        dst.set(host.reshape(dst.shape))
+                        view.cupy().set(host)
         for d in set(self.phys):
             with cp.cuda.Device(d):
                 cp.cuda.Device(d).synchronize()

@@ -124,6 +124,13 @@ def _axis_last(axis: int, rank: int) -> tuple[list[int], list[int]]:
     return order, [order.index(d) for d in range(rank)]
 
 
+def _axis_first(axis: int, rank: int) -> tuple[list[int], list[int]]:
+    """(the permutation that moves ``axis`` first, the one that moves it back): rows along any axis made
+    along the first one."""
+    order = [axis] + [d for d in range(rank) if d != axis]
+    return order, [order.index(d) for d in range(rank)]
+
+
 def _scalar(v: Any) -> float | None:
     """A Python number, or a one-element constant tensor, as a float."""
     if isinstance(v, bool):

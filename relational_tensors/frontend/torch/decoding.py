@@ -171,7 +171,7 @@ def _eager(model: Any) -> bool:
     return getattr(_config(model), "_attn_implementation", "sdpa") == "eager"
 
 
-def _step_modules(model: Any, shape: CacheShape) -> tuple[type, type, type]:
+def _step_modules(model: Any, shape: CacheShape) -> tuple[type, type]:
     torch = _torch()
     eager = _eager(model)
     base: Any = torch.nn.Module
@@ -193,46 +193,29 @@ def _step_modules(model: Any, shape: CacheShape) -> tuple[type, type, type]:
                                  cache)
             return (logits, *[t for kv in cache.new for t in kv])
 
-    class PagedDecode(base):  # type: ignore[misc, valid-type]
-        """(ids [b, 1], keys_ok [b, L], positions [b, 1], write [b, L], rows [b, L], write_rows [b], k0, v0, ...)
-        -> (logits, k0', v0', ...), each layer's cache a pool ``[pool rows, kv_heads, dim]``: position j of
-        sequence b is pool row ``rows[b, j]``, and this step's keys and values go to row ``write_rows[b]``."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, ids: Any, keys_ok: Any, positions: Any, write: Any, rows: Any, write_rows: Any,
-                    *past: Any) -> Any:
-            length = keys_ok.shape[1]
-            index = torch.arange(length, device=ids.device, dtype=torch.float32)
-            at = (write.to(torch.float32) * index).sum(1)
-            distance = (at[:, None] - index[None, :])[:, None, :]
-            pairs = [(past[2 * i], past[2 * i + 1]) for i in range(shape.layers)]
-            cache = _cache_class()(pairs, write, shape.layers, (rows, write_rows))
-            logits = _call_model(self.model, ids, _masks(shape, keys_ok[:, None, :], distance, shape.dtype, eager),
-                                 positions, cache)
-            return (logits, *[t for kv in cache.new for t in kv])
-
     class Decode(base):  # type: ignore[misc, valid-type]
-        """(ids [b, 1], keys_ok [b, L], positions [b, 1], write [b, L], k0, v0, ...) -> (logits, k0', v0', ...)."""
+        """(ids [b, 1], keys_ok [b, L], positions [b, 1], write [b, L], k0, v0, ...) -> (logits, k0', v0', ...).
+        Paged: (..., write [b, L], rows [b, L], write_rows [b], k0, v0, ...), each layer's cache a pool
+        ``[pool rows, kv_heads, dim]``: position j of sequence b is pool row ``rows[b, j]``, and this step's
+        keys and values go to row ``write_rows[b]``."""
 
-        def __init__(self) -> None:
+        def __init__(self, paged: bool) -> None:
             super().__init__()
-            self.model = model
+            self.model, self.paged = model, paged
 
-        def forward(self, ids: Any, keys_ok: Any, positions: Any, write: Any, *past: Any) -> Any:
+        def forward(self, ids: Any, keys_ok: Any, positions: Any, write: Any, *rest: Any) -> Any:
+            tables, past = (rest[:2], rest[2:]) if self.paged else (None, rest)
             length = keys_ok.shape[1]
             index = torch.arange(length, device=ids.device, dtype=torch.float32)  # exact to 2**24 positions
             at = (write.to(torch.float32) * index).sum(1)  # each sequence's write position: its query's index
             distance = (at[:, None] - index[None, :])[:, None, :]
             pairs = [(past[2 * i], past[2 * i + 1]) for i in range(shape.layers)]
-            cache = _cache_class()(pairs, write, shape.layers)
+            cache = _cache_class()(pairs, write, shape.layers, tables)
             logits = _call_model(self.model, ids, _masks(shape, keys_ok[:, None, :], distance, shape.dtype, eager),
                                  positions, cache)
             return (logits, *[t for kv in cache.new for t in kv])
 
-    return Prefill, Decode, PagedDecode
+    return Prefill, Decode
 
 
 def _examples(model: Any, batch: int, length: int) -> tuple[Any, Any, Any]:
@@ -265,7 +248,7 @@ def prefill_graph(model: Any, batch: int, length: int) -> TorchGraph:
     attention mask, boolean) and ``positions``; outputs ``logits`` (the last position's) and each layer's
     keys and values ``cache.<i>.k`` / ``cache.<i>.v`` of the prompt."""
     shape = cache_shape(model)
-    prefill, _, _ = _step_modules(model, shape)
+    prefill, _ = _step_modules(model, shape)
     g = _trace(prefill(), _examples(model, batch, length))
     _rename_outputs(g, shape)
     return g
@@ -283,7 +266,7 @@ def decode_graph(model: Any, batch: int, max_len: int, pool_rows: int | None = N
     ``write_rows`` [b] (the row each sequence writes this step; an idle one writes a row nobody reads)."""
     torch = _torch()
     shape = cache_shape(model)
-    _, decode, paged = _step_modules(model, shape)
+    _, decode = _step_modules(model, shape)
     device = next(model.parameters()).device
     ids, _, positions = _examples(model, batch, 1)
     ok = torch.ones((batch, max_len), dtype=torch.bool, device=device)
@@ -298,9 +281,18 @@ def decode_graph(model: Any, batch: int, max_len: int, pool_rows: int | None = N
     for _ in range(shape.layers):
         past.append(torch.zeros((*lead, shape.kv_heads, shape.key_dim), dtype=shape.dtype, device=device))
         past.append(torch.zeros((*lead, shape.kv_heads, shape.value_dim), dtype=shape.dtype, device=device))
-    g = _trace((decode if pool_rows is None else paged)(), (*given, *past))
+    g = _trace(decode(pool_rows is not None), (*given, *past))
     _rename_outputs(g, shape)
     first = len(given)
+    names = list(g.input_names)
+    for at, table in ((4, "rows"), (5, "write_rows"))[:first - 4]:  # the paged step's tables (traced as *rest)
+        traced = names[at]
+        assert traced is not None  # the paged step reads both
+        node = g.node(traced)
+        g.nodes[node.id] = dataclasses.replace(node, name=table)
+        g._names.add(table)
+        names[at] = table
+    g.input_names = tuple(names)
     caches = g.input_names[first:]
     for i, name in enumerate(caches):  # the cache inputs become states, assigned the step's cache
         if name is None:

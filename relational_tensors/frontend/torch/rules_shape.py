@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.frontend.torch.common import (
     _axis,
+    _axis_first,
     _axis_last,
     _bounds,
     _Const,
@@ -281,11 +282,10 @@ def _take_rows(tr: _Translator, x: Tensor, ids: Tensor) -> Tensor:
 def _index_select(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     """``x.index_select(dim, ids)``: the entries at ids along dim (``_take_rows`` with dim moved first)."""
     x = tr.sym(a["self"])
-    axis = _axis(a["dim"], max(x.rank, 1))
-    order = (axis, *[d for d in range(x.rank) if d != axis])
+    order, back = _axis_first(_axis(a["dim"], max(x.rank, 1)), x.rank)
     ids = tr.sym(a["index"])
     rows = _take_rows(tr, tr.permute(x, order), tr.reshape(ids, (math.prod(ids.shape),)))
-    return tr.permute(rows, [order.index(d) for d in range(x.rank)])
+    return tr.permute(rows, back)
 
 
 def _write_rows(tr: _Translator, x: Tensor, ids: Any, values: Any, accumulate: bool, what: str) -> Tensor:
@@ -315,14 +315,13 @@ def _index_copy(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     """``x.index_copy(dim, ids, source)`` and ``x.index_add(dim, ids, source, alpha)``: the entries at ids along
     dim replaced by source's, or source times alpha added to them (``_write_rows`` with dim moved first)."""
     x = tr.sym(a["self"])
-    axis = _axis(a["dim"], max(x.rank, 1))
-    order = (axis, *[d for d in range(x.rank) if d != axis])
+    order, back = _axis_first(_axis(a["dim"], max(x.rank, 1)), x.rank)
     src = tr.permute(tr.sym(a["source"], x.dtype), order)
     what = "index_add" if _packet(node) == "index_add" else "index_copy"
     if what == "index_add" and a.get("alpha", 1) != 1:
         src = tr.binary(src, tr.sym(float(a["alpha"]), x.dtype), "mul")
     out = _write_rows(tr, tr.permute(x, order), a["index"], src, what == "index_add", what)
-    return tr.permute(out, [order.index(d) for d in range(x.rank)])
+    return tr.permute(out, back)
 
 
 @register_torch_op("index_put")
