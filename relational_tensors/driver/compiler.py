@@ -424,10 +424,9 @@ def _pass_verify(s: CompileState) -> None:
         if t.kind != "assign":
             for r, b in zip(low.dag.overwrites(t, kept_blocks), t.outputs):
                 in_place.setdefault(r, []).append(low.dag.buffers[b].box)
-    by_name = {n.name: n for n in s.graph.nodes}
     for name in low.dag.assigned:
         kept = low.dag.inputs[name]
-        if not covers([box for box, _ in kept], by_name[name].type.box) or any(
+        if not covers([box for box, _ in kept], s.graph.node(name).type.box) or any(
                 not (written.get(b) == 1 and b not in in_place
                      or b not in written and covers(in_place.get(b, []), box)) for box, b in kept):
             raise PlanError(f"verify after 'lower': state {name!r} must keep blocks covering it, each written "

@@ -688,10 +688,17 @@ class Graph:
         return out
 
     def node(self, name: str) -> Node:
-        for n in self.nodes:
-            if n.name == name:
-                return n
-        raise GraphError(f"no node named {name!r}; nodes are {[n.name for n in self.nodes]}.")
+        """The node named ``name``, through an index of names rebuilt when it misses (nodes added or renamed)."""
+        index: dict[str, int] = self.__dict__.setdefault("_by_name", {})
+        i = index.get(name)
+        if i is None or i >= len(self.nodes) or self.nodes[i].name != name:
+            index.clear()
+            for k, n in enumerate(self.nodes):
+                index.setdefault(n.name, k)  # (the first of a name, as a scan finds it)
+            i = index.get(name)
+        if i is None:
+            raise GraphError(f"no node named {name!r}; nodes are {[n.name for n in self.nodes]}.")
+        return self.nodes[i]
 
     def __iter__(self) -> Iterator[Node]:
         return iter(self.nodes)
