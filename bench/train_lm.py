@@ -12,7 +12,8 @@ on a GPU), peak device memory, the held-out loss at the end, and a plot of the t
 matplotlib installed: ``pip install 'relational_tensors[bench]'``).
 
     python bench/train_lm.py [--device cuda:0] [--steps 300] [--layers 4] [--d-model 256] [--heads 8]
-                             [--kv-heads 2] [--seq 256] [--batch 16] [--dtype float32] [--out bench/results]
+                             [--kv-heads 2] [--seq 256] [--batch 16] [--out bench/results]
+    python bench/train_lm.py --replot bench/results/train_lm.json   # the plot of a run, drawn again
 """
 
 from __future__ import annotations
@@ -181,6 +182,28 @@ def train(model: nn.Module, data: list[tuple[np.ndarray, np.ndarray]], device: s
     return {"losses": losses, "ms": times, "peak_bytes": peak, "step": step if ours else None}
 
 
+def plot(record: dict[str, Any], path: Path) -> None:
+    """The two runs' loss curves of a result record, drawn to ``path`` (with matplotlib installed)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'relational_tensors[bench]'); draw it later "
+              f"with: python bench/train_lm.py --replot {path.with_suffix('.json')}")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, r in record["runs"].items():
+        ax.plot(r["losses"], label=name, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats per byte)")
+    ax.set_title(f"{record['machine'].split(',')[0]}, commit {record['commit']}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda:0")
@@ -194,7 +217,11 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--replot", metavar="JSON", help="draw the plot of a result file written earlier, and stop")
     a = ap.parse_args()
+    if a.replot:
+        plot(json.loads(Path(a.replot).read_text()), Path(a.replot).with_suffix(".png"))
+        return
     text = corpus()
     cut = int(len(text) * 0.98)
     train_data = batches(text[:cut], a.batch, a.seq, a.steps, a.seed)
@@ -222,8 +249,8 @@ def main() -> None:
                       "losses": run["losses"]}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     machine = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else platform.processor() or "cpu"
-    record = {"command": "python bench/train_lm.py " + " ".join(f"--{k.replace('_', '-')} {v}"
-                                                               for k, v in vars(a).items() if k != "out"),
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k not in ("out", "replot"))
+    record = {"command": "python bench/train_lm.py " + flags,
               "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{machine}, {platform.node()}", "corpus_bytes": int(len(text)), "runs": rows}
     out = Path(a.out)
@@ -238,22 +265,7 @@ def main() -> None:
     (out / "train_lm.md").write_text(f"# {record['command']}\n\n{record['machine']}, commit {commit}, "
                                      f"{record['date']}\n\n" + "\n".join(table) + "\n")
     print("\n".join(table))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install 'relational_tensors[bench]')")
-        return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, r in rows.items():
-        ax.plot(r["losses"], label=name, linewidth=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats per byte)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "train_lm.png", dpi=120)
+    plot(record, out / "train_lm.png")
 
 
 if __name__ == "__main__":
