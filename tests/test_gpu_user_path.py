@@ -216,3 +216,27 @@ def test_a_bf16_llama_training_step_is_captured_whole(padded: bool) -> None:
     for _ in range(3):
         loss = step(*batch)
     assert len(launches) == 3 and torch.isfinite(loss).item()
+
+
+def test_weights_a_torch_optimizer_steps_stay_on_the_gpu() -> None:
+    """torch's own AdamW stepping a parallelized module on CUDA (as the torch.compile backend is used):
+    the weights it changed are read again device to device (CUDA tensors, not host copies) and only
+    those, and every step's gradients and forward are eager torch's."""
+    _needs_gpu()
+    ref, m = _mlp().cuda(), _mlp().cuda()
+    x, t = (b.cuda() for b in _batches(1)[0])
+    pm = rt.parallelize(m, (x,), device="cuda:0")
+    ours = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    theirs = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(3):
+        for net, opt in ((pm, ours), (ref, theirs)):
+            opt.zero_grad()
+            _loss(net, x, t).backward()
+            opt.step()
+    for a, b in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    program = pm.programs[pm._latest]
+    read = [v for g, _, _ in program._backwards.values() for n, v in g.parameters.items() if n in g.origins]
+    assert read and all(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in read)
+    with torch.no_grad():
+        torch.testing.assert_close(pm(x), ref(x), rtol=1e-4, atol=1e-5)

@@ -117,6 +117,53 @@ def test_inside_nn_sequential_trained_by_a_torch_optimizer() -> None:
         assert _rel(a, b) <= F32, k
 
 
+def test_a_call_loads_only_the_weights_that_changed() -> None:
+    """After an in-place change of one parameter, the forward and the training program load that
+    parameter's graph inputs again and nothing else, and their results are the changed module's."""
+    torch.manual_seed(4)
+    m = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    x = torch.randn(6, 16)
+    pm = rt.parallelize(m, (x,), device="cpu:2")
+    with torch.no_grad():
+        pm(x)
+    program = pm.programs[pm._latest]
+    loads: list[set[str]] = []
+    real = type(pm.compiled).load
+
+    def spy(cg: Any, feeds: Any, array: Any = None) -> None:
+        loads.append(set(feeds) if isinstance(feeds, dict) else {str(feeds)})
+        real(cg, feeds, array)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(pm.compiled), "load", spy)
+        with torch.no_grad():
+            m[2].bias.add_(1.0)
+            got = pm(x)
+        assert _rel(got, m(x)) <= F32
+        held = {name for name, (origin, _) in program.graph.origins.items() if origin == "2.bias"}
+        assert held and set().union(*loads) - set(program.graph.input_names) == held
+        loads.clear()
+        with torch.no_grad():  # nothing changed: the weights stay loaded
+            pm(x)
+        assert set().union(*loads) <= set(program.graph.input_names)
+        # the training program: its first run loads every weight, a later change only that one
+        torch.nn.functional.mse_loss(pm(x), torch.zeros(6, 8)).backward()
+        with torch.no_grad():
+            m[0].weight.mul_(0.5)
+        loads.clear()
+        m.zero_grad()
+        torch.nn.functional.mse_loss(pm(x), torch.zeros(6, 8)).backward()
+    twin = copy.deepcopy(m)
+    twin.zero_grad()
+    torch.nn.functional.mse_loss(twin(x), torch.zeros(6, 8)).backward()
+    for (k, a), b in zip(m.named_parameters(), twin.parameters()):
+        assert _rel(a.grad, b.grad) <= F32, k
+    weights = set().union(*loads) - {n for n in set().union(*loads) if n.startswith("cot.")}
+    origins = {origin for g, _, _ in program._backwards.values() for n, (origin, _) in g.origins.items()
+               if n in weights}
+    assert origins == {"0.weight"}, weights
+
+
 def test_to_float64_moves_the_weights_and_the_example_and_plans_again() -> None:
     m = _mlp().eval()
     x = torch.randn(4, 16)

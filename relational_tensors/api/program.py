@@ -30,6 +30,18 @@ from relational_tensors.graph.autodiff import flows
 
 __all__ = ["Program", "modes_of", "in_modes"]
 
+FORWARD = "forward"  # the key of the forward program's weights in ``Program._stale``
+
+
+def _on_gpus(device: Any) -> bool:
+    """Whether ``device`` (``rt.compileGraph``'s) plans on GPUs of this process."""
+    from relational_tensors.machine.devices import parse_devices
+
+    try:
+        return parse_devices(device).kind == "cuda"
+    except Exception:  # noqa: BLE001 - "dist" and the like: weights go through the host as before
+        return False
+
 
 def modes_of(module: Any) -> tuple[bool, ...]:
     """The train/eval flag of ``module`` and of each of its submodules (``module.modules()`` order): what
@@ -90,12 +102,15 @@ class Program:
         # and the parameters of it that get a gradient
         self._differentiated: TorchGraph | None = None
         self._with_grad: frozenset[str] = frozenset()
-        self._weights_version = 0  # bumped when the weights are read again
-        self._loaded_version: dict[Any, int] = {}  # training program -> weights version loaded
+        # per program (FORWARD, or a training program's key): the graph inputs read again since its last load,
+        # to load before its next run; a program absent has none of its weights loaded (its first load, or a
+        # trace done again) and loads them all
+        self._stale: dict[Any, set[str]] = {}
+        # weights read again stay on the GPU where the plan is on GPUs (loaded device to device)
+        self._device_weights = _on_gpus(device)
         self._calls = 0  # differentiable calls so far
         # wrt -> (the call whose first phase is on the devices, the program's outputs), or None
         self._latest: dict[tuple[str, ...], tuple[int, tuple[str, ...] | None] | None] = {}
-        self._parameters_loaded = False
         self._partial_loads = True  # whether the executor keeps inputs that a load does not name
         self._state = self._module_state()
         self._key = self._state_key()
@@ -140,9 +155,9 @@ class Program:
                 raise ExecError("the module no longer traces to the planned graph (its parameters differ); "
                                 "parallelize it again.")
             values = again.parameters
+            self._stale.pop(FORWARD, None)  # every weight loaded again
+        self._mark_stale(FORWARD, self.graph.parameters, values)
         self.graph.parameters = values
-        self._parameters_loaded = False
-        self._weights_version += 1
         self._state = now
         self._key = self._state_key()
         if self._differentiated is not None:
@@ -155,13 +170,30 @@ class Program:
             fresh = self._read_origins(g, changed)
             if fresh is None:
                 del self._backwards[key]
+                self._stale.pop(key, None)
             else:
+                self._mark_stale(key, g.parameters, fresh)
                 g.parameters = fresh
+
+    def _mark_stale(self, key: Any, old: dict[str, Any], new: dict[str, Any]) -> None:
+        """Note the weights of program ``key`` whose values were read again (a new value object)."""
+        if key in self._stale:
+            self._stale[key].update(n for n, v in new.items() if old.get(n) is not v)
+
+    def _weights_to_load(self, key: Any, graph: TorchGraph) -> dict[str, Any] | None:
+        """The weights program ``key`` must load before its next run: None for all of them (none loaded
+        yet), else those read again since its last load (then none are pending)."""
+        if key not in self._stale:
+            return None
+        stale, self._stale[key] = self._stale[key], set()
+        return {n: graph.parameters[n] for n in stale if n in graph.parameters}
 
     def _read_origins(self, graph: TorchGraph, changed: set[str]) -> dict[str, Any] | None:
         """``graph``'s inputs' values read straight from the module's tensors they hold (transposed and cast
         as traced), or None where one no longer fits or a constant folded at trace time was computed from
-        one of the ``changed`` tensors (the fold is redone by tracing again)."""
+        one of the ``changed`` tensors (the fold is redone by tracing again).  Only the inputs held by a
+        ``changed`` tensor get a new value; on GPUs a CUDA tensor's stays a CUDA tensor (loaded device to
+        device: no host copy of the model per optimizer step)."""
         if any(changed.intersection(deps) for deps in graph.derived.values()):
             return None
         tensors = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
@@ -171,10 +203,14 @@ class Program:
             node = graph.node(name)
             if t is None:
                 return None
+            if origin not in changed and name in values:
+                continue
             v = t.detach().t() if transposed else t.detach()
             if tuple(v.shape) != node.type.shape:
                 return None
-            values[name] = torch_to_numpy(v.to(_torch_dtype(node.type.dtype)).cpu().contiguous())
+            v = v.to(_torch_dtype(node.type.dtype))
+            values[name] = v.contiguous() if self._device_weights and v.is_cuda else \
+                torch_to_numpy(v.cpu().contiguous())
         return values
 
     def explain(self, file: Any = None, width: int = 160) -> str:
@@ -204,10 +240,13 @@ class Program:
         user = {name: self._feed(x) for name, x in zip(self.graph.input_names, inputs) if name is not None}
         if self.graph.rng_input is not None:  # train-mode dropout and other draws: a new state per call
             user[self.graph.rng_input] = draw_rng()
-        if self._parameters_loaded and self._partial_loads:
-            if stage(self.compiled, user):  # CUDA tensors on GPUs: no host wait
-                return
+        weights = self._weights_to_load(FORWARD, self.graph) if self._partial_loads else None
+        if weights is not None:
             try:
+                if weights:  # read again after an optimizer step: device to device on GPUs
+                    self.compiled.load(weights)
+                if stage(self.compiled, user):  # CUDA tensors on GPUs: no host wait
+                    return
                 self.compiled.load(user)
                 return
             except ExecError as e:
@@ -216,7 +255,7 @@ class Program:
                 # this executor wants every input on each load: feed the parameters again from now on
                 self._partial_loads = False
         self.compiled.load({**self.graph.parameters, **user})
-        self._parameters_loaded = True
+        self._stale[FORWARD] = set()
 
     def _offload(self, name: str, compiled: Any = None) -> Any:
         """Saved output ``name`` of ``compiled`` (default: the forward program) as a torch tensor."""
@@ -329,9 +368,12 @@ class Program:
         feeds = {name: self._feed(x, compiled) for name, x in zip(g.input_names, inputs) if name is not None}
         if g.rng_input is not None:
             feeds[g.rng_input] = rng
-        if self._loaded_version.get((wrt, given)) != self._weights_version:
+        weights = self._weights_to_load((wrt, given), g)
+        if weights is None:  # its first run: every weight with the inputs
             feeds = {**g.parameters, **feeds}
-            self._loaded_version[(wrt, given)] = self._weights_version
+            self._stale[(wrt, given)] = set()
+        elif weights:  # read again after an optimizer step: device to device on GPUs
+            compiled.load(weights)
         if not stage(compiled, feeds):
             compiled.load(feeds)
         compiled.execute(phase=0)
