@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_user_path import time_ms, workload  # noqa: E402
+from gpu_user_path import optimizer, time_ms, workload  # noqa: E402
 
 import relational_tensors as rt  # noqa: E402
 
@@ -134,8 +134,7 @@ def train_fn(name: str, mode: str) -> Callable[[], Any]:
     make, _, loss_fn, batch = workload(name)
     model = make().train()
     if mode == "user":
-        st = rt.train_step(model, loss_fn, batch, optimizer=rt.optim.AdamW(lr=1e-5, master_dtype="float32"),
-                           device="cuda:0")
+        st = rt.train_step(model, loss_fn, batch, optimizer=optimizer(model), device="cuda:0")
         return lambda: st(*batch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     if mode == "compile":
