@@ -28,7 +28,7 @@ from relational_tensors.frontend.torch.torch_graph import TorchGraph, _prune, dr
 from relational_tensors.frontend.torch.translator import from_torch
 from relational_tensors.graph.autodiff import flows
 
-__all__ = ["Program", "modes_of", "in_modes"]
+__all__ = ["Program", "modes_of", "in_modes", "submodules"]
 
 FORWARD = "forward"  # the key of the forward program's weights in ``Program._stale``
 
@@ -43,10 +43,24 @@ def _on_gpus(device: Any) -> bool:
         return False
 
 
+def submodules(module: Any) -> list[Any]:
+    """``list(module.modules())`` (each module once, in its order) without the names ``named_modules``
+    builds: what every call walks (for the modes and the weights' versions), so its cost counts."""
+    out, seen, stack = [], set(), [module]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        out.append(m)
+        stack.extend(reversed([c for c in m._modules.values() if c is not None]))
+    return out
+
+
 def modes_of(module: Any) -> tuple[bool, ...]:
     """The train/eval flag of ``module`` and of each of its submodules (``module.modules()`` order): what
     a trace depends on besides the inputs (dropout, batch norm)."""
-    return tuple(m.training for m in module.modules())
+    return tuple(m.training for m in submodules(module))
 
 
 @contextlib.contextmanager
@@ -123,7 +137,7 @@ class Program:
     def _state_key(self) -> tuple[tuple[int, int, int], ...]:
         """The same facts of every parameter and buffer, in the modules' order, without their names: what a
         call checks (half the cost of naming them); only when it changes are the named states compared."""
-        return tuple((id(t), t.data_ptr(), t._version) for m in self.module.modules()
+        return tuple((id(t), t.data_ptr(), t._version) for m in submodules(self.module)
                      for held in (m._parameters, m._buffers) for t in held.values() if t is not None)
 
     @property
