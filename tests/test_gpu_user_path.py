@@ -240,3 +240,36 @@ def test_weights_a_torch_optimizer_steps_stay_on_the_gpu() -> None:
     assert read and all(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in read)
     with torch.no_grad():
         torch.testing.assert_close(pm(x), ref(x), rtol=1e-4, atol=1e-5)
+
+
+def test_each_phase_of_a_differentiable_call_is_one_graph_launch() -> None:
+    """rt.parallelize under autograd (what the torch.compile backend runs for training): from the third
+    call on, the forward phase and the backward phase are each one CUDA-graph launch, and the gradients
+    and the torch optimizer's steps are eager torch's."""
+    _needs_gpu()
+    ref, m = _mlp().cuda(), _mlp().cuda()
+    x, t = (b.cuda() for b in _batches(1)[0])
+    pm = rt.parallelize(m, (x,), device="cuda:0,0")
+    ours = torch.optim.SGD(m.parameters(), lr=0.1)
+    theirs = torch.optim.SGD(ref.parameters(), lr=0.1)
+    launches: list = []
+    for step in range(5):
+        for net, opt in ((pm, ours), (ref, theirs)):
+            opt.zero_grad()
+            _loss(net, x, t).backward()
+            opt.step()
+        ex = next(iter(pm.programs[pm._latest]._backwards.values()))[1].executor
+        if step == 2:
+            assert sorted(ex.phase_exec) == [0, 1]
+            for phase, graph in list(ex.phase_exec.items()):
+                class Counting:
+                    def __init__(self, graph: object, phase: int) -> None:
+                        self.graph, self.phase = graph, phase
+
+                    def launch(self, stream: object) -> None:
+                        launches.append(self.phase)
+                        self.graph.launch(stream)  # type: ignore[attr-defined]
+                ex.phase_exec[phase] = Counting(graph, phase)
+    assert launches == [0, 1, 0, 1]
+    for a, b in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from relational_tensors.api.buckets import Buckets, Unpad
-from relational_tensors.api.program import Program, modes_of
+from relational_tensors.api.program import Program, snapshot
 from relational_tensors.errors import ExecError, GraphError
 from relational_tensors.frontend.torch.convert import _dtype_name, _torch
 from relational_tensors.frontend.torch.torch_graph import TorchGraph
@@ -230,7 +230,7 @@ class ParallelModule(_TorchModule):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward, run by the program planned for these inputs' signature."""
         program, tensors, unpad = self._program(args, kwargs)
-        out = program(*tensors)
+        out = program.call(tuple(tensors), self._weights_key)
         return unpad(out) if unpad is not None else out
 
     def _program(self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -245,7 +245,8 @@ class ParallelModule(_TorchModule):
         signature = _signature(flat, spec)
         if not self.recompile and signature != self._example_signature:
             raise self._refusal(args, kwargs, flat, spec)
-        key = (signature, modes_of(self.module))
+        modes, self._weights_key = snapshot(self.module)  # one walk: the modes here, the weights' versions for
+        key = (signature, modes)  # the program's check
         program = self.programs.get(key)
         if program is None:
             program = self.programs[key] = self._compile(flat, spec, key[1])
@@ -364,7 +365,7 @@ class ParallelModule(_TorchModule):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # the compiled programs (DuckDB connections, device buffers) are not pickled: the copy plans again
-        skip = {"programs", "_unpads", "_latest", "_hits", "_misses"}
+        skip = {"programs", "_unpads", "_latest", "_hits", "_misses", "_weights_key"}
         return _unpickle, ({k: v for k, v in self.__dict__.items() if k not in skip},)
 
 

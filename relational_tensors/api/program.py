@@ -28,7 +28,7 @@ from relational_tensors.frontend.torch.torch_graph import TorchGraph, _prune, dr
 from relational_tensors.frontend.torch.translator import from_torch
 from relational_tensors.graph.autodiff import flows
 
-__all__ = ["Program", "modes_of", "in_modes", "submodules"]
+__all__ = ["Program", "modes_of", "in_modes", "submodules", "snapshot"]
 
 FORWARD = "forward"  # the key of the forward program's weights in ``Program._stale``
 
@@ -61,6 +61,28 @@ def modes_of(module: Any) -> tuple[bool, ...]:
     """The train/eval flag of ``module`` and of each of its submodules (``module.modules()`` order): what
     a trace depends on besides the inputs (dropout, batch norm)."""
     return tuple(m.training for m in submodules(module))
+
+
+WeightsKey = tuple[tuple[int, int, int], ...]
+
+
+def snapshot(module: Any) -> tuple[tuple[bool, ...], WeightsKey]:
+    """``modes_of(module)`` and the identity, storage and in-place version of each parameter and buffer
+    (``Program``'s weights key), in one walk of the modules: what a call checks, so its cost counts."""
+    modes, key, seen, stack = [], [], set(), [module]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        modes.append(m.training)
+        for held in (m._parameters, m._buffers):
+            for t in held.values():
+                if t is not None:
+                    key.append((id(t), t.data_ptr(), t._version))
+        if m._modules:
+            stack.extend(reversed([c for c in m._modules.values() if c is not None]))
+    return tuple(modes), tuple(key)
 
 
 @contextlib.contextmanager
@@ -116,6 +138,7 @@ class Program:
         # and the parameters of it that get a gradient
         self._differentiated: TorchGraph | None = None
         self._with_grad: frozenset[str] = frozenset()
+        self._holders: tuple[Any, dict[str, list[tuple[str, bool]]]] = (None, {})  # _graph_inputs_of's index
         # per program (FORWARD, or a training program's key): the graph inputs read again since its last load,
         # to load before its next run; a program absent has none of its weights loaded (its first load, or a
         # trace done again) and loads them all
@@ -134,11 +157,10 @@ class Program:
         tensors = [*self.module.named_parameters(), *self.module.named_buffers()]
         return {name: (id(t), t.data_ptr(), t._version) for name, t in tensors}
 
-    def _state_key(self) -> tuple[tuple[int, int, int], ...]:
+    def _state_key(self) -> WeightsKey:
         """The same facts of every parameter and buffer, in the modules' order, without their names: what a
         call checks (half the cost of naming them); only when it changes are the named states compared."""
-        return tuple((id(t), t.data_ptr(), t._version) for m in submodules(self.module)
-                     for held in (m._parameters, m._buffers) for t in held.values() if t is not None)
+        return snapshot(self.module)[1]
 
     @property
     def compiled(self) -> Any:
@@ -312,19 +334,31 @@ class Program:
     def _trainable(self) -> list[tuple[str, Any]]:
         """The module's parameters that require grad and that some floating output depends on through
         floating tensors (torch gives the others no gradient)."""
-        if not any(t.requires_grad for t in self.module.parameters()):
+        wanted = [(k, t) for k, t in self.module.named_parameters() if t.requires_grad]
+        if not wanted:
             return []
         self._differentiable()
-        return [(k, t) for k, t in self.module.named_parameters() if t.requires_grad and k in self._with_grad]
+        return [(k, t) for k, t in wanted if k in self._with_grad]
 
     def _graph_inputs_of(self, param: str) -> list[tuple[str, bool]]:
-        """The graph inputs holding module parameter ``param``, and whether each holds it transposed."""
-        return [(name, t) for name, (origin, t) in self._differentiable().origins.items() if origin == param]
+        """The graph inputs holding module parameter ``param``, and whether each holds it transposed (an
+        index made once per differentiated trace: every differentiable call asks it of every parameter)."""
+        g = self._differentiable()
+        if self._holders[0] is not g:
+            index: dict[str, list[tuple[str, bool]]] = {}
+            for name, (origin, t) in g.origins.items():
+                index.setdefault(origin, []).append((name, t))
+            self._holders = (g, index)
+        return self._holders[1].get(param, [])
 
     def __call__(self, *inputs: Any) -> Any:
+        return self.call(inputs)
+
+    def call(self, inputs: tuple[Any, ...], weights_key: WeightsKey | None = None) -> Any:
+        """``self(*inputs)``, with the module's weights key (``snapshot``) when the caller walked it already."""
         torch = _torch()
         self._check(inputs)
-        key = self._state_key()
+        key = self._state_key() if weights_key is None else weights_key
         if key != self._key:  # an optimizer step or a load_state_dict: read what changed again
             if self._module_state() != self._state:
                 self.reload_weights()

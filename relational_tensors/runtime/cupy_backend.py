@@ -489,8 +489,22 @@ class CupyExecutor(Staging):
         self.done = min(self.done, lo)  # until this run has been issued
         self.held = False  # a second phase frees what it reads last
         if phase is not None:
-            self._barrier(into=range(len(self.streams)))
-            self._issue_all(lo=lo, hi=hi)
+            # each phase captured into its own CUDA graph at its second run (since the last change that
+            # made the graphs stale), replayed after, as a whole run is
+            ex = self.phase_exec.get(phase)
+            if ex is None and self.capturable and phase in self._phases_seen:
+                try:
+                    ex = self.phase_exec[phase] = self._capture(lo, hi)
+                except ExecError:
+                    self.capturable = False
+                    raise
+            if ex is not None:
+                self._barrier(into=[0])
+                ex.launch(self.streams[0])
+            else:
+                self._barrier(into=range(len(self.streams)))
+                self._issue_all(lo=lo, hi=hi)
+                self._phases_seen.add(phase)
             self.done = hi
             self.held = phase == 0
             self.runs += hi == len(self.dag.tasks)
@@ -502,11 +516,10 @@ class CupyExecutor(Staging):
             self.graph_exec.launch(self.streams[0])
         elif self.runs >= 1 and self.capturable and not self._eager_once:
             try:
-                self._capture()
+                self.graph_exec = self._capture()
             except ExecError:
                 self.capturable = False  # a launch broke capture: run this program eagerly from now on
                 raise
-            assert self.graph_exec is not None  # _capture() set it or raised
             self.graph_exec.launch(self.streams[0])
         else:
             self._barrier(into=range(len(self.streams)))
@@ -551,7 +564,21 @@ class CupyExecutor(Staging):
         return [(tid, cp.cuda.get_elapsed_time(t0, a), cp.cuda.get_elapsed_time(t0, b))
                 for tid, (a, b) in marks.items()]
 
-    def _capture(self) -> None:
+    @property
+    def graph_exec(self) -> Any:
+        """The whole run captured (None until captured, and after anything that makes a capture stale:
+        new staging buffers, a load into staged inputs); setting it to None drops the phases' too."""
+        return self._graph_exec
+
+    @graph_exec.setter
+    def graph_exec(self, value: Any) -> None:
+        self._graph_exec = value
+        if value is None:
+            self.phase_exec: dict[int, Any] = {}  # each phase of a two-phase program, captured
+            self._phases_seen: set[int] = set()  # phases run eagerly since the captures were dropped
+
+    def _capture(self, lo: int = 0, hi: int | None = None) -> Any:
+        """Tasks ``lo:hi`` (all: the whole run) captured into a CUDA graph, returned."""
         cp = self.cp
         origin = self.streams[0]
         self.synchronize()
@@ -562,7 +589,7 @@ class CupyExecutor(Staging):
             fork.record(origin)
             for s in self.streams[1:]:
                 s.wait_event(fork)
-            self._issue_all(capturing=True)
+            self._issue_all(capturing=True, lo=lo, hi=hi)
             self._join_into(origin)
         except BaseException as e:
             self._abandon_capture(origin)
@@ -571,7 +598,7 @@ class CupyExecutor(Staging):
             raise ExecError(f"capturing the program into a CUDA graph failed: {type(e).__name__}: {e}") from e
         with cp.cuda.Device(self.phys[0]):
             try:
-                self.graph_exec = origin.end_capture()
+                return origin.end_capture()
             except Exception as e:  # noqa: BLE001 - an error CUDA only reports at the end of the capture
                 raise ExecError(f"ending the capture of the program into a CUDA graph failed: "
                                 f"{type(e).__name__}: {e}") from e

@@ -303,11 +303,11 @@ class DistCupyExecutor(Ranks, CupyExecutor):
 
         return torch
 
-    def _capture(self) -> None:
+    def _capture(self, lo: int = 0, hi: int | None = None) -> Any:
         """Capture on every rank, or on none: a rank that cannot makes every rank refuse the graph."""
-        error = None
+        error, graph = None, None
         try:
-            super()._capture()
+            graph = super()._capture(lo, hi)
         except ExecError as e:
             error = first_line(e)
         votes: list[Any] = [None] * self.world
@@ -318,6 +318,7 @@ class DistCupyExecutor(Ranks, CupyExecutor):
             r, why = failed[0]
             raise ExecError(f"rank {self.rank}: capturing the program into a CUDA graph failed on rank {r} ({why}); "
                             "every rank runs it eagerly from now on: call execute() again.")
+        return graph
 
     def execute(self, phase: int | None = None) -> None:
         try:
