@@ -8,6 +8,7 @@ import numpy as np
 
 import relational_tensors as rt
 from relational_tensors.catalog import Catalog
+from relational_tensors.sql_specs.experts import GroupedMatmulOp, GroupedWeightGradOp, RouteIndexOp
 
 Case = Callable[[str], tuple[rt.Graph, str]]  # dtype -> (graph, name of the node under test)
 
@@ -173,11 +174,33 @@ CASES: dict[str, Case] = {
                                                      g.input("ids", [4, 6, 5], "int64"))),
     "one_hot_ids": _one(lambda g, d: g.mul(g.one_hot(g.input("ids", [3, 7], "int64"), 11, d),
                                            g.input("w", [3, 7, 11], d))),
+    # sparse experts: 7 tokens' 2 choices of 4 experts sorted by expert (ids outside [0, 4): no expert)
+    "embedding_routed_dispatch": _one(lambda g, d: g.embedding(g.input("x", [7, 6], d), _route(g, [7, 2], 4, "token"))),
+    "grouped_matmul_routed": _one(lambda g, d: _grouped(g, d, False)),
+    "grouped_matmul_trans_w": _one(lambda g, d: _grouped(g, d, True)),
+    "grouped_weight_grad_routed": _one(lambda g, d: _weight_grad(g, d)),
 }
 
 # forward cases whose operator has no gradient, with the construct the refusal names
 NOT_DIFFERENTIABLE = {"sql_maxplus": "MAX", "compare_and_logic": "its output.s shape and dtype; output .* is bool",
-                      "random_uniform": "only floating tensors have gradients; 'rng' is"}
+                      "random_uniform": "only floating tensors have gradients; 'rng' is",
+                      "grouped_weight_grad_routed": "only floating tensors have gradients; 'ids' is"}
+
+
+def _route(g: rt.Graph, shape: list[int], experts: int, what: str) -> rt.Tensor:
+    ids = g.input("ids", shape, "int64")
+    return g.apply(RouteIndexOp((ids.type,), experts, what), ids)
+
+
+def _weight_grad(g: rt.Graph, d: str) -> rt.Tensor:
+    xs, dy, group = g.input("xs", [14, 6], d), g.input("dy", [14, 5], d), _route(g, [7, 2], 4, "group")
+    return g.apply(GroupedWeightGradOp((xs.type, dy.type, group.type), 4), xs, dy, group)
+
+
+def _grouped(g: rt.Graph, d: str, trans: bool) -> rt.Tensor:
+    xs, group = g.input("xs", [14, 6], d), _route(g, [7, 2], 4, "group")
+    w = g.input("w", [4, 5, 6] if trans else [4, 6, 5], d)
+    return g.apply(GroupedMatmulOp((xs.type, w.type, group.type), trans), xs, w, group)
 
 
 def with_vjp(make: Case) -> Case:
@@ -272,9 +295,14 @@ def feeds_for(g: rt.Graph, seed: int = 0) -> dict[str, np.ndarray]:
             feeds[n.name] = rng.random(n.type.shape) < 0.75
         elif n.type.dtype.startswith("int"):  # ids of the table an embedding reads, or a cross-entropy's classes
             reader = next(c for c in g.operators if n.id in c.inputs and c.kind in (
-                "embedding", "embedding_grad", "cross_entropy", "dropout", "random", "take_along", "one_hot"))
+                "embedding", "embedding_grad", "cross_entropy", "dropout", "random", "take_along", "one_hot",
+                "route_index"))
             if reader.kind in ("dropout", "random"):  # a generator state (seed, offset): every bit may be set
                 feeds[n.name] = rng.integers(-2**63, 2**63 - 1, size=2, dtype=np.int64, endpoint=True)
+                continue
+            if reader.kind == "route_index":  # the router's choices, some outside every expert (sentinels)
+                experts = reader.op.experts  # type: ignore[attr-defined]
+                feeds[n.name] = rng.integers(-1, experts + 1, size=n.type.shape)
                 continue
             if reader.kind == "one_hot":  # ids of the classes, and one out of range (a row of zeros)
                 classes = reader.op.classes  # type: ignore[attr-defined]

@@ -138,6 +138,26 @@ def _node(op, xs: Sequence[torch.Tensor]) -> torch.Tensor:
         inside = (ids >= 0) & (ids < op.classes)
         hot = F.one_hot(torch.where(inside, ids, 0), op.classes) * inside[..., None]
         return hot.to(getattr(torch, op.output_type.dtype))
+    if kind == "route_index":  # a stable sort of the pairs by expert (ids outside the experts last)
+        ids = xs[0].reshape(-1)
+        key = torch.where((ids >= 0) & (ids < op.experts), ids, op.experts)
+        order = torch.sort(key, stable=True).indices
+        if op.what == "token":
+            return order // xs[0].shape[1]
+        if op.what == "group":
+            return key[order]
+        return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel())).reshape(xs[0].shape)
+    if kind == "grouped_matmul":  # each row times its group's weights (zeros outside the experts)
+        rows, w, group = xs
+        w = w.transpose(1, 2) if op.trans_w else w
+        inside = (group >= 0) & (group < w.shape[0])
+        picked = w[torch.where(inside, group, 0).long()] * inside[:, None, None].to(w.dtype)
+        return torch.einsum("ph,phf->pf", rows, picked)
+    if kind == "grouped_weight_grad":
+        rows, dy, group = xs
+        hot = F.one_hot(torch.where((group >= 0) & (group < op.experts), group, op.experts).long(),
+                        op.experts + 1)[:, :op.experts].to(rows.dtype)
+        return torch.einsum("pe,ph,pf->ehf", hot, rows, dy)
     if kind == "attention":
         return _attention(*xs, op=op)
     if kind == "where":

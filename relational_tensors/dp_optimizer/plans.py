@@ -47,7 +47,7 @@ __all__ = ["data_parallel", "megatron_tp", "sequence_parallel", "ddp", "fsdp", "
            "expert_parallel",
            "expert_tensor_parallel", "PLANS"]
 
-_MATMULS = ("matmul", "einsum")
+_MATMULS = ("matmul", "einsum", "grouped_matmul")
 
 
 def _index_dims(node: Node) -> dict[str, tuple[list[tuple[int, ...]], tuple[int, ...]]]:

@@ -20,6 +20,7 @@ from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.errors import GraphError
 from relational_tensors.graph.graph import Graph, Tensor
 from relational_tensors.graph.optim import adamw, sgd
+from relational_tensors.sql_specs.experts import GroupedMatmulOp, RouteIndexOp
 
 __all__ = ["MoeLosses", "moe_constants", "GATES", "CausalLM", "lm_prefill_graph", "lm_decode_graph", "cache_name",
            "llama_block", "add_llama_block", "add_moe_ffn", "moe_layer_graph", "MIXTRAL_8X7B_MOE",
@@ -78,7 +79,7 @@ GATES = ("softmax", "softmax_topk", "sigmoid")
 def add_moe_ffn(g: Graph, x: Tensor, *, experts: int, top_k: int, d_ff: int, prefix: str = "",
                 norm_topk: bool = True, leaf: Any = None, gate: str = "softmax", selection_bias: bool = False,
                 scaling: float = 1.0, shared_d_ff: int = 0, capacity_factor: float | None = None,
-                losses: list[MoeLosses] | None = None) -> Tensor:
+                losses: list[MoeLosses] | None = None, experts_compute: str = "dense") -> Tensor:
     """Append a mixture-of-experts SwiGLU FFN over tokens ``x [tokens, d]``.
 
     The router: ``gate="softmax"`` (softmax over the experts, then the ``top_k``: Mixtral, Qwen-MoE),
@@ -92,14 +93,18 @@ def add_moe_ffn(g: Graph, x: Tensor, *, experts: int, top_k: int, d_ff: int, pre
     expert of that width every token goes through (DeepSeek, Qwen2-MoE).  ``losses``: a list the layer's
     :class:`MoeLosses` is appended to.
 
-    The experts are computed densely: every token through every expert, each output weighted by the
-    token's weight for that expert (zero where the router did not pick it).  The stacked expert weights
-    are ``[experts, ...]`` with the dimension named ``experts``; the products over it are the ones expert
-    parallelism splits."""
+    ``experts_compute="dense"``: every token through every expert, each output weighted by the token's
+    weight for that expert (zero where the router did not pick it).  ``"grouped"``: the ``tokens · top_k``
+    routed pairs gathered into rows sorted by expert (``route_index``), each row through its own expert
+    only (``grouped_matmul``: ``top_k / experts`` of the dense FLOPs), and each token's rows gathered back
+    and weighted (``sql_specs/experts.py``).  The stacked expert weights are ``[experts, ...]`` with the
+    dimension named ``experts``; the products over it are the ones expert parallelism splits."""
     if gate not in GATES:
         raise GraphError(f"add_moe_ffn's gate is one of {GATES}; got {gate!r}.")
     if not 1 <= top_k <= experts:
         raise GraphError(f"add_moe_ffn routes each token to 1 <= top_k <= experts ({experts}) experts; got {top_k}.")
+    if experts_compute not in ("dense", "grouped"):
+        raise GraphError(f"add_moe_ffn's experts_compute is 'dense' or 'grouped'; got {experts_compute!r}.")
     if capacity_factor is not None and not capacity_factor > 0:
         raise GraphError(f"capacity_factor is a positive number (or None: dropless); got {capacity_factor!r}.")
     tokens, d = x.shape
@@ -140,16 +145,19 @@ def add_moe_ffn(g: Graph, x: Tensor, *, experts: int, top_k: int, d_ff: int, pre
         limit = g.unary(place, "fill", float(capacity), name=prefix + "route_capacity")
         kept = g.cast(g.binary(place, limit, "less"), "float32", name=prefix + "route_kept")
         top = g.mul(top, kept, name=prefix + "route_capped")
-    weights = g.einsum("tk,tke->te", top, hot, name=prefix + "combine_weights")
-    weights = g.cast(weights, dtype) if dtype != "float32" else weights
-    gate_h = g.einsum("th,ehf->tef", x, param("w1", [experts, d, d_ff], ("experts", "hidden", "ff")),
-                      name=prefix + "expert_gate")
-    up = g.einsum("th,ehf->tef", x, param("w3", [experts, d, d_ff], ("experts", "hidden", "ff")),
-                  name=prefix + "expert_up")
-    act = g.swiglu(gate_h, up, name=prefix + "expert_swiglu")
-    down = g.einsum("tef,efh->teh", act, param("w2", [experts, d_ff, d], ("experts", "ff", "hidden")),
-                    name=prefix + "expert_down")
-    y = g.einsum("teh,te->th", down, weights, name=prefix + "combine")
+    w1 = param("w1", [experts, d, d_ff], ("experts", "hidden", "ff"))
+    w3 = param("w3", [experts, d, d_ff], ("experts", "hidden", "ff"))
+    w2 = param("w2", [experts, d_ff, d], ("experts", "ff", "hidden"))
+    if experts_compute == "grouped":
+        y = _grouped_experts(g, x, ids, top, (w1, w3, w2), experts, prefix)
+    else:
+        weights = g.einsum("tk,tke->te", top, hot, name=prefix + "combine_weights")
+        weights = g.cast(weights, dtype) if dtype != "float32" else weights
+        gate_h = g.einsum("th,ehf->tef", x, w1, name=prefix + "expert_gate")
+        up = g.einsum("th,ehf->tef", x, w3, name=prefix + "expert_up")
+        act = g.swiglu(gate_h, up, name=prefix + "expert_swiglu")
+        down = g.einsum("tef,efh->teh", act, w2, name=prefix + "expert_down")
+        y = g.einsum("teh,te->th", down, weights, name=prefix + "combine")
     if shared_d_ff:
         sg = g.matmul(x, param("shared_w1", [d, shared_d_ff], ("hidden", "ff")), name=prefix + "shared_gate")
         su = g.matmul(x, param("shared_w3", [d, shared_d_ff], ("hidden", "ff")), name=prefix + "shared_up")
@@ -166,6 +174,29 @@ def add_moe_ffn(g: Graph, x: Tensor, *, experts: int, top_k: int, d_ff: int, pre
         z = g.mean(g.mul(lse, lse), -1, keepdims=True, name=prefix + "z_loss")
         losses.append(MoeLosses(balance, z))
     return y
+
+
+def _grouped_experts(g: Graph, x: Tensor, ids: Tensor, top: Tensor, weights: tuple[Tensor, Tensor, Tensor],
+                     experts: int, prefix: str) -> Tensor:
+    """The routed experts over rows sorted by expert: ``x [tokens, d]`` gathered into one row per routed
+    pair, each row's SwiGLU FFN with its own expert's ``(w1, w3, w2)``, and each token's rows gathered back
+    and summed with the router's weights ``top [tokens, k]``."""
+    w1, w3, w2 = weights
+
+    def route(what: str) -> Tensor:
+        return g.apply(RouteIndexOp((ids.type,), experts, what), ids, name=f"{prefix}route_{what}")
+
+    token, dest, group = route("token"), route("dest"), route("group")
+    xs = g.embedding(x, token, name=prefix + "dispatch")  # [pairs, d], sorted by expert
+    gate_h = g.apply(GroupedMatmulOp((xs.type, w1.type, group.type)), xs, w1, group,
+                     name=prefix + "expert_gate")
+    up = g.apply(GroupedMatmulOp((xs.type, w3.type, group.type)), xs, w3, group, name=prefix + "expert_up")
+    act = g.swiglu(gate_h, up, name=prefix + "expert_swiglu")
+    down = g.apply(GroupedMatmulOp((act.type, w2.type, group.type)), act, w2, group,
+                   name=prefix + "expert_down")
+    back = g.embedding(down, dest, name=prefix + "gather_back")  # [tokens, k, d]
+    top = g.cast(top, x.dtype) if x.dtype != "float32" else top
+    return g.einsum("tkh,tk->th", back, top, name=prefix + "combine")
 
 
 def moe_constants(g: Graph) -> dict[str, np.ndarray]:

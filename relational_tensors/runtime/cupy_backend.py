@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -495,9 +496,10 @@ class CupyExecutor(Staging):
             if ex is None and self.capturable and phase in self._phases_seen:
                 try:
                     ex = self.phase_exec[phase] = self._capture(lo, hi)
-                except ExecError:
+                except ExecError as e:  # a phase runs inside torch's autograd: eagerly now, not an error
                     self.capturable = False
-                    raise
+                    warnings.warn(f"{e} This program's phases run eagerly from now on.", RuntimeWarning,
+                                  stacklevel=2)
             if ex is not None:
                 self._barrier(into=[0])
                 ex.launch(self.streams[0])
@@ -651,7 +653,9 @@ class CupyExecutor(Staging):
             stream = self.streams[t.device]
             with cp.cuda.Device(self.phys[t.device]), stream:
                 for dep in (self.waits[t.id] if fused is None else fused.waits):
-                    if dep in self.events:
+                    # a capture holds only its own tasks' events: one of an earlier phase is waited for by
+                    # the barrier before the launch (CUDA refuses a wait on an event recorded outside it)
+                    if dep in self.events and not (capturing and dep < lo):
                         stream.wait_event(self.events[dep])
                 if marks is not None:
                     marks[t.id] = (cp.cuda.Event(), cp.cuda.Event())

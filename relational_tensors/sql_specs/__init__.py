@@ -20,6 +20,7 @@ from relational_tensors.sql_specs.elementwise import (
     WhereOp,
 )
 from relational_tensors.sql_specs.embedding import EmbeddingGradOp, EmbeddingOp
+from relational_tensors.sql_specs.experts import GroupedMatmulOp, GroupedWeightGradOp, RouteIndexOp
 from relational_tensors.sql_specs.losses import CrossEntropyGradOp, CrossEntropyOp, TokenCountOp
 from relational_tensors.sql_specs.norms import (
     LayernormOp,
@@ -43,8 +44,9 @@ __all__ = [
     "SoftmaxOp", "RmsnormOp", "LayernormOp", "RopeOp", "ReshapeOp", "PermuteOp", "SliceOp",
     "ConcatOp", "EmbeddingOp", "AttentionOp", "PadOp", "ExpandOp", "CrossEntropyOp", "TokenCountOp",
     "WhereOp", "ConvOp", "PoolOp", "DropoutOp", "RandomOp", "TopkOp", "OneHotOp", "TakeAlongOp",
+    "RouteIndexOp", "GroupedMatmulOp",
     # gradient operators
     "UnaryGradOp", "BinaryGradOp", "SwigluGradOp", "SoftmaxGradOp", "NormGradOp", "NormWeightGradOp",
     "EmbeddingGradOp", "AttentionLseOp", "AttentionDeltaOp", "AttentionGradOp", "CrossEntropyGradOp",
-    "ConvGradOp", "PoolGradOp",
+    "ConvGradOp", "PoolGradOp", "GroupedWeightGradOp",
 ]

@@ -9,7 +9,7 @@ from relational_tensors.core.dtypes import bf16_bits_to_float32, compute_dtype, 
 from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.kernels.blas import einsum_gemm_plan
 from relational_tensors.kernels.common import DevBuf
-from relational_tensors.kernels.launchers.base import FLOATS, launcher
+from relational_tensors.kernels.launchers.base import FLOATS, host_kernel, launcher
 
 
 @launcher("matmul")
@@ -73,3 +73,29 @@ def _einsum(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream:
                     for a, b in zip(arrays, ins)]
         result = cupy.einsum(sub, *operands)
         dst[...] = float32_to_bf16_bits(result, cupy) if bf16 else result.astype(dst.dtype)
+
+
+def _grouped_on_host(op: Any) -> bool:
+    return bool(op.input_types[0].dtype == "float64")  # tl.dot has no float64 product
+
+
+@launcher("grouped_matmul", allocates=_grouped_on_host, host_forms="float64 (the NumPy kernel on host copies)")
+def _grouped_matmul(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    """Each row of the block times its expert's weights, for the experts of the block (Triton)."""
+    if _grouped_on_host(op):
+        host_kernel(op, f, ins, out, stream)
+        return
+    from relational_tensors.kernels import triton_experts as tx
+
+    tx.grouped_matmul(ins[0], ins[1], ins[2], out, f.inputs[1].lower[0], op.trans_w)
+
+
+@launcher("grouped_weight_grad", allocates=_grouped_on_host, host_forms="float64 (the NumPy kernel on host copies)")
+def _grouped_weight_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    """Each expert's weight gradient over its rows of the block (Triton, summed in row order)."""
+    if _grouped_on_host(op):
+        host_kernel(op, f, ins, out, stream)
+        return
+    from relational_tensors.kernels import triton_experts as tx
+
+    tx.grouped_weight_grad(ins[0], ins[1], ins[2], out, f.output.lower[0])

@@ -135,3 +135,11 @@ def _take_along(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, str
     from relational_tensors.kernels import triton_routing as tr
 
     tr.take_along(ins[0], ins[1], out, f.inputs[0].lower[-1])
+
+
+@launcher("route_index")
+def _route_index(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    """The routed pairs' counting sort by expert, one program per expert (the op keeps its pairs whole)."""
+    from relational_tensors.kernels import triton_experts as tx
+
+    tx.route_index(ins[0], out, op.experts, op.what)

@@ -1,0 +1,228 @@
+"""Sparse expert computation: the routed pairs sorted by expert, and products over each expert's rows.
+
+A mixture-of-experts layer routes each token to ``k`` experts: ``ids[t, j]`` is the ``j``-th expert of token
+``t``.  Computed densely, every token goes through every expert (``experts / k`` times the FLOPs the routing
+asks for).  Here the ``P = tokens · k`` routed pairs are laid out as the rows of one buffer sorted by
+expert (stable: token order, then rank), as grouped-GEMM MoE implementations lay them out, and each row
+is multiplied by its own expert's weights only.
+
+* ``route_index(ids, experts, what)`` makes the integer maps of that layout from the router's choices:
+  ``"token"`` (``[P]``: the token each sorted row holds),
+  ``"dest"`` (``[t, k]``: the sorted row of each pair, the inverse map) and ``"group"`` (``[P]``: each
+  sorted row's expert).  A counting sort over all pairs: the pairs and rows stay whole.
+* ``grouped_matmul(xs[P, h], w[e, h, f], group[P]) -> [P, f]``: row ``p`` times ``w[group[p]]``.  As a
+  join of rows with experts on ``group[p] = e`` it splits rows, ``h`` (⊕ = sum) and ``f`` anywhere, and
+  the experts too (⊕ = sum): a block of experts ``[e0, e1)`` computes the rows routed there and zeros
+  elsewhere, which is expert parallelism (the sum over expert blocks is the combine's exchange).
+  ``trans_w`` reads ``w`` as ``[e, f, h]`` (the data gradient's product, without a transposed copy).
+* ``grouped_weight_grad(xs[P, h], dy[P, f], group[P], experts) -> [e, h, f]``: expert ``e``'s weight
+  gradient, the sum over its rows of ``xs[p]ᵀ dy[p]``; rows split with ⊕ = sum, experts, ``h`` and ``f``
+  anywhere.
+
+The maps are made on the device from the router's output, so no count reaches the host and the
+buffers' sizes (``P`` rows) are static: the plan and the captured graph hold for any routing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from relational_tensors.core.dtypes import FLOAT_DTYPES
+from relational_tensors.core.spec import FunctionSpec
+from relational_tensors.core.types import Box, TensorType
+from relational_tensors.errors import GraphError
+from relational_tensors.sql_specs.base import Builder, Grads, IndexedOp, register
+from relational_tensors.sql_specs.grad import build
+
+__all__ = ["RouteIndexOp", "GroupedMatmulOp", "GroupedWeightGradOp", "route_maps", "ROUTE_MAPS"]
+
+ROUTE_MAPS = ("token", "dest", "group")
+
+
+def route_maps(ids: np.ndarray, experts: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(token, dest, group) of the router's choices ``ids[t, k]`` (see the module docstring).  An id
+    outside ``[0, experts)`` (a dropped pair's sentinel) sorts after every expert and gets group
+    ``experts``, which no expert's rows hold."""
+    flat = np.asarray(ids, dtype=np.int64).reshape(-1)
+    key = np.where((flat >= 0) & (flat < experts), flat, experts)
+    source = np.argsort(key, kind="stable").astype(np.int64)
+    dest = np.empty_like(source)
+    dest[source] = np.arange(source.size, dtype=np.int64)
+    k = np.shape(ids)[1] if np.ndim(ids) == 2 else 1
+    return source // k, dest.reshape(np.shape(ids)), key[source]
+
+
+@register
+@dataclass(frozen=True, eq=True)
+class RouteIndexOp(IndexedOp):
+    """``route_index(ids[t, k], experts, what) -> int64``: the sorted layout's ``token [t·k]``,
+    ``dest [t, k]`` or ``group [t·k]`` (see the module docstring).
+
+    >>> from relational_tensors.core.types import TensorType as T
+    >>> RouteIndexOp((T.zero((6, 2), "int64"),), 4, "token").signature()
+    'tokens k -> rows'
+    """
+
+    kind = "route_index"
+    experts: int = 1
+    what: str = "token"
+    gradient = "its input and output are integer ids"
+
+    def infer(self) -> TensorType:
+        (ids,) = self.input_types
+        if ids.dtype not in ("int32", "int64") or ids.rank != 2:
+            raise GraphError(f"route_index takes the router's choices, int ids of shape [tokens, k]; got {ids}.")
+        if not isinstance(self.experts, int) or isinstance(self.experts, bool) or self.experts < 1:
+            raise GraphError(f"route_index needs a positive number of experts; got {self.experts!r}.")
+        if self.what not in ROUTE_MAPS:
+            raise GraphError(f"route_index makes one of {ROUTE_MAPS}; got what={self.what!r}.")
+        if self.what == "dest":
+            return TensorType.zero(ids.shape, "int64", ids.names)
+        return TensorType.zero((ids.shape[0] * ids.shape[1],), "int64", ("rows",))
+
+    def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
+        return (("tokens", "k"),)
+
+    def dims_out(self) -> tuple[str | None, ...]:
+        return ("tokens", "k") if self.what == "dest" else ("rows",)
+
+    def unshardable(self) -> frozenset[str]:
+        return frozenset({"tokens", "k", "rows"})  # a sort over every pair
+
+    def params(self) -> dict[str, object]:
+        return {"experts": self.experts, "what": self.what}
+
+    def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
+        return float(inputs[0].volume * max(1, int(np.log2(max(inputs[0].volume, 2)))))
+
+    def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
+        token, dest, group = route_maps(blocks[0], self.experts)
+        return {"token": token, "dest": dest, "group": group}[self.what]
+
+
+def _check_rows(kind: str, rows: TensorType, group: TensorType) -> None:
+    if group.dtype not in ("int32", "int64") or group.shape != rows.shape[:1]:
+        raise GraphError(f"{kind} needs group ids, int of shape [rows] = [{rows.shape[0]}]; got {group}.")
+
+
+@register
+@dataclass(frozen=True, eq=True)
+class GroupedMatmulOp(IndexedOp):
+    """``grouped_matmul(xs[rows, h], w[experts, h, f], group[rows]) -> [rows, f]``: each row times its
+    group's weights (``trans_w``: ``w`` is ``[experts, f, h]``, read transposed).  A group outside
+    ``[0, experts)`` gives a row of zeros.
+
+    >>> from relational_tensors.core.types import TensorType as T
+    >>> GroupedMatmulOp((T.zero((12, 8)), T.zero((4, 8, 16)), T.zero((12,), "int64"))).signature()
+    'rows hidden, experts hidden ff, rows -> rows ff'
+    """
+
+    kind = "grouped_matmul"
+    trans_w: bool = False
+    contraction = True
+
+    def infer(self) -> TensorType:
+        xs, w, group = self.input_types
+        if xs.rank != 2 or w.rank != 3 or xs.dtype not in FLOAT_DTYPES or w.dtype != xs.dtype:
+            raise GraphError(f"grouped_matmul needs rows [rows, h] and weights [experts, h, f] of one floating "
+                             f"dtype; got {xs} and {w}.")
+        h, f = (w.shape[2], w.shape[1]) if self.trans_w else (w.shape[1], w.shape[2])
+        if xs.shape[1] != h:
+            raise GraphError(f"grouped_matmul multiplies rows of width {xs.shape[1]} by weights whose input width is "
+                             f"{h} ({'[experts, f, h]' if self.trans_w else '[experts, h, f]'}: {w.shape}).")
+        _check_rows("grouped_matmul", xs, group)
+        return TensorType.zero((xs.shape[0], f), xs.dtype, ("rows", "ff"))
+
+    def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
+        w = ("experts", "ff", "hidden") if self.trans_w else ("experts", "hidden", "ff")
+        return (("rows", "hidden"), w, ("rows",))
+
+    def dims_out(self) -> tuple[str | None, ...]:
+        return ("rows", "ff")
+
+    def params(self) -> dict[str, object]:
+        return {"trans_w": self.trans_w}
+
+    def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
+        # each row meets one expert: a block of experts computes its share of the rows (uniform routing)
+        share = inputs[1].shape[0] / self.input_types[1].shape[0]
+        return 2.0 * output.volume * inputs[0].shape[1] * share
+
+    def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
+        xs, w, group = blocks
+        e0, e1 = f.inputs[1].lower[0], f.inputs[1].upper[0]
+        x = self._compute(xs)
+        out = np.zeros((x.shape[0], w.shape[1] if self.trans_w else w.shape[2]), dtype=x.dtype)
+        group = np.asarray(group)
+        for e in np.unique(group[(group >= e0) & (group < e1)]):
+            rows = group == e
+            we = self._compute(w[e - e0])
+            out[rows] = x[rows] @ (we.T if self.trans_w else we)
+        return self._result(out)
+
+    def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any,
+            wanted: tuple[bool, ...]) -> Grads:
+        xs, w, group = inputs
+        dxs = build(b, "grouped_matmul", (cotangent, w, group), trans_w=not self.trans_w) if wanted[0] else None
+        dw = None
+        if wanted[1]:
+            experts = w.type.shape[0]
+            dw = build(b, "grouped_weight_grad", (cotangent, xs, group) if self.trans_w else (xs, cotangent, group),
+                       experts=experts)
+        return (dxs, dw, None)
+
+
+@register
+@dataclass(frozen=True, eq=True)
+class GroupedWeightGradOp(IndexedOp):
+    """``grouped_weight_grad(xs[rows, h], dy[rows, f], group[rows], experts) -> [experts, h, f]``: per
+    expert, the sum over its rows of ``xs[p]ᵀ · dy[p]`` (float32 sums, rounded to the inputs' dtype).
+
+    >>> from relational_tensors.core.types import TensorType as T
+    >>> GroupedWeightGradOp((T.zero((12, 8)), T.zero((12, 16)), T.zero((12,), "int64")), 4).signature()
+    'rows hidden, rows ff, rows -> experts hidden ff'
+    """
+
+    kind = "grouped_weight_grad"
+    experts: int = 1
+    contraction = True
+    gradient = "it is a first-order gradient; differentiating it again is not supported"
+
+    def infer(self) -> TensorType:
+        xs, dy, group = self.input_types
+        if xs.rank != 2 or dy.rank != 2 or xs.shape[0] != dy.shape[0] or xs.dtype not in FLOAT_DTYPES \
+                or dy.dtype != xs.dtype:
+            raise GraphError(f"grouped_weight_grad needs rows [rows, h] and gradients [rows, f] of one floating "
+                             f"dtype; got {xs} and {dy}.")
+        if not isinstance(self.experts, int) or isinstance(self.experts, bool) or self.experts < 1:
+            raise GraphError(f"grouped_weight_grad needs a positive number of experts; got {self.experts!r}.")
+        _check_rows("grouped_weight_grad", xs, group)
+        return TensorType.zero((self.experts, xs.shape[1], dy.shape[1]), xs.dtype, ("experts", "hidden", "ff"))
+
+    def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
+        return (("rows", "hidden"), ("rows", "ff"), ("rows",))
+
+    def dims_out(self) -> tuple[str | None, ...]:
+        return ("experts", "hidden", "ff")
+
+    def params(self) -> dict[str, object]:
+        return {"experts": self.experts}
+
+    def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
+        share = output.shape[0] / self.experts  # the block's experts' share of the rows (uniform routing)
+        return 2.0 * inputs[0].volume * inputs[1].shape[1] * share
+
+    def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
+        xs, dy, group = blocks
+        e0, e1 = f.output.lower[0], f.output.upper[0]
+        x, d = self._compute(xs), self._compute(dy)
+        out = np.zeros(f.output.shape, dtype=x.dtype)
+        group = np.asarray(group)
+        for e in np.unique(group[(group >= e0) & (group < e1)]):
+            rows = group == e
+            out[e - e0] = x[rows].T @ d[rows]
+        return self._result(out)

@@ -1,0 +1,119 @@
+"""The sparse experts' GPU launchers (``kernels/triton_experts.py``) against the operators' NumPy kernels:
+``route_index``'s three maps (a stable counting sort, with ids outside every expert), ``grouped_matmul``
+(plain and ``trans_w``) and ``grouped_weight_grad`` over blocks of rows, hidden, ff and experts (sizes
+that do not divide the tiles), rows sorted by expert and in any order, in float32 and bfloat16.  The maps
+are integers and must be equal; the products are float32 sums of products (bfloat16 ones of exact
+products), compared at 1e-5 (float32) and at bfloat16's rounding of the result.
+
+Without a GPU the kernels run in Triton's interpreter on CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from triton_interpret import Tensors, kernel_module
+
+from relational_tensors.core.types import TensorType
+from relational_tensors.sql_specs.experts import GroupedMatmulOp, GroupedWeightGradOp, RouteIndexOp
+
+torch = pytest.importorskip("torch")
+K = kernel_module("relational_tensors.kernels.triton_experts")
+
+from relational_tensors.kernels.launchers import allocates, launcher_for  # noqa: E402
+
+TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+T = Tensors()
+
+
+@pytest.fixture(autouse=True)
+def _pointers(monkeypatch):
+    T.held.clear()
+    T.patch(monkeypatch, K, widen_dot=True)
+
+
+def _exact(shape: tuple[int, ...], dtype: str, seed: int) -> np.ndarray:
+    """Values exact in ``dtype`` (small multiples of 1/8)."""
+    x = np.random.default_rng(seed).integers(-8, 9, shape).astype(np.float32) / 8
+    return torch.from_numpy(x).to(TORCH[dtype]).float().numpy()
+
+
+@pytest.mark.parametrize("what", ["token", "dest", "group"])
+@pytest.mark.parametrize(("tokens", "k", "experts"), [(7, 2, 4), (300, 3, 5), (1, 1, 1), (1500, 2, 8)])
+def test_route_index_matches_the_operator(what: str, tokens: int, k: int, experts: int) -> None:
+    ids = np.random.default_rng(tokens).integers(-1, experts + 1, (tokens, k))  # -1 and experts: no expert
+    op = RouteIndexOp((TensorType.zero(ids.shape, "int64"),), experts, what)
+    assert not allocates(op)
+    (f,) = op.spec({}).functions
+    want = op.kernel([ids], f)
+    ib, _ = T.buf(torch.from_numpy(ids))
+    ob, got = T.buf(torch.full(want.shape, -7, dtype=torch.int64))
+    launcher_for("route_index").launch(op, f, [ib], ob, {}, 0)
+    np.testing.assert_array_equal(got.cpu().numpy(), want)
+
+
+def _blocks(op: object, pieces: dict[str, int]) -> list:
+    request = {}
+    for index in op.requestable():  # type: ignore[attr-defined]
+        ivs = index.near_equal(pieces[index.name]) if index.name in pieces else None
+        if ivs is not None:
+            request[index.name] = ivs
+    return list(op.spec(request).functions)  # type: ignore[attr-defined]
+
+
+def _tolerance(dtype: str, want: np.ndarray) -> dict:
+    if dtype == "float32":
+        return dict(rtol=1e-5, atol=1e-5)
+    return dict(rtol=2**-7, atol=2**-7 * max(1.0, float(np.abs(want).max())))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("trans", [False, True])
+@pytest.mark.parametrize("ordered", [True, False])
+@pytest.mark.parametrize("pieces", [{}, {"rows": 3, "experts": 2}, {"hidden": 2, "ff": 3, "experts": 3}])
+def test_grouped_matmul_matches_the_operator(dtype: str, trans: bool, ordered: bool, pieces: dict) -> None:
+    rows, h, f, e = 150, 40, 70, 5
+    xs, w = _exact((rows, h), dtype, 1), _exact((e, f, h) if trans else (e, h, f), dtype, 2)
+    group = np.random.default_rng(3).integers(0, e + 1, rows)  # e: rows of no expert
+    if ordered:
+        group = np.sort(group)
+    op = GroupedMatmulOp((TensorType.zero(xs.shape, dtype), TensorType.zero(w.shape, dtype),
+                          TensorType.zero(group.shape, "int64")), trans)
+    assert not allocates(op)
+    for fn in _blocks(op, pieces):
+        blocks = [xs[fn.inputs[0].slices()], w[fn.inputs[1].slices()], group[fn.inputs[2].slices()]]
+        want = np.asarray(op.kernel(blocks, fn), np.float32)
+        xb, _ = T.buf(torch.from_numpy(np.ascontiguousarray(blocks[0])).to(TORCH[dtype]))
+        wb, _ = T.buf(torch.from_numpy(np.ascontiguousarray(blocks[1])).to(TORCH[dtype]))
+        gb, _ = T.buf(torch.from_numpy(np.ascontiguousarray(blocks[2])))
+        ob, got = T.buf(torch.full(fn.output.shape, 7.0, dtype=TORCH[dtype]))
+        launcher_for("grouped_matmul").launch(op, fn, [xb, wb, gb], ob, {}, 0)
+        np.testing.assert_allclose(got.cpu().float().numpy(), want, **_tolerance(dtype, want), err_msg=str(fn))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("ordered", [True, False])
+@pytest.mark.parametrize("pieces", [{}, {"rows": 2, "experts": 2}, {"hidden": 3, "ff": 2}])
+def test_grouped_weight_grad_matches_the_operator(dtype: str, ordered: bool, pieces: dict) -> None:
+    rows, h, f, e = 130, 36, 70, 4
+    xs, dy = _exact((rows, h), dtype, 4), _exact((rows, f), dtype, 5)
+    group = np.random.default_rng(6).integers(0, e + 1, rows)
+    if ordered:
+        group = np.sort(group)
+    op = GroupedWeightGradOp((TensorType.zero(xs.shape, dtype), TensorType.zero(dy.shape, dtype),
+                              TensorType.zero(group.shape, "int64")), e)
+    assert not allocates(op)
+    for fn in _blocks(op, pieces):
+        blocks = [xs[fn.inputs[0].slices()], dy[fn.inputs[1].slices()], group[fn.inputs[2].slices()]]
+        want = np.asarray(op.kernel(blocks, fn), np.float32)
+        xb, _ = T.buf(torch.from_numpy(np.ascontiguousarray(blocks[0])).to(TORCH[dtype]))
+        db, _ = T.buf(torch.from_numpy(np.ascontiguousarray(blocks[1])).to(TORCH[dtype]))
+        gb, _ = T.buf(torch.from_numpy(np.ascontiguousarray(blocks[2])))
+        ob, got = T.buf(torch.full(fn.output.shape, 7.0, dtype=TORCH[dtype]))
+        launcher_for("grouped_weight_grad").launch(op, fn, [xb, db, gb], ob, {}, 0)
+        np.testing.assert_allclose(got.cpu().float().numpy(), want, **_tolerance(dtype, want), err_msg=str(fn))
+
+
+def test_float64_runs_on_the_host() -> None:
+    t = TensorType.zero
+    assert allocates(GroupedMatmulOp((t((4, 3), "float64"), t((2, 3, 5), "float64"), t((4,), "int64"))))
+    assert allocates(GroupedWeightGradOp((t((4, 3), "float64"), t((4, 5), "float64"), t((4,), "int64")), 2))
