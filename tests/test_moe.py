@@ -98,6 +98,48 @@ def test_a_moe_model_on_a_padded_batch_equals_its_eager_forward(name: str) -> No
     assert (got - want)[real].abs().max().item() <= 1e-5 * want[real].abs().max().item()
 
 
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm", "batched_mm"])
+def test_the_experts_form_follows_the_model_s_setting(impl: str) -> None:
+    """transformers' own knob picks the traced form: its sparse implementations ("eager", the default, and
+    "grouped_mm") trace as rows sorted by expert through grouped products, "batched_mm" as every token
+    through every expert; both give the eager forward."""
+    model = _model("mixtral").eval()
+    model.config._experts_implementation = impl
+    ids, mask, _ = _batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = rt.parallelize(Logits(model), (ids, mask), device="cpu:2")
+    kinds = {n.kind for n in fast.graph.operators}
+    if impl == "batched_mm":
+        assert "grouped_matmul" not in kinds and "route_index" not in kinds
+    else:
+        assert {"grouped_matmul", "route_index"} <= kinds
+    with torch.no_grad():
+        want = Logits(model)(ids, mask)
+    got = fast(ids, mask)
+    real = mask.bool()
+    assert (got - want)[real].abs().max().item() <= 1e-5 * want[real].abs().max().item()
+
+
+def test_the_custom_ops_compute_in_eager_torch() -> None:
+    """``relational_tensors::route_index`` and ``grouped_mm`` called outside a trace: the sorted layout and
+    the grouped product, as the operators' NumPy kernels compute them."""
+    import numpy as np
+
+    from relational_tensors.frontend.torch.moe import custom_ops
+    from relational_tensors.sql_specs.experts import route_maps
+
+    ops = custom_ops()
+    ids = torch.tensor([[3, 0], [0, 2], [3, 1], [9, 0]])
+    for what, want in zip(("token", "dest", "group"), route_maps(ids.numpy(), 4)):
+        assert np.array_equal(ops.route_index(ids, 4, what).numpy(), want), what
+    xs, w, group = torch.randn(8, 3), torch.randn(4, 5, 3), ops.route_index(ids, 4, "group")
+    got = ops.grouped_mm(xs, w, group, True)
+    for p in range(8):
+        want_row = xs[p] @ w[group[p]].T if group[p] < 4 else torch.zeros(5)
+        torch.testing.assert_close(got[p], want_row)
+
+
 def _loss(m: Any, ids: Any, mask: Any, labels: Any) -> Any:
     logits = m(input_ids=ids, attention_mask=mask).logits
     return nn.functional.cross_entropy(logits.flatten(0, 1), labels.masked_fill(mask == 0, -100).flatten())

@@ -73,6 +73,8 @@ def _packet(node: Any) -> str | None:
     full = _op_name(node)
     if full.startswith("prims.") and full.split(".")[1] in _PRIMS_AS_ATEN:
         return full.split(".")[1]
+    if full.startswith("relational_tensors."):  # this package's custom ops (frontend/torch/moe.py): rt_<name>
+        return "rt_" + full.split(".")[1]
     if not full.startswith("aten."):
         return None
     return full.split(".")[1]

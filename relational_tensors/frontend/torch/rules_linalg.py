@@ -1,5 +1,6 @@
 """Translation rules for matrix products: ``linear`` (a constant weight enters the graph transposed,
-``[in, out]``), ``matmul``/``mm``/``bmm``, ``addmm`` and ``einsum``.
+``[in, out]``), ``matmul``/``mm``/``bmm``, ``addmm`` and ``einsum``; and the sparse experts' custom ops
+(``relational_tensors::route_index`` and ``grouped_mm``, see ``frontend/torch/moe.py``).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from relational_tensors.frontend.torch.common import _Const, _fail, _out_dtype, _out_shape
 from relational_tensors.frontend.torch.registry import register_torch_op
 from relational_tensors.graph.graph import Tensor
+from relational_tensors.sql_specs.experts import GroupedMatmulOp, RouteIndexOp
 
 if TYPE_CHECKING:
     from relational_tensors.frontend.torch.translator import _Translator
@@ -61,3 +63,20 @@ def _einsum(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
         raise _fail(f"einsum with an ellipsis ({a['equation']!r}); write every index out")
     dtype = _out_dtype(node)
     return tr.g.einsum(a["equation"], *(tr.sym(t, dtype) for t in a["tensors"]), name=tr.name("einsum"))
+
+
+@register_torch_op("rt_route_index")
+def _route_index(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    """``relational_tensors::route_index`` (the experts' sorted layout, ``frontend/torch/moe.py``)."""
+    ids = tr.cast(tr.sym(a["ids"]), "int64")
+    op = RouteIndexOp((ids.type,), int(a["experts"]), str(a["what"]))
+    return tr.g.apply(op, ids, name=tr.name(f"route_{a['what']}"))
+
+
+@register_torch_op("rt_grouped_mm")
+def _grouped_mm(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    """``relational_tensors::grouped_mm``: each sorted row times its expert's weights."""
+    xs = tr.sym(a["xs"])
+    w, group = tr.sym(a["w"], xs.dtype), tr.sym(a["group"])
+    op = GroupedMatmulOp((xs.type, w.type, group.type), bool(a["trans_w"]))
+    return tr.g.apply(op, xs, w, group, name=tr.name("grouped_mm"))

@@ -571,7 +571,9 @@ class _Translator:
         self.g.output_leaves = tuple(leaves)
 
 
-SUPPORTED_OPS: tuple[str, ...] = tuple(sorted(n for n in _RULES if n not in ("getitem", "_assert_tensor_metadata")))
+# the ATen operations a user's module may call (this package's own custom ops, ``rt_*``, are left out)
+SUPPORTED_OPS: tuple[str, ...] = tuple(sorted(n for n in _RULES if n not in ("getitem", "_assert_tensor_metadata")
+                                              and not n.startswith("rt_")))
 
 
 def _draws(node: Any) -> bool:
