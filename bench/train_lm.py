@@ -8,7 +8,8 @@ or download), and the corpus is every ``.py`` file of the running Python's stand
 a training and a held-out part.  Both runs start from the same weights and read the same batches (random
 windows of ``seq + 1`` bytes, seeded); both use AdamW with the same hyperparameters.  Written out: the
 loss of every step of both runs, tokens per second, step time (2 warm-up steps left out; CUDA events
-on a GPU), peak device memory, the held-out loss at the end, and a plot of the two loss curves (with
+on a GPU), peak device memory (torch's allocator peak, plus for ours the CuPy pool the program's memory
+lives in), the held-out loss at the end, and a plot of the two loss curves (with
 matplotlib installed: ``pip install 'relational_tensors[bench]'``).
 
     python bench/train_lm.py [--device cuda:0] [--steps 300] [--layers 4] [--d-model 256] [--heads 8]
@@ -179,6 +180,10 @@ def train(model: nn.Module, data: list[tuple[np.ndarray, np.ndarray]], device: s
             losses.append(float(run(x, y)))
             times.append((time.perf_counter() - t0) * 1e3)
     peak = torch.cuda.max_memory_allocated() if on_gpu else None
+    if on_gpu and ours:  # the program's arena and blocks live in CuPy's pool, which torch's counter does not see
+        import cupy
+
+        peak += cupy.get_default_memory_pool().total_bytes()
     return {"losses": losses, "ms": times, "peak_bytes": peak, "step": step if ours else None}
 
 
