@@ -12,11 +12,14 @@ training step adds the loss mean(y²), every gradient and AdamW with float32 mas
 "optimizer" is the default selector (Algorithm 1, refined), "optimizer (exact)" the exact one
 (``selector="exact"``, SciPy's MILP); "cost model ms" is the plan's cost as the selectors price it.
 
-The experts are computed densely (every token through every expert, weighted by a routing weight that
-is zero off the router's picks): ``experts / top_k`` times the FLOPs of a dispatch to the picked experts
-(4x for Mixtral, 16x for Qwen3), so the times are the dense form's, not a dispatching system's.
+``--experts dense`` (the default, ``moe_plans.md``) computes the experts densely (every token through
+every expert, weighted by a routing weight that is zero off the router's picks): ``experts / top_k`` times
+the FLOPs of a dispatch to the picked experts (4x for Mixtral, 16x for Qwen3).  ``--experts grouped``
+(``moe_plans_grouped.md``) sorts the routed pairs by expert and runs each row through its own expert only
+(``add_moe_ffn(experts_compute="grouped")``, the form transformers' MoE models trace to), priced under
+uniform routing.
 
-    python bench/moe_plans.py [--quick] [--out bench/results]
+    python bench/moe_plans.py [--quick] [--experts dense|grouped] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -42,13 +45,14 @@ def workloads(quick: bool) -> list[tuple[str, dict[str, Any], int, str]]:
 
 
 def main() -> None:
-    args = arguments(__doc__)
+    args = arguments(__doc__, lambda ap: ap.add_argument("--experts", choices=("dense", "grouped"), default="dense"))
+    grouped = args.experts == "grouped"
     tokens = 1024 if args.quick else 8192
     rows, data = [], []
     for name, shape, p, machine in workloads(args.quick):
         topology = get_topology(machine, gpus=p)
         for training in (False, True):
-            g = moe_layer_graph(tokens, dtype="bfloat16", training=training, **shape)
+            g = moe_layer_graph(tokens, dtype="bfloat16", training=training, experts_compute=args.experts, **shape)
             what = f"{name}, {'training step' if training else 'forward'}"
             for plan in PLANS:
                 constraints = None if plan.startswith("optimizer") else rt.plans.PLANS[plan](g, p)
@@ -67,15 +71,17 @@ def main() -> None:
                              f"{gib:.2f}", f"{planned:.1f}"])
                 print(row, flush=True)
     h = header("Mixture-of-experts layers: the planner against hand EP and TP plans", ["hgx-h200", "h200-nvl72"],
-               "8 and 64 simulated H200s", notes=[f"{tokens} tokens, bfloat16; experts computed densely "
-                                                  "(experts / top_k times a dispatch's expert FLOPs)",
+               "8 and 64 simulated H200s", notes=[f"{tokens} tokens, bfloat16; " + (
+                   "experts grouped (the routed pairs sorted by expert, each row through its own expert)" if grouped
+                   else "experts computed densely (experts / top_k times a dispatch's expert FLOPs)"),
                                                   "expert_gate split: the split of the first expert product "
-                                                  "(e: experts, t: tokens, f: intermediate, h: hidden)"])
+                                                  "(dense: e experts, t tokens, f intermediate, h hidden; "
+                                                  "grouped: experts, rows, ff, hidden)"])
     h["dtype"] = "bfloat16"
     lines = header_markdown(h) + markdown_table(
         ["workload", "p", "plan", "expert_gate split", "cost model ms", "simulated ms", "peak GiB / device",
          "planned in s"], rows)
-    write_table(args.out / "moe_plans.md", lines, {"header": h, "rows": data})
+    write_table(args.out / ("moe_plans_grouped.md" if grouped else "moe_plans.md"), lines, {"header": h, "rows": data})
 
 
 if __name__ == "__main__":

@@ -124,6 +124,43 @@ def test_a_torch_optimizer_instance_steps_as_torch_does(name: str) -> None:
     assert_like_torch(step, twin, opt, 1e-9)
 
 
+@pytest.mark.parametrize("name", ["AdamW", "SGD"])
+def test_a_0d_parameter_trains_as_torch_does(name: str) -> None:
+    """A scalar parameter (a learnable temperature or logit scale, ``nn.Parameter(torch.tensor(0.7))``):
+    its update, computed with the [1]-shaped learning rate and step, keeps its 0-d shape and equals torch's
+    over three steps, gated accumulation included."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.temp = nn.Linear(4, 3), nn.Parameter(torch.tensor(0.7))
+
+        def forward(self, x: Any) -> Any:
+            return self.lin(x) * self.temp
+
+    def loss(m: nn.Module, x: Any) -> Any:
+        return m(x).square().mean()
+
+    torch.manual_seed(0)
+    ours, ref = Scaled(), Scaled()
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(5, 4)
+    make = {"AdamW": lambda ps: torch.optim.AdamW(ps, lr=0.1), "SGD": lambda ps: torch.optim.SGD(ps, lr=0.1,
+                                                                                              momentum=0.9)}[name]
+    for accumulate in (1, 2):
+        step = rt.train_step(ours, loss, (x,), optimizer=make(ours.parameters()), device="cpu:2", accumulate=accumulate)
+        theirs = make(ref.parameters())
+        for _ in range(3):
+            theirs.zero_grad()
+            for _ in range(accumulate):
+                step(x)
+                (loss(ref, x) / accumulate).backward()
+            theirs.step()
+        step.load_into(ours)
+        assert ours.temp.shape == () and abs(float(ours.temp.detach()) - float(ref.temp.detach())) <= 1e-6
+        torch.testing.assert_close(ours.lin.weight, ref.lin.weight, rtol=1e-5, atol=1e-6)
+
+
 def test_no_decay_groups_from_torch_and_from_rt_optim_equal_torch() -> None:
     batches = _batches(4, seed=1)
     twin = _model()

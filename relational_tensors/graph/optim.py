@@ -130,6 +130,12 @@ def _number(what: str, value: object, lo: float = 0.0, hi: float = math.inf, hi_
     return float(value)  # type: ignore[arg-type]
 
 
+def _assign(g: Graph, state: Tensor, new: Tensor) -> None:
+    """``g.assign(state, new)``, ``new`` in the state's shape: a 0-d parameter's update, computed with the
+    [1]-shaped scalars (learning rate, step, gate), broadcasts to [1]."""
+    g.assign(state, new if new.shape == state.shape else g.reshape(new, list(state.shape)))
+
+
 class _Put:
     """``g.assign``, or with a ``gate`` ([1], 0 or 1) the gated assignment ``new·gate + old·(1 - gate)``:
     exactly ``new`` where the gate is 1 and exactly ``old`` where it is 0 (x·1 = x and x + 0 = x in floating
@@ -151,11 +157,10 @@ class _Put:
         return self._by_dtype[dtype]
 
     def __call__(self, state: Tensor, new: Tensor) -> None:
-        if self.gate is None:
-            self.g.assign(state, new)
-            return
-        on, off = self.factors(state.dtype)
-        self.g.assign(state, self.g.add(self.g.mul(new, on), self.g.mul(state, off)))
+        if self.gate is not None:
+            on, off = self.factors(state.dtype)
+            new = self.g.add(self.g.mul(new, on), self.g.mul(state, off))
+        _assign(self.g, state, new)
 
 
 def _master(g: Graph, opt: Optimizer, p: Tensor, d: Tensor, master_dtype: str | None) -> tuple[Tensor, Tensor]:
@@ -215,7 +220,7 @@ def accumulate(g: Graph, params: Sequence[Tensor], grads: Sequence[Tensor],
     for p, d in zip(params, grads):
         held = acc._state(g, f"{p.name}.grad_accum", d)
         total = g.add(held, d)
-        g.assign(held, g.mul(total, put.factors(total.dtype)[1]))  # zero after an applying execution
+        _assign(g, held, g.mul(total, put.factors(total.dtype)[1]))  # zero after an applying execution
         out.append(total)
     return out, acc
 
