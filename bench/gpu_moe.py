@@ -1,6 +1,7 @@
 """A Mixtral-shaped mixture-of-experts layer on one GPU, as a PyTorch user runs it: transformers'
 ``MixtralSparseMoeBlock`` (8 experts, top-2, 4096 wide, 14,336 intermediate) on 8,192 tokens in bfloat16,
-forward and training step (loss mean(y²), AdamW; ours with float32 masters), side by side in one run:
+forward and training step (loss mean(y²), ``torch.optim.AdamW``, which ours is handed as a user hands it),
+side by side in one run:
 
 * ``eager`` and ``compile``: the block itself and ``torch.compile`` of it (transformers' experts loop);
 * ``grouped_mm``: the routed tokens sorted by expert and the experts' products as ``torch._grouped_mm``
@@ -9,12 +10,15 @@ forward and training step (loss mean(y²), AdamW; ours with float32 masters), si
   on 8 logical devices of it (``cuda:0,0,0,0,0,0,0,0``), CUDA tensors in and out; ``graph``: the compiled
   program's ``execute`` alone.
 
-Our experts run densely (every token through every expert, weighted by zero off the router's picks:
-4x a dispatch's expert FLOPs here), so the table also gives the routed expert TFLOP/s (the FLOPs a
-dispatch does, 2 · tokens · top_k · 3 · hidden · intermediate, over each time) beside this GPU's dense
-matmul rate.  2 warm-ups and 10 timed rounds, CUDA events, medians.
+Our experts follow the block's ``config._experts_implementation`` (``--experts-impl``): ``eager``, the
+default, traces them grouped (the routed pairs sorted by expert, each row through its own expert);
+``batched_mm`` densely (every token through every expert, weighted by zero off the router's picks: 4x the
+routed FLOPs here).  The table gives the routed expert TFLOP/s (the FLOPs a dispatch does,
+2 · tokens · top_k · 3 · hidden · intermediate, over each time) beside this GPU's dense matmul rate.
+2 warm-ups and 10 timed rounds, CUDA events, medians.
 
-    python bench/gpu_moe.py [--tokens 8192] [--modes eager,compile,grouped_mm,user,graph] [--out bench/results]
+    python bench/gpu_moe.py [--tokens 8192] [--modes eager,compile,grouped_mm,user,graph]
+                            [--experts-impl eager|batched_mm] [--out bench/results]
     python bench/gpu_moe.py --smoke --modes eager,compile,grouped_mm,user   # tiny shapes on cpu:1 and cpu:2,
                                                                          # wall-clock: the script's own check
 """
@@ -56,12 +60,16 @@ def time_ms(fn: Callable[[], Any], cuda: bool) -> float:
     return statistics.median(times)
 
 
+EXPERTS_IMPL = "eager"  # --experts-impl
+
+
 def block(tokens: int, smoke: bool, device: str, dtype: Any) -> tuple[Callable[[], Any], torch.Tensor, dict]:
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
     shape = dict(hidden_size=64, intermediate_size=96) if smoke else dict(hidden_size=4096, intermediate_size=14336)
     config = MixtralConfig(num_local_experts=8, num_experts_per_tok=2, **shape)
+    config._experts_implementation = EXPERTS_IMPL  # how ours traces the experts (grouped or dense)
 
     def make() -> Any:
         torch.manual_seed(0)
@@ -128,7 +136,7 @@ def rows_for(mode: str, make: Callable[[], Any], x: torch.Tensor, train: bool, c
             for device in devices:
                 model = make()
                 if train:
-                    st = rt.train_step(model, loss_fn, (x,), optimizer=rt.optim.AdamW(lr=1e-5, master_dtype="float32"),
+                    st = rt.train_step(model, loss_fn, (x,), optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5),
                                        device=device)
                     st(x)
                     target = st.compiled
@@ -160,9 +168,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--modes", default="eager,compile,grouped_mm,user,graph")
+    ap.add_argument("--experts-impl", default="eager", choices=("eager", "batched_mm"),
+                    help="the block's config._experts_implementation: eager traces grouped, batched_mm densely")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
+    global EXPERTS_IMPL
+    EXPERTS_IMPL = a.experts_impl
     cuda = not a.smoke
     devices = ("cpu:1", "cpu:2") if a.smoke else DEVICES
     tokens = 64 if a.smoke else a.tokens
