@@ -8,7 +8,7 @@ whether its kernels allocate.  :func:`problems` lists every kind that lacks a pa
 >>> problems()
 []
 >>> print(describe().splitlines()[0][:101])
-kind                class               ⊕          cost family  GPU launcher  GPU allocates  gradient
+kind                 class                ⊕          cost family  GPU launcher  GPU allocates  gradie
 """
 
 from __future__ import annotations
