@@ -98,7 +98,7 @@ def test_a_moe_model_on_a_padded_batch_equals_its_eager_forward(name: str) -> No
     assert (got - want)[real].abs().max().item() <= 1e-5 * want[real].abs().max().item()
 
 
-@pytest.mark.parametrize("impl", ["eager", "grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("impl", ["eager", pytest.param("grouped_mm", marks=pytest.mark.slow), "batched_mm"])
 def test_the_experts_form_follows_the_model_s_setting(impl: str) -> None:
     """transformers' own knob picks the traced form: its sparse implementations ("eager", the default, and
     "grouped_mm") trace as rows sorted by expert through grouped products, "batched_mm" as every token

@@ -124,7 +124,7 @@ def test_a_torch_optimizer_instance_steps_as_torch_does(name: str) -> None:
     assert_like_torch(step, twin, opt, 1e-9)
 
 
-@pytest.mark.parametrize("name", ["AdamW", "SGD"])
+@pytest.mark.parametrize("name", ["AdamW", pytest.param("SGD", marks=pytest.mark.slow)])
 def test_a_0d_parameter_trains_as_torch_does(name: str) -> None:
     """A scalar parameter (a learnable temperature or logit scale, ``nn.Parameter(torch.tensor(0.7))``):
     its update, computed with the [1]-shaped learning rate and step, keeps its 0-d shape and equals torch's
