@@ -195,6 +195,42 @@ def test_a_training_step_with_grouped_experts_equals_the_dense_one() -> None:
         np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-4, atol=1e-6, err_msg=k)
 
 
+def test_a_routing_hint_prices_the_expert_blocks_and_is_in_the_catalog() -> None:
+    """A measured histogram as the cost model's routing: a block of experts costs its experts' share of the
+    rows (uniform without a hint), the gradients carry it, the catalog's operators show it, and the values
+    do not depend on it."""
+    hint = (0.7, 0.1, 0.1, 0.05, 0.05)
+    g = rt.Graph()
+    x = g.input("x", [T, D])
+    y = add_moe_ffn(g, x, experts=E, top_k=K, d_ff=FF, experts_compute="grouped", routing_hint=hint)
+    g.save(y, name="y")
+    (dx,) = g.grad(g.reshape(g.mean(g.mul(y, y), [0, 1], keepdims=True), []), [g.tensor(g.node("w1").id)])
+    g.save(dx, name="dw1")
+    gate = g.node("expert_gate").op
+    spec = gate.spec({"experts": next(i for i in gate.requestable() if i.name == "experts").near_equal(2)})
+    whole = 2.0 * T * K * FF * D
+    shares = [f.flops / whole for f in spec.functions]
+    lows = [f.inputs[1].lower[0] for f in spec.functions]
+    highs = [f.inputs[1].upper[0] for f in spec.functions]
+    assert shares == pytest.approx([sum(hint[a:b]) / sum(hint) for a, b in zip(lows, highs)])
+    assert all(op.routing == hint for op in (n.op for n in g.operators)
+               if op.kind in ("grouped_matmul", "grouped_weight_grad"))
+    uniform = GroupedMatmulOp(gate.input_types, gate.trans_w)
+    halves = uniform.spec({"experts": next(i for i in uniform.requestable() if i.name == "experts").near_equal(2)})
+    assert [f.flops / whole for f in halves.functions] == pytest.approx([(b - a) / E for a, b in zip(lows, highs)])
+    cg = rt.compileGraph(g, device="cpu:2")
+    params = cg.sql("SELECT params FROM operators WHERE op_kind = 'grouped_matmul'").column("params").to_pylist()
+    assert params and all("0.7" in p for p in params)
+    f = _feeds(g)
+    plain = _layer("grouped")
+    np.testing.assert_allclose(cg.run(f)["y"], rt.reference(plain, f)["y"], rtol=1e-4, atol=1e-5)
+    with pytest.raises(rt.GraphError, match="routing hint"):
+        add_moe_ffn(g, x, experts=E, top_k=K, d_ff=FF, experts_compute="grouped", routing_hint=(1.0, 2.0),
+                    prefix="b.")
+    with pytest.raises(rt.GraphError, match="experts_compute='grouped'"):
+        add_moe_ffn(g, x, experts=E, top_k=K, d_ff=FF, routing_hint=hint, prefix="c.")
+
+
 def test_the_weight_gradient_is_not_differentiated_again() -> None:
     g = rt.Graph()
     xs, dy, group = g.input("xs", [6, 3]), g.input("dy", [6, 4]), g.input("group", [6], "int64")

@@ -79,7 +79,8 @@ GATES = ("softmax", "softmax_topk", "sigmoid")
 def add_moe_ffn(g: Graph, x: Tensor, *, experts: int, top_k: int, d_ff: int, prefix: str = "",
                 norm_topk: bool = True, leaf: Any = None, gate: str = "softmax", selection_bias: bool = False,
                 scaling: float = 1.0, shared_d_ff: int = 0, capacity_factor: float | None = None,
-                losses: list[MoeLosses] | None = None, experts_compute: str = "dense") -> Tensor:
+                losses: list[MoeLosses] | None = None, experts_compute: str = "dense",
+                routing_hint: Sequence[float] | None = None) -> Tensor:
     """Append a mixture-of-experts SwiGLU FFN over tokens ``x [tokens, d]``.
 
     The router: ``gate="softmax"`` (softmax over the experts, then the ``top_k``: Mixtral, Qwen-MoE),
@@ -97,12 +98,21 @@ def add_moe_ffn(g: Graph, x: Tensor, *, experts: int, top_k: int, d_ff: int, pre
     weight for that expert (zero where the router did not pick it).  ``"grouped"``: the ``tokens · top_k``
     routed pairs gathered into rows sorted by expert (``route_index``), each row through its own expert
     only (``grouped_matmul``: ``top_k / experts`` of the dense FLOPs), and each token's rows gathered back
-    and weighted (``sql_specs/experts.py``).  The stacked expert weights are ``[experts, ...]`` with the
+    and weighted (``sql_specs/experts.py``); ``routing_hint`` (each expert's expected share of the routed
+    pairs, a measured histogram) prices its products, uniform routing if None.  The stacked expert weights are
+    ``[experts, ...]`` with the
     dimension named ``experts``; the products over it are the ones expert parallelism splits."""
     if gate not in GATES:
         raise GraphError(f"add_moe_ffn's gate is one of {GATES}; got {gate!r}.")
     if not 1 <= top_k <= experts:
         raise GraphError(f"add_moe_ffn routes each token to 1 <= top_k <= experts ({experts}) experts; got {top_k}.")
+    if routing_hint is not None and experts_compute != "grouped":
+        raise GraphError("a routing_hint prices the grouped experts' products; give experts_compute='grouped' "
+                         "(the dense form computes every expert for every token whatever the routing).")
+    if routing_hint is not None and (len(routing_hint) != experts or any(not float(r) >= 0 for r in routing_hint)
+                                     or not sum(float(r) for r in routing_hint) > 0):
+        raise GraphError(f"add_moe_ffn's routing hint is each of the {experts} experts' share of the routed pairs "
+                         f"({experts} non-negative numbers, not all zero); got {tuple(routing_hint)!r}.")
     if experts_compute not in ("dense", "grouped"):
         raise GraphError(f"add_moe_ffn's experts_compute is 'dense' or 'grouped'; got {experts_compute!r}.")
     if capacity_factor is not None and not capacity_factor > 0:
@@ -149,7 +159,8 @@ def add_moe_ffn(g: Graph, x: Tensor, *, experts: int, top_k: int, d_ff: int, pre
     w3 = param("w3", [experts, d, d_ff], ("experts", "hidden", "ff"))
     w2 = param("w2", [experts, d_ff, d], ("experts", "ff", "hidden"))
     if experts_compute == "grouped":
-        y = _grouped_experts(g, x, ids, top, (w1, w3, w2), experts, prefix)
+        hint = tuple(float(r) for r in routing_hint) if routing_hint is not None else None
+        y = _grouped_experts(g, x, ids, top, (w1, w3, w2), experts, prefix, hint)
     else:
         weights = g.einsum("tk,tke->te", top, hot, name=prefix + "combine_weights")
         weights = g.cast(weights, dtype) if dtype != "float32" else weights
@@ -177,7 +188,7 @@ def add_moe_ffn(g: Graph, x: Tensor, *, experts: int, top_k: int, d_ff: int, pre
 
 
 def _grouped_experts(g: Graph, x: Tensor, ids: Tensor, top: Tensor, weights: tuple[Tensor, Tensor, Tensor],
-                     experts: int, prefix: str) -> Tensor:
+                     experts: int, prefix: str, routing: tuple[float, ...] | None = None) -> Tensor:
     """The routed experts over rows sorted by expert: ``x [tokens, d]`` gathered into one row per routed
     pair, each row's SwiGLU FFN with its own expert's ``(w1, w3, w2)``, and each token's rows gathered back
     and summed with the router's weights ``top [tokens, k]``."""
@@ -188,11 +199,12 @@ def _grouped_experts(g: Graph, x: Tensor, ids: Tensor, top: Tensor, weights: tup
 
     token, dest, group = route("token"), route("dest"), route("group")
     xs = g.embedding(x, token, name=prefix + "dispatch")  # [pairs, d], sorted by expert
-    gate_h = g.apply(GroupedMatmulOp((xs.type, w1.type, group.type)), xs, w1, group,
+    gate_h = g.apply(GroupedMatmulOp((xs.type, w1.type, group.type), routing=routing), xs, w1, group,
                      name=prefix + "expert_gate")
-    up = g.apply(GroupedMatmulOp((xs.type, w3.type, group.type)), xs, w3, group, name=prefix + "expert_up")
+    up = g.apply(GroupedMatmulOp((xs.type, w3.type, group.type), routing=routing), xs, w3, group,
+                 name=prefix + "expert_up")
     act = g.swiglu(gate_h, up, name=prefix + "expert_swiglu")
-    down = g.apply(GroupedMatmulOp((act.type, w2.type, group.type)), act, w2, group,
+    down = g.apply(GroupedMatmulOp((act.type, w2.type, group.type), routing=routing), act, w2, group,
                    name=prefix + "expert_down")
     back = g.embedding(down, dest, name=prefix + "gather_back")  # [tokens, k, d]
     top = g.cast(top, x.dtype) if x.dtype != "float32" else top

@@ -20,7 +20,10 @@ is multiplied by its own expert's weights only.
   anywhere.
 
 The maps are made on the device from the router's output, so no count reaches the host and the
-buffers' sizes (``P`` rows) are static: the plan and the captured graph hold for any routing.
+buffers' sizes (``P`` rows) are static: the plan and the captured graph hold for any routing.  The cost
+model prices a block of experts by the share of the rows it is expected to get: uniform routing, or the
+``routing`` hint (each expert's share of the routed pairs, a measured histogram) the products carry, which
+the catalog's ``operators.params`` shows.
 """
 
 from __future__ import annotations
@@ -104,6 +107,22 @@ class RouteIndexOp(IndexedOp):
         return {"token": token, "dest": dest, "group": group}[self.what]
 
 
+def _check_routing(kind: str, routing: tuple[float, ...] | None, experts: int) -> None:
+    if routing is None:
+        return
+    if not isinstance(routing, tuple) or len(routing) != experts or any(not r >= 0 for r in routing) \
+            or not sum(routing) > 0:
+        raise GraphError(f"{kind}'s routing hint is each of the {experts} experts' share of the routed pairs (a "
+                         f"tuple of {experts} non-negative numbers, not all zero); got {routing!r}.")
+
+
+def _share(routing: tuple[float, ...] | None, experts: int, e0: int, e1: int) -> float:
+    """The share of the routed rows experts ``[e0, e1)`` get: uniform, or by the hint."""
+    if routing is None:
+        return (e1 - e0) / experts
+    return sum(routing[e0:e1]) / sum(routing)
+
+
 def _check_rows(kind: str, rows: TensorType, group: TensorType) -> None:
     if group.dtype not in ("int32", "int64") or group.shape != rows.shape[:1]:
         raise GraphError(f"{kind} needs group ids, int of shape [rows] = [{rows.shape[0]}]; got {group}.")
@@ -123,6 +142,7 @@ class GroupedMatmulOp(IndexedOp):
 
     kind = "grouped_matmul"
     trans_w: bool = False
+    routing: tuple[float, ...] | None = None  # each expert's expected share of the rows (None: uniform)
     contraction = True
 
     def infer(self) -> TensorType:
@@ -135,6 +155,7 @@ class GroupedMatmulOp(IndexedOp):
             raise GraphError(f"grouped_matmul multiplies rows of width {xs.shape[1]} by weights whose input width is "
                              f"{h} ({'[experts, f, h]' if self.trans_w else '[experts, h, f]'}: {w.shape}).")
         _check_rows("grouped_matmul", xs, group)
+        _check_routing("grouped_matmul", self.routing, w.shape[0])
         return TensorType.zero((xs.shape[0], f), xs.dtype, ("rows", "ff"))
 
     def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
@@ -145,11 +166,11 @@ class GroupedMatmulOp(IndexedOp):
         return ("rows", "ff")
 
     def params(self) -> dict[str, object]:
-        return {"trans_w": self.trans_w}
+        return {"trans_w": self.trans_w, "routing": list(self.routing) if self.routing else "uniform"}
 
     def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
-        # each row meets one expert: a block of experts computes its share of the rows (uniform routing)
-        share = inputs[1].shape[0] / self.input_types[1].shape[0]
+        # each row meets one expert: a block of experts computes its share of the rows
+        share = _share(self.routing, self.input_types[1].shape[0], inputs[1].lower[0], inputs[1].upper[0])
         return 2.0 * output.volume * inputs[0].shape[1] * share
 
     def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
@@ -167,12 +188,13 @@ class GroupedMatmulOp(IndexedOp):
     def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any,
             wanted: tuple[bool, ...]) -> Grads:
         xs, w, group = inputs
-        dxs = build(b, "grouped_matmul", (cotangent, w, group), trans_w=not self.trans_w) if wanted[0] else None
+        dxs = build(b, "grouped_matmul", (cotangent, w, group), trans_w=not self.trans_w,
+                    routing=self.routing) if wanted[0] else None
         dw = None
         if wanted[1]:
             experts = w.type.shape[0]
             dw = build(b, "grouped_weight_grad", (cotangent, xs, group) if self.trans_w else (xs, cotangent, group),
-                       experts=experts)
+                       experts=experts, routing=self.routing)
         return (dxs, dw, None)
 
 
@@ -189,6 +211,7 @@ class GroupedWeightGradOp(IndexedOp):
 
     kind = "grouped_weight_grad"
     experts: int = 1
+    routing: tuple[float, ...] | None = None  # as grouped_matmul's
     contraction = True
     gradient = "it is a first-order gradient; differentiating it again is not supported"
 
@@ -201,6 +224,7 @@ class GroupedWeightGradOp(IndexedOp):
         if not isinstance(self.experts, int) or isinstance(self.experts, bool) or self.experts < 1:
             raise GraphError(f"grouped_weight_grad needs a positive number of experts; got {self.experts!r}.")
         _check_rows("grouped_weight_grad", xs, group)
+        _check_routing("grouped_weight_grad", self.routing, self.experts)
         return TensorType.zero((self.experts, xs.shape[1], dy.shape[1]), xs.dtype, ("experts", "hidden", "ff"))
 
     def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
@@ -210,10 +234,10 @@ class GroupedWeightGradOp(IndexedOp):
         return ("experts", "hidden", "ff")
 
     def params(self) -> dict[str, object]:
-        return {"experts": self.experts}
+        return {"experts": self.experts, "routing": list(self.routing) if self.routing else "uniform"}
 
     def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
-        share = output.shape[0] / self.experts  # the block's experts' share of the rows (uniform routing)
+        share = _share(self.routing, self.experts, output.lower[0], output.upper[0])  # the block's experts' rows
         return 2.0 * inputs[0].volume * inputs[1].shape[1] * share
 
     def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
