@@ -133,7 +133,8 @@ def _number(what: str, value: object, lo: float = 0.0, hi: float = math.inf, hi_
 def _assign(g: Graph, state: Tensor, new: Tensor) -> None:
     """``g.assign(state, new)``, ``new`` in the state's shape: a 0-d parameter's update, computed with the
     [1]-shaped scalars (learning rate, step, gate), broadcasts to [1]."""
-    g.assign(state, new if new.shape == state.shape else g.reshape(new, list(state.shape)))
+    scalar = state.shape == () and new.shape == (1,)  # only that case: any other mismatch is refused by assign
+    g.assign(state, g.reshape(new, []) if scalar else new)
 
 
 class _Put:
