@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_step_timeline import union  # noqa: E402
 from gpu_user_path import optimizer, time_ms, workload  # noqa: E402
 
 import relational_tensors as rt  # noqa: E402
@@ -47,15 +48,6 @@ def family(name: str) -> str:
     """A kernel's family: its name up to the template arguments or parameter list."""
     base = re.split(r"[<(]", name, maxsplit=1)[0].strip()
     return base[:80] or name[:80]
-
-
-def union_ms(spans: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total / 1e3  # microseconds to ms
 
 
 def host_profile(fn: Callable[[], Any], calls: int = 20) -> list[str]:
@@ -101,7 +93,7 @@ def profile(fn: Callable[[], Any], calls: int = 3) -> dict[str, Any]:
         f = family(e.name)
         n, t = fams.get(f, (0, 0.0))
         fams[f] = (n + 1, t + dur / 1e3)
-    busy = union_ms(spans) / calls
+    busy = union(spans) / 1e3 / calls  # profiler microseconds to ms
     top = sorted(fams.items(), key=lambda kv: -kv[1][1])[:20]
     return {"host_ms": statistics.median(host), "wall_ms": wall, "busy_ms": busy, "idle_ms": wall - busy,
             "kernels_per_call": sum(n for n, _ in fams.values()) / calls,

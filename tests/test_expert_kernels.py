@@ -51,13 +51,23 @@ def test_route_index_matches_the_operator(what: str, tokens: int, k: int, expert
     np.testing.assert_array_equal(got.cpu().numpy(), want)
 
 
-def _blocks(op: object, pieces: dict[str, int]) -> list:
+def _check_blocks(op: object, arrays: list[np.ndarray], dtype: str, pieces: dict[str, int]) -> None:
+    """Every block of ``op``'s spec split into ``pieces`` (an index -> count): the launcher's output against the
+    NumPy kernel's on the same blocks (``arrays``: two floating operands of ``dtype``, then the group ids)."""
     request = {}
     for index in op.requestable():  # type: ignore[attr-defined]
         ivs = index.near_equal(pieces[index.name]) if index.name in pieces else None
         if ivs is not None:
             request[index.name] = ivs
-    return list(op.spec(request).functions)  # type: ignore[attr-defined]
+    assert not allocates(op)  # type: ignore[arg-type]
+    for fn in op.spec(request).functions:  # type: ignore[attr-defined]
+        blocks = [a[box.slices()] for a, box in zip(arrays, fn.inputs)]
+        want = np.asarray(op.kernel(blocks, fn), np.float32)  # type: ignore[attr-defined]
+        bufs = [T.buf(torch.from_numpy(np.ascontiguousarray(b)).to(TORCH[dtype]))[0] for b in blocks[:2]]
+        bufs.append(T.buf(torch.from_numpy(np.ascontiguousarray(blocks[2])))[0])
+        ob, got = T.buf(torch.full(fn.output.shape, 7.0, dtype=TORCH[dtype]))
+        launcher_for(op.kind).launch(op, fn, bufs, ob, {}, 0)  # type: ignore[attr-defined]
+        np.testing.assert_allclose(got.cpu().float().numpy(), want, **_tolerance(dtype, want), err_msg=str(fn))
 
 
 def _tolerance(dtype: str, want: np.ndarray) -> dict:
@@ -78,16 +88,7 @@ def test_grouped_matmul_matches_the_operator(dtype: str, trans: bool, ordered: b
         group = np.sort(group)
     op = GroupedMatmulOp((TensorType.zero(xs.shape, dtype), TensorType.zero(w.shape, dtype),
                           TensorType.zero(group.shape, "int64")), trans)
-    assert not allocates(op)
-    for fn in _blocks(op, pieces):
-        blocks = [xs[fn.inputs[0].slices()], w[fn.inputs[1].slices()], group[fn.inputs[2].slices()]]
-        want = np.asarray(op.kernel(blocks, fn), np.float32)
-        xb, _ = T.buf(torch.from_numpy(np.ascontiguousarray(blocks[0])).to(TORCH[dtype]))
-        wb, _ = T.buf(torch.from_numpy(np.ascontiguousarray(blocks[1])).to(TORCH[dtype]))
-        gb, _ = T.buf(torch.from_numpy(np.ascontiguousarray(blocks[2])))
-        ob, got = T.buf(torch.full(fn.output.shape, 7.0, dtype=TORCH[dtype]))
-        launcher_for("grouped_matmul").launch(op, fn, [xb, wb, gb], ob, {}, 0)
-        np.testing.assert_allclose(got.cpu().float().numpy(), want, **_tolerance(dtype, want), err_msg=str(fn))
+    _check_blocks(op, [xs, w, group], dtype, pieces)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -101,16 +102,7 @@ def test_grouped_weight_grad_matches_the_operator(dtype: str, ordered: bool, pie
         group = np.sort(group)
     op = GroupedWeightGradOp((TensorType.zero(xs.shape, dtype), TensorType.zero(dy.shape, dtype),
                               TensorType.zero(group.shape, "int64")), e)
-    assert not allocates(op)
-    for fn in _blocks(op, pieces):
-        blocks = [xs[fn.inputs[0].slices()], dy[fn.inputs[1].slices()], group[fn.inputs[2].slices()]]
-        want = np.asarray(op.kernel(blocks, fn), np.float32)
-        xb, _ = T.buf(torch.from_numpy(np.ascontiguousarray(blocks[0])).to(TORCH[dtype]))
-        db, _ = T.buf(torch.from_numpy(np.ascontiguousarray(blocks[1])).to(TORCH[dtype]))
-        gb, _ = T.buf(torch.from_numpy(np.ascontiguousarray(blocks[2])))
-        ob, got = T.buf(torch.full(fn.output.shape, 7.0, dtype=TORCH[dtype]))
-        launcher_for("grouped_weight_grad").launch(op, fn, [xb, db, gb], ob, {}, 0)
-        np.testing.assert_allclose(got.cpu().float().numpy(), want, **_tolerance(dtype, want), err_msg=str(fn))
+    _check_blocks(op, [xs, dy, group], dtype, pieces)
 
 
 def test_float64_runs_on_the_host() -> None:

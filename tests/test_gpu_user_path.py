@@ -24,17 +24,21 @@ def _needs_gpu() -> None:
     pytest.importorskip("cupy")
 
 
+class _Counting:
+    """A captured graph that records each launch in ``launches`` (as ``tag``) and launches it."""
+
+    def __init__(self, graph: object, launches: list, tag: object = None) -> None:
+        self.graph, self.launches, self.tag = graph, launches, tag
+
+    def launch(self, stream: object) -> None:
+        self.launches.append(stream if self.tag is None else self.tag)
+        self.graph.launch(stream)  # type: ignore[attr-defined]
+
+
 def _count_launches(ex: object) -> list:
     """Record each launch of ``ex``'s captured graph (the list grows as the graph is launched)."""
     launches: list = []
-    graph = ex.graph_exec  # type: ignore[attr-defined]
-
-    class Counting:
-        def launch(self, stream: object) -> None:
-            launches.append(stream)
-            graph.launch(stream)
-
-    ex.graph_exec = Counting()  # type: ignore[attr-defined]
+    ex.graph_exec = _Counting(ex.graph_exec, launches)  # type: ignore[attr-defined]
     return launches
 
 
@@ -262,14 +266,7 @@ def test_each_phase_of_a_differentiable_call_is_one_graph_launch() -> None:
         if step == 2:
             assert sorted(ex.phase_exec) == [0, 1]
             for phase, graph in list(ex.phase_exec.items()):
-                class Counting:
-                    def __init__(self, graph: object, phase: int) -> None:
-                        self.graph, self.phase = graph, phase
-
-                    def launch(self, stream: object) -> None:
-                        launches.append(self.phase)
-                        self.graph.launch(stream)  # type: ignore[attr-defined]
-                ex.phase_exec[phase] = Counting(graph, phase)
+                ex.phase_exec[phase] = _Counting(graph, launches, phase)
     assert launches == [0, 1, 0, 1]
     for a, b in zip(m.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -13,13 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
+from test_moe_router import FF, D, E, K, _feeds, _reference  # noqa: E402  (its layer's sizes and feeds)
+
 import relational_tensors as rt  # noqa: E402
 from relational_tensors.core.types import TensorType  # noqa: E402
-from relational_tensors.graph.models import add_moe_ffn, moe_constants, moe_layer_graph  # noqa: E402
+from relational_tensors.graph.models import add_moe_ffn, moe_layer_graph  # noqa: E402
 from relational_tensors.sql_specs.experts import GroupedMatmulOp, GroupedWeightGradOp, RouteIndexOp, route_maps  # noqa: E402
 
 F = torch.nn.functional
-T, D, E, K, FF = 13, 8, 5, 2, 6
+T = 13  # tokens (test_moe_router's layer has 19)
 
 
 def _layer(experts_compute: str, dtype: str = "float32", **router: object) -> rt.Graph:
@@ -27,27 +29,6 @@ def _layer(experts_compute: str, dtype: str = "float32", **router: object) -> rt
     x = g.input("x", [T, D], dtype)
     g.save(add_moe_ffn(g, x, experts=E, top_k=K, d_ff=FF, experts_compute=experts_compute, **router), name="y")
     return g
-
-
-def _feeds(g: rt.Graph, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    feeds = {n.name: (rng.standard_normal(n.type.shape) * 0.5).astype(np.float32) for n in g.inputs}
-    feeds.update(moe_constants(g))
-    return feeds
-
-
-def _per_token(f: dict[str, np.ndarray]) -> np.ndarray:
-    x = torch.tensor(f["x"], dtype=torch.float64)
-    probs = torch.softmax(x @ torch.tensor(f["router"], dtype=torch.float64), -1)
-    top, ids = torch.topk(probs, K)
-    top = top / top.sum(-1, keepdim=True)
-    w1, w3, w2 = (torch.tensor(f[k], dtype=torch.float64) for k in ("w1", "w3", "w2"))
-    y = torch.zeros(T, D, dtype=torch.float64)
-    for t in range(T):
-        for j in range(K):
-            e = int(ids[t, j])
-            y[t] += top[t, j] * ((F.silu(x[t] @ w1[e]) * (x[t] @ w3[e])) @ w2[e])
-    return y.numpy()
 
 
 def test_the_maps_are_a_stable_sort_by_expert() -> None:
@@ -69,7 +50,7 @@ def test_grouped_equals_dense_on_every_device_count(router: dict) -> None:
     f = _feeds(dense)
     want = rt.reference(dense, f)["y"]
     if not router:
-        np.testing.assert_allclose(want, _per_token(f), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(want, _reference(f)["y"], rtol=1e-4, atol=1e-5)
     for device in ("cpu:1", "cpu:2", "cpu:4"):
         got = rt.compileGraph(grouped, device=device).run(f)["y"]
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=device)
@@ -175,7 +156,7 @@ def test_bfloat16_grouped_equals_dense_within_rounding() -> None:
     agree within bfloat16's rounding of the output's magnitude (a few units of 2**-8)."""
     dense, grouped = _layer("dense", "bfloat16"), _layer("grouped", "bfloat16")
     f = _feeds(dense)
-    want = _per_token({k: np.asarray(v, np.float32) for k, v in f.items()})
+    want = _reference({k: np.asarray(v, np.float32) for k, v in f.items()})["y"]
     got = np.asarray(rt.compileGraph(grouped, device="cpu:2").run(f)["y"], np.float32)
     assert np.abs(got - want).max() <= 4 * 2**-8 * max(1.0, np.abs(want).max())
 

@@ -38,6 +38,7 @@ def _feeds(g: rt.Graph, seed: int = 0) -> dict[str, np.ndarray]:
 
 def _reference(f: dict[str, np.ndarray], gate: str = "softmax", selection_bias: bool = False, scaling: float = 1.0,
                norm_topk: bool = True, shared_d_ff: int = 0, capacity_factor: float | None = None) -> dict:
+    T, E = f["x"].shape[0], f["router"].shape[1]  # noqa: N806 - the layer's sizes, from its feeds
     x = torch.tensor(f["x"], dtype=torch.float64)
     logits = x @ torch.tensor(f["router"], dtype=torch.float64)
     probs = torch.softmax(logits, -1) if gate != "sigmoid" else torch.sigmoid(logits)

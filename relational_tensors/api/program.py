@@ -22,13 +22,13 @@ from typing import Any
 
 from relational_tensors.api.device_io import output, stage
 from relational_tensors.core.dtypes import FLOAT_DTYPES
-from relational_tensors.errors import ExecError
+from relational_tensors.errors import ExecError, PlanError
 from relational_tensors.frontend.torch.convert import _torch, _torch_dtype, numpy_to_torch, torch_to_numpy
 from relational_tensors.frontend.torch.torch_graph import TorchGraph, _prune, draw_rng
 from relational_tensors.frontend.torch.translator import from_torch
 from relational_tensors.graph.autodiff import flows
 
-__all__ = ["Program", "modes_of", "in_modes", "submodules", "snapshot"]
+__all__ = ["Program", "modes_of", "in_modes", "snapshot"]
 
 FORWARD = "forward"  # the key of the forward program's weights in ``Program._stale``
 
@@ -39,28 +39,14 @@ def _on_gpus(device: Any) -> bool:
 
     try:
         return parse_devices(device).kind == "cuda"
-    except Exception:  # noqa: BLE001 - "dist" and the like: weights go through the host as before
+    except PlanError:  # "dist" (parse_devices does not name it): its weights go through the host as before
         return False
-
-
-def submodules(module: Any) -> list[Any]:
-    """``list(module.modules())`` (each module once, in its order) without the names ``named_modules``
-    builds: what every call walks (for the modes and the weights' versions), so its cost counts."""
-    out, seen, stack = [], set(), [module]
-    while stack:
-        m = stack.pop()
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
-        out.append(m)
-        stack.extend(reversed([c for c in m._modules.values() if c is not None]))
-    return out
 
 
 def modes_of(module: Any) -> tuple[bool, ...]:
     """The train/eval flag of ``module`` and of each of its submodules (``module.modules()`` order): what
     a trace depends on besides the inputs (dropout, batch norm)."""
-    return tuple(m.training for m in submodules(module))
+    return snapshot(module)[0]
 
 
 WeightsKey = tuple[tuple[int, int, int], ...]
@@ -68,7 +54,8 @@ WeightsKey = tuple[tuple[int, int, int], ...]
 
 def snapshot(module: Any) -> tuple[tuple[bool, ...], WeightsKey]:
     """``modes_of(module)`` and the identity, storage and in-place version of each parameter and buffer
-    (``Program``'s weights key), in one walk of the modules: what a call checks, so its cost counts."""
+    (``Program``'s weights key), in one walk of the modules (``module.modules()`` order, without the names
+    ``named_modules`` builds): what every call checks, so its cost counts."""
     modes, key, seen, stack = [], [], set(), [module]
     while stack:
         m = stack.pop()

@@ -20,7 +20,7 @@ from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.errors import GraphError
 from relational_tensors.graph.graph import Graph, Tensor
 from relational_tensors.graph.optim import adamw, sgd
-from relational_tensors.sql_specs.experts import GroupedMatmulOp, RouteIndexOp
+from relational_tensors.sql_specs.experts import GroupedMatmulOp, RouteIndexOp, check_routing
 
 __all__ = ["MoeLosses", "moe_constants", "GATES", "CausalLM", "lm_prefill_graph", "lm_decode_graph", "cache_name",
            "llama_block", "add_llama_block", "add_moe_ffn", "moe_layer_graph", "MIXTRAL_8X7B_MOE",
@@ -109,10 +109,7 @@ def add_moe_ffn(g: Graph, x: Tensor, *, experts: int, top_k: int, d_ff: int, pre
     if routing_hint is not None and experts_compute != "grouped":
         raise GraphError("a routing_hint prices the grouped experts' products; give experts_compute='grouped' "
                          "(the dense form computes every expert for every token whatever the routing).")
-    if routing_hint is not None and (len(routing_hint) != experts or any(not float(r) >= 0 for r in routing_hint)
-                                     or not sum(float(r) for r in routing_hint) > 0):
-        raise GraphError(f"add_moe_ffn's routing hint is each of the {experts} experts' share of the routed pairs "
-                         f"({experts} non-negative numbers, not all zero); got {tuple(routing_hint)!r}.")
+    hint = check_routing("add_moe_ffn", routing_hint, experts)  # before any node is added
     if experts_compute not in ("dense", "grouped"):
         raise GraphError(f"add_moe_ffn's experts_compute is 'dense' or 'grouped'; got {experts_compute!r}.")
     if capacity_factor is not None and not capacity_factor > 0:
@@ -159,7 +156,6 @@ def add_moe_ffn(g: Graph, x: Tensor, *, experts: int, top_k: int, d_ff: int, pre
     w3 = param("w3", [experts, d, d_ff], ("experts", "hidden", "ff"))
     w2 = param("w2", [experts, d_ff, d], ("experts", "ff", "hidden"))
     if experts_compute == "grouped":
-        hint = tuple(float(r) for r in routing_hint) if routing_hint is not None else None
         y = _grouped_experts(g, x, ids, top, (w1, w3, w2), experts, prefix, hint)
     else:
         weights = g.einsum("tk,tke->te", top, hot, name=prefix + "combine_weights")
@@ -199,13 +195,12 @@ def _grouped_experts(g: Graph, x: Tensor, ids: Tensor, top: Tensor, weights: tup
 
     token, dest, group = route("token"), route("dest"), route("group")
     xs = g.embedding(x, token, name=prefix + "dispatch")  # [pairs, d], sorted by expert
-    gate_h = g.apply(GroupedMatmulOp((xs.type, w1.type, group.type), routing=routing), xs, w1, group,
-                     name=prefix + "expert_gate")
-    up = g.apply(GroupedMatmulOp((xs.type, w3.type, group.type), routing=routing), xs, w3, group,
-                 name=prefix + "expert_up")
-    act = g.swiglu(gate_h, up, name=prefix + "expert_swiglu")
-    down = g.apply(GroupedMatmulOp((act.type, w2.type, group.type), routing=routing), act, w2, group,
-                   name=prefix + "expert_down")
+    def product(rows: Tensor, w: Tensor, name: str) -> Tensor:
+        return g.apply(GroupedMatmulOp((rows.type, w.type, group.type), routing=routing), rows, w, group,
+                       name=prefix + name)
+
+    act = g.swiglu(product(xs, w1, "expert_gate"), product(xs, w3, "expert_up"), name=prefix + "expert_swiglu")
+    down = product(act, w2, "expert_down")
     back = g.embedding(down, dest, name=prefix + "gather_back")  # [tokens, k, d]
     top = g.cast(top, x.dtype) if x.dtype != "float32" else top
     return g.einsum("tkh,tk->th", back, top, name=prefix + "combine")

@@ -34,6 +34,17 @@ def normalize_axis(kind: str, axis: int, t: TensorType) -> int:
     return axis % t.rank
 
 
+def positive_count(what: str, value: object) -> int:
+    """``value``, refused unless it is an int (not a bool) of at least 1: a number of classes, experts, rows.
+
+    >>> positive_count("one_hot's classes", 8)
+    8
+    """
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise GraphError(f"{what} must be a positive int; got {value!r}.")
+    return value
+
+
 def finite_number(what: str, value: object, above: float | None = None, at_least: float | None = None) -> float:
     """``value`` as a float, refused unless it is a real finite number (not a bool, a string or None),
     greater than ``above`` and at least ``at_least`` where those are given.

@@ -23,6 +23,7 @@ from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import Box, TensorType
 from relational_tensors.errors import ExecError, GraphError
 from relational_tensors.sql_specs.base import Builder, Grads, IndexedOp, register
+from relational_tensors.sql_specs.common import positive_count
 from relational_tensors.sql_specs.grad import build
 
 __all__ = ["EmbeddingOp", "EmbeddingGradOp", "check_ids"]
@@ -109,8 +110,7 @@ class EmbeddingGradOp(IndexedOp):
         if dy.shape[:-1] != ids.shape or dy.dtype not in FLOAT_DTYPES:
             raise GraphError(f"embedding_grad needs dy of shape ids.shape + [embed] = {ids.shape} + [embed], "
                              f"floating; got {dy}.")
-        if not isinstance(self.vocab, int) or self.vocab < 1:
-            raise GraphError(f"embedding_grad needs a vocabulary size >= 1; got {self.vocab!r}.")
+        positive_count("embedding_grad's vocabulary size", self.vocab)
         return TensorType.zero((self.vocab, dy.shape[-1]), dy.dtype, ("vocab", "embed"))
 
     def dims_in(self) -> tuple[tuple[str | None, ...], ...]:

@@ -28,6 +28,7 @@ the catalog's ``operators.params`` shows.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,13 +36,15 @@ from typing import Any
 import numpy as np
 
 from relational_tensors.core.dtypes import FLOAT_DTYPES
+from relational_tensors.core.numbers import is_number
 from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import Box, TensorType
 from relational_tensors.errors import GraphError
 from relational_tensors.sql_specs.base import Builder, Grads, IndexedOp, register
+from relational_tensors.sql_specs.common import positive_count
 from relational_tensors.sql_specs.grad import build
 
-__all__ = ["RouteIndexOp", "GroupedMatmulOp", "GroupedWeightGradOp", "route_maps", "ROUTE_MAPS"]
+__all__ = ["RouteIndexOp", "GroupedMatmulOp", "GroupedWeightGradOp", "route_maps", "check_routing", "ROUTE_MAPS"]
 
 ROUTE_MAPS = ("token", "dest", "group")
 
@@ -79,8 +82,7 @@ class RouteIndexOp(IndexedOp):
         (ids,) = self.input_types
         if ids.dtype not in ("int32", "int64") or ids.rank != 2:
             raise GraphError(f"route_index takes the router's choices, int ids of shape [tokens, k]; got {ids}.")
-        if not isinstance(self.experts, int) or isinstance(self.experts, bool) or self.experts < 1:
-            raise GraphError(f"route_index needs a positive number of experts; got {self.experts!r}.")
+        positive_count("route_index's number of experts", self.experts)
         if self.what not in ROUTE_MAPS:
             raise GraphError(f"route_index makes one of {ROUTE_MAPS}; got what={self.what!r}.")
         if self.what == "dest":
@@ -107,13 +109,17 @@ class RouteIndexOp(IndexedOp):
         return {"token": token, "dest": dest, "group": group}[self.what]
 
 
-def _check_routing(kind: str, routing: tuple[float, ...] | None, experts: int) -> None:
+def check_routing(kind: str, routing: Any, experts: int) -> tuple[float, ...] | None:
+    """A routing hint as a tuple of floats, refused unless it is one finite non-negative share per expert,
+    not all zero (None: uniform routing)."""
     if routing is None:
-        return
-    if not isinstance(routing, tuple) or len(routing) != experts or any(not r >= 0 for r in routing) \
-            or not sum(routing) > 0:
+        return None
+    shares = tuple(routing) if isinstance(routing, (tuple, list)) else ()
+    if len(shares) != experts or not all(is_number(r) and 0 <= float(r) < math.inf for r in shares) \
+            or not sum(float(r) for r in shares) > 0:
         raise GraphError(f"{kind}'s routing hint is each of the {experts} experts' share of the routed pairs (a "
                          f"tuple of {experts} non-negative numbers, not all zero); got {routing!r}.")
+    return tuple(float(r) for r in shares)
 
 
 def _share(routing: tuple[float, ...] | None, experts: int, e0: int, e1: int) -> float:
@@ -155,7 +161,7 @@ class GroupedMatmulOp(IndexedOp):
             raise GraphError(f"grouped_matmul multiplies rows of width {xs.shape[1]} by weights whose input width is "
                              f"{h} ({'[experts, f, h]' if self.trans_w else '[experts, h, f]'}: {w.shape}).")
         _check_rows("grouped_matmul", xs, group)
-        _check_routing("grouped_matmul", self.routing, w.shape[0])
+        check_routing("grouped_matmul", self.routing, w.shape[0])
         return TensorType.zero((xs.shape[0], f), xs.dtype, ("rows", "ff"))
 
     def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
@@ -221,10 +227,9 @@ class GroupedWeightGradOp(IndexedOp):
                 or dy.dtype != xs.dtype:
             raise GraphError(f"grouped_weight_grad needs rows [rows, h] and gradients [rows, f] of one floating "
                              f"dtype; got {xs} and {dy}.")
-        if not isinstance(self.experts, int) or isinstance(self.experts, bool) or self.experts < 1:
-            raise GraphError(f"grouped_weight_grad needs a positive number of experts; got {self.experts!r}.")
+        positive_count("grouped_weight_grad's number of experts", self.experts)
         _check_rows("grouped_weight_grad", xs, group)
-        _check_routing("grouped_weight_grad", self.routing, self.experts)
+        check_routing("grouped_weight_grad", self.routing, self.experts)
         return TensorType.zero((self.experts, xs.shape[1], dy.shape[1]), xs.dtype, ("experts", "hidden", "ff"))
 
     def dims_in(self) -> tuple[tuple[str | None, ...], ...]:

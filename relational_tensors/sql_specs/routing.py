@@ -27,6 +27,7 @@ from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import Box, TensorType
 from relational_tensors.errors import ExecError, GraphError
 from relational_tensors.sql_specs.base import Builder, Grads, IndexedOp, register
+from relational_tensors.sql_specs.common import positive_count
 from relational_tensors.sql_specs.grad import build
 
 __all__ = ["TopkOp", "OneHotOp", "TakeAlongOp"]
@@ -107,8 +108,7 @@ class OneHotOp(IndexedOp):
         (ids,) = self.input_types
         if ids.dtype not in ("int32", "int64"):
             raise GraphError(f"one_hot takes int32 or int64 ids; got dtype {ids.dtype} for shape {ids.shape}.")
-        if not isinstance(self.classes, int) or isinstance(self.classes, bool) or self.classes < 1:
-            raise GraphError(f"one_hot needs a positive number of classes; got {self.classes!r}.")
+        positive_count("one_hot's number of classes", self.classes)
         if self.dtype not in FLOAT_DTYPES and self.dtype != "bool":
             raise GraphError(f"one_hot writes a floating or boolean tensor; got dtype {self.dtype!r}. Supported: "
                              f"{sorted(FLOAT_DTYPES | {'bool'})}.")

@@ -109,9 +109,11 @@ def custom_ops() -> Any:
                              schema="(Tensor xs, Tensor w, Tensor group, bool trans_w) -> Tensor")
     def grouped_mm(xs: torch.Tensor, w: torch.Tensor, group: torch.Tensor, trans_w: bool) -> torch.Tensor:
         w = w.transpose(1, 2) if trans_w else w
-        inside = (group >= 0) & (group < w.shape[0])
-        picked = w[torch.where(inside, group, 0)] * inside[:, None, None].to(w.dtype)
-        return torch.einsum("ph,phf->pf", xs, picked)
+        out = xs.new_zeros((xs.shape[0], w.shape[2]))
+        for e in range(w.shape[0]):  # each expert's rows through its weights (no [rows, h, f] gather)
+            rows = group == e
+            out[rows] = xs[rows] @ w[e]
+        return out
 
     @grouped_mm.register_fake
     def _(xs: torch.Tensor, w: torch.Tensor, group: torch.Tensor, trans_w: bool) -> torch.Tensor:
