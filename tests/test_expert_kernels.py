@@ -19,7 +19,7 @@ from relational_tensors.sql_specs.experts import GroupedMatmulOp, GroupedWeightG
 torch = pytest.importorskip("torch")
 K = kernel_module("relational_tensors.kernels.triton_experts")
 
-from relational_tensors.kernels.launchers import allocates, launcher_for  # noqa: E402
+from relational_tensors.kernels.launchers import allocates, launcher_for, scratch_shape  # noqa: E402
 
 TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 T = Tensors()
@@ -66,7 +66,11 @@ def _check_blocks(op: object, arrays: list[np.ndarray], dtype: str, pieces: dict
         bufs = [T.buf(torch.from_numpy(np.ascontiguousarray(b)).to(TORCH[dtype]))[0] for b in blocks[:2]]
         bufs.append(T.buf(torch.from_numpy(np.ascontiguousarray(blocks[2])))[0])
         ob, got = T.buf(torch.full(fn.output.shape, 7.0, dtype=TORCH[dtype]))
-        launcher_for(op.kind).launch(op, fn, bufs, ob, {}, 0)  # type: ignore[attr-defined]
+        consts = {}
+        need = scratch_shape(op, fn)  # type: ignore[arg-type]
+        if need is not None:  # garbage in the scratch: the kernel writes all it reads
+            consts["scratch"] = T.buf(torch.full(need[0], -5, dtype=getattr(torch, need[1])))[0]
+        launcher_for(op.kind).launch(op, fn, bufs, ob, consts, 0)  # type: ignore[attr-defined]
         np.testing.assert_allclose(got.cpu().float().numpy(), want, **_tolerance(dtype, want), err_msg=str(fn))
 
 

@@ -7,6 +7,7 @@ and the compiler counts it in a GPU plan's memory on any machine.
 * a norm's weight gradient (``triton_norms_grad.norm_weight_grad``): per-row statistics, then one partial
   row per chunk of rows;
 * the embedding gradient (``triton_embedding_grad``): the padded sort keys of the block's token ids;
+* the experts' weight gradient (``triton_experts.grouped_weight_grad``): each expert's first and last row;
 * attention's dk|dv pass on a small grid (``triton_attention_grad.attention_dkv``): float32 partials of
   each share of a group's query heads.
 """
@@ -14,7 +15,7 @@ and the compiler counts it in a GPU plan's memory on any machine.
 from __future__ import annotations
 
 __all__ = ["reduce_chunks", "partial_dtype", "weight_grad_chunks", "weight_grad_scratch", "padded_tokens",
-           "embedding_grad_scratch", "dkv_splits", "dkv_scratch"]
+           "embedding_grad_scratch", "grouped_weight_grad_scratch", "dkv_splits", "dkv_scratch"]
 
 SPLIT_ROWS = 264  # fewer output rows than this (two per SM of an H100/H200) leave the GPU mostly idle
 SPLIT_LENGTH = 1 << 16  # rows at least this long are then reduced in chunks, partials combined after
@@ -73,6 +74,11 @@ def padded_tokens(tokens: int) -> int:
 def embedding_grad_scratch(tokens: int) -> int:
     """int64 elements of scratch ``embedding_grad`` needs for a block of ``tokens`` ids: the padded keys."""
     return padded_tokens(tokens)
+
+
+def grouped_weight_grad_scratch(experts: int) -> int:
+    """int64 elements of scratch ``grouped_weight_grad`` needs for a block of ``experts``: a span per expert."""
+    return 2 * max(experts, 1)
 
 
 def dkv_splits(nb: int, skv: int, hkv: int, group: int) -> int:

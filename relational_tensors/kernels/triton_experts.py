@@ -9,22 +9,32 @@ the map asked for at its pairs' rows.
 ``grouped_matmul`` gives each program a tile of rows and of output columns; it multiplies the tile by
 each expert its rows hold (from the least to the greatest group id in the tile, with the other rows
 masked to zero), so rows sorted by expert cost about one product per tile, and rows in any order stay
-correct.  ``grouped_weight_grad`` gives each program an expert and a tile of its ``[h, f]`` gradient; it
-finds the span of rows of that expert and adds ``xsᵀ · dy`` over it, a fixed number of rows at a time
-in row order (the same bits every run).  Both accumulate in float32 (float32 inputs without TF32).
+correct.  ``grouped_weight_grad`` first finds each expert's span of rows (first and last, into scratch:
+one scan of the group ids per expert), then gives each program an expert and a tile of its ``[h, f]``
+gradient, adding ``xsᵀ · dy`` over the span a fixed number of rows at a time in row order (the same bits
+every run).  Both accumulate in float32 (float32 inputs without TF32), visit their tiles in groups of row
+tiles (operands shared in L2), and take the fastest of a few tile shapes, timed on the first launch of
+each shape class as the attention kernels do.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import triton
 import triton.language as tl
 
-from relational_tensors.kernels.common import DevBuf, Ptr
+from relational_tensors.kernels.common import DevBuf, Ptr, fastest_config
 
 __all__ = ["route_index", "grouped_matmul", "grouped_weight_grad"]
 
-BLOCK = 1024  # pairs per step of the counting sort
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
+BLOCK = 1024  # pairs per step of the counting sort (and group ids per step of the spans' scan)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried on the first launch of each shape class, the
+# fastest kept; float32 (IEEE products) on smaller tiles.  The last is the interpreter's.
+CONFIGS = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
+           (128, 64, 64, 4, 4), (64, 64, 32, 4, 3)]
+IEEE_CONFIGS = [(64, 64, 32, 4, 3), (64, 64, 32, 4, 2), (32, 32, 32, 4, 2)]
+_chosen: dict[tuple, tuple[int, ...]] = {}
 
 
 @triton.jit
@@ -63,11 +73,23 @@ def route_index(ids: DevBuf, out: DevBuf, experts: int, what: str) -> None:
 
 
 @triton.jit
+def _swizzle(pid, n_m, n_n, GROUP_M: tl.constexpr):
+    """Tile ``pid`` of a 1-D grid as (row tile, column tile), ``GROUP_M`` row tiles at a time, so the
+    programs running together share their operands in L2."""
+    width = GROUP_M * n_n
+    first = (pid // width) * GROUP_M
+    size = tl.minimum(n_m - first, GROUP_M)
+    return first + (pid % width) % size, (pid % width) // size
+
+
+@triton.jit
 def _grouped_mm_kernel(x_ptr, w_ptr, g_ptr, out_ptr, n_rows, n_h, n_f, n_e, e0,
                        sxr, sxh, swe, swh, swf, sgr, sor, sof,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
-    cols = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                       EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+    pm, pn = _swizzle(tl.program_id(0), tl.cdiv(n_rows, BM), tl.cdiv(n_f, BN), GROUP_M)
+    rows = pm.to(tl.int64) * BM + tl.arange(0, BM)
+    cols = pn.to(tl.int64) * BN + tl.arange(0, BN)
     rmask = rows < n_rows
     cmask = cols < n_f
     g = tl.load(g_ptr + rows * sgr, mask=rmask, other=-1).to(tl.int64) - e0
@@ -79,17 +101,43 @@ def _grouped_mm_kernel(x_ptr, w_ptr, g_ptr, out_ptr, n_rows, n_h, n_f, n_e, e0,
         sel = valid & (g == e)
         for k0 in range(0, n_h, BK):
             ks = k0 + tl.arange(0, BK)
-            kmask = ks < n_h
-            x = tl.load(x_ptr + rows[:, None] * sxr + ks[None, :] * sxh, mask=sel[:, None] & kmask[None, :],
-                        other=0.0)
-            w = tl.load(w_ptr + e * swe + ks[:, None] * swh + cols[None, :] * swf,
-                        mask=kmask[:, None] & cmask[None, :], other=0.0)
+            if EVEN_K:
+                x = tl.load(x_ptr + rows[:, None] * sxr + ks[None, :] * sxh, mask=sel[:, None], other=0.0)
+                w = tl.load(w_ptr + e * swe + ks[:, None] * swh + cols[None, :] * swf, mask=cmask[None, :],
+                            other=0.0)
+            else:
+                kmask = ks < n_h
+                x = tl.load(x_ptr + rows[:, None] * sxr + ks[None, :] * sxh, mask=sel[:, None] & kmask[None, :],
+                            other=0.0)
+                w = tl.load(w_ptr + e * swe + ks[:, None] * swh + cols[None, :] * swf,
+                            mask=kmask[:, None] & cmask[None, :], other=0.0)
             if IEEE:
                 acc = tl.dot(x, w, acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, w, acc)
     tl.store(out_ptr + rows[:, None] * sor + cols[None, :] * sof, acc.to(out_ptr.dtype.element_ty),
              mask=rmask[:, None] & cmask[None, :])
+
+
+def _interpreted() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_grouped_mm_kernel, InterpretedFunction)
+
+
+def _pick(key: tuple, configs: Sequence[tuple[int, ...]], launch: Callable[[tuple[int, ...]], None]) -> tuple[int, ...]:
+    """The fastest of ``configs`` for this shape class, timed once on the first eager launch
+    (:func:`~relational_tensors.kernels.common.fastest_config`); the interpreter takes the smallest."""
+    if _interpreted():
+        return configs[-1]
+    if key not in _chosen:
+        _chosen[key] = fastest_config(configs, launch, lambda cfg: False, f"{key[0]} kernel")
+    return _chosen[key]
+
+
+def _shape_class(n: int) -> int:
+    """Rows rounded up to a power of two: one choice of tiles per class of block sizes."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def grouped_matmul(xs: DevBuf, w: DevBuf, group: DevBuf, out: DevBuf, e0: int, trans_w: bool) -> None:
@@ -99,22 +147,25 @@ def grouped_matmul(xs: DevBuf, w: DevBuf, group: DevBuf, out: DevBuf, e0: int, t
     n_f = out.shape[1]
     swe, a, b = w.strides
     swh, swf = (b, a) if trans_w else (a, b)
-    if n_rows and n_f:
-        grid = (triton.cdiv(n_rows, BLOCK_M), triton.cdiv(n_f, BLOCK_N))
-        _grouped_mm_kernel[grid](Ptr(xs), Ptr(w), Ptr(group), Ptr(out), n_rows, n_h, n_f, w.shape[0], e0,
-                                 xs.strides[0], xs.strides[1], swe, swh, swf, group.strides[0], out.strides[0],
-                                 out.strides[1], BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, IEEE=xs.dtype == "float32")
+    if not (n_rows and n_f):
+        return
+    ieee = xs.dtype == "float32"
+    args = (Ptr(xs), Ptr(w), Ptr(group), Ptr(out), n_rows, n_h, n_f, w.shape[0], e0, xs.strides[0], xs.strides[1],
+            swe, swh, swf, group.strides[0], out.strides[0], out.strides[1])
+
+    def launch(cfg: tuple[int, ...]) -> None:
+        bm, bn, bk, warps, stages = cfg
+        grid = (triton.cdiv(n_rows, bm) * triton.cdiv(n_f, bn),)
+        _grouped_mm_kernel[grid](*args, BM=bm, BN=bn, BK=bk, GROUP_M=8, EVEN_K=n_h % bk == 0, IEEE=ieee,
+                                 num_warps=warps, num_stages=stages)
+
+    key = ("grouped_matmul", _shape_class(n_rows), n_h, n_f, w.shape[0], trans_w, xs.dtype)
+    launch(_pick(key, IEEE_CONFIGS if ieee else CONFIGS, launch))
 
 
 @triton.jit
-def _grouped_wg_kernel(x_ptr, d_ptr, g_ptr, out_ptr, n_rows, n_h, n_f, e0,
-                       sxr, sxh, sdr, sdf, sgr, soe, soh, sof,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, IEEE: tl.constexpr):
+def _spans_kernel(g_ptr, out_ptr, n_rows, e0, sgr, BP: tl.constexpr):
     e = tl.program_id(0).to(tl.int64)
-    hs = tl.program_id(1).to(tl.int64) * BM + tl.arange(0, BM)
-    fs = tl.program_id(2).to(tl.int64) * BN + tl.arange(0, BN)
-    hmask = hs < n_h
-    fmask = fs < n_f
     first = n_rows
     last = -1
     for p0 in range(0, n_rows, BP):
@@ -122,6 +173,23 @@ def _grouped_wg_kernel(x_ptr, d_ptr, g_ptr, out_ptr, n_rows, n_h, n_f, e0,
         mine = (p < n_rows) & (tl.load(g_ptr + p * sgr, mask=p < n_rows, other=-1).to(tl.int64) == e + e0)
         first = tl.minimum(first, tl.min(tl.where(mine, p, n_rows), axis=0))
         last = tl.maximum(last, tl.max(tl.where(mine, p, -1), axis=0))
+    tl.store(out_ptr + 2 * e, first)
+    tl.store(out_ptr + 2 * e + 1, last)
+
+
+@triton.jit
+def _grouped_wg_kernel(x_ptr, d_ptr, g_ptr, span_ptr, out_ptr, n_h, n_f, e0,
+                       sxr, sxh, sdr, sdf, sgr, soe, soh, sof,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                       IEEE: tl.constexpr):
+    e = tl.program_id(1).to(tl.int64)
+    pm, pn = _swizzle(tl.program_id(0), tl.cdiv(n_h, BM), tl.cdiv(n_f, BN), GROUP_M)
+    hs = pm.to(tl.int64) * BM + tl.arange(0, BM)
+    fs = pn.to(tl.int64) * BN + tl.arange(0, BN)
+    hmask = hs < n_h
+    fmask = fs < n_f
+    first = tl.load(span_ptr + 2 * e)
+    last = tl.load(span_ptr + 2 * e + 1)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for r0 in range(first, last + 1, BK):
         rs = r0 + tl.arange(0, BK)
@@ -136,13 +204,24 @@ def _grouped_wg_kernel(x_ptr, d_ptr, g_ptr, out_ptr, n_rows, n_h, n_f, e0,
              mask=hmask[:, None] & fmask[None, :])
 
 
-def grouped_weight_grad(xs: DevBuf, dy: DevBuf, group: DevBuf, out: DevBuf, e0: int) -> None:
-    """``out[e] = Σ xs[r]ᵀ dy[r]`` over the rows ``r`` whose group is ``e0 + e``."""
+def grouped_weight_grad(xs: DevBuf, dy: DevBuf, group: DevBuf, out: DevBuf, e0: int, scratch: DevBuf) -> None:
+    """``out[e] = Σ xs[r]ᵀ dy[r]`` over the rows ``r`` whose group is ``e0 + e``, in row order (``scratch``:
+    ``kernels.scratch.grouped_weight_grad_scratch(experts)`` int64 elements, each expert's first and last
+    row)."""
     n_rows, n_h = xs.shape
     n_e, _, n_f = out.shape
-    if n_e and n_h and n_f:
-        grid = (n_e, triton.cdiv(n_h, BLOCK_M), triton.cdiv(n_f, BLOCK_N))
-        _grouped_wg_kernel[grid](Ptr(xs), Ptr(dy), Ptr(group), Ptr(out), n_rows, n_h, n_f, e0,
-                                 xs.strides[0], xs.strides[1], dy.strides[0], dy.strides[1], group.strides[0],
-                                 out.strides[0], out.strides[1], out.strides[2], BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
-                                 BP=BLOCK, IEEE=xs.dtype == "float32")
+    if not (n_e and n_h and n_f):
+        return
+    _spans_kernel[(n_e,)](Ptr(group), Ptr(scratch), n_rows, e0, group.strides[0], BP=BLOCK)
+    ieee = xs.dtype == "float32"
+    args = (Ptr(xs), Ptr(dy), Ptr(group), Ptr(scratch), Ptr(out), n_h, n_f, e0, xs.strides[0], xs.strides[1],
+            dy.strides[0], dy.strides[1], group.strides[0], out.strides[0], out.strides[1], out.strides[2])
+
+    def launch(cfg: tuple[int, ...]) -> None:
+        bm, bn, bk, warps, stages = cfg
+        grid = (triton.cdiv(n_h, bm) * triton.cdiv(n_f, bn), n_e)
+        _grouped_wg_kernel[grid](*args, BM=bm, BN=bn, BK=bk, GROUP_M=8, IEEE=ieee, num_warps=warps,
+                                 num_stages=stages)
+
+    key = ("grouped_weight_grad", _shape_class(n_rows), n_h, n_f, n_e, xs.dtype)
+    launch(_pick(key, IEEE_CONFIGS if ieee else CONFIGS, launch))

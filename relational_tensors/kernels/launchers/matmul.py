@@ -90,7 +90,15 @@ def _grouped_matmul(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict,
     tx.grouped_matmul(ins[0], ins[1], ins[2], out, f.inputs[1].lower[0], op.trans_w)
 
 
-@launcher("grouped_weight_grad", allocates=_grouped_on_host, host_forms="float64 (the NumPy kernel on host copies)")
+def _grouped_weight_grad_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str] | None:
+    """Each expert's span of rows."""
+    from relational_tensors.kernels.scratch import grouped_weight_grad_scratch
+
+    return None if _grouped_on_host(op) else ((grouped_weight_grad_scratch(f.output.shape[0]),), "int64")
+
+
+@launcher("grouped_weight_grad", allocates=_grouped_on_host, scratch=_grouped_weight_grad_scratch,
+          host_forms="float64 (the NumPy kernel on host copies)")
 def _grouped_weight_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     """Each expert's weight gradient over its rows of the block (Triton, summed in row order)."""
     if _grouped_on_host(op):
@@ -98,4 +106,4 @@ def _grouped_weight_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: 
         return
     from relational_tensors.kernels import triton_experts as tx
 
-    tx.grouped_weight_grad(ins[0], ins[1], ins[2], out, f.output.lower[0])
+    tx.grouped_weight_grad(ins[0], ins[1], ins[2], out, f.output.lower[0], consts["scratch"])
