@@ -2,7 +2,7 @@
 hand plans of ``rt.plans`` (expert parallelism, and tensor parallelism inside the experts), each priced by
 the same calibrated cost model and simulated on its machine.
 
-Workloads (bfloat16, 8,192 tokens, the pre-norm MoE FFN layer of ``graph.models.moe_layer_graph``; a
+Workloads (bfloat16, 8,192 tokens, the pre-norm MoE FFN layer of ``graph.moe.moe_layer_graph``; a
 training step adds the loss mean(y²), every gradient and AdamW with float32 masters and moments):
 
 * a Mixtral-8x7B-shaped layer (8 experts, top-2, 4096 wide, 14,336 intermediate) at p = 8 on hgx-h200;
@@ -30,7 +30,7 @@ from typing import Any
 from common import arguments, header, header_markdown, markdown_table, write_table  # bench/common.py
 
 import relational_tensors as rt
-from relational_tensors.graph.models import MIXTRAL_8X7B_MOE, QWEN3_30B_A3B_MOE, moe_layer_graph
+from relational_tensors.graph.moe import MIXTRAL_8X7B_MOE, QWEN3_30B_A3B_MOE, moe_layer_graph
 from relational_tensors.machine.machines import get_topology
 
 # the optimizer with its default selector (Algorithm 1, refined) and with the exact one; the hand plans

@@ -8,7 +8,13 @@ import numpy as np
 
 import relational_tensors as rt
 from relational_tensors.catalog import Catalog
-from relational_tensors.sql_specs.experts import GroupedMatmulOp, GroupedWeightGradOp, RouteIndexOp
+from relational_tensors.sql_specs.experts import (
+    CapacityRouteOp,
+    GroupedMatmulOp,
+    GroupedWeightGradOp,
+    RoutedGatherOp,
+    RouteIndexOp,
+)
 
 Case = Callable[[str], tuple[rt.Graph, str]]  # dtype -> (graph, name of the node under test)
 
@@ -179,6 +185,9 @@ CASES: dict[str, Case] = {
     "grouped_matmul_routed": _one(lambda g, d: _grouped(g, d, False)),
     "grouped_matmul_trans_w": _one(lambda g, d: _grouped(g, d, True)),
     "grouped_weight_grad_routed": _one(lambda g, d: _weight_grad(g, d)),
+    # experts with a capacity: 3 groups of 7 tokens' 2 choices of 4 experts in buffers of 3 rows each
+    "routed_gather_dispatch": _one(lambda g, d: _capacity(g, d, "dispatch")),
+    "routed_gather_combine": _one(lambda g, d: _capacity(g, d, "combine")),
 }
 
 # forward cases whose operator has no gradient, with the construct the refusal names
@@ -195,6 +204,14 @@ def _route(g: rt.Graph, shape: list[int], experts: int, what: str) -> rt.Tensor:
 def _weight_grad(g: rt.Graph, d: str) -> rt.Tensor:
     xs, dy, group = g.input("xs", [14, 6], d), g.input("dy", [14, 5], d), _route(g, [7, 2], 4, "group")
     return g.apply(GroupedWeightGradOp((xs.type, dy.type, group.type), 4), xs, dy, group)
+
+
+def _capacity(g: rt.Graph, d: str, direction: str) -> rt.Tensor:
+    ids = g.input("ids", [3, 7, 2], "int64")
+    slot, pair = (g.apply(CapacityRouteOp((ids.type,), 4, 3, what), ids) for what in ("slot", "pair"))
+    x = g.input("x", [3, 7, 6] if direction == "dispatch" else [3, 12, 6], d)
+    index, inverse = (pair, slot) if direction == "dispatch" else (slot, pair)
+    return g.apply(RoutedGatherOp((x.type, index.type, inverse.type)), x, index, inverse)
 
 
 def _grouped(g: rt.Graph, d: str, trans: bool) -> rt.Tensor:
@@ -296,11 +313,11 @@ def feeds_for(g: rt.Graph, seed: int = 0) -> dict[str, np.ndarray]:
         elif n.type.dtype.startswith("int"):  # ids of the table an embedding reads, or a cross-entropy's classes
             reader = next(c for c in g.operators if n.id in c.inputs and c.kind in (
                 "embedding", "embedding_grad", "cross_entropy", "dropout", "random", "take_along", "one_hot",
-                "route_index"))
+                "route_index", "capacity_route"))
             if reader.kind in ("dropout", "random"):  # a generator state (seed, offset): every bit may be set
                 feeds[n.name] = rng.integers(-2**63, 2**63 - 1, size=2, dtype=np.int64, endpoint=True)
                 continue
-            if reader.kind == "route_index":  # the router's choices, some outside every expert (sentinels)
+            if reader.kind in ("route_index", "capacity_route"):  # the router's choices, some outside every expert
                 experts = reader.op.experts  # type: ignore[attr-defined]
                 feeds[n.name] = rng.integers(-1, experts + 1, size=n.type.shape)
                 continue

@@ -1,5 +1,6 @@
 """The sparse experts' GPU launchers (``kernels/triton_experts.py``) against the operators' NumPy kernels:
-``route_index``'s three maps (a stable counting sort, with ids outside every expert), ``grouped_matmul``
+``route_index``'s three maps (a stable counting sort, with ids outside every expert), ``capacity_route``'s
+two (per group, cut at the capacity), ``routed_gather`` (dispatch and combine, split), ``grouped_matmul``
 (plain and ``trans_w``) and ``grouped_weight_grad`` over blocks of rows, hidden, ff and experts (sizes
 that do not divide the tiles), rows sorted by expert and in any order, in float32 and bfloat16.  The maps
 are integers and must be equal; the products are float32 sums of products (bfloat16 ones of exact
@@ -14,7 +15,14 @@ import pytest
 from triton_interpret import Tensors, kernel_module
 
 from relational_tensors.core.types import TensorType
-from relational_tensors.sql_specs.experts import GroupedMatmulOp, GroupedWeightGradOp, RouteIndexOp
+from relational_tensors.sql_specs.experts import (
+    CapacityRouteOp,
+    GroupedMatmulOp,
+    GroupedWeightGradOp,
+    RoutedGatherOp,
+    RouteIndexOp,
+    capacity_maps,
+)
 
 torch = pytest.importorskip("torch")
 K = kernel_module("relational_tensors.kernels.triton_experts")
@@ -113,3 +121,47 @@ def test_float64_runs_on_the_host() -> None:
     t = TensorType.zero
     assert allocates(GroupedMatmulOp((t((4, 3), "float64"), t((2, 3, 5), "float64"), t((4,), "int64"))))
     assert allocates(GroupedWeightGradOp((t((4, 3), "float64"), t((4, 5), "float64"), t((4,), "int64")), 2))
+
+
+@pytest.mark.parametrize("what", ["slot", "pair"])
+@pytest.mark.parametrize(("groups", "tokens", "k", "experts", "capacity"),
+                         [(3, 7, 2, 4, 2), (2, 300, 3, 5, 100), (1, 1, 1, 1, 1), (4, 1500, 2, 8, 200)])
+def test_capacity_route_matches_the_operator(what: str, groups: int, tokens: int, k: int, experts: int,
+                                             capacity: int) -> None:
+    ids = np.random.default_rng(tokens).integers(-1, experts + 1, (groups, tokens, k))
+    op = CapacityRouteOp((TensorType.zero(ids.shape, "int64"),), experts, capacity, what)
+    assert not allocates(op)
+    (f,) = op.spec({}).functions
+    want = op.kernel([ids], f)
+    ib, _ = T.buf(torch.from_numpy(ids))
+    ob, got = T.buf(torch.full(want.shape, -7, dtype=torch.int64))
+    launcher_for("capacity_route").launch(op, f, [ib], ob, {}, 0)
+    np.testing.assert_array_equal(got.cpu().numpy(), want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("direction", ["dispatch", "combine"])
+@pytest.mark.parametrize("pieces", [{}, {"groups": 2, "rows": 2}, {"m": 3, "hidden": 2}])
+def test_routed_gather_matches_the_operator(dtype: str, direction: str, pieces: dict) -> None:
+    groups, tokens, k, h, experts, capacity = 3, 11, 2, 40, 4, 5
+    ids = np.random.default_rng(8).integers(0, experts, (groups, tokens, k))
+    slot, pair = capacity_maps(ids, experts, capacity)
+    if direction == "dispatch":
+        arrays = [_exact((groups, tokens, h), dtype, 9), pair, slot]
+    else:
+        arrays = [_exact((groups, experts * capacity, h), dtype, 10), slot, pair]
+    op = RoutedGatherOp(tuple(TensorType.zero(a.shape, dtype if i == 0 else "int64") for i, a in enumerate(arrays)))
+    request = {}
+    for index in op.requestable():
+        ivs = index.near_equal(pieces[index.name]) if index.name in pieces else None
+        if ivs is not None:
+            request[index.name] = ivs
+    assert not allocates(op)
+    for fn in op.spec(request).functions:
+        blocks = [a[box.slices()] for a, box in zip(arrays, fn.inputs)]
+        want = np.asarray(op.kernel(blocks, fn), np.float32)
+        bufs = [T.buf(torch.from_numpy(np.ascontiguousarray(blocks[0])).to(TORCH[dtype]))[0]]
+        bufs += [T.buf(torch.from_numpy(np.ascontiguousarray(b)))[0] for b in blocks[1:]]
+        ob, got = T.buf(torch.full(fn.output.shape, 7.0, dtype=TORCH[dtype]))
+        launcher_for("routed_gather").launch(op, fn, bufs, ob, {}, 0)
+        np.testing.assert_array_equal(got.cpu().float().numpy(), want, err_msg=str(fn))

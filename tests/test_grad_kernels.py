@@ -737,3 +737,31 @@ def test_a_reduction_of_few_long_rows_is_chunked(mem: Any, monkeypatch: pytest.M
         check_op(mem, op, [randn(rng, shape, dtype, 2.0)], request, tol=1e-12 if dtype == "float64" else 1e-5
                  if dtype == "float32" else None)
     assert sizes.reduce_chunks(1, 29 * 11 * 3) > 1
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("how", ["sum", "mean", "max", "min", "logsumexp"])
+@pytest.mark.parametrize(("shape", "axes"), [((5, 2, 37), (1,)), ((3, 4, 6, 9), (1, 2)), ((7, 3, 5), (0,))])
+def test_a_reduction_over_middle_axes_reads_them_in_place(mem: Any, shape: tuple[int, ...], axes: tuple[int, ...],
+                                                          how: str, dtype: str) -> None:
+    """A reduction over a run of axes that are not last (a MoE combine's sum over its k rows, a mean over
+    batch): each program walks the reduced axes for a block of the kept ones, no copy with them moved last;
+    every function spec of a split against the NumPy kernel."""
+    from relational_tensors.kernels.launchers.norms import _in_place
+
+    op = make("reduce", [T(shape, dtype)], op=how, axes=axes)
+    assert _in_place(shape, axes) is not None and scratch_shape(op, op.spec({}).functions[0]) is None
+    rng = np.random.default_rng(4)
+    for request in [{}, {op.requestable()[0].name: 2}]:
+        check_op(mem, op, [randn(rng, shape, dtype, 2.0)], request, tol=1e-12 if dtype == "float64" else 1e-5
+                 if dtype == "float32" else None)
+
+
+def test_a_long_middle_reduction_is_in_place_where_its_programs_fill_the_gpu(mem: Any) -> None:
+    """Past the short extents, a middle reduction reads in place only where its programs fill the GPU."""
+    from relational_tensors.kernels.launchers.norms import _in_place
+
+    assert _in_place((4, 70, 3), (1,)) is None  # 4 programs: moved last and chunked instead
+    op = make("reduce", [T((265, 65, 2), "float32")], op="sum", axes=(1,))
+    assert _in_place((265, 65, 2), (1,)) == (265, 65, 2)
+    check_op(mem, op, [randn(np.random.default_rng(5), (265, 65, 2), "float32", 2.0)], {}, tol=1e-5)

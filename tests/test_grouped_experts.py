@@ -17,7 +17,7 @@ from test_moe_router import FF, D, E, K, _feeds, _reference  # noqa: E402  (its 
 
 import relational_tensors as rt  # noqa: E402
 from relational_tensors.core.types import TensorType  # noqa: E402
-from relational_tensors.graph.models import add_moe_ffn, moe_layer_graph  # noqa: E402
+from relational_tensors.graph.moe import add_moe_ffn, moe_layer_graph  # noqa: E402
 from relational_tensors.sql_specs.experts import GroupedMatmulOp, GroupedWeightGradOp, RouteIndexOp, route_maps  # noqa: E402
 
 F = torch.nn.functional

@@ -290,10 +290,10 @@ def _layer_feeds(g: Any) -> dict[str, Any]:
 
 
 def test_the_graph_moe_layer_is_the_routed_sum_of_its_experts() -> None:
-    """models.moe_layer_graph against a per-token loop over the two experts each token is routed to."""
+    """moe.moe_layer_graph against a per-token loop over the two experts each token is routed to."""
     import numpy as np
 
-    from relational_tensors.graph.models import moe_layer_graph
+    from relational_tensors.graph.moe import moe_layer_graph
 
     g = moe_layer_graph(37, 16, experts=4, top_k=2, d_ff=24, dtype="float32")
     feeds = _layer_feeds(g)
@@ -320,7 +320,7 @@ def test_moe_plans_give_the_reference_step(plan: str, p: int) -> None:
     experts, tensor parallelism inside the experts never does."""
     import numpy as np
 
-    from relational_tensors.graph.models import moe_layer_graph
+    from relational_tensors.graph.moe import moe_layer_graph
 
     g = moe_layer_graph(24, 16, experts=4, top_k=2, d_ff=12, dtype="float32", training=True, master_dtype=None)
     constraints = None if plan == "optimizer" else rt.plans.PLANS[plan](g, p)
@@ -346,7 +346,7 @@ def test_the_optimizer_finds_expert_parallelism_for_a_moe_training_step() -> Non
     experts (it descends from expert parallelism as well as from Algorithm 1's plan, which splits the experts'
     features) and costs within 1% of the exact optimum; the hand EP plan costs no less."""
     pytest.importorskip("scipy")
-    from relational_tensors.graph.models import moe_layer_graph
+    from relational_tensors.graph.moe import moe_layer_graph
 
     g = moe_layer_graph(2048, 512, experts=8, top_k=2, d_ff=1024, dtype="bfloat16", training=True)
     plans = {sel: rt.compileGraph(g, device=8, topology="hgx-h200", cost_model="calibrated", selector=sel)

@@ -1,4 +1,4 @@
-"""The graph API's MoE router (``models.add_moe_ffn``): gates (softmax then top-k, top-k then softmax,
+"""The graph API's MoE router (``moe.add_moe_ffn``): gates (softmax then top-k, top-k then softmax,
 sigmoid with a selection bias and scaling), shared experts, a capacity factor that drops the routed pairs
 past each expert's capacity (token order, then rank), and the auxiliary losses (load balancing as
 transformers computes it, the router z-loss), each against a per-token torch loop or transformers'
@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import relational_tensors as rt  # noqa: E402
-from relational_tensors.graph.models import MoeLosses, add_moe_ffn, moe_constants  # noqa: E402
+from relational_tensors.graph.moe import MoeLosses, add_moe_ffn  # noqa: E402
 
 nn, F = torch.nn, torch.nn.functional
 T, D, E, K, FF = 19, 8, 5, 2, 6
@@ -32,7 +32,6 @@ def _layer(**router: object) -> tuple[rt.Graph, list[MoeLosses]]:
 def _feeds(g: rt.Graph, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     feeds = {n.name: (rng.standard_normal(n.type.shape) * 0.5).astype(np.float32) for n in g.inputs}
-    feeds.update(moe_constants(g))
     return feeds
 
 
@@ -109,7 +108,7 @@ def test_the_balance_loss_is_transformers_own() -> None:
 
 
 def test_aux_loss_gradients_equal_torch_autograd() -> None:
-    from relational_tensors.graph.models import moe_layer_graph
+    from relational_tensors.graph.moe import moe_layer_graph
 
     g = moe_layer_graph(T, D, experts=E, top_k=K, d_ff=FF, dtype="float32", balance_coef=0.01, z_coef=0.001,
                         capacity_factor=1.25)
@@ -163,3 +162,5 @@ def test_bad_router_arguments_are_refused() -> None:
         add_moe_ffn(g, x, experts=E, top_k=E + 1, d_ff=FF)
     with pytest.raises(rt.GraphError, match="capacity_factor is a positive"):
         add_moe_ffn(g, x, experts=E, top_k=K, d_ff=FF, capacity_factor=0)
+    with pytest.raises(rt.GraphError, match="capacity_groups is a positive number of token groups that divides"):
+        add_moe_ffn(g, x, experts=E, top_k=K, d_ff=FF, capacity_factor=1.0, capacity_groups=2)

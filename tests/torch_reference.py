@@ -147,6 +147,24 @@ def _node(op, xs: Sequence[torch.Tensor]) -> torch.Tensor:
         if op.what == "group":
             return key[order]
         return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel())).reshape(xs[0].shape)
+    if kind == "capacity_route":  # each group's pairs, per expert in order, kept up to the capacity
+        ids = xs[0].reshape(xs[0].shape[0], -1)
+        slot = torch.full(ids.shape, -1, dtype=torch.int64)
+        pair = torch.full((ids.shape[0], op.experts * op.capacity), -1, dtype=torch.int64)
+        for g in range(ids.shape[0]):
+            taken = [0] * op.experts
+            for p, e in enumerate(ids[g].tolist()):
+                if 0 <= e < op.experts and taken[e] < op.capacity:
+                    slot[g, p] = e * op.capacity + taken[e]
+                    pair[g, slot[g, p]] = p
+                    taken[e] += 1
+        return slot if op.what == "slot" else pair
+    if kind == "routed_gather":  # rows by the index (-1: zeros); the inverse map is the gradient's
+        x, index = xs[0], xs[1].long()
+        per = xs[2].shape[1] // x.shape[1]
+        rows = torch.where(index >= 0, index // per, 0)
+        got = torch.gather(x, 1, rows[..., None].expand(-1, -1, x.shape[2]))
+        return got * (index >= 0)[..., None].to(x.dtype)
     if kind == "grouped_matmul":  # each row times its group's weights (zeros outside the experts)
         rows, w, group = xs
         w = w.transpose(1, 2) if op.trans_w else w

@@ -2,8 +2,10 @@
 
 What a torch user expects of a module on the GPU: a call queues work and returns, and reading a result
 (``loss.item()``) is what synchronizes.  The GPU executor's ``stage`` copies a call's inputs on its
-launch stream, ordered after the producer's stream by DLPack's stream handshake, and holds each tensor
-until its copy has read it, so torch's caching allocator cannot hand its memory out before.  Outputs
+launch stream, ordered after torch's current stream (a contiguous tensor handed by address,
+``RawDevice``: one ``cudaMemcpyAsync`` after an event; any other through DLPack's stream handshake), and
+holds each tensor until its copy has read it, so torch's caching allocator cannot hand its memory out
+before.  Outputs
 are torch tensors allocated by torch, filled on the launch stream by ``offload_into``, and torch's
 current stream waits for the launch stream before anything reads them.  Anything ``stage`` cannot take
 this way (host arrays of weights, another dtype) goes through the checked ``load``, as on CPU devices.
@@ -15,7 +17,8 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from relational_tensors.frontend.torch.convert import _torch, _torch_dtype
+from relational_tensors.frontend.torch.convert import _dtype_name, _torch, _torch_dtype
+from relational_tensors.runtime.cupy_staging import RawDevice
 
 
 def _external(compiled: Any) -> Any:
@@ -33,7 +36,20 @@ def stage(compiled: Any, feeds: Mapping[str, Any]) -> bool:
     docstring); False, having loaded nothing, where ``compiled.load`` must do it."""
     if compiled.devices.kind != "cuda" or not hasattr(compiled.executor, "stage"):
         return False
-    return bool(compiled.executor.stage(feeds))
+    return bool(compiled.executor.stage({name: _raw(x) or x for name, x in feeds.items()}))
+
+
+def _raw(x: Any, stream: Any = None) -> RawDevice | None:
+    """A contiguous torch CUDA tensor by address, ordered after ``stream`` (default: torch's current stream
+    on its device); None for anything else."""
+    torch = _torch()
+    if not isinstance(x, torch.Tensor) or not x.is_cuda or not x.is_contiguous():
+        return None
+    name = _dtype_name(x.dtype)
+    if name is None:
+        return None
+    stream = stream if stream is not None else torch.cuda.current_stream(x.device)
+    return RawDevice(x.data_ptr(), tuple(x.shape), name, x.device.index, stream.cuda_stream, x)
 
 
 def output(compiled: Any, name: str) -> Any:
@@ -43,6 +59,7 @@ def output(compiled: Any, name: str) -> Any:
     t = compiled.dag.saved_node(name).type
     gpu = compiled.devices.physical[0]
     dest = torch.empty(t.shape, dtype=_torch_dtype(t.dtype), device=f"cuda:{gpu}")
-    compiled.executor.offload_into(name, dest)
-    torch.cuda.current_stream(dest.device).wait_stream(_external(compiled))
+    current = torch.cuda.current_stream(dest.device)
+    compiled.executor.offload_into(name, _raw(dest, current) or dest)
+    current.wait_stream(_external(compiled))
     return dest

@@ -15,7 +15,8 @@ and the compiler counts it in a GPU plan's memory on any machine.
 from __future__ import annotations
 
 __all__ = ["reduce_chunks", "partial_dtype", "weight_grad_chunks", "weight_grad_scratch", "padded_tokens",
-           "embedding_grad_scratch", "grouped_weight_grad_scratch", "dkv_splits", "dkv_scratch"]
+           "embedding_grad_scratch", "grouped_weight_grad_scratch", "reduces_in_place", "MIDDLE_BLOCK", "dkv_splits",
+           "dkv_scratch"]
 
 SPLIT_ROWS = 264  # fewer output rows than this (two per SM of an H100/H200) leave the GPU mostly idle
 SPLIT_LENGTH = 1 << 16  # rows at least this long are then reduced in chunks, partials combined after
@@ -30,6 +31,24 @@ FILL_PROGRAMS = 264
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+MIDDLE_BLOCK = 1024  # kept positions per program of a reduction over axes that are not last
+MIDDLE_SHORT = 64  # a reduced extent up to this is walked in place whatever the grid
+
+
+def reduces_in_place(outer: int, n: int, inner: int) -> bool:
+    """Whether a reduction of contiguous ``[outer, n, inner]`` over ``n`` (``inner`` > 1: axes that are not
+    last) reads the block where it lies, each program walking ``n`` for a block of ``inner`` positions,
+    rather than a copy with the reduced axes moved last: where ``n`` is short, or the programs fill the GPU.
+
+    >>> reduces_in_place(8192, 2, 4096), reduces_in_place(1, 8192, 4096), reduces_in_place(8, 100, 1)
+    (True, False, False)
+    """
+    if inner <= 1 or not (outer and n):
+        return False
+    programs = outer * _cdiv(inner, min(MIDDLE_BLOCK, 1 << (inner - 1).bit_length()))
+    return n <= MIDDLE_SHORT or programs >= SPLIT_ROWS
 
 
 def reduce_chunks(rows: int, n: int) -> int:

@@ -6,6 +6,12 @@ it counts the pairs routed to lower experts (its rows' start), then walks the pa
 running count, so the sort is stable (token order, then rank) and needs no atomics.  Each program writes
 the map asked for at its pairs' rows.
 
+``capacity_route`` is the same counting sort within each group of tokens, one program per (group,
+expert), cut at the capacity: each program writes its expert's slots (the ``pair`` map, -1 past its last
+pair) or its pairs' slots (the ``slot`` map, -1 past the capacity).  ``routed_gather`` copies rows: each
+program a tile of (group, destination) rows and of the width, zeros where the index is -1 or outside the
+block's rows.
+
 ``grouped_matmul`` gives each program a tile of rows and of output columns; it multiplies the tile by
 each expert its rows hold (from the least to the greatest group id in the tile, with the other rows
 masked to zero), so rows sorted by expert cost about one product per tile, and rows in any order stay
@@ -26,7 +32,7 @@ import triton.language as tl
 
 from relational_tensors.kernels.common import DevBuf, Ptr, fastest_config
 
-__all__ = ["route_index", "grouped_matmul", "grouped_weight_grad"]
+__all__ = ["route_index", "grouped_matmul", "grouped_weight_grad", "capacity_route", "routed_gather"]
 
 BLOCK = 1024  # pairs per step of the counting sort (and group ids per step of the spans' scan)
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried on the first launch of each shape class, the
@@ -225,3 +231,70 @@ def grouped_weight_grad(xs: DevBuf, dy: DevBuf, group: DevBuf, out: DevBuf, e0: 
 
     key = ("grouped_weight_grad", _shape_class(n_rows), n_h, n_f, n_e, xs.dtype)
     launch(_pick(key, IEEE_CONFIGS if ieee else CONFIGS, launch))
+
+
+@triton.jit
+def _capacity_kernel(ids_ptr, out_ptr, n_pairs, experts, capacity, WHAT: tl.constexpr, BLOCK_P: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1)  # experts: the pairs whose id no expert holds (dropped)
+    base = ids_ptr + g * n_pairs
+    seen = 0
+    for p0 in range(0, n_pairs, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        live = p < n_pairs
+        ids = tl.load(base + p, mask=live, other=0).to(tl.int64)
+        key = tl.where((ids >= 0) & (ids < experts), ids, experts)
+        mine = live & (key == e)
+        rank = seen + tl.cumsum(mine.to(tl.int32), axis=0) - 1
+        kept = mine & (rank < capacity) & (key < experts)
+        slot = e.to(tl.int64) * capacity + rank
+        if WHAT == 0:  # slot of each pair, -1 where dropped
+            tl.store(out_ptr + g * n_pairs + p, tl.where(kept, slot, -1), mask=mine)
+        else:  # the pair of each slot
+            tl.store(out_ptr + g * experts * capacity + slot, p.to(tl.int64), mask=kept)
+        seen += tl.sum(mine.to(tl.int32), axis=0)
+    if WHAT == 1:
+        if e < experts:  # the expert's slots past its last pair hold none
+            row = out_ptr + g * experts * capacity + e.to(tl.int64) * capacity
+            for c0 in range(0, capacity, BLOCK_P):
+                c = c0 + tl.arange(0, BLOCK_P)
+                tl.store(row + c, tl.full([BLOCK_P], -1, tl.int64), mask=(c < capacity) & (c >= seen))
+
+
+def capacity_route(ids: DevBuf, out: DevBuf, experts: int, capacity: int, what: str) -> None:
+    """``out`` = the ``what`` map (slot or pair) of the router's choices per group ``ids [g, t, k]``
+    (contiguous), each expert taking ``capacity`` pairs of a group first come first served."""
+    groups = ids.shape[0]
+    n = ids.size // groups if groups else 0
+    if groups and (n or what == "pair"):
+        _capacity_kernel[(groups, experts + (what == "slot"))](Ptr(ids), Ptr(out), n, experts, capacity,
+                                                              WHAT=("slot", "pair").index(what),
+                                                              BLOCK_P=BLOCK)
+
+
+@triton.jit
+def _routed_gather_kernel(x_ptr, idx_ptr, out_ptr, n_m, n_h, per, r0, n_r, sxg, sxr, sxh, sig, sim, sog, som, soh,
+                          BM: tl.constexpr, BH: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64)
+    ms = tl.program_id(1).to(tl.int64) * BM + tl.arange(0, BM)
+    hs = tl.program_id(2).to(tl.int64) * BH + tl.arange(0, BH)
+    mmask = ms < n_m
+    hmask = hs < n_h
+    index = tl.load(idx_ptr + g * sig + ms * sim, mask=mmask, other=-1).to(tl.int64)
+    src = tl.where(index >= 0, index // per - r0, -1)
+    mine = mmask & (src >= 0) & (src < n_r)
+    rows = tl.load(x_ptr + g * sxg + src[:, None] * sxr + hs[None, :] * sxh, mask=mine[:, None] & hmask[None, :],
+                   other=0.0)
+    tl.store(out_ptr + g * sog + ms[:, None] * som + hs[None, :] * soh, rows, mask=mmask[:, None] & hmask[None, :])
+
+
+def routed_gather(x: DevBuf, index: DevBuf, out: DevBuf, per: int, r0: int) -> None:
+    """``out[g, i] = x[g, index[g, i] // per - r0]`` where that row is in the block, zeros elsewhere."""
+    groups, n_m, n_h = out.shape
+    if not (groups and n_m and n_h):
+        return
+    bh = min(256, triton.next_power_of_2(n_h))
+    bm = max(1, min(64, 8192 // bh))
+    grid = (groups, triton.cdiv(n_m, bm), triton.cdiv(n_h, bh))
+    _routed_gather_kernel[grid](Ptr(x), Ptr(index), Ptr(out), n_m, n_h, per, r0, x.shape[1], *x.strides,
+                                *index.strides, *out.strides, BM=bm, BH=bh)

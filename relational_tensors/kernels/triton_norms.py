@@ -7,9 +7,9 @@ import triton
 import triton.language as tl
 
 from relational_tensors.kernels.common import DevBuf, Ptr, acc_type
-from relational_tensors.kernels.scratch import partial_dtype, reduce_chunks
+from relational_tensors.kernels.scratch import MIDDLE_BLOCK, partial_dtype, reduce_chunks
 
-__all__ = ["rmsnorm", "layernorm", "softmax", "row_reduce"]
+__all__ = ["rmsnorm", "layernorm", "softmax", "row_reduce", "middle_reduce"]
 
 
 def _block(d: int) -> int:
@@ -193,3 +193,56 @@ def row_reduce(x: DevBuf, out: DevBuf, op: str, count: int = 1, partials: DevBuf
                                        ACC=acc_type(x.dtype))
     _row_reduce_kernel[(rows, 1)](Ptr(parts), Ptr(out), chunks, chunks, 1, int(count), OP=code,
                                   BLOCK_N=_block(chunks), ACC=acc_type(x.dtype))
+
+
+@triton.jit
+def _middle_reduce_kernel(x_ptr, out_ptr, n, inner, count, OP: tl.constexpr, BLOCK_I: tl.constexpr,
+                          ACC: tl.constexpr):
+    """out[o, i] = reduce(x[o, :, i]) over contiguous x [outer, n, inner]: each program a block of ``i`` of
+    one ``o``, the reduced axis walked in order (coalesced loads, the same bits every run)."""
+    o = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = cols < inner
+    base = x_ptr + o * n * inner + cols
+    if OP == 0:
+        acc = tl.zeros([BLOCK_I], dtype=ACC)
+    elif OP == 1:
+        acc = tl.full([BLOCK_I], float("-inf"), dtype=ACC)
+    elif OP == 2:
+        acc = tl.full([BLOCK_I], float("inf"), dtype=ACC)
+    else:
+        acc = tl.full([BLOCK_I], float("-inf"), dtype=ACC)
+        total = tl.zeros([BLOCK_I], dtype=ACC)
+    for j in range(0, n):
+        if OP == 0:
+            acc += tl.load(base + j * inner, mask=mask, other=0.0).to(ACC)
+        elif OP == 1:
+            acc = tl.maximum(acc, tl.load(base + j * inner, mask=mask, other=float("-inf")).to(ACC))
+        elif OP == 2:
+            acc = tl.minimum(acc, tl.load(base + j * inner, mask=mask, other=float("inf")).to(ACC))
+        else:
+            xv = tl.load(base + j * inner, mask=mask, other=float("-inf")).to(ACC)
+            top = tl.maximum(acc, xv)
+            safe = tl.where(top == float("-inf"), 0.0, top)
+            total = total * tl.exp(acc - safe) + tl.exp(xv - safe)
+            acc = top
+    if OP == 0:
+        r = acc / count
+    elif OP == 3:
+        safe = tl.where(acc == float("-inf"), 0.0, acc)
+        r = safe + tl.log(total)
+    else:
+        r = acc
+    tl.store(out_ptr + o * inner + cols, r.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def middle_reduce(x: DevBuf, out: DevBuf, op: str, outer: int, n: int, inner: int, count: int = 1) -> None:
+    """out[o, i] = reduce(x[o, :, i]) for contiguous x viewed as [outer, n, inner] (a reduction over axes that
+    are not last, without moving them last); ops and ``count`` as :func:`row_reduce`."""
+    if not (outer and n and inner):
+        return
+    code = {"sum": 0, "max": 1, "min": 2, "logsumexp": 3}[op]
+    block = min(MIDDLE_BLOCK, triton.next_power_of_2(inner))
+    _middle_reduce_kernel[(outer, triton.cdiv(inner, block))](Ptr(x), Ptr(out), n, inner, int(count), OP=code,
+                                                              BLOCK_I=block, ACC=acc_type(x.dtype),
+                                                              num_warps=4 if block >= 512 else 2)

@@ -131,6 +131,7 @@ class CupyExecutor(Staging):
         self._checks: list[tuple[Any, Any, str, str, int, int | None]] = []
         self._pinned: list[Any] = []
         self._inflight: list[tuple[Any, list[Any]]] = []  # (copies read, the arrays they read)
+        self._producer: Any = None  # the event stage() records on a producer's stream
         # a kernel task serves an operator node: its op and the node's operator are set
         self.capturable = not any(t.kind == "kernel"
                                   and (allocates(cast(Operator, dag.nodes[cast(int, t.op)].op))

@@ -4,12 +4,16 @@
 launch stream, without the host waiting: a device array straight into the one block holding it, or whole
 into a fixed buffer per GPU from which the program's first tasks (captured with it in its CUDA graph)
 copy the blocks.  Ids are range-checked on the device as they arrive and read back later.
-``offload_into`` copies a saved output into a caller's device array on the same stream.
+``offload_into`` copies a saved output into a caller's device array on the same stream.  A caller that
+knows its arrays' addresses and producer stream (a torch CUDA tensor: ``api/device_io.py``) hands them
+as :class:`RawDevice`, and a whole contiguous block is then one ``cudaMemcpyAsync``, ordered after the
+producer's stream by an event, with no DLPack exchange on the host.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,7 +21,30 @@ import numpy as np
 from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.errors import ExecError
 
-__all__ = ["Staging", "_as_device_array"]
+__all__ = ["Staging", "RawDevice", "_as_device_array"]
+
+D2D = 3  # cudaMemcpyDeviceToDevice
+
+
+@dataclass(frozen=True)
+class RawDevice:
+    """A contiguous device array by address: ``dtype`` a NumPy name or ``"bfloat16"``, ``device`` its GPU,
+    ``stream`` the stream whose work so far the copies wait for (its producer's; for a destination, the
+    stream its memory was last used on), ``owner`` what keeps the memory alive until the copies ran."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: str
+    device: int
+    stream: int
+    owner: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        n = 2 if self.dtype == "bfloat16" else np.dtype(self.dtype).itemsize
+        for s in self.shape:
+            n *= s
+        return n
 
 
 class Staging:
@@ -41,6 +68,7 @@ class Staging:
     _checks: list[tuple[Any, Any, str, str, int, int | None]]
     _pinned: list[Any]
     _inflight: list[tuple[Any, list[Any]]]
+    _producer: Any  # the event _after records on a producer's stream (made on first use)
 
     _holds: Callable[[int], bool]
     _barrier: Callable[[Any], None]
@@ -83,6 +111,12 @@ class Staging:
                     if host.shape != t.shape or host.size > 8 or host.dtype != numpy_dtype(t.dtype):
                         return False
                     plans.append((name, None, host.view(storage).ravel()))
+                    continue
+                if isinstance(value, RawDevice):
+                    if value.device != home or value.shape != t.shape or value.dtype != t.dtype:
+                        return False
+                    self._after(value.stream)
+                    plans.append((name, value, None))
                     continue
                 dev = _as_device_array(cp, value)  # under the launch stream: it waits for the producer's
                 if dev is None or dev.device.id != home or tuple(dev.shape) != t.shape:
@@ -135,6 +169,16 @@ class Staging:
                     flat[k:k + 1].fill(v)
                 if direct is not None:
                     return
+            if isinstance(dev, RawDevice):
+                if self._rules_for(name):
+                    self._queue_id_checks(name, _cupy_view(cp, dev))
+                for dst in targets:
+                    if dst.device.id == home:
+                        cp.cuda.runtime.memcpyAsync(dst.data.ptr, dev.ptr, dev.nbytes, D2D, origin.ptr)
+                    else:
+                        cp.cuda.runtime.memcpyPeerAsync(dst.data.ptr, dst.device.id, dev.ptr, home, dev.nbytes,
+                                                        origin.ptr)
+                return
             self._queue_id_checks(name, dev)
             src = cp.ascontiguousarray(dev)
             for dst in targets:
@@ -143,6 +187,17 @@ class Staging:
                 else:
                     cp.cuda.runtime.memcpyPeerAsync(dst.data.ptr, dst.device.id, src.data.ptr, home,
                                                     src.nbytes, origin.ptr)
+
+    def _after(self, stream: int) -> None:
+        """Order the launch stream after the work queued so far on ``stream`` (a raw stream pointer; 0:
+        nothing to wait for)."""
+        if not stream or stream == self.launch_stream.ptr:
+            return
+        cp = self.cp
+        if self._producer is None:
+            self._producer = cp.cuda.Event(disable_timing=True)
+        cp.cuda.runtime.eventRecord(self._producer.ptr, stream)
+        self.launch_stream.wait_event(self._producer)  # the wait takes the event as recorded now: reusable
 
     def _prologue(self, lo: int, hi: int | None) -> None:
         """Copy every staged input that the tasks ``lo:hi`` read first (a second phase: its own inputs) from
@@ -230,6 +285,17 @@ class Staging:
         origin, home = self.launch_stream, self.phys[0]
         t = self.dag.saved_node(name).type
         with cp.cuda.Device(home), origin:
+            if isinstance(dest, RawDevice):
+                if dest.device != home or dest.shape != t.shape or dest.dtype != t.dtype:
+                    raise ExecError(f"offload_into needs a device array of shape {t.shape} and dtype {t.dtype} on "
+                                    f"GPU {home}; got {dest.shape} {dest.dtype} on GPU {dest.device}.")
+                self._after(dest.stream)
+                whole = self._whole_output(name, home)
+                if whole is not None:
+                    self._barrier([0])
+                    cp.cuda.runtime.memcpyAsync(dest.ptr, whole.data.ptr, dest.nbytes, D2D, origin.ptr)
+                    return
+                dest = _cupy_view(cp, dest)
             out = _as_device_array(cp, dest)
             if out is None or out.device.id != home or tuple(out.shape) != t.shape:
                 raise ExecError(f"offload_into needs a device array of shape {t.shape} on GPU {home}; got "
@@ -254,6 +320,24 @@ class Staging:
                     cp.cuda.runtime.memcpyPeerAsync(piece.data.ptr, home, src.data.ptr, view.device, piece.nbytes,
                                                     origin.ptr)
                     out[box.slices()] = piece
+
+
+    def _whole_output(self, name: str, home: int) -> Any:
+        """The one contiguous block on ``home`` that holds all of saved output ``name``, as a CuPy array, or
+        None."""
+        blocks = self.dag.outputs[name]
+        if len(blocks) != 1 or blocks[0][0].shape != self.dag.saved_node(name).type.shape:
+            return None
+        view = self.views[blocks[0][1]]
+        view = view[0] if isinstance(view, tuple) else view
+        return view.cupy() if view.device == home and view.is_contiguous else None
+
+
+def _cupy_view(cp: Any, raw: RawDevice) -> Any:
+    """A CuPy array over ``raw``'s memory (bfloat16 as its uint16 bits)."""
+    mem = cp.cuda.UnownedMemory(raw.ptr, raw.nbytes, raw.owner, raw.device)
+    dtype = np.uint16 if raw.dtype == "bfloat16" else np.dtype(raw.dtype)
+    return cp.ndarray(raw.shape, dtype=dtype, memptr=cp.cuda.MemoryPointer(mem, 0))
 
 
 def _as_device_array(cp: Any, value: Any) -> Any:

@@ -39,12 +39,13 @@ from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.core.numbers import is_number
 from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import Box, TensorType
-from relational_tensors.errors import GraphError
+from relational_tensors.errors import ExecError, GraphError
 from relational_tensors.sql_specs.base import Builder, Grads, IndexedOp, register
 from relational_tensors.sql_specs.common import positive_count
 from relational_tensors.sql_specs.grad import build
 
-__all__ = ["RouteIndexOp", "GroupedMatmulOp", "GroupedWeightGradOp", "route_maps", "check_routing", "ROUTE_MAPS"]
+__all__ = ["RouteIndexOp", "GroupedMatmulOp", "GroupedWeightGradOp", "CapacityRouteOp", "RoutedGatherOp", "route_maps",
+           "capacity_maps", "check_routing", "ROUTE_MAPS", "CAPACITY_MAPS"]
 
 ROUTE_MAPS = ("token", "dest", "group")
 
@@ -255,3 +256,179 @@ class GroupedWeightGradOp(IndexedOp):
             rows = group == e
             out[e - e0] = x[rows].T @ d[rows]
         return self._result(out)
+
+
+# --- a capacity per expert: fixed-size buffers that the plan can exchange all-to-all ----------------------------
+
+CAPACITY_MAPS = ("slot", "pair")
+
+
+def capacity_maps(ids: np.ndarray, experts: int, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """(slot ``[groups, tokens · k]``, pair ``[groups, experts · capacity]``) of the router's choices
+    ``ids [groups, tokens, k]`` (see :class:`CapacityRouteOp`)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    groups = ids.shape[0]
+    flat = ids.reshape(groups, -1)
+    n = flat.shape[1]
+    key = np.where((flat >= 0) & (flat < experts), flat, experts)
+    order = np.argsort(key, axis=1, kind="stable")  # per group: by expert, then token order and rank
+    ranked = np.take_along_axis(key, order, axis=1)
+    first = np.stack([np.searchsorted(row, row, side="left") for row in ranked]) if groups else ranked
+    rank = np.arange(n, dtype=np.int64)[None, :] - first
+    kept = (ranked < experts) & (rank < capacity)
+    slot_sorted = np.where(kept, ranked * capacity + rank, -1)
+    slot = np.empty_like(slot_sorted)
+    np.put_along_axis(slot, order, slot_sorted, axis=1)
+    pair = np.full((groups, experts * capacity), -1, dtype=np.int64)
+    rows = np.broadcast_to(np.arange(groups)[:, None], kept.shape)
+    pair[rows[kept], slot_sorted[kept]] = order[kept]
+    return slot, pair
+
+
+@register
+@dataclass(frozen=True, eq=True)
+class CapacityRouteOp(IndexedOp):
+    """``capacity_route(ids[groups, tokens, k], experts, capacity, what) -> int64``: the places of the routed
+    pairs in per-expert buffers of ``capacity`` rows, each group of tokens with buffers of its own (GShard's
+    groups).  Within a group an expert takes its pairs first come first served (token order, then rank);
+    a pair past its expert's capacity, or with an id outside ``[0, experts)``, is dropped.
+
+    * ``"slot"`` ``[groups, tokens · k]``: pair ``t·k + j``'s row ``e·capacity + c`` in its group's
+      ``[experts · capacity]`` rows, -1 where dropped;
+    * ``"pair"`` ``[groups, experts · capacity]``: the pair each row holds, -1 where none (the inverse map).
+
+    Groups split anywhere (each group routes alone); the rest of a group stays whole.
+
+    >>> from relational_tensors.core.types import TensorType as T
+    >>> CapacityRouteOp((T.zero((4, 6, 2), "int64"),), 4, 3, "pair").signature()
+    'groups tokens k -> groups slots'
+    """
+
+    kind = "capacity_route"
+    experts: int = 1
+    capacity: int = 1
+    what: str = "slot"
+    gradient = "its input and output are integer ids"
+
+    def infer(self) -> TensorType:
+        (ids,) = self.input_types
+        if ids.dtype not in ("int32", "int64") or ids.rank != 3:
+            raise GraphError(f"capacity_route takes the router's choices per group, int ids of shape "
+                             f"[groups, tokens, k]; got {ids}.")
+        positive_count("capacity_route's number of experts", self.experts)
+        positive_count("capacity_route's capacity", self.capacity)
+        if self.what not in CAPACITY_MAPS:
+            raise GraphError(f"capacity_route makes one of {CAPACITY_MAPS}; got what={self.what!r}.")
+        groups, tokens, k = ids.shape
+        if self.what == "slot":
+            return TensorType.zero((groups, tokens * k), "int64", ("groups", "pairs"))
+        return TensorType.zero((groups, self.experts * self.capacity), "int64", ("groups", "slots"))
+
+    def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
+        return (("groups", "tokens", "k"),)
+
+    def dims_out(self) -> tuple[str | None, ...]:
+        return ("groups", "pairs") if self.what == "slot" else ("groups", "slots")
+
+    def unshardable(self) -> frozenset[str]:
+        return frozenset({"tokens", "k", "pairs", "slots"})  # a sort over each group's pairs
+
+    def params(self) -> dict[str, object]:
+        return {"experts": self.experts, "capacity": self.capacity, "what": self.what}
+
+    def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
+        per = inputs[0].volume // max(inputs[0].shape[0], 1)
+        return float(inputs[0].volume * max(1, int(np.log2(max(per, 2)))))
+
+    def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
+        slot, pair = capacity_maps(blocks[0], self.experts, self.capacity)
+        return slot if self.what == "slot" else pair
+
+
+@register
+@dataclass(frozen=True, eq=True)
+class RoutedGatherOp(IndexedOp):
+    """``routed_gather(x[groups, rows, h], index[groups, m], inverse[groups, rows · d]) -> [groups, m, h]``:
+    ``out[g, i] = x[g, index[g, i] // d]``, zeros where ``index[g, i]`` is -1.  ``index`` and ``inverse`` are
+    each other's inverse (``inverse[g, index[g, i]] = i`` wherever ``index`` is set, and the other way
+    round), as ``capacity_route``'s slot and pair maps are: the dispatch into the experts' buffers is
+    ``routed_gather(x, pair, slot)`` (``d = k``: a token's k pairs read its row), the combine back
+    ``routed_gather(buffers, slot, pair)``.  The forward reads ``index``; the gradient is the gather the other
+    way, through ``inverse`` (``dx[g, r] = Σ_q dy[g, inverse[g, r·d + q]]``), with no scatter and no atomics.
+
+    Groups join all three; ``m`` and ``h`` split anywhere; ``rows`` too, ⊕ = sum (a block of rows gives the
+    ones it holds and zeros elsewhere, as the embedding's vocabulary does).  With ``groups`` split across
+    devices on one side and experts on the other (``[groups, experts · capacity]`` buffers), the exchange
+    between them is an all-to-all.
+
+    >>> from relational_tensors.core.types import TensorType as T
+    >>> RoutedGatherOp((T.zero((4, 6, 8)), T.zero((4, 12), "int64"), T.zero((4, 12), "int64"))).signature()
+    'groups rows hidden, groups m, groups pos -> groups m hidden'
+    """
+
+    kind = "routed_gather"
+
+    def infer(self) -> TensorType:
+        x, index, inverse = self.input_types
+        if x.rank != 3 or x.dtype not in FLOAT_DTYPES:
+            raise GraphError(f"routed_gather reads floating rows [groups, rows, h]; got {x}.")
+        for name, t in (("index", index), ("inverse", inverse)):
+            if t.dtype not in ("int32", "int64") or t.rank != 2 or t.shape[0] != x.shape[0]:
+                raise GraphError(f"routed_gather's {name} is an int map of shape [groups, n] with groups = "
+                                 f"{x.shape[0]}; got {t}.")
+        if x.shape[1] == 0 or inverse.shape[1] % x.shape[1]:
+            raise GraphError(f"routed_gather's inverse has d entries per row of x ([groups, rows · d], rows = "
+                             f"{x.shape[1]}); got {inverse.shape}.")
+        return TensorType.zero((x.shape[0], index.shape[1], x.shape[2]), x.dtype, ("groups", "m", "hidden"))
+
+    def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
+        return (("groups", "rows", "hidden"), ("groups", "m"), ("groups", "pos"))
+
+    def dims_out(self) -> tuple[str | None, ...]:
+        return ("groups", "m", "hidden")
+
+    def unshardable(self) -> frozenset[str]:
+        return frozenset({"pos"})  # the inverse is read whole per group (the gradient's map, and the check)
+
+    def per_row(self) -> int:
+        x, _, inverse = self.input_types
+        return inverse.shape[1] // x.shape[1]
+
+    def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
+        return float(output.volume)
+
+    def kernel_bytes(self, input_bytes: Sequence[float], output_bytes: float) -> float:
+        """A gather reads the rows it writes (at most the output's bytes), not its whole block of x."""
+        x, index, inverse = input_bytes
+        return min(x, output_bytes) + index + output_bytes
+
+    def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
+        x, index, inverse = blocks
+        index, inverse = np.asarray(index, np.int64), np.asarray(inverse, np.int64)
+        positions = self.input_types[2].shape[1]
+        if index.size and (index.min() < -1 or index.max() >= positions):
+            raise ExecError(f"routed_gather's index holds positions in [0, {positions}) or -1; got values from "
+                            f"{int(index.min())} to {int(index.max())}.")
+        m0 = f.inputs[1].lower[1]
+        g, i = np.nonzero(index >= 0)
+        if np.any(inverse[g, index[g, i]] != i + m0):
+            raise ExecError("routed_gather's index and inverse maps are not each other's inverse (inverse[g, "
+                            "index[g, i]] must be i); build them with capacity_route's slot and pair maps.")
+        r0, r1 = f.inputs[0].lower[1], f.inputs[0].upper[1]
+        src = np.where(index >= 0, index // self.per_row(), -1)
+        mine = (src >= r0) & (src < r1)
+        rows = np.take_along_axis(x, np.clip(src - r0, 0, max(r1 - r0 - 1, 0))[..., None], axis=1)
+        return self._result(np.where(mine[..., None], rows, np.zeros((), dtype=x.dtype)))
+
+    def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any,
+            wanted: tuple[bool, ...]) -> Grads:
+        x, index, inverse = inputs
+        if not wanted[0]:
+            return None, None, None
+        groups, rows, h = x.type.shape
+        d = self.per_row()
+        back = build(b, "routed_gather", (cotangent, inverse, index))  # [groups, rows · d, h]
+        if d > 1:
+            back = build(b, "reduce", (build(b, "reshape", (back,), shape=(groups, rows, d, h)),), op="sum",
+                         axes=(2,))
+        return back, None, None

@@ -39,6 +39,18 @@ def _reduce_layout(op: Any, shape: tuple[int, ...]) -> tuple[list[int], tuple[in
     return keep, axes, keep + list(axes) != list(range(len(shape)))
 
 
+def _in_place(shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[int, int, int] | None:
+    """``(outer, n, inner)`` where the reduced ``axes`` are one run of consecutive axes, not last, that
+    ``kernels.scratch.reduces_in_place`` reduces where they lie; else None."""
+    from relational_tensors.kernels.scratch import reduces_in_place
+
+    if not axes or list(axes) != list(range(axes[0], axes[-1] + 1)) or axes[-1] == len(shape) - 1:
+        return None
+    outer, n, inner = (math.prod(shape[:axes[0]]), math.prod(shape[axes[0]:axes[-1] + 1]),
+                       math.prod(shape[axes[-1] + 1:]))
+    return (outer, n, inner) if reduces_in_place(outer, n, inner) else None
+
+
 def _reduce_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str] | None:
     """Room for the input with its reduced axes moved last (when they are not already), then for the
     partials of a chunked reduction (few long rows), in elements of the input's dtype."""
@@ -46,6 +58,8 @@ def _reduce_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str] | N
 
     shape, dtype = f.inputs[0].shape, op.input_types[0].dtype
     keep, axes, moved = _reduce_layout(op, shape)
+    if _in_place(shape, axes) is not None:
+        return None
     rows = math.prod(shape[d] for d in keep)
     n = math.prod(shape[d] for d in axes)
     chunks = reduce_chunks(rows, n) if rows and n else 1
@@ -64,6 +78,10 @@ def _reduce(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream:
     x = ins[0]
     keep, axes, moved = _reduce_layout(op, x.shape)
     count = math.prod(op.input_types[0].shape[a] for a in axes) if op.op == "mean" else 1  # of the whole axes
+    walk = _in_place(x.shape, axes)
+    if walk is not None:  # the reduced axes walked where they lie
+        tn.middle_reduce(x, out, "sum" if op.op == "mean" else op.op, *walk, count=count)
+        return
     scratch = consts.get("scratch")
     src, used = x, 0
     if moved:

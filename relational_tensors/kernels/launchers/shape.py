@@ -137,6 +137,23 @@ def _take_along(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, str
     tr.take_along(ins[0], ins[1], out, f.inputs[0].lower[-1])
 
 
+@launcher("capacity_route")
+def _capacity_route(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    """Each group's pairs placed in its experts' buffers, one program per (group, expert)."""
+    from relational_tensors.kernels import triton_experts as tx
+
+    tx.capacity_route(ins[0], out, op.experts, op.capacity, op.what)
+
+
+@launcher("routed_gather")
+def _routed_gather(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    """Rows gathered by a routing map (the experts' dispatch and combine); the inverse map is the
+    gradient's."""
+    from relational_tensors.kernels import triton_experts as tx
+
+    tx.routed_gather(ins[0], ins[1], out, op.per_row(), f.inputs[0].lower[1])
+
+
 @launcher("route_index")
 def _route_index(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     """The routed pairs' counting sort by expert, one program per expert (the op keeps its pairs whole)."""
