@@ -17,9 +17,13 @@ every expert, weighted by a routing weight that is zero off the router's picks):
 the FLOPs of a dispatch to the picked experts (4x for Mixtral, 16x for Qwen3).  ``--experts grouped``
 (``moe_plans_grouped.md``) sorts the routed pairs by expert and runs each row through its own expert only
 (``add_moe_ffn(experts_compute="grouped")``, the form transformers' MoE models trace to), priced under
-uniform routing.
+uniform routing.  ``--experts capacity`` (``moe_plans_capacity.md``) gives each expert a capacity of 1.25
+times its share of the routed pairs per group of tokens (64 groups of 128 tokens,
+``add_moe_ffn(capacity_factor=1.25, experts_compute="grouped")``): the pairs gathered into
+``[groups, experts, capacity, d]`` buffers, the experts' products batched GEMMs over them, so that expert
+parallelism exchanges the buffers all-to-all (groups split for the dispatch, experts for the products).
 
-    python bench/moe_plans.py [--quick] [--experts dense|grouped] [--out bench/results]
+    python bench/moe_plans.py [--quick] [--experts dense|grouped|capacity] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -45,14 +49,16 @@ def workloads(quick: bool) -> list[tuple[str, dict[str, Any], int, str]]:
 
 
 def main() -> None:
-    args = arguments(__doc__, lambda ap: ap.add_argument("--experts", choices=("dense", "grouped"), default="dense"))
-    grouped = args.experts == "grouped"
+    args = arguments(__doc__, lambda ap: ap.add_argument("--experts", choices=("dense", "grouped", "capacity"),
+                                                         default="dense"))
+    form = dict(experts_compute="grouped", capacity_factor=1.25) if args.experts == "capacity" else \
+        dict(experts_compute=args.experts)
     tokens = 1024 if args.quick else 8192
     rows, data = [], []
     for name, shape, p, machine in workloads(args.quick):
         topology = get_topology(machine, gpus=p)
         for training in (False, True):
-            g = moe_layer_graph(tokens, dtype="bfloat16", training=training, experts_compute=args.experts, **shape)
+            g = moe_layer_graph(tokens, dtype="bfloat16", training=training, **form, **shape)
             what = f"{name}, {'training step' if training else 'forward'}"
             for plan in PLANS:
                 constraints = None if plan.startswith("optimizer") else rt.plans.PLANS[plan](g, p)
@@ -70,18 +76,23 @@ def main() -> None:
                 rows.append([what, p, plan, row["expert_gate_split"], f"{1e3 * cg.plan.cost:.2f}", f"{ms:.2f}",
                              f"{gib:.2f}", f"{planned:.1f}"])
                 print(row, flush=True)
+    forms = {"grouped": "experts grouped (the routed pairs sorted by expert, each row through its own expert)",
+             "capacity": "experts with a capacity (1.25x, 64 groups): [groups, experts, capacity, d] buffers through "
+                         "batched GEMMs",
+             "dense": "experts computed densely (experts / top_k times a dispatch's expert FLOPs)"}
     h = header("Mixture-of-experts layers: the planner against hand EP and TP plans", ["hgx-h200", "h200-nvl72"],
                "8 and 64 simulated H200s", notes=[f"{tokens} tokens, bfloat16; " + (
-                   "experts grouped (the routed pairs sorted by expert, each row through its own expert)" if grouped
-                   else "experts computed densely (experts / top_k times a dispatch's expert FLOPs)"),
+                   forms[args.experts]),
                                                   "expert_gate split: the split of the first expert product "
                                                   "(dense: e experts, t tokens, f intermediate, h hidden; "
-                                                  "grouped: experts, rows, ff, hidden)"])
+                                                  "grouped: experts, rows, ff, hidden; capacity: g groups, e experts, "
+                                                  "c capacity, h hidden, f intermediate)"])
     h["dtype"] = "bfloat16"
     lines = header_markdown(h) + markdown_table(
         ["workload", "p", "plan", "expert_gate split", "cost model ms", "simulated ms", "peak GiB / device",
          "planned in s"], rows)
-    write_table(args.out / ("moe_plans_grouped.md" if grouped else "moe_plans.md"), lines, {"header": h, "rows": data})
+    name = {"dense": "moe_plans.md", "grouped": "moe_plans_grouped.md", "capacity": "moe_plans_capacity.md"}
+    write_table(args.out / name[args.experts], lines, {"header": h, "rows": data})
 
 
 if __name__ == "__main__":
