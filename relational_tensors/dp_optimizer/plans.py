@@ -205,11 +205,15 @@ def stacked_weights(graph: Graph) -> bool:
 def expert_parallel(graph: Graph, p: int) -> dict[str, str]:
     """Expert parallelism of a mixture of experts: every operator that carries the experts (the first
     dimension of the stacked expert weights, and what is computed from them) split along it, as many ways
-    as the experts allow up to ``p``; the rest, and the factor of ``p`` the experts leave, the optimizer's."""
+    as the experts allow up to ``p``; the rest, and the factor of ``p`` the experts leave, the optimizer's.
+    The gathers into and out of experts' buffers (``routed_gather``) are left to the optimizer too: the
+    buffers reach the experts' devices by a repartition (the all-to-all), not by splitting a gather over
+    the experts' rows, which would sum every row over the devices."""
     if not stacked_weights(graph):
         return {}
     s = _Graph(graph, p)
-    return s.along(0, seeds=s.experts())
+    kinds = {n.name: n.op.kind for n in graph.operators if n.op is not None}
+    return {name: split for name, split in s.along(0, seeds=s.experts()).items() if kinds.get(name) != "routed_gather"}
 
 
 def expert_tensor_parallel(graph: Graph, p: int) -> dict[str, str]:
