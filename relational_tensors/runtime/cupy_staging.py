@@ -30,13 +30,14 @@ D2D = 3  # cudaMemcpyDeviceToDevice
 class RawDevice:
     """A contiguous device array by address: ``dtype`` a NumPy name or ``"bfloat16"``, ``device`` its GPU,
     ``stream`` the stream whose work so far the copies wait for (its producer's; for a destination, the
-    stream its memory was last used on), ``owner`` what keeps the memory alive until the copies ran."""
+    stream its memory was last used on; 0 is the legacy default stream, None nothing to wait for),
+    ``owner`` what keeps the memory alive until the copies ran."""
 
     ptr: int
     shape: tuple[int, ...]
     dtype: str
     device: int
-    stream: int
+    stream: int | None
     owner: Any = None
 
     @property
@@ -188,10 +189,10 @@ class Staging:
                     cp.cuda.runtime.memcpyPeerAsync(dst.data.ptr, dst.device.id, src.data.ptr, home,
                                                     src.nbytes, origin.ptr)
 
-    def _after(self, stream: int) -> None:
-        """Order the launch stream after the work queued so far on ``stream`` (a raw stream pointer; 0:
-        nothing to wait for)."""
-        if not stream or stream == self.launch_stream.ptr:
+    def _after(self, stream: int | None) -> None:
+        """Order the launch stream after the work queued so far on ``stream`` (a raw stream pointer, 0 the
+        legacy default stream; None: nothing to wait for)."""
+        if stream is None or stream == self.launch_stream.ptr:
             return
         cp = self.cp
         if self._producer is None:
