@@ -10,6 +10,13 @@ side by side in one run:
   on 8 logical devices of it (``cuda:0,0,0,0,0,0,0,0``), CUDA tensors in and out; ``graph``: the compiled
   program's ``execute`` alone.
 
+``capacity`` (not in the default modes): the same layer built with the graph API, its experts with a
+capacity of 1.25 per group of tokens (``moe_layer_graph(experts_compute="grouped", capacity_factor=1.25)``:
+``[groups, experts, capacity, d]`` buffers through batched GEMMs; a training step with AdamW and float32
+masters), the compiled program's ``execute`` on ``cuda:0`` and on 8 logical devices, where the planner
+exchanges the buffers all-to-all between the groups' devices and the experts' (its values are not the
+block's: a capacity drops pairs; its FLOPs are 1.25x the routed ones).
+
 Our experts follow the block's ``config._experts_implementation`` (``--experts-impl``): ``eager``, the
 default, traces them grouped (the routed pairs sorted by expert, each row through its own expert);
 ``batched_mm`` densely (every token through every expert, weighted by zero off the router's picks: 4x the
@@ -17,7 +24,7 @@ routed FLOPs here).  The table gives the routed expert TFLOP/s (the FLOPs a disp
 2 · tokens · top_k · 3 · hidden · intermediate, over each time) beside this GPU's dense matmul rate.
 2 warm-ups and 10 timed rounds, CUDA events, medians.
 
-    python bench/gpu_moe.py [--tokens 8192] [--modes eager,compile,grouped_mm,user,graph]
+    python bench/gpu_moe.py [--tokens 8192] [--modes eager,compile,grouped_mm,user,graph,capacity]
                             [--experts-impl eager|batched_mm] [--out bench/results]
     python bench/gpu_moe.py --smoke --modes eager,compile,grouped_mm,user   # tiny shapes on cpu:1 and cpu:2,
                                                                          # wall-clock: the script's own check
@@ -61,6 +68,8 @@ def time_ms(fn: Callable[[], Any], cuda: bool) -> float:
 
 
 EXPERTS_IMPL = "eager"  # --experts-impl
+SHAPE: dict[str, int] = {}  # the layer's sizes, for the capacity mode
+MODES = "eager,compile,grouped_mm,user,graph"
 
 
 def block(tokens: int, smoke: bool, device: str, dtype: Any) -> tuple[Callable[[], Any], torch.Tensor, dict]:
@@ -106,8 +115,42 @@ def loss_fn(m: Any, x: torch.Tensor) -> torch.Tensor:
     return m(x).float().square().mean()
 
 
+def capacity_rows(shape: dict, train: bool, cuda: bool, devices: tuple) -> dict:
+    """The graph API's layer with a capacity of 1.25, its program's ``execute`` on each device string."""
+    import numpy as np
+
+    from relational_tensors.graph.moe import moe_layer_graph
+
+    out: dict[str, Any] = {}
+    dtype = "bfloat16" if cuda else "float32"
+    g = moe_layer_graph(shape["tokens"], shape["hidden"], shape["experts"], shape["top_k"], shape["ff"], dtype=dtype,
+                        training=train, experts_compute="grouped", capacity_factor=1.25)
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for n in g.inputs:
+        if "exp_avg" in n.name or n.name == "adamw.step":
+            feeds[n.name] = np.zeros(n.type.shape, np.float32)
+        elif n.name == "lr":
+            feeds[n.name] = np.full(n.type.shape, 1e-5, np.float32)
+        else:
+            feeds[n.name] = (rng.standard_normal(n.type.shape) * (0.1 if n.name == "x" else 0.02)).astype(np.float32)
+    for device in devices:
+        try:
+            cg = rt.compileGraph(g, device=device)
+            cg.load(feeds)
+            out[f"capacity 1.25 graph {device}"] = engine_ms(cg) if cuda else time_ms(cg.execute, False)
+        except Exception as e:  # recorded, not hidden
+            out[f"capacity 1.25 graph {device}"] = f"{type(e).__name__}: {str(e)[:200]}"
+            traceback.print_exc()
+        if cuda:
+            torch.cuda.empty_cache()
+    return out
+
+
 def rows_for(mode: str, make: Callable[[], Any], x: torch.Tensor, train: bool, cuda: bool, devices: tuple) -> dict:
     out: dict[str, Any] = {}
+    if mode == "capacity":
+        return capacity_rows(SHAPE, train, cuda, devices)
     try:
         if mode in ("eager", "compile", "grouped_mm"):
             model = make()
@@ -167,7 +210,7 @@ def rows_for(mode: str, make: Callable[[], Any], x: torch.Tensor, train: bool, c
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--modes", default="eager,compile,grouped_mm,user,graph")
+    ap.add_argument("--modes", default=MODES)
     ap.add_argument("--experts-impl", default="eager", choices=("eager", "batched_mm"),
                     help="the block's config._experts_implementation: eager traces grouped, batched_mm densely")
     ap.add_argument("--smoke", action="store_true")
@@ -179,6 +222,7 @@ def main() -> None:
     devices = ("cpu:1", "cpu:2") if a.smoke else DEVICES
     tokens = 64 if a.smoke else a.tokens
     make, x, shape = block(tokens, a.smoke, "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
+    SHAPE.update(shape)
     routed = 2.0 * shape["tokens"] * shape["top_k"] * 3 * shape["hidden"] * shape["ff"]
     results: dict[str, dict[str, Any]] = {}
     for train in (False, True):
@@ -198,7 +242,10 @@ def main() -> None:
 def write(a: argparse.Namespace, results: dict, routed: float, rate: float | None, shape: dict) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     machine = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not a.smoke else platform.processor()
-    record = {"command": "python bench/gpu_moe.py" + (" --smoke" if a.smoke else f" --tokens {a.tokens}"),
+    command = "python bench/gpu_moe.py" + (" --smoke" if a.smoke else f" --tokens {a.tokens}")
+    command += f" --modes {a.modes}" if a.modes != MODES else ""
+    command += f" --experts-impl {a.experts_impl}" if a.experts_impl != "eager" else ""
+    record = {"command": command,
               "commit": commit or "unknown", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                   timespec="seconds"), "machine": f"{machine}, {platform.node()}", "shape": shape,
               "routed_expert_flops": routed, "dense_matmul_tflops": rate, "ms": results}
