@@ -120,7 +120,7 @@ def is_tree(g: rt.Graph) -> bool:
     return all(len(consumers[n.id]) <= 1 for n in g.operators)
 
 
-SETTINGS = dict(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+SETTINGS = dict(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                         HealthCheck.filter_too_much])
 
 

@@ -88,7 +88,7 @@ def _judge(prog: ExProg, membership: dict, topology: Topology, r: SearchResult) 
     assert not r.at_bound or (r.body == naive_body(prog, membership) and r.steps == 0)
 
 
-@settings(FAST, max_examples=300)
+@settings(FAST, max_examples=150)
 @given(problems(), st.integers(0, 3))
 def test_searched_programs_are_valid_and_never_slower(problem, seed: int) -> None:
     prog, membership, machine = problem
