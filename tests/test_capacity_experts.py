@@ -16,6 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
+from test_grouped_experts import step_under_plan  # noqa: E402  (the AdamW step under a plan)
+
 import relational_tensors as rt  # noqa: E402
 from relational_tensors.core.types import TensorType  # noqa: E402
 from relational_tensors.errors import ExecError, GraphError  # noqa: E402
@@ -188,18 +190,7 @@ def test_a_training_step_under_each_plan_equals_the_reference(plan: str) -> None
     experts, the dispatch and combine stay split over the groups, and the values are the reference's."""
     g = moe_layer_graph(T, D, experts=E, top_k=K, d_ff=FF, dtype="float32", training=True, master_dtype=None,
                         experts_compute="grouped", capacity_factor=1.0, capacity_groups=4)
-    constraints = None if plan == "optimizer" else rt.plans.PLANS[plan](g, 4)
-    cg = rt.compileGraph(g, device="cpu:4", constraints=constraints)
-    f = _feeds(g, seed=3)
-    f.update({n.name: np.zeros(n.type.shape, np.float32) for n in g.inputs if "exp_avg" in n.name
-              or n.name == "adamw.step"})
-    want = rt.reference(g, f)
-    cg.run(f)
-    for name in ("w1", "w2", "w3", "router", "ffn_norm"):
-        np.testing.assert_allclose(cg.offload(name), want[f"{name}.next"], rtol=1e-4, atol=1e-6, err_msg=name)
-    if plan == "expert_parallel":
-        splits = {n: dict(cg.plan.spec(n).split) for n in ("expert_gate", "expert_up", "expert_down")}
-        assert all(s.get("e", s.get("experts", 1)) > 1 for s in splits.values()), splits
+    step_under_plan(g, plan, "e")  # the einsums' expert index
 
 
 def test_bfloat16_buffers_equal_the_loop_within_rounding() -> None:

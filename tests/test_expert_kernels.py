@@ -49,13 +49,17 @@ def _exact(shape: tuple[int, ...], dtype: str, seed: int) -> np.ndarray:
 @pytest.mark.parametrize(("tokens", "k", "experts"), [(7, 2, 4), (300, 3, 5), (1, 1, 1), (1500, 2, 8)])
 def test_route_index_matches_the_operator(what: str, tokens: int, k: int, experts: int) -> None:
     ids = np.random.default_rng(tokens).integers(-1, experts + 1, (tokens, k))  # -1 and experts: no expert
-    op = RouteIndexOp((TensorType.zero(ids.shape, "int64"),), experts, what)
-    assert not allocates(op)
-    (f,) = op.spec({}).functions
-    want = op.kernel([ids], f)
+    _check_map(RouteIndexOp((TensorType.zero(ids.shape, "int64"),), experts, what), ids)
+
+
+def _check_map(op: object, ids: np.ndarray) -> None:
+    """A routing map's launcher against its NumPy kernel, equal (the output starts as garbage)."""
+    assert not allocates(op)  # type: ignore[arg-type]
+    (f,) = op.spec({}).functions  # type: ignore[attr-defined]
+    want = op.kernel([ids], f)  # type: ignore[attr-defined]
     ib, _ = T.buf(torch.from_numpy(ids))
     ob, got = T.buf(torch.full(want.shape, -7, dtype=torch.int64))
-    launcher_for("route_index").launch(op, f, [ib], ob, {}, 0)
+    launcher_for(op.kind).launch(op, f, [ib], ob, {}, 0)  # type: ignore[attr-defined]
     np.testing.assert_array_equal(got.cpu().numpy(), want)
 
 
@@ -129,14 +133,7 @@ def test_float64_runs_on_the_host() -> None:
 def test_capacity_route_matches_the_operator(what: str, groups: int, tokens: int, k: int, experts: int,
                                              capacity: int) -> None:
     ids = np.random.default_rng(tokens).integers(-1, experts + 1, (groups, tokens, k))
-    op = CapacityRouteOp((TensorType.zero(ids.shape, "int64"),), experts, capacity, what)
-    assert not allocates(op)
-    (f,) = op.spec({}).functions
-    want = op.kernel([ids], f)
-    ib, _ = T.buf(torch.from_numpy(ids))
-    ob, got = T.buf(torch.full(want.shape, -7, dtype=torch.int64))
-    launcher_for("capacity_route").launch(op, f, [ib], ob, {}, 0)
-    np.testing.assert_array_equal(got.cpu().numpy(), want)
+    _check_map(CapacityRouteOp((TensorType.zero(ids.shape, "int64"),), experts, capacity, what), ids)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -63,6 +63,12 @@ def test_a_training_step_under_each_plan_equals_the_reference(plan: str) -> None
     (each device runs the rows routed to its experts; ⊕ sums the expert blocks)."""
     g = moe_layer_graph(T, D, experts=4, top_k=K, d_ff=FF, dtype="float32", training=True, master_dtype=None,
                         experts_compute="grouped")
+    step_under_plan(g, plan, "experts")
+
+
+def step_under_plan(g: rt.Graph, plan: str, experts_index: str) -> None:
+    """``g``'s AdamW step on cpu:4 under ``plan`` (the optimizer's, or a hand plan of ``rt.plans``) against
+    the reference's updated weights; under expert parallelism the expert products split ``experts_index``."""
     constraints = None if plan == "optimizer" else rt.plans.PLANS[plan](g, 4)
     cg = rt.compileGraph(g, device="cpu:4", constraints=constraints)
     f = _feeds(g, seed=3)
@@ -74,7 +80,7 @@ def test_a_training_step_under_each_plan_equals_the_reference(plan: str) -> None
         np.testing.assert_allclose(cg.offload(name), want[f"{name}.next"], rtol=1e-4, atol=1e-6, err_msg=name)
     if plan == "expert_parallel":
         splits = {n: dict(cg.plan.spec(n).split) for n in ("expert_gate", "expert_up", "expert_down")}
-        assert all(s.get("experts", 1) > 1 for s in splits.values()), splits
+        assert all(s.get(experts_index, 1) > 1 for s in splits.values()), splits
 
 
 @settings(max_examples=25, deadline=None)
