@@ -106,6 +106,16 @@ def test_bad_maps_are_refused() -> None:
         RoutedGatherOp((TensorType.zero((1, 3, 2)), TensorType.zero((1, 4), "int64"), TensorType.zero((1, 4), "int64")))
     with pytest.raises(GraphError, match="capacity_route's capacity"):
         CapacityRouteOp((TensorType.zero((1, 3, 1), "int64"),), 2, 0, "slot")
+    g = rt.Graph()
+    x = g.input("x", [T, D])
+    with pytest.raises(GraphError, match="leave one of the two out"):
+        add_moe_ffn(g, x, experts=E, top_k=K, d_ff=FF, capacity_factor=1.0, experts_compute="grouped",
+                    routing_hint=(1.0,) * E)
+    with pytest.raises(GraphError, match="divides the 16 tokens"):
+        add_moe_ffn(g, x, experts=E, top_k=K, d_ff=FF, capacity_factor=1.0, capacity_groups=3)
+    with pytest.raises(GraphError, match="give capacity_factor too"):
+        add_moe_ffn(g, x, experts=E, top_k=K, d_ff=FF, capacity_groups=2)
+    assert len(g.nodes) == 1  # refused before any node was added
 
 
 def _layer(compute: str, groups: int | None, factor: float = 0.75, dtype: str = "float32") -> rt.Graph:

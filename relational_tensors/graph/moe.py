@@ -83,12 +83,18 @@ def add_moe_ffn(g: Graph, x: Tensor, *, experts: int, top_k: int, d_ff: int, pre
     if routing_hint is not None and experts_compute != "grouped":
         raise GraphError("a routing_hint prices the grouped experts' products; give experts_compute='grouped' "
                          "(the dense form computes every expert for every token whatever the routing).")
+    if routing_hint is not None and capacity_factor is not None:
+        raise GraphError("a routing_hint prices the dropless grouped experts' products; with a capacity_factor the "
+                         "experts' buffers hold capacity rows whatever the routing, so leave one of the two out.")
     hint = check_routing("add_moe_ffn", routing_hint, experts)  # before any node is added
     if experts_compute not in ("dense", "grouped"):
         raise GraphError(f"add_moe_ffn's experts_compute is 'dense' or 'grouped'; got {experts_compute!r}.")
     if capacity_factor is not None and not capacity_factor > 0:
         raise GraphError(f"capacity_factor is a positive number (or None: dropless); got {capacity_factor!r}.")
     if capacity_groups is not None:
+        if capacity_factor is None:
+            raise GraphError("capacity_groups groups the tokens for a capacity per expert; give capacity_factor too "
+                             "(without one the layer is dropless and has no groups).")
         check_groups(capacity_groups, x.shape[0])
     tokens, d = x.shape
     dtype = x.dtype
