@@ -162,6 +162,9 @@ CASES: dict[str, Case] = {
                                                           count_include_pad=False)),
     "avg_pool1d": _one(lambda g, d: g.avg_pool(g.input("x", [2, 4, 17], d), 4, 3)),
     "max_pool3d": _one(lambda g, d: g.max_pool(g.input("x", [1, 2, 6, 7, 6], d), 2)),
+    # ceil_mode: last windows past the padding (ResNet's and Inception's stems)
+    "max_pool2d_ceil": _one(lambda g, d: g.max_pool(g.input("x", [2, 3, 10, 11], d), 3, 2, 1, ceil_mode=True)),
+    "avg_pool2d_ceil": _one(lambda g, d: g.avg_pool(g.input("x", [2, 3, 10, 8], d), 3, 2, 1, ceil_mode=True)),
     "logsumexp_vocab": _one(lambda g, d: g.logsumexp(g.input("x", [9, 53], d), axis=-1)),
     "cross_entropy_tokens_ignore": _one(lambda g, d: g.cross_entropy(g.input("logits", [2, 19, 53], d),
                                                                      g.input("t", [2, 19], "int64"), ignore_index=3,

@@ -91,29 +91,42 @@ def pool_form(draw):
     p = [draw(st.integers(0, kk // 2)) for kk in k]
     size = [draw(st.integers(kk, 12 if rank < 3 else 7)) for kk in k]  # torch refuses inputs under the kernel
     return dict(rank=rank, op=draw(st.sampled_from(["max", "avg"])), k=k, s=s, p=p, size=size,
-                count=draw(st.booleans()), n=draw(st.integers(1, 2)), c=draw(st.integers(1, 3)))
+                count=draw(st.booleans()), n=draw(st.integers(1, 2)), c=draw(st.integers(1, 3)),
+                ceil=draw(st.booleans()))
+
+
+def _torch_pool(form: dict, xt: torch.Tensor) -> torch.Tensor:
+    r = form["rank"]
+    if form["op"] == "max":
+        return getattr(F, f"max_pool{r}d")(xt, form["k"], form["s"], form["p"], ceil_mode=form["ceil"])
+    return getattr(F, f"avg_pool{r}d")(xt, form["k"], form["s"], form["p"], count_include_pad=form["count"],
+                                       ceil_mode=form["ceil"])
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(form=pool_form(), data=st.data())
 def test_random_pools_decompose_exactly(form: dict, data) -> None:
+    """Pools of any rank, kernel, stride, padding and ``ceil_mode`` against torch, values and dx, and every
+    split's function specs against the whole."""
     g = rt.Graph()
     x = g.input("x", [form["n"], form["c"], *form["size"]], "float64")
     if form["op"] == "max":
-        y = g.max_pool(x, form["k"], form["s"], form["p"])
+        y = g.max_pool(x, form["k"], form["s"], form["p"], ceil_mode=form["ceil"])
     else:
-        y = g.avg_pool(x, form["k"], form["s"], form["p"], count_include_pad=form["count"])
+        y = g.avg_pool(x, form["k"], form["s"], form["p"], count_include_pad=form["count"], ceil_mode=form["ceil"])
     g.save(y, name="out")
     feeds = feeds_for(g)
-    xt = torch.tensor(feeds["x"])
-    r = form["rank"]
-    if form["op"] == "max":
-        want = getattr(F, f"max_pool{r}d")(xt, form["k"], form["s"], form["p"]).numpy()
-    else:
-        want = getattr(F, f"avg_pool{r}d")(xt, form["k"], form["s"], form["p"],
-                                           count_include_pad=form["count"]).numpy()
+    xt = torch.tensor(feeds["x"], requires_grad=True)
+    out = _torch_pool(form, xt)
+    want = out.detach().numpy()
     op = y.node.op
-    np.testing.assert_allclose(rt.reference(g, feeds)["out"], want, rtol=1e-12, atol=1e-12)
+    cot = np.random.default_rng(1).standard_normal(want.shape)
+    out.backward(torch.tensor(cot))
+    (dx,) = g.vjp(y, g.input("cot", list(want.shape), "float64"), [x])
+    g.save(dx, name="dx")
+    got = rt.reference(g, {**feeds, "cot": cot})
+    np.testing.assert_allclose(got["dx"], xt.grad.numpy(), rtol=1e-12, atol=1e-12, err_msg=f"dx {form}")
+    np.testing.assert_allclose(got["out"], want, rtol=1e-12, atol=1e-12)
     spec = op.spec(data.draw(request_for(op)))
     np.testing.assert_allclose(execute_spec(op, spec, [feeds["x"]]), want, rtol=1e-12, atol=1e-12,
                                err_msg=f"{form} {spec.split_text}")
@@ -258,6 +271,19 @@ def test_a_cnn_trains_with_torch_autograd_gradients() -> None:
     cnn(x).square().sum().backward()
     for k, p in cnn.named_parameters():
         torch.testing.assert_close(ours[k], p.grad, rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("module,shape", [(nn.MaxPool2d(3, 2, 1, ceil_mode=True), (2, 3, 10, 11)),
+                                          (nn.AvgPool2d(3, 2, 1, ceil_mode=True), (2, 3, 10, 8)),
+                                          (nn.AvgPool1d(2, 3, ceil_mode=True, count_include_pad=False), (2, 2, 9))])
+def test_torch_pools_with_ceil_mode(module: nn.Module, shape: tuple) -> None:
+    """``ceil_mode=True`` modules (windows past the padding at the end) through rt.parallelize on three
+    devices: torch's values and gradient."""
+    x = torch.randn(*shape, requires_grad=True)
+    y, want = rt.parallelize(module, (x,), device="cpu:3")(x), module(x)
+    torch.testing.assert_close(y, want)
+    ct = torch.randn_like(want)
+    torch.testing.assert_close(torch.autograd.grad(y, x, ct)[0], torch.autograd.grad(want, x, ct)[0])
 
 
 @pytest.mark.parametrize("module,shape", [(nn.AdaptiveMaxPool1d(1), (2, 3, 8)),

@@ -1,6 +1,6 @@
 """The Triton pooling kernels against the operators' NumPy kernels: max and average (counting the padding
-or not), 1 to 3 spatial dimensions, strides, padding, and the blocks of split plans (halos included),
-forward and gradient, float32 and bfloat16.
+or not), 1 to 3 spatial dimensions, strides, padding, ``ceil_mode``, and the blocks of split plans (halos
+included), forward and gradient, float32 and bfloat16.
 
 Without a GPU the kernels run in Triton's interpreter on CPU.  Max pooling and its gradient pick values
 and add each window's dy once: exact.  An average sums its window in the NumPy kernel's order in float32,
@@ -35,12 +35,14 @@ def _buf(a: np.ndarray, dtype: str):
     return T.buf(torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(TORCH[dtype]))
 
 
-CASES = [  # shape, kernel, stride, padding
-    ((2, 3, 11), (3,), (2,), (1,)),
-    ((2, 3, 9, 10), (3, 3), (2, 2), (1, 1)),
-    ((1, 2, 8, 8), (2, 2), (2, 2), (0, 0)),
-    ((2, 2, 7, 9), (3, 2), (1, 2), (1, 0)),
-    ((1, 2, 5, 6, 7), (2, 3, 2), (2, 1, 2), (1, 1, 0)),
+CASES = [  # shape, kernel, stride, padding, ceil_mode
+    ((2, 3, 11), (3,), (2,), (1,), False),
+    ((2, 3, 9, 10), (3, 3), (2, 2), (1, 1), False),
+    ((1, 2, 8, 8), (2, 2), (2, 2), (0, 0), False),
+    ((2, 2, 7, 9), (3, 2), (1, 2), (1, 0), False),
+    ((1, 2, 5, 6, 7), (2, 3, 2), (2, 1, 2), (1, 1, 0), False),
+    ((2, 3, 10, 11), (3, 3), (2, 2), (1, 1), True),  # windows past the padding at the end
+    ((1, 2, 8, 6, 7), (2, 3, 3), (3, 2, 2), (0, 1, 0), True),
 ]
 
 
@@ -51,11 +53,11 @@ def _splits(op) -> dict:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(("mode", "include"), [("max", True), ("avg", True), ("avg", False)])
-@pytest.mark.parametrize("case", CASES, ids=[str(c[0]) for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}{'-ceil' if c[4] else ''}" for c in CASES])
 def test_pool_and_its_gradient_match_the_operators(case: tuple, mode: str, include: bool, dtype: str) -> None:
-    shape, kernel, stride, padding = case
+    shape, kernel, stride, padding, ceil = case
     t = TensorType.zero(shape, dtype)
-    op = PoolOp((t,), mode, kernel, stride, padding, include)
+    op = PoolOp((t,), mode, kernel, stride, padding, include, ceil)
     g = np.random.default_rng(0)
     x = torch.from_numpy(g.standard_normal(shape).astype(np.float32)).to(TORCH[dtype]).float().numpy()
     if mode == "max":  # ties: the first largest of a window takes its gradient
@@ -69,7 +71,7 @@ def test_pool_and_its_gradient_match_the_operators(case: tuple, mode: str, inclu
         scale = max(1.0, float(np.abs(want).max()))
         np.testing.assert_allclose(got.float().cpu().numpy(), want, rtol=0, atol=TOL[dtype] * scale,
                                    err_msg=f"pool {f}")
-    grad = PoolGradOp((t, op.output_type), mode, kernel, stride, padding, include)
+    grad = PoolGradOp((t, op.output_type), mode, kernel, stride, padding, include, ceil)
     for f in grad.spec(_splits(grad)).functions:
         blocks = [x[f.inputs[0].slices()], dy[f.inputs[1].slices()]]
         want = np.asarray(grad.kernel(blocks, f), np.float32)

@@ -186,9 +186,11 @@ def _node(op, xs: Sequence[torch.Tensor]) -> torch.Tensor:
     if kind == "pool":
         r = xs[0].dim() - 2
         if op.op == "max":
-            return {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[r](xs[0], op.kernel_size, op.stride, op.padding)
+            return {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[r](xs[0], op.kernel_size, op.stride, op.padding,
+                                                                           ceil_mode=op.ceil_mode)
         return {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}[r](xs[0], op.kernel_size, op.stride, op.padding,
-                                                                       count_include_pad=op.count_include_pad)
+                                                                       count_include_pad=op.count_include_pad,
+                                                                       ceil_mode=op.ceil_mode)
     if kind == "cross_entropy":  # per token; the graph sums and divides around it
         logits, _, targets = xs
         ignore = -100 if op.ignore_index is None else op.ignore_index

@@ -503,22 +503,24 @@ class Graph:
         return self.permute(y, [0, r + 1, *range(1, r + 1)], name=name)
 
     def max_pool(self, x: Tensor, kernel_size: int | Sequence[int], stride: int | Sequence[int] | None = None,
-                 padding: int | Sequence[int] = 0, name: str | None = None) -> Tensor:
+                 padding: int | Sequence[int] = 0, name: str | None = None, ceil_mode: bool = False) -> Tensor:
         """Max pooling of x [batch, channels, *spatial], PyTorch's ``max_pool1d/2d/3d`` (stride defaults to
         the kernel; padding pads with -inf)."""
-        return self._pool("max", x, kernel_size, stride, padding, True, name)
+        return self._pool("max", x, kernel_size, stride, padding, True, name, ceil_mode)
 
     def avg_pool(self, x: Tensor, kernel_size: int | Sequence[int], stride: int | Sequence[int] | None = None,
-                 padding: int | Sequence[int] = 0, count_include_pad: bool = True, name: str | None = None) -> Tensor:
+                 padding: int | Sequence[int] = 0, count_include_pad: bool = True, name: str | None = None,
+                 ceil_mode: bool = False) -> Tensor:
         """Average pooling of x [batch, channels, *spatial], PyTorch's ``avg_pool1d/2d/3d``."""
-        return self._pool("avg", x, kernel_size, stride, padding, bool(count_include_pad), name)
+        return self._pool("avg", x, kernel_size, stride, padding, bool(count_include_pad), name, ceil_mode)
 
     def _pool(self, op: str, x: Tensor, kernel_size: Any, stride: Any, padding: Any, count_include_pad: bool,
-              name: str | None) -> Tensor:
+              name: str | None, ceil_mode: bool) -> Tensor:
         rank = max(self._t(x).rank - 2, 1)
         k = _per_dim("kernel_size", kernel_size, rank)
         s = k if stride is None else _per_dim("stride", stride, rank)
-        pool = PoolOp((self._t(x),), op, k, s, _per_dim("padding", padding, rank, 0), count_include_pad)
+        pool = PoolOp((self._t(x),), op, k, s, _per_dim("padding", padding, rank, 0), count_include_pad,
+                      bool(ceil_mode))
         return self._op(pool, (x,), name)
 
     # --- losses -------------------------------------------------------------------

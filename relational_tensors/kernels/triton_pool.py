@@ -9,7 +9,8 @@ missing ones of extent 1, kernel 1, stride 1, no padding).
   again from x and only the winner takes the window's dy.
 
 Blocks may start anywhere in the whole tensor: the kernels take each block's absolute lower corner, and
-padding is decided against the whole tensor's extent."""
+padding is decided against the whole tensor's extent.  With ``ceil_mode`` an average that counts the
+padding divides each window by its part inside the padded input (``CLIPPED``)."""
 
 from __future__ import annotations
 
@@ -34,12 +35,21 @@ def _tap(x_bc, i0, i1, i2, xs0, xs1, xs2, xlo0, xlo1, xlo2, e0, e1, e2, live, AC
 
 
 @triton.jit
+def _padded_count(w0, w1, w2, e0, e1, e2, K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, P0: tl.constexpr,
+                  P1: tl.constexpr, P2: tl.constexpr):
+    """How many positions of the windows starting at (w0, w1, w2) lie inside the padded input."""
+    return (tl.minimum(w0 + K0, e0 + P0) - w0) * (tl.minimum(w1 + K1, e1 + P1) - w1) * \
+        (tl.minimum(w2 + K2, e2 + P2) - w2)
+
+
+@triton.jit
 def _pool_kernel(x_ptr, out_ptr, n, channels,
                  m0, m1, m2, xs_b, xs_c, xs0, xs1, xs2, os_b, os_c, os0, os1, os2,
                  xlo0, xlo1, xlo2, olo0, olo1, olo2, e0, e1, e2, inv_count,
                  K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr,
                  S2: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
-                 MAX: tl.constexpr, INCLUDE_PAD: tl.constexpr, ACC: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                 MAX: tl.constexpr, INCLUDE_PAD: tl.constexpr, CLIPPED: tl.constexpr, ACC: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     live = offs < n
@@ -66,7 +76,9 @@ def _pool_kernel(x_ptr, out_ptr, n, channels,
                     acc = acc + tl.where(ok, v, 0.0)
                     count = count + tl.where(ok, 1.0, 0.0)
     if not MAX:
-        if INCLUDE_PAD:
+        if INCLUDE_PAD and CLIPPED:
+            acc = acc / _padded_count(base0, base1, base2, e0, e1, e2, K0, K1, K2, P0, P1, P2).to(ACC)
+        elif INCLUDE_PAD:
             acc = acc * inv_count
         else:
             acc = acc / count
@@ -87,7 +99,7 @@ def _spatial(buf: DevBuf) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
 
 def pool(x: DevBuf, out: DevBuf, x_lower: tuple[int, ...], out_lower: tuple[int, ...], extent: tuple[int, ...],
          op: str, kernel_size: tuple[int, ...], stride: tuple[int, ...], padding: tuple[int, ...],
-         count_include_pad: bool) -> None:
+         count_include_pad: bool, ceil_mode: bool = False) -> None:
     """out [b, c, *o] = op over windows of x [b, c, *rows], ``x_lower``/``out_lower`` the blocks' absolute
     spatial corners and ``extent`` the whole input's spatial extent."""
     n = out.size
@@ -101,7 +113,7 @@ def pool(x: DevBuf, out: DevBuf, x_lower: tuple[int, ...], out_lower: tuple[int,
         Ptr(x), Ptr(out), n, out.shape[1], m0, m1, m2, x.strides[0], x.strides[1], *xs, out.strides[0],
         out.strides[1], *os_, *_three(x_lower, 0), *_three(out_lower, 0), *_three(extent, 1), 1.0 / count,
         K0=k[0], K1=k[1], K2=k[2], S0=s[0], S1=s[1], S2=s[2], P0=p[0], P1=p[1], P2=p[2], MAX=op == "max",
-        INCLUDE_PAD=bool(count_include_pad), ACC=acc_type(out.dtype), BLOCK_SIZE=BLOCK)
+        INCLUDE_PAD=bool(count_include_pad), CLIPPED=bool(ceil_mode), ACC=acc_type(out.dtype), BLOCK_SIZE=BLOCK)
 
 
 @triton.jit
@@ -132,7 +144,7 @@ def _pool_grad_kernel(x_ptr, dy_ptr, out_ptr, n, channels,
                       xlo0, xlo1, xlo2, glo0, glo1, glo2, gn0, gn1, gn2, rlo0, rlo1, rlo2, e0, e1, e2, inv_count,
                       K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr,
                       S2: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
-                      MAX: tl.constexpr, INCLUDE_PAD: tl.constexpr, ACC: tl.constexpr,
+                      MAX: tl.constexpr, INCLUDE_PAD: tl.constexpr, CLIPPED: tl.constexpr, ACC: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
@@ -166,6 +178,9 @@ def _pool_grad_kernel(x_ptr, dy_ptr, out_ptr, n, channels,
                                          xlo0, xlo1, xlo2, e0, e1, e2, hit, K0, K1, K2, ACC, BLOCK_SIZE)
                     hit = hit & (win == (t0 * K1 + t1) * K2 + t2)
                     acc = acc + tl.where(hit, g, 0.0)
+                elif INCLUDE_PAD and CLIPPED:
+                    whole = _padded_count(o0 * S0 - P0, o1 * S1 - P1, o2 * S2 - P2, e0, e1, e2, K0, K1, K2, P0, P1, P2)
+                    acc = acc + tl.where(hit, g / tl.maximum(whole, 1).to(ACC), 0.0)
                 elif INCLUDE_PAD:
                     acc = acc + tl.where(hit, g * inv_count, 0.0)
                 else:
@@ -181,7 +196,8 @@ def _pool_grad_kernel(x_ptr, dy_ptr, out_ptr, n, channels,
 
 def pool_grad(x: DevBuf, dy: DevBuf, out: DevBuf, x_lower: tuple[int, ...], dy_lower: tuple[int, ...],
               out_lower: tuple[int, ...], extent: tuple[int, ...], op: str, kernel_size: tuple[int, ...],
-              stride: tuple[int, ...], padding: tuple[int, ...], count_include_pad: bool) -> None:
+              stride: tuple[int, ...], padding: tuple[int, ...], count_include_pad: bool,
+              ceil_mode: bool = False) -> None:
     """out [b, c, *rows] = dx of ``pool`` from x's block (its windows, for max) and dy's, each block's
     absolute spatial corner given, and ``extent`` the whole input's spatial extent."""
     n = out.size
@@ -196,4 +212,5 @@ def pool_grad(x: DevBuf, dy: DevBuf, out: DevBuf, x_lower: tuple[int, ...], dy_l
         dy.strides[0], dy.strides[1], *gs, out.strides[0], out.strides[1], *os_,
         *_three(x_lower, 0), *_three(dy_lower, 0), g0, g1, g2, *_three(out_lower, 0), *_three(extent, 1),
         1.0 / (k[0] * k[1] * k[2]), K0=k[0], K1=k[1], K2=k[2], S0=s[0], S1=s[1], S2=s[2], P0=p[0], P1=p[1],
-        P2=p[2], MAX=op == "max", INCLUDE_PAD=bool(count_include_pad), ACC=acc_type(out.dtype), BLOCK_SIZE=BLOCK)
+        P2=p[2], MAX=op == "max", INCLUDE_PAD=bool(count_include_pad), CLIPPED=bool(ceil_mode),
+        ACC=acc_type(out.dtype), BLOCK_SIZE=BLOCK)

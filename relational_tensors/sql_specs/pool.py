@@ -1,6 +1,8 @@
 """Max and average pooling over windows of x [batch, channels, *spatial] (1 to 3 spatial dimensions),
-PyTorch's arithmetic (kernel, stride, zero padding, ``ceil_mode=False``; an average counts the padding
-unless ``count_include_pad=False``; max pooling pads with -inf).
+PyTorch's arithmetic (kernel, stride, zero padding; an average counts the padding unless
+``count_include_pad=False``; max pooling pads with -inf).  ``ceil_mode`` rounds the output length up, as
+PyTorch does: a last window may run past the padding (never starting in the right padding), and an
+average counting the padding divides by the part of its window inside the padded input.
 
 Every index splits anywhere: ``batch``, ``channels``, and each output spatial dimension ``o0..``, whose
 block reads the input rows its windows cover (halos, as a convolution's).  Nothing is aggregated.
@@ -39,6 +41,7 @@ class _Windows(Operator):
     stride: tuple[int, ...] = (2,)
     padding: tuple[int, ...] = (0,)
     count_include_pad: bool = True
+    ceil_mode: bool = False
 
     def _x(self) -> tuple[int, ...]:
         return self.input_types[0].shape
@@ -49,8 +52,17 @@ class _Windows(Operator):
 
     def _out_sizes(self) -> tuple[int, ...]:
         x = self._x()
-        return tuple(conv_output_size(x[2 + i], self.kernel_size[i], self.stride[i], self.padding[i], 1)
-                     for i in range(self.rank))
+        if not self.ceil_mode:
+            return tuple(conv_output_size(x[2 + i], self.kernel_size[i], self.stride[i], self.padding[i], 1)
+                         for i in range(self.rank))
+        out = []
+        for i in range(self.rank):
+            size, k, s, p = x[2 + i], self.kernel_size[i], self.stride[i], self.padding[i]
+            n = -(-(size + 2 * p - k) // s) + 1
+            if (n - 1) * s >= size + p:  # the last window would start in the right padding
+                n -= 1
+            out.append(n)
+        return tuple(out)
 
     def _check(self, x: TensorType) -> None:
         if self.op not in POOLS:
@@ -73,7 +85,7 @@ class _Windows(Operator):
 
     def params(self) -> dict[str, object]:
         return {"op": self.op, "kernel_size": self.kernel_size, "stride": self.stride, "padding": self.padding,
-                "count_include_pad": self.count_include_pad}
+                "count_include_pad": self.count_include_pad, "ceil_mode": self.ceil_mode}
 
     def _windows(self, outs: Sequence[Interval]) -> list[Interval]:
         x = self._x()
@@ -97,15 +109,19 @@ class _Windows(Operator):
         return np.pad(x, widths, constant_values=fill), widths
 
     def _counts(self, outs: Sequence[Interval]) -> np.ndarray | float:
-        """Per output position, how many inputs its window averages."""
-        if self.count_include_pad:
+        """Per output position, how many inputs its window averages: the whole window, or with ``ceil_mode``
+        its part inside the padded input (counting the padding), or its part inside the input."""
+        if self.count_include_pad and not self.ceil_mode:
             return float(math.prod(self.kernel_size))
         x = self._x()
         per = []
         for i, o in enumerate(outs):
             k, s, p = self.kernel_size[i], self.stride[i], self.padding[i]
             start = np.arange(o.lo, o.hi) * s - p
-            per.append(np.minimum(start + k, x[2 + i]) - np.maximum(start, 0))
+            if self.count_include_pad:
+                per.append(np.minimum(start + k, x[2 + i] + p) - start)
+            else:
+                per.append(np.minimum(start + k, x[2 + i]) - np.maximum(start, 0))
         return np.prod(np.stack(np.meshgrid(*per, indexing="ij")), axis=0).astype(np.float64)
 
 
@@ -166,7 +182,7 @@ class PoolOp(_Windows):
             wanted: tuple[bool, ...]) -> Grads:
         (x,) = inputs
         return (build(b, "pool_grad", (x, cotangent), op=self.op, kernel_size=self.kernel_size, stride=self.stride,
-                      padding=self.padding, count_include_pad=self.count_include_pad),)
+                      padding=self.padding, count_include_pad=self.count_include_pad, ceil_mode=self.ceil_mode),)
 
 
 @register

@@ -1,6 +1,6 @@
 """Translation rules for convolutions and pooling: ``conv1d/2d/3d``, ``conv_transpose1d/2d/3d`` and
 ``convolution`` (transposed or not; a transposed one is ``g.conv_transpose``, conv_grad's dx part),
-``max_pool1d/2d/3d`` and ``avg_pool1d/2d/3d`` (``ceil_mode=False``), ``adaptive_avg_pool1d/2d/3d``
+``max_pool1d/2d/3d`` and ``avg_pool1d/2d/3d`` (``ceil_mode`` either way), ``adaptive_avg_pool1d/2d/3d``
 (a global average is a mean; an output size that divides the input is an average pool; others are
 refused) and ``adaptive_max_pool1d/2d/3d`` (output sizes that divide the input: a max pool), batch norm
 in eval mode (``_native_batch_norm_legit_no_training``: an elementwise affine from the running statistics,
@@ -63,8 +63,6 @@ def _convolution(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
 
 
 def _pool_args(a: dict[str, Any]) -> tuple[list[int], list[int] | None, list[int]]:
-    if a.get("ceil_mode"):
-        raise _fail("pooling with ceil_mode=True; supported: ceil_mode=False")
     if any(int(d) != 1 for d in (a.get("dilation") or [1])):
         raise _fail(f"pooling with dilation {list(a['dilation'])}; supported: 1")
     stride = list(a["stride"]) if a.get("stride") else None
@@ -74,7 +72,7 @@ def _pool_args(a: dict[str, Any]) -> tuple[list[int], list[int] | None, list[int
 @register_torch_op("max_pool1d", "max_pool2d", "max_pool3d")
 def _max_pool(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     k, s, p = _pool_args(a)
-    return tr.g.max_pool(tr.sym(a["self"]), k, s, p, name=tr.name("max_pool"))
+    return tr.g.max_pool(tr.sym(a["self"]), k, s, p, name=tr.name("max_pool"), ceil_mode=bool(a.get("ceil_mode")))
 
 
 @register_torch_op("avg_pool1d", "avg_pool2d", "avg_pool3d")
@@ -83,7 +81,7 @@ def _avg_pool(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     if a.get("divisor_override") is not None:
         raise _fail("avg_pool with divisor_override; supported: the window's count")
     return tr.g.avg_pool(tr.sym(a["self"]), k, s, p, count_include_pad=bool(a.get("count_include_pad", True)),
-                         name=tr.name("avg_pool"))
+                         name=tr.name("avg_pool"), ceil_mode=bool(a.get("ceil_mode")))
 
 
 @register_torch_op("adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d")
