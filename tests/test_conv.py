@@ -286,6 +286,28 @@ def test_torch_pools_with_ceil_mode(module: nn.Module, shape: tuple) -> None:
     torch.testing.assert_close(torch.autograd.grad(y, x, ct)[0], torch.autograd.grad(want, x, ct)[0])
 
 
+@pytest.mark.parametrize("module,shape", [(nn.AdaptiveAvgPool2d((4, 3)), (2, 3, 10, 7)),
+                                          (nn.AdaptiveAvgPool1d(3), (2, 2, 8)),
+                                          (nn.AdaptiveAvgPool3d((2, 3, 4)), (1, 2, 5, 6, 7)),
+                                          (nn.AdaptiveAvgPool2d((5, 7)), (2, 3, 7, 7))])
+def test_adaptive_average_pooling_to_sizes_that_do_not_divide(module: nn.Module, shape: tuple) -> None:
+    """Windows of different sizes (torch's floor/ceil bounds, overlapping where the output is longer than
+    half the input): values and gradient through rt.parallelize on three devices, float32."""
+    x = torch.randn(*shape, requires_grad=True)
+    y, want = rt.parallelize(module, (x,), device="cpu:3")(x), module(x)
+    torch.testing.assert_close(y, want)
+    ct = torch.randn_like(want)
+    torch.testing.assert_close(torch.autograd.grad(y, x, ct)[0], torch.autograd.grad(want, x, ct)[0])
+
+
+def test_uneven_adaptive_average_pooling_in_bfloat16() -> None:
+    """In bfloat16 the averaging runs in float32 (as torch's does), so the result is torch's to bfloat16's
+    rounding of the output."""
+    module, x = nn.AdaptiveAvgPool2d((3, 5)), torch.randn(2, 4, 11, 9).to(torch.bfloat16)
+    torch.testing.assert_close(rt.parallelize(module, (x,), device="cpu:2")(x).float(), module(x).float(),
+                               rtol=2**-7, atol=2**-7)
+
+
 @pytest.mark.parametrize("module,shape", [(nn.AdaptiveMaxPool1d(1), (2, 3, 8)),
                                           (nn.AdaptiveMaxPool2d((2, 3)), (2, 3, 8, 9)),
                                           (nn.AdaptiveMaxPool3d(2), (1, 2, 4, 4, 6))])

@@ -1,10 +1,11 @@
 """Translation rules for convolutions and pooling: ``conv1d/2d/3d``, ``conv_transpose1d/2d/3d`` and
 ``convolution`` (transposed or not; a transposed one is ``g.conv_transpose``, conv_grad's dx part),
 ``max_pool1d/2d/3d`` and ``avg_pool1d/2d/3d`` (``ceil_mode`` either way), ``adaptive_avg_pool1d/2d/3d``
-(a global average is a mean; an output size that divides the input is an average pool; others are
-refused) and ``adaptive_max_pool1d/2d/3d`` (output sizes that divide the input: a max pool), batch norm
-in eval mode (``_native_batch_norm_legit_no_training``: an elementwise affine from the running statistics,
-folded at trace time, or with trained affine parameters computed in the graph) and in training mode
+(a global average is a mean; an output size that divides the input is an average pool; others, whose
+windows differ in size, one product per spatial dimension with a constant averaging matrix) and
+``adaptive_max_pool1d/2d/3d`` (output sizes that divide the input: a max pool), batch norm in eval mode
+(``_native_batch_norm_legit_no_training``: an elementwise affine from the running statistics, folded at
+trace time, or with trained affine parameters computed in the graph) and in training mode
 (``_native_batch_norm_legit_functional``: batch statistics as reductions, and the running statistics'
 next values as outputs that update the module's buffers).
 """
@@ -92,11 +93,36 @@ def _adaptive_avg_pool(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     if all(o == 1 for o in sizes):  # a global average
         axes = tuple(range(x.rank - len(sizes), x.rank))
         return tr.g.mean(x, axis=axes, keepdims=True, name=tr.name("global_avg_pool"))
-    if any(n % o for n, o in zip(spatial, sizes)) or x.rank != len(sizes) + 2:
-        raise _fail(f"adaptive average pooling of spatial size {tuple(spatial)} to {tuple(sizes)}, which does not "
-                    "divide it (windows of different sizes); supported: output sizes that divide the input, or 1")
+    if x.rank != len(sizes) + 2:
+        raise _fail(f"adaptive average pooling of x {tuple(x.shape)} to {tuple(sizes)}; supported: x [batch, channels, "
+                    "*spatial] with one output size per spatial dimension")
+    if any(n % o for n, o in zip(spatial, sizes)):
+        return _uneven_average(tr, x, spatial, sizes)
     k = [n // o for n, o in zip(spatial, sizes)]
     return tr.g.avg_pool(x, k, k, 0, name=tr.name("adaptive_avg_pool"))
+
+
+def _uneven_average(tr: _Translator, x: Tensor, spatial: Any, sizes: list[int]) -> Tensor:
+    """Adaptive average pooling whose windows differ in size (output ``j`` of a dimension of ``n`` averages
+    rows ``floor(j·n/o)`` to ``ceil((j+1)·n/o)``, torch's windows): the mean over a product of windows is
+    separable, so one product per spatial dimension with a constant ``[o, n]`` matrix of ``1/size`` on
+    each window, in float32 for 16-bit inputs (torch also accumulates them in float32)."""
+    torch = _torch()
+    dtype = x.dtype
+    work = "float64" if dtype == "float64" else "float32"
+    y = tr.g.cast(x, work) if dtype != work else x
+    letters = "abcde"[:x.rank]
+    for i, (n, o) in enumerate(zip(spatial, sizes)):
+        if n == o:
+            continue
+        weights = torch.zeros(o, n, dtype=torch.float64)
+        for j in range(o):
+            lo, hi = (j * n) // o, -(-((j + 1) * n) // o)
+            weights[j, lo:hi] = 1.0 / (hi - lo)
+        w = tr.materialize(_Const(weights, None, f"{tr.prefix}.adaptive_avg_{i}"), work)
+        axis = letters[2 + i]
+        y = tr.g.einsum(f"{letters},z{axis}->{letters.replace(axis, 'z')}", y, w, name=tr.name("adaptive_avg_pool"))
+    return tr.g.cast(y, dtype) if dtype != work else y
 
 
 @register_torch_op("adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d")
