@@ -273,17 +273,22 @@ def test_a_cnn_trains_with_torch_autograd_gradients() -> None:
         torch.testing.assert_close(ours[k], p.grad, rtol=1e-4, atol=1e-5, msg=k)
 
 
+def _equals_torch(module: nn.Module, shape: tuple) -> None:
+    """``module`` through rt.parallelize on three devices: torch's values and gradient."""
+    x = torch.randn(*shape, requires_grad=True)
+    y, want = rt.parallelize(module, (x,), device="cpu:3")(x), module(x)
+    torch.testing.assert_close(y, want)
+    ct = torch.randn_like(want)
+    torch.testing.assert_close(torch.autograd.grad(y, x, ct)[0], torch.autograd.grad(want, x, ct)[0])
+
+
 @pytest.mark.parametrize("module,shape", [(nn.MaxPool2d(3, 2, 1, ceil_mode=True), (2, 3, 10, 11)),
                                           (nn.AvgPool2d(3, 2, 1, ceil_mode=True), (2, 3, 10, 8)),
                                           (nn.AvgPool1d(2, 3, ceil_mode=True, count_include_pad=False), (2, 2, 9))])
 def test_torch_pools_with_ceil_mode(module: nn.Module, shape: tuple) -> None:
     """``ceil_mode=True`` modules (windows past the padding at the end) through rt.parallelize on three
     devices: torch's values and gradient."""
-    x = torch.randn(*shape, requires_grad=True)
-    y, want = rt.parallelize(module, (x,), device="cpu:3")(x), module(x)
-    torch.testing.assert_close(y, want)
-    ct = torch.randn_like(want)
-    torch.testing.assert_close(torch.autograd.grad(y, x, ct)[0], torch.autograd.grad(want, x, ct)[0])
+    _equals_torch(module, shape)
 
 
 @pytest.mark.parametrize("module,shape", [(nn.AdaptiveAvgPool2d((4, 3)), (2, 3, 10, 7)),
@@ -293,11 +298,7 @@ def test_torch_pools_with_ceil_mode(module: nn.Module, shape: tuple) -> None:
 def test_adaptive_average_pooling_to_sizes_that_do_not_divide(module: nn.Module, shape: tuple) -> None:
     """Windows of different sizes (torch's floor/ceil bounds, overlapping where the output is longer than
     half the input): values and gradient through rt.parallelize on three devices, float32."""
-    x = torch.randn(*shape, requires_grad=True)
-    y, want = rt.parallelize(module, (x,), device="cpu:3")(x), module(x)
-    torch.testing.assert_close(y, want)
-    ct = torch.randn_like(want)
-    torch.testing.assert_close(torch.autograd.grad(y, x, ct)[0], torch.autograd.grad(want, x, ct)[0])
+    _equals_torch(module, shape)
 
 
 def test_uneven_adaptive_average_pooling_in_bfloat16() -> None:
@@ -312,11 +313,7 @@ def test_uneven_adaptive_average_pooling_in_bfloat16() -> None:
                                           (nn.AdaptiveMaxPool2d((2, 3)), (2, 3, 8, 9)),
                                           (nn.AdaptiveMaxPool3d(2), (1, 2, 4, 4, 6))])
 def test_adaptive_max_pooling_to_sizes_that_divide(module: nn.Module, shape: tuple) -> None:
-    x = torch.randn(*shape, requires_grad=True)
-    y, want = rt.parallelize(module, (x,), device="cpu:3")(x), module(x)
-    torch.testing.assert_close(y, want)
-    ct = torch.randn_like(want)
-    torch.testing.assert_close(torch.autograd.grad(y, x, ct)[0], torch.autograd.grad(want, x, ct)[0])
+    _equals_torch(module, shape)
 
 
 def test_adaptive_max_pooling_with_indices_or_uneven_windows_is_refused() -> None:
