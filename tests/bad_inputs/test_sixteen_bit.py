@@ -228,9 +228,18 @@ def _check_extremes(case: str, dtype: str, pattern: str, devices: range = range(
     assert not bad, f"{case} {dtype} {pattern}: " + "; ".join(bad[:3])
 
 
+# float16's extremes of these in the default run (its overflow reaches products, attention and the loss
+# first); every other case's float16 twin is slow-marked beside its bfloat16 run
+FLOAT16_DEFAULT = ("matmul", "attention", "cross_entropy")
+
+
+def _extreme_cases() -> list:
+    return [pytest.param(case, dtype, marks=pytest.mark.slow if dtype == "float16" and not
+                         case.startswith(FLOAT16_DEFAULT) else ()) for case in sorted(EXTREMES) for dtype in DTYPES]
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", sorted(EXTREMES))
+@pytest.mark.parametrize(("case", "dtype"), _extreme_cases())
 def test_extremes_at_max_agree_with_the_reference(case: str, dtype: str) -> None:
     _check_extremes(case, dtype, "max")
 
