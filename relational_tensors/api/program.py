@@ -28,7 +28,7 @@ from relational_tensors.frontend.torch.torch_graph import TorchGraph, _prune, dr
 from relational_tensors.frontend.torch.translator import from_torch
 from relational_tensors.graph.autodiff import flows
 
-__all__ = ["Program", "modes_of", "in_modes", "snapshot"]
+__all__ = ["Program", "in_modes", "snapshot"]
 
 FORWARD = "forward"  # the key of the forward program's weights in ``Program._stale``
 
@@ -43,17 +43,12 @@ def _on_gpus(device: Any) -> bool:
         return False
 
 
-def modes_of(module: Any) -> tuple[bool, ...]:
-    """The train/eval flag of ``module`` and of each of its submodules (``module.modules()`` order): what
-    a trace depends on besides the inputs (dropout, batch norm)."""
-    return snapshot(module)[0]
-
-
 WeightsKey = tuple[tuple[int, int, int], ...]
 
 
 def snapshot(module: Any) -> tuple[tuple[bool, ...], WeightsKey]:
-    """``modes_of(module)`` and the identity, storage and in-place version of each parameter and buffer
+    """The train/eval flag of ``module`` and of each of its submodules (what a trace depends on besides the
+    inputs: dropout, batch norm), and the identity, storage and in-place version of each parameter and buffer
     (``Program``'s weights key), in one walk of the modules (``module.modules()`` order, without the names
     ``named_modules`` builds): what every call checks, so its cost counts."""
     modes, key, seen, stack = [], [], set(), [module]
@@ -96,7 +91,7 @@ class Program:
     """A module compiled for one signature: ``__call__(*tensors)`` returns what the module's forward returns.
 
     ``module`` is what was traced (it takes the tensors by position), ``example_inputs`` the tensors it was
-    traced on and ``modes`` the train/eval flags of its submodules then (``modes_of``): a trace done again
+    traced on and ``modes`` the train/eval flags of its submodules then (``snapshot``): a trace done again
     (a fold to redo, the differentiated trace) is made in those modes.  Parameters are loaded onto the
     devices once, at the first call; each call then loads its inputs, executes the plan and offloads the
     outputs as torch tensors (sharing memory with the offloaded arrays: ``torch.from_numpy`` on CPU
