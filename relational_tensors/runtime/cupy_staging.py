@@ -6,8 +6,8 @@ into a fixed buffer per GPU from which the program's first tasks (captured with 
 copy the blocks.  Ids are range-checked on the device as they arrive and read back later.
 ``offload_into`` copies a saved output into a caller's device array on the same stream.  A caller that
 knows its arrays' addresses and producer stream (a torch CUDA tensor: ``api/device_io.py``) hands them
-as :class:`RawDevice`, and a whole contiguous block is then one ``cudaMemcpyAsync``, ordered after the
-producer's stream by an event, with no DLPack exchange on the host.
+as :class:`RawDevice`, ordered after the producer's stream by an event, with no DLPack exchange on the
+host.  A whole input, and an output held in one contiguous block, move as one ``cudaMemcpyAsync``.
 """
 
 from __future__ import annotations
@@ -171,23 +171,18 @@ class Staging:
                 if direct is not None:
                     return
             if isinstance(dev, RawDevice):
+                ptr, nbytes = dev.ptr, dev.nbytes
                 if self._rules_for(name):
                     self._queue_id_checks(name, _cupy_view(cp, dev))
-                for dst in targets:
-                    if dst.device.id == home:
-                        cp.cuda.runtime.memcpyAsync(dst.data.ptr, dev.ptr, dev.nbytes, D2D, origin.ptr)
-                    else:
-                        cp.cuda.runtime.memcpyPeerAsync(dst.data.ptr, dst.device.id, dev.ptr, home, dev.nbytes,
-                                                        origin.ptr)
-                return
-            self._queue_id_checks(name, dev)
-            src = cp.ascontiguousarray(dev)
-            for dst in targets:
+            else:
+                self._queue_id_checks(name, dev)
+                src = cp.ascontiguousarray(dev)
+                ptr, nbytes = src.data.ptr, src.nbytes
+            for dst in targets:  # one cudaMemcpyAsync each, on the launch stream
                 if dst.device.id == home:
-                    dst[...] = src
+                    cp.cuda.runtime.memcpyAsync(dst.data.ptr, ptr, nbytes, D2D, origin.ptr)
                 else:
-                    cp.cuda.runtime.memcpyPeerAsync(dst.data.ptr, dst.device.id, src.data.ptr, home,
-                                                    src.nbytes, origin.ptr)
+                    cp.cuda.runtime.memcpyPeerAsync(dst.data.ptr, dst.device.id, ptr, home, nbytes, origin.ptr)
 
     def _after(self, stream: int | None) -> None:
         """Order the launch stream after the work queued so far on ``stream`` (a raw stream pointer, 0 the
@@ -287,15 +282,9 @@ class Staging:
         t = self.dag.saved_node(name).type
         with cp.cuda.Device(home), origin:
             if isinstance(dest, RawDevice):
-                if dest.device != home or dest.shape != t.shape or dest.dtype != t.dtype:
-                    raise ExecError(f"offload_into needs a device array of shape {t.shape} and dtype {t.dtype} on "
-                                    f"GPU {home}; got {dest.shape} {dest.dtype} on GPU {dest.device}.")
+                if dest.dtype != t.dtype:
+                    raise ExecError(f"offload_into needs a device array of dtype {t.dtype}; got {dest.dtype}.")
                 self._after(dest.stream)
-                whole = self._whole_output(name, home)
-                if whole is not None:
-                    self._barrier([0])
-                    cp.cuda.runtime.memcpyAsync(dest.ptr, whole.data.ptr, dest.nbytes, D2D, origin.ptr)
-                    return
                 dest = _cupy_view(cp, dest)
             out = _as_device_array(cp, dest)
             if out is None or out.device.id != home or tuple(out.shape) != t.shape:
@@ -304,6 +293,10 @@ class Staging:
             if t.dtype == "bfloat16":
                 out = out.view(cp.uint16)
             self._barrier([0])
+            whole = self._whole_output(name, home)
+            if whole is not None and out.flags.c_contiguous and out.dtype == whole.dtype:
+                cp.cuda.runtime.memcpyAsync(out.data.ptr, whole.data.ptr, out.nbytes, D2D, origin.ptr)
+                return
             for box, b in self.dag.outputs[name]:
                 view = self.views[b]
                 view = view[0] if isinstance(view, tuple) else view
@@ -321,7 +314,6 @@ class Staging:
                     cp.cuda.runtime.memcpyPeerAsync(piece.data.ptr, home, src.data.ptr, view.device, piece.nbytes,
                                                     origin.ptr)
                     out[box.slices()] = piece
-
 
     def _whole_output(self, name: str, home: int) -> Any:
         """The one contiguous block on ``home`` that holds all of saved output ``name``, as a CuPy array, or
