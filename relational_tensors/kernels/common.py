@@ -174,6 +174,22 @@ def bind_triton_to_cupy() -> None:
     _BOUND = True
 
 
+def is_interpreted(kernel: Any) -> bool:
+    """Whether ``kernel`` was defined for Triton's interpreter (``TRITON_INTERPRET=1`` when its module was
+    imported): no timing there, and no tensor descriptors."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
+
+
+def chosen_config(chosen: dict, key: Any, configs: Sequence[Any], launch: Callable[[Any], None],
+                  uses_tma: Callable[[Any], bool], what: str) -> Any:
+    """:func:`fastest_config` of ``configs`` once per ``key`` (a shape class), kept in ``chosen``."""
+    if key not in chosen:
+        chosen[key] = fastest_config(configs, launch, uses_tma, what)
+    return chosen[key]
+
+
 def fastest_config(configs: Sequence[Any], launch: Callable[[Any], None], uses_tma: Callable[[Any], bool],
                    what: str) -> Any:
     """The fastest of ``configs`` for a kernel ``launch(config)`` runs: each is launched once (compile and

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from relational_tensors.core.dtypes import numpy_dtype
-from relational_tensors.kernels.common import DevBuf, Ptr, fastest_config
+from relational_tensors.kernels.common import DevBuf, Ptr, chosen_config, is_interpreted
 
 __all__ = ["attention", "padding_limits"]
 
@@ -282,9 +282,7 @@ def _launch(cfg: tuple[int, ...], args: tuple, consts: dict, sq: int, nbh: int, 
 def interpreted() -> bool:
     """Whether the attention kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when they were
     defined): no timing there, and no tensor descriptors."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_attention_kernel, InterpretedFunction)
+    return is_interpreted(_attention_kernel)
 
 
 def _pick(key: tuple, args: tuple, consts: dict, sq: int, nbh: int, tma: tuple | None) -> tuple[int, ...]:
@@ -293,11 +291,9 @@ def _pick(key: tuple, args: tuple, consts: dict, sq: int, nbh: int, tma: tuple |
     first config without descriptors."""
     if interpreted():
         return next(c for c in (IEEE_CONFIGS if consts["IEEE"] else CONFIGS) if not c[6])
-    if key not in _chosen:
-        configs = [c for c in (IEEE_CONFIGS if consts["IEEE"] else CONFIGS) if not c[6] or tma is not None]
-        _chosen[key] = fastest_config(configs, lambda cfg: _launch(cfg, args, consts, sq, nbh, tma),
-                                      lambda cfg: bool(cfg[6]), "attention kernel")
-    return _chosen[key]
+    configs = [c for c in (IEEE_CONFIGS if consts["IEEE"] else CONFIGS) if not c[6] or tma is not None]
+    return chosen_config(_chosen, key, configs, lambda cfg: _launch(cfg, args, consts, sq, nbh, tma),
+                         lambda cfg: bool(cfg[6]), "attention kernel")
 
 
 def launch_arguments(q: DevBuf, k: DevBuf, v: DevBuf, out: DevBuf, lse: DevBuf | None, row_lo: DevBuf,

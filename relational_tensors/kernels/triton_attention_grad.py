@@ -36,7 +36,7 @@ from collections.abc import Callable
 import triton
 import triton.language as tl
 
-from relational_tensors.kernels.common import DevBuf, Ptr, acc_type, fastest_config
+from relational_tensors.kernels.common import DevBuf, Ptr, acc_type, chosen_config
 from relational_tensors.kernels.scratch import dkv_scratch, dkv_splits
 from relational_tensors.kernels.triton_attention import interpreted
 
@@ -527,10 +527,8 @@ def _pick(key: tuple, configs: list[Config], tma: tuple | None, launch: Callable
     usable = [c for c in configs if not c[4] or tma is not None]
     if interpreted():
         return usable[0]
-    if key in _chosen:
-        return _chosen[key]
-    _chosen[key] = fastest_config(usable, launch, lambda cfg: bool(cfg[4]), f"attention gradient kernel (key {key})")
-    return _chosen[key]
+    return chosen_config(_chosen, key, usable, launch, lambda cfg: bool(cfg[4]),
+                         f"attention gradient kernel (key {key})")
 
 
 def _check(name: str, bufs: dict[str, DevBuf]) -> None:

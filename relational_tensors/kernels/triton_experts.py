@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 import triton
 import triton.language as tl
 
-from relational_tensors.kernels.common import DevBuf, Ptr, fastest_config
+from relational_tensors.kernels.common import DevBuf, Ptr, chosen_config, is_interpreted
 
 __all__ = ["route_index", "grouped_matmul", "grouped_weight_grad", "capacity_route", "routed_gather"]
 
@@ -125,20 +125,12 @@ def _grouped_mm_kernel(x_ptr, w_ptr, g_ptr, out_ptr, n_rows, n_h, n_f, n_e, e0,
              mask=rmask[:, None] & cmask[None, :])
 
 
-def _interpreted() -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_grouped_mm_kernel, InterpretedFunction)
-
-
 def _pick(key: tuple, configs: Sequence[tuple[int, ...]], launch: Callable[[tuple[int, ...]], None]) -> tuple[int, ...]:
-    """The fastest of ``configs`` for this shape class, timed once on the first eager launch
-    (:func:`~relational_tensors.kernels.common.fastest_config`); the interpreter takes the smallest."""
-    if _interpreted():
+    """The fastest of ``configs`` for this shape class, timed once on the first eager launch; the
+    interpreter takes the smallest."""
+    if is_interpreted(_grouped_mm_kernel):
         return configs[-1]
-    if key not in _chosen:
-        _chosen[key] = fastest_config(configs, launch, lambda cfg: False, f"{key[0]} kernel")
-    return _chosen[key]
+    return chosen_config(_chosen, key, configs, launch, lambda cfg: False, f"{key[0]} kernel")
 
 
 def _shape_class(n: int) -> int:
