@@ -123,39 +123,43 @@ def softmax(x: DevBuf, out: DevBuf, axis: int) -> None:
         _softmax_kernel[(lines,)](Ptr(x), Ptr(out), n, inner, BLOCK_N=_block(n), ACC=acc_type(x.dtype))
 
 
+OPS = {"sum": 0, "max": 1, "min": 2, "logsumexp": 3}  # a reduction's code (OP)
+NEUTRAL = (0.0, float("-inf"), float("inf"), float("-inf"))  # what each reads where a block is masked
+
+
 @triton.jit
-def _row_reduce_kernel(x_ptr, out_ptr, n, chunk, chunks, count, OP: tl.constexpr, BLOCK_N: tl.constexpr,
-                       ACC: tl.constexpr):
+def _fold(acc, total, x, OP: tl.constexpr):
+    """One step of a running reduction per lane: a sum, max or min in ``acc``; for logsumexp (3) ``acc`` a
+    running maximum and ``total`` the sum of exponentials below it."""
+    if OP == 0:
+        acc = acc + x
+    elif OP == 1:
+        acc = tl.maximum(acc, x)
+    elif OP == 2:
+        acc = tl.minimum(acc, x)
+    else:
+        top = tl.maximum(acc, x)
+        safe = tl.where(top == float("-inf"), 0.0, top)
+        total = total * tl.exp(acc - safe) + tl.exp(x - safe)
+        acc = top
+    return acc, total
+
+
+@triton.jit
+def _row_reduce_kernel(x_ptr, out_ptr, n, chunk, chunks, count, OP: tl.constexpr, NEUTRAL: tl.constexpr,
+                       BLOCK_N: tl.constexpr, ACC: tl.constexpr):
     """out[row * chunks + c] = reduce(x[row, c * chunk : (c + 1) * chunk]) (a logsumexp chunk gives its
     own log-sum-exp, a sum is divided by ``count``)."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1).to(tl.int64)
     start = part * chunk
     end = tl.minimum(start + chunk, n)
-    if OP == 0:
-        acc = tl.zeros([BLOCK_N], dtype=ACC)
-    elif OP == 1:
-        acc = tl.full([BLOCK_N], float("-inf"), dtype=ACC)
-    elif OP == 2:
-        acc = tl.full([BLOCK_N], float("inf"), dtype=ACC)
-    else:  # logsumexp: per lane a running maximum and the sum of exponentials below it
-        acc = tl.full([BLOCK_N], float("-inf"), dtype=ACC)
-        total = tl.zeros([BLOCK_N], dtype=ACC)
+    acc = tl.full([BLOCK_N], NEUTRAL, dtype=ACC)
+    total = tl.zeros([BLOCK_N], dtype=ACC)
     for c0 in range(start, end, BLOCK_N):
         cols = c0 + tl.arange(0, BLOCK_N)
-        mask = cols < end
-        if OP == 0:
-            acc += tl.load(x_ptr + row * n + cols, mask=mask, other=0.0).to(ACC)
-        elif OP == 1:
-            acc = tl.maximum(acc, tl.load(x_ptr + row * n + cols, mask=mask, other=float("-inf")).to(ACC))
-        elif OP == 2:
-            acc = tl.minimum(acc, tl.load(x_ptr + row * n + cols, mask=mask, other=float("inf")).to(ACC))
-        else:
-            xv = tl.load(x_ptr + row * n + cols, mask=mask, other=float("-inf")).to(ACC)
-            top = tl.maximum(acc, xv)
-            safe = tl.where(top == float("-inf"), 0.0, top)
-            total = total * tl.exp(acc - safe) + tl.exp(xv - safe)
-            acc = top
+        xv = tl.load(x_ptr + row * n + cols, mask=cols < end, other=NEUTRAL).to(ACC)
+        acc, total = _fold(acc, total, xv, OP)
     if OP == 0:
         r = tl.sum(acc, axis=0) / count  # an integer count: exact up to 2**24 in float32
     elif OP == 1:
@@ -178,59 +182,39 @@ def row_reduce(x: DevBuf, out: DevBuf, op: str, count: int = 1, partials: DevBuf
     n = x.size // rows if rows else 0
     if not (rows and n):
         return
-    code = {"sum": 0, "max": 1, "min": 2, "logsumexp": 3}[op]
+    code = OPS[op]
+    kind = dict(OP=code, NEUTRAL=NEUTRAL[code], ACC=acc_type(x.dtype))
     chunks = reduce_chunks(rows, n)
     if chunks == 1 or partials is None:
-        _row_reduce_kernel[(rows, 1)](Ptr(x), Ptr(out), n, n, 1, int(count), OP=code, BLOCK_N=_block(n),
-                                      ACC=acc_type(x.dtype))
+        _row_reduce_kernel[(rows, 1)](Ptr(x), Ptr(out), n, n, 1, int(count), BLOCK_N=_block(n), **kind)
         return
     chunk = -(-n // chunks)
     block = _block(chunk)
     chunk = -(-chunk // block) * block  # whole blocks per chunk
     chunks = -(-n // chunk)
     parts = DevBuf(partials.ptr, (rows, chunks), partial_dtype(x.dtype), partials.device)
-    _row_reduce_kernel[(rows, chunks)](Ptr(x), Ptr(parts), n, chunk, chunks, 1, OP=code, BLOCK_N=block,
-                                       ACC=acc_type(x.dtype))
-    _row_reduce_kernel[(rows, 1)](Ptr(parts), Ptr(out), chunks, chunks, 1, int(count), OP=code,
-                                  BLOCK_N=_block(chunks), ACC=acc_type(x.dtype))
+    _row_reduce_kernel[(rows, chunks)](Ptr(x), Ptr(parts), n, chunk, chunks, 1, BLOCK_N=block, **kind)
+    _row_reduce_kernel[(rows, 1)](Ptr(parts), Ptr(out), chunks, chunks, 1, int(count), BLOCK_N=_block(chunks),
+                                  **kind)
 
 
 @triton.jit
-def _middle_reduce_kernel(x_ptr, out_ptr, n, inner, count, OP: tl.constexpr, BLOCK_I: tl.constexpr,
-                          ACC: tl.constexpr):
+def _middle_reduce_kernel(x_ptr, out_ptr, n, inner, count, OP: tl.constexpr, NEUTRAL: tl.constexpr,
+                          BLOCK_I: tl.constexpr, ACC: tl.constexpr):
     """out[o, i] = reduce(x[o, :, i]) over contiguous x [outer, n, inner]: each program a block of ``i`` of
     one ``o``, the reduced axis walked in order (coalesced loads, the same bits every run)."""
     o = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = cols < inner
     base = x_ptr + o * n * inner + cols
-    if OP == 0:
-        acc = tl.zeros([BLOCK_I], dtype=ACC)
-    elif OP == 1:
-        acc = tl.full([BLOCK_I], float("-inf"), dtype=ACC)
-    elif OP == 2:
-        acc = tl.full([BLOCK_I], float("inf"), dtype=ACC)
-    else:
-        acc = tl.full([BLOCK_I], float("-inf"), dtype=ACC)
-        total = tl.zeros([BLOCK_I], dtype=ACC)
+    acc = tl.full([BLOCK_I], NEUTRAL, dtype=ACC)
+    total = tl.zeros([BLOCK_I], dtype=ACC)
     for j in range(0, n):
-        if OP == 0:
-            acc += tl.load(base + j * inner, mask=mask, other=0.0).to(ACC)
-        elif OP == 1:
-            acc = tl.maximum(acc, tl.load(base + j * inner, mask=mask, other=float("-inf")).to(ACC))
-        elif OP == 2:
-            acc = tl.minimum(acc, tl.load(base + j * inner, mask=mask, other=float("inf")).to(ACC))
-        else:
-            xv = tl.load(base + j * inner, mask=mask, other=float("-inf")).to(ACC)
-            top = tl.maximum(acc, xv)
-            safe = tl.where(top == float("-inf"), 0.0, top)
-            total = total * tl.exp(acc - safe) + tl.exp(xv - safe)
-            acc = top
+        acc, total = _fold(acc, total, tl.load(base + j * inner, mask=mask, other=NEUTRAL).to(ACC), OP)
     if OP == 0:
         r = acc / count
     elif OP == 3:
-        safe = tl.where(acc == float("-inf"), 0.0, acc)
-        r = safe + tl.log(total)
+        r = tl.where(acc == float("-inf"), 0.0, acc) + tl.log(total)
     else:
         r = acc
     tl.store(out_ptr + o * inner + cols, r.to(out_ptr.dtype.element_ty), mask=mask)
@@ -241,8 +225,7 @@ def middle_reduce(x: DevBuf, out: DevBuf, op: str, outer: int, n: int, inner: in
     are not last, without moving them last); ops and ``count`` as :func:`row_reduce`."""
     if not (outer and n and inner):
         return
-    code = {"sum": 0, "max": 1, "min": 2, "logsumexp": 3}[op]
     block = min(MIDDLE_BLOCK, triton.next_power_of_2(inner))
-    _middle_reduce_kernel[(outer, triton.cdiv(inner, block))](Ptr(x), Ptr(out), n, inner, int(count), OP=code,
-                                                              BLOCK_I=block, ACC=acc_type(x.dtype),
-                                                              num_warps=4 if block >= 512 else 2)
+    _middle_reduce_kernel[(outer, triton.cdiv(inner, block))](Ptr(x), Ptr(out), n, inner, int(count), OP=OPS[op],
+                                                              NEUTRAL=NEUTRAL[OPS[op]], BLOCK_I=block,
+                                                              ACC=acc_type(x.dtype), num_warps=4 if block >= 512 else 2)
