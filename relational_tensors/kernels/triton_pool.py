@@ -9,8 +9,8 @@ missing ones of extent 1, kernel 1, stride 1, no padding).
   again from x and only the winner takes the window's dy.
 
 Blocks may start anywhere in the whole tensor: the kernels take each block's absolute lower corner, and
-padding is decided against the whole tensor's extent.  With ``ceil_mode`` an average that counts the
-padding divides each window by its part inside the padded input (``CLIPPED``)."""
+padding is decided against the whole tensor's extent.  An average that counts the padding divides each
+window by its part inside the padded input: the whole window, but for ``ceil_mode``'s last ones."""
 
 from __future__ import annotations
 
@@ -45,11 +45,10 @@ def _padded_count(w0, w1, w2, e0, e1, e2, K0: tl.constexpr, K1: tl.constexpr, K2
 @triton.jit
 def _pool_kernel(x_ptr, out_ptr, n, channels,
                  m0, m1, m2, xs_b, xs_c, xs0, xs1, xs2, os_b, os_c, os0, os1, os2,
-                 xlo0, xlo1, xlo2, olo0, olo1, olo2, e0, e1, e2, inv_count,
+                 xlo0, xlo1, xlo2, olo0, olo1, olo2, e0, e1, e2,
                  K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr,
                  S2: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
-                 MAX: tl.constexpr, INCLUDE_PAD: tl.constexpr, CLIPPED: tl.constexpr, ACC: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr):
+                 MAX: tl.constexpr, INCLUDE_PAD: tl.constexpr, ACC: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     live = offs < n
@@ -76,10 +75,8 @@ def _pool_kernel(x_ptr, out_ptr, n, channels,
                     acc = acc + tl.where(ok, v, 0.0)
                     count = count + tl.where(ok, 1.0, 0.0)
     if not MAX:
-        if INCLUDE_PAD and CLIPPED:
+        if INCLUDE_PAD:
             acc = acc / _padded_count(base0, base1, base2, e0, e1, e2, K0, K1, K2, P0, P1, P2).to(ACC)
-        elif INCLUDE_PAD:
-            acc = acc * inv_count
         else:
             acc = acc / count
     tl.store(out_ptr + b * os_b + c * os_c + o0 * os0 + o1 * os1 + o2 * os2, acc.to(out_ptr.dtype.element_ty),
@@ -99,21 +96,20 @@ def _spatial(buf: DevBuf) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
 
 def pool(x: DevBuf, out: DevBuf, x_lower: tuple[int, ...], out_lower: tuple[int, ...], extent: tuple[int, ...],
          op: str, kernel_size: tuple[int, ...], stride: tuple[int, ...], padding: tuple[int, ...],
-         count_include_pad: bool, ceil_mode: bool = False) -> None:
+         count_include_pad: bool) -> None:
     """out [b, c, *o] = op over windows of x [b, c, *rows], ``x_lower``/``out_lower`` the blocks' absolute
-    spatial corners and ``extent`` the whole input's spatial extent."""
+    spatial corners and ``extent`` the whole input's spatial extent (``ceil_mode`` is in ``out``'s shape)."""
     n = out.size
     if not n:
         return
     (m0, m1, m2), os_ = _spatial(out)
     _, xs = _spatial(x)
     k, s, p = _three(kernel_size, 1), _three(stride, 1), _three(padding, 0)
-    count = k[0] * k[1] * k[2]
     _pool_kernel[(triton.cdiv(n, BLOCK),)](
         Ptr(x), Ptr(out), n, out.shape[1], m0, m1, m2, x.strides[0], x.strides[1], *xs, out.strides[0],
-        out.strides[1], *os_, *_three(x_lower, 0), *_three(out_lower, 0), *_three(extent, 1), 1.0 / count,
+        out.strides[1], *os_, *_three(x_lower, 0), *_three(out_lower, 0), *_three(extent, 1),
         K0=k[0], K1=k[1], K2=k[2], S0=s[0], S1=s[1], S2=s[2], P0=p[0], P1=p[1], P2=p[2], MAX=op == "max",
-        INCLUDE_PAD=bool(count_include_pad), CLIPPED=bool(ceil_mode), ACC=acc_type(out.dtype), BLOCK_SIZE=BLOCK)
+        INCLUDE_PAD=bool(count_include_pad), ACC=acc_type(out.dtype), BLOCK_SIZE=BLOCK)
 
 
 @triton.jit
@@ -141,10 +137,10 @@ def _window_winner(x_bc, w0, w1, w2, xs0, xs1, xs2, xlo0, xlo1, xlo2, e0, e1, e2
 def _pool_grad_kernel(x_ptr, dy_ptr, out_ptr, n, channels,
                       m0, m1, m2, xs_b, xs_c, xs0, xs1, xs2, gs_b, gs_c, gs0, gs1, gs2,
                       os_b, os_c, os0, os1, os2,
-                      xlo0, xlo1, xlo2, glo0, glo1, glo2, gn0, gn1, gn2, rlo0, rlo1, rlo2, e0, e1, e2, inv_count,
+                      xlo0, xlo1, xlo2, glo0, glo1, glo2, gn0, gn1, gn2, rlo0, rlo1, rlo2, e0, e1, e2,
                       K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr,
                       S2: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
-                      MAX: tl.constexpr, INCLUDE_PAD: tl.constexpr, CLIPPED: tl.constexpr, ACC: tl.constexpr,
+                      MAX: tl.constexpr, INCLUDE_PAD: tl.constexpr, ACC: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
@@ -178,11 +174,9 @@ def _pool_grad_kernel(x_ptr, dy_ptr, out_ptr, n, channels,
                                          xlo0, xlo1, xlo2, e0, e1, e2, hit, K0, K1, K2, ACC, BLOCK_SIZE)
                     hit = hit & (win == (t0 * K1 + t1) * K2 + t2)
                     acc = acc + tl.where(hit, g, 0.0)
-                elif INCLUDE_PAD and CLIPPED:
+                elif INCLUDE_PAD:
                     whole = _padded_count(o0 * S0 - P0, o1 * S1 - P1, o2 * S2 - P2, e0, e1, e2, K0, K1, K2, P0, P1, P2)
                     acc = acc + tl.where(hit, g / tl.maximum(whole, 1).to(ACC), 0.0)
-                elif INCLUDE_PAD:
-                    acc = acc + tl.where(hit, g * inv_count, 0.0)
                 else:
                     w0 = o0 * S0 - P0
                     w1 = o1 * S1 - P1
@@ -196,8 +190,7 @@ def _pool_grad_kernel(x_ptr, dy_ptr, out_ptr, n, channels,
 
 def pool_grad(x: DevBuf, dy: DevBuf, out: DevBuf, x_lower: tuple[int, ...], dy_lower: tuple[int, ...],
               out_lower: tuple[int, ...], extent: tuple[int, ...], op: str, kernel_size: tuple[int, ...],
-              stride: tuple[int, ...], padding: tuple[int, ...], count_include_pad: bool,
-              ceil_mode: bool = False) -> None:
+              stride: tuple[int, ...], padding: tuple[int, ...], count_include_pad: bool) -> None:
     """out [b, c, *rows] = dx of ``pool`` from x's block (its windows, for max) and dy's, each block's
     absolute spatial corner given, and ``extent`` the whole input's spatial extent."""
     n = out.size
@@ -211,6 +204,5 @@ def pool_grad(x: DevBuf, dy: DevBuf, out: DevBuf, x_lower: tuple[int, ...], dy_l
         Ptr(x), Ptr(dy), Ptr(out), n, out.shape[1], m0, m1, m2, x.strides[0], x.strides[1], *xs,
         dy.strides[0], dy.strides[1], *gs, out.strides[0], out.strides[1], *os_,
         *_three(x_lower, 0), *_three(dy_lower, 0), g0, g1, g2, *_three(out_lower, 0), *_three(extent, 1),
-        1.0 / (k[0] * k[1] * k[2]), K0=k[0], K1=k[1], K2=k[2], S0=s[0], S1=s[1], S2=s[2], P0=p[0], P1=p[1],
-        P2=p[2], MAX=op == "max", INCLUDE_PAD=bool(count_include_pad), CLIPPED=bool(ceil_mode),
-        ACC=acc_type(out.dtype), BLOCK_SIZE=BLOCK)
+        K0=k[0], K1=k[1], K2=k[2], S0=s[0], S1=s[1], S2=s[2], P0=p[0], P1=p[1], P2=p[2], MAX=op == "max",
+        INCLUDE_PAD=bool(count_include_pad), ACC=acc_type(out.dtype), BLOCK_SIZE=BLOCK)

@@ -26,7 +26,7 @@ from relational_tensors.core.spec import FunctionSpec, ShardableIndex
 from relational_tensors.core.types import Box, Interval, TensorType
 from relational_tensors.errors import GraphError
 from relational_tensors.sql_specs.base import Builder, Choice, Grads, Operator, register
-from relational_tensors.sql_specs.conv import _lead2, conv_output_size, input_window, output_range
+from relational_tensors.sql_specs.conv import _lead2, input_window, output_range
 from relational_tensors.sql_specs.grad import SECOND_ORDER, build
 
 __all__ = ["PoolOp", "PoolGradOp", "POOLS"]
@@ -52,14 +52,11 @@ class _Windows(Operator):
 
     def _out_sizes(self) -> tuple[int, ...]:
         x = self._x()
-        if not self.ceil_mode:
-            return tuple(conv_output_size(x[2 + i], self.kernel_size[i], self.stride[i], self.padding[i], 1)
-                         for i in range(self.rank))
         out = []
         for i in range(self.rank):
             size, k, s, p = x[2 + i], self.kernel_size[i], self.stride[i], self.padding[i]
-            n = -(-(size + 2 * p - k) // s) + 1
-            if (n - 1) * s >= size + p:  # the last window would start in the right padding
+            n = (size + 2 * p - k + (s - 1 if self.ceil_mode else 0)) // s + 1
+            if self.ceil_mode and (n - 1) * s >= size + p:  # the last window would start in the right padding
                 n -= 1
             out.append(n)
         return tuple(out)
@@ -108,11 +105,9 @@ class _Windows(Operator):
             widths.append((lo - need_lo, need_hi - hi))
         return np.pad(x, widths, constant_values=fill), widths
 
-    def _counts(self, outs: Sequence[Interval]) -> np.ndarray | float:
-        """Per output position, how many inputs its window averages: the whole window, or with ``ceil_mode``
-        its part inside the padded input (counting the padding), or its part inside the input."""
-        if self.count_include_pad and not self.ceil_mode:
-            return float(math.prod(self.kernel_size))
+    def _counts(self, outs: Sequence[Interval]) -> np.ndarray:
+        """Per output position, how many inputs its window averages: its part inside the padded input
+        (counting the padding: the whole window but for ``ceil_mode``'s last ones), or inside the input."""
         x = self._x()
         per = []
         for i, o in enumerate(outs):

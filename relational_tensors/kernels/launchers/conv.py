@@ -249,7 +249,7 @@ def _pool(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: i
     from relational_tensors.kernels.triton_pool import pool
 
     pool(ins[0], out, f.inputs[0].lower[2:], f.output.lower[2:], op.input_types[0].shape[2:], op.op,
-         op.kernel_size, op.stride, op.padding, op.count_include_pad, op.ceil_mode)
+         op.kernel_size, op.stride, op.padding, op.count_include_pad)
 
 
 @launcher("pool_grad")
@@ -259,5 +259,4 @@ def _pool_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stre
     from relational_tensors.kernels.triton_pool import pool_grad
 
     pool_grad(ins[0], ins[1], out, f.inputs[0].lower[2:], f.inputs[1].lower[2:], f.output.lower[2:],
-              op.input_types[0].shape[2:], op.op, op.kernel_size, op.stride, op.padding, op.count_include_pad,
-              op.ceil_mode)
+              op.input_types[0].shape[2:], op.op, op.kernel_size, op.stride, op.padding, op.count_include_pad)
