@@ -17,6 +17,7 @@ from typing import Any
 from relational_tensors.errors import GraphError
 from relational_tensors.graph.graph import Graph, Tensor
 from relational_tensors.graph.optim import adamw
+from relational_tensors.sql_specs.common import positive_count
 from relational_tensors.sql_specs.experts import (
     CapacityRouteOp,
     GroupedMatmulOp,
@@ -209,12 +210,11 @@ def default_capacity_groups(tokens: int, most: int = 64) -> int:
     return groups
 
 
-def check_groups(groups: Any, tokens: int) -> int:
+def check_groups(groups: Any, tokens: int) -> None:
     """``capacity_groups``, refused unless it is a positive int that divides the token count."""
-    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1 or tokens % groups:
+    if positive_count("capacity_groups", groups) and tokens % groups:
         raise GraphError(f"capacity_groups is a positive number of token groups that divides the {tokens} tokens; "
                          f"got {groups!r}.")
-    return groups
 
 
 def _capacity_experts(g: Graph, x: Tensor, slot: Tensor, pair: Tensor, top: Tensor,

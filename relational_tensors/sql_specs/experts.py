@@ -273,8 +273,9 @@ def capacity_maps(ids: np.ndarray, experts: int, capacity: int) -> tuple[np.ndar
     key = np.where((flat >= 0) & (flat < experts), flat, experts)
     order = np.argsort(key, axis=1, kind="stable")  # per group: by expert, then token order and rank
     ranked = np.take_along_axis(key, order, axis=1)
-    first = np.stack([np.searchsorted(row, row, side="left") for row in ranked]) if groups else ranked
-    rank = np.arange(n, dtype=np.int64)[None, :] - first
+    at = np.broadcast_to(np.arange(n, dtype=np.int64), ranked.shape)
+    starts = np.where(np.diff(ranked, axis=1, prepend=-1) != 0, at, 0)  # where each expert's run begins
+    rank = at - np.maximum.accumulate(starts, axis=1)  # place within the run
     kept = (ranked < experts) & (rank < capacity)
     slot_sorted = np.where(kept, ranked * capacity + rank, -1)
     slot = np.empty_like(slot_sorted)
