@@ -119,6 +119,7 @@ def capacity_rows(shape: dict, train: bool, cuda: bool, devices: tuple) -> dict:
     """The graph API's layer with a capacity of 1.25, its program's ``execute`` on each device string."""
     import numpy as np
 
+    from relational_tensors.graph.models import optimizer_feeds
     from relational_tensors.graph.moe import moe_layer_graph
 
     out: dict[str, Any] = {}
@@ -126,14 +127,8 @@ def capacity_rows(shape: dict, train: bool, cuda: bool, devices: tuple) -> dict:
     g = moe_layer_graph(shape["tokens"], shape["hidden"], shape["experts"], shape["top_k"], shape["ff"], dtype=dtype,
                         training=train, experts_compute="grouped", capacity_factor=1.25)
     rng = np.random.default_rng(0)
-    feeds = {}
-    for n in g.inputs:
-        if "exp_avg" in n.name or n.name == "adamw.step":
-            feeds[n.name] = np.zeros(n.type.shape, np.float32)
-        elif n.name == "lr":
-            feeds[n.name] = np.full(n.type.shape, 1e-5, np.float32)
-        else:
-            feeds[n.name] = (rng.standard_normal(n.type.shape) * (0.1 if n.name == "x" else 0.02)).astype(np.float32)
+    feeds = optimizer_feeds(g, {n.name: (rng.standard_normal(n.type.shape) * (0.1 if n.name == "x" else 0.02))
+                                .astype(np.float32) for n in g.inputs}, lr=1e-5)
     for device in devices:
         try:
             cg = rt.compileGraph(g, device=device)

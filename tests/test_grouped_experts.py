@@ -17,6 +17,7 @@ from test_moe_router import FF, D, E, K, _feeds, _reference  # noqa: E402  (its 
 
 import relational_tensors as rt  # noqa: E402
 from relational_tensors.core.types import TensorType  # noqa: E402
+from relational_tensors.graph.models import optimizer_feeds  # noqa: E402
 from relational_tensors.graph.moe import add_moe_ffn, moe_layer_graph  # noqa: E402
 from relational_tensors.sql_specs.experts import GroupedMatmulOp, GroupedWeightGradOp, RouteIndexOp, route_maps  # noqa: E402
 
@@ -71,9 +72,7 @@ def step_under_plan(g: rt.Graph, plan: str, experts_index: str) -> None:
     the reference's updated weights; under expert parallelism the expert products split ``experts_index``."""
     constraints = None if plan == "optimizer" else rt.plans.PLANS[plan](g, 4)
     cg = rt.compileGraph(g, device="cpu:4", constraints=constraints)
-    f = _feeds(g, seed=3)
-    f.update({n.name: np.zeros(n.type.shape, np.float32) for n in g.inputs if "exp_avg" in n.name
-              or n.name == "adamw.step"})
+    f = optimizer_feeds(g, _feeds(g, seed=3))  # zero moments: random ones make sqrt NaN
     want = rt.reference(g, f)
     cg.run(f)
     for name in ("w1", "w2", "w3", "router", "ffn_norm"):

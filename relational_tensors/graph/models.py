@@ -23,7 +23,7 @@ from relational_tensors.graph.optim import adamw, sgd
 
 __all__ = ["CausalLM", "lm_prefill_graph", "lm_decode_graph", "cache_name",
            "llama_block", "add_llama_block", "llama_feeds", "llama_training_graph", "llama_training_feeds",
-           "standard_normal", "LLAMA3_8B", "matrix_chain",
+           "optimizer_feeds", "standard_normal", "LLAMA3_8B", "matrix_chain",
            "chain_dims", "chain_feeds", "CHAINS"]
 
 # the paper's LLaMA-3-8B-shaped block
@@ -281,6 +281,13 @@ def llama_training_feeds(g: Graph, seed: int = 0, lr: float = 1e-3) -> dict[str,
     feeds = llama_feeds(g, seed)
     for name in ("ids", "targets"):
         feeds[name] = rng.integers(0, vocab, size=g.node(name).type.shape)
+    return optimizer_feeds(g, feeds, lr)
+
+
+def optimizer_feeds(g: Graph, feeds: dict[str, np.ndarray], lr: float = 1e-3) -> dict[str, np.ndarray]:
+    """``feeds`` (values of the parameters among them) with a training step's optimizer states set to their
+    initial values (zero moments, a step of zero, masters copied from their parameters) and the learning
+    rate ``lr``."""
     for n in g.inputs:
         fill = next((v for suffix, v in OPTIMIZER_STATES.items() if n.name.endswith(suffix)), None)
         if n.role == "state" and fill is not None:
