@@ -36,20 +36,19 @@ def stage(compiled: Any, feeds: Mapping[str, Any]) -> bool:
     docstring); False, having loaded nothing, where ``compiled.load`` must do it."""
     if compiled.devices.kind != "cuda" or not hasattr(compiled.executor, "stage"):
         return False
-    return bool(compiled.executor.stage({name: _raw(x) or x for name, x in feeds.items()}))
+    current = _torch().cuda.current_stream(f"cuda:{compiled.devices.physical[0]}")  # once per call: it costs
+    return bool(compiled.executor.stage({name: _raw(x, current) or x for name, x in feeds.items()}))
 
 
-def _raw(x: Any, stream: Any = None) -> RawDevice | None:
-    """A contiguous torch CUDA tensor by address, ordered after ``stream`` (default: torch's current stream
-    on its device); None for anything else."""
+def _raw(x: Any, stream: Any) -> RawDevice | None:
+    """A contiguous torch CUDA tensor on ``stream``'s GPU by address, ordered after ``stream`` (torch's
+    current stream there); None for anything else (the checked paths take it)."""
     torch = _torch()
-    if not isinstance(x, torch.Tensor) or not x.is_cuda or not x.is_contiguous():
+    if not isinstance(x, torch.Tensor) or x.device != stream.device or not x.is_contiguous():
         return None
     name = _dtype_name(x.dtype)
-    if name is None:
-        return None
-    stream = stream if stream is not None else torch.cuda.current_stream(x.device)
-    return RawDevice(x.data_ptr(), tuple(x.shape), name, x.device.index, stream.cuda_stream, x)
+    return None if name is None else RawDevice(x.data_ptr(), tuple(x.shape), name, x.device.index,
+                                               stream.cuda_stream, x)
 
 
 def output(compiled: Any, name: str) -> Any:

@@ -12,6 +12,7 @@ host.  A whole input, and an output held in one contiguous block, move as one ``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,10 +43,7 @@ class RawDevice:
 
     @property
     def nbytes(self) -> int:
-        n = 2 if self.dtype == "bfloat16" else np.dtype(self.dtype).itemsize
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape) * numpy_dtype(self.dtype).itemsize
 
 
 class Staging:
