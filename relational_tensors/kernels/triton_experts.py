@@ -44,22 +44,27 @@ _chosen: dict[tuple, tuple[int, ...]] = {}
 
 
 @triton.jit
+def _pairs(ids_ptr, p, n_pairs, experts, e):
+    """The expert key of the pairs ``p`` (``experts`` for an id no expert holds), which of them are expert
+    ``e``'s, and each one's rank among those in the block."""
+    live = p < n_pairs
+    ids = tl.load(ids_ptr + p, mask=live, other=0).to(tl.int64)
+    key = tl.where((ids >= 0) & (ids < experts), ids, experts)
+    mine = live & (key == e)
+    return key, live, mine, tl.cumsum(mine.to(tl.int32), axis=0) - 1
+
+
+@triton.jit
 def _route_kernel(ids_ptr, out_ptr, n_pairs, k, experts, WHAT: tl.constexpr, BLOCK_P: tl.constexpr):
     e = tl.program_id(0)  # experts: the pairs whose id no expert holds
     start = 0
     for p0 in range(0, n_pairs, BLOCK_P):
-        p = p0 + tl.arange(0, BLOCK_P)
-        ids = tl.load(ids_ptr + p, mask=p < n_pairs, other=0).to(tl.int64)
-        key = tl.where((ids >= 0) & (ids < experts), ids, experts)
-        start += tl.sum(((key < e) & (p < n_pairs)).to(tl.int32), axis=0)
+        key, live, _, _ = _pairs(ids_ptr, p0 + tl.arange(0, BLOCK_P), n_pairs, experts, e)
+        start += tl.sum(((key < e) & live).to(tl.int32), axis=0)
     seen = 0
     for p0 in range(0, n_pairs, BLOCK_P):
         p = p0 + tl.arange(0, BLOCK_P)
-        live = p < n_pairs
-        ids = tl.load(ids_ptr + p, mask=live, other=0).to(tl.int64)
-        key = tl.where((ids >= 0) & (ids < experts), ids, experts)
-        mine = live & (key == e)
-        rank = tl.cumsum(mine.to(tl.int32), axis=0) - 1
+        key, _, mine, rank = _pairs(ids_ptr, p, n_pairs, experts, e)
         row = (start + seen + rank).to(tl.int64)
         if WHAT == 0:  # token
             tl.store(out_ptr + row, (p // k).to(tl.int64), mask=mine)
@@ -229,15 +234,11 @@ def grouped_weight_grad(xs: DevBuf, dy: DevBuf, group: DevBuf, out: DevBuf, e0: 
 def _capacity_kernel(ids_ptr, out_ptr, n_pairs, experts, capacity, WHAT: tl.constexpr, BLOCK_P: tl.constexpr):
     g = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1)  # experts: the pairs whose id no expert holds (dropped)
-    base = ids_ptr + g * n_pairs
     seen = 0
     for p0 in range(0, n_pairs, BLOCK_P):
         p = p0 + tl.arange(0, BLOCK_P)
-        live = p < n_pairs
-        ids = tl.load(base + p, mask=live, other=0).to(tl.int64)
-        key = tl.where((ids >= 0) & (ids < experts), ids, experts)
-        mine = live & (key == e)
-        rank = seen + tl.cumsum(mine.to(tl.int32), axis=0) - 1
+        key, _, mine, rank = _pairs(ids_ptr + g * n_pairs, p, n_pairs, experts, e)
+        rank = seen + rank
         kept = mine & (rank < capacity) & (key < experts)
         slot = e.to(tl.int64) * capacity + rank
         if WHAT == 0:  # slot of each pair, -1 where dropped
