@@ -71,6 +71,7 @@ def _pointers(monkeypatch):
     from triton_interpret import widen_interpreted_dot
 
     monkeypatch.setattr(K, "Ptr", _view)
+    monkeypatch.setattr(sys.modules["relational_tensors.kernels.triton_attention"], "Ptr", _view)  # masks' arguments
     widen_interpreted_dot(monkeypatch)
     yield
 
@@ -434,14 +435,17 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from relational_tensors.kernels import triton_attention as F
 from relational_tensors.kernels import triton_attention_grad as K
+from relational_tensors.kernels import triton_attention_dbias as B
 
-def compile_one(kind, t16, d, cfg, padded=False):
+def compile_one(kind, t16, d, cfg, padded=False, masks=False):
     bm, bn, warps, stages, tma = cfg
     bd = max(16, triton.next_power_of_2(d))
-    fn = {"lse": K._lse_kernel, "dq": K._dq_kernel, "dkv": K._dkv_kernel, "forward": F._attention_kernel}[kind]
+    fn = {"lse": K._lse_kernel, "dq": K._dq_kernel, "dkv": K._dkv_kernel, "forward": F._attention_kernel,
+          "dbias": B._dbias_kernel}[kind]
     consts = dict(D=d, BLOCK_D=bd, DV=d, BLOCK_DV=bd, BLOCK_M=bm, BLOCK_N=bn, IEEE=t16 == "fp32", ACC=tl.float32,
                   TMA=bool(tma), WRITE_DK=True, WRITE_DV=True, RELOAD=tma == 2, SPLITS=1, LIMITS=padded,
-                  BITS=padded, WRITE_LSE=True, KT=True, HEADS_INNER=True, NEG_SCALE=False)
+                  BITS=padded, WRITE_LSE=True, KT=True, HEADS_INNER=True, NEG_SCALE=False, MASK=masks,
+                  BIAS=masks or kind == "dbias")
     blocks = {"q_desc": bm, "do_desc": bm, "k_desc": bn, "v_desc": bn}
     stats = {"lse_ptr", "delta_ptr"}
     limits = {"lo_ptr", "hi_ptr", "kqlo_ptr", "kqhi_ptr", "klim_ptr"}
@@ -452,15 +456,15 @@ def compile_one(kind, t16, d, cfg, padded=False):
         elif name in blocks:
             sig[name] = f"tensordesc<{t16}[{blocks[name]},{bd}]>"
         elif name.endswith("_ptr"):
-            sig[name] = ("*i32" if name in limits else "*fp32" if name in stats else "*i8" if name == "kp_ptr"
-                         else f"*{t16}")
+            sig[name] = ("*i32" if name in limits else "*fp32" if name in stats else "*i8" if name in ("kp_ptr",
+                         "mask_ptr") else f"*{t16}")
         else:
             sig[name] = "fp32" if name in ("scale", "qk_scale") else "i32"
     k = triton.compile(ASTSource(fn, sig, constexprs=cst), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=warps, num_stages=stages))
     return getattr(k, "n_spills", None), getattr(k, "n_regs", None)
 
-# the last four: key padding and per-batch key limits (the padded forms)
+# then key padding and per-batch key limits (the padded forms); then a mask and a bias beside them
 for kind, t16, d, cfg, padded in [("dq", "bf16", 128, (128, 64, 8, 3, 1), False),
                                   ("dkv", "bf16", 128, (32, 64, 8, 2, 1), False),
                                   ("lse", "bf16", 128, (128, 64, 8, 3, 1), False),
@@ -469,8 +473,14 @@ for kind, t16, d, cfg, padded in [("dq", "bf16", 128, (128, 64, 8, 3, 1), False)
                                   ("forward", "bf16", 128, (128, 64, 8, 3, 0), True),
                                   ("lse", "bf16", 128, (128, 64, 8, 3, 1), True),
                                   ("dq", "bf16", 128, (128, 64, 8, 3, 1), True),
-                                  ("dkv", "bf16", 128, (64, 64, 8, 2, 1), True)]:
-    spills, regs = compile_one(kind, t16, d, cfg, padded)
+                                  ("dkv", "bf16", 128, (64, 64, 8, 2, 1), True),
+                                  ("forward", "bf16", 128, (128, 64, 8, 3, 0), "masks"),
+                                  ("lse", "bf16", 128, (128, 64, 8, 3, 1), "masks"),
+                                  ("dq", "bf16", 128, (128, 64, 8, 3, 1), "masks"),
+                                  ("dkv", "bf16", 128, (64, 64, 8, 2, 1), "masks"),
+                                  ("dbias", "bf16", 128, (64, 64, 4, 1, 0), "masks"),
+                                  ("dbias", "fp32", 64, (32, 32, 4, 1, 0), False)]:
+    spills, regs = compile_one(kind, t16, d, cfg, bool(padded), padded == "masks")
     print(kind, t16, d, cfg, padded, "compiled", spills, regs, flush=True)
 '''
 
@@ -487,4 +497,4 @@ def test_the_kernels_compile_for_hopper_without_a_gpu() -> None:
     if run.returncode and ("ptxas" in run.stderr and "not found" in run.stderr or "TypeError" in run.stderr):
         pytest.skip(f"this Triton cannot compile for sm_90 here: {run.stderr.strip().splitlines()[-1]}")
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count("compiled") == 9
+    assert run.stdout.count("compiled") == 15

@@ -102,38 +102,46 @@ def test_the_backward_reads_the_lse_the_forward_wrote(device: str, monkeypatch: 
         _relative(paired[name], plain[name], 2e-2, f"{device} {name} against the recomputed lse")
 
 
-@pytest.mark.parametrize("form", ["key lengths", "key padding", "mask"])
-def test_padded_forms_run_in_the_kernels_and_masks_on_the_host(form: str) -> None:
-    """Key lengths and key padding run in the Triton kernels, forward and backward (captured), a boolean mask
-    on host copies (eagerly): both agree with the reference, split over two logical devices."""
+@pytest.mark.parametrize("form", ["key lengths", "key padding", "mask", "bias", "mask, bias and padding"])
+@pytest.mark.parametrize("device", ["cuda:0", "cuda:0,0"])
+def test_padded_masked_and_biased_forms_run_in_the_kernels(form: str, device: str) -> None:
+    """Key lengths, key padding, a boolean mask and an additive bias (with its gradient) run in the Triton
+    kernels, forward and backward, captured in a CUDA graph: they agree with the reference on one and two
+    logical devices."""
     g = rt.Graph()
     q = g.input("q", [2, 40, 4, 32], "float32")
     k = g.input("k", [2, 40, 2, 32], "float32")
     v = g.input("v", [2, 40, 2, 32], "float32")
+    wrt = [q, k, v]
+    extra: dict = {}
     if form == "key lengths":
-        o = g.attention(q, k, v, causal=True, key_padding=[33, 40])
-    elif form == "key padding":
-        o = g.attention(q, k, v, causal=True, key_padding=g.input("kp", [2, 40], "bool"))
-    else:
-        o = g.attention(q, k, v, causal=True, mask=g.input("m", [2, 1, 40, 40], "bool"))
-    for name, t in zip(("dq", "dk", "dv"), g.vjp(o, g.input("do", [2, 40, 4, 32], "float32"), [q, k, v])):
+        extra["key_padding"] = [33, 40]
+    if "padding" in form:
+        extra["key_padding"] = g.input("kp", [2, 40], "bool")
+    if "mask" in form:
+        extra["mask"] = g.input("m", [2, 1, 40, 40], "bool")
+    if "bias" in form:
+        extra["bias"] = g.input("bias", [1, 4, 40, 40], "float32")
+        wrt.append(extra["bias"])
+    o = g.attention(q, k, v, causal=True, **extra)
+    names = ("dq", "dk", "dv", "dbias")
+    for name, t in zip(names, g.vjp(o, g.input("do", [2, 40, 4, 32], "float32"), wrt)):
         g.save(t, name=name)
     g.save(o, name="o")
-    host = form == "mask"
-    assert all(launchers.allocates(n.op) == host for n in g.nodes
-               if n.kind in ("attention", "attention_lse", "attention_grad"))
+    assert not any(launchers.allocates(n.op) for n in g.nodes
+                   if n.kind in ("attention", "attention_lse", "attention_grad"))
     feeds = _feeds(g, 1)
-    if form == "key padding":
+    if "padding" in form:
         kp = np.ones((2, 40), dtype=bool)
         kp[0, 31:] = False
         kp[1, :6] = False
         kp[1, 20:23] = False
         feeds["kp"] = kp
-    elif form == "mask":
+    if "mask" in form:
         feeds["m"] = np.random.default_rng(5).random((2, 1, 40, 40)) < 0.7
     want = rt.reference(g, feeds)
-    cg = rt.compileGraph(g, device="cuda:0,0")
+    cg = rt.compileGraph(g, device=device)
     for _ in range(3):  # eager, captured, replayed
         got = cg.run(feeds)
-    for name in ("o", "dq", "dk", "dv"):
+    for name in ("o", *names[:len(wrt)]):
         _relative(got[name], want[name], 1e-4, f"{form} {name}")

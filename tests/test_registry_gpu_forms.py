@@ -30,7 +30,8 @@ def test_gpu_form_is_in_the_registry_and_the_catalog_table() -> None:
     forms = dict(zip(operator_table()["kind"].to_pylist(), operator_table()["gpu_form"].to_pylist()))
     assert forms["matmul"] == "kernel"
     assert forms["sql"].startswith("host: ")
-    assert forms["attention"].startswith("kernel except ") and "mask" in forms["attention"]
+    assert forms["attention"] == "kernel"  # masks and biases included
+    assert forms["attention_grad"].startswith("kernel except ") and "float64" in forms["attention_grad"]
     assert "on GPUs" in describe().splitlines()[0]
 
 

@@ -8,6 +8,10 @@ and a key block of a seq_kv split need no special case.  A tile of rows visits
 only the keys some row of it can see; key tiles that every row sees entirely
 run without masks.  With ``lse`` the log-sum-exp of every row is written too,
 for the ⊕ that merges key blocks.
+
+A boolean ``mask`` and an additive ``bias`` ([b or 1, hq or 1, sq, skv] blocks, any strides) are read
+tile by tile beside the scores (``extra_arguments``): every tile is masked then, and a bias is added in
+float32 after the scale, as SDPA adds its float mask.
 """
 
 from __future__ import annotations
@@ -21,15 +25,38 @@ import triton.language as tl
 from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.kernels.common import DevBuf, Ptr, chosen_config, is_interpreted
 
-__all__ = ["attention", "padding_limits"]
+__all__ = ["attention", "padding_limits", "extra_arguments"]
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def extra_scores(s, visible, rows, cols, inside, mask_base, smr, smc, bias_base, sbr, sbc,
+                 MASK: tl.constexpr, BIAS: tl.constexpr, TRANS: tl.constexpr):
+    """Scores ``s`` (scaled, in log2 units) with a boolean mask's and an additive bias's tile applied:
+    -inf where a pair is not ``visible`` or the mask hides it, plus bias · log2(e) elsewhere.  ``TRANS``:
+    the tile is [keys, rows] (the dk|dv pass), not [rows, keys]; ``inside`` bounds the loads."""
+    if TRANS:
+        r = rows[None, :].to(tl.int64)
+        c = cols[:, None].to(tl.int64)
+    else:
+        r = rows[:, None].to(tl.int64)
+        c = cols[None, :].to(tl.int64)
+    if MASK:
+        visible = visible & (tl.load(mask_base + r * smr + c * smc, mask=inside, other=0) != 0)
+    if BIAS:
+        s = s + tl.load(bias_base + r * sbr + c * sbc, mask=inside, other=0.0).to(s.dtype) * LOG2E
+    return tl.where(visible, s, float("-inf"))
 
 
 @triton.jit
 def _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, hi, k_offset, qk_scale,
-          dq, dv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk,
+          dq, dv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, rows, rmask,
+          mask_base, smr, smc, bias_base, sbr, sbc,
           D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
           BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr, KT: tl.constexpr,
-          NEG_SCALE: tl.constexpr, TMA: tl.constexpr, BITS: tl.constexpr):
+          NEG_SCALE: tl.constexpr, TMA: tl.constexpr, BITS: tl.constexpr, MASK: tl.constexpr,
+          BIAS: tl.constexpr):
     cols = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
         cmask = cols < end
@@ -61,7 +88,11 @@ def _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, h
         if BITS:  # key padding: the real keys of this batch row (every tile is masked then)
             real = tl.load(kp_base + cols * stride_kpk, mask=cmask, other=0)
             visible = visible & (real != 0)[None, :]
-        s = tl.where(visible, s * qk_scale, float("-inf"))
+        if MASK or BIAS:  # a mask's bits and a bias's values beside the scores (every tile is masked then)
+            s = extra_scores(s * qk_scale, visible, rows, cols, rmask[:, None] & cmask[None, :], mask_base, smr,
+                             smc, bias_base, sbr, sbc, MASK, BIAS, False)
+        else:
+            s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
         p = tl.exp2(s - m_safe[:, None])
@@ -100,11 +131,13 @@ def _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, h
 def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, hi_ptr, kp_ptr, klim_ptr,
                       sq, skv, hq, group, q_offset, k_offset, qk_scale,
                       stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs,
-                      stride_ob, stride_os, stride_kpb, stride_kpk, klim_b0, q_desc, k_desc, v_desc,
+                      stride_ob, stride_os, stride_kpb, stride_kpk, klim_b0,
+                      mask_ptr, smb, smh, smr, smc, bias_ptr, sbb, sbh, sbr, sbc, q_desc, k_desc, v_desc,
                       D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       WRITE_LSE: tl.constexpr, IEEE: tl.constexpr, KT: tl.constexpr, HEADS_INNER: tl.constexpr,
-                      NEG_SCALE: tl.constexpr, TMA: tl.constexpr, LIMITS: tl.constexpr, BITS: tl.constexpr):
+                      NEG_SCALE: tl.constexpr, TMA: tl.constexpr, LIMITS: tl.constexpr, BITS: tl.constexpr,
+                      MASK: tl.constexpr, BIAS: tl.constexpr):
     m_blocks = tl.cdiv(sq, BLOCK_M)  # a 1-D grid: (row block, batch·head) never overflows a grid dimension
     pid = tl.program_id(0).to(tl.int64)
     if HEADS_INNER:
@@ -146,9 +179,11 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, hi_ptr, kp_pt
     full_lo = tl.maximum(((tl.maximum(lo_max, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, start)
     full_hi = tl.maximum((tl.minimum(hi_min, skv) // BLOCK_N) * BLOCK_N, full_lo)
     full_hi = tl.minimum(full_hi, tl.maximum(end, full_lo))
-    if BITS:  # padding may leave holes anywhere: every tile is masked
+    if BITS or MASK or BIAS:  # padding, a mask or a bias may touch any pair: every tile is masked
         full_lo = tl.maximum(end, start)
         full_hi = full_lo
+    mask_base = mask_ptr + b * smb + h * smh  # (strides 0 on broadcast dimensions)
+    bias_base = bias_ptr + b * sbb + h * sbh
     k_base = k_ptr + b * stride_kb + hk * D
     v_base = v_ptr + b * stride_vb + hk * DV
     krow = (b * skv).to(tl.int32)
@@ -160,16 +195,19 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, hi_ptr, kp_pt
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for n0 in range(start, tl.minimum(full_lo, end), BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, hi, k_offset,
-                              qk_scale, dq, dv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, D, DV, BLOCK_D,
-                              BLOCK_DV, BLOCK_N, True, IEEE, KT, NEG_SCALE, TMA, BITS)
+                              qk_scale, dq, dv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, rows, rmask,
+                              mask_base, smr, smc, bias_base, sbr, sbc, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, IEEE,
+                              KT, NEG_SCALE, TMA, BITS, MASK, BIAS)
     for n0 in range(full_lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, hi, k_offset,
-                              qk_scale, dq, dv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, D, DV, BLOCK_D,
-                              BLOCK_DV, BLOCK_N, False, IEEE, KT, NEG_SCALE, TMA, BITS)
+                              qk_scale, dq, dv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, rows, rmask,
+                              mask_base, smr, smc, bias_base, sbr, sbc, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False,
+                              IEEE, KT, NEG_SCALE, TMA, BITS, MASK, BIAS)
     for n0 in range(tl.maximum(full_hi, tl.minimum(full_lo, end)), end, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, hi, k_offset,
-                              qk_scale, dq, dv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, D, DV, BLOCK_D,
-                              BLOCK_DV, BLOCK_N, True, IEEE, KT, NEG_SCALE, TMA, BITS)
+                              qk_scale, dq, dv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, rows, rmask,
+                              mask_base, smr, smc, bias_base, sbr, sbc, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, IEEE,
+                              KT, NEG_SCALE, TMA, BITS, MASK, BIAS)
     denom = tl.where(l_i > 0, l_i, 1.0)
     out = acc / denom[:, None]
     tl.store(o_ptr + b * stride_ob + rows[:, None].to(tl.int64) * stride_os + h * DV + dv[None, :],
@@ -296,15 +334,38 @@ def _pick(key: tuple, args: tuple, consts: dict, sq: int, nbh: int, tma: tuple |
                          lambda cfg: bool(cfg[6]), "attention kernel")
 
 
+def _broadcast_strides(buf: DevBuf) -> tuple[int, ...]:
+    """Element strides of a [b|1, hq|1, rows, keys] mask or bias block, 0 along its broadcast dimensions."""
+    return tuple(0 if n == 1 else st for n, st in zip(buf.shape, buf.strides))
+
+
+def extra_arguments(fallback: DevBuf, mask: DevBuf | None, bias: DevBuf | None, rows: int,
+                    keys: int) -> tuple[tuple, dict]:
+    """(kernel arguments, constexprs) of a boolean mask and an additive bias, blocks [b or 1, hq or 1,
+    rows, keys] of any strides (a broadcast dimension's stride is taken as 0), as every attention kernel
+    takes them: pointer and four strides each, then the ``MASK`` and ``BIAS`` switches."""
+    args: list = []
+    for buf in (mask, bias):
+        if buf is None:
+            args += [Ptr(fallback), 0, 0, 0, 0]
+            continue
+        if len(buf.shape) != 4 or tuple(buf.shape[2:]) != (rows, keys):
+            raise ValueError(f"an attention mask or bias block is [b|1, hq|1, {rows}, {keys}]; got {buf.shape}")
+        args += [Ptr(buf), *_broadcast_strides(buf)]
+    return tuple(args), dict(MASK=mask is not None, BIAS=bias is not None)
+
+
 def launch_arguments(q: DevBuf, k: DevBuf, v: DevBuf, out: DevBuf, lse: DevBuf | None, row_lo: DevBuf,
                      row_hi: DevBuf, q_offset: int, k_offset: int, scale: float,
                      key_padding: DevBuf | None = None, limits: DevBuf | None = None,
-                     limits_batch: int = 0) -> tuple[tuple, dict, tuple, tuple | None]:
+                     limits_batch: int = 0, mask: DevBuf | None = None,
+                     bias: DevBuf | None = None) -> tuple[tuple, dict, tuple, tuple | None]:
     """(positional arguments, constexprs, configuration key, tensor-descriptor views or None) of one
     launch; :func:`_launch` adds the configuration.  bench/gpu_kernels.py times configurations
     through this too.  ``key_padding`` (bool [b, skv], True for a real key, the keys of this block) masks
     keys in every tile; ``limits`` (int32 [B, 2], absolute key positions) bounds batch row
-    ``limits_batch + b``'s keys to [limits[.., 0], limits[.., 1]), so tiles outside are skipped."""
+    ``limits_batch + b``'s keys to [limits[.., 0], limits[.., 1]), so tiles outside are skipped; ``mask``
+    and ``bias`` as :func:`extra_arguments` takes them."""
     nb, sq, hq, d = q.shape
     skv, hkv, dvn = k.shape[1], k.shape[2], v.shape[3]
     scale = float(scale)  # a NumPy scalar would make NEG_SCALE a NumPy bool, which Triton refuses
@@ -316,25 +377,29 @@ def launch_arguments(q: DevBuf, k: DevBuf, v: DevBuf, out: DevBuf, lse: DevBuf |
             q.strides[0], q.strides[1], k.strides[0], k.strides[1], v.strides[0], v.strides[1],
             out.strides[0], out.strides[1], key_padding.strides[0] if key_padding is not None else 0,
             key_padding.strides[1] if key_padding is not None else 0, limits_batch)
+    extra_args, extra_consts = extra_arguments(row_lo, mask, bias, sq, skv)
+    args = (*args, *extra_args)
     consts = dict(D=d, DV=dvn, BLOCK_D=block_d, BLOCK_DV=block_dv, WRITE_LSE=lse is not None,
                   IEEE=q.dtype == "float32", NEG_SCALE=bool(scale < 0), LIMITS=limits is not None,
-                  BITS=key_padding is not None)
+                  BITS=key_padding is not None, **extra_consts)
     tma = _tma_views(q, k, v)
     key = (d, dvn, q.dtype, lse is not None, scale < 0, tma is not None, triton.next_power_of_2(sq),
-           triton.next_power_of_2(skv), nb * hq, limits is not None, key_padding is not None)
+           triton.next_power_of_2(skv), nb * hq, limits is not None, key_padding is not None, mask is not None,
+           bias is not None)
     return args, consts, key, tma
 
 
 def attention(q: DevBuf, k: DevBuf, v: DevBuf, out: DevBuf, lse: DevBuf | None, row_lo: DevBuf, row_hi: DevBuf,
               q_offset: int, k_offset: int, scale: float, key_padding: DevBuf | None = None,
-              limits: DevBuf | None = None, limits_batch: int = 0) -> None:
+              limits: DevBuf | None = None, limits_batch: int = 0, mask: DevBuf | None = None,
+              bias: DevBuf | None = None) -> None:
     """Attention of contiguous blocks q, k, v into ``out`` (and ``lse`` [b, sq, hq] float32 if given); key
-    padding and per-batch key limits as :func:`launch_arguments` takes them."""
+    padding, per-batch key limits, a mask and a bias as :func:`launch_arguments` takes them."""
     nb, sq, hq = q.shape[:3]
     if out.size == 0:
         return
     if k.shape[1] == 0 or k.shape[2] == 0:
         raise ValueError("attention with no keys is handled by the caller (zero output, -inf lse)")
     args, consts, key, tma = launch_arguments(q, k, v, out, lse, row_lo, row_hi, q_offset, k_offset, scale,
-                                              key_padding, limits, limits_batch)
+                                              key_padding, limits, limits_batch, mask, bias)
     _launch(_pick(key, args, consts, sq, nb * hq, tma), args, consts, sq, nb * hq, tma)

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from relational_tensors.kernels.common import DevBuf, Ptr, acc_type, chosen_config
 from relational_tensors.kernels.scratch import dkv_scratch, dkv_splits
-from relational_tensors.kernels.triton_attention import interpreted
+from relational_tensors.kernels.triton_attention import extra_arguments, extra_scores, interpreted
 
 __all__ = ["attention_lse", "attention_delta", "attention_dq", "attention_dkv", "Config"]
 
@@ -102,9 +102,10 @@ def _load_rows(base, rows, stride, cols, n_rows, WIDTH: tl.constexpr, BLOCK_W: t
 
 @triton.jit
 def _lse_tile(l_i, m_i, q, k_base, stride_ks, n0, skv, lo, hi, k_offset, qk_scale, dd, k_desc, krow, kcol,
-              kp_base, stride_kpk,
+              kp_base, stride_kpk, rows, rmask, mask_base, smr, smc, bias_base, sbr, sbc,
               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              MASKED: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, BITS: tl.constexpr):
+              MASKED: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, BITS: tl.constexpr,
+              MASK: tl.constexpr, BIAS: tl.constexpr):
     cols = n0 + tl.arange(0, BLOCK_N)
     if TMA:
         k = k_desc.load([krow + n0, kcol])
@@ -116,7 +117,8 @@ def _lse_tile(l_i, m_i, q, k_base, stride_ks, n0, skv, lo, hi, k_offset, qk_scal
         visible = (abs_cols[None, :] >= lo[:, None]) & (abs_cols[None, :] < hi[:, None]) & (cols[None, :] < skv)
         if BITS:
             visible = visible & (tl.load(kp_base + cols * stride_kpk, mask=cols < skv, other=0) != 0)[None, :]
-        s = tl.where(visible, s, float("-inf"))
+        s = extra_scores(s, visible, rows, cols, rmask[:, None] & (cols[None, :] < skv), mask_base, smr, smc,
+                         bias_base, sbr, sbc, MASK, BIAS, False)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), axis=1)
@@ -129,9 +131,11 @@ def _lse_tile(l_i, m_i, q, k_base, stride_ks, n0, skv, lo, hi, k_offset, qk_scal
 @triton.jit
 def _lse_kernel(q_ptr, k_ptr, lse_ptr, lo_ptr, hi_ptr, sq, skv, hq, group, q_offset, k_offset, qk_scale,
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_lb, stride_ls, stride_lh,
-                kp_ptr, klim_ptr, stride_kpb, stride_kpk, klim_b0, q_desc, k_desc,
+                kp_ptr, klim_ptr, stride_kpb, stride_kpk, klim_b0, mask_ptr, smb, smh, smr, smc,
+                bias_ptr, sbb, sbh, sbr, sbc, q_desc, k_desc,
                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                IEEE: tl.constexpr, ACC: tl.constexpr, TMA: tl.constexpr, LIMITS: tl.constexpr, BITS: tl.constexpr):
+                IEEE: tl.constexpr, ACC: tl.constexpr, TMA: tl.constexpr, LIMITS: tl.constexpr, BITS: tl.constexpr,
+                MASK: tl.constexpr, BIAS: tl.constexpr):
     m_blocks = tl.cdiv(sq, BLOCK_M)
     pid = tl.program_id(0).to(tl.int64)
     nbh = tl.num_programs(0).to(tl.int64) // m_blocks
@@ -151,9 +155,11 @@ def _lse_kernel(q_ptr, k_ptr, lse_ptr, lo_ptr, hi_ptr, sq, skv, hq, group, q_off
     start, end, full_lo, full_hi = _span(tl.min(lo, axis=0) - k_offset, tl.max(tl.where(rmask, lo, -_BIG), axis=0)
                                          - k_offset, tl.min(tl.where(rmask, hi, _BIG), axis=0) - k_offset,
                                          tl.max(hi, axis=0) - k_offset, skv, BLOCK_N)
-    if BITS:  # padding may leave holes anywhere: every tile is masked
+    if BITS or MASK or BIAS:  # padding, a mask or a bias may touch any pair: every tile is masked
         full_lo = tl.maximum(end, start)
         full_hi = full_lo
+    mask_base = mask_ptr + b * smb + h * smh  # (strides 0 on broadcast dimensions)
+    bias_base = bias_ptr + b * sbb + h * sbh
     kp_base = kp_ptr + b * stride_kpb
     k_base = k_ptr + b * stride_kb + hk * stride_kh
     krow = (b * skv).to(tl.int32)
@@ -162,13 +168,16 @@ def _lse_kernel(q_ptr, k_ptr, lse_ptr, lo_ptr, hi_ptr, sq, skv, hq, group, q_off
     l_i = tl.zeros([BLOCK_M], dtype=ACC)
     for n0 in range(start, tl.minimum(full_lo, end), BLOCK_N):
         l_i, m_i = _lse_tile(l_i, m_i, q, k_base, stride_ks, n0, skv, lo, hi, k_offset, qk_scale, dd, k_desc, krow,
-                             kcol, kp_base, stride_kpk, D, BLOCK_D, BLOCK_M, BLOCK_N, True, IEEE, TMA, BITS)
+                             kcol, kp_base, stride_kpk, rows, rmask, mask_base, smr, smc, bias_base, sbr, sbc, D,
+                             BLOCK_D, BLOCK_M, BLOCK_N, True, IEEE, TMA, BITS, MASK, BIAS)
     for n0 in range(full_lo, full_hi, BLOCK_N):
         l_i, m_i = _lse_tile(l_i, m_i, q, k_base, stride_ks, n0, skv, lo, hi, k_offset, qk_scale, dd, k_desc, krow,
-                             kcol, kp_base, stride_kpk, D, BLOCK_D, BLOCK_M, BLOCK_N, False, IEEE, TMA, BITS)
+                             kcol, kp_base, stride_kpk, rows, rmask, mask_base, smr, smc, bias_base, sbr, sbc, D,
+                             BLOCK_D, BLOCK_M, BLOCK_N, False, IEEE, TMA, BITS, MASK, BIAS)
     for n0 in range(tl.maximum(full_hi, tl.minimum(full_lo, end)), end, BLOCK_N):
         l_i, m_i = _lse_tile(l_i, m_i, q, k_base, stride_ks, n0, skv, lo, hi, k_offset, qk_scale, dd, k_desc, krow,
-                             kcol, kp_base, stride_kpk, D, BLOCK_D, BLOCK_M, BLOCK_N, True, IEEE, TMA, BITS)
+                             kcol, kp_base, stride_kpk, rows, rmask, mask_base, smr, smc, bias_base, sbr, sbc, D,
+                             BLOCK_D, BLOCK_M, BLOCK_N, True, IEEE, TMA, BITS, MASK, BIAS)
     m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
     lse = tl.where(l_i > 0, (m_fin + tl.log2(tl.where(l_i > 0, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
     tl.store(lse_ptr + b * stride_lb + rows.to(tl.int64) * stride_ls + h * stride_lh,
@@ -206,10 +215,11 @@ def _delta_kernel(o_ptr, do_ptr, out_ptr, n_rows, s, h, dv,
 
 @triton.jit
 def _dq_tile(acc, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n0, skv, lo, hi, k_offset, qk_scale,
-             dd, dvv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk,
+             dd, dvv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, rows, rmask,
+             mask_base, smr, smc, bias_base, sbr, sbc,
              D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
-             TMA: tl.constexpr, BITS: tl.constexpr):
+             TMA: tl.constexpr, BITS: tl.constexpr, MASK: tl.constexpr, BIAS: tl.constexpr):
     cols = n0 + tl.arange(0, BLOCK_N)
     if TMA:
         k = k_desc.load([krow + n0, kcol])
@@ -224,7 +234,12 @@ def _dq_tile(acc, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n0, 
         visible = (abs_cols[None, :] >= lo[:, None]) & (abs_cols[None, :] < hi[:, None]) & (cols[None, :] < skv)
         if BITS:
             visible = visible & (tl.load(kp_base + cols * stride_kpk, mask=cols < skv, other=0) != 0)[None, :]
-        p = tl.where(visible, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
+        if MASK or BIAS:
+            s2 = extra_scores(s * qk_scale, visible, rows, cols, rmask[:, None] & (cols[None, :] < skv), mask_base,
+                              smr, smc, bias_base, sbr, sbc, MASK, BIAS, False)
+            p = tl.where(s2 == float("-inf"), 0.0, tl.exp2(s2 - lse2[:, None]))
+        else:
+            p = tl.where(visible, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
     else:
         p = tl.exp2(s * qk_scale - lse2[:, None])
     dp = _mm(do, tl.trans(v), zero, IEEE)
@@ -241,10 +256,11 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, lo_ptr, 
                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                stride_gb, stride_gs, stride_gh, stride_lb, stride_ls, stride_lh, stride_tb, stride_ts, stride_th,
                stride_ob, stride_os, stride_oh, kp_ptr, klim_ptr, stride_kpb, stride_kpk, klim_b0,
-               q_desc, k_desc, v_desc, do_desc,
+               mask_ptr, smb, smh, smr, smc, bias_ptr, sbb, sbh, sbr, sbc, q_desc, k_desc, v_desc, do_desc,
                D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr,
-               TMA: tl.constexpr, LIMITS: tl.constexpr, BITS: tl.constexpr):
+               TMA: tl.constexpr, LIMITS: tl.constexpr, BITS: tl.constexpr, MASK: tl.constexpr,
+               BIAS: tl.constexpr):
     m_blocks = tl.cdiv(sq, BLOCK_M)
     pid = tl.program_id(0).to(tl.int64)
     nbh = tl.num_programs(0).to(tl.int64) // m_blocks
@@ -272,9 +288,11 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, lo_ptr, 
     start, end, full_lo, full_hi = _span(tl.min(lo, axis=0) - k_offset, tl.max(tl.where(rmask, lo, -_BIG), axis=0)
                                          - k_offset, tl.min(tl.where(rmask, hi, _BIG), axis=0) - k_offset,
                                          tl.max(hi, axis=0) - k_offset, skv, BLOCK_N)
-    if BITS:  # padding may leave holes anywhere: every tile is masked
+    if BITS or MASK or BIAS:  # padding, a mask or a bias may touch any pair: every tile is masked
         full_lo = tl.maximum(end, start)
         full_hi = full_lo
+    mask_base = mask_ptr + b * smb + h * smh  # (strides 0 on broadcast dimensions)
+    bias_base = bias_ptr + b * sbb + h * sbh
     kp_base = kp_ptr + b * stride_kpb
     k_base = k_ptr + b * stride_kb + hk * stride_kh
     v_base = v_ptr + b * stride_vb + hk * stride_vh
@@ -284,16 +302,19 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, lo_ptr, 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
     for n0 in range(start, tl.minimum(full_lo, end), BLOCK_N):
         acc = _dq_tile(acc, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n0, skv, lo, hi, k_offset,
-                       qk_scale, dd, dvv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, D, DV, BLOCK_D,
-                       BLOCK_DV, BLOCK_M, BLOCK_N, True, IEEE, TMA, BITS)
+                       qk_scale, dd, dvv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, rows, rmask,
+                       mask_base, smr, smc, bias_base, sbr, sbc, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True,
+                       IEEE, TMA, BITS, MASK, BIAS)
     for n0 in range(full_lo, full_hi, BLOCK_N):
         acc = _dq_tile(acc, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n0, skv, lo, hi, k_offset,
-                       qk_scale, dd, dvv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, D, DV, BLOCK_D,
-                       BLOCK_DV, BLOCK_M, BLOCK_N, False, IEEE, TMA, BITS)
+                       qk_scale, dd, dvv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, rows, rmask,
+                       mask_base, smr, smc, bias_base, sbr, sbc, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False,
+                       IEEE, TMA, BITS, MASK, BIAS)
     for n0 in range(tl.maximum(full_hi, tl.minimum(full_lo, end)), end, BLOCK_N):
         acc = _dq_tile(acc, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n0, skv, lo, hi, k_offset,
-                       qk_scale, dd, dvv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, D, DV, BLOCK_D,
-                       BLOCK_DV, BLOCK_M, BLOCK_N, True, IEEE, TMA, BITS)
+                       qk_scale, dd, dvv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, rows, rmask,
+                       mask_base, smr, smc, bias_base, sbr, sbc, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True,
+                       IEEE, TMA, BITS, MASK, BIAS)
     acc = acc * scale
     tl.store(dq_ptr + b * stride_ob + rows[:, None].to(tl.int64) * stride_os + h * stride_oh + dd[None, :],
              acc.to(dq_ptr.dtype.element_ty), mask=rmask[:, None] & (dd[None, :] < D))
@@ -305,10 +326,11 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, lo_ptr, 
 @triton.jit
 def _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_gs, stride_ls, stride_ts,
               m0, sq, q_offset, kqlo, kqhi, qk_scale, dd, dvv, q_desc, do_desc, qrow, qcol, gcol,
-              k_desc, v_desc, krow, kcol, vcol,
+              k_desc, v_desc, krow, kcol, vcol, cols, cmask, mask_base, smr, smc, bias_base, sbr, sbc,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WRITE_DK: tl.constexpr,
-              WRITE_DV: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, RELOAD: tl.constexpr):
+              WRITE_DV: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, RELOAD: tl.constexpr,
+              MASK: tl.constexpr, BIAS: tl.constexpr):
     if RELOAD:  # k and v through the tensor cores' shared memory for every tile, not held in registers
         k = k_desc.load([krow, kcol])
         v = v_desc.load([krow, vcol])
@@ -329,7 +351,12 @@ def _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, st
     if MASKED:
         abs_rows = q_offset + rows
         visible = (abs_rows[None, :] >= kqlo[:, None]) & (abs_rows[None, :] < kqhi[:, None]) & (rows[None, :] < sq)
-        pt = tl.where(visible, tl.exp2(st * qk_scale - lse2[None, :]), 0.0)
+        if MASK or BIAS:
+            st2 = extra_scores(st * qk_scale, visible, rows, cols, cmask[:, None] & (rows[None, :] < sq), mask_base,
+                               smr, smc, bias_base, sbr, sbc, MASK, BIAS, True)
+            pt = tl.where(st2 == float("-inf"), 0.0, tl.exp2(st2 - lse2[None, :]))
+        else:
+            pt = tl.where(visible, tl.exp2(st * qk_scale - lse2[None, :]), 0.0)
     else:
         pt = tl.exp2(st * qk_scale - lse2[None, :])
     if WRITE_DV:
@@ -356,11 +383,12 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 stride_gb, stride_gs, stride_gh, stride_lb, stride_ls, stride_lh, stride_tb, stride_ts, stride_th,
                 stride_ob, stride_os, stride_oh, kp_ptr, klim_ptr, stride_kpb, stride_kpk, klim_b0,
-                q_desc, k_desc, v_desc, do_desc,
+                mask_ptr, smb, smh, smr, smc, bias_ptr, sbb, sbh, sbr, sbc, q_desc, k_desc, v_desc, do_desc,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_DK: tl.constexpr, WRITE_DV: tl.constexpr,
                 IEEE: tl.constexpr, ACC: tl.constexpr, TMA: tl.constexpr, RELOAD: tl.constexpr,
-                SPLITS: tl.constexpr, LIMITS: tl.constexpr, BITS: tl.constexpr):
+                SPLITS: tl.constexpr, LIMITS: tl.constexpr, BITS: tl.constexpr, MASK: tl.constexpr,
+                BIAS: tl.constexpr):
     n_blocks = tl.cdiv(skv, BLOCK_N)
     pid = tl.program_id(0).to(tl.int64)
     nbh = tl.num_programs(0).to(tl.int64) // n_blocks
@@ -410,6 +438,9 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
                                              tl.load(kqlo_ptr + last) - q_offset,
                                              tl.load(kqhi_ptr + first) - q_offset,
                                              tl.load(kqhi_ptr + last) - q_offset, sq, BLOCK_M)
+    if MASK or BIAS:  # a mask or a bias may touch any pair: every tile is masked
+        full_lo = tl.maximum(end, start)
+        full_hi = full_lo
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
     qrow = (b * sq).to(tl.int32)
@@ -419,23 +450,28 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
         do_base = do_ptr + b * stride_gb + h * stride_gh
         lse_base = lse_ptr + b * stride_lb + h * stride_lh
         delta_base = delta_ptr + b * stride_tb + h * stride_th
+        mask_base = mask_ptr + b * smb + h * smh  # (strides 0 on broadcast dimensions)
+        bias_base = bias_ptr + b * sbb + h * sbh
         qcol = (h * D).to(tl.int32)
         gcol = (h * DV).to(tl.int32)
         for m0 in range(start, tl.minimum(full_lo, end), BLOCK_M):
             dk, dv = _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_gs, stride_ls,
                                stride_ts, m0, sq, q_offset, kqlo, kqhi, qk_scale, dd, dvv, q_desc, do_desc, qrow,
-                               qcol, gcol, k_desc, v_desc, krow, kcol, vcol, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
-                               BLOCK_N, True, WRITE_DK, WRITE_DV, IEEE, TMA, RELOAD)
+                               qcol, gcol, k_desc, v_desc, krow, kcol, vcol, cols, cmask, mask_base, smr, smc,
+                               bias_base, sbr, sbc, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True,
+                               WRITE_DK, WRITE_DV, IEEE, TMA, RELOAD, MASK, BIAS)
         for m0 in range(full_lo, full_hi, BLOCK_M):
             dk, dv = _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_gs, stride_ls,
                                stride_ts, m0, sq, q_offset, kqlo, kqhi, qk_scale, dd, dvv, q_desc, do_desc, qrow,
-                               qcol, gcol, k_desc, v_desc, krow, kcol, vcol, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
-                               BLOCK_N, False, WRITE_DK, WRITE_DV, IEEE, TMA, RELOAD)
+                               qcol, gcol, k_desc, v_desc, krow, kcol, vcol, cols, cmask, mask_base, smr, smc,
+                               bias_base, sbr, sbc, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False,
+                               WRITE_DK, WRITE_DV, IEEE, TMA, RELOAD, MASK, BIAS)
         for m0 in range(tl.maximum(full_hi, tl.minimum(full_lo, end)), end, BLOCK_M):
             dk, dv = _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_gs, stride_ls,
                                stride_ts, m0, sq, q_offset, kqlo, kqhi, qk_scale, dd, dvv, q_desc, do_desc, qrow,
-                               qcol, gcol, k_desc, v_desc, krow, kcol, vcol, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
-                               BLOCK_N, True, WRITE_DK, WRITE_DV, IEEE, TMA, RELOAD)
+                               qcol, gcol, k_desc, v_desc, krow, kcol, vcol, cols, cmask, mask_base, smr, smc,
+                               bias_base, sbr, sbc, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True,
+                               WRITE_DK, WRITE_DV, IEEE, TMA, RELOAD, MASK, BIAS)
     if LIMITS or BITS:  # a hidden key's gradients are 0 by definition, whatever its tiles summed
         dk = tl.where(hidden[:, None], 0.0, dk)
         dv = tl.where(hidden[:, None], 0.0, dv)
@@ -548,14 +584,17 @@ def _widths(d: int) -> int:
 
 
 def _padding_arguments(fallback: DevBuf, key_padding: DevBuf | None, limits: DevBuf | None,
-                       limits_batch: int) -> tuple[tuple, dict]:
-    """(kernel arguments, constexprs) of key padding (bool [b, skv], this block's keys) and per-batch key
-    limits (int32 [B, 2], absolute; row ``limits_batch + b``), as the forward kernel takes them."""
+                       limits_batch: int, mask: DevBuf | None, bias: DevBuf | None, rows: int,
+                       keys: int) -> tuple[tuple, dict]:
+    """(kernel arguments, constexprs) of key padding (bool [b, skv], this block's keys), per-batch key
+    limits (int32 [B, 2], absolute; row ``limits_batch + b``), a boolean mask and an additive bias
+    ([b|1, hq|1, rows, keys], ``triton_attention.extra_arguments``), as the forward kernel takes them."""
     args = (Ptr(key_padding) if key_padding is not None else Ptr(fallback),
             Ptr(limits) if limits is not None else Ptr(fallback),
             key_padding.strides[0] if key_padding is not None else 0,
             key_padding.strides[1] if key_padding is not None else 0, limits_batch)
-    return args, dict(LIMITS=limits is not None, BITS=key_padding is not None)
+    extra_args, extra_consts = extra_arguments(fallback, mask, bias, rows, keys)
+    return (*args, *extra_args), dict(LIMITS=limits is not None, BITS=key_padding is not None, **extra_consts)
 
 
 def _shape_key(kind: str, q: DevBuf, k: DevBuf, dv: int, tma: tuple | None, *extra: object) -> tuple:
@@ -566,11 +605,13 @@ def _shape_key(kind: str, q: DevBuf, k: DevBuf, dv: int, tma: tuple | None, *ext
 
 def attention_lse(q: DevBuf, k: DevBuf, lse: DevBuf, row_lo: DevBuf, row_hi: DevBuf, q_offset: int, k_offset: int,
                   scale: float, config: Config | None = None, key_padding: DevBuf | None = None,
-                  limits: DevBuf | None = None, limits_batch: int = 0) -> None:
+                  limits: DevBuf | None = None, limits_batch: int = 0, mask: DevBuf | None = None,
+                  bias: DevBuf | None = None) -> None:
     """lse [b, sq, hq] = log Σ_visible exp(scale · q·k) of blocks q, k (-inf where a row sees no key).
 
     ``config`` fixes (BLOCK_M, BLOCK_N, num_warps, num_stages, loads) instead of timing the candidates;
-    key padding and key limits as the forward kernel takes them (``triton_attention.launch_arguments``)."""
+    key padding, key limits, a mask and a bias as the forward kernel takes them
+    (``triton_attention.launch_arguments``)."""
     _check("attention_lse", {"q": q, "k": k})
     nb, sq, hq, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
@@ -582,7 +623,7 @@ def attention_lse(q: DevBuf, k: DevBuf, lse: DevBuf, row_lo: DevBuf, row_hi: Dev
     block_d = _widths(d)
     args = (Ptr(q), Ptr(k), Ptr(lse), Ptr(row_lo), Ptr(row_hi), sq, skv, hq, hq // hkv, q_offset, k_offset,
             float(scale) * math.log2(math.e), *q.strides[:3], *k.strides[:3], *_strides3(lse))
-    pad_args, pad_consts = _padding_arguments(row_lo, key_padding, limits, limits_batch)
+    pad_args, pad_consts = _padding_arguments(row_lo, key_padding, limits, limits_batch, mask, bias, sq, skv)
     args = (*args, *pad_args)
     consts = dict(D=d, BLOCK_D=block_d, IEEE=ieee, ACC=acc_type(q.dtype), **pad_consts)
     tma = _tma_views((q, k))
@@ -624,9 +665,9 @@ def _grad_arguments(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, de
 def attention_dq(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf, dq: DevBuf,
                  row_lo: DevBuf, row_hi: DevBuf, q_offset: int, k_offset: int, scale: float,
                  config: Config | None = None, key_padding: DevBuf | None = None, limits: DevBuf | None = None,
-                 limits_batch: int = 0) -> None:
+                 limits_batch: int = 0, mask: DevBuf | None = None, bias: DevBuf | None = None) -> None:
     """dq [b, sq, hq, d] of blocks q, k, v, dO with the rows' full lse and Δ (a key block's partial); key
-    padding and key limits as the forward kernel takes them."""
+    padding, key limits, a mask and a bias as the forward kernel takes them."""
     _check("attention_dq", {"q": q, "k": k, "v": v, "dO": do, "dq": dq})
     nb, sq, hq, d = q.shape
     skv, hkv, dvn = k.shape[1], k.shape[2], v.shape[3]
@@ -639,7 +680,7 @@ def attention_dq(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta
     args = (Ptr(q), Ptr(k), Ptr(v), Ptr(do), Ptr(lse), Ptr(delta), Ptr(dq), Ptr(row_lo), Ptr(row_hi),
             sq, skv, hq, hq // hkv, q_offset, k_offset, float(scale), float(scale) * math.log2(math.e),
             *_grad_arguments(q, k, v, do, lse, delta, dq))
-    pad_args, pad_consts = _padding_arguments(row_lo, key_padding, limits, limits_batch)
+    pad_args, pad_consts = _padding_arguments(row_lo, key_padding, limits, limits_batch, mask, bias, sq, skv)
     args = (*args, *pad_args)
     consts = dict(D=d, DV=dvn, BLOCK_D=block_d, BLOCK_DV=block_dv, IEEE=ieee, ACC=acc_type(q.dtype), **pad_consts)
     tma = _tma_views((q, k, v, do))
@@ -659,12 +700,12 @@ def attention_dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delt
                   key_qlo: DevBuf, key_qhi: DevBuf, q_offset: int, k_offset: int, scale: float,
                   dk: bool = True, dv: bool = True, config: Config | None = None,
                   scratch: DevBuf | None = None, key_padding: DevBuf | None = None, limits: DevBuf | None = None,
-                  limits_batch: int = 0) -> None:
+                  limits_batch: int = 0, mask: DevBuf | None = None, bias: DevBuf | None = None) -> None:
     """dk and dv of blocks q, k, v, dO (a query block's partial) into ``out`` [b, skv, hkv, width]: dk in
     [..., :d] and dv after it (width d + d_v), or only the one asked for.  With ``scratch`` (at least
     ``dkv_scratch(...)`` float32 elements) a group's query heads are split among programs where
-    ``dkv_splits`` says so.  Key padding and key limits as the forward kernel takes them: a hidden key's
-    dk and dv are 0."""
+    ``dkv_splits`` says so.  Key padding, key limits, a mask and a bias as the forward kernel takes them: a
+    hidden key's dk and dv are 0."""
     _check("attention_dkv", {"q": q, "k": k, "v": v, "dO": do, "out": out})
     nb, sq, hq, d = q.shape
     skv, hkv, dvn = k.shape[1], k.shape[2], v.shape[3]
@@ -690,7 +731,7 @@ def attention_dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delt
     args = (Ptr(q), Ptr(k), Ptr(v), Ptr(do), Ptr(lse), Ptr(delta), Ptr(target), Ptr(key_qlo), Ptr(key_qhi),
             sq, skv, hkv, group, stride_split, q_offset, k_offset, float(scale),
             float(scale) * math.log2(math.e), *_grad_arguments(q, k, v, do, lse, delta, target))
-    pad_args, pad_consts = _padding_arguments(key_qlo, key_padding, limits, limits_batch)
+    pad_args, pad_consts = _padding_arguments(key_qlo, key_padding, limits, limits_batch, mask, bias, sq, skv)
     args = (*args, *pad_args)
     consts = dict(D=d, DV=dvn, BLOCK_D=block_d, BLOCK_DV=block_dv, WRITE_DK=dk, WRITE_DV=dv, IEEE=ieee,
                   ACC=acc_type(q.dtype), **pad_consts)

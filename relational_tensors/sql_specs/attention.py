@@ -426,8 +426,8 @@ class AttentionOp(Operator):
 
     def dense(self, blocks: Sequence[Any], f: FunctionSpec, xp: Any) -> tuple[Any, Any]:
         """(out, lse) of a function spec from its blocks (q, k, v in the compute dtype), the scores of a
-        chunk of rows at a time: the NumPy kernel, and with ``xp`` CuPy the GPU path of the masked forms
-        (cuBLAS contractions, one chunk of scores in memory)."""
+        chunk of rows at a time (one chunk of scores in memory): the NumPy kernel, with ``xp`` the array
+        module the blocks live in."""
         q, k, v = blocks[:3]
         extra = self._extra_blocks(blocks)
         qbox, kbox = f.inputs[0], f.inputs[1]

@@ -1,5 +1,6 @@
-"""Attention and its backward: the Triton flash-style kernels (or the FlashAttention library), the
-masked and float64 forms on host copies or CuPy."""
+"""Attention and its backward: the Triton flash-style kernels (or the FlashAttention library) for every
+form of visibility, key padding, mask and bias; float64's backward on host copies (float64 attention is
+refused on GPUs before it runs)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from relational_tensors.core.dtypes import float32_to_bf16_bits
 from relational_tensors.core.spec import FunctionSpec
-from relational_tensors.kernels.launchers.base import _computable, host_kernel, launcher
+from relational_tensors.kernels.launchers.base import host_kernel, launcher
 
 
 def _attention_constants(op: Any) -> dict[str, np.ndarray]:
@@ -22,55 +22,37 @@ def _attention_constants(op: Any) -> dict[str, np.ndarray]:
     return out
 
 
-def _padding_only(op: Any) -> bool:
-    """Key padding is the attention's only extra input: the Triton kernel masks it (and skips the tiles
-    before a row's first real key and after its last)."""
-    return op.extras == ("key_padding",)
+def _padding(op: Any) -> bool:
+    """Key padding is among the attention's extra inputs: the Triton kernels mask it in every tile (and skip
+    the tiles before a row's first real key and after its last, from limits computed into scratch)."""
+    return "key_padding" in op.extras
+
+
+def _masks(op: Any, ins: list, main: int) -> dict[str, Any]:
+    """The mask and bias blocks of a launch, as the kernels take them (``triton_attention.extra_arguments``)."""
+    return {name: ins[main + op.extras.index(name)] for name in ("mask", "bias") if name in op.extras}
 
 
 def _attention_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str] | None:
     """int32 [batch rows, 2]: each row's first and one-past-last real key (``triton_attention.padding_limits``)."""
-    return ((2 * f.inputs[0].shape[0],), "int32") if _padding_only(op) else None
-
-
-def _dense_attention(op: Any, f: FunctionSpec, ins: list, out: Any, stream: int) -> None:
-    """The operator's chunked kernel with CuPy arrays (float32 scores, cuBLAS contractions): the GPU path of
-    key padding, masks and biases, which the Triton kernel's per-row key ranges cannot express."""
-    import cupy
-
-    with cupy.cuda.ExternalStream(stream):
-        o, lse = op.dense([_computable(b) for b in ins], f, cupy)
-        for buf, value in (zip(out, (o, lse)) if isinstance(out, tuple) else [(out, o)]):
-            dst = buf.cupy()
-            dst[...] = float32_to_bf16_bits(value.astype(cupy.float32), cupy) if buf.dtype == "bfloat16" \
-                else value.astype(dst.dtype)
-
-
-def _dense(op: Any) -> bool:
-    """The forward forms the Triton kernel does not take (a boolean mask or a bias) run on CuPy, which
-    allocates; key padding and key lengths run in the kernel."""
-    return bool(op.extras) and not _padding_only(op)
+    return ((2 * f.inputs[0].shape[0],), "int32") if _padding(op) else None
 
 
 def _lse_allocates(op: Any) -> bool:
-    return _host_form(op)  # masks, biases and float64 run the NumPy kernel on host copies
+    return _host_form(op)  # float64 runs the NumPy kernel on host copies
 
 
 def _grad_allocates(op: Any) -> bool:
-    return _host_form(op)  # masks, biases, the bias gradient and float64 run the NumPy kernel on host copies
+    return _host_form(op)  # float64 runs the NumPy kernel on host copies
 
 
-@launcher("attention", constants=_attention_constants, scratch=_attention_scratch, allocates=_dense,
-          host_forms="a boolean mask or an additive bias (chunked CuPy: float32 scores through cuBLAS)")
+@launcher("attention", constants=_attention_constants, scratch=_attention_scratch)
 def _attention(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.kernels import flash
     from relational_tensors.kernels import triton_copy as tc
     from relational_tensors.kernels.common import DevBuf
     from relational_tensors.kernels.triton_attention import attention, padding_limits
 
-    if _dense(op):  # masks and biases: dense chunks on the device
-        _dense_attention(op, f, ins, out, stream)
-        return
     q, k, v = ins[:3]
     o, lse = out if isinstance(out, tuple) else (out, None)
     if k.shape[1] == 0:  # this query block sees none of these keys
@@ -79,17 +61,21 @@ def _attention(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stre
             tc.fill(lse, float("-inf"))
         return
     rows, keys = f.inputs[0].lower[1], f.inputs[1].lower[1]
-    if _padding_only(op):  # the real keys of each batch row: bits in every tile, tiles outside skipped
+    masks = _masks(op, ins, 3)  # a mask's bits and a bias's values read beside the scores, every tile masked
+    if _padding(op):  # the real keys of each batch row: bits in every tile, tiles outside skipped
         kp = ins[3]
         room = consts["scratch"]
         limits = DevBuf(room.ptr, (kp.shape[0], 2), "int32", room.device)
         padding_limits(kp, limits, keys)
         attention(q, k, v, o, lse, consts["row_lo"], consts["row_hi"], rows, keys, op.softmax_scale,
-                  key_padding=kp, limits=limits)
+                  key_padding=kp, limits=limits, **masks)
         return
     if op.key_lengths is not None:  # each batch row's keys end at its length: tiles past it skipped
         attention(q, k, v, o, lse, consts["row_lo"], consts["row_hi"], rows, keys, op.softmax_scale,
-                  limits=consts["key_limits"], limits_batch=f.inputs[0].lower[0])
+                  limits=consts["key_limits"], limits_batch=f.inputs[0].lower[0], **masks)
+        return
+    if masks:
+        attention(q, k, v, o, lse, consts["row_lo"], consts["row_hi"], rows, keys, op.softmax_scale, **masks)
         return
     if "flash" in consts:  # a library FlashAttention kernel computes this block exactly
         flash.attention(q, k, v, o, consts["flash"], op.is_causal, op.softmax_scale, stream)
@@ -120,11 +106,9 @@ def _attention_grad_constants(op: Any) -> dict[str, np.ndarray]:
 
 
 def _host_form(op: Any) -> bool:
-    """Whether an attention-backward operator runs its NumPy kernel on host copies whatever its blocks: masks
-    and biases (key padding and key lengths run in the kernels), the bias gradient and float64 (no float64
-    attention on GPUs)."""
-    return ((bool(op.extras) and not _padding_only(op)) or getattr(op, "part", "") == "dbias"
-            or op.input_types[0].dtype == "float64")
+    """Whether an attention-backward operator runs its NumPy kernel on host copies whatever its blocks:
+    float64 (no float64 attention on GPUs)."""
+    return bool(op.input_types[0].dtype == "float64")
 
 
 _LIMITS_BYTES = 256  # the key limits' room at the head of a backward kernel's scratch (alignment kept after it)
@@ -136,34 +120,35 @@ def _limits_room(batch: int) -> int:
 
 
 def _key_padding(op: Any, f: FunctionSpec, ins: list, consts: dict, main: int) -> dict[str, Any]:
-    """The key-padding and key-limit arguments of a backward kernel: padding's limits computed into the head
-    of the task's scratch, or the key lengths' constant limits; none for the other forms."""
+    """The key-padding, key-limit, mask and bias arguments of a backward kernel: padding's limits computed
+    into the head of the task's scratch, or the key lengths' constant limits."""
     from relational_tensors.kernels.common import DevBuf
     from relational_tensors.kernels.triton_attention import padding_limits
 
-    if _padding_only(op):
+    masks = _masks(op, ins, main)
+    if _padding(op):
         kp = ins[main]
         room = consts["scratch"]
         limits = DevBuf(room.ptr, (kp.shape[0], 2), "int32", room.device)
         padding_limits(kp, limits, f.inputs[1].lower[1])
-        return {"key_padding": kp, "limits": limits}
+        return {"key_padding": kp, "limits": limits, **masks}
     if op.key_lengths is not None:
-        return {"limits": consts["key_limits"], "limits_batch": f.inputs[0].lower[0]}
-    return {}
+        return {"limits": consts["key_limits"], "limits_batch": f.inputs[0].lower[0], **masks}
+    return masks
 
 
 def _lse_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str] | None:
-    return ((_limits_room(f.inputs[0].shape[0]),), "float32") if _padding_only(op) else None
+    return ((_limits_room(f.inputs[0].shape[0]),), "float32") if _padding(op) and not _host_form(op) else None
 
 
 def _grad_on_host(op: Any, bufs: list) -> bool:
-    """Whether an attention-backward block runs on host copies: a host form (``_host_form``), or blocks
-    whose last axis is not contiguous."""
+    """Whether an attention-backward block runs on host copies: a host form (``_host_form``), or blocks of
+    q, k, v, dO or the output whose last axis is not contiguous (masks and biases are read at any strides)."""
     return _host_form(op) or any(b.shape[-1] > 1 and b.strides[-1] != 1 for b in bufs)
 
 
 @launcher("attention_lse", constants=_attention_grad_constants, scratch=_lse_scratch, allocates=_lse_allocates,
-          host_forms="a boolean mask, an additive bias, or float64 (the NumPy kernel on host copies)")
+          host_forms="float64 (the NumPy kernel on host copies)")
 def _attention_lse(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.kernels import triton_copy as tc
     from relational_tensors.kernels.triton_attention_grad import attention_lse
@@ -193,7 +178,7 @@ def _attention_grad_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], 
 
     if _host_form(op):
         return None
-    head = _limits_room(f.inputs[0].shape[0]) if _padding_only(op) else 0
+    head = _limits_room(f.inputs[0].shape[0]) if _padding(op) else 0
     need = 0
     if op.part in ("dk", "dv", "dkv"):
         (nb, _, hq, d), (_, skv, hkv, _), dv = f.inputs[0].shape, f.inputs[1].shape, f.inputs[2].shape[3]
@@ -204,17 +189,25 @@ def _attention_grad_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], 
 
 @launcher("attention_grad", constants=_attention_grad_constants, scratch=_attention_grad_scratch,
           allocates=_grad_allocates,
-          host_forms="a boolean mask, an additive bias and its gradient, or float64 (the NumPy kernel on host "
-                     "copies)")
+          host_forms="float64 (the NumPy kernel on host copies)")
 def _attention_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.kernels import triton_copy as tc
+    from relational_tensors.kernels.triton_attention_dbias import attention_dbias
     from relational_tensors.kernels.triton_attention_grad import attention_dkv, attention_dq
 
-    if _grad_on_host(op, [*ins[:4], out]):
+    if _grad_on_host(op, [*ins[:4], out] if op.part != "dbias" else ins[:4]):
         host_kernel(op, f, ins, out, stream)
         return
     q, k, v, do, lse, delta = ins[:6]
     q_offset, k_offset = f.inputs[0].lower[1], f.inputs[1].lower[1]
+    if op.part == "dbias":  # every pair of the block is written (0 where no row sees the key)
+        if out.size and (k.shape[1] == 0 or q.shape[0] == 0 or q.shape[2] == 0):
+            tc.fill(out, 0.0)
+            return
+        extra = _key_padding(op, f, ins, consts, 6)
+        attention_dbias(q, k, v, do, lse, delta, out, consts["row_lo"], consts["row_hi"], q_offset, k_offset,
+                        op.softmax_scale, **extra)
+        return
     if op.part == "dq":
         if k.shape[1] == 0:  # these rows see none of these keys
             tc.fill(out, 0.0)
@@ -227,7 +220,7 @@ def _attention_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict,
         return
     padding = _key_padding(op, f, ins, consts, 6)
     scratch = consts.get("scratch")
-    if scratch is not None and _padding_only(op):  # the dk|dv partials after the key limits
+    if scratch is not None and _padding(op):  # the dk|dv partials after the key limits
         from relational_tensors.kernels.common import DevBuf
 
         head = _limits_room(f.inputs[0].shape[0]) * 4
