@@ -1,5 +1,5 @@
-"""The Triton attention kernels with a boolean mask and an additive bias against the operators' NumPy
-kernels: the forward (and its log-sum-exp), the backward's log-sum-exp, dq, dk|dv, and the bias
+"""The Triton attention kernels with a boolean mask, an additive bias and a logit softcap against the
+operators' NumPy kernels: the forward (and its log-sum-exp), the backward's log-sum-exp, dq, dk|dv, and the bias
 gradient; masks and biases broadcast over batch rows, heads, both or neither, with causal alignment,
 key padding and key lengths beside them, GQA, rows that see no key, -inf and large negative biases (as
 HF's masks fill), and blocks that start mid-sequence on both queries and keys (a split plan's blocks).
@@ -51,7 +51,8 @@ class Case:
 
     def __init__(self, dtype: str, b: int = 2, s: int = 37, hq: int = 4, hkv: int = 2, d: int = 16,
                  mask: str | None = "bh", bias: str | None = "bh", causal: bool = False, padding: bool = False,
-                 key_lengths: tuple[int, ...] | None = None, seed: int = 0, fill: float = -np.inf) -> None:
+                 key_lengths: tuple[int, ...] | None = None, seed: int = 0, fill: float = -np.inf,
+                 softcap: float | None = None) -> None:
         g = np.random.default_rng(seed)
         self.dtype, self.b, self.s, self.hq, self.hkv, self.d = dtype, b, s, hq, hkv, d
 
@@ -79,7 +80,7 @@ class Case:
                 bias[..., min(5, s - 1), : s // 2] = fill  # hidden by the bias: -inf (SDPA) or finfo.min (HF's fill)
                 self.extra.append(bias)
             extras.append(name)
-        self.opts = dict(causal=causal, extras=tuple(extras), key_lengths=key_lengths)
+        self.opts = dict(causal=causal, extras=tuple(extras), key_lengths=key_lengths, softcap=softcap)
         types = [TensorType.zero(x.shape, dtype) for x in (self.q, self.k, self.v)]
         self.extra_types = [TensorType.zero(x.shape, "bool" if x.dtype == bool else dtype) for x in self.extra]
         self.op = AttentionOp((*types, *self.extra_types), **self.opts)
@@ -105,6 +106,8 @@ class Case:
             else:
                 t = torch.from_numpy(x.copy())
                 out[name] = _buf(t if x.dtype == bool else t.to(TORCH[self.dtype]))
+        if self.opts["softcap"] is not None:
+            out["softcap"] = self.opts["softcap"]
         if self.opts["key_lengths"] is not None:
             out["limits"] = _buf(torch.from_numpy(_attention_constants(self.op)["key_limits"]))
             out["limits_batch"] = 0
@@ -226,6 +229,19 @@ def test_with_key_padding_and_key_lengths_beside_them() -> None:
     backward(c, 3, 37, 0, 20)
 
 
+@pytest.mark.parametrize("cap", [0.4, 3.0])
+@pytest.mark.parametrize("bias", [None, "b"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_softcap_in_every_kernel(cap: float, bias: str | None, dtype: str) -> None:
+    """Gemma 2's logit soft-capping, alone and before a bias (the bias's gradient is the capped scores'),
+    with a sliding window's worth of causality: a cap well under the scores' spread and one above it."""
+    c = Case(dtype, mask=None, bias=bias, causal=True, softcap=cap)
+    forward(c, 0, c.s, 0, c.s)
+    forward(c, 9, 33, 5, 29)
+    backward(c, 0, c.s, 0, c.s)
+    backward(c, 9, 33, 5, 29)
+
+
 def test_hf_fill_value_as_bias() -> None:
     """HF fills hidden pairs of a float mask with finfo.min: they weigh nothing, forward and backward."""
     for dtype in ("float32", "bfloat16"):
@@ -247,6 +263,7 @@ def test_any_shape_and_block(data) -> None:
              hkv=hkv, d=data.draw(st.sampled_from([8, 16, 24]), "d"),
              mask=data.draw(st.sampled_from([None, "", "b", "h", "bh"]), "mask"),
              bias=data.draw(st.sampled_from([None, "", "b", "h", "bh"]), "bias"),
-             causal=data.draw(st.booleans(), "causal"), seed=data.draw(st.integers(0, 5), "seed"))
+             causal=data.draw(st.booleans(), "causal"), seed=data.draw(st.integers(0, 5), "seed"),
+             softcap=data.draw(st.sampled_from([None, 0.5, 20.0]), "softcap"))
     forward(c, q0, q1, k0, k1)
     backward(c, q0, q1, k0, k1)

@@ -445,7 +445,7 @@ def compile_one(kind, t16, d, cfg, padded=False, masks=False):
     consts = dict(D=d, BLOCK_D=bd, DV=d, BLOCK_DV=bd, BLOCK_M=bm, BLOCK_N=bn, IEEE=t16 == "fp32", ACC=tl.float32,
                   TMA=bool(tma), WRITE_DK=True, WRITE_DV=True, RELOAD=tma == 2, SPLITS=1, LIMITS=padded,
                   BITS=padded, WRITE_LSE=True, KT=True, HEADS_INNER=True, NEG_SCALE=False, MASK=masks,
-                  BIAS=masks or kind == "dbias")
+                  BIAS=masks or kind == "dbias", SOFTCAP=masks)
     blocks = {"q_desc": bm, "do_desc": bm, "k_desc": bn, "v_desc": bn}
     stats = {"lse_ptr", "delta_ptr"}
     limits = {"lo_ptr", "hi_ptr", "kqlo_ptr", "kqhi_ptr", "klim_ptr"}
@@ -459,12 +459,12 @@ def compile_one(kind, t16, d, cfg, padded=False, masks=False):
             sig[name] = ("*i32" if name in limits else "*fp32" if name in stats else "*i8" if name in ("kp_ptr",
                          "mask_ptr") else f"*{t16}")
         else:
-            sig[name] = "fp32" if name in ("scale", "qk_scale") else "i32"
+            sig[name] = "fp32" if name in ("scale", "qk_scale", "cap2") else "i32"
     k = triton.compile(ASTSource(fn, sig, constexprs=cst), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=warps, num_stages=stages))
     return getattr(k, "n_spills", None), getattr(k, "n_regs", None)
 
-# then key padding and per-batch key limits (the padded forms); then a mask and a bias beside them
+# then key padding and per-batch key limits (the padded forms); then a mask, a bias and a softcap beside them
 for kind, t16, d, cfg, padded in [("dq", "bf16", 128, (128, 64, 8, 3, 1), False),
                                   ("dkv", "bf16", 128, (32, 64, 8, 2, 1), False),
                                   ("lse", "bf16", 128, (128, 64, 8, 3, 1), False),

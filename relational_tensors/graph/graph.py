@@ -365,7 +365,8 @@ class Graph:
     def attention(self, q: Tensor, k: Tensor, v: Tensor, causal: bool | str = False,
                   seq_ends: Sequence[int] | None = None, scale: float | None = None,
                   key_padding: Tensor | Sequence[int] | None = None, mask: Tensor | None = None,
-                  bias: Tensor | None = None, window: int | None = None, name: str | None = None) -> Tensor:
+                  bias: Tensor | None = None, window: int | None = None, name: str | None = None,
+                  softcap: float | None = None) -> Tensor:
         """Attention over q[b, s_q, hq, d], k/v[b, s_kv, hkv, d] (GQA; self- or cross-attention).
 
         ``causal``: False, True (seq_q == seq_kv), ``"top_left"`` (query i sees keys up to i, PyTorch
@@ -373,8 +374,9 @@ class Graph:
         a key cache).  ``seq_ends``: packed sequences.  ``key_padding``: a boolean [b, s_kv] tensor, True
         for a real key (HF's ``attention_mask``), or one key length per batch row.  ``mask``: a boolean
         [b or 1, hq or 1, s_q, s_kv] tensor, True where a query may see a key.  ``bias``: a float tensor of
-        that shape added to the scaled scores.  ``window``: keys at distance >= window are masked.  A query
-        that sees no key gives 0."""
+        that shape added to the scaled scores.  ``window``: keys at distance >= window are masked.
+        ``softcap`` c: scaled scores squashed to c · tanh(s / c) before the bias (Gemma 2).  A query that
+        sees no key gives 0."""
         extras: list[str] = []
         operands: list[Tensor] = [q, k, v]
         lengths = None
@@ -393,7 +395,7 @@ class Graph:
         if isinstance(causal, (bool, np.bool_)):
             causal = bool(causal)
         op = AttentionOp(tuple(self._t(x) for x in operands), causal, _ends(seq_ends), scale, window,
-                         lengths, tuple(extras))
+                         lengths, tuple(extras), softcap)
         return self._op(op, tuple(operands), name)
 
     # --- convolution and pooling --------------------------------------------------------

@@ -50,8 +50,8 @@ def backend() -> str | None:
 def segments(op: Any, f: Any, dtype: str, lse: bool) -> tuple[tuple[int, int], ...] | None:
     """Per packed sequence of this function spec's query rows, (query rows, keys); None when the
     library kernels cannot compute the block exactly."""
-    if op.window is not None or op.offset or op.extras or op.key_lengths is not None:
-        return None  # windows, bottom-right alignment, padding, masks and biases: our kernels
+    if op.window is not None or op.offset or op.extras or op.key_lengths is not None or op.softcap is not None:
+        return None  # windows, bottom-right alignment, padding, masks, biases and softcaps: our kernels
     qb, kb, vb = f.inputs
     d, dv = qb.shape[-1], vb.shape[-1]
     if lse or dtype not in ("float16", "bfloat16") or d != dv or d % 8 or d > 256:

@@ -31,11 +31,24 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def extra_scores(s, visible, rows, cols, inside, mask_base, smr, smc, bias_base, sbr, sbc,
-                 MASK: tl.constexpr, BIAS: tl.constexpr, TRANS: tl.constexpr):
-    """Scores ``s`` (scaled, in log2 units) with a boolean mask's and an additive bias's tile applied:
-    -inf where a pair is not ``visible`` or the mask hides it, plus bias · log2(e) elsewhere.  ``TRANS``:
-    the tile is [keys, rows] (the dk|dv pass), not [rows, keys]; ``inside`` bounds the loads."""
+def _tanh(x):
+    """tanh through one exp2 (saturates to ±1 without overflow: 2 / inf is 0)."""
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def extra_scores(s, visible, rows, cols, inside, mask_base, smr, smc, bias_base, sbr, sbc, cap2,
+                 MASK: tl.constexpr, BIAS: tl.constexpr, SOFTCAP: tl.constexpr, TRANS: tl.constexpr):
+    """Scores ``s`` (scaled, in log2 units) soft-capped, then with a boolean mask's and an additive bias's
+    tile applied: -inf where a pair is not ``visible`` or the mask hides it, plus bias · log2(e) elsewhere.
+    Returns them with the softcap's slope 1 - tanh² (what the scores' gradient is multiplied by; 1.0
+    without one).  ``cap2`` is the softcap in log2 units; ``TRANS``: the tile is [keys, rows] (the dk|dv
+    pass), not [rows, keys]; ``inside`` bounds the loads."""
+    slope = 1.0
+    if SOFTCAP:
+        t = _tanh(s / cap2)
+        s = cap2 * t
+        slope = 1.0 - t * t
     if TRANS:
         r = rows[None, :].to(tl.int64)
         c = cols[:, None].to(tl.int64)
@@ -46,17 +59,17 @@ def extra_scores(s, visible, rows, cols, inside, mask_base, smr, smc, bias_base,
         visible = visible & (tl.load(mask_base + r * smr + c * smc, mask=inside, other=0) != 0)
     if BIAS:
         s = s + tl.load(bias_base + r * sbr + c * sbc, mask=inside, other=0.0).to(s.dtype) * LOG2E
-    return tl.where(visible, s, float("-inf"))
+    return tl.where(visible, s, float("-inf")), slope
 
 
 @triton.jit
 def _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, hi, k_offset, qk_scale,
           dq, dv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, rows, rmask,
-          mask_base, smr, smc, bias_base, sbr, sbc,
+          mask_base, smr, smc, bias_base, sbr, sbc, cap2,
           D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
           BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr, KT: tl.constexpr,
           NEG_SCALE: tl.constexpr, TMA: tl.constexpr, BITS: tl.constexpr, MASK: tl.constexpr,
-          BIAS: tl.constexpr):
+          BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
     cols = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
         cmask = cols < end
@@ -88,9 +101,9 @@ def _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, h
         if BITS:  # key padding: the real keys of this batch row (every tile is masked then)
             real = tl.load(kp_base + cols * stride_kpk, mask=cmask, other=0)
             visible = visible & (real != 0)[None, :]
-        if MASK or BIAS:  # a mask's bits and a bias's values beside the scores (every tile is masked then)
-            s = extra_scores(s * qk_scale, visible, rows, cols, rmask[:, None] & cmask[None, :], mask_base, smr,
-                             smc, bias_base, sbr, sbc, MASK, BIAS, False)
+        if MASK or BIAS or SOFTCAP:  # a softcap, a mask's bits and a bias's values (every tile is masked then)
+            s, _ = extra_scores(s * qk_scale, visible, rows, cols, rmask[:, None] & cmask[None, :], mask_base, smr,
+                                smc, bias_base, sbr, sbc, cap2, MASK, BIAS, SOFTCAP, False)
         else:
             s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -132,12 +145,12 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, hi_ptr, kp_pt
                       sq, skv, hq, group, q_offset, k_offset, qk_scale,
                       stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs,
                       stride_ob, stride_os, stride_kpb, stride_kpk, klim_b0,
-                      mask_ptr, smb, smh, smr, smc, bias_ptr, sbb, sbh, sbr, sbc, q_desc, k_desc, v_desc,
+                      mask_ptr, smb, smh, smr, smc, bias_ptr, sbb, sbh, sbr, sbc, cap2, q_desc, k_desc, v_desc,
                       D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       WRITE_LSE: tl.constexpr, IEEE: tl.constexpr, KT: tl.constexpr, HEADS_INNER: tl.constexpr,
                       NEG_SCALE: tl.constexpr, TMA: tl.constexpr, LIMITS: tl.constexpr, BITS: tl.constexpr,
-                      MASK: tl.constexpr, BIAS: tl.constexpr):
+                      MASK: tl.constexpr, BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
     m_blocks = tl.cdiv(sq, BLOCK_M)  # a 1-D grid: (row block, batch·head) never overflows a grid dimension
     pid = tl.program_id(0).to(tl.int64)
     if HEADS_INNER:
@@ -179,7 +192,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, hi_ptr, kp_pt
     full_lo = tl.maximum(((tl.maximum(lo_max, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, start)
     full_hi = tl.maximum((tl.minimum(hi_min, skv) // BLOCK_N) * BLOCK_N, full_lo)
     full_hi = tl.minimum(full_hi, tl.maximum(end, full_lo))
-    if BITS or MASK or BIAS:  # padding, a mask or a bias may touch any pair: every tile is masked
+    if BITS or MASK or BIAS or SOFTCAP:  # padding, masks, a bias or a softcap: every tile takes the masked path
         full_lo = tl.maximum(end, start)
         full_hi = full_lo
     mask_base = mask_ptr + b * smb + h * smh  # (strides 0 on broadcast dimensions)
@@ -196,18 +209,18 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, hi_ptr, kp_pt
     for n0 in range(start, tl.minimum(full_lo, end), BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, hi, k_offset,
                               qk_scale, dq, dv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, rows, rmask,
-                              mask_base, smr, smc, bias_base, sbr, sbc, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, IEEE,
-                              KT, NEG_SCALE, TMA, BITS, MASK, BIAS)
+                              mask_base, smr, smc, bias_base, sbr, sbc, cap2, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True,
+                              IEEE, KT, NEG_SCALE, TMA, BITS, MASK, BIAS, SOFTCAP)
     for n0 in range(full_lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, hi, k_offset,
                               qk_scale, dq, dv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, rows, rmask,
-                              mask_base, smr, smc, bias_base, sbr, sbc, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False,
-                              IEEE, KT, NEG_SCALE, TMA, BITS, MASK, BIAS)
+                              mask_base, smr, smc, bias_base, sbr, sbc, cap2, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False,
+                              IEEE, KT, NEG_SCALE, TMA, BITS, MASK, BIAS, SOFTCAP)
     for n0 in range(tl.maximum(full_hi, tl.minimum(full_lo, end)), end, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, hi, k_offset,
                               qk_scale, dq, dv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, rows, rmask,
-                              mask_base, smr, smc, bias_base, sbr, sbc, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, IEEE,
-                              KT, NEG_SCALE, TMA, BITS, MASK, BIAS)
+                              mask_base, smr, smc, bias_base, sbr, sbc, cap2, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True,
+                              IEEE, KT, NEG_SCALE, TMA, BITS, MASK, BIAS, SOFTCAP)
     denom = tl.where(l_i > 0, l_i, 1.0)
     out = acc / denom[:, None]
     tl.store(o_ptr + b * stride_ob + rows[:, None].to(tl.int64) * stride_os + h * DV + dv[None, :],
@@ -340,10 +353,11 @@ def _broadcast_strides(buf: DevBuf) -> tuple[int, ...]:
 
 
 def extra_arguments(fallback: DevBuf, mask: DevBuf | None, bias: DevBuf | None, rows: int,
-                    keys: int) -> tuple[tuple, dict]:
+                    keys: int, softcap: float | None = None) -> tuple[tuple, dict]:
     """(kernel arguments, constexprs) of a boolean mask and an additive bias, blocks [b or 1, hq or 1,
-    rows, keys] of any strides (a broadcast dimension's stride is taken as 0), as every attention kernel
-    takes them: pointer and four strides each, then the ``MASK`` and ``BIAS`` switches."""
+    rows, keys] of any strides (a broadcast dimension's stride is taken as 0), and a softcap, as every
+    attention kernel takes them: pointer and four strides each, the softcap in log2 units, then the
+    ``MASK``, ``BIAS`` and ``SOFTCAP`` switches."""
     args: list = []
     for buf in (mask, bias):
         if buf is None:
@@ -352,20 +366,21 @@ def extra_arguments(fallback: DevBuf, mask: DevBuf | None, bias: DevBuf | None, 
         if len(buf.shape) != 4 or tuple(buf.shape[2:]) != (rows, keys):
             raise ValueError(f"an attention mask or bias block is [b|1, hq|1, {rows}, {keys}]; got {buf.shape}")
         args += [Ptr(buf), *_broadcast_strides(buf)]
-    return tuple(args), dict(MASK=mask is not None, BIAS=bias is not None)
+    args.append(float(softcap) * math.log2(math.e) if softcap is not None else 1.0)
+    return tuple(args), dict(MASK=mask is not None, BIAS=bias is not None, SOFTCAP=softcap is not None)
 
 
 def launch_arguments(q: DevBuf, k: DevBuf, v: DevBuf, out: DevBuf, lse: DevBuf | None, row_lo: DevBuf,
                      row_hi: DevBuf, q_offset: int, k_offset: int, scale: float,
                      key_padding: DevBuf | None = None, limits: DevBuf | None = None,
-                     limits_batch: int = 0, mask: DevBuf | None = None,
-                     bias: DevBuf | None = None) -> tuple[tuple, dict, tuple, tuple | None]:
+                     limits_batch: int = 0, mask: DevBuf | None = None, bias: DevBuf | None = None,
+                     softcap: float | None = None) -> tuple[tuple, dict, tuple, tuple | None]:
     """(positional arguments, constexprs, configuration key, tensor-descriptor views or None) of one
     launch; :func:`_launch` adds the configuration.  bench/gpu_kernels.py times configurations
     through this too.  ``key_padding`` (bool [b, skv], True for a real key, the keys of this block) masks
     keys in every tile; ``limits`` (int32 [B, 2], absolute key positions) bounds batch row
-    ``limits_batch + b``'s keys to [limits[.., 0], limits[.., 1]), so tiles outside are skipped; ``mask``
-    and ``bias`` as :func:`extra_arguments` takes them."""
+    ``limits_batch + b``'s keys to [limits[.., 0], limits[.., 1]), so tiles outside are skipped; ``mask``,
+    ``bias`` and ``softcap`` as :func:`extra_arguments` takes them."""
     nb, sq, hq, d = q.shape
     skv, hkv, dvn = k.shape[1], k.shape[2], v.shape[3]
     scale = float(scale)  # a NumPy scalar would make NEG_SCALE a NumPy bool, which Triton refuses
@@ -377,7 +392,7 @@ def launch_arguments(q: DevBuf, k: DevBuf, v: DevBuf, out: DevBuf, lse: DevBuf |
             q.strides[0], q.strides[1], k.strides[0], k.strides[1], v.strides[0], v.strides[1],
             out.strides[0], out.strides[1], key_padding.strides[0] if key_padding is not None else 0,
             key_padding.strides[1] if key_padding is not None else 0, limits_batch)
-    extra_args, extra_consts = extra_arguments(row_lo, mask, bias, sq, skv)
+    extra_args, extra_consts = extra_arguments(row_lo, mask, bias, sq, skv, softcap)
     args = (*args, *extra_args)
     consts = dict(D=d, DV=dvn, BLOCK_D=block_d, BLOCK_DV=block_dv, WRITE_LSE=lse is not None,
                   IEEE=q.dtype == "float32", NEG_SCALE=bool(scale < 0), LIMITS=limits is not None,
@@ -385,21 +400,21 @@ def launch_arguments(q: DevBuf, k: DevBuf, v: DevBuf, out: DevBuf, lse: DevBuf |
     tma = _tma_views(q, k, v)
     key = (d, dvn, q.dtype, lse is not None, scale < 0, tma is not None, triton.next_power_of_2(sq),
            triton.next_power_of_2(skv), nb * hq, limits is not None, key_padding is not None, mask is not None,
-           bias is not None)
+           bias is not None, softcap is not None)
     return args, consts, key, tma
 
 
 def attention(q: DevBuf, k: DevBuf, v: DevBuf, out: DevBuf, lse: DevBuf | None, row_lo: DevBuf, row_hi: DevBuf,
               q_offset: int, k_offset: int, scale: float, key_padding: DevBuf | None = None,
               limits: DevBuf | None = None, limits_batch: int = 0, mask: DevBuf | None = None,
-              bias: DevBuf | None = None) -> None:
+              bias: DevBuf | None = None, softcap: float | None = None) -> None:
     """Attention of contiguous blocks q, k, v into ``out`` (and ``lse`` [b, sq, hq] float32 if given); key
-    padding, per-batch key limits, a mask and a bias as :func:`launch_arguments` takes them."""
+    padding, per-batch key limits, a mask, a bias and a softcap as :func:`launch_arguments` takes them."""
     nb, sq, hq = q.shape[:3]
     if out.size == 0:
         return
     if k.shape[1] == 0 or k.shape[2] == 0:
         raise ValueError("attention with no keys is handled by the caller (zero output, -inf lse)")
     args, consts, key, tma = launch_arguments(q, k, v, out, lse, row_lo, row_hi, q_offset, k_offset, scale,
-                                              key_padding, limits, limits_batch, mask, bias)
+                                              key_padding, limits, limits_batch, mask, bias, softcap)
     _launch(_pick(key, args, consts, sq, nb * hq, tma), args, consts, sq, nb * hq, tma)

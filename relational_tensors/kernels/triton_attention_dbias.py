@@ -38,10 +38,11 @@ def _dbias_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, lo_p
                   stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                   stride_gb, stride_gs, stride_gh, stride_lb, stride_ls, stride_lh, stride_tb, stride_ts, stride_th,
                   stride_ob, stride_os, stride_oh, kp_ptr, klim_ptr, stride_kpb, stride_kpk, klim_b0,
-                  mask_ptr, smb, smh, smr, smc, bias_ptr, sbb, sbh, sbr, sbc,
+                  mask_ptr, smb, smh, smr, smc, bias_ptr, sbb, sbh, sbr, sbc, cap2,
                   D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr,
-                  LIMITS: tl.constexpr, BITS: tl.constexpr, MASK: tl.constexpr, BIAS: tl.constexpr):
+                  LIMITS: tl.constexpr, BITS: tl.constexpr, MASK: tl.constexpr, BIAS: tl.constexpr,
+                  SOFTCAP: tl.constexpr):
     m_blocks = tl.cdiv(sq, BLOCK_M)
     n_blocks = tl.cdiv(skv, BLOCK_N)
     pid = tl.program_id(0).to(tl.int64)
@@ -78,9 +79,9 @@ def _dbias_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, lo_p
             delta = tl.load(delta_ptr + b * stride_tb + rows.to(tl.int64) * stride_ts + h * stride_th, mask=rmask,
                             other=0.0).to(ACC)
             zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
-            s = extra_scores(_mm(q, tl.trans(k), zero, IEEE) * qk_scale, visible, rows, cols, inside,
-                             mask_ptr + b * smb + h * smh, smr, smc, bias_ptr + b * sbb + h * sbh, sbr, sbc,
-                             MASK, BIAS, False)
+            s, _ = extra_scores(_mm(q, tl.trans(k), zero, IEEE) * qk_scale, visible, rows, cols, inside,
+                                mask_ptr + b * smb + h * smh, smr, smc, bias_ptr + b * sbb + h * sbh, sbr, sbc, cap2,
+                                MASK, BIAS, SOFTCAP, False)
             p = tl.where(s == float("-inf"), 0.0, tl.exp2(s - lse[:, None]))
             acc += p * (_mm(do, tl.trans(v), zero, IEEE) - delta[:, None])
     tl.store(out_ptr + ob * sob + oh * soh + rows[:, None].to(tl.int64) * sor + cols[None, :] * soc,
@@ -94,10 +95,11 @@ _CONFIG = {False: (64, 64, 4), True: (32, 32, 4)}
 def attention_dbias(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf, out: DevBuf,
                     row_lo: DevBuf, row_hi: DevBuf, q_offset: int, k_offset: int, scale: float, bias: DevBuf,
                     mask: DevBuf | None = None, key_padding: DevBuf | None = None, limits: DevBuf | None = None,
-                    limits_batch: int = 0) -> None:
+                    limits_batch: int = 0, softcap: float | None = None) -> None:
     """dbias of blocks q, k, v, dO (with the rows' full lse and Δ) into ``out``, a block of the bias's
-    shape [b or 1, hq or 1, sq, skv]; ``bias`` is the forward's, and key padding, key limits and a mask as
-    the forward kernel takes them (``triton_attention.launch_arguments``)."""
+    shape [b or 1, hq or 1, sq, skv]; ``bias`` is the forward's, and key padding, key limits, a mask and a
+    softcap as the forward kernel takes them (``triton_attention.launch_arguments``).  The bias is added
+    after the softcap, so its gradient is the capped scores' own."""
     _check("attention_dbias", {"q": q, "k": k, "v": v, "dO": do})
     nb, sq, hq, d = q.shape
     skv, hkv, dvn = k.shape[1], k.shape[2], v.shape[3]
@@ -111,7 +113,8 @@ def attention_dbias(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, de
         raise ValueError("attention_dbias with no batch row or head is handled by the caller (zeros)")
     ieee = q.dtype in ("float32", "float64")
     block_m, block_n, warps = _CONFIG[ieee]
-    pad_args, pad_consts = _padding_arguments(row_lo, key_padding, limits, limits_batch, mask, bias, sq, skv)
+    pad_args, pad_consts = _padding_arguments(row_lo, key_padding, limits, limits_batch, mask, bias, sq, skv,
+                                              softcap)
     sob, soh, sor, soc = (0 if n == 1 else st for n, st in zip(out.shape, out.strides))
     grid = (triton.cdiv(sq, block_m) * triton.cdiv(skv, block_n) * ob * oh,)
     _dbias_kernel[grid](Ptr(q), Ptr(k), Ptr(v), Ptr(do), Ptr(lse), Ptr(delta), Ptr(out), Ptr(row_lo), Ptr(row_hi),

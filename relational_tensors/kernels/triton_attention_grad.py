@@ -102,10 +102,10 @@ def _load_rows(base, rows, stride, cols, n_rows, WIDTH: tl.constexpr, BLOCK_W: t
 
 @triton.jit
 def _lse_tile(l_i, m_i, q, k_base, stride_ks, n0, skv, lo, hi, k_offset, qk_scale, dd, k_desc, krow, kcol,
-              kp_base, stride_kpk, rows, rmask, mask_base, smr, smc, bias_base, sbr, sbc,
+              kp_base, stride_kpk, rows, rmask, mask_base, smr, smc, bias_base, sbr, sbc, cap2,
               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, BITS: tl.constexpr,
-              MASK: tl.constexpr, BIAS: tl.constexpr):
+              MASK: tl.constexpr, BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
     cols = n0 + tl.arange(0, BLOCK_N)
     if TMA:
         k = k_desc.load([krow + n0, kcol])
@@ -117,8 +117,8 @@ def _lse_tile(l_i, m_i, q, k_base, stride_ks, n0, skv, lo, hi, k_offset, qk_scal
         visible = (abs_cols[None, :] >= lo[:, None]) & (abs_cols[None, :] < hi[:, None]) & (cols[None, :] < skv)
         if BITS:
             visible = visible & (tl.load(kp_base + cols * stride_kpk, mask=cols < skv, other=0) != 0)[None, :]
-        s = extra_scores(s, visible, rows, cols, rmask[:, None] & (cols[None, :] < skv), mask_base, smr, smc,
-                         bias_base, sbr, sbc, MASK, BIAS, False)
+        s, _ = extra_scores(s, visible, rows, cols, rmask[:, None] & (cols[None, :] < skv), mask_base, smr, smc,
+                            bias_base, sbr, sbc, cap2, MASK, BIAS, SOFTCAP, False)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), axis=1)
@@ -132,10 +132,10 @@ def _lse_tile(l_i, m_i, q, k_base, stride_ks, n0, skv, lo, hi, k_offset, qk_scal
 def _lse_kernel(q_ptr, k_ptr, lse_ptr, lo_ptr, hi_ptr, sq, skv, hq, group, q_offset, k_offset, qk_scale,
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_lb, stride_ls, stride_lh,
                 kp_ptr, klim_ptr, stride_kpb, stride_kpk, klim_b0, mask_ptr, smb, smh, smr, smc,
-                bias_ptr, sbb, sbh, sbr, sbc, q_desc, k_desc,
+                bias_ptr, sbb, sbh, sbr, sbc, cap2, q_desc, k_desc,
                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 IEEE: tl.constexpr, ACC: tl.constexpr, TMA: tl.constexpr, LIMITS: tl.constexpr, BITS: tl.constexpr,
-                MASK: tl.constexpr, BIAS: tl.constexpr):
+                MASK: tl.constexpr, BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
     m_blocks = tl.cdiv(sq, BLOCK_M)
     pid = tl.program_id(0).to(tl.int64)
     nbh = tl.num_programs(0).to(tl.int64) // m_blocks
@@ -155,7 +155,7 @@ def _lse_kernel(q_ptr, k_ptr, lse_ptr, lo_ptr, hi_ptr, sq, skv, hq, group, q_off
     start, end, full_lo, full_hi = _span(tl.min(lo, axis=0) - k_offset, tl.max(tl.where(rmask, lo, -_BIG), axis=0)
                                          - k_offset, tl.min(tl.where(rmask, hi, _BIG), axis=0) - k_offset,
                                          tl.max(hi, axis=0) - k_offset, skv, BLOCK_N)
-    if BITS or MASK or BIAS:  # padding, a mask or a bias may touch any pair: every tile is masked
+    if BITS or MASK or BIAS or SOFTCAP:  # padding, masks, a bias or a softcap: every tile takes the masked path
         full_lo = tl.maximum(end, start)
         full_hi = full_lo
     mask_base = mask_ptr + b * smb + h * smh  # (strides 0 on broadcast dimensions)
@@ -168,16 +168,16 @@ def _lse_kernel(q_ptr, k_ptr, lse_ptr, lo_ptr, hi_ptr, sq, skv, hq, group, q_off
     l_i = tl.zeros([BLOCK_M], dtype=ACC)
     for n0 in range(start, tl.minimum(full_lo, end), BLOCK_N):
         l_i, m_i = _lse_tile(l_i, m_i, q, k_base, stride_ks, n0, skv, lo, hi, k_offset, qk_scale, dd, k_desc, krow,
-                             kcol, kp_base, stride_kpk, rows, rmask, mask_base, smr, smc, bias_base, sbr, sbc, D,
-                             BLOCK_D, BLOCK_M, BLOCK_N, True, IEEE, TMA, BITS, MASK, BIAS)
+                             kcol, kp_base, stride_kpk, rows, rmask, mask_base, smr, smc, bias_base, sbr, sbc, cap2,
+                             D, BLOCK_D, BLOCK_M, BLOCK_N, True, IEEE, TMA, BITS, MASK, BIAS, SOFTCAP)
     for n0 in range(full_lo, full_hi, BLOCK_N):
         l_i, m_i = _lse_tile(l_i, m_i, q, k_base, stride_ks, n0, skv, lo, hi, k_offset, qk_scale, dd, k_desc, krow,
-                             kcol, kp_base, stride_kpk, rows, rmask, mask_base, smr, smc, bias_base, sbr, sbc, D,
-                             BLOCK_D, BLOCK_M, BLOCK_N, False, IEEE, TMA, BITS, MASK, BIAS)
+                             kcol, kp_base, stride_kpk, rows, rmask, mask_base, smr, smc, bias_base, sbr, sbc, cap2,
+                             D, BLOCK_D, BLOCK_M, BLOCK_N, False, IEEE, TMA, BITS, MASK, BIAS, SOFTCAP)
     for n0 in range(tl.maximum(full_hi, tl.minimum(full_lo, end)), end, BLOCK_N):
         l_i, m_i = _lse_tile(l_i, m_i, q, k_base, stride_ks, n0, skv, lo, hi, k_offset, qk_scale, dd, k_desc, krow,
-                             kcol, kp_base, stride_kpk, rows, rmask, mask_base, smr, smc, bias_base, sbr, sbc, D,
-                             BLOCK_D, BLOCK_M, BLOCK_N, True, IEEE, TMA, BITS, MASK, BIAS)
+                             kcol, kp_base, stride_kpk, rows, rmask, mask_base, smr, smc, bias_base, sbr, sbc, cap2,
+                             D, BLOCK_D, BLOCK_M, BLOCK_N, True, IEEE, TMA, BITS, MASK, BIAS, SOFTCAP)
     m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
     lse = tl.where(l_i > 0, (m_fin + tl.log2(tl.where(l_i > 0, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
     tl.store(lse_ptr + b * stride_lb + rows.to(tl.int64) * stride_ls + h * stride_lh,
@@ -216,10 +216,11 @@ def _delta_kernel(o_ptr, do_ptr, out_ptr, n_rows, s, h, dv,
 @triton.jit
 def _dq_tile(acc, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n0, skv, lo, hi, k_offset, qk_scale,
              dd, dvv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, rows, rmask,
-             mask_base, smr, smc, bias_base, sbr, sbc,
+             mask_base, smr, smc, bias_base, sbr, sbc, cap2,
              D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
-             TMA: tl.constexpr, BITS: tl.constexpr, MASK: tl.constexpr, BIAS: tl.constexpr):
+             TMA: tl.constexpr, BITS: tl.constexpr, MASK: tl.constexpr, BIAS: tl.constexpr,
+             SOFTCAP: tl.constexpr):
     cols = n0 + tl.arange(0, BLOCK_N)
     if TMA:
         k = k_desc.load([krow + n0, kcol])
@@ -229,14 +230,15 @@ def _dq_tile(acc, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n0, 
         v = _load_rows(v_base, cols, stride_vs, dvv, skv, DV, BLOCK_DV, MASKED)
     zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc.dtype)
     s = _mm(q, tl.trans(k), zero, IEEE)
+    slope = 1.0  # (a softcap's tiles all take the masked path)
     if MASKED:
         abs_cols = k_offset + cols
         visible = (abs_cols[None, :] >= lo[:, None]) & (abs_cols[None, :] < hi[:, None]) & (cols[None, :] < skv)
         if BITS:
             visible = visible & (tl.load(kp_base + cols * stride_kpk, mask=cols < skv, other=0) != 0)[None, :]
-        if MASK or BIAS:
-            s2 = extra_scores(s * qk_scale, visible, rows, cols, rmask[:, None] & (cols[None, :] < skv), mask_base,
-                              smr, smc, bias_base, sbr, sbc, MASK, BIAS, False)
+        if MASK or BIAS or SOFTCAP:
+            s2, slope = extra_scores(s * qk_scale, visible, rows, cols, rmask[:, None] & (cols[None, :] < skv),
+                                     mask_base, smr, smc, bias_base, sbr, sbc, cap2, MASK, BIAS, SOFTCAP, False)
             p = tl.where(s2 == float("-inf"), 0.0, tl.exp2(s2 - lse2[:, None]))
         else:
             p = tl.where(visible, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
@@ -244,6 +246,8 @@ def _dq_tile(acc, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n0, 
         p = tl.exp2(s * qk_scale - lse2[:, None])
     dp = _mm(do, tl.trans(v), zero, IEEE)
     ds = p * (dp - delta[:, None])
+    if SOFTCAP:  # (every tile is masked then) the capped scores' gradient through tanh
+        ds = ds * slope
     if IEEE:
         return _mm(ds, k, acc, IEEE)
     else:
@@ -256,11 +260,11 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, lo_ptr, 
                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                stride_gb, stride_gs, stride_gh, stride_lb, stride_ls, stride_lh, stride_tb, stride_ts, stride_th,
                stride_ob, stride_os, stride_oh, kp_ptr, klim_ptr, stride_kpb, stride_kpk, klim_b0,
-               mask_ptr, smb, smh, smr, smc, bias_ptr, sbb, sbh, sbr, sbc, q_desc, k_desc, v_desc, do_desc,
+               mask_ptr, smb, smh, smr, smc, bias_ptr, sbb, sbh, sbr, sbc, cap2, q_desc, k_desc, v_desc, do_desc,
                D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr,
                TMA: tl.constexpr, LIMITS: tl.constexpr, BITS: tl.constexpr, MASK: tl.constexpr,
-               BIAS: tl.constexpr):
+               BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
     m_blocks = tl.cdiv(sq, BLOCK_M)
     pid = tl.program_id(0).to(tl.int64)
     nbh = tl.num_programs(0).to(tl.int64) // m_blocks
@@ -288,7 +292,7 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, lo_ptr, 
     start, end, full_lo, full_hi = _span(tl.min(lo, axis=0) - k_offset, tl.max(tl.where(rmask, lo, -_BIG), axis=0)
                                          - k_offset, tl.min(tl.where(rmask, hi, _BIG), axis=0) - k_offset,
                                          tl.max(hi, axis=0) - k_offset, skv, BLOCK_N)
-    if BITS or MASK or BIAS:  # padding, a mask or a bias may touch any pair: every tile is masked
+    if BITS or MASK or BIAS or SOFTCAP:  # padding, masks, a bias or a softcap: every tile takes the masked path
         full_lo = tl.maximum(end, start)
         full_hi = full_lo
     mask_base = mask_ptr + b * smb + h * smh  # (strides 0 on broadcast dimensions)
@@ -303,18 +307,18 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, lo_ptr, 
     for n0 in range(start, tl.minimum(full_lo, end), BLOCK_N):
         acc = _dq_tile(acc, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n0, skv, lo, hi, k_offset,
                        qk_scale, dd, dvv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, rows, rmask,
-                       mask_base, smr, smc, bias_base, sbr, sbc, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True,
-                       IEEE, TMA, BITS, MASK, BIAS)
+                       mask_base, smr, smc, bias_base, sbr, sbc, cap2, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
+                       True, IEEE, TMA, BITS, MASK, BIAS, SOFTCAP)
     for n0 in range(full_lo, full_hi, BLOCK_N):
         acc = _dq_tile(acc, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n0, skv, lo, hi, k_offset,
                        qk_scale, dd, dvv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, rows, rmask,
-                       mask_base, smr, smc, bias_base, sbr, sbc, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False,
-                       IEEE, TMA, BITS, MASK, BIAS)
+                       mask_base, smr, smc, bias_base, sbr, sbc, cap2, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
+                       False, IEEE, TMA, BITS, MASK, BIAS, SOFTCAP)
     for n0 in range(tl.maximum(full_hi, tl.minimum(full_lo, end)), end, BLOCK_N):
         acc = _dq_tile(acc, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n0, skv, lo, hi, k_offset,
                        qk_scale, dd, dvv, k_desc, v_desc, krow, kcol, vcol, kp_base, stride_kpk, rows, rmask,
-                       mask_base, smr, smc, bias_base, sbr, sbc, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True,
-                       IEEE, TMA, BITS, MASK, BIAS)
+                       mask_base, smr, smc, bias_base, sbr, sbc, cap2, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
+                       True, IEEE, TMA, BITS, MASK, BIAS, SOFTCAP)
     acc = acc * scale
     tl.store(dq_ptr + b * stride_ob + rows[:, None].to(tl.int64) * stride_os + h * stride_oh + dd[None, :],
              acc.to(dq_ptr.dtype.element_ty), mask=rmask[:, None] & (dd[None, :] < D))
@@ -326,11 +330,11 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, lo_ptr, 
 @triton.jit
 def _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_gs, stride_ls, stride_ts,
               m0, sq, q_offset, kqlo, kqhi, qk_scale, dd, dvv, q_desc, do_desc, qrow, qcol, gcol,
-              k_desc, v_desc, krow, kcol, vcol, cols, cmask, mask_base, smr, smc, bias_base, sbr, sbc,
+              k_desc, v_desc, krow, kcol, vcol, cols, cmask, mask_base, smr, smc, bias_base, sbr, sbc, cap2,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WRITE_DK: tl.constexpr,
               WRITE_DV: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, RELOAD: tl.constexpr,
-              MASK: tl.constexpr, BIAS: tl.constexpr):
+              MASK: tl.constexpr, BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
     if RELOAD:  # k and v through the tensor cores' shared memory for every tile, not held in registers
         k = k_desc.load([krow, kcol])
         v = v_desc.load([krow, vcol])
@@ -347,13 +351,14 @@ def _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, st
         lse = tl.load(lse_base + rows.to(tl.int64) * stride_ls)
     zero = tl.zeros([BLOCK_N, BLOCK_M], dtype=dk.dtype)
     st = _mm(k, tl.trans(q), zero, IEEE)  # scores transposed: [keys, rows]
+    slope = 1.0  # (a softcap's tiles all take the masked path)
     lse2 = lse.to(dk.dtype) * 1.4426950408889634
     if MASKED:
         abs_rows = q_offset + rows
         visible = (abs_rows[None, :] >= kqlo[:, None]) & (abs_rows[None, :] < kqhi[:, None]) & (rows[None, :] < sq)
-        if MASK or BIAS:
-            st2 = extra_scores(st * qk_scale, visible, rows, cols, cmask[:, None] & (rows[None, :] < sq), mask_base,
-                               smr, smc, bias_base, sbr, sbc, MASK, BIAS, True)
+        if MASK or BIAS or SOFTCAP:
+            st2, slope = extra_scores(st * qk_scale, visible, rows, cols, cmask[:, None] & (rows[None, :] < sq),
+                                      mask_base, smr, smc, bias_base, sbr, sbc, cap2, MASK, BIAS, SOFTCAP, True)
             pt = tl.where(st2 == float("-inf"), 0.0, tl.exp2(st2 - lse2[None, :]))
         else:
             pt = tl.where(visible, tl.exp2(st * qk_scale - lse2[None, :]), 0.0)
@@ -371,6 +376,8 @@ def _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, st
             delta = tl.load(delta_base + rows.to(tl.int64) * stride_ts)
         dpt = _mm(v, tl.trans(do), zero, IEEE)
         dst = pt * (dpt - delta.to(dk.dtype)[None, :])
+        if SOFTCAP:  # (every tile is masked then) the capped scores' gradient through tanh
+            dst = dst * slope
         if not IEEE:
             dst = dst.to(q.dtype)
         dk = _mm(dst, q, dk, IEEE)
@@ -383,12 +390,12 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 stride_gb, stride_gs, stride_gh, stride_lb, stride_ls, stride_lh, stride_tb, stride_ts, stride_th,
                 stride_ob, stride_os, stride_oh, kp_ptr, klim_ptr, stride_kpb, stride_kpk, klim_b0,
-                mask_ptr, smb, smh, smr, smc, bias_ptr, sbb, sbh, sbr, sbc, q_desc, k_desc, v_desc, do_desc,
+                mask_ptr, smb, smh, smr, smc, bias_ptr, sbb, sbh, sbr, sbc, cap2, q_desc, k_desc, v_desc, do_desc,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_DK: tl.constexpr, WRITE_DV: tl.constexpr,
                 IEEE: tl.constexpr, ACC: tl.constexpr, TMA: tl.constexpr, RELOAD: tl.constexpr,
                 SPLITS: tl.constexpr, LIMITS: tl.constexpr, BITS: tl.constexpr, MASK: tl.constexpr,
-                BIAS: tl.constexpr):
+                BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
     n_blocks = tl.cdiv(skv, BLOCK_N)
     pid = tl.program_id(0).to(tl.int64)
     nbh = tl.num_programs(0).to(tl.int64) // n_blocks
@@ -438,7 +445,7 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
                                              tl.load(kqlo_ptr + last) - q_offset,
                                              tl.load(kqhi_ptr + first) - q_offset,
                                              tl.load(kqhi_ptr + last) - q_offset, sq, BLOCK_M)
-    if MASK or BIAS:  # a mask or a bias may touch any pair: every tile is masked
+    if MASK or BIAS or SOFTCAP:  # masks, a bias or a softcap: every tile takes the masked path
         full_lo = tl.maximum(end, start)
         full_hi = full_lo
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
@@ -458,20 +465,23 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, kqlo_p
             dk, dv = _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_gs, stride_ls,
                                stride_ts, m0, sq, q_offset, kqlo, kqhi, qk_scale, dd, dvv, q_desc, do_desc, qrow,
                                qcol, gcol, k_desc, v_desc, krow, kcol, vcol, cols, cmask, mask_base, smr, smc,
-                               bias_base, sbr, sbc, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True,
-                               WRITE_DK, WRITE_DV, IEEE, TMA, RELOAD, MASK, BIAS)
+                               bias_base, sbr, sbc, cap2, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True,
+                               WRITE_DK, WRITE_DV, IEEE, TMA, RELOAD, MASK, BIAS,
+                               SOFTCAP)
         for m0 in range(full_lo, full_hi, BLOCK_M):
             dk, dv = _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_gs, stride_ls,
                                stride_ts, m0, sq, q_offset, kqlo, kqhi, qk_scale, dd, dvv, q_desc, do_desc, qrow,
                                qcol, gcol, k_desc, v_desc, krow, kcol, vcol, cols, cmask, mask_base, smr, smc,
-                               bias_base, sbr, sbc, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False,
-                               WRITE_DK, WRITE_DV, IEEE, TMA, RELOAD, MASK, BIAS)
+                               bias_base, sbr, sbc, cap2, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False,
+                               WRITE_DK, WRITE_DV, IEEE, TMA, RELOAD, MASK, BIAS,
+                               SOFTCAP)
         for m0 in range(tl.maximum(full_hi, tl.minimum(full_lo, end)), end, BLOCK_M):
             dk, dv = _dkv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_gs, stride_ls,
                                stride_ts, m0, sq, q_offset, kqlo, kqhi, qk_scale, dd, dvv, q_desc, do_desc, qrow,
                                qcol, gcol, k_desc, v_desc, krow, kcol, vcol, cols, cmask, mask_base, smr, smc,
-                               bias_base, sbr, sbc, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True,
-                               WRITE_DK, WRITE_DV, IEEE, TMA, RELOAD, MASK, BIAS)
+                               bias_base, sbr, sbc, cap2, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True,
+                               WRITE_DK, WRITE_DV, IEEE, TMA, RELOAD, MASK, BIAS,
+                               SOFTCAP)
     if LIMITS or BITS:  # a hidden key's gradients are 0 by definition, whatever its tiles summed
         dk = tl.where(hidden[:, None], 0.0, dk)
         dv = tl.where(hidden[:, None], 0.0, dv)
@@ -585,15 +595,16 @@ def _widths(d: int) -> int:
 
 def _padding_arguments(fallback: DevBuf, key_padding: DevBuf | None, limits: DevBuf | None,
                        limits_batch: int, mask: DevBuf | None, bias: DevBuf | None, rows: int,
-                       keys: int) -> tuple[tuple, dict]:
+                       keys: int, softcap: float | None = None) -> tuple[tuple, dict]:
     """(kernel arguments, constexprs) of key padding (bool [b, skv], this block's keys), per-batch key
     limits (int32 [B, 2], absolute; row ``limits_batch + b``), a boolean mask and an additive bias
-    ([b|1, hq|1, rows, keys], ``triton_attention.extra_arguments``), as the forward kernel takes them."""
+    ([b|1, hq|1, rows, keys]) and a softcap (``triton_attention.extra_arguments``), as the forward kernel
+    takes them."""
     args = (Ptr(key_padding) if key_padding is not None else Ptr(fallback),
             Ptr(limits) if limits is not None else Ptr(fallback),
             key_padding.strides[0] if key_padding is not None else 0,
             key_padding.strides[1] if key_padding is not None else 0, limits_batch)
-    extra_args, extra_consts = extra_arguments(fallback, mask, bias, rows, keys)
+    extra_args, extra_consts = extra_arguments(fallback, mask, bias, rows, keys, softcap)
     return (*args, *extra_args), dict(LIMITS=limits is not None, BITS=key_padding is not None, **extra_consts)
 
 
@@ -606,11 +617,11 @@ def _shape_key(kind: str, q: DevBuf, k: DevBuf, dv: int, tma: tuple | None, *ext
 def attention_lse(q: DevBuf, k: DevBuf, lse: DevBuf, row_lo: DevBuf, row_hi: DevBuf, q_offset: int, k_offset: int,
                   scale: float, config: Config | None = None, key_padding: DevBuf | None = None,
                   limits: DevBuf | None = None, limits_batch: int = 0, mask: DevBuf | None = None,
-                  bias: DevBuf | None = None) -> None:
+                  bias: DevBuf | None = None, softcap: float | None = None) -> None:
     """lse [b, sq, hq] = log Σ_visible exp(scale · q·k) of blocks q, k (-inf where a row sees no key).
 
     ``config`` fixes (BLOCK_M, BLOCK_N, num_warps, num_stages, loads) instead of timing the candidates;
-    key padding, key limits, a mask and a bias as the forward kernel takes them
+    key padding, key limits, a mask, a bias and a softcap as the forward kernel takes them
     (``triton_attention.launch_arguments``)."""
     _check("attention_lse", {"q": q, "k": k})
     nb, sq, hq, d = q.shape
@@ -623,7 +634,8 @@ def attention_lse(q: DevBuf, k: DevBuf, lse: DevBuf, row_lo: DevBuf, row_hi: Dev
     block_d = _widths(d)
     args = (Ptr(q), Ptr(k), Ptr(lse), Ptr(row_lo), Ptr(row_hi), sq, skv, hq, hq // hkv, q_offset, k_offset,
             float(scale) * math.log2(math.e), *q.strides[:3], *k.strides[:3], *_strides3(lse))
-    pad_args, pad_consts = _padding_arguments(row_lo, key_padding, limits, limits_batch, mask, bias, sq, skv)
+    pad_args, pad_consts = _padding_arguments(row_lo, key_padding, limits, limits_batch, mask, bias, sq, skv,
+                                              softcap)
     args = (*args, *pad_args)
     consts = dict(D=d, BLOCK_D=block_d, IEEE=ieee, ACC=acc_type(q.dtype), **pad_consts)
     tma = _tma_views((q, k))
@@ -665,9 +677,10 @@ def _grad_arguments(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, de
 def attention_dq(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta: DevBuf, dq: DevBuf,
                  row_lo: DevBuf, row_hi: DevBuf, q_offset: int, k_offset: int, scale: float,
                  config: Config | None = None, key_padding: DevBuf | None = None, limits: DevBuf | None = None,
-                 limits_batch: int = 0, mask: DevBuf | None = None, bias: DevBuf | None = None) -> None:
+                 limits_batch: int = 0, mask: DevBuf | None = None, bias: DevBuf | None = None,
+                 softcap: float | None = None) -> None:
     """dq [b, sq, hq, d] of blocks q, k, v, dO with the rows' full lse and Δ (a key block's partial); key
-    padding, key limits, a mask and a bias as the forward kernel takes them."""
+    padding, key limits, a mask, a bias and a softcap as the forward kernel takes them."""
     _check("attention_dq", {"q": q, "k": k, "v": v, "dO": do, "dq": dq})
     nb, sq, hq, d = q.shape
     skv, hkv, dvn = k.shape[1], k.shape[2], v.shape[3]
@@ -680,7 +693,8 @@ def attention_dq(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delta
     args = (Ptr(q), Ptr(k), Ptr(v), Ptr(do), Ptr(lse), Ptr(delta), Ptr(dq), Ptr(row_lo), Ptr(row_hi),
             sq, skv, hq, hq // hkv, q_offset, k_offset, float(scale), float(scale) * math.log2(math.e),
             *_grad_arguments(q, k, v, do, lse, delta, dq))
-    pad_args, pad_consts = _padding_arguments(row_lo, key_padding, limits, limits_batch, mask, bias, sq, skv)
+    pad_args, pad_consts = _padding_arguments(row_lo, key_padding, limits, limits_batch, mask, bias, sq, skv,
+                                              softcap)
     args = (*args, *pad_args)
     consts = dict(D=d, DV=dvn, BLOCK_D=block_d, BLOCK_DV=block_dv, IEEE=ieee, ACC=acc_type(q.dtype), **pad_consts)
     tma = _tma_views((q, k, v, do))
@@ -700,12 +714,13 @@ def attention_dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delt
                   key_qlo: DevBuf, key_qhi: DevBuf, q_offset: int, k_offset: int, scale: float,
                   dk: bool = True, dv: bool = True, config: Config | None = None,
                   scratch: DevBuf | None = None, key_padding: DevBuf | None = None, limits: DevBuf | None = None,
-                  limits_batch: int = 0, mask: DevBuf | None = None, bias: DevBuf | None = None) -> None:
+                  limits_batch: int = 0, mask: DevBuf | None = None, bias: DevBuf | None = None,
+                  softcap: float | None = None) -> None:
     """dk and dv of blocks q, k, v, dO (a query block's partial) into ``out`` [b, skv, hkv, width]: dk in
     [..., :d] and dv after it (width d + d_v), or only the one asked for.  With ``scratch`` (at least
     ``dkv_scratch(...)`` float32 elements) a group's query heads are split among programs where
-    ``dkv_splits`` says so.  Key padding, key limits, a mask and a bias as the forward kernel takes them: a
-    hidden key's dk and dv are 0."""
+    ``dkv_splits`` says so.  Key padding, key limits, a mask, a bias and a softcap as the forward kernel
+    takes them: a hidden key's dk and dv are 0."""
     _check("attention_dkv", {"q": q, "k": k, "v": v, "dO": do, "out": out})
     nb, sq, hq, d = q.shape
     skv, hkv, dvn = k.shape[1], k.shape[2], v.shape[3]
@@ -731,7 +746,8 @@ def attention_dkv(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, delt
     args = (Ptr(q), Ptr(k), Ptr(v), Ptr(do), Ptr(lse), Ptr(delta), Ptr(target), Ptr(key_qlo), Ptr(key_qhi),
             sq, skv, hkv, group, stride_split, q_offset, k_offset, float(scale),
             float(scale) * math.log2(math.e), *_grad_arguments(q, k, v, do, lse, delta, target))
-    pad_args, pad_consts = _padding_arguments(key_qlo, key_padding, limits, limits_batch, mask, bias, sq, skv)
+    pad_args, pad_consts = _padding_arguments(key_qlo, key_padding, limits, limits_batch, mask, bias, sq, skv,
+                                              softcap)
     args = (*args, *pad_args)
     consts = dict(D=d, DV=dvn, BLOCK_D=block_d, BLOCK_DV=block_dv, WRITE_DK=dk, WRITE_DV=dv, IEEE=ieee,
                   ACC=acc_type(q.dtype), **pad_consts)

@@ -6,6 +6,8 @@ v [batch, seq_kv, heads_kv, d_v] -> out [batch, seq_q, heads_q, d_v]; then, name
 the order ``EXTRAS``, the optional inputs ``key_padding`` (bool [batch, seq_kv], True for a real key),
 ``mask`` (bool [batch or 1, heads_q or 1, seq_q, seq_kv], True where a query may see a key) and
 ``bias`` (float, the same broadcastable shape, added to the scaled scores: T5's relative bias, ALiBi).
+With ``softcap`` c the scaled scores are first squashed to c · tanh(s / c) (Gemma 2's logit soft-capping);
+a bias and the masks apply after it.
 
 Which keys a query row r sees, before the masks: its position is r + offset, the offset being
 seq_kv - seq_q when ``causal="bottom_right"`` (a query block after a key cache) and 0 otherwise
@@ -97,6 +99,7 @@ class AttentionOp(Operator):
     window: int | None = None
     key_lengths: tuple[int, ...] | None = None
     extras: tuple[str, ...] = ()
+    softcap: float | None = None
 
     _MAIN = 3  # q, k, v come first; the extras follow
 
@@ -127,6 +130,9 @@ class AttentionOp(Operator):
         self._check_options(q.shape[0], q.shape[1], k.shape[1])
         if self.scale is not None:
             finite_number("attention scale", self.scale)
+        if self.softcap is not None:
+            finite_number("attention softcap (scores become softcap · tanh(scores / softcap))", self.softcap,
+                          above=0)
         self._check_extras(self.input_types[self._MAIN:], q.shape[0], hq, q.shape[1], k.shape[1])
         return TensorType.zero((*q.shape[:3], v.shape[3]), dtype, q.names)
 
@@ -216,7 +222,7 @@ class AttentionOp(Operator):
 
     def params(self) -> dict[str, object]:
         out: dict[str, object] = {"causal": self.causal, "seq_ends": self.seq_ends, "scale": self.softmax_scale}
-        for name in ("window", "key_lengths"):
+        for name in ("window", "key_lengths", "softcap"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         if self.extras:
@@ -390,10 +396,11 @@ class AttentionOp(Operator):
         return dict(zip(self.extras, blocks[self._MAIN:]))
 
     def chunk_scores(self, qg: Any, k: Any, extra: dict[str, Any], qbox: Box, kbox: Box, r0: int, r1: int,
-                     xp: Any = np) -> tuple[Any, Any]:
-        """The scaled scores plus bias [b, hkv, g, rows, keys] of the block's rows [r0, r1) (qg as
-        [b, rows, hkv, g, d]) and where each is visible (broadcastable to the scores).  ``xp`` is the
-        array module the blocks live in (NumPy, or CuPy on a GPU)."""
+                     xp: Any = np) -> tuple[Any, Any, Any]:
+        """The scaled (and soft-capped) scores plus bias [b, hkv, g, rows, keys] of the block's rows [r0, r1)
+        (qg as [b, rows, hkv, g, d]), where each is visible (broadcastable to the scores), and with a
+        softcap the derivative of the capped scores in the scaled ones, 1 - tanh², for the gradient (else
+        None).  ``xp`` is the array module the blocks live in."""
         rows = np.arange(qbox.lower[1] + r0, qbox.lower[1] + r1)
         cols = np.arange(kbox.lower[1], kbox.upper[1])
         lo, hi = self._key_limits(rows)
@@ -409,9 +416,13 @@ class AttentionOp(Operator):
         if "mask" in extra:
             visible = visible & self._grouped(extra["mask"][:, :, r0:r1].astype(bool))
         s = xp.einsum("bqhgd,bkhd->bhgqk", qg, k) * self.softmax_scale
+        slope = None
+        if self.softcap is not None:
+            t = xp.tanh(s / self.softcap)
+            s, slope = self.softcap * t, 1.0 - t * t
         if "bias" in extra:
             s = s + self._grouped(extra["bias"][:, :, r0:r1].astype(s.dtype))
-        return s, visible
+        return s, visible, slope
 
     def _grouped(self, m: np.ndarray) -> np.ndarray:
         """A mask or bias block [b|1, heads_q|1, rows, keys] as [b|1, hkv|1, g|1, rows, keys]."""
@@ -441,7 +452,7 @@ class AttentionOp(Operator):
         qg = q.reshape(nb, sq, hkv, g, d)
         for r0 in range(0, sq, _ROW_CHUNK):
             r1 = min(sq, r0 + _ROW_CHUNK)
-            s, visible = self.chunk_scores(qg[:, r0:r1], k, extra, qbox, kbox, r0, r1, xp)
+            s, visible, _ = self.chunk_scores(qg[:, r0:r1], k, extra, qbox, kbox, r0, r1, xp)
             s = xp.where(visible, s, -np.inf)
             top = s.max(axis=-1, keepdims=True)
             top = xp.where(xp.isfinite(top), top, 0.0)
@@ -458,7 +469,7 @@ class AttentionOp(Operator):
     def options(self) -> dict[str, Any]:
         """The keyword arguments that rebuild this attention's key visibility in its gradient operators."""
         return dict(causal=self.causal, seq_ends=self.seq_ends, scale=self.scale, window=self.window,
-                    key_lengths=self.key_lengths, extras=self.extras)
+                    key_lengths=self.key_lengths, extras=self.extras, softcap=self.softcap)
 
     def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any,
             wanted: tuple[bool, ...]) -> Grads:

@@ -109,7 +109,7 @@ class AttentionLseOp(AttentionOp):
             qg = q.reshape(nb, sq, hkv, g, d)
             for r0 in range(0, sq, _ROW_CHUNK):
                 r1 = min(sq, r0 + _ROW_CHUNK)
-                s, visible = self.chunk_scores(qg[:, r0:r1], k, extra, qbox, kbox, r0, r1)
+                s, visible, _ = self.chunk_scores(qg[:, r0:r1], k, extra, qbox, kbox, r0, r1)
                 s = np.where(visible, s, -np.inf)
                 top = s.max(axis=-1, keepdims=True)
                 safe = np.where(np.isfinite(top), top, 0.0)
@@ -302,7 +302,7 @@ class AttentionGradOp(AttentionOp):
             delta_g = np.moveaxis(delta.reshape(nb, sq, hkv, g), 1, 3)
             for r0 in range(0, sq, _ROW_CHUNK):
                 r1 = min(sq, r0 + _ROW_CHUNK)
-                s, visible = self.chunk_scores(qg[:, r0:r1], k, extra, qbox, kbox, r0, r1)
+                s, visible, slope = self.chunk_scores(qg[:, r0:r1], k, extra, qbox, kbox, r0, r1)
                 top = lse_g[..., r0:r1, None]
                 live = visible & np.isfinite(top)  # exponents of masked scores never computed: no overflow
                 p = np.exp(np.where(live, s - np.where(np.isfinite(top), top, 0.0), -np.inf))
@@ -315,7 +315,7 @@ class AttentionGradOp(AttentionOp):
                 if self.part == "dbias":
                     dbias[:, :, r0:r1] += self._ungrouped(ds, dbias.shape)
                     continue
-                ds = ds * self.softmax_scale
+                ds = ds * self.softmax_scale if slope is None else ds * slope * self.softmax_scale
                 if self.part == "dq":
                     dq[:, r0:r1] = np.einsum("bhgqk,bkhd->bqhgd", ds, k).reshape(nb, r1 - r0, hq, d)
                 else:

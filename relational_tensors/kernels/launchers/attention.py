@@ -29,8 +29,12 @@ def _padding(op: Any) -> bool:
 
 
 def _masks(op: Any, ins: list, main: int) -> dict[str, Any]:
-    """The mask and bias blocks of a launch, as the kernels take them (``triton_attention.extra_arguments``)."""
-    return {name: ins[main + op.extras.index(name)] for name in ("mask", "bias") if name in op.extras}
+    """The mask and bias blocks of a launch and the softcap, as the kernels take them
+    (``triton_attention.extra_arguments``)."""
+    out: dict[str, Any] = {name: ins[main + op.extras.index(name)] for name in ("mask", "bias") if name in op.extras}
+    if op.softcap is not None:
+        out["softcap"] = op.softcap
+    return out
 
 
 def _attention_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str] | None:
@@ -61,7 +65,7 @@ def _attention(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stre
             tc.fill(lse, float("-inf"))
         return
     rows, keys = f.inputs[0].lower[1], f.inputs[1].lower[1]
-    masks = _masks(op, ins, 3)  # a mask's bits and a bias's values read beside the scores, every tile masked
+    masks = _masks(op, ins, 3)  # a softcap, a mask's bits and a bias's values beside the scores, every tile masked
     if _padding(op):  # the real keys of each batch row: bits in every tile, tiles outside skipped
         kp = ins[3]
         room = consts["scratch"]
