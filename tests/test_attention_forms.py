@@ -35,6 +35,10 @@ def test_semantics_match_torch(case: str) -> None:
     q, k, v = xs[:3]
     extra = dict(zip(op.extras, xs[3:]))
     allowed = attention_mask(op, extra)
+    if op.softcap is not None:  # SDPA has no softcap: the masked softmax written out
+        from torch_reference import _attention
+        np.testing.assert_allclose(got, _attention(*xs, op=op).numpy(), rtol=1e-9, atol=1e-12)
+        return
     bias = extra.get("bias")
     # SDPA takes one float mask: the bias with -inf where not allowed (rows that see nothing are left out:
     # SDPA's math kernel gives NaN there, its fused kernels 0, which is what the operator gives)
@@ -83,6 +87,8 @@ def test_causal_true_needs_equal_lengths() -> None:
     (dict(mask="m_f"), "mask must be a boolean tensor"),
     (dict(mask="m_wrong"), r"shape \[batch or 1, heads_q or 1, seq_q, seq_kv\]"),
     (dict(bias="m_b"), "bias must be a floating tensor"),
+    (dict(softcap=0.0), r"softcap .* must be a finite number > 0"),
+    (dict(softcap=float("inf")), r"softcap .* must be a finite number > 0"),
 ])
 def test_malformed_options_are_refused_with_the_rule(bad: dict, rule: str) -> None:
     g = rt.Graph()
@@ -112,7 +118,8 @@ def attention_form(draw):
     mask = draw(st.one_of(st.none(), st.tuples(st.sampled_from([1, batch]), st.sampled_from([1, hq]))))
     bias = draw(st.one_of(st.none(), st.tuples(st.sampled_from([1, batch]), st.sampled_from([1, hq]))))
     return dict(batch=batch, hkv=hkv, hq=hq, sq=sq, skv=skv, causal=causal, window=window, padding=padding,
-                lengths=lengths, mask=mask, bias=bias, d=draw(st.sampled_from([2, 4])))
+                lengths=lengths, mask=mask, bias=bias, d=draw(st.sampled_from([2, 4])),
+                softcap=draw(st.sampled_from([None, None, 0.5, 4.0])))
 
 
 def _form_graph(form: dict, dtype: str = "float64") -> tuple[rt.Graph, str]:
@@ -120,7 +127,7 @@ def _form_graph(form: dict, dtype: str = "float64") -> tuple[rt.Graph, str]:
     b, sq, skv, d = form["batch"], form["sq"], form["skv"], form["d"]
     q = g.input("q", [b, sq, form["hq"], d], dtype)
     k, v = (g.input(n, [b, skv, form["hkv"], d], dtype) for n in "kv")
-    kw: dict = dict(causal=form["causal"], window=form["window"])
+    kw: dict = dict(causal=form["causal"], window=form["window"], softcap=form["softcap"])
     if form["padding"] == "tensor":
         kw["key_padding"] = g.input("pad", [b, skv], "bool")
     elif form["padding"] == "lengths":

@@ -102,11 +102,12 @@ def test_the_backward_reads_the_lse_the_forward_wrote(device: str, monkeypatch: 
         _relative(paired[name], plain[name], 2e-2, f"{device} {name} against the recomputed lse")
 
 
-@pytest.mark.parametrize("form", ["key lengths", "key padding", "mask", "bias", "mask, bias and padding"])
+@pytest.mark.parametrize("form", ["key lengths", "key padding", "mask", "bias", "mask, bias and padding",
+                                  "bias and softcap"])
 @pytest.mark.parametrize("device", ["cuda:0", "cuda:0,0"])
 def test_padded_masked_and_biased_forms_run_in_the_kernels(form: str, device: str) -> None:
-    """Key lengths, key padding, a boolean mask and an additive bias (with its gradient) run in the Triton
-    kernels, forward and backward, captured in a CUDA graph: they agree with the reference on one and two
+    """Key lengths, key padding, a boolean mask, an additive bias (with its gradient) and a softcap run in the
+    Triton kernels, forward and backward, captured in a CUDA graph: they agree with the reference on one and two
     logical devices."""
     g = rt.Graph()
     q = g.input("q", [2, 40, 4, 32], "float32")
@@ -123,6 +124,8 @@ def test_padded_masked_and_biased_forms_run_in_the_kernels(form: str, device: st
     if "bias" in form:
         extra["bias"] = g.input("bias", [1, 4, 40, 40], "float32")
         wrt.append(extra["bias"])
+    if "softcap" in form:
+        extra["softcap"] = 0.5
     o = g.attention(q, k, v, causal=True, **extra)
     names = ("dq", "dk", "dv", "dbias")
     for name, t in zip(names, g.vjp(o, g.input("do", [2, 40, 4, 32], "float32"), wrt)):

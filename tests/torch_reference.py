@@ -61,6 +61,8 @@ def _attention(q, k, v, *rest, op=None) -> torch.Tensor:
     g = q.shape[2] // k.shape[2]
     kk, vv = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * op.softmax_scale
+    if op.softcap is not None:  # Gemma 2's logit soft-capping, before the bias and masks
+        s = op.softcap * torch.tanh(s / op.softcap)
     if "bias" in extra:
         s = s + extra["bias"]
     p = torch.softmax(s.masked_fill(~allowed, -1e30), -1) * allowed.any(-1, keepdim=True)  # unseen rows: 0
