@@ -159,9 +159,13 @@ def test_llama_with_scaled_rope_tables_keeps_them_as_constants() -> None:
 
 
 def test_llama_eager_attention_with_a_causal_mask() -> None:
+    """transformers' eager attention (scores, + mask, softmax in float32, · v) becomes one attention
+    operator: its float causal mask read as causality, its scores never materialized."""
     config = llama_config(attn_implementation="eager")
     fast = assert_matches(LlamaWithRotary(config, mask=True), (torch.randn(1, 64, 64),), device="cpu:4")
-    assert "attention" not in kinds(fast.graph) and "softmax" in kinds(fast.graph)
+    assert "attention" in kinds(fast.graph) and "softmax" not in kinds(fast.graph)
+    att = next(n for n in fast.graph.operators if n.kind == "attention")
+    assert att.op.causal is True and not att.op.extras and att.op.softcap is None
 
 
 def test_gpt2_block_matches_on_4_devices() -> None:
@@ -763,3 +767,47 @@ def test_a_mixture_of_experts_as_a_list_of_experts_is_refused_as_such() -> None:
     with pytest.raises(rt.GraphError, match="mixture-of-experts layer .*experts are not one module of stacked "
                                             "weights"):
         from_torch(ListOfExperts(), (torch.zeros(8, 16),))
+
+
+class _WrittenAttention(nn.Module):
+    """Attention written out the way transformers' eager paths write it: scores scaled by a number,
+    optionally soft-capped, plus an optional float mask, softmax in float32, dropout, times v."""
+
+    def __init__(self, softcap: float | None = None, divide: bool = False, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 48)
+        self.softcap, self.divide, self.dropout = softcap, divide, dropout
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (t.reshape(b, s, 2, 8).transpose(1, 2) for t in self.proj(x).split(16, dim=-1))
+        w = torch.matmul(q, k.transpose(2, 3))
+        w = w / math.sqrt(8) if self.divide else w * 8 ** -0.5
+        if self.softcap is not None:
+            w = torch.tanh(w / self.softcap) * self.softcap
+        if mask is not None:
+            w = w + mask
+        p = nn.functional.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        p = nn.functional.dropout(p, p=self.dropout, training=self.training)
+        return torch.matmul(p, v).transpose(1, 2).reshape(b, s, 16)
+
+
+@pytest.mark.parametrize("softcap, divide, masked", [(None, True, False), (2.0, False, False), (0.5, False, True)])
+def test_written_out_attention_becomes_one_operator(softcap: float | None, divide: bool, masked: bool) -> None:
+    x = torch.randn(2, 12, 16)
+    inputs: tuple[Any, ...] = (x,)
+    if masked:  # a runtime float mask: a bias added after the softcap, with -inf where a key is hidden
+        bias = torch.randn(2, 1, 12, 12)
+        bias[0, :, :, 7:] = float("-inf")
+        inputs = (x, bias)
+    fast = assert_matches(_WrittenAttention(softcap, divide), inputs, device="cpu:2")
+    assert "softmax" not in kinds(fast.graph)
+    att = next(n for n in fast.graph.operators if n.kind == "attention")
+    assert att.op.softcap == softcap and att.op.softmax_scale == pytest.approx(8 ** -0.5)
+    assert att.op.extras == (("bias",) if masked else ())
+
+
+def test_written_out_attention_that_drops_in_training_stays_written_out() -> None:
+    module = _WrittenAttention(dropout=0.1).train()
+    fast = parallelize(module, (torch.randn(2, 12, 16),), device="cpu:2")
+    assert "attention" not in kinds(fast.graph) and "softmax" in kinds(fast.graph)

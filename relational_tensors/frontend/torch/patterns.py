@@ -6,7 +6,9 @@ The matchers are keyed by the ATen operation of the node that ends the idiom (th
 (``rmsnorm``); ``aten.mul`` -> ``silu(a) * b`` (``swiglu``) or GPT-2's written-out tanh GELU
 (``gelu_tanh``); ``aten.add`` -> rotary embedding ``x * cos + rotate_half(x) * sin`` (``rope``, when
 the tables are the standard ones); ``aten.scaled_dot_product_attention`` with k/v heads repeated
-before it (``gqa``: grouped-query attention).  ``_PATTERNS`` maps each kind to the function that
+before it (``gqa``: grouped-query attention); ``aten.matmul`` -> attention written out as transformers'
+eager attention writes it, ``softmax(q·kᵀ · scale [soft-capped] [+ mask]) · v`` (``eager_attention``: one
+attention operator, its scores never materialized).  ``_PATTERNS`` maps each kind to the function that
 emits its operator.
 """
 
@@ -182,6 +184,82 @@ def _match_repeated_kv(node: Any) -> dict[str, Any] | None:
     return {"q": node.args[0], "k": rk[0], "v": rv[0], "mask": mask}
 
 
+_SOFTMAX = ("aten.softmax.int", "aten._softmax.default", "aten._safe_softmax.default")
+
+
+def _scores(node: Any) -> dict[str, Any] | None:
+    """``q @ kᵀ`` times numbers (or divided by them), then optionally soft-capped (``c · tanh(s / c)``):
+    q [b, h, sq, d], k [b, h, skv, d] (repeated heads traced back to the kv heads) and the scale."""
+    softcap = None
+    outer = _number_operand(node, "aten.mul.Tensor")
+    if outer is not None and _is(outer[0], "aten.tanh.default"):
+        inner = _number_operand(outer[0].args[0], "aten.div.Tensor")
+        if inner is None or inner[1] != outer[1] or not outer[1] > 0 or inner[0] is not outer[0].args[0].args[0]:
+            return None
+        softcap, node = outer[1], inner[0]
+    scale = 1.0
+    while True:  # ``scores * number`` or ``scores / number``, as often as written
+        by = _number_operand(node, "aten.mul.Tensor", "aten.div.Tensor")
+        if by is None:
+            break
+        if _is(node, "aten.div.Tensor"):
+            if by[0] is not node.args[0] or by[1] == 0:  # ``number / scores`` is no scale
+                return None
+            scale /= by[1]
+        else:
+            scale *= by[1]
+        node = by[0]
+    if not _is(node, "aten.matmul.default"):
+        return None
+    q, kt = node.args
+    if not (_is(kt, "aten.transpose.int") and {d % 4 for d in kt.args[1:3]} == {2, 3}):
+        return None
+    k = kt.args[0]
+    qs, ks = _shape(q), _shape(k)
+    if qs is None or ks is None or len(qs) != 4 or len(ks) != 4 or qs[:2] != ks[:2] or qs[3] != ks[3]:
+        return None
+    return {"q": q, "k": k, "scale": scale, "softcap": softcap}
+
+
+def _match_eager_attention(node: Any, symbolic: set[Any]) -> dict[str, Any] | None:
+    """``softmax(scores [+ mask], -1) [cast] [dropout that drops nothing] @ v`` with ``_scores``'s scores:
+    transformers' eager attention (Gemma 2's soft-capped logits, T5's position bias as the mask) ->
+    one attention operator.  Dropout that drops in training stays written out (the kernels drop nothing)."""
+    probs, v = node.args[0], node.args[1]
+    while True:
+        if _is(probs, "aten.dropout.default"):
+            if probs.args[1] != 0 and (probs.args[2] if len(probs.args) > 2 else probs.kwargs.get("train")):
+                return None
+            probs = probs.args[0]
+        elif _is(probs, *_CASTS):
+            probs = probs.args[0]
+        else:
+            break
+    if not _is(probs, *_SOFTMAX) or probs.args[1] not in (-1, 3):
+        return None
+    x, mask = probs.args[0], None
+    found = _scores(x)
+    if found is None and _is(x, "aten.add.Tensor") and len(x.args) == 2 and x.kwargs.get("alpha", 1) == 1:
+        for s, m in ((x.args[0], x.args[1]), (x.args[1], x.args[0])):
+            found = _scores(s) if hasattr(m, "op") else None
+            if found is not None:
+                mask = m
+                break
+    if found is None:
+        return None
+    q, k = found["q"], found["k"]
+    rk, rv = _repeat_source(k) or (k, 1), _repeat_source(v) or (v, 1)
+    vs, ps, ks = _shape(v), _shape(probs), _shape(k)
+    if rk[1] != rv[1] or vs is None or ps is None or ks is None or len(vs) != 4 or vs[:3] != (*ks[:2], ps[3]):
+        return None
+    if not (q in symbolic or k in symbolic or v in symbolic) or _shape(node) != (*ps[:3], vs[3]):
+        return None
+    ms = _shape(mask) if mask is not None else None
+    if mask is not None and (ms is None or len(ms) > 4 or _dtype(mask) is None or not _dtype(mask).is_floating_point):
+        return None
+    return {"q": q, "k": rk[0], "v": rv[0], "mask": mask, "scale": found["scale"], "softcap": found["softcap"]}
+
+
 # --- recognized patterns ----------------------------------------------------------------------------------------
 
 def _emit_rmsnorm(tr: _Translator, node: Any, m: dict[str, Any]) -> Tensor:
@@ -217,6 +295,13 @@ def _emit_gqa(tr: _Translator, node: Any, m: dict[str, Any]) -> Tensor:
             bound[arg.name] = arg.default_value if arg.has_default_value() else None
     bound["enable_gqa"] = True
     return _sdpa(tr, node, bound)
+
+
+def _emit_eager_attention(tr: _Translator, node: Any, m: dict[str, Any]) -> Tensor:
+    a = {"query": tr.env[m["q"]], "key": tr.env[m["k"]], "value": tr.env[m["v"]],
+         "attn_mask": tr.env[m["mask"]] if m["mask"] is not None else None, "dropout_p": 0.0, "is_causal": False,
+         "scale": m["scale"], "enable_gqa": True}
+    return _sdpa(tr, node, a, softcap=m["softcap"], mask_node=m["mask"])
 
 
 def _match_rope(node: Any, symbolic: set[Any]) -> dict[str, Any] | None:
@@ -334,5 +419,6 @@ _PATTERNS: dict[str, Callable[[_Translator, Any, dict[str, Any]], Any]] = {
     "gqa": _emit_gqa,
     "rope": _emit_rope,
     "gelu_tanh": _emit_gelu_tanh,
+    "eager_attention": _emit_eager_attention,
 }
 

@@ -107,7 +107,10 @@ def _sdpa_rule(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     return _sdpa(tr, node, a)
 
 
-def _sdpa(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+def _sdpa(tr: _Translator, node: Any, a: dict[str, Any], softcap: float | None = None,
+          mask_node: Any = None) -> Tensor:
+    """SDPA's arguments ``a`` as one attention operator; ``softcap`` and the mask's fx node (``mask_node``,
+    else ``node``'s ``attn_mask``) for the written-out attention the patterns recognize."""
     dtype = _out_dtype(node)
     q, k, v = (tr.sym(a[n], dtype) for n in ("query", "key", "value"))
     if not (q.rank == k.rank == v.rank) or q.rank not in (3, 4):
@@ -115,7 +118,7 @@ def _sdpa(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
                     "or [batch, seq, d] for all three")
     sq, skv = q.shape[-2], k.shape[-2]
     heads = q.shape[1] if q.rank == 4 else 1
-    mask_node = _argument_node(node, "attn_mask")
+    mask_node = mask_node if mask_node is not None else _argument_node(node, "attn_mask")
     form = attention_form(tr, a["attn_mask"], mask_node, q.shape[0], heads, sq, skv, q.dtype, q.rank)
     if a["is_causal"]:
         if form.causal is not False or form.extra:
@@ -131,7 +134,7 @@ def _sdpa(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     if a["dropout_p"]:
         out = _attention_with_dropout(tr, q, k, v, form, a["scale"], float(a["dropout_p"]))
     else:
-        out = tr.g.attention(q, k, v, scale=a["scale"], name=tr.name("attention"), **form.kwargs())
+        out = tr.g.attention(q, k, v, scale=a["scale"], name=tr.name("attention"), softcap=softcap, **form.kwargs())
     if len(_out_shape(node)) == 3:
         return tr.reshape(out, _out_shape(node))
     return tr.permute(out, (0, 2, 1, 3))

@@ -46,6 +46,7 @@ from relational_tensors.frontend.torch.convert import (
 from relational_tensors.frontend.torch.moe import traceable_experts
 from relational_tensors.frontend.torch.patterns import (
     _PATTERNS,
+    _match_eager_attention,
     _match_gelu_tanh,
     _match_repeated_kv,
     _match_rmsnorm,
@@ -339,6 +340,10 @@ class _Translator:
                 m = _match_rope(node, self.symbolic)
                 if m is not None:
                     self.rewrites[node] = ("rope", m)
+            if name == "aten.matmul.default":
+                m = _match_eager_attention(node, self.symbolic)
+                if m is not None:
+                    self.rewrites[node] = ("eager_attention", m)
             if name == "aten.scaled_dot_product_attention.default":
                 m = _match_repeated_kv(node)
                 if m is not None:
