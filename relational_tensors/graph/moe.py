@@ -221,7 +221,7 @@ def _capacity_experts(g: Graph, x: Tensor, slot: Tensor, pair: Tensor, top: Tens
                       weights: tuple[Tensor, Tensor, Tensor], experts: int, prefix: str) -> Tensor:
     """The routed experts over per-group buffers of a fixed capacity: each group's tokens gathered into
     ``[groups, experts, capacity, d]`` (empty rows zero), the SwiGLU FFN as batched products over the
-    experts, and each pair's row gathered back and summed with the router's weights ``top [tokens, k]``
+    experts (on the buffers laid out experts first), and each pair's row gathered back and summed with the router's weights ``top [tokens, k]``
     (a dropped pair's row is zero)."""
     w1, w3, w2 = weights
     tokens, d = x.shape
@@ -232,10 +232,14 @@ def _capacity_experts(g: Graph, x: Tensor, slot: Tensor, pair: Tensor, top: Tens
     buf = g.apply(RoutedGatherOp((xg.type, pair.type, slot.type)), xg, pair, slot, name=prefix + "dispatch")
     buf = g.reshape(buf, [groups, experts, capacity, d], name=prefix + "expert_buffers",
                     dims=("groups", "experts", "capacity", "hidden"))
-    gate = g.einsum("gech,ehf->gecf", buf, w1, name=prefix + "expert_gate")
-    up = g.einsum("gech,ehf->gecf", buf, w3, name=prefix + "expert_up")
+    # experts first: each expert's rows of every group are one [groups · capacity, d] matrix, so each product
+    # is one batched GEMM over the experts (with the groups between them no GEMM reads the rows at one stride)
+    buf = g.permute(buf, (1, 0, 2, 3), name=prefix + "by_expert")
+    gate = g.einsum("egch,ehf->egcf", buf, w1, name=prefix + "expert_gate")
+    up = g.einsum("egch,ehf->egcf", buf, w3, name=prefix + "expert_up")
     act = g.swiglu(gate, up, name=prefix + "expert_swiglu")
-    down = g.einsum("gecf,efh->gech", act, w2, name=prefix + "expert_down")
+    down = g.einsum("egcf,efh->egch", act, w2, name=prefix + "expert_down")
+    down = g.permute(down, (1, 0, 2, 3), name=prefix + "by_group")
     down = g.reshape(down, [groups, slots, d], name=prefix + "expert_rows", dims=("groups", "slots", "hidden"))
     back = g.apply(RoutedGatherOp((down.type, slot.type, pair.type)), down, slot, pair, name=prefix + "gather_back")
     back = g.reshape(back, [tokens, k, d], name=prefix + "pair_rows")
