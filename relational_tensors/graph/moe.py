@@ -221,8 +221,8 @@ def _capacity_experts(g: Graph, x: Tensor, slot: Tensor, pair: Tensor, top: Tens
                       weights: tuple[Tensor, Tensor, Tensor], experts: int, prefix: str) -> Tensor:
     """The routed experts over per-group buffers of a fixed capacity: each group's tokens gathered into
     ``[groups, experts, capacity, d]`` (empty rows zero), the SwiGLU FFN as batched products over the
-    experts (on the buffers laid out experts first), and each pair's row gathered back and summed with the router's weights ``top [tokens, k]``
-    (a dropped pair's row is zero)."""
+    experts (on the buffers laid out experts first), and each pair's row gathered back and summed with the
+    router's weights ``top [tokens, k]`` (a dropped pair's row is zero)."""
     w1, w3, w2 = weights
     tokens, d = x.shape
     groups, slots = pair.shape
