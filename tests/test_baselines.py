@@ -354,6 +354,7 @@ def test_parse_nvidia_smi_topo_and_build_from_raw() -> None:
 
 # --- the multi-GPU driver's merge ---------------------------------------------------------------------
 
+@pytest.mark.slow  # two subprocesses of the bench driver, about 20 s: `pytest -m slow` runs it
 def test_multigpu_smoke_and_merge(tmp_path) -> None:
     """``multigpu.py ours --smoke`` and ``train --smoke`` (virtual CPU devices, toy sizes, both cost models)
     and ``merge`` with baselines files: one row per workload, PyTorch / ours and the 1 -> n speed-up per
