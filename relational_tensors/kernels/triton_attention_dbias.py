@@ -4,9 +4,10 @@ The bias is added to the scaled scores, so its gradient is the scores' own: dS =
 recomputed from q, k, the bias and the rows' saved log-sum-exp (``triton_attention_grad``'s layouts).
 The bias block is [b or 1, hq or 1, sq, skv]; where it is broadcast over batch rows or query heads, the
 score gradients of all of them are summed into it.  A program per (bias batch row, bias head, query
-tile, key tile) walks the batch rows and heads it sums, in order, accumulating in float32 (float64 for
-float64): the same bits every run, no atomics.  Every pair of the block is written, 0 where no row sees
-the key (the NumPy kernel's ``dbias`` form).  The wrapper allocates nothing: it can be captured in a
+tile, key tile) walks the batch rows and heads it sums, in order (none where a block has no batch row or
+head: zeros), accumulating in float32 (float64 for float64): the same bits every run, no atomics.  Every
+pair of the block is written, 0 where no row sees the key (the NumPy kernel's ``dbias`` form).  The
+wrapper allocates nothing: it can be captured in a
 CUDA graph.
 """
 
@@ -18,7 +19,7 @@ import triton
 import triton.language as tl
 
 from relational_tensors.kernels.common import DevBuf, Ptr, acc_type
-from relational_tensors.kernels.triton_attention import extra_scores
+from relational_tensors.kernels.triton_attention import LOG2E, extra_scores
 from relational_tensors.kernels.triton_attention_grad import (
     _check,
     _grad_arguments,
@@ -75,7 +76,7 @@ def _dbias_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, lo_p
             k = _load_rows(k_ptr + b * stride_kb + hk * stride_kh, cols, stride_ks, dd, skv, D, BLOCK_D, True)
             v = _load_rows(v_ptr + b * stride_vb + hk * stride_vh, cols, stride_vs, dvv, skv, DV, BLOCK_DV, True)
             lse = tl.load(lse_ptr + b * stride_lb + rows.to(tl.int64) * stride_ls + h * stride_lh, mask=rmask,
-                          other=0.0).to(ACC) * 1.4426950408889634
+                          other=0.0).to(ACC) * LOG2E
             delta = tl.load(delta_ptr + b * stride_tb + rows.to(tl.int64) * stride_ts + h * stride_th, mask=rmask,
                             other=0.0).to(ACC)
             zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
@@ -109,8 +110,6 @@ def attention_dbias(q: DevBuf, k: DevBuf, v: DevBuf, do: DevBuf, lse: DevBuf, de
                          f"{out.shape}")
     if out.size == 0:
         return
-    if nb == 0 or hq == 0:
-        raise ValueError("attention_dbias with no batch row or head is handled by the caller (zeros)")
     ieee = q.dtype in ("float32", "float64")
     block_m, block_n, warps = _CONFIG[ieee]
     pad_args, pad_consts = _padding_arguments(row_lo, key_padding, limits, limits_batch, mask, bias, sq, skv,

@@ -395,12 +395,12 @@ class AttentionOp(Operator):
     def _extra_blocks(self, blocks: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
         return dict(zip(self.extras, blocks[self._MAIN:]))
 
-    def chunk_scores(self, qg: Any, k: Any, extra: dict[str, Any], qbox: Box, kbox: Box, r0: int, r1: int,
-                     xp: Any = np) -> tuple[Any, Any, Any]:
+    def chunk_scores(self, qg: np.ndarray, k: np.ndarray, extra: dict[str, np.ndarray], qbox: Box, kbox: Box,
+                     r0: int, r1: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """The scaled (and soft-capped) scores plus bias [b, hkv, g, rows, keys] of the block's rows [r0, r1)
         (qg as [b, rows, hkv, g, d]), where each is visible (broadcastable to the scores), and with a
         softcap the derivative of the capped scores in the scaled ones, 1 - tanh², for the gradient (else
-        None).  ``xp`` is the array module the blocks live in."""
+        None)."""
         rows = np.arange(qbox.lower[1] + r0, qbox.lower[1] + r1)
         cols = np.arange(kbox.lower[1], kbox.upper[1])
         lo, hi = self._key_limits(rows)
@@ -410,15 +410,15 @@ class AttentionOp(Operator):
             ranges = ranges[None] & (cols[None, :] < lengths[:, None])[:, None, :]
         else:
             ranges = ranges[None]
-        visible = xp.asarray(ranges)[:, None, None]  # [b|1, 1, 1, rows, keys]
+        visible = ranges[:, None, None]  # [b|1, 1, 1, rows, keys]
         if "key_padding" in extra:
             visible = visible & extra["key_padding"].astype(bool)[:, None, None, None, :]
         if "mask" in extra:
             visible = visible & self._grouped(extra["mask"][:, :, r0:r1].astype(bool))
-        s = xp.einsum("bqhgd,bkhd->bhgqk", qg, k) * self.softmax_scale
+        s = np.einsum("bqhgd,bkhd->bhgqk", qg, k) * self.softmax_scale
         slope = None
         if self.softcap is not None:
-            t = xp.tanh(s / self.softcap)
+            t = np.tanh(s / self.softcap)
             s, slope = self.softcap * t, 1.0 - t * t
         if "bias" in extra:
             s = s + self._grouped(extra["bias"][:, :, r0:r1].astype(s.dtype))
@@ -432,37 +432,32 @@ class AttentionOp(Operator):
         return m.reshape(m.shape[0], m.shape[1] // g, g, *m.shape[2:])
 
     def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> tuple[np.ndarray, np.ndarray]:
-        return self.dense(tuple(self._compute(b) for b in blocks[:3]) + tuple(np.asarray(b) for b in blocks[3:]),
-                          f, np)
-
-    def dense(self, blocks: Sequence[Any], f: FunctionSpec, xp: Any) -> tuple[Any, Any]:
-        """(out, lse) of a function spec from its blocks (q, k, v in the compute dtype), the scores of a
-        chunk of rows at a time (one chunk of scores in memory): the NumPy kernel, with ``xp`` the array
-        module the blocks live in."""
-        q, k, v = blocks[:3]
-        extra = self._extra_blocks(blocks)
+        """(out, lse) of a function spec from its blocks, the scores of a chunk of rows at a time (one chunk
+        of scores in memory), q, k and v in the compute dtype."""
+        q, k, v = (self._compute(b) for b in blocks[:3])
+        extra = {name: np.asarray(b) for name, b in self._extra_blocks(blocks).items()}
         qbox, kbox = f.inputs[0], f.inputs[1]
         nb, sq, hq, d = q.shape
         hkv, dv = k.shape[2], v.shape[3]
         g = hq // hkv if hkv else self.group
-        out = xp.zeros((nb, sq, hq, dv), dtype=q.dtype)
-        lse = xp.full((nb, sq, hq), -np.inf, dtype=q.dtype)
+        out = np.zeros((nb, sq, hq, dv), dtype=q.dtype)
+        lse = np.full((nb, sq, hq), -np.inf, dtype=q.dtype)
         if k.shape[1] == 0 or sq == 0:
             return out, lse
         qg = q.reshape(nb, sq, hkv, g, d)
         for r0 in range(0, sq, _ROW_CHUNK):
             r1 = min(sq, r0 + _ROW_CHUNK)
-            s, visible, _ = self.chunk_scores(qg[:, r0:r1], k, extra, qbox, kbox, r0, r1, xp)
-            s = xp.where(visible, s, -np.inf)
+            s, visible, _ = self.chunk_scores(qg[:, r0:r1], k, extra, qbox, kbox, r0, r1)
+            s = np.where(visible, s, -np.inf)
             top = s.max(axis=-1, keepdims=True)
-            top = xp.where(xp.isfinite(top), top, 0.0)
-            p = xp.exp(s - top)
+            top = np.where(np.isfinite(top), top, 0.0)
+            p = np.exp(s - top)
             total = p.sum(axis=-1, keepdims=True)
-            o = xp.einsum("bhgqk,bkhd->bqhgd", p / xp.where(total > 0, total, 1.0), v)
+            o = np.einsum("bhgqk,bkhd->bqhgd", p / np.where(total > 0, total, 1.0), v)
             out[:, r0:r1] = o.reshape(nb, r1 - r0, hq, dv)
             seen = total[..., 0] > 0
-            rows = xp.where(seen, top[..., 0] + xp.log(xp.where(seen, total[..., 0], 1.0)), -np.inf)
-            lse[:, r0:r1] = xp.moveaxis(rows, 3, 1).reshape(nb, r1 - r0, hq)
+            rows = np.where(seen, top[..., 0] + np.log(np.where(seen, total[..., 0], 1.0)), -np.inf)
+            lse[:, r0:r1] = np.moveaxis(rows, 3, 1).reshape(nb, r1 - r0, hq)
         return out, lse
 
     # --- gradient -----------------------------------------------------------------

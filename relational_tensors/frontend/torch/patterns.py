@@ -187,27 +187,27 @@ def _match_repeated_kv(node: Any) -> dict[str, Any] | None:
 _SOFTMAX = ("aten.softmax.int", "aten._softmax.default", "aten._safe_softmax.default")
 
 
+def _scaled(node: Any) -> tuple[Any, float] | None:
+    """(tensor, factor) for ``tensor * number`` (either order) or ``tensor / number``; None otherwise."""
+    if _is(node, "aten.div.Tensor"):
+        by = _number_operand(node, "aten.div.Tensor")
+        return (by[0], 1.0 / by[1]) if by is not None and by[0] is node.args[0] and by[1] != 0 else None
+    return _number_operand(node, "aten.mul.Tensor")
+
+
 def _scores(node: Any) -> dict[str, Any] | None:
     """``q @ kᵀ`` times numbers (or divided by them), then optionally soft-capped (``c · tanh(s / c)``):
     q [b, h, sq, d], k [b, h, skv, d] (repeated heads traced back to the kv heads) and the scale."""
     softcap = None
-    outer = _number_operand(node, "aten.mul.Tensor")
+    outer = _scaled(node)
     if outer is not None and _is(outer[0], "aten.tanh.default"):
-        inner = _number_operand(outer[0].args[0], "aten.div.Tensor")
-        if inner is None or inner[1] != outer[1] or not outer[1] > 0 or inner[0] is not outer[0].args[0].args[0]:
+        inner = _scaled(outer[0].args[0])
+        if inner is None or not outer[1] > 0 or not math.isclose(inner[1] * outer[1], 1.0, rel_tol=1e-12):
             return None
         softcap, node = outer[1], inner[0]
     scale = 1.0
-    while True:  # ``scores * number`` or ``scores / number``, as often as written
-        by = _number_operand(node, "aten.mul.Tensor", "aten.div.Tensor")
-        if by is None:
-            break
-        if _is(node, "aten.div.Tensor"):
-            if by[0] is not node.args[0] or by[1] == 0:  # ``number / scores`` is no scale
-                return None
-            scale /= by[1]
-        else:
-            scale *= by[1]
+    while (by := _scaled(node)) is not None:  # ``scores * number`` or ``scores / number``, as often as written
+        scale *= by[1]
         node = by[0]
     if not _is(node, "aten.matmul.default"):
         return None

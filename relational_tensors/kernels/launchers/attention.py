@@ -54,8 +54,7 @@ def _grad_allocates(op: Any) -> bool:
 def _attention(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.kernels import flash
     from relational_tensors.kernels import triton_copy as tc
-    from relational_tensors.kernels.common import DevBuf
-    from relational_tensors.kernels.triton_attention import attention, padding_limits
+    from relational_tensors.kernels.triton_attention import attention
 
     q, k, v = ins[:3]
     o, lse = out if isinstance(out, tuple) else (out, None)
@@ -64,27 +63,11 @@ def _attention(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stre
         if lse is not None:
             tc.fill(lse, float("-inf"))
         return
-    rows, keys = f.inputs[0].lower[1], f.inputs[1].lower[1]
-    masks = _masks(op, ins, 3)  # a softcap, a mask's bits and a bias's values beside the scores, every tile masked
-    if _padding(op):  # the real keys of each batch row: bits in every tile, tiles outside skipped
-        kp = ins[3]
-        room = consts["scratch"]
-        limits = DevBuf(room.ptr, (kp.shape[0], 2), "int32", room.device)
-        padding_limits(kp, limits, keys)
-        attention(q, k, v, o, lse, consts["row_lo"], consts["row_hi"], rows, keys, op.softmax_scale,
-                  key_padding=kp, limits=limits, **masks)
-        return
-    if op.key_lengths is not None:  # each batch row's keys end at its length: tiles past it skipped
-        attention(q, k, v, o, lse, consts["row_lo"], consts["row_hi"], rows, keys, op.softmax_scale,
-                  limits=consts["key_limits"], limits_batch=f.inputs[0].lower[0], **masks)
-        return
-    if masks:
-        attention(q, k, v, o, lse, consts["row_lo"], consts["row_hi"], rows, keys, op.softmax_scale, **masks)
-        return
-    if "flash" in consts:  # a library FlashAttention kernel computes this block exactly
+    if "flash" in consts:  # a library FlashAttention kernel computes this block exactly (no extras: ``flash``)
         flash.attention(q, k, v, o, consts["flash"], op.is_causal, op.softmax_scale, stream)
         return
-    attention(q, k, v, o, lse, consts["row_lo"], consts["row_hi"], rows, keys, op.softmax_scale)
+    attention(q, k, v, o, lse, consts["row_lo"], consts["row_hi"], f.inputs[0].lower[1], f.inputs[1].lower[1],
+              op.softmax_scale, **_extras(op, f, ins, consts, 3))
 
 
 def key_query_limits(row_lo: np.ndarray, row_hi: np.ndarray, n_keys: int) -> tuple[np.ndarray, np.ndarray]:
@@ -123,9 +106,10 @@ def _limits_room(batch: int) -> int:
     return -(-(8 * batch) // _LIMITS_BYTES) * _LIMITS_BYTES // 4
 
 
-def _key_padding(op: Any, f: FunctionSpec, ins: list, consts: dict, main: int) -> dict[str, Any]:
-    """The key-padding, key-limit, mask and bias arguments of a backward kernel: padding's limits computed
-    into the head of the task's scratch, or the key lengths' constant limits."""
+def _extras(op: Any, f: FunctionSpec, ins: list, consts: dict, main: int) -> dict[str, Any]:
+    """The key-padding, key-limit, mask, bias and softcap arguments of an attention kernel (the extra inputs
+    from ``ins[main]``): padding's limits computed into the head of the task's scratch (the tiles before a
+    batch row's first real key and after its last are skipped), or the key lengths' constant limits."""
     from relational_tensors.kernels.common import DevBuf
     from relational_tensors.kernels.triton_attention import padding_limits
 
@@ -165,7 +149,7 @@ def _attention_lse(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, 
         tc.fill(out, float("-inf"))
         return
     attention_lse(q, k, out, consts["row_lo"], consts["row_hi"], f.inputs[0].lower[1], f.inputs[1].lower[1],
-                  op.softmax_scale, **_key_padding(op, f, ins, consts, 2))
+                  op.softmax_scale, **_extras(op, f, ins, consts, 2))
 
 
 @launcher("attention_delta")
@@ -205,24 +189,20 @@ def _attention_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict,
     q, k, v, do, lse, delta = ins[:6]
     q_offset, k_offset = f.inputs[0].lower[1], f.inputs[1].lower[1]
     if op.part == "dbias":  # every pair of the block is written (0 where no row sees the key)
-        if out.size and (k.shape[1] == 0 or q.shape[0] == 0 or q.shape[2] == 0):
-            tc.fill(out, 0.0)
-            return
-        extra = _key_padding(op, f, ins, consts, 6)
         attention_dbias(q, k, v, do, lse, delta, out, consts["row_lo"], consts["row_hi"], q_offset, k_offset,
-                        op.softmax_scale, **extra)
+                        op.softmax_scale, **_extras(op, f, ins, consts, 6))
         return
     if op.part == "dq":
         if k.shape[1] == 0:  # these rows see none of these keys
             tc.fill(out, 0.0)
             return
         attention_dq(q, k, v, do, lse, delta, out, consts["row_lo"], consts["row_hi"], q_offset, k_offset,
-                     op.softmax_scale, **_key_padding(op, f, ins, consts, 6))
+                     op.softmax_scale, **_extras(op, f, ins, consts, 6))
         return
     if q.shape[1] == 0:  # no row of this query block sees these keys
         tc.fill(out, 0.0)
         return
-    padding = _key_padding(op, f, ins, consts, 6)
+    padding = _extras(op, f, ins, consts, 6)
     scratch = consts.get("scratch")
     if scratch is not None and _padding(op):  # the dk|dv partials after the key limits
         from relational_tensors.kernels.common import DevBuf
