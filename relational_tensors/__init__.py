@@ -37,6 +37,7 @@ from relational_tensors.core.types import Box as Box
 from relational_tensors.core.types import Interval as Interval
 from relational_tensors.core.types import TensorType as TensorType
 from relational_tensors.core.types import tensorDesc as tensorDesc
+from relational_tensors.dp_optimizer.pipeline import Pipeline as Pipeline
 from relational_tensors.driver.compiled import CompiledGraph as CompiledGraph
 from relational_tensors.driver.options import CompileOptions as CompileOptions
 from relational_tensors.errors import CatalogError as CatalogError
@@ -67,7 +68,7 @@ __all__ = [
     "ExchangeError", "ExecError", "CatalogError", "CommandError",
     "compileGraph", "compile", "CompiledGraph", "load_plan", "save_plan", "CompileOptions", "Target",
     "from_torch", "parallelize", "dynamo_backend", "TorchGraph", "ParallelModule", "optim", "plans", "train_step",
-    "TrainStep",
+    "TrainStep", "Pipeline",
 ]
 
 # a library prints nothing unless asked: its loggers ("relational_tensors.compile": per-pass timings at INFO)

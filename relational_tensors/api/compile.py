@@ -47,7 +47,7 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
                  search_total_steps: int | None = 400,
                  calibration: str | None = None, attention: str = "triton", refine: bool = True,
                  keep_states: str = "auto", second_phase_inputs: Any = (),
-                 constraints: Mapping[str, str] | None = None, process_group: Any = None,
+                 constraints: Mapping[str, str] | None = None, pipeline: Any = None, process_group: Any = None,
                  timeout: float | None = None, transport: str | None = None) -> CompiledGraph:
     """Plan ``graph`` for the devices named by ``device`` (see ``relational_tensors.machine.devices``).
 
@@ -71,7 +71,7 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
                              keep_states=keep_states, second_phase_inputs=frozenset(
                                  [second_phase_inputs] if isinstance(second_phase_inputs, str)
                                  else second_phase_inputs),
-                             constraints=_constraint_pairs(constraints))
+                             constraints=_constraint_pairs(constraints), pipeline=pipeline)
     if dist:
         return distributed.compile_distributed(graph, options, catalog, process_group, timeout, transport,
                                                topology_given=topology is not None)

@@ -43,9 +43,8 @@ from relational_tensors.dp_optimizer.candidates import specs_for
 from relational_tensors.errors import GraphError
 from relational_tensors.graph.graph import Graph, Node
 
-__all__ = ["data_parallel", "megatron_tp", "sequence_parallel", "ddp", "fsdp", "zero3", "megatron_dp", "fsdp_tp",
-           "expert_parallel",
-           "expert_tensor_parallel", "PLANS"]
+__all__ = ["batch_indices", "data_parallel", "megatron_tp", "sequence_parallel", "ddp", "fsdp", "zero3",
+           "megatron_dp", "fsdp_tp", "expert_parallel", "expert_tensor_parallel", "PLANS"]
 
 _MATMULS = ("matmul", "einsum", "grouped_matmul")
 
@@ -129,6 +128,23 @@ class _Graph:
             if best is not None:
                 out[n.name] = f"{best[0]}={best[1]}"
         return out
+
+
+def batch_indices(graph: Graph) -> dict[int, str]:
+    """Per operator that carries the batch (the first dimension of the data inputs, through every tensor
+    computed from them), the index that cuts it: one that splits the batch dimension of every input that
+    carries it and nothing of the others.  An operator that mixes the batch has none."""
+    g = _Graph(graph, 1)
+    marked = g.carried(0)
+    out: dict[int, str] = {}
+    for n in graph.operators:
+        carried = [k for k, i in enumerate(n.inputs) if marked.get(i)]
+        for x in g._indices(n, marked):
+            ins, _ = g.dims[n.id][x]
+            if all(set(ins[k]) == marked[i] if k in carried else not ins[k] for k, i in enumerate(n.inputs)):
+                out[n.id] = x
+                break
+    return out
 
 
 def data_parallel(graph: Graph, p: int) -> dict[str, str]:

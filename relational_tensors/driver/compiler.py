@@ -26,6 +26,7 @@ from relational_tensors.dp_optimizer import repeats
 from relational_tensors.dp_optimizer.candidates import build_candidates
 from relational_tensors.dp_optimizer.constraints import parse_constraints
 from relational_tensors.dp_optimizer.costs import cost_model as get_cost_model
+from relational_tensors.dp_optimizer.pipeline import PipelinedPlan, pipelined
 from relational_tensors.dp_optimizer.plan import LogicalPlan
 from relational_tensors.dp_optimizer.select import select_dp, select_exact, select_greedy, select_random
 from relational_tensors.dp_optimizer.trees import cut_pieces
@@ -67,11 +68,19 @@ def _pass_target(s: CompileState) -> None:
                                       memory_limit=o.memory_per_device)
 
 
+def _stage_p(s: CompileState) -> int:
+    """The devices the DP plans for: all of them, or one pipeline stage's."""
+    assert s.target is not None
+    pipe = s.options.pipeline
+    return s.target.p if pipe is None else s.target.p // pipe.validate(s.target.p).stages
+
+
 def _pass_candidates(s: CompileState) -> None:
     assert s.target is not None
     model = get_cost_model(s.options.cost_model, s.target)
-    s.constraints = parse_constraints(s.graph.nodes, s.options.constraints, s.target.p)
-    s.candidates = build_candidates(s.graph, s.target.p, model, s.limit,
+    p = _stage_p(s)
+    s.constraints = parse_constraints(s.graph.nodes, s.options.constraints, p)
+    s.candidates = build_candidates(s.graph, p, model, s.limit,
                                     "memory_per_device" if s.options.memory_per_device is not None
                                     else s.target.memory_source(), constraints=s.constraints.splits,
                                     layouts=s.constraints.layouts)
@@ -157,7 +166,11 @@ def _choose(s: CompileState, memory_price: float = 0.0) -> tuple[dict[int, int],
         choice = select_greedy(s.catalog, s.cid)
     else:
         choice = select_random(s.catalog, s.cid, s.candidates, s.options.seed)
-    return choice, LogicalPlan(s.graph, s.candidates, choice, sel, s.options.cost_model)
+    plan = LogicalPlan(s.graph, s.candidates, choice, sel, s.options.cost_model)
+    if s.options.pipeline is not None:
+        assert s.target is not None
+        plan = pipelined(plan, s.options.pipeline, s.target.p)
+    return choice, plan
 
 
 def _pass_select(s: CompileState) -> None:
@@ -171,9 +184,9 @@ def _pass_check(s: CompileState) -> None:
     for n in s.graph.operators:
         if n.id not in s.choice:
             raise PlanError(f"check after 'select': operator {n.name!r} has no spec.")
-        spec = s.plan.spec(n.id)
-        if not 1 <= spec.p <= s.target.p:
-            raise PlanError(f"check after 'select': {n.name!r} has {spec.p} function specs for p={s.target.p}.")
+        spec = s.plan.coarse(n.id) if isinstance(s.plan, PipelinedPlan) else s.plan.spec(n.id)
+        if not 1 <= spec.p <= _stage_p(s):
+            raise PlanError(f"check after 'select': {n.name!r} has {spec.p} function specs for p={_stage_p(s)}.")
         if spec.output_type != n.type or spec.output_tiling.space != n.type.box:
             raise PlanError(f"check after 'select': the spec of {n.name!r} changed its output type.")
 

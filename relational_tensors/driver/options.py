@@ -19,6 +19,7 @@ from typing import Any
 
 from relational_tensors.core.numbers import is_integer, is_number
 from relational_tensors.dp_optimizer.costs import COST_MODEL_NAMES
+from relational_tensors.dp_optimizer.pipeline import Pipeline, parse_pipeline
 from relational_tensors.dp_optimizer.select import SELECTORS
 from relational_tensors.dp_optimizer.trees import TACTICS
 from relational_tensors.errors import PlanError
@@ -61,7 +62,10 @@ class CompileOptions:
     every task that needs none of them: a forward pass whose activations the backward then reads);
     ``constraints`` pins operators' splits (operator name -> ``idx=n,...`` in ``candidate_specs.split``'s
     notation; the indices not named stay the optimizer's) and the layouts of graph inputs and states
-    (name -> ``R``, ``S(d)`` or ``dim=n,...``; see ``dp_optimizer.constraints``).
+    (name -> ``R``, ``S(d)`` or ``dim=n,...``; see ``dp_optimizer.constraints``); ``pipeline`` cuts the devices
+    into stages of consecutive layers and the batch into micro-batches (``rt.Pipeline(stages, micro_batches,
+    schedule)`` or a dict of those; see ``dp_optimizer.pipeline``): the splits and constraints are then the
+    plan of one stage, for ``p / stages`` devices.
     """
 
     device: object = None
@@ -82,6 +86,7 @@ class CompileOptions:
     keep_states: str = _choice("auto", KEEP_STATES, "keep_states")
     second_phase_inputs: frozenset[str] = frozenset()
     constraints: tuple[tuple[str, str], ...] = ()  # (name, split such as "heads_kv=8" or layout such as "S(0)")
+    pipeline: Pipeline | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -114,6 +119,10 @@ class CompileOptions:
         if total is not None and (not is_integer(total) or not 0 <= total <= 10**9):
             raise PlanError(f"search_total_steps must be a whole number of proposals (0 searches nothing), or None "
                             f"for no limit over the plan; got {total!r}.")
+        object.__setattr__(self, "pipeline", parse_pipeline(self.pipeline))
+        if self.pipeline is not None and later:
+            raise PlanError("a pipelined plan runs every micro-batch's forward and backward in one execution; "
+                            "second_phase_inputs splits an execution in two. Drop one of them.")
         b = self.search_budget_s
         if not is_number(b) or not 0 < b < math.inf:
             raise PlanError(f"search_budget_s must be a positive number of seconds; got {b!r}.")

@@ -42,12 +42,14 @@ import numpy as np
 
 from relational_tensors.core.dtypes import partial_dtype
 from relational_tensors.core.types import Box
+from relational_tensors.dp_optimizer.pipeline import PipelinedPlan
 from relational_tensors.dp_optimizer.plan import LogicalPlan
 from relational_tensors.errors import ExchangeError
 from relational_tensors.exchange.ast import ExProg, InAtom, Partition, Requirement, aggregate_text, exact_cover
 from relational_tensors.exchange.naive import Membership, Synthesizer, naive
 from relational_tensors.graph.graph import Graph
 from relational_tensors.physical.placement import place
+from relational_tensors.physical.schedule import pipeline_order
 from relational_tensors.physical.tasks import (
     AggregatePayload,
     Buffer,
@@ -497,6 +499,8 @@ class _Lowering:
         loaded (and its dtype).  Specs are compared by identity: equal operators share them."""
         node = self.graph.nodes[op_id]
         parts: list[object] = [("hint", hint)]
+        if isinstance(self.plan, PipelinedPlan):
+            parts.append(("stage", self.plan.group(op_id)))
         for i in dict.fromkeys(node.inputs):
             parts.append(("read", tuple((box.lower, box.upper, d) for box, d in readable[i])))
             n = self.graph.nodes[i]
@@ -508,6 +512,23 @@ class _Lowering:
                 parts.append(("op", id(self.plan.spec(i)), self.placement[i]))
         return id(self.plan.spec(op_id)), tuple(node.inputs.index(i) for i in node.inputs), tuple(parts)
 
+    def _place(self, op_id: int, held: dict[int, tuple[tuple[Box, int], ...]],
+               hint: tuple[int, ...] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The reader (exchange partition) of each function spec and the first guess of each reader's
+        device (``physical.placement``): a reader per function spec; in a pipelined plan a reader per block of
+        the stage plan, placed on the stage's devices, whose micro-batches run in sequence on its device."""
+        plan = self.plan
+        if not isinstance(plan, PipelinedPlan):
+            where = place(plan, op_id, self.placement, self.place_memo, held, hint)
+            return tuple(range(len(where))), where
+        coarse = plan.coarse(op_id)
+        owner = plan.coarse_of.get(op_id, tuple(range(coarse.p)))
+        if hint is not None:
+            first = {c: g for g, c in reversed(list(enumerate(owner)))}
+            hint = tuple(hint[first[c]] for c in range(coarse.p))
+        return owner, place(plan, op_id, self.placement, self.place_memo, held, hint, spec=coarse,
+                            devices=plan.group(op_id))
+
     def _lower_op(self, op_id: int, hint: tuple[int, ...] | None,
                   readable: dict[int, dict[tuple[Box, int], int]]) -> None:
         """Place, deliver and run ``op_id`` (``lower_op``): ``hint`` the placement ties go to, ``readable``
@@ -518,7 +539,9 @@ class _Lowering:
         # blocks already loaded count as co-resident too: two readers of one input block share its copy
         held = {i: self.held.get(i) or tuple(self.loaded_blocks.get(i, ())) for i in node.inputs
                 if self.graph.nodes[i].op is None and (i in self.held or i in self.loaded_blocks)}
-        guess = dict(enumerate(place(self.plan, op_id, self.placement, self.place_memo, held, hint)))
+        reader_of, first_guess = self._place(op_id, held, hint)
+        guess = {g: first_guess[r] for g, r in enumerate(reader_of)}
+        shared = len(first_guess) < len(reader_of)  # micro-batches share a reader: none may move alone
         exchanged = [self.graph.nodes[i].op is not None or i in self.held for i in node.inputs]
         wants: list[tuple[object, int, Box, int]] = []
         reread: dict[tuple[int, int], int] = {}  # (function spec, input) -> the buffer it reads again
@@ -526,17 +549,22 @@ class _Lowering:
             again = {k: readable[i].get((f.inputs[k], guess[g])) for k, i in enumerate(node.inputs) if exchanged[k]}
             # the naive synthesizer keeps every reader at its guess; another may move one that receives
             # anything, so there a function spec reads blocks again only if it receives nothing
-            if self.synthesize is not naive and None in again.values():
+            if self.synthesize is not naive and (shared or None in again.values()):
                 again = {}
             for k, i in enumerate(node.inputs):
                 buffer = again.get(k)
                 if buffer is not None:
                     reread[(g, k)] = buffer
                 elif exchanged[k]:
-                    wants.append(((g, k), i, f.inputs[k], g))
-        delivered, placed = self.exchange(node.name, wants, guess, op_id)
-        where = tuple(placed[g] for g in range(spec.p))
-        if len(set(where)) != len(where) or not set(where) <= set(range(self.p)):
+                    wants.append(((g, k), i, f.inputs[k], reader_of[g]))
+        delivered, placed = self.exchange(node.name, wants, dict(enumerate(first_guess)), op_id)
+        where = tuple(placed[reader_of[g]] for g in range(spec.p))
+        if isinstance(self.plan, PipelinedPlan):
+            group = self.plan.group(op_id)
+            if not set(where) <= set(group):
+                raise ExchangeError(f"the placement of {node.name!r} must keep its function specs on its stage's "
+                                    f"devices {group}; got {where}.")
+        elif len(set(where)) != len(where) or not set(where) <= set(range(self.p)):
             raise ExchangeError(f"the placement of {node.name!r} must put its function specs on distinct devices of "
                                 f"0..{self.p - 1}; got {where}.")
         self.placement[op_id] = where
@@ -756,6 +784,8 @@ def lower(plan: LogicalPlan, schedule: str = "naive", synthesize: Synthesizer | 
         low.lower_op(node.id)
     low.lower_outputs()
     dag = fuse_views(low.dag)
+    if isinstance(plan, PipelinedPlan) and plan.pipeline.micro_batches * plan.pipeline.stages > 1:
+        dag = pipeline_order(dag, plan)
     if later:
         dag = split_phases(dag, later)
     return Lowered(dag, low.placement, low.programs, low.memberships, dict(low.kept),

@@ -1,0 +1,103 @@
+"""The order a pipelined plan's devices run their tasks in: micro-batch by micro-batch, as the schedule says.
+
+The lowering emits an operator's function specs together, every micro-batch of one operator before the
+next operator; a stage would then finish all its micro-batches before the next stage could start any.
+This pass re-emits the same tasks in another topological order: each kernel gets the rank of its
+(forward or backward, micro-batch) in its stage's schedule (``gpipe``: the forwards, then the backwards;
+``1f1b``: ``stages - s - 1`` forwards of warm-up on stage ``s``, then one forward and one backward in turn,
+then the remaining backwards), the tasks that feed a kernel the smallest rank of the kernels they feed, and
+among the tasks ready to run the smallest rank goes first.  Operators that carry no batch run as soon as
+they can in the forward pass (casts of weights) and after every micro-batch in the backward (the
+optimizer's updates).  A task that writes a state's kept block in place stays after every task that
+touched the block before it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import replace
+
+from relational_tensors.dp_optimizer.pipeline import PipelinedPlan
+from relational_tensors.physical.tasks import TaskDAG
+
+__all__ = ["stage_slots", "pipeline_order"]
+
+
+def stage_slots(schedule: str, stages: int, stage: int, micro: int) -> dict[tuple[int, int], int]:
+    """(phase, micro-batch) -> its rank on ``stage``; phase 0 is the forward, 1 the backward.
+
+    >>> order = stage_slots("1f1b", 2, 0, 3)
+    >>> sorted(order, key=order.get)
+    [(0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (1, 2)]
+    """
+    if schedule == "gpipe":
+        units = [(0, i) for i in range(micro)] + [(1, i) for i in range(micro)]
+    else:
+        warm = min(stages - stage - 1, micro)
+        units = [(0, i) for i in range(warm)]
+        f, b = warm, 0
+        while f < micro:
+            units += [(0, f), (1, b)]
+            f, b = f + 1, b + 1
+        units += [(1, i) for i in range(b, micro)]
+    return {u: r for r, u in enumerate(units)}
+
+
+def pipeline_order(dag: TaskDAG, plan: PipelinedPlan) -> TaskDAG:
+    """``dag``'s tasks in the pipeline schedule's order (module docstring), renumbered."""
+    pipe = plan.pipeline
+    m = pipe.micro_batches
+    slots = [stage_slots(pipe.schedule, pipe.stages, s, m) for s in range(pipe.stages)]
+    late = 2 * m + 1  # after every micro-batch
+    tasks = dag.tasks
+    n = len(tasks)
+    rank = [late] * n
+    for t in tasks:
+        if t.kind == "kernel" and t.op is not None:
+            phase = 0 if t.op in plan.forward else 1
+            mb = plan.micro_batch(t.op, t.kernel.index)
+            if mb is None:
+                rank[t.id] = -1 if phase == 0 else late
+            else:
+                rank[t.id] = slots[plan.stage_of[t.op]][(phase, mb)]
+    # dependencies in the emitted order: a reader after every earlier writer of the bytes it reads (loads
+    # included), an in-place write of a kept block after every earlier task that touched it
+    root = dag.view_roots()
+    kept = dag.kept_state_blocks()
+    writers: dict[int, list[int]] = {}
+    touched: dict[int, list[int]] = {}
+    deps: list[set[int]] = [set() for _ in range(n)]
+    for t in tasks:
+        d = deps[t.id]
+        for b in t.inputs:
+            r = root.get(b, b)
+            d.update(writers.get(r, ()))
+            touched.setdefault(r, []).append(t.id)
+        for r in dag.overwrites(t, kept, root):
+            d.update(touched.get(r, ()))
+        for b in t.outputs:
+            r = root.get(b, b)
+            writers.setdefault(r, []).append(t.id)
+            touched.setdefault(r, []).append(t.id)
+        d.discard(t.id)
+    users: list[list[int]] = [[] for _ in range(n)]
+    for i, d in enumerate(deps):
+        for j in d:
+            users[j].append(i)
+    for t in reversed(tasks):  # a task that feeds kernels runs by the first of them
+        if t.kind != "kernel" and users[t.id]:
+            rank[t.id] = min(rank[u] for u in users[t.id])
+    waiting = [len(d) for d in deps]
+    ready = [(rank[i], i) for i in range(n) if not waiting[i]]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        _, i = heapq.heappop(ready)
+        order.append(i)
+        for u in users[i]:
+            waiting[u] -= 1
+            if not waiting[u]:
+                heapq.heappush(ready, (rank[u], u))
+    assert len(order) == n, "the task dependencies have a cycle"
+    dag.tasks = [replace(tasks[i], id=k) for k, i in enumerate(order)]
+    return dag
