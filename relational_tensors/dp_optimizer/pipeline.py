@@ -23,7 +23,7 @@ cut into ``stages`` runs of consecutive positions with near-equal work (FLOPs of
 position, forward, backward and update together).  Names are never read.
 
 >>> Pipeline(2, 4).validate(8)
-Pipeline(stages=2, micro_batches=4, schedule='1f1b')
+Pipeline(stages=2, micro_batches=4, schedule='gpipe')
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class Pipeline:
 
     stages: int
     micro_batches: int = 1
-    schedule: str = "1f1b"
+    schedule: str = "gpipe"
 
     def validate(self, p: int) -> Pipeline:
         """This pipeline if it fits ``p`` devices, else a PlanError that says what does."""

@@ -55,14 +55,15 @@ def _index_dims(node: Node) -> dict[str, tuple[list[tuple[int, ...]], tuple[int,
     op = node.op
     assert op is not None
     out: dict[str, tuple[list[tuple[int, ...]], tuple[int, ...]]] = {}
+    whole = op.spec({}).functions[0]  # the blocks read unsplit (a slice reads part of its input even so)
     for index in op.requestable():
         ivs = index.near_equal(2)
         if ivs is None:
             continue
         f = op.spec({index.name: ivs}).functions[0]
-        ins = [tuple(d for d, (a, b) in enumerate(zip(f.inputs[k].shape, t.shape)) if a < b)
-               for k, t in enumerate(op.input_types)]
-        out[index.name] = (ins, tuple(d for d, (a, b) in enumerate(zip(f.output.shape, op.output_type.shape))
+        ins = [tuple(d for d, (a, b) in enumerate(zip(f.inputs[k].shape, whole.inputs[k].shape)) if a < b)
+               for k in range(len(op.input_types))]
+        out[index.name] = (ins, tuple(d for d, (a, b) in enumerate(zip(f.output.shape, whole.output.shape))
                                       if a < b))
     return out
 
@@ -132,16 +133,15 @@ class _Graph:
 
 def batch_indices(graph: Graph) -> dict[int, str]:
     """Per operator that carries the batch (the first dimension of the data inputs, through every tensor
-    computed from them), the index that cuts it: one that splits the batch dimension of every input that
-    carries it and nothing of the others.  An operator that mixes the batch has none."""
+    computed from them), the index that cuts it: one that splits exactly the batch dimension of every input
+    that carries it.  An operator that mixes the batch has none."""
     g = _Graph(graph, 1)
     marked = g.carried(0)
     out: dict[int, str] = {}
     for n in graph.operators:
-        carried = [k for k, i in enumerate(n.inputs) if marked.get(i)]
         for x in g._indices(n, marked):
             ins, _ = g.dims[n.id][x]
-            if all(set(ins[k]) == marked[i] if k in carried else not ins[k] for k, i in enumerate(n.inputs)):
+            if all(set(ins[k]) == marked[i] for k, i in enumerate(n.inputs) if marked.get(i)):
                 out[n.id] = x
                 break
     return out

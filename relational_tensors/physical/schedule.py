@@ -7,8 +7,8 @@ This pass re-emits the same tasks in another topological order: each kernel gets
 ``1f1b``: ``stages - s - 1`` forwards of warm-up on stage ``s``, then one forward and one backward in turn,
 then the remaining backwards), the tasks that feed a kernel the smallest rank of the kernels they feed, and
 among the tasks ready to run the smallest rank goes first.  Operators that carry no batch run as soon as
-they can in the forward pass (casts of weights) and after every micro-batch in the backward (the
-optimizer's updates).  A task that writes a state's kept block in place stays after every task that
+they can: the casts of weights, the loss's normalization, and the optimizer's updates once every
+micro-batch's gradient is in.  A task that writes a state's kept block in place stays after every task that
 touched the block before it.
 """
 
@@ -57,7 +57,7 @@ def pipeline_order(dag: TaskDAG, plan: PipelinedPlan) -> TaskDAG:
             phase = 0 if t.op in plan.forward else 1
             mb = plan.micro_batch(t.op, t.kernel.index)
             if mb is None:
-                rank[t.id] = -1 if phase == 0 else late
+                rank[t.id] = -1
             else:
                 rank[t.id] = slots[plan.stage_of[t.op]][(phase, mb)]
     # dependencies in the emitted order: a reader after every earlier writer of the bytes it reads (loads

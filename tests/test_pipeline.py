@@ -1,0 +1,128 @@
+"""Pipeline stages and micro-batches: a training step cut into stages of consecutive layers on groups of
+devices, its batch into micro-batches run in sequence, equals the single-device reference; the stages
+follow the layers; each device runs its micro-batches in the schedule's order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import relational_tensors as rt
+from relational_tensors.dp_optimizer.pipeline import assign_stages, forward_ops, positions
+from relational_tensors.graph.models import llama_training_feeds, llama_training_graph
+from relational_tensors.physical.schedule import stage_slots
+
+
+def _rel(a: object, b: object) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
+
+
+def _graph(layers: int = 4, batch: int = 8) -> rt.Graph:
+    return llama_training_graph(batch, 12, 32, 4, 2, 48, 40, layers=layers, optimizer="adamw")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_two_stages_of_four_devices_and_four_micro_batches_equal_the_reference(schedule: str) -> None:
+    """Two AdamW steps of a 4-layer model on cpu:8 cut into 2 stages x 4 devices with 4 micro-batches: the
+    loss and every updated state equal the single-device reference fed back its own assigned values."""
+    g = _graph()
+    feeds = llama_training_feeds(g, lr=1e-2)
+    cg = rt.compileGraph(g, device="cpu:8", pipeline=rt.Pipeline(2, 4, schedule))
+    ref_feeds = dict(feeds)
+    for step in range(2):
+        cg.load(feeds if step == 0 else {"lr": feeds["lr"]})
+        cg.execute()
+        want = rt.reference(g, ref_feeds)
+        assert _rel(cg.offload("loss"), want["loss"]) <= 1e-5
+        for s in g.assignments:
+            ref_feeds[g.nodes[s].name] = want[f"{g.nodes[s].name}.next"]
+    for s in g.assignments:
+        name = g.nodes[s].name
+        assert _rel(cg.offload(name), ref_feeds[name]) <= 1e-4, name
+    # every kernel of an operator runs on its stage's devices
+    plan = cg.plan
+    for n in g.operators:
+        stage = plan.stage_of[n.id]
+        assert set(cg.lowered.placement[n.id]) <= set(range(4 * stage, 4 * stage + 4)), n.name
+
+
+@pytest.mark.parametrize("stages, micro", [(4, 3), (8, 1), (1, 5)])
+def test_stage_and_micro_batch_counts_that_do_not_divide_the_batch(stages: int, micro: int) -> None:
+    """A batch of 5 in 3 micro-batches, one device per stage, one stage: still the reference's step."""
+    g = llama_training_graph(5, 6, 16, 2, 1, 24, 20, layers=4, optimizer="adamw")
+    feeds = llama_training_feeds(g, lr=1e-2)
+    cg = rt.compileGraph(g, device="cpu:8", pipeline=rt.Pipeline(stages, micro))
+    cg.load(feeds)
+    cg.execute()
+    want = rt.reference(g, feeds)
+    assert _rel(cg.offload("loss"), want["loss"]) <= 1e-5
+    for s in g.assignments:
+        name = g.nodes[s].name
+        assert _rel(cg.offload(name), want[f"{name}.next"]) <= 1e-4, name
+
+
+def test_stages_follow_the_layers_forward_backward_and_update_together() -> None:
+    """Each weight's forward readers and its update share a stage; stages never decrease from one layer to
+    the next, nor along the positions."""
+    g = _graph(layers=6)
+    stage = assign_stages(g, 3)
+    pos = positions(g)
+    fwd = forward_ops(g)
+    assert set(stage.values()) == {0, 1, 2}
+    by_weight = {}
+    for w in g.inputs:
+        if w.role != "state" or w.name.startswith("adamw") or ".exp_avg" in w.name:
+            continue
+        forward = [n for n in g.operators if w.id in n.inputs and n.id in fwd]
+        update = g.assignments[w.id]
+        by_weight[w.name] = {stage[n.id] for n in forward} | {stage[update]}
+        assert len(by_weight[w.name]) == 1, (w.name, by_weight[w.name])
+    order = [next(iter(by_weight[f"l{k}.wq"])) for k in range(6)]
+    assert order == sorted(order) and order[0] == 0 and order[-1] == 2
+    assert next(iter(by_weight["embed"])) == 0 and next(iter(by_weight["lm_head"])) == 2
+    assert all(stage[a] <= stage[b] for a, b in zip(sorted(pos, key=pos.get), sorted(pos, key=pos.get)[1:]))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_each_device_runs_its_micro_batches_in_order(schedule: str) -> None:
+    """Every device starts the micro-batches' forwards in order, and their backwards; under GPipe every
+    forward runs before any backward."""
+    g = _graph()
+    cg = rt.compileGraph(g, device="cpu:4", pipeline=rt.Pipeline(2, 4, schedule))
+    plan = cg.plan
+    for device in range(4):
+        seen = []
+        for t in cg.lowered.dag.tasks:
+            if t.kind == "kernel" and t.device == device and t.op is not None:
+                mb = plan.micro_batch(t.op, t.kernel.index)
+                if mb is not None:
+                    unit = (0 if t.op in plan.forward else 1, mb)
+                    if not seen or seen[-1] != unit:
+                        seen.append(unit)
+        for phase in (0, 1):
+            first = list(dict.fromkeys(u for u in seen if u[0] == phase))
+            assert first == [(phase, i) for i in range(4)], (device, seen)
+        if schedule == "gpipe":
+            assert seen[:4] == [(0, i) for i in range(4)], (device, seen)
+
+
+def test_stage_slots_1f1b_warms_up_by_the_stages_after() -> None:
+    order = stage_slots("1f1b", 4, 0, 6)
+    assert sorted(order, key=order.get)[:4] == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    last = stage_slots("1f1b", 4, 3, 6)
+    assert sorted(last, key=last.get)[:4] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+
+
+def test_bad_pipelines_are_refused() -> None:
+    g = _graph(layers=2)
+    with pytest.raises(rt.PlanError, match="do not divide"):
+        rt.compileGraph(g, device="cpu:6", pipeline=rt.Pipeline(4, 2))
+    with pytest.raises(rt.PlanError, match="schedule"):
+        rt.compileGraph(g, device="cpu:4", pipeline=rt.Pipeline(2, 2, "zigzag"))
+    with pytest.raises(rt.PlanError, match="positive integer"):
+        rt.compileGraph(g, device="cpu:4", pipeline={"stages": 2, "micro_batches": 0})
+    with pytest.raises(rt.PlanError, match="second_phase_inputs"):
+        rt.compileGraph(g, device="cpu:4", pipeline={"stages": 2}, second_phase_inputs=("targets",))
+    with pytest.raises(rt.PlanError, match="pipeline"):
+        rt.compileGraph(g, device="cpu:4", pipeline=(2, 2))
