@@ -126,3 +126,18 @@ def test_bad_pipelines_are_refused() -> None:
         rt.compileGraph(g, device="cpu:4", pipeline={"stages": 2}, second_phase_inputs=("targets",))
     with pytest.raises(rt.PlanError, match="pipeline"):
         rt.compileGraph(g, device="cpu:4", pipeline=(2, 2))
+
+
+def test_a_pipelined_plan_saved_and_loaded_runs_the_same_step(tmp_path: object) -> None:
+    g = llama_training_graph(4, 6, 16, 2, 1, 24, 20, layers=2, optimizer="adamw")
+    feeds = llama_training_feeds(g, lr=1e-2)
+    cg = rt.compileGraph(g, device="cpu:4", pipeline=rt.Pipeline(2, 2))
+    path = f"{tmp_path}/step.plan"
+    rt.save_plan(cg, path)
+    same = rt.load_plan(path, g)
+    for c in (cg, same):
+        c.load(feeds)
+        c.execute()
+    assert np.array_equal(same.offload("loss"), cg.offload("loss"))
+    assert same.plan.stage_of == cg.plan.stage_of
+    assert [t.label for t in same.lowered.dag.tasks] == [t.label for t in cg.lowered.dag.tasks]
