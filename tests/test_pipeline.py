@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import relational_tensors as rt
-from relational_tensors.dp_optimizer.pipeline import assign_stages, forward_ops, positions
+from relational_tensors.dp_optimizer.pipeline import PipelinedPlan, assign_stages, forward_ops, positions
 from relational_tensors.graph.models import llama_training_feeds, llama_training_graph
 from relational_tensors.physical.schedule import stage_slots
 
@@ -16,6 +16,12 @@ from relational_tensors.physical.schedule import stage_slots
 def _rel(a: object, b: object) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
+
+
+def _pipelined(cg: rt.CompiledGraph) -> PipelinedPlan:
+    plan = cg.plan
+    assert isinstance(plan, PipelinedPlan)
+    return plan
 
 
 def _graph(layers: int = 4, batch: int = 8) -> rt.Graph:
@@ -41,7 +47,7 @@ def test_two_stages_of_four_devices_and_four_micro_batches_equal_the_reference(s
         name = g.nodes[s].name
         assert _rel(cg.offload(name), ref_feeds[name]) <= 1e-4, name
     # every kernel of an operator runs on its stage's devices
-    plan = cg.plan
+    plan = _pipelined(cg)
     for n in g.operators:
         stage = plan.stage_of[n.id]
         assert set(cg.lowered.placement[n.id]) <= set(range(4 * stage, 4 * stage + 4)), n.name
@@ -81,7 +87,8 @@ def test_stages_follow_the_layers_forward_backward_and_update_together() -> None
     order = [next(iter(by_weight[f"l{k}.wq"])) for k in range(6)]
     assert order == sorted(order) and order[0] == 0 and order[-1] == 2
     assert next(iter(by_weight["embed"])) == 0 and next(iter(by_weight["lm_head"])) == 2
-    assert all(stage[a] <= stage[b] for a, b in zip(sorted(pos, key=pos.get), sorted(pos, key=pos.get)[1:]))
+    along = sorted(pos, key=lambda o: pos[o])
+    assert all(stage[a] <= stage[b] for a, b in zip(along, along[1:]))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -90,9 +97,9 @@ def test_each_device_runs_its_micro_batches_in_order(schedule: str) -> None:
     forward runs before any backward."""
     g = _graph()
     cg = rt.compileGraph(g, device="cpu:4", pipeline=rt.Pipeline(2, 4, schedule))
-    plan = cg.plan
+    plan = _pipelined(cg)
     for device in range(4):
-        seen = []
+        seen: list[tuple[int, int]] = []
         for t in cg.lowered.dag.tasks:
             if t.kind == "kernel" and t.device == device and t.op is not None:
                 mb = plan.micro_batch(t.op, t.kernel.index)
@@ -109,9 +116,9 @@ def test_each_device_runs_its_micro_batches_in_order(schedule: str) -> None:
 
 def test_stage_slots_1f1b_warms_up_by_the_stages_after() -> None:
     order = stage_slots("1f1b", 4, 0, 6)
-    assert sorted(order, key=order.get)[:4] == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    assert sorted(order, key=lambda u: order[u])[:4] == [(0, 0), (0, 1), (0, 2), (0, 3)]
     last = stage_slots("1f1b", 4, 3, 6)
-    assert sorted(last, key=last.get)[:4] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert sorted(last, key=lambda u: last[u])[:4] == [(0, 0), (1, 0), (0, 1), (1, 1)]
 
 
 def test_bad_pipelines_are_refused() -> None:
@@ -139,5 +146,5 @@ def test_a_pipelined_plan_saved_and_loaded_runs_the_same_step(tmp_path: object) 
         c.load(feeds)
         c.execute()
     assert np.array_equal(same.offload("loss"), cg.offload("loss"))
-    assert same.plan.stage_of == cg.plan.stage_of
+    assert _pipelined(same).stage_of == _pipelined(cg).stage_of
     assert [t.label for t in same.lowered.dag.tasks] == [t.label for t in cg.lowered.dag.tasks]
