@@ -32,7 +32,7 @@ import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from relational_tensors.core.spec import JoinAggSpec, ShardableIndex
+from relational_tensors.core.spec import ANY, JoinAggSpec, ShardableIndex
 from relational_tensors.core.types import Interval
 from relational_tensors.dp_optimizer.plan import LogicalPlan
 from relational_tensors.dp_optimizer.plans import batch_indices
@@ -54,17 +54,19 @@ class Pipeline:
     micro_batches: int = 1
     schedule: str = "gpipe"
 
-    def validate(self, p: int) -> Pipeline:
-        """This pipeline if it fits ``p`` devices, else a PlanError that says what does."""
+    def __post_init__(self) -> None:
         for what, v in (("stages", self.stages), ("micro_batches", self.micro_batches)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise PlanError(f"pipeline {what} must be a positive integer; got {v!r}.")
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise PlanError(f"unknown pipeline schedule {self.schedule!r}; choose one of {PIPELINE_SCHEDULES}.")
+
+    def validate(self, p: int) -> Pipeline:
+        """This pipeline if its stages divide ``p`` devices, else a PlanError that says which would."""
         if p % self.stages:
             ok = [s for s in range(1, p + 1) if p % s == 0]
             raise PlanError(f"a pipeline cuts the {p} devices into equal stages; {self.stages} stages do not "
                             f"divide them. Use one of {ok}.")
-        if self.schedule not in PIPELINE_SCHEDULES:
-            raise PlanError(f"unknown pipeline schedule {self.schedule!r}; choose one of {PIPELINE_SCHEDULES}.")
         return self
 
     def groups(self, p: int) -> tuple[tuple[int, ...], ...]:
@@ -112,7 +114,7 @@ def forward_ops(graph: Graph) -> set[int]:
 def positions(graph: Graph) -> dict[int, int]:
     """Each operator's position (module docstring): min(latest weight it reads through its inputs, latest
     weight whose update reads it); -1 for an operator that depends on no weight."""
-    forward = _ancestors_of(graph, _saved(graph))
+    forward = _ancestors_of(graph, _saved(graph))  # weights included
     readers = graph.consumers()
     weight_pos: dict[int, int] = {}
     for n in graph.inputs:
@@ -154,19 +156,12 @@ def assign_stages(graph: Graph, stages: int) -> dict[int, int]:
 
 
 def _subdivide(index: ShardableIndex, iv: Interval, m: int) -> tuple[Interval, ...]:
-    """``iv`` cut into up to ``m`` near-equal intervals at the index's legal positions."""
-    legal = [c for c in index.legal_cuts() if iv.lo < c < iv.hi]
-    n = min(m, len(legal) + 1)
-    cuts: list[int] = []
-    start = 0
-    for k in range(1, n):
-        ideal = iv.lo + k * iv.size / n
-        stop = len(legal) - (n - 1 - k)
-        best = min(range(start, stop), key=lambda t: (abs(legal[t] - ideal), t))
-        cuts.append(legal[best])
-        start = best + 1
-    bounds = [iv.lo, *cuts, iv.hi]
-    return tuple(Interval(a, b) for a, b in zip(bounds, bounds[1:]))
+    """``iv`` cut into up to ``m`` near-equal intervals at the index's legal positions inside it."""
+    inside = tuple(c - iv.lo for c in index.legal_cuts() if iv.lo < c < iv.hi)
+    part = ShardableIndex(index.name, iv.size, positions=inside if index.positions != ANY else ANY)
+    ivs = part.near_equal(min(m, part.max_intervals()))
+    assert ivs is not None  # at most as many intervals as the legal cuts allow
+    return tuple(Interval(a.lo + iv.lo, a.hi + iv.lo) for a in ivs)
 
 
 @dataclass
@@ -186,10 +181,6 @@ class PipelinedPlan(LogicalPlan):
     @property
     def p(self) -> int:
         return self.devices
-
-    @property
-    def stage_p(self) -> int:
-        return self.candidates.p
 
     def spec(self, op: str | int) -> JoinAggSpec:
         node = self.graph.node(op) if isinstance(op, str) else self.graph.nodes[op]

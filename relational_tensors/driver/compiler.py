@@ -181,12 +181,13 @@ def _pass_check(s: CompileState) -> None:
     """Changes nothing: every operator has one spec of at most p function specs (p unless it is too
     small to split so) whose outputs tile its output."""
     assert s.plan is not None and s.target is not None
+    p = _stage_p(s)
     for n in s.graph.operators:
         if n.id not in s.choice:
             raise PlanError(f"check after 'select': operator {n.name!r} has no spec.")
         spec = s.plan.coarse(n.id) if isinstance(s.plan, PipelinedPlan) else s.plan.spec(n.id)
-        if not 1 <= spec.p <= _stage_p(s):
-            raise PlanError(f"check after 'select': {n.name!r} has {spec.p} function specs for p={_stage_p(s)}.")
+        if not 1 <= spec.p <= p:
+            raise PlanError(f"check after 'select': {n.name!r} has {spec.p} function specs for p={p}.")
         if spec.output_type != n.type or spec.output_tiling.space != n.type.box:
             raise PlanError(f"check after 'select': the spec of {n.name!r} changed its output type.")
 
