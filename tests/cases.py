@@ -8,6 +8,7 @@ import numpy as np
 
 import relational_tensors as rt
 from relational_tensors.catalog import Catalog
+from relational_tensors.sql_specs.elementwise import FullOp
 from relational_tensors.sql_specs.experts import (
     CapacityRouteOp,
     GroupedMatmulOp,
@@ -47,6 +48,7 @@ CASES: dict[str, Case] = {
                                           B=(g.input("b", [7, 9], d), ("j", "k")))),
     "sql_maxplus": _one(lambda g, d: g.sql(MAXPLUS_SQL, A=(g.input("a", [10, 7], d), ("i", "j")),
                                            B=(g.input("b", [7, 9], d), ("j", "k")))),
+    "full": _one(lambda g, d: g.binary(g.input("x", [10, 7], d), g.apply(FullOp((), (10, 7), 0.75, d)), "mul")),
     "unary_gelu": _one(lambda g, d: g.unary(g.input("x", [10, 7], d), "gelu")),
     "unary_scale": _one(lambda g, d: g.unary(g.input("x", [10, 7], d), "scale", 0.25)),
     "unary_cast": _one(lambda g, d: g.unary(g.unary(g.input("x", [10, 7], d), "cast", "float32"), "exp")),

@@ -82,6 +82,8 @@ def _node(op, xs: Sequence[torch.Tensor]) -> torch.Tensor:
         letters = dict(zip(names, "abcdefghijklmnop"))
         sub = ",".join("".join(letters[n] for n in d) for d in p.dims) + "->" + "".join(letters[n] for n in p.out)
         return torch.einsum(sub, *xs)
+    if kind == "full":
+        return torch.full(op.output_type.shape, op.value, dtype=getattr(torch, op.output_type.dtype))
     if kind == "unary":
         x, a = xs[0], op.arg
         table = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu,

@@ -159,5 +159,6 @@ def grad(g: Any, loss: object, wrt: object, allow_unused: bool = False) -> list[
     if out.type.volume != 1:
         raise GraphError(f"grad needs a scalar loss (one element); {out.name!r} has shape {out.type.shape}. Reduce it "
                          "first (g.sum, g.mean), or use g.vjp(outputs, cotangents, wrt).")
-    seed = build(g, "unary", (out,), op="fill", arg=1.0)
+    t = out.type
+    seed = build(g, "full", (), shape=tuple(t.shape), value=1.0, dtype=t.dtype, names=tuple(t.names))
     return vjp(g, [out], [seed], wrt, allow_unused)

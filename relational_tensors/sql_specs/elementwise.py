@@ -25,7 +25,7 @@ from relational_tensors.sql_specs.base import Builder, Grads, IndexedOp, SameInd
 from relational_tensors.sql_specs.common import finite_number, same_dtype
 from relational_tensors.sql_specs.grad import SECOND_ORDER, build, reduce_to
 
-__all__ = ["UnaryOp", "BinaryOp", "WhereOp", "SwigluOp", "UnaryGradOp", "BinaryGradOp", "SwigluGradOp",
+__all__ = ["FullOp", "UnaryOp", "BinaryOp", "WhereOp", "SwigluOp", "UnaryGradOp", "BinaryGradOp", "SwigluGradOp",
            "UNARY_FUNCTIONS",
            "BINARY_FUNCTIONS", "COMPARISONS", "LOGICAL", "UNARY_DERIVATIVES", "silu", "gelu"]
 
@@ -140,6 +140,45 @@ LOGICAL: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
 }
 BINARY_FUNCTIONS.update(COMPARISONS)
 BINARY_FUNCTIONS.update(LOGICAL)
+
+
+@register
+@dataclass(frozen=True, eq=True)
+class FullOp(IndexedOp):
+    """A tensor of ``shape`` and ``dtype`` filled with ``value``, read from nothing: the seed of a gradient,
+    which then waits for no other operator (a fill of the loss would wait for the whole forward pass).
+
+    >>> FullOp((), (2, 3), 1.0).signature()
+    ' -> d0 d1'
+    """
+
+    kind = "full"
+    gradient = "it has no inputs"
+    shape: tuple[int, ...] = ()
+    value: float = 0.0
+    dtype: str = "float32"
+    names: tuple[str, ...] | None = None
+
+    def infer(self) -> TensorType:
+        if self.input_types:
+            raise GraphError(f"full takes no inputs; got {len(self.input_types)}.")
+        dtype = canonical_dtype(self.dtype)
+        if dtype not in FLOAT_DTYPES:
+            raise GraphError(f"full makes a floating tensor; got dtype {self.dtype!r}.")
+        finite_number("the value of full", self.value)
+        return TensorType.zero(self.shape, dtype, self.names)
+
+    def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
+        return ()
+
+    def dims_out(self) -> tuple[str | None, ...]:
+        return tuple(f"d{i}" for i in range(len(self.shape)))
+
+    def params(self) -> dict[str, object]:
+        return {"shape": tuple(self.shape), "value": self.value, "dtype": self.dtype, "names": self.names}
+
+    def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
+        return np.full(f.output.shape, self.value, dtype=numpy_dtype(self.output_type.dtype))
 
 
 @register

@@ -21,6 +21,19 @@ def _host_unary(op: Any) -> bool:
     return "bool" in (op.input_types[0].dtype, op.output_type.dtype) and op.op not in ("cast", "logical_not")
 
 
+@launcher("full")
+def _full(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels import triton_copy as tc
+
+    if out.dtype == "float64":  # Triton passes a Python float as a float32 argument
+        import cupy
+
+        with cupy.cuda.ExternalStream(stream):
+            out.cupy().fill(float(op.value))
+        return
+    tc.fill(out, op.value)
+
+
 @launcher("unary", allocates=_host_unary,
           host_forms="a unary on booleans other than a cast or logical_not (the NumPy kernel on host copies)")
 def _unary(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
