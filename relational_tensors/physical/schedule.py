@@ -5,11 +5,12 @@ next operator; a stage would then finish all its micro-batches before the next s
 This pass re-emits the same tasks in another topological order: each kernel gets the rank of its
 (forward or backward, micro-batch) in its stage's schedule (``gpipe``: the forwards, then the backwards;
 ``1f1b``: ``stages - s - 1`` forwards of warm-up on stage ``s``, then one forward and one backward in turn,
-then the remaining backwards), the tasks that feed a kernel the smallest rank of the kernels they feed, and
-among the tasks ready to run the smallest rank goes first.  Operators that carry no batch run as soon as
-they can: the casts of weights, the loss's normalization, and the optimizer's updates once every
-micro-batch's gradient is in.  A task that writes a state's kept block in place stays after every task that
-touched the block before it.
+then the remaining backwards), every task the smallest of its own rank and the ranks of the tasks it feeds
+(the count of a mean's tokens, made from the inputs, runs before the first micro-batch's loss needs it),
+and among the tasks ready to run the smallest rank goes first.  Operators that carry no batch run when the
+first of their readers needs them (the casts of weights, the gradient's seed), or after every micro-batch
+when nothing ranked reads them (the optimizer's updates).  A task that writes a state's kept block in place
+stays after every task that touched the block before it.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def pipeline_order(dag: TaskDAG, plan: PipelinedPlan) -> TaskDAG:
     pipe = plan.pipeline
     m = pipe.micro_batches
     slots = [stage_slots(pipe.schedule, pipe.stages, s, m) for s in range(pipe.stages)]
-    late = 2 * m + 1  # after every micro-batch
+    late = 2 * m + 1  # after every micro-batch: what carries no batch, unless something earlier reads it
     tasks = dag.tasks
     n = len(tasks)
     rank = [late] * n
@@ -56,9 +57,7 @@ def pipeline_order(dag: TaskDAG, plan: PipelinedPlan) -> TaskDAG:
         if t.kind == "kernel" and t.op is not None:
             phase = 0 if t.op in plan.forward else 1
             mb = plan.micro_batch(t.op, t.kernel.index)
-            if mb is None:
-                rank[t.id] = -1
-            else:
+            if mb is not None:  # an operator without a batch runs as its first reader needs it
                 rank[t.id] = slots[plan.stage_of[t.op]][(phase, mb)]
     # dependencies in the emitted order: a reader after every earlier writer of the bytes it reads (loads
     # included), an in-place write of a kept block after every earlier task that touched it
@@ -84,9 +83,9 @@ def pipeline_order(dag: TaskDAG, plan: PipelinedPlan) -> TaskDAG:
     for i, d in enumerate(deps):
         for j in d:
             users[j].append(i)
-    for t in reversed(tasks):  # a task that feeds kernels runs by the first of them
-        if t.kind != "kernel" and users[t.id]:
-            rank[t.id] = min(rank[u] for u in users[t.id])
+    for t in reversed(tasks):  # a task runs by the first of the tasks it feeds
+        if users[t.id]:
+            rank[t.id] = min(rank[t.id], *(rank[u] for u in users[t.id]))
     waiting = [len(d) for d in deps]
     ready = [(rank[i], i) for i in range(n) if not waiting[i]]
     heapq.heapify(ready)
