@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from relational_tensors.catalog import Catalog
-from relational_tensors.driver import compiler, distributed, plan_file
+from relational_tensors.driver import compiler, distributed, pipelines, plan_file
 from relational_tensors.driver.compiled import CompiledGraph
 from relational_tensors.driver.options import CompileOptions
 from relational_tensors.errors import GraphError, PlanError
@@ -72,6 +72,11 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
                                  [second_phase_inputs] if isinstance(second_phase_inputs, str)
                                  else second_phase_inputs),
                              constraints=_constraint_pairs(constraints), pipeline=pipeline)
+    if options.pipeline == "auto":
+        if dist:
+            raise PlanError("pipeline='auto' compiles and simulates several plans on one process; under "
+                            "device='dist' give the pipeline (rt.Pipeline(stages, micro_batches)) or none.")
+        return pipelines.compile_auto(graph, options, catalog)
     if dist:
         return distributed.compile_distributed(graph, options, catalog, process_group, timeout, transport,
                                                topology_given=topology is not None)

@@ -75,18 +75,19 @@ class Pipeline:
         return tuple(tuple(range(s * per, (s + 1) * per)) for s in range(self.stages))
 
 
-def parse_pipeline(value: object) -> Pipeline | None:
-    """``None``, a :class:`Pipeline`, or a mapping of its fields (``{"stages": 2, "micro_batches": 4}``)."""
-    if value is None or isinstance(value, Pipeline):
-        return value
+def parse_pipeline(value: object) -> Pipeline | str | None:
+    """``None``, a :class:`Pipeline`, a mapping of its fields (``{"stages": 2, "micro_batches": 4}``), or
+    ``"auto"`` (the planner chooses: ``driver.pipelines``)."""
+    if value is None or isinstance(value, Pipeline) or value == "auto":
+        return value  # type: ignore[return-value]
     if isinstance(value, Mapping):
         unknown = sorted(set(value) - {"stages", "micro_batches", "schedule"})
         if unknown or "stages" not in value:
             raise PlanError(f"pipeline takes stages, micro_batches and schedule (stages required); got "
                             f"{sorted(value)}.")
         return Pipeline(**value)
-    raise PlanError(f"pipeline is None, rt.Pipeline(stages, micro_batches, schedule) or a dict of those; got "
-                    f"{value!r}.")
+    raise PlanError(f"pipeline is None, 'auto', rt.Pipeline(stages, micro_batches, schedule) or a dict of those; "
+                    f"got {value!r}.")
 
 
 def _ancestors_of(graph: Graph, targets: Sequence[int]) -> set[int]:

@@ -26,7 +26,7 @@ from relational_tensors.dp_optimizer import repeats
 from relational_tensors.dp_optimizer.candidates import build_candidates
 from relational_tensors.dp_optimizer.constraints import parse_constraints
 from relational_tensors.dp_optimizer.costs import cost_model as get_cost_model
-from relational_tensors.dp_optimizer.pipeline import PipelinedPlan, pipelined
+from relational_tensors.dp_optimizer.pipeline import Pipeline, PipelinedPlan, pipelined
 from relational_tensors.dp_optimizer.plan import LogicalPlan
 from relational_tensors.dp_optimizer.select import select_dp, select_exact, select_greedy, select_random
 from relational_tensors.dp_optimizer.trees import cut_pieces
@@ -72,7 +72,7 @@ def _stage_p(s: CompileState) -> int:
     """The devices the DP plans for: all of them, or one pipeline stage's."""
     assert s.target is not None
     pipe = s.options.pipeline
-    return s.target.p if pipe is None else s.target.p // pipe.validate(s.target.p).stages
+    return s.target.p // pipe.validate(s.target.p).stages if isinstance(pipe, Pipeline) else s.target.p
 
 
 def _pass_candidates(s: CompileState) -> None:
@@ -167,7 +167,7 @@ def _choose(s: CompileState, memory_price: float = 0.0) -> tuple[dict[int, int],
     else:
         choice = select_random(s.catalog, s.cid, s.candidates, s.options.seed)
     plan = LogicalPlan(s.graph, s.candidates, choice, sel, s.options.cost_model)
-    if s.options.pipeline is not None:
+    if isinstance(s.options.pipeline, Pipeline):
         assert s.target is not None
         plan = pipelined(plan, s.options.pipeline, s.target.p)
     return choice, plan
@@ -504,6 +504,9 @@ def run(graph: Graph, options: CompileOptions, catalog: str | Path | Catalog | N
     try:
         if not isinstance(graph, Graph):
             raise GraphError(f"compileGraph takes an rt.Graph; got {type(graph).__name__}.")
+        if isinstance(options.pipeline, str):
+            raise PlanError(f"pipeline={options.pipeline!r} chooses among several compilations: rt.compileGraph "
+                            "does that; here give rt.Pipeline(stages, micro_batches) or None.")
         inputs = {n.name for n in graph.inputs}
         strange = sorted(set(options.second_phase_inputs) - inputs)
         if strange:

@@ -64,8 +64,9 @@ class CompileOptions:
     notation; the indices not named stay the optimizer's) and the layouts of graph inputs and states
     (name -> ``R``, ``S(d)`` or ``dim=n,...``; see ``dp_optimizer.constraints``); ``pipeline`` cuts the devices
     into stages of consecutive layers and the batch into micro-batches (``rt.Pipeline(stages, micro_batches,
-    schedule)`` or a dict of those; see ``dp_optimizer.pipeline``): the splits and constraints are then the
-    plan of one stage, for ``p / stages`` devices.
+    schedule)`` or a dict of those; see ``dp_optimizer.pipeline``; ``"auto"``: the fastest of a few, simulated,
+    see ``driver.pipelines``): the splits and constraints are then the plan of one stage, for ``p / stages``
+    devices.
     """
 
     device: object = None
@@ -86,7 +87,7 @@ class CompileOptions:
     keep_states: str = _choice("auto", KEEP_STATES, "keep_states")
     second_phase_inputs: frozenset[str] = frozenset()
     constraints: tuple[tuple[str, str], ...] = ()  # (name, split such as "heads_kv=8" or layout such as "S(0)")
-    pipeline: Pipeline | None = None
+    pipeline: Pipeline | str | None = None  # "auto": chosen by driver.pipelines
 
     def __post_init__(self) -> None:
         for f in fields(self):
