@@ -11,11 +11,18 @@ plan is compiled with the calibrated cost model for all the machine's GPUs and s
 * ``megatron_dp``: tensor parallelism inside each node of 8, data parallelism across nodes, states
   replicated across nodes;
 * ``fsdp_tp``: the same splits with every state sharded over all GPUs (torchtitan's 2-D);
-* ``ddp``: data parallelism, every state replicated (refused where it does not fit).
+* ``ddp``: data parallelism, every state replicated (refused where it does not fit);
+* ``pipeline``: pipeline stages of one node each (``rt.Pipeline(nodes, 2 * nodes, "1f1b")``), the
+  optimizer's plan inside each stage;
+* ``megatron_pp``: Megatron tensor parallelism inside each node and a pipeline stage per node (the same
+  pipeline), Megatron-LM's TP x PP;
+* ``auto``: ``pipeline="auto"``, the planner's choice among no pipeline and 2, 4 or 8 stages
+  (``driver.pipelines``), each simulated.
 
 Reported per plan: the simulated step, the peak memory of the fullest GPU, the bytes that cross between
-nodes per step (copies whose source and destination GPUs are in different nodes) and the planning time.
-Pipeline stages are not among the plans.
+nodes per step (copies whose source and destination GPUs are in different nodes), the share of the GPUs'
+time they compute nothing in the simulation (for a pipeline, its bubble and the transfers it waits for)
+and the planning time.
 
     python bench/multinode_plans.py [--machines 2x-hgx-h200-ib,4x-hgx-h200-ib,8x-hgx-h200-ib] [--layers 4]
         [--seq 1024] [--out bench/results/multinode_plans.md]
@@ -34,7 +41,8 @@ from relational_tensors.errors import PlanError
 from relational_tensors.graph.models import LLAMA3_8B, llama_training_graph
 from relational_tensors.machine.machines import get_topology
 
-PLANS = ("optimizer", "fsdp", "megatron_dp", "fsdp_tp", "ddp")
+PLANS = ("optimizer", "fsdp", "megatron_dp", "fsdp_tp", "ddp", "pipeline", "megatron_pp", "auto")
+COMPUTE = ("kernel", "aggregate", "decompose", "recompose")  # the tasks a GPU computes
 NODE = 8  # GPUs per HGX node: device d is in node d // 8
 
 
@@ -48,17 +56,27 @@ def run(machine: str, plan: str, layers: int, seq: int) -> dict[str, Any]:
     p = len(get_topology(machine).sites)
     g = llama_training_graph(p, seq, dtype="bfloat16", vocab=128256, layers=layers, optimizer="adamw",
                              master_dtype="float32", **LLAMA3_8B)
-    constraints = None if plan == "optimizer" else rt.plans.PLANS[plan](g, p)
+    nodes = p // NODE
+    pipeline = rt.Pipeline(nodes, 2 * nodes, "1f1b") if plan in ("pipeline", "megatron_pp") else None
+    constraints = (None if plan in ("optimizer", "pipeline", "auto") else rt.plans.megatron_tp(g, NODE)
+                   if plan == "megatron_pp" else rt.plans.PLANS[plan](g, p))
     row: dict[str, Any] = dict(machine=machine, p=p, plan=plan, layers=layers, tokens=p * seq)
     t0 = time.process_time()
     try:
         cg = rt.compileGraph(g, device=f"cpu:{p}", topology=machine, cost_model="calibrated",
-                             memory_per_device=141 << 30, constraints=constraints)
+                             memory_per_device=141 << 30, constraints=constraints,
+                             pipeline="auto" if plan == "auto" else pipeline)
     except PlanError as e:  # a plan that does not fit is refused before it runs
         row.update(refused=str(e).split("\n")[0][:160])
         return row
     row["planned_cpu_s"] = time.process_time() - t0
-    row["step_ms"] = 1e3 * cg.simulate()
+    chosen = cg.options.pipeline
+    assert chosen is None or isinstance(chosen, rt.Pipeline)
+    row["stages"], row["micro_batches"] = (chosen.stages, chosen.micro_batches) if chosen else (1, 1)
+    sim = cg.simulation()
+    row["step_ms"] = 1e3 * sim.time
+    busy = sum(t.end - t.start for t in sim.tasks if t.kind in COMPUTE)
+    row["idle"] = 1 - busy / (p * sim.time)
     row["peak_gib"] = max(cg.live.peak.values()) / 2**30
     row["cross_node_gb"] = cross_node_bytes(cg) / 1e9
     row["tasks"] = len(cg.lowered.dag.tasks)
@@ -82,16 +100,20 @@ def main() -> None:
     head = header(f"The {args.layers}-layer 8B-shaped training step on several nodes", machines,
                   "cpu:<p> logical devices, priced and simulated on each machine",
                   notes=[f"one sequence of {args.seq} tokens per GPU; bfloat16, AdamW with float32 masters",
-                         "cross-node GB: bytes per step copied between GPUs of different nodes"])
+                         "cross-node GB: bytes per step copied between GPUs of different nodes",
+                         "idle: the share of the GPUs' simulated time without a kernel, ⊕ or assembly"])
     head["dtype"] = "bfloat16"
-    lines = [*header_markdown(head), "| machine | p | plan | step ms | peak GiB / GPU | cross-node GB / step "
-             "| tasks | planned (CPU s) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [*header_markdown(head), "| machine | p | plan | stages x micro-batches | step ms | peak GiB / GPU "
+             "| cross-node GB / step | idle | tasks | planned (CPU s) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        shape = f"{r['stages']} x {r['micro_batches']}" if "stages" in r else ""
         if "refused" in r:
-            lines.append(f"| {r['machine']} | {r['p']} | {r['plan']} | refused: {r['refused']} | | | | |")
+            lines.append(f"| {r['machine']} | {r['p']} | {r['plan']} | {shape} | refused: {r['refused']} "
+                         "| | | | | |")
             continue
-        lines.append(f"| {r['machine']} | {r['p']} | {r['plan']} | {r['step_ms']:.1f} | {r['peak_gib']:.2f} | "
-                     f"{r['cross_node_gb']:.2f} | {r['tasks']} | {r['planned_cpu_s']:.1f} |")
+        lines.append(f"| {r['machine']} | {r['p']} | {r['plan']} | {shape} | {r['step_ms']:.1f} | "
+                     f"{r['peak_gib']:.2f} | {r['cross_node_gb']:.2f} | {r['idle']:.0%} | {r['tasks']} | "
+                     f"{r['planned_cpu_s']:.1f} |")
     write_table(args.out, lines, {**head, "rows": rows})
 
 
