@@ -89,6 +89,11 @@ def test_stages_follow_the_layers_forward_backward_and_update_together() -> None
     assert next(iter(by_weight["embed"])) == 0 and next(iter(by_weight["lm_head"])) == 2
     along = sorted(pos, key=lambda o: pos[o])
     assert all(stage[a] <= stage[b] for a, b in zip(along, along[1:]))
+    # the steps of a weight's update that read only its moments (their decay) run in that weight's stage
+    for name, at in by_weight.items():
+        moments = {g.node(f"{name}{m}").id for m in (".exp_avg", ".exp_avg_sq")}
+        decay = [o for o in g.operators if set(o.inputs) & moments]
+        assert decay and {stage[o.id] for o in decay} == at, name
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])

@@ -114,7 +114,8 @@ def forward_ops(graph: Graph) -> set[int]:
 
 def positions(graph: Graph) -> dict[int, int]:
     """Each operator's position (module docstring): min(latest weight it reads through its inputs, latest
-    weight whose update reads it); -1 for an operator that depends on no weight."""
+    weight whose update reads it); an update's step that reads no weight (a moment's decay) takes the
+    weight it updates; -1 for a forward operator that depends on no weight."""
     forward = _ancestors_of(graph, _saved(graph))  # weights included
     readers = graph.consumers()
     weight_pos: dict[int, int] = {}
@@ -133,8 +134,13 @@ def positions(graph: Graph) -> dict[int, int]:
         if at is not None:
             for i in n.inputs:
                 update[i] = max(update.get(i, -1), at)
-    # a state that is no weight (a moment) feeds an update through its own assignment's value first
-    return {n.id: min(late[n.id], update.get(n.id, late[n.id])) for n in graph.operators}
+    out: dict[int, int] = {}
+    for n in graph.operators:
+        at = update.get(n.id, late[n.id])
+        # the update's own arithmetic on states that are no weights (a moment's decay) depends on no weight:
+        # it goes with the weight it updates; what the forward makes from the inputs alone stays first
+        out[n.id] = at if late[n.id] < 0 and n.id not in forward else min(late[n.id], at)
+    return out
 
 
 def assign_stages(graph: Graph, stages: int) -> dict[int, int]:
