@@ -4,11 +4,14 @@ follow the layers; each device runs its micro-batches in the schedule's order.""
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 
 import relational_tensors as rt
 from relational_tensors.dp_optimizer.pipeline import PipelinedPlan, assign_stages, forward_ops, positions
+from relational_tensors.driver.visualize import plan_rows
 from relational_tensors.graph.models import llama_training_feeds, llama_training_graph
 from relational_tensors.physical.schedule import stage_slots
 
@@ -167,3 +170,13 @@ def test_auto_keeps_the_fastest_simulated_candidate_and_records_every_one() -> N
     assert _rel(cg.offload("loss"), rt.reference(g, feeds)["loss"]) <= 1e-5
     with pytest.raises(rt.PlanError, match="auto"):
         rt.compileGraph(g, device="dist", pipeline="auto")
+
+
+def test_explain_shows_the_stages_and_the_pipeline() -> None:
+    g = llama_training_graph(4, 6, 16, 2, 1, 24, 20, layers=2, optimizer="adamw")
+    cg = rt.compileGraph(g, device="cpu:4", pipeline=rt.Pipeline(2, 2, "1f1b"))
+    text = " ".join(cg.explain(file=io.StringIO(), width=400).split())
+    assert "pipeline: 2 stages of 2 devices, 2 micro-batches, 1f1b" in text
+    rows = {r["op_name"]: r["stage"] for r in plan_rows(cg)}
+    assert rows == {n.name: _pipelined(cg).stage_of[n.id] for n in g.operators}
+    assert rows["embed_lookup"] == 0 and rows["lm_head_proj"] == 1

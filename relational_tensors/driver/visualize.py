@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from relational_tensors.core.tiling import Tiling, as_grid
 from relational_tensors.core.types import Box, Interval
+from relational_tensors.dp_optimizer.pipeline import PipelinedPlan
 from relational_tensors.errors import GraphError
 
 if TYPE_CHECKING:
@@ -300,10 +301,13 @@ def plan_rows(cg: CompiledGraph) -> list[dict[str, Any]]:
         "SELECT op_name, op_kind, split, output_tiling, repartitioned_inputs, repartition_cost, join_cost, "
         "aggregation_cost, total_cost FROM plan ORDER BY op_id"
     ).to_pylist()
+    staged = cg.plan if isinstance(cg.plan, PipelinedPlan) else None
     for r in rows:
         r["placement"] = placement_notation(cg, r["op_name"])
         r["repartitioned_inputs"] = r["repartitioned_inputs"] or ""
-    return [{k: r[k] for k in _PLAN_COLUMNS} for r in rows]
+        if staged is not None:
+            r["stage"] = staged.stage_of[cg.graph.node(r["op_name"]).id]
+    return [{k: r[k] for k in (*_PLAN_COLUMNS, *(("stage",) if staged is not None else ()))} for r in rows]
 
 
 def plan_table(cg: CompiledGraph, rows: list[dict[str, Any]] | None = None, width: int = 160,
@@ -316,8 +320,15 @@ def plan_table(cg: CompiledGraph, rows: list[dict[str, Any]] | None = None, widt
     # paper: elements; bytes: bytes; calibrated: seconds, shown in microseconds
     unit, scale, digits = {"paper": ("elements", 1.0, 0), "calibrated": ("µs", 1e6, 1)}.get(
         cg.plan.cost_model, ("bytes", 1.0, 0))
-    small = [n.name for n in cg.graph.operators if cg.plan.spec(n.id).p < cg.p]
-    few = (f"; on fewer than {cg.p} devices (too small to split {cg.p} ways): {', '.join(small)}" if small else "")
+    staged = cg.plan if isinstance(cg.plan, PipelinedPlan) else None
+    p = cg.p // staged.pipeline.stages if staged is not None else cg.p  # the devices each operator's plan is for
+    small = [n.name for n in cg.graph.operators
+             if (staged.coarse(n.id) if staged is not None else cg.plan.spec(n.id)).p < p]
+    few = (f"; on fewer than {p} devices (too small to split {p} ways): {', '.join(small)}" if small else "")
+    if staged is not None:
+        pipe = staged.pipeline
+        few += (f"; pipeline: {pipe.stages} stages of {p} devices, {pipe.micro_batches} micro-batches, "
+                f"{pipe.schedule}; each operator's split is for its stage's devices")
     searched, late = cg.search
     if late:  # a search stopped by the wall clock depends on the machine's speed: say so
         few += (f"; the search budget ({cg.options.search_budget_s:g} s) stopped {late} of {searched} searched "
@@ -328,13 +339,14 @@ def plan_table(cg: CompiledGraph, rows: list[dict[str, Any]] | None = None, widt
         caption=(f"total cost {cg.plan.cost * scale:,.{digits}f} {unit}; planned in {sum(cg.timings.values()):.3f}s"
                  + few) if titled else None)
     heads = ("op", "kind", "split", "out tiling", "placement", "repartitions", "repartition", "join", "aggregation",
-             "total")
+             "total", *(("stage",) if staged is not None else ()))
     for h in heads:
         numeric = h in ("repartition", "join", "aggregation", "total")
         table.add_column(h, justify="right" if numeric else "left", overflow="fold")
     for r in rows:
         table.add_row(r["op_name"], r["op_kind"], r["split"], r["output_tiling"], r["placement"],
-                      r["repartitioned_inputs"], *(f"{r[c] * scale:,.{digits}f}" for c in _PLAN_COLUMNS[6:]))
+                      r["repartitioned_inputs"], *(f"{r[c] * scale:,.{digits}f}" for c in _PLAN_COLUMNS[6:]),
+                      *((str(r["stage"]),) if staged is not None else ()))
     buf = io.StringIO()
     Console(file=buf, width=width, force_terminal=False, color_system=None).print(table)
     return buf.getvalue()
