@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import relational_tensors as rt
-from relational_tensors.dp_optimizer.pipeline import PipelinedPlan, assign_stages, forward_ops, positions
+from relational_tensors.dp_optimizer.pipeline import PipelinedPlan, assign_stages, positions
 from relational_tensors.driver.visualize import plan_rows
 from relational_tensors.graph.models import llama_training_feeds, llama_training_graph
 from relational_tensors.physical.schedule import stage_slots
@@ -72,20 +72,19 @@ def test_stage_and_micro_batch_counts_that_do_not_divide_the_batch(stages: int, 
 
 
 def test_stages_follow_the_layers_forward_backward_and_update_together() -> None:
-    """Each weight's forward readers and its update share a stage; stages never decrease from one layer to
-    the next, nor along the positions."""
+    """Every reader of a weight (its forward product, the product giving the input gradient, its update)
+    and the steps of its update share a stage, so each weight lives in one stage; stages never decrease
+    from one layer to the next, nor along the positions."""
     g = _graph(layers=6)
     stage = assign_stages(g, 3)
     pos = positions(g)
-    fwd = forward_ops(g)
     assert set(stage.values()) == {0, 1, 2}
     by_weight = {}
     for w in g.inputs:
         if w.role != "state" or w.name.startswith("adamw") or ".exp_avg" in w.name:
             continue
-        forward = [n for n in g.operators if w.id in n.inputs and n.id in fwd]
-        update = g.assignments[w.id]
-        by_weight[w.name] = {stage[n.id] for n in forward} | {stage[update]}
+        readers = [n for n in g.operators if w.id in n.inputs]  # forward, input gradient and update
+        by_weight[w.name] = {stage[n.id] for n in readers} | {stage[g.assignments[w.id]]}
         assert len(by_weight[w.name]) == 1, (w.name, by_weight[w.name])
     order = [next(iter(by_weight[f"l{k}.wq"])) for k in range(6)]
     assert order == sorted(order) and order[0] == 0 and order[-1] == 2

@@ -114,8 +114,10 @@ def forward_ops(graph: Graph) -> set[int]:
 
 def positions(graph: Graph) -> dict[int, int]:
     """Each operator's position (module docstring): min(latest weight it reads through its inputs, latest
-    weight whose update reads it); an update's step that reads no weight (a moment's decay) takes the
-    weight it updates; -1 for a forward operator that depends on no weight."""
+    weight whose update reads it); a backward operator that reads a weight itself (a product giving an input
+    gradient) takes that weight's, so the weight is read in one stage only; an update's step that reads no
+    weight (a moment's decay) takes the weight it updates; -1 for a forward operator that depends on no
+    weight."""
     forward = _ancestors_of(graph, _saved(graph))  # weights included
     readers = graph.consumers()
     weight_pos: dict[int, int] = {}
@@ -137,9 +139,13 @@ def positions(graph: Graph) -> dict[int, int]:
     out: dict[int, int] = {}
     for n in graph.operators:
         at = update.get(n.id, late[n.id])
-        # the update's own arithmetic on states that are no weights (a moment's decay) depends on no weight:
-        # it goes with the weight it updates; what the forward makes from the inputs alone stays first
-        out[n.id] = at if late[n.id] < 0 and n.id not in forward else min(late[n.id], at)
+        read = [weight_pos[i] for i in n.inputs if i in weight_pos]
+        if n.id in forward:
+            out[n.id] = min(late[n.id], at)
+        elif read:  # a backward product with a weight (its input gradient) stays with the weight
+            out[n.id] = max(read)
+        else:  # the rest of the backward and the update; a moment's decay (no weight at all) with its weight
+            out[n.id] = at if late[n.id] < 0 else min(late[n.id], at)
     return out
 
 
