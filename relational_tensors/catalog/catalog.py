@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import datetime
 import functools
+import gc
 import itertools
 import os
 import re
 import weakref
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -89,6 +91,7 @@ class Catalog:
         self.sandboxed = self.read_only if sandboxed is None else bool(sandboxed)
         self._narrowed: int | None = None
         self._release: weakref.finalize | None = None
+        self._pending: list[Callable[[Catalog], None]] = []  # deferred writes (defer), run before any read
         if path is None or path == ":memory:":
             if self.read_only or self.sandboxed:
                 raise CatalogError(f"{'read_only' if self.read_only else 'sandboxed'} needs the path of a catalog "
@@ -96,8 +99,8 @@ class Catalog:
                                    "Give the path: Catalog(path, read_only=True).")
             shared = _memory()
             self.path = ":memory:"
-            self.con, name = shared.open()
-            self._release = weakref.finalize(self, shared.release, self.con, name)
+            self._con, name = shared.open()
+            self._release = weakref.finalize(self, shared.release, self._con, name)
             self._release.atexit = False
             self.version = VERSION
             return
@@ -106,7 +109,7 @@ class Catalog:
                                f"memory; got {type(path).__name__} {path!r}. Give a file path such as "
                                "'plans.duckdb'.")
         self.path = str(os.fspath(path))
-        self.con = connect(self.path, self.read_only, self.sandboxed)
+        self._con = connect(self.path, self.read_only, self.sandboxed)
         try:
             if self.read_only:
                 self.version = check_readable(self.con, self.path)
@@ -119,8 +122,31 @@ class Catalog:
             else:
                 self.version = prepare(self.con, self.path, _memory().schema, load_sql("schema.sql"), _views())
         except BaseException:
-            self.con.close()
+            self._con.close()
             raise
+
+    @property
+    def con(self) -> duckdb.DuckDBPyConnection:
+        """The DuckDB connection, with every deferred write (``defer``) done."""
+        while self._pending:
+            write = self._pending.pop(0)
+            collecting = gc.isenabled()
+            gc.disable()  # the writes build many small objects and no cycles (as the compiler's passes do)
+            try:
+                write(self)
+            finally:
+                if collecting:
+                    gc.enable()
+        return self._con
+
+    def defer(self, write: Callable[[Catalog], None]) -> None:
+        """Do ``write(self)`` before this catalog is next read: an in-memory catalog's rows that nobody may
+        ask for (a physical plan's tables) cost nothing until a query, ``explain`` or a close needs them; a
+        file is written now, so that the file holds them whatever happens to this process."""
+        if self.path == ":memory:":
+            self._pending.append(write)
+        else:
+            write(self)
 
     def __repr__(self) -> str:
         return f"Catalog({self.path!r}{', read_only=True' if self.read_only else ''})"
@@ -183,12 +209,12 @@ class Catalog:
         """Record a compilation that starts (status NULL until finish_compilation); returns its id."""
         self._writable("new_compilation")
         self._fields(fields)
-        (cid,), = self.con.execute("SELECT nextval('compilation_seq')").fetchall()
+        (cid,), = self._con.execute("SELECT nextval('compilation_seq')").fetchall()
         cid = int(cid)
         fields = dict(fields, compilation_id=cid, created=datetime.datetime.now())
         cols = ", ".join(fields)
         marks = ", ".join("?" for _ in fields)
-        self.con.execute(f"INSERT INTO compilations ({cols}) VALUES ({marks})", list(fields.values()))
+        self._con.execute(f"INSERT INTO compilations ({cols}) VALUES ({marks})", list(fields.values()))
         return cid
 
     def update_compilation(self, compilation_id: int, **fields: Any) -> None:
@@ -202,7 +228,7 @@ class Catalog:
         if not fields:
             return
         sets = ", ".join(f"{k} = ?" for k in fields)
-        (updated,), = self.con.execute(f"UPDATE compilations SET {sets} WHERE compilation_id = ?",
+        (updated,), = self._con.execute(f"UPDATE compilations SET {sets} WHERE compilation_id = ?",
                                        [*fields.values(), cid]).fetchall()
         if not updated:
             self._known(cid)
@@ -226,12 +252,12 @@ class Catalog:
             raise CatalogError(f"no catalog table {table!r}; the tables are {', '.join(tables)}.")
         cid = _cid(compilation_id)
         name = f"_arrow_{next(_counter)}"
-        self.con.register(name, rows)
+        self._con.register(name, rows)
         try:
             cols = ", ".join(f'"{c}"' for c in rows.column_names)  # quoted: a column may be a keyword (end)
-            self.con.execute(f"INSERT INTO {table} (compilation_id, {cols}) SELECT {cid}, {cols} FROM {name}")
+            self._con.execute(f"INSERT INTO {table} (compilation_id, {cols}) SELECT {cid}, {cols} FROM {name}")
         finally:
-            self.con.unregister(name)
+            self._con.unregister(name)
 
     # --- reading ------------------------------------------------------------------------------------
 
@@ -274,7 +300,8 @@ class Catalog:
 
     def close(self) -> None:
         """Close the connection (an in-memory catalog's database is freed); closing twice is harmless."""
+        self._pending.clear()  # an in-memory catalog's deferred rows go with its database
         if self._release is not None:
             self._release()
         else:
-            self.con.close()
+            self._con.close()

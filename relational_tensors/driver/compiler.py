@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import logging
@@ -450,24 +451,30 @@ def _pass_verify(s: CompileState) -> None:
 
 def _pass_record(s: CompileState) -> None:
     """The physical plan into the catalog: placements, exchange programs and their actions, tasks, edge
-    traffic, device memory by category, and the layouts states keep between executions."""
-    from relational_tensors.driver.visualize import kept_layouts
-    from relational_tensors.physical.record import physical_tables
-
+    traffic, device memory by category, and the layouts states keep between executions.  An in-memory
+    catalog writes them when it is first read after this compilation (``Catalog.defer``): a plan that is
+    only run never pays for tables nobody reads."""
     assert s.lowered is not None and s.plan is not None and s.live is not None
     if not s.live.at_peak and s.lowered.dag.buffers:  # a lowering re-chosen for memory: split it by category
         s.live = _liveness(s, s.lowered.dag, categories=True)
-    for table, rows in physical_tables(s.plan, s.lowered, s.live).items():
+    s.catalog.defer(functools.partial(_record, s.graph, s.plan, s.lowered, s.live, s.cid))
+
+
+def _record(graph: Graph, plan: LogicalPlan, lowered: Lowered, live: Liveness, cid: int, catalog: Catalog) -> None:
+    from relational_tensors.driver.visualize import kept_layouts
+    from relational_tensors.physical.record import physical_tables
+
+    for table, rows in physical_tables(plan, lowered, live).items():
         if rows.num_rows:
-            s.catalog.insert(table, rows, s.cid)
-    rows = kept_layouts(s.graph, s.lowered)
+            catalog.insert(table, rows, cid)
+    rows = kept_layouts(graph, lowered)
     if rows:
         cols = ("state_id", "state", "value_op", "kept", "placement", "blocks", "bytes_per_device", "bytes_total",
                 "write_bytes")
         types = {"state_id": pa.int32(), "value_op": pa.int32(), "blocks": pa.int32(), "bytes_per_device": pa.int64(),
                  "bytes_total": pa.int64(), "write_bytes": pa.int64()}
-        s.catalog.insert("state_layouts", pa.table({c: pa.array([r[c] for r in rows], types.get(c, pa.string()))
-                                                    for c in cols}), s.cid)
+        catalog.insert("state_layouts", pa.table({c: pa.array([r[c] for r in rows], types.get(c, pa.string()))
+                                                  for c in cols}), cid)
 
 
 COST_UNITS = {"paper": "elements", "bytes": "bytes", "calibrated": "seconds"}  # plan_cost's unit per model
