@@ -179,3 +179,26 @@ def test_explain_shows_the_stages_and_the_pipeline() -> None:
     rows = {r["op_name"]: r["stage"] for r in plan_rows(cg)}
     assert rows == {n.name: _pipelined(cg).stage_of[n.id] for n in g.operators}
     assert rows["embed_lookup"] == 0 and rows["lm_head_proj"] == 1
+
+
+def test_the_catalog_records_stages_micro_batches_and_the_schedule() -> None:
+    g = llama_training_graph(4, 6, 16, 2, 1, 24, 20, layers=2, optimizer="adamw")
+    cg = rt.compileGraph(g, device="cpu:4", pipeline=rt.Pipeline(2, 2, "1f1b"))
+    pp = _pipelined(cg)
+    (row,) = cg.sql(f"SELECT stages, micro_batches, pipeline_schedule FROM compilations "
+                    f"WHERE compilation_id = {cg.compilation_id}").to_pylist()
+    assert row == {"stages": 2, "micro_batches": 2, "pipeline_schedule": "1f1b"}
+    rows = cg.sql(f"SELECT op_id, function_index, device, stage, micro_batch FROM placements "
+                  f"WHERE compilation_id = {cg.compilation_id}").to_pylist()
+    assert {r["op_id"] for r in rows} == {n.id for n in g.operators}
+    for r in rows:  # each function spec on a device of its operator's stage, with its micro-batch
+        assert r["stage"] == pp.stage_of[r["op_id"]]
+        assert r["device"] in pp.group(r["op_id"])
+        assert r["micro_batch"] == pp.micro_batch(r["op_id"], r["function_index"])
+    assert {r["micro_batch"] for r in rows} == {0, 1, None}  # the weights' updates carry no batch
+    plain = rt.compileGraph(g, device="cpu:4")
+    (row,) = plain.sql(f"SELECT stages, micro_batches, pipeline_schedule FROM compilations "
+                       f"WHERE compilation_id = {plain.compilation_id}").to_pylist()
+    assert row == {"stages": 1, "micro_batches": 1, "pipeline_schedule": None}
+    assert plain.sql(f"SELECT count(*) AS n FROM placements WHERE compilation_id = {plain.compilation_id} "
+                     "AND (stage IS NOT NULL OR micro_batch IS NOT NULL)").to_pylist() == [{"n": 0}]

@@ -43,6 +43,8 @@ __all__ = ["connect", "prepare", "check_readable", "split_statements", "MIGRATIO
 #      peak_bytes (older compilations keep NULL: they were not recorded); a COMMENT ON every table and
 #      column (from sql/schema.sql, applied by every migration).
 #   6: operator_kinds.gpu_form (a new column; older rows keep NULL).
+#   7: compilations.stages, micro_batches and pipeline_schedule, placements.stage and micro_batch (older
+#      rows: NULL, as no pipeline was recorded).
 #   5: candidate_specs.layout_cost (older rows: 0, as no layout was pinned), layout constraints,
 #      compilations.memory_limit (older rows: NULL) and the table macros (sql/macros.sql).
 MIGRATIONS: dict[int, tuple[str, ...]] = {

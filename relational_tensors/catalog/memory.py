@@ -22,7 +22,7 @@ import duckdb
 
 __all__ = ["Column", "Schema", "shared", "views_sql", "VERSION", "PACKAGE", "VIEWS", "SEQUENCES", "SHOWN"]
 
-VERSION = 6  # the catalog version this package writes (see files.MIGRATIONS)
+VERSION = 7  # the catalog version this package writes (see files.MIGRATIONS)
 PACKAGE = "relational_tensors"
 VIEWS = ("plan_inputs", "plan", "specs", "op_times")  # in views.sql's order (plan reads plan_inputs)
 SEQUENCES = ("compilation_seq",)

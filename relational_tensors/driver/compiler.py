@@ -66,7 +66,14 @@ def _pass_target(s: CompileState) -> None:
                                       calibration=s.target.kernels.source, keep_states=o.keep_states,
                                       graph_fingerprint=s.graph.fingerprint(), version=__version__,
                                       cost_unit=COST_UNITS.get(o.cost_model, o.cost_model),
-                                      memory_limit=o.memory_per_device)
+                                      memory_limit=o.memory_per_device, **_pipeline_fields(o.pipeline))
+
+
+def _pipeline_fields(pipe: object) -> dict[str, object]:
+    """The compilations columns of a pipeline option (one stage, one micro-batch without one)."""
+    if isinstance(pipe, Pipeline):
+        return dict(stages=pipe.stages, micro_batches=pipe.micro_batches, pipeline_schedule=pipe.schedule)
+    return dict(stages=1, micro_batches=1, pipeline_schedule=None)
 
 
 def _stage_p(s: CompileState) -> int:

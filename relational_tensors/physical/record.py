@@ -13,6 +13,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from relational_tensors.dp_optimizer.pipeline import PipelinedPlan
 from relational_tensors.dp_optimizer.plan import LogicalPlan
 from relational_tensors.exchange.ast import ExProg, aggregate_text
 from relational_tensors.physical.lower import Lowered
@@ -61,6 +62,9 @@ def physical_tables(plan: LogicalPlan, lowered: Lowered, live: Liveness) -> dict
     place_device: list[int] = []
     place_block: list[str] = []
     place_flops: list[float] = []
+    place_stage: list[int | None] = []
+    place_micro: list[int | None] = []
+    staged = isinstance(plan, PipelinedPlan)
     for op_id, where in sorted(lowered.placement.items()):
         spec = plan.spec(op_id)
         if id(spec) not in blocks:
@@ -72,9 +76,18 @@ def physical_tables(plan: LogicalPlan, lowered: Lowered, live: Liveness) -> dict
         place_device += where
         place_block += block_texts
         place_flops += flops
+        if staged:
+            assert isinstance(plan, PipelinedPlan)
+            micro = plan.micro_of.get(op_id)
+            place_stage += [plan.stage_of[op_id]] * len(where)
+            place_micro += list(micro) if micro is not None else [None] * len(where)
+        else:
+            place_stage += [None] * len(where)
+            place_micro += [None] * len(where)
     out["placements"] = _table({"op_id": (pa.int32(), place_ops), "function_index": (pa.int32(), place_index),
                                 "device": (pa.int32(), place_device), "output_block": (pa.string(), place_block),
-                                "flops": (pa.float64(), place_flops)})
+                                "flops": (pa.float64(), place_flops), "stage": (pa.int32(), place_stage),
+                                "micro_batch": (pa.int32(), place_micro)})
 
     from relational_tensors.exchange.text import to_text
 

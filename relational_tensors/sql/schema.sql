@@ -42,7 +42,10 @@ CREATE TABLE IF NOT EXISTS compilations (
     cost_unit          VARCHAR,     -- plan_cost's unit: elements (paper) | bytes | seconds (calibrated)
     predicted_seconds  DOUBLE,      -- the simulated time of one execution on topology (NULL until simulated)
     peak_bytes         BIGINT,      -- the largest per-device peak of the plan
-    memory_limit       BIGINT       -- the memory_per_device option in bytes (NULL: planned against each device's own memory)
+    memory_limit       BIGINT,      -- the memory_per_device option in bytes (NULL: planned against each device's own memory)
+    stages             INTEGER,     -- pipeline stages: groups of consecutive devices, each running its operators (1: none)
+    micro_batches      INTEGER,     -- slices of the batch each stage runs in sequence (1: the whole batch at once)
+    pipeline_schedule  VARCHAR      -- the order of the micro-batches' forward and backward: gpipe | 1f1b (NULL: no pipeline)
 );
 
 -- the operator registry each compilation was planned with (relational_tensors.driver.registry)
@@ -205,7 +208,9 @@ CREATE TABLE IF NOT EXISTS placements (
     function_index  INTEGER,        -- the function spec's index in the operator's chosen spec
     device          INTEGER,
     output_block    VARCHAR,        -- the block of the output it computes
-    flops           DOUBLE
+    flops           DOUBLE,
+    stage           INTEGER,        -- the pipeline stage whose devices run the operator (NULL: no pipeline)
+    micro_batch     INTEGER         -- the micro-batch the function spec computes (NULL: no pipeline, or no batch index)
 );
 
 -- every exchange program: an operator's inputs (program = the operator's name), a saved output
