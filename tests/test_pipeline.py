@@ -56,6 +56,24 @@ def test_two_stages_of_four_devices_and_four_micro_batches_equal_the_reference(s
         assert set(cg.lowered.placement[n.id]) <= set(range(4 * stage, 4 * stage + 4)), n.name
 
 
+def test_a_clipped_step_in_two_stages_equals_the_reference() -> None:
+    """Clipping to a global norm: the norm gathers a scalar from every stage, and each stage's update reads
+    the coefficient back; the step equals the reference's."""
+    g = llama_training_graph(4, 6, 16, 2, 1, 24, 20, layers=2, optimizer="adamw", max_grad_norm=0.05)
+    feeds = llama_training_feeds(g, lr=1e-2)
+    cg = rt.compileGraph(g, device="cpu:4", pipeline=rt.Pipeline(2, 2, "1f1b"))
+    cg.load(feeds)
+    cg.execute()
+    want = rt.reference(g, feeds)
+    assert _rel(cg.offload("loss"), want["loss"]) <= 1e-5
+    for s in g.assignments:
+        name = g.nodes[s].name
+        assert _rel(cg.offload(name), want[f"{name}.next"]) <= 1e-4, name
+    plan = _pipelined(cg)
+    grads = [n for n in g.operators if n.id not in plan.forward and n.name.startswith("grad.l0.")]
+    assert grads and {plan.stage_of[n.id] for n in grads} == {0}  # layer 0's backward is not in the last stage
+
+
 @pytest.mark.parametrize("stages, micro", [(4, 3), (8, 1), (1, 5)])
 def test_stage_and_micro_batch_counts_that_do_not_divide_the_batch(stages: int, micro: int) -> None:
     """A batch of 5 in 3 micro-batches, one device per stage, one stage: still the reference's step."""
@@ -71,11 +89,13 @@ def test_stage_and_micro_batch_counts_that_do_not_divide_the_batch(stages: int, 
         assert _rel(cg.offload(name), want[f"{name}.next"]) <= 1e-4, name
 
 
-def test_stages_follow_the_layers_forward_backward_and_update_together() -> None:
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_stages_follow_the_layers_forward_backward_and_update_together(clip: float | None) -> None:
     """Every reader of a weight (its forward product, the product giving the input gradient, its update)
     and the steps of its update share a stage, so each weight lives in one stage; stages never decrease
-    from one layer to the next, nor along the positions."""
-    g = _graph(layers=6)
+    from one layer to the next, nor along the positions.  Clipping to a global norm (which every update
+    reads) changes none of that."""
+    g = llama_training_graph(8, 12, 32, 4, 2, 48, 40, layers=6, optimizer="adamw", max_grad_norm=clip)
     stage = assign_stages(g, 3)
     pos = positions(g)
     assert set(stage.values()) == {0, 1, 2}

@@ -127,25 +127,33 @@ def positions(graph: Graph) -> dict[int, int]:
     late: dict[int, int] = {}  # the latest weight each node depends on
     for n in graph.nodes:
         late[n.id] = weight_pos.get(n.id, max((late[i] for i in n.inputs), default=-1))
-    update: dict[int, int] = {}  # the latest weight whose new value depends on each node
+    # the latest and the earliest weight whose new value depends on each node; a scalar operator that
+    # several weights' updates read (a clipping coefficient: the norm of every gradient) passes on neither,
+    # so the gradients it scales keep their own weight's position instead of the last weight's
+    update: dict[int, int] = {}
+    first: dict[int, int] = {}
     for state, value in graph.assignments.items():
         if state in weight_pos:
             update[value] = max(update.get(value, -1), weight_pos[state])
+            first[value] = min(first.get(value, weight_pos[state]), weight_pos[state])
     for n in reversed(graph.nodes):
         at = update.get(n.id)
-        if at is not None:
-            for i in n.inputs:
-                update[i] = max(update.get(i, -1), at)
+        if at is None or (n.op is not None and n.type.volume == 1 and first[n.id] != at):
+            continue
+        for i in n.inputs:
+            update[i] = max(update.get(i, -1), at)
+            first[i] = min(first.get(i, at), first[n.id])
     out: dict[int, int] = {}
     for n in graph.operators:
-        at = update.get(n.id, late[n.id])
         read = [weight_pos[i] for i in n.inputs if i in weight_pos]
         if n.id in forward:
-            out[n.id] = min(late[n.id], at)
+            out[n.id] = min(late[n.id], update.get(n.id, late[n.id]))
         elif read:  # a backward product with a weight (its input gradient) stays with the weight
             out[n.id] = max(read)
-        else:  # the rest of the backward and the update; a moment's decay (no weight at all) with its weight
-            out[n.id] = at if late[n.id] < 0 else min(late[n.id], at)
+        elif n.id in update:  # the rest of the backward and the update; a moment's decay (no weight) with its weight
+            out[n.id] = update[n.id] if late[n.id] < 0 else min(late[n.id], update[n.id])
+        else:  # read by no update but through a global scalar (a gradient's square sum): where its inputs are
+            out[n.id] = max((out[i] for i in n.inputs if i in out), default=late[n.id])
     return out
 
 

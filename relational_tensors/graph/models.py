@@ -19,7 +19,7 @@ import numpy as np
 from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.errors import GraphError
 from relational_tensors.graph.graph import Graph, Tensor
-from relational_tensors.graph.optim import adamw, sgd
+from relational_tensors.graph.optim import adamw, clip_grad_norm, sgd
 
 __all__ = ["CausalLM", "lm_prefill_graph", "lm_decode_graph", "cache_name",
            "llama_block", "add_llama_block", "llama_feeds", "llama_training_graph", "llama_training_feeds",
@@ -229,13 +229,18 @@ def llama_block(batch: int, seq: int, d_model: int, n_heads: int, n_kv_heads: in
 def llama_training_graph(batch: int, seq: int, d_model: int, n_heads: int, n_kv_heads: int, d_ff: int,
                          vocab: int, dtype: str = "float32", seq_ends: Sequence[int] | None = None, layers: int = 1,
                          ignore_index: int | None = None, eps: float = 1e-5, rope_base: float = 500000.0,
-                         optimizer: str | None = None, master_dtype: str | None = None) -> Graph:
+                         optimizer: str | None = None, master_dtype: str | None = None,
+                         max_grad_norm: float | None = None) -> Graph:
     """A language model's training graph: token ids -> embedding -> ``layers`` LLaMA-style blocks -> final
     RMSNorm -> LM head -> cross-entropy against the next-token ``targets``, with the gradient of the loss
     with respect to every parameter.  Saves ``loss`` and ``grad.<parameter>`` for each parameter; with
     ``optimizer="adamw"`` (or ``"sgd"``) the parameters are states and the step ends with their update
     (input ``lr``) instead of saving the gradients; ``master_dtype`` keeps master weights and moments in that
-    dtype (mixed precision)."""
+    dtype (mixed precision); ``max_grad_norm`` clips the gradients to that global norm first (in the master
+    dtype), as ``torch.nn.utils.clip_grad_norm_`` does."""
+    if max_grad_norm is not None and optimizer is None:
+        raise GraphError(f"max_grad_norm clips the gradients an optimizer applies; got max_grad_norm={max_grad_norm} "
+                         "without one. Give optimizer='adamw' or 'sgd', or leave max_grad_norm out.")
     g = Graph()
     ids = g.input("ids", [batch, seq], "int64", dims=("batch", "seq"))
     targets = g.input("targets", [batch, seq], "int64", dims=("batch", "seq"))
@@ -259,6 +264,10 @@ def llama_training_graph(batch: int, seq: int, d_model: int, n_heads: int, n_kv_
             g.save(d, name=f"grad.{p.name}")
         return g
     lr = g.input("lr", [1], dtype)
+    if max_grad_norm is not None:
+        if master_dtype is not None:
+            grads = [g.cast(d, master_dtype) if d.dtype != master_dtype else d for d in grads]
+        grads = clip_grad_norm(g, grads, max_grad_norm)
     if optimizer == "adamw":
         adamw(g, params, grads, lr, master_dtype=master_dtype)
     elif optimizer == "sgd":
