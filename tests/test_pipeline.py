@@ -12,7 +12,9 @@ import pytest
 import relational_tensors as rt
 from relational_tensors.dp_optimizer.pipeline import PipelinedPlan, assign_stages, positions
 from relational_tensors.driver.visualize import plan_rows
-from relational_tensors.graph.models import llama_training_feeds, llama_training_graph
+from relational_tensors.graph.graph import Graph
+from relational_tensors.graph.models import add_llama_block, llama_training_feeds, llama_training_graph, optimizer_feeds
+from relational_tensors.graph.optim import adamw
 from relational_tensors.physical.schedule import stage_slots
 
 
@@ -72,6 +74,37 @@ def test_a_clipped_step_in_two_stages_equals_the_reference() -> None:
     plan = _pipelined(cg)
     grads = [n for n in g.operators if n.id not in plan.forward and n.name.startswith("grad.l0.")]
     assert grads and {plan.stage_of[n.id] for n in grads} == {0}  # layer 0's backward is not in the last stage
+
+
+def test_a_tied_embedding_read_in_the_first_and_the_last_stage_equals_the_reference() -> None:
+    """The LM head reads the embedding table (tied weights): the table is kept in one stage and read in
+    two; its gradient sums the lookup's and the head's parts across stages."""
+    g = Graph()
+    ids = g.input("ids", [4, 6], "int64", dims=("batch", "seq"))
+    targets = g.input("targets", [4, 6], "int64", dims=("batch", "seq"))
+    table = g.state("embed", [20, 16], "float32")
+    x = g.embedding(table, ids, name="embed_lookup")
+    for n in range(2):
+        x = add_llama_block(g, x, n_heads=2, n_kv_heads=1, d_ff=24, prefix=f"l{n}.", leaf=g.state)
+    h = g.rmsnorm(x, g.state("final_norm", [16], "float32"), 1e-5, name="final_rmsnorm")
+    logits = g.einsum("bsd,vd->bsv", h, table, name="lm_head_proj")
+    loss = g.save(g.cross_entropy(logits, targets, name="loss"), name="loss")
+    params = g.trainable()
+    adamw(g, params, g.grad(loss, params), g.input("lr", [1], "float32"))
+    rng = np.random.default_rng(0)
+    feeds: dict[str, np.ndarray] = {"ids": rng.integers(0, 20, (4, 6)), "targets": rng.integers(0, 20, (4, 6))}
+    for p in params:
+        feeds[p.name] = (rng.standard_normal(p.type.shape) * 0.3).astype(np.float32)
+    feeds = optimizer_feeds(g, feeds, 1e-2)
+    cg = rt.compileGraph(g, device="cpu:4", pipeline=rt.Pipeline(2, 2, "1f1b"))
+    plan = _pipelined(cg)
+    assert plan.stage_of[g.node("embed_lookup").id] == 0 and plan.stage_of[g.node("lm_head_proj").id] == 1
+    cg.load(feeds)
+    cg.execute()
+    want = rt.reference(g, feeds)
+    assert _rel(cg.offload("loss"), want["loss"]) <= 1e-5
+    for p in params:
+        assert _rel(cg.offload(p.name), want[f"{p.name}.next"]) <= 1e-4, p.name
 
 
 @pytest.mark.parametrize("stages, micro", [(4, 3), (8, 1), (1, 5)])
