@@ -39,7 +39,7 @@ from relational_tensors.errors import GraphError, OutOfMemoryPlanError, PlanErro
 from relational_tensors.graph.graph import Graph
 from relational_tensors.machine.target import Target
 from relational_tensors.physical.lower import Lowered, covers, lower, value_blocks
-from relational_tensors.physical.tasks import Liveness, graph_liveness
+from relational_tensors.physical.tasks import KernelPayload, Liveness, graph_liveness
 
 __all__ = ["run", "CompiledGraph", "PASSES"]
 
@@ -415,14 +415,17 @@ def _pass_verify(s: CompileState) -> None:
             (check if name in low.searched else check_structure)(prog, membership)
         except Exception as e:
             raise PlanError(f"verify after 'lower': the exchange program of {name!r} is invalid: {e}") from e
+    buffers, nodes, placement = low.dag.buffers, s.graph.nodes, low.placement
     for t in low.dag.tasks:
         if t.kind == "kernel":
-            f = t.kernel.function
-            out = low.dag.buffers[t.outputs[0]]
-            assert t.op is not None  # a kernel task serves an operator
-            node = s.graph.nodes[t.op]
-            dtype = node.type.dtype if t.kernel.final else partial_dtype(node.type.dtype)
-            if out.box != f.output or out.dtype != dtype or out.device != low.placement[t.op][t.kernel.index]:
+            k = t.payload
+            assert isinstance(k, KernelPayload) and t.op is not None  # a kernel task serves an operator
+            f = k.function
+            out = buffers[t.outputs[0]]
+            dtype = nodes[t.op].type.dtype
+            if not k.final:
+                dtype = partial_dtype(dtype)
+            if out.box != f.output or out.dtype != dtype or out.device != placement[t.op][k.index]:
                 raise PlanError(f"verify after 'lower': kernel {t.label} writes {out.box} ({out.dtype}) on device "
                                 f"{out.device}, not its function spec's block {f.output} ({dtype}).")
     for name, blocks in low.dag.outputs.items():
@@ -441,11 +444,15 @@ def _pass_verify(s: CompileState) -> None:
             written[dst.id] = written.get(dst.id, 0) + 1
     # a next value assembled in its kept block in place: the blocks the run writes of it, by kept block
     kept_blocks = low.dag.kept_state_blocks()
+    root = low.dag.view_roots()
+    kept_of = {b: r for b, r in root.items() if r in kept_blocks} | {b: b for b in kept_blocks}
     in_place: dict[int, list[Any]] = {}
     for t in low.dag.tasks:
-        if t.kind != "assign":
-            for r, b in zip(low.dag.overwrites(t, kept_blocks), t.outputs):
-                in_place.setdefault(r, []).append(low.dag.buffers[b].box)
+        if t.kind != "assign" and t.kind != "load":  # (DAG.overwrites, with the roots found once)
+            for b in t.outputs:
+                r = kept_of.get(b)
+                if r is not None:
+                    in_place.setdefault(r, []).append(buffers[b].box)
     for name in low.dag.assigned:
         kept = low.dag.inputs[name]
         if not covers([box for box, _ in kept], s.graph.node(name).type.box) or any(

@@ -26,7 +26,6 @@ Task ids are renumbered; emission order is kept.
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
 
 from relational_tensors.physical.tasks import Buffer, DecomposePayload, RecomposePayload, Task, TaskDAG
 
@@ -34,40 +33,55 @@ __all__ = ["fuse_views"]
 
 
 def fuse_views(dag: TaskDAG) -> TaskDAG:
-    """The same computation with decompose atoms and delivered pieces turned into views where allowed."""
-    readers: dict[int, list[Task]] = defaultdict(list)
+    """The same computation with decompose atoms and delivered pieces turned into views where allowed.
+    ``dag`` is consumed: its tasks are renumbered in place."""
+    tasks = dag.tasks
+    # the buffers the rewrites ask about: a decompose's atoms (their readers), a recompose's pieces and an
+    # assign's value (their readers and producers); only those are indexed (most buffers are neither)
+    asked: set[int] = set()
+    for t in tasks:
+        kind = t.kind
+        if kind == "decompose":
+            asked.update(t.outputs)
+        elif kind == "recompose" or kind == "assign":
+            asked.update(t.inputs)
+    readers: dict[int, list[Task]] = {b: [] for b in asked}
     producer: dict[int, Task] = {}
-    for t in dag.tasks:
+    for t in tasks:
         for b in t.inputs:
-            readers[b].append(t)
+            at = readers.get(b)
+            if at is not None:
+                at.append(t)
         for b in t.outputs:
-            producer.setdefault(b, t)
+            if b in asked and b not in producer:
+                producer[b] = t
     outputs = {b for blocks in dag.outputs.values() for _, b in blocks}
     buffers = dict(dag.buffers)
     drop: set[int] = set()
     replaced: dict[int, Task] = {}
 
-    # atoms as views of the block they are cut from
-    for t in dag.tasks:
-        if t.kind != "decompose" or dag.buffers[t.inputs[0]].partial == "lse":
-            continue
-        src = t.inputs[0]
-        cut = t.payload
-        assert isinstance(cut, DecomposePayload)
-        keep = [(cell, b) for cell, b in zip(cut.cells, t.outputs)
-                if b in outputs or any(r.kind == "kernel" for r in readers[b])]
-        for cell, b in zip(cut.cells, t.outputs):
-            if (cell, b) not in keep:
-                buffers[b] = _view(buffers[b], src)
-        if not keep:
-            drop.add(t.id)
-        elif len(keep) < len(t.outputs):
-            replaced[t.id] = dataclasses.replace(t, outputs=tuple(b for _, b in keep),
-                                                 payload=DecomposePayload(tuple(c for c, _ in keep)))
+    for t in tasks:
+        kind = t.kind
+        if kind == "decompose":  # atoms as views of the block they are cut from
+            src = t.inputs[0]
+            if dag.buffers[src].partial == "lse":
+                continue
+            cut = t.payload
+            assert isinstance(cut, DecomposePayload)
+            keep = []
+            for cell, b in zip(cut.cells, t.outputs):
+                if b in outputs or any(r.kind == "kernel" for r in readers[b]):
+                    keep.append((cell, b))
+                else:
+                    buffers[b] = _view(buffers[b], src)
+            if not keep:
+                drop.add(t.id)
+            elif len(keep) < len(t.outputs):
+                replaced[t.id] = dataclasses.replace(t, outputs=tuple(b for _, b in keep),
+                                                     payload=DecomposePayload(tuple(c for c, _ in keep)))
 
-    # delivered pieces as views of the block their reader assembles
-    for t in dag.tasks:
-        if t.kind != "recompose":
+    for t in tasks:
+        if t.kind != "recompose":  # delivered pieces as views of the block their reader assembles
             continue
         out = dag.buffers[t.outputs[0]]
         if out.partial is not None:
@@ -92,9 +106,8 @@ def fuse_views(dag: TaskDAG) -> TaskDAG:
                                                      pieces, cells=tuple(c for c, _, _ in left),
                                                      finalize=tuple(f for _, _, f in left)))
 
-    # a state's next value assembled in the block it is kept in
-    for t in dag.tasks:
-        if t.kind != "assign":
+    for t in tasks:
+        if t.kind != "assign":  # a state's next value assembled in the block it is kept in
             continue
         src, dst = t.inputs[0], t.outputs[0]
         made_by = producer.get(src)
@@ -105,15 +118,15 @@ def fuse_views(dag: TaskDAG) -> TaskDAG:
             buffers[src] = _view(value, dst)
             drop.add(t.id)
 
-    fused = dataclasses.replace(dag, tasks=[], buffers=buffers, phase_split=None, later=frozenset())
-    for t in dag.tasks:
+    kept_tasks: list[Task] = []
+    for t in tasks:
         if t.id in drop:
             continue
-        t = replaced.get(t.id, t)
-        n = len(fused.tasks)
-        fused.tasks.append(t if t.id == n else Task(n, t.kind, t.device, t.inputs, t.outputs, t.op, t.src_device,
-                                                     t.payload, t.label))
-    return fused
+        if t.id in replaced:
+            t = replaced[t.id]
+        t.id = len(kept_tasks)
+        kept_tasks.append(t)
+    return dataclasses.replace(dag, tasks=kept_tasks, buffers=buffers, phase_split=None, later=frozenset())
 
 
 def _hosts(t: Task, readers: list[Task], piece: Buffer) -> bool:
