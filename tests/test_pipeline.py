@@ -107,6 +107,29 @@ def test_a_tied_embedding_read_in_the_first_and_the_last_stage_equals_the_refere
         assert _rel(cg.offload(p.name), want[f"{p.name}.next"]) <= 1e-4, p.name
 
 
+def test_a_plan_over_the_memory_folds_the_micro_batches_partials_as_they_are_made() -> None:
+    """Eight micro-batches' weight gradients are eight partial blocks until the ⊕ sums them; a plan that
+    does not fit folds each into a running sum as it is made (chains of two-input ⊕s) and fits; one that
+    fits keeps the single ⊕ (a third of the bytes).  Both give the reference's step (SGD: AdamW's first step,
+    g / (|g| + eps), would magnify the float32 rounding of gradients that nearly cancel)."""
+    g = llama_training_graph(8, 4, 64, 4, 2, 256, 300, layers=2, optimizer="sgd")
+    feeds = llama_training_feeds(g, lr=1e-2)
+    want = rt.reference(g, feeds)
+    plain = rt.compileGraph(g, device="cpu:4", pipeline=rt.Pipeline(2, 8, "1f1b"))
+    limit = int(0.75 * max(plain.live.peak.values()))
+    folded = rt.compileGraph(g, device="cpu:4", pipeline=rt.Pipeline(2, 8, "1f1b"), memory_per_device=limit)
+    assert max(folded.live.peak.values()) <= limit
+    widest = [max(len(t.inputs) for t in cg.dag.tasks if t.kind == "aggregate") for cg in (plain, folded)]
+    assert widest[0] >= 8 and widest[1] == 2
+    for cg in (plain, folded):
+        cg.load(feeds)
+        cg.execute()
+        assert _rel(cg.offload("loss"), want["loss"]) <= 1e-5
+        for st in g.assignments:
+            name = g.nodes[st].name
+            assert _rel(cg.offload(name), want[f"{name}.next"]) <= 1e-4, name
+
+
 @pytest.mark.parametrize("stages, micro", [(4, 3), (8, 1), (1, 5)])
 def test_stage_and_micro_batch_counts_that_do_not_divide_the_batch(stages: int, micro: int) -> None:
     """A batch of 5 in 3 micro-batches, one device per stage, one stage: still the reference's step."""

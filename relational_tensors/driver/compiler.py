@@ -252,7 +252,8 @@ def _searched(s: CompileState, plan: LogicalPlan, naive: Lowered) -> Lowered:
 def _lower(s: CompileState, plan: LogicalPlan, synthesize: Any = None, kept: dict[int, str] | None = None) -> Lowered:
     """``plan`` lowered under the compilation's kept states (or ``kept``), pinned layouts and phases."""
     return lower(plan, "naive", synthesize, kept=s.kept if kept is None else kept,
-                 later=s.options.second_phase_inputs, layouts=s.constraints.layouts, share=repeats.enabled())
+                 later=s.options.second_phase_inputs, layouts=s.constraints.layouts, share=repeats.enabled(),
+                 fold=s.fold)
 
 
 def _pass_lower(s: CompileState) -> None:
@@ -349,7 +350,9 @@ def _keep_sharded(s: CompileState, limits: dict[int, int]) -> bool:
 
 
 def _pass_fit_memory(s: CompileState) -> None:
-    """A plan whose peak exceeds a device's memory keeps its assigned states sharded (``_keep_sharded``);
+    """A plan whose peak exceeds a device's memory folds its micro-batches' partial gradients as they are
+    made, if it is pipelined with three or more (``schedule.pipeline_order``); then keeps its assigned
+    states sharded (``_keep_sharded``);
     if that is not enough, a DP plan is re-chosen with a growing price on the graph-input bytes each
     spec keeps resident (a Lagrangian relaxation of the memory constraint), up to eight times, each
     re-chosen plan lowered (and searched) as the passes before did; if none fits, the plan is refused
@@ -364,6 +367,17 @@ def _pass_fit_memory(s: CompileState) -> None:
         return max(live.peak[d] - limits[d] for d in live.peak)
 
     best, best_dag = s.live, s.lowered.dag
+    if isinstance(s.plan, PipelinedPlan) and s.plan.pipeline.micro_batches > 2:
+        s.fold = True  # every lowering from here on folds the micro-batches' partials as they are made
+        lowered = _lower(s, s.plan)
+        if s.options.searched:
+            lowered = _searched(s, s.plan, lowered)
+        live = _liveness(s, lowered.dag)
+        s.lowered, s.live = lowered, live
+        if _fits(live, limits):
+            return
+        if excess(live) < excess(best):
+            best, best_dag = live, lowered.dag
     if s.options.keep_states == "auto" and _keep_sharded(s, limits):
         return
     if s.live.peak != best.peak and excess(s.live) < excess(best):

@@ -36,6 +36,7 @@ class CompileState:
     lowered: Lowered | None = None
     live: Liveness | None = None
     kept: dict[int, str] = field(default_factory=dict)  # assigned state -> how it is kept (default "as read")
+    fold: bool = False  # a pipelined plan's micro-batch partials folded as they are made (to fit the memory)
     constraints: Constraints = field(default_factory=Constraints)
     collect: bool = False  # the caller had Python's cyclic collector on (see run and compiler._collecting)
     searched_programs: int = 0  # schedule_mode="search": programs searched, and how many the budget stopped

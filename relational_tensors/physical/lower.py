@@ -768,7 +768,8 @@ class _Replay:
 
 def lower(plan: LogicalPlan, schedule: str = "naive", synthesize: Synthesizer | None = None,
           kept: Mapping[int, str] | None = None, later: frozenset[str] = frozenset(),
-          layouts: Mapping[int, tuple[tuple[Box, int], ...]] | None = None, share: bool = True) -> Lowered:
+          layouts: Mapping[int, tuple[tuple[Box, int], ...]] | None = None, share: bool = True,
+          fold: bool = False) -> Lowered:
     """Lower ``plan`` to one task DAG, synthesizing each exchange program with ``schedule``
     (or the given synthesizer, which returns a body and the devices of the readers' partitions).
 
@@ -776,7 +777,8 @@ def lower(plan: LogicalPlan, schedule: str = "naive", synthesize: Synthesizer | 
     ``later`` names inputs loaded only for a second phase of each execution (``split_phases``);
     ``layouts`` holds pinned inputs and states in the (block, device) copies a constraint gave them;
     ``share`` replays the tasks of operators whose lowering has the geometry of one lowered before (the
-    same DAG, made faster)."""
+    same DAG, made faster); ``fold`` folds a pipelined plan's micro-batch partials as they are made
+    (``schedule.pipeline_order``)."""
     if schedule not in SCHEDULES and synthesize is None:
         raise ExchangeError(f"unknown schedule mode {schedule!r}; choose one of {SCHEDULES}.")
     low = _Lowering(plan, synthesize or naive, kept or {}, layouts, share)
@@ -785,7 +787,7 @@ def lower(plan: LogicalPlan, schedule: str = "naive", synthesize: Synthesizer | 
     low.lower_outputs()
     dag = fuse_views(low.dag)
     if isinstance(plan, PipelinedPlan) and plan.pipeline.micro_batches * plan.pipeline.stages > 1:
-        dag = pipeline_order(dag, plan)
+        dag = pipeline_order(dag, plan, fold)
     if later:
         dag = split_phases(dag, later)
     return Lowered(dag, low.placement, low.programs, low.memberships, dict(low.kept),
