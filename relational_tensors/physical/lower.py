@@ -49,15 +49,14 @@ from relational_tensors.exchange.ast import ExProg, InAtom, Partition, Requireme
 from relational_tensors.exchange.naive import Membership, Synthesizer, naive
 from relational_tensors.graph.graph import Graph
 from relational_tensors.physical.placement import place
+from relational_tensors.physical.replay import ProgramReplay, Replay
 from relational_tensors.physical.schedule import pipeline_order
 from relational_tensors.physical.tasks import (
     AggregatePayload,
-    Buffer,
     DecomposePayload,
     KernelPayload,
     LoadPayload,
     RecomposePayload,
-    Task,
     TaskDAG,
     block_bytes,
     split_phases,
@@ -182,6 +181,7 @@ class _Lowering:
         self.step = 0  # operators lowered so far
         self.window = REUSE_WINDOW  # (negative: every block is delivered to each reader)
         self.exchange_memo: dict = {}  # an exchange's geometry -> its synthesized program (see exchange)
+        self.program_replays: dict = {}  # an exchange's geometry -> the tasks its program made (ProgramReplay)
         self.kernel_out: dict[int, list[int]] = {}   # op id -> output buffer of each function spec
         self.loaded: dict[tuple[int, Box, int], int] = {}
         self.loaded_blocks: dict[int, list[tuple[Box, int]]] = {}  # graph input -> (block, device) loaded
@@ -214,7 +214,7 @@ class _Lowering:
         self.write_bytes: dict[int, int] = {}  # state -> bytes its assignment moves between devices
         self.searched: set[str] = set()  # programs a synthesizer other than the naive one wrote
         self.share = share
-        self.replays: dict[tuple[object, ...], _Replay | None] = {}  # geometry -> the tasks of its lowering
+        self.replays: dict[tuple[object, ...], Replay | None] = {}  # geometry -> the tasks of its lowering
         self.replayed = 0
         # a saved state that is also assigned is saved as read: its kept blocks copied before the assignment
         self.saved_states = {t for t in graph.outputs.values() if t in graph.assignments}
@@ -279,7 +279,22 @@ class _Lowering:
         if synth is not naive:
             self.searched.add(name)
         self.memberships[name] = membership
-        state = self.run_program(prog, atoms, membership, op, name)
+        sources = [b for _, b, _ in (s for made in made_all for s in made)]
+        # the tasks a program makes follow from its geometry, the sources' ⊕ and partials, and whether they
+        # serve an operator: the first run of each is recorded, the others replay it with fresh buffer ids
+        key = (sig, tuple(None if t in self.held else self.plan.spec(t).aggregation.name for t in tensors),
+               tuple(buffers[b].partial for b in sources), op is None) if self.share else None
+        replay = self.program_replays.get(key) if key is not None else None
+        if replay:
+            state = replay.apply(self.dag, tensors, sources, op, name)
+        else:  # recorded when seen a second time (most geometries are seen once: recording would not pay)
+            first_task, first_buffer = len(self.dag.tasks), len(buffers)
+            state = self.run_program(prog, atoms, membership, op, name)
+            if key is not None and replay is not None:
+                self.program_replays[key] = ProgramReplay.record(self.dag, first_task, first_buffer, tensors,
+                                                                   sources, state, name)
+            elif key is not None:
+                self.program_replays[key] = False
         out: dict[tuple[object, int], list[tuple[Box, int]]] = {}
         for n, key, entries in cells:
             blocks = []
@@ -425,7 +440,7 @@ class _Lowering:
     def lower_op(self, op_id: int) -> None:
         """Place the operator's function specs, deliver their inputs and run their kernels; then write
         the states whose last reader it is.  An operator whose lowering has the geometry of one lowered
-        before (``_geometry_key``) replays that one's tasks with fresh buffer ids (``_Replay``)."""
+        before (``_geometry_key``) replays that one's tasks with fresh buffer ids (``physical.replay.Replay``)."""
         outputs = self._outputs(op_id)
         hint = self._hint(op_id, outputs)
         readable = {i: self._readable(i) for i in dict.fromkeys(self.graph.nodes[op_id].inputs)}
@@ -439,7 +454,7 @@ class _Lowering:
             buffers = len(self.dag.buffers)
             self._lower_op(op_id, hint, readable)
             if key is not None and key not in self.replays:  # (None: a lowering its key does not fix)
-                self.replays[key] = _Replay.record(self, op_id, tasks, buffers, readable)
+                self.replays[key] = Replay.record(self, op_id, tasks, buffers, readable)
         self.recent[outputs] = self.placement[op_id]
         self.step += 1
         self._note_reads(tasks)
@@ -646,124 +661,6 @@ class _Lowering:
                 pieces = delivered[((n, 0), tensor)]
                 blocks.append((box, self.recompose(box, pieces, placed[n], tensor, None)))
             self.dag.outputs[name] = blocks
-
-
-@dataclass(frozen=True, slots=True)
-class _Replay:
-    """The tasks one operator's lowering made, with the operator's own tensor and name and its buffer ids
-    left out, so that an operator of the same geometry gets the same tasks, buffers, placement and program
-    by replaying them.  A buffer is referred to by an int: n >= 0 the n-th buffer the lowering made (they
-    are made in task order, so the n-th is the first one's id + n), ~e (negative) the e-th of ``outside``:
-    ("out", t, f) function spec f's kernel output of distinct input t, or ("load", t, box, device) a block
-    of distinct input t loaded before.  Each step is a load (distinct input, box, device) or a task (kind,
-    device, input refs, output buffers as (device, box, dtype, tensor: -1 the operator or a distinct
-    input, partial), source device, payload, and whether the label is the operator's name and its text or
-    the text alone)."""
-
-    steps: tuple[tuple[Any, ...], ...]
-    outside: tuple[tuple[Any, ...], ...]
-    made: int  # buffers made
-    placement: tuple[int, ...]
-    kernel_out: tuple[int, ...]  # the new buffers the kernels wrote
-    program: tuple[ExProg, Membership, bool] | None  # the operator's exchange program, membership, searched
-
-    @staticmethod
-    def record(low: _Lowering, op_id: int, first_task: int, first_buffer: int,
-               readable: dict[int, dict[tuple[Box, int], int]]) -> _Replay | None:
-        """The lowering of ``op_id`` that made tasks ``first_task..`` and buffers ``first_buffer..``, or None
-        when a task of it reads or names something the geometry key does not fix."""
-        dag, node = low.dag, low.graph.nodes[op_id]
-        name = node.name
-        distinct = list(dict.fromkeys(node.inputs))
-        tensor_ref = {op_id: -1, **{i: t for t, i in enumerate(distinct)}}
-        outside: dict[int, tuple[Any, ...]] = {}
-        for t, i in enumerate(distinct):
-            for f, b in enumerate(low.kernel_out.get(i, ())):
-                outside[b] = ("out", t, f)
-            for box, device in low.loaded_blocks.get(i, ()):
-                b = low.loaded[(i, box, device)]
-                if b < first_buffer:
-                    outside[b] = ("load", t, box, device)
-            for (box, device), b in readable[i].items():
-                outside.setdefault(b, ("read", t, box, device))
-        used: dict[int, int] = {}  # outside buffer -> its index in ``outside``
-
-        def ref(b: int) -> int | None:
-            if b >= first_buffer:
-                return b - first_buffer
-            if b not in outside:
-                return None
-            return ~used.setdefault(b, len(used))
-
-        steps: list[tuple[Any, ...]] = []
-        made = first_buffer
-        for task in dag.tasks[first_task:]:
-            if any(b != made + n for n, b in enumerate(task.outputs)):
-                return None  # buffers are made in task order
-            made += len(task.outputs)
-            if task.kind == "load":
-                buf = dag.buffers[task.outputs[0]]
-                if buf.tensor not in tensor_ref or task.op is not None:
-                    return None
-                steps.append(("load", tensor_ref[buf.tensor], buf.box, buf.device))
-                continue
-            ins = [ref(b) for b in task.inputs]
-            if task.op != op_id or any(r is None for r in ins):
-                return None
-            outs = []
-            for b in task.outputs:
-                buf = dag.buffers[b]
-                if buf.tensor not in tensor_ref or buf.parent is not None:
-                    return None
-                outs.append((buf.device, buf.box, buf.dtype, tensor_ref[buf.tensor], buf.partial))
-            label: tuple[bool, str] = (False, task.label)
-            if task.kind in ("kernel", "copy"):  # labels that start with the operator's (or program's) name
-                if not task.label.startswith(name):
-                    return None
-                label = (True, task.label[len(name):])
-            steps.append(("task", task.kind, task.device, tuple(ins), tuple(outs), task.src_device, task.payload,
-                          label))
-        if made != len(dag.buffers) or any(b < first_buffer for b in low.kernel_out[op_id]):
-            return None
-        program = None
-        if name in low.programs:
-            program = (low.programs[name], low.memberships[name], name in low.searched)
-        order = sorted(used, key=used.__getitem__)
-        return _Replay(tuple(steps), tuple(outside[b] for b in order), made - first_buffer, low.placement[op_id],
-                       tuple(b - first_buffer for b in low.kernel_out[op_id]), program)
-
-    def apply(self, low: _Lowering, op_id: int, readable: dict[int, dict[tuple[Box, int], int]]) -> None:
-        """The recorded lowering, for ``op_id``: its tasks appended with fresh buffer ids."""
-        dag, node = low.dag, low.graph.nodes[op_id]
-        name = node.name
-        tensors = (*dict.fromkeys(node.inputs), op_id)  # index -1: the operator
-        buffers, tasks = dag.buffers, dag.tasks
-        outside = [low.kernel_out[tensors[r[1]]][r[2]] if r[0] == "out" else low.loaded[(tensors[r[1]], r[2], r[3])]
-                   if r[0] == "load" else readable[tensors[r[1]]][(r[2], r[3])] for r in self.outside]
-        base = len(buffers)
-        for step in self.steps:
-            if step[0] == "load":
-                low.load(tensors[step[1]], step[2], step[3])
-                continue
-            _, kind, device, ins, outs, src_device, payload, (named, label) = step
-            made = []
-            for b_device, box, dtype, tensor, partial in outs:
-                b = len(buffers)
-                buffers[b] = Buffer(b, b_device, box, dtype, tensors[tensor], partial)
-                made.append(b)
-            tasks.append(Task(len(tasks), kind, device, tuple(base + r if r >= 0 else outside[~r] for r in ins),
-                              tuple(made), op_id, src_device, payload, name + label if named else label))
-        if len(buffers) != base + self.made:
-            raise ExchangeError(f"replaying the lowering of {name!r} made {len(buffers) - base} buffers where its "
-                                f"recording made {self.made}: a geometry key misses something the lowering reads.")
-        low.placement[op_id] = self.placement
-        low.kernel_out[op_id] = [base + n for n in self.kernel_out]
-        if self.program is not None:
-            prog, membership, searched = self.program
-            low.programs[name] = prog
-            low.memberships[name] = membership
-            if searched:
-                low.searched.add(name)
 
 
 def lower(plan: LogicalPlan, schedule: str = "naive", synthesize: Synthesizer | None = None,
