@@ -237,19 +237,20 @@ class TaskDAG:
         Each comes after the buffer it is taken from, where that has a root too."""
         out: dict[int, int] = {}
         shares = shares or {}
-
-        def resolve(b: int) -> int:
+        source = {b: buf.parent for b, buf in self.buffers.items() if buf.parent is not None}
+        for b, s in shares.items():
+            source.setdefault(b, s)
+        for b in sorted(source):
             if b in out:
-                return out[b]
-            parent = self.buffers[b].parent
-            source = parent if parent is not None else shares.get(b)
-            if source is None:
-                return b
-            out[b] = resolve(source)
-            return out[b]
-
-        for b in sorted(set(shares) | {b for b, buf in self.buffers.items() if buf.parent is not None}):
-            resolve(b)
+                continue
+            chain = [b]  # b, what it is taken from, ..., up to a buffer with memory or one already resolved
+            up = source[b]
+            while up not in out and up in source:
+                chain.append(up)
+                up = source[up]
+            top = out.get(up, up)
+            for x in reversed(chain):  # each after the buffer it is taken from
+                out[x] = top
         return out
 
     def counts(self) -> Counter[str]:
@@ -386,7 +387,14 @@ def liveness(dag: TaskDAG, category: Callable[[int], str] | None = None,
     end = len(tasks)
     # a view of a reshape output is read through that output (an executor holds its value), so the
     # reshape output lives as long as its views too
-    through = {b: p for b in root if buffers[b].parent is not None and (p := dag.root(b)) in root}
+    through: dict[int, int] = {}
+    for b in root:
+        p = buffers[b].parent
+        if p is not None:
+            while (up := buffers[p].parent) is not None:
+                p = up
+            if p in root:
+                through[b] = p
     # task ids increase, so a buffer's last use is the last task naming it (or a view of it)
     last_use: dict[int, int] = {}
     born: dict[int, int] = {}
