@@ -419,6 +419,30 @@ def test_llama_training_step_with_adamw_on_gpu_equals_the_reference_stepped(keep
         _relative(cg.offload(g.nodes[s].name), ref[g.nodes[s].name], 1e-4, g.nodes[s].name)
 
 
+@pytest.mark.parametrize("fold", [False, True])
+def test_a_pipelined_training_step_on_four_logical_gpus_equals_the_reference(fold: bool) -> None:
+    """Two stages of two logical devices, four micro-batches under 1F1B (the gradient's seed a ``full``
+    kernel); with ``fold`` under a memory limit that folds the micro-batches' partials as they are made."""
+    g = llama_training_graph(4, 8, 32, 4, 2, 40, 37, layers=2, optimizer="sgd")
+    feeds = llama_training_feeds(g, lr=1e-2)
+    pipe = rt.Pipeline(2, 4, "1f1b")
+    cg = rt.compileGraph(g, device="cuda:0,0,0,0", pipeline=pipe)
+    if fold:
+        limit = int(0.9 * max(cg.live.peak.values()))
+        cg = rt.compileGraph(g, device="cuda:0,0,0,0", pipeline=pipe, memory_per_device=limit)
+        assert max(len(t.inputs) for t in cg.dag.tasks if t.kind == "aggregate") == 2
+    ref = dict(feeds)
+    for step in range(2):
+        cg.load(feeds if step == 0 else {"lr": feeds["lr"]})
+        cg.execute()
+        want = rt.reference(g, ref)
+        _relative(cg.offload("loss"), want["loss"], 1e-5, f"loss at step {step}")
+        for s in g.assignments:
+            ref[g.nodes[s].name] = want[f"{g.nodes[s].name}.next"]
+    for s in g.assignments:
+        _relative(cg.offload(g.nodes[s].name), ref[g.nodes[s].name], 1e-4, g.nodes[s].name)
+
+
 def test_parallelized_module_backward_and_train_step_on_gpu() -> None:
     torch = pytest.importorskip("torch")
     F = torch.nn.functional
