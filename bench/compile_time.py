@@ -16,10 +16,11 @@ gradient of every parameter; ``models.llama_training_graph``) for the same workl
 the whole training step: the same graph with the parameters as states and AdamW's update (bfloat16), for
 the workloads and for a stack of ``--layers`` blocks at 8K tokens.
 
-``--scale`` times planning as the device count and the depth grow: every combination of ``--p``,
-``--depths``, ``--schedules`` and ``--graphs`` (``block``: the forward stack at ``--tokens`` tokens;
-``train``: its training graph, forward and backward) in a subprocess of its own, so that the peak
-resident set is that case's alone.  Each case reports the cold compile (the first in the process, spec
+``--scale`` times planning as the device count and the depth grow (``--pipeline``: with a pipeline stage
+per node of eight devices and the tokens as two sequences per stage, one micro-batch each, 1F1B): every
+combination of ``--p``, ``--depths``, ``--schedules`` and ``--graphs`` (``block``: the forward stack at
+``--tokens`` tokens; ``train``: its training graph, forward and backward) in a subprocess of its own, so
+that the peak resident set is that case's alone.  Each case reports the cold compile (the first in the process, spec
 cache empty), the warm ones (``--warm`` rounds), the passes of the last, optionally a simulation of the
 plan (``--simulate``), CPU seconds (the process's, all threads) and the peak RSS; and the growth
 exponent of the compile time in p.
@@ -98,17 +99,23 @@ def machine_for(topology: str, p: int) -> str:
 def scale_case(case: dict) -> dict:
     """One case of ``--scale``, in this process: cold compile, warm compiles, optional simulation."""
     p, layers = case["p"], case["layers"]
+    stages = max(1, p // 8) if case.get("pipeline") else 1
+    # a pipeline's micro-batches are slices of the batch: the same tokens as 2 sequences per stage
+    batch = 2 * stages if stages > 1 else 1
+    seq = case["tokens"] // batch
     if case["graph"] == "train":
-        g = llama_training_graph(1, case["tokens"], dtype="bfloat16", vocab=VOCAB, layers=layers, **LLAMA3_8B)
+        g = llama_training_graph(batch, seq, dtype="bfloat16", vocab=VOCAB, layers=layers, **LLAMA3_8B)
     elif case["graph"] == "step":
-        g = llama_training_graph(1, case["tokens"], dtype="bfloat16", vocab=VOCAB, layers=layers, optimizer="adamw",
+        g = llama_training_graph(batch, seq, dtype="bfloat16", vocab=VOCAB, layers=layers, optimizer="adamw",
                                  **LLAMA3_8B)
     else:
-        g = llama_block(1, case["tokens"], dtype="float16", layers=layers, **LLAMA3_8B)
+        g = llama_block(batch, seq, dtype="float16", layers=layers, **LLAMA3_8B)
     options = dict(device=f"cpu:{p}", memory_per_device=H200_MEMORY, schedule_mode=case["schedule"],
                    topology=machine_for(case["topology"], p))
     if case["schedule"] == "search":
         options.update(search_steps=case["search_steps"])
+    if stages > 1:  # a stage per node of 8 devices, a micro-batch per sequence, 1F1B
+        options.update(pipeline=rt.Pipeline(stages, batch, "1f1b"))
     before = _rss_mib()
 
     def compile_once() -> tuple[rt.CompiledGraph, float, float]:
@@ -127,6 +134,8 @@ def scale_case(case: dict) -> dict:
     out = {**case, "ops": len(g.operators), "cold_cpu_s": cold_cpu, "cold_wall_s": cold_wall,
            "warm_cpu_s": min(warm) if warm else None, "passes": {k: round(v, 4) for k, v in cg.timings.items()},
            "rss_graph_mib": before, "rss_peak_mib": _rss_mib(), "tasks": len(cg.lowered.dag.tasks)}
+    pipe = options.get("pipeline")
+    out["stages"] = f"{pipe.stages}x{pipe.micro_batches}" if isinstance(pipe, rt.Pipeline) else "-"
     if case["simulate"]:
         c0 = time.process_time()
         sim = cg.simulate()
@@ -152,7 +161,7 @@ def _growth(rows: list[dict[str, Any]], along: str, fixed: tuple[str, ...]) -> d
 
 def scale(args: argparse.Namespace) -> None:
     cases = [dict(p=p, layers=d, schedule=sch, graph=gr, tokens=args.tokens, warm=args.warm, simulate=args.simulate,
-                  topology=args.topology, search_steps=args.search_steps)
+                  topology=args.topology, search_steps=args.search_steps, pipeline=args.pipeline)
              for gr, sch, d, p in itertools.product(args.graphs.split(","), args.schedules.split(","),
                                                     map(int, args.depths.split(",")), map(int, args.p.split(",")))]
     rows = []
@@ -165,15 +174,15 @@ def scale(args: argparse.Namespace) -> None:
         print(json.dumps(r), flush=True)
     growth = {f"in p ({k})": e for k, e in _growth(rows, "p", ("graph", "schedule", "layers")).items()}
     growth.update({f"in layers ({k})": e for k, e in _growth(rows, "layers", ("graph", "schedule", "p")).items()})
-    lines = ["| graph | layers | schedule | p | machine | ops | tasks | cold (CPU s) | warm (CPU s) | lower | liveness "
-             "| verify | record | select | simulate (CPU s) | peak RSS (MiB) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| graph | layers | schedule | p | machine | stages x micro-batches | ops | tasks | cold (CPU s) "
+             "| warm (CPU s) | lower | liveness | verify | record | select | simulate (CPU s) | peak RSS (MiB) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ps = r["passes"]
         sim = f"{r['simulate_cpu_s']:.2f}" if "simulate_cpu_s" in r else "-"
         warm = f"{r['warm_cpu_s']:.2f}" if r["warm_cpu_s"] is not None else "-"
         lines.append(f"| {r['graph']} | {r['layers']} | {r['schedule']} | {r['p']} | "
-                     f"{machine_for(r['topology'], r['p'])} | {r['ops']} | {r['tasks']} | "
+                     f"{machine_for(r['topology'], r['p'])} | {r.get('stages', '-')} | {r['ops']} | {r['tasks']} | "
                      f"{r['cold_cpu_s']:.2f} | {warm} | {ps.get('lower', 0):.2f} | {ps.get('liveness', 0):.2f} | "
                      f"{ps.get('verify', 0):.2f} | {ps.get('record', 0):.2f} | "
                      f"{ps.get('select', 0):.2f} | {sim} | {r['rss_peak_mib']:.0f} |")
@@ -204,6 +213,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--warm", type=int, default=2, help="warm compiles after the cold one")
     ap.add_argument("--simulate", action="store_true")
+    ap.add_argument("--pipeline", action="store_true", help="with --scale: a pipeline stage per node of 8 devices, "
+                    "2 micro-batches per stage (the tokens as 2 sequences per stage), 1F1B: what pipeline='auto' "
+                    "chooses for the step across nodes")
     ap.add_argument("--topology", default="hgx-h200", help="a machine name, or auto (see machine_for)")
     ap.add_argument("--search-steps", type=int, default=None)
     ap.add_argument("--out", default="bench/results/compile_scale")
