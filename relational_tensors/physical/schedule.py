@@ -16,7 +16,6 @@ stays after every task that touched the block before it.
 from __future__ import annotations
 
 import heapq
-from dataclasses import replace
 
 from relational_tensors.dp_optimizer.pipeline import PipelinedPlan
 from relational_tensors.physical.tasks import Task, TaskDAG
@@ -115,8 +114,9 @@ def pipeline_order(dag: TaskDAG, plan: PipelinedPlan, fold: bool = False) -> Tas
             r = root.get(b, b)
             d.update(writers.get(r, ()))
             touched.setdefault(r, []).append(t.id)
-        for r in dag.overwrites(t, kept, root):
-            d.update(touched.get(r, ()))
+        if kept and t.kind != "load":
+            for r in dag.overwrites(t, kept, root):
+                d.update(touched.get(r, ()))
         for b in t.outputs:
             r = root.get(b, b)
             writers.setdefault(r, []).append(t.id)
@@ -141,5 +141,8 @@ def pipeline_order(dag: TaskDAG, plan: PipelinedPlan, fold: bool = False) -> Tas
             if not waiting[u]:
                 heapq.heappush(ready, (rank[u], u))
     assert len(order) == n, "the task dependencies have a cycle"
-    dag.tasks = [replace(tasks[i], id=k) for k, i in enumerate(order)]
+    out = [tasks[i] for i in order]
+    for k, t in enumerate(out):  # renumbered in place: the lowering hands its DAG over
+        t.id = k
+    dag.tasks = out
     return dag
