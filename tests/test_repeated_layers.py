@@ -223,3 +223,16 @@ def test_searched_exchange_programs() -> None:
     cg = assert_same_without_sharing(stack(4), device="cpu:4", memory_per_device=MEMORY, schedule_mode="search",
                                      search_steps=20)
     assert cg.lowered.replayed > 0 and cg.lowered.searched
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_stages_replay_the_layers_of_earlier_stages(schedule: str) -> None:
+    """A layer in a later pipeline stage replays the lowering of the same layer in an earlier one on its own
+    stage's devices (recorded relative to the stage's first device): the plan is the one planned without
+    sharing, task for task, and most layers are replayed."""
+    g = llama_training_graph(8, 16, vocab=300, layers=8, optimizer="adamw", **SMALL)
+    cg = assert_same_without_sharing(g, device="cpu:8", memory_per_device=MEMORY,
+                                     pipeline=rt.Pipeline(4, 8, schedule))
+    later = [n for n in g.operators if n.name.startswith(("l5.", "l6.", "grad.l5.", "grad.l6."))]
+    assert {cg.plan.stage_of[n.id] for n in later} == {2, 3}  # type: ignore[attr-defined]
+    assert cg.lowered.replayed >= len(g.operators) // 2

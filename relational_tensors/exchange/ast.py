@@ -74,6 +74,20 @@ class ExProg:
     def partition(self, name: str) -> Partition | None:
         return next((p for p in self.partitions if p.name == name), None)
 
+    def moved(self, shift: int) -> ExProg:
+        """The same program with every site ``shift`` sites on (partitions keep their names): the program of
+        the same exchange among other devices, as a later pipeline stage has."""
+        def site(s: int | str) -> int | str:
+            return s + shift if isinstance(s, int) else s
+
+        return ExProg(self.gpus,
+                      tuple(Partition(p.name, p.size, None if p.members is None else
+                                      tuple(m + shift for m in p.members)) for p in self.partitions),
+                      tuple(InAtom(a.atom, a.site + shift, a.size) for a in self.inputs),
+                      tuple(Requirement(r.aggregate, tuple(site(t) for t in r.targets)) for r in self.outputs),
+                      frozenset(Action(a.aggregate, site(a.source), tuple(site(d) for d in a.dests))
+                                for a in self.body))
+
     def atom_sizes(self) -> dict[str, int]:
         """Size of each atom (an atom listed at several sites has one size)."""
         return {a.atom: a.size for a in self.inputs}

@@ -448,13 +448,13 @@ class _Lowering:
         replay = self.replays.get(key) if key is not None else None
         tasks = len(self.dag.tasks)
         if replay is not None:
-            replay.apply(self, op_id, readable)
+            replay.apply(self, op_id, readable, self._shift(op_id))
             self.replayed += 1
         else:
             buffers = len(self.dag.buffers)
             self._lower_op(op_id, hint, readable)
             if key is not None and key not in self.replays:  # (None: a lowering its key does not fix)
-                self.replays[key] = Replay.record(self, op_id, tasks, buffers, readable)
+                self.replays[key] = Replay.record(self, op_id, tasks, buffers, readable, self._shift(op_id))
         self.recent[outputs] = self.placement[op_id]
         self.step += 1
         self._note_reads(tasks)
@@ -513,19 +513,25 @@ class _Lowering:
         producer's spec and placement, a held tensor's blocks, or the blocks of a graph input already
         loaded (and its dtype).  Specs are compared by identity: equal operators share them."""
         node = self.graph.nodes[op_id]
-        parts: list[object] = [("hint", hint)]
+        at = self._shift(op_id)  # devices relative to the stage's first: a layer replays across stages
+        parts: list[object] = [("hint", None if hint is None else tuple(d - at for d in hint))]
         if isinstance(self.plan, PipelinedPlan):
-            parts.append(("stage", self.plan.group(op_id)))
+            parts.append(("stage", len(self.plan.group(op_id))))
         for i in dict.fromkeys(node.inputs):
-            parts.append(("read", tuple((box.lower, box.upper, d) for box, d in readable[i])))
+            parts.append(("read", tuple((box.lower, box.upper, d - at) for box, d in readable[i])))
             n = self.graph.nodes[i]
             if i in self.held:
-                parts.append(("held", self.held[i]))
+                parts.append(("held", tuple((box, d - at) for box, d in self.held[i])))
             elif n.op is None:
-                parts.append(("input", n.type.dtype, tuple(self.loaded_blocks.get(i, ()))))
+                parts.append(("input", n.type.dtype, tuple((box, d - at) for box, d in self.loaded_blocks.get(i, ()))))
             else:
-                parts.append(("op", id(self.plan.spec(i)), self.placement[i]))
+                parts.append(("op", id(self.plan.spec(i)), tuple(d - at for d in self.placement[i])))
         return id(self.plan.spec(op_id)), tuple(node.inputs.index(i) for i in node.inputs), tuple(parts)
+
+    def _shift(self, op_id: int) -> int:
+        """The first device of the operator's pipeline stage (0 without stages): replays are recorded and
+        keyed relative to it."""
+        return self.plan.group(op_id)[0] if isinstance(self.plan, PipelinedPlan) else 0
 
     def _place(self, op_id: int, held: dict[int, tuple[tuple[Box, int], ...]],
                hint: tuple[int, ...] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:

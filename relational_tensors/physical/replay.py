@@ -10,7 +10,7 @@ which no operator's replay covers.  Both make exactly the tasks a fresh lowering
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from relational_tensors.core.types import Box
@@ -125,12 +125,17 @@ class Replay:
     placement: tuple[int, ...]
     kernel_out: tuple[int, ...]  # the new buffers the kernels wrote
     program: tuple[ExProg, Membership, bool] | None  # the operator's exchange program, membership, searched
+    recorded_at: int = 0  # the shift the program (which names devices) was recorded at
+    # shift -> the program and membership there (one object per stage: checked and laid out once)
+    shifted: dict[int, tuple[ExProg, Membership]] = field(default_factory=dict, compare=False)
 
     @staticmethod
     def record(low: LoweringState, op_id: int, first_task: int, first_buffer: int,
-               readable: dict[int, dict[tuple[Box, int], int]]) -> Replay | None:
+               readable: dict[int, dict[tuple[Box, int], int]], shift: int = 0) -> Replay | None:
         """The lowering of ``op_id`` that made tasks ``first_task..`` and buffers ``first_buffer..``, or None
-        when a task of it reads or names something the geometry key does not fix."""
+        when a task of it reads or names something the geometry key does not fix.  Devices are recorded
+        less ``shift`` (the first device of a pipeline stage's group), so that the same layer in another stage
+        replays it on its own devices."""
         dag, node = low.dag, low.graph.nodes[op_id]
         name = node.name
         distinct = list(dict.fromkeys(node.inputs))
@@ -142,9 +147,9 @@ class Replay:
             for box, device in low.loaded_blocks.get(i, ()):
                 b = low.loaded[(i, box, device)]
                 if b < first_buffer:
-                    outside[b] = ("load", t, box, device)
+                    outside[b] = ("load", t, box, device - shift)
             for (box, device), b in readable[i].items():
-                outside.setdefault(b, ("read", t, box, device))
+                outside.setdefault(b, ("read", t, box, device - shift))
         used: dict[int, int] = {}  # outside buffer -> its index in ``outside``
 
         def ref(b: int) -> int | None:
@@ -164,7 +169,7 @@ class Replay:
                 buf = dag.buffers[task.outputs[0]]
                 if buf.tensor not in tensor_ref or task.op is not None:
                     return None
-                steps.append(("load", tensor_ref[buf.tensor], buf.box, buf.device))
+                steps.append(("load", tensor_ref[buf.tensor], buf.box, buf.device - shift))
                 continue
             ins = [ref(b) for b in task.inputs]
             if task.op != op_id or any(r is None for r in ins):
@@ -174,13 +179,19 @@ class Replay:
                 buf = dag.buffers[b]
                 if buf.tensor not in tensor_ref or buf.parent is not None:
                     return None
-                outs.append((buf.device, buf.box, buf.dtype, tensor_ref[buf.tensor], buf.partial))
+                outs.append((buf.device - shift, buf.box, buf.dtype, tensor_ref[buf.tensor], buf.partial))
             label: tuple[bool, str] = (False, task.label)
             if task.kind in ("kernel", "copy"):  # labels that start with the operator's (or program's) name
                 if not task.label.startswith(name):
                     return None
                 label = (True, task.label[len(name):])
-            steps.append(("task", task.kind, task.device, tuple(ins), tuple(outs), task.src_device, task.payload,
+            if task.kind == "copy":  # ... and end with the devices (" 3->5"), written afresh on a replay
+                ends = f" {task.src_device}->{task.device}"
+                if not task.label.endswith(ends):
+                    return None
+                label = (True, task.label[len(name):-len(ends)])
+            src = None if task.src_device is None else task.src_device - shift
+            steps.append(("task", task.kind, task.device - shift, tuple(ins), tuple(outs), src, task.payload,
                           label))
         if made != len(dag.buffers) or any(b < first_buffer for b in low.kernel_out[op_id]):
             return None
@@ -188,37 +199,51 @@ class Replay:
         if name in low.programs:
             program = (low.programs[name], low.memberships[name], name in low.searched)
         order = sorted(used, key=used.__getitem__)
-        return Replay(tuple(steps), tuple(outside[b] for b in order), made - first_buffer, low.placement[op_id],
-                       tuple(b - first_buffer for b in low.kernel_out[op_id]), program)
+        return Replay(tuple(steps), tuple(outside[b] for b in order), made - first_buffer,
+                      tuple(d - shift for d in low.placement[op_id]),
+                      tuple(b - first_buffer for b in low.kernel_out[op_id]), program, shift)
 
-    def apply(self, low: LoweringState, op_id: int, readable: dict[int, dict[tuple[Box, int], int]]) -> None:
-        """The recorded lowering, for ``op_id``: its tasks appended with fresh buffer ids."""
+    def apply(self, low: LoweringState, op_id: int, readable: dict[int, dict[tuple[Box, int], int]],
+              shift: int = 0) -> None:
+        """The recorded lowering, for ``op_id``: its tasks appended with fresh buffer ids, on the recorded
+        devices plus ``shift``."""
         dag, node = low.dag, low.graph.nodes[op_id]
         name = node.name
         tensors = (*dict.fromkeys(node.inputs), op_id)  # index -1: the operator
         buffers, tasks = dag.buffers, dag.tasks
-        outside = [low.kernel_out[tensors[r[1]]][r[2]] if r[0] == "out" else low.loaded[(tensors[r[1]], r[2], r[3])]
-                   if r[0] == "load" else readable[tensors[r[1]]][(r[2], r[3])] for r in self.outside]
+        outside = [low.kernel_out[tensors[r[1]]][r[2]] if r[0] == "out" else
+                   low.loaded[(tensors[r[1]], r[2], r[3] + shift)] if r[0] == "load" else
+                   readable[tensors[r[1]]][(r[2], r[3] + shift)] for r in self.outside]
         base = len(buffers)
         for step in self.steps:
             if step[0] == "load":
-                low.load(tensors[step[1]], step[2], step[3])
+                low.load(tensors[step[1]], step[2], step[3] + shift)
                 continue
             _, kind, device, ins, outs, src_device, payload, (named, label) = step
             made = []
             for b_device, box, dtype, tensor, partial in outs:
                 b = len(buffers)
-                buffers[b] = Buffer(b, b_device, box, dtype, tensors[tensor], partial)
+                buffers[b] = Buffer(b, b_device + shift, box, dtype, tensors[tensor], partial)
                 made.append(b)
-            tasks.append(Task(len(tasks), kind, device, tuple(base + r if r >= 0 else outside[~r] for r in ins),
+            if src_device is not None:
+                src_device += shift
+            if kind == "copy":
+                label = f"{label} {src_device}->{device + shift}"
+            tasks.append(Task(len(tasks), kind, device + shift, tuple(base + r if r >= 0 else outside[~r] for r in ins),
                               tuple(made), op_id, src_device, payload, name + label if named else label))
         if len(buffers) != base + self.made:
             raise ExchangeError(f"replaying the lowering of {name!r} made {len(buffers) - base} buffers where its "
                                 f"recording made {self.made}: a geometry key misses something the lowering reads.")
-        low.placement[op_id] = self.placement
+        low.placement[op_id] = tuple(d + shift for d in self.placement) if shift else self.placement
         low.kernel_out[op_id] = [base + n for n in self.kernel_out]
         if self.program is not None:
             prog, membership, searched = self.program
+            move = shift - self.recorded_at
+            if move:
+                if shift not in self.shifted:
+                    self.shifted[shift] = (prog.moved(move),
+                                           {k: tuple(d + move for d in v) for k, v in membership.items()})
+                prog, membership = self.shifted[shift]
             low.programs[name] = prog
             low.memberships[name] = membership
             if searched:
