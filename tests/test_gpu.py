@@ -439,8 +439,11 @@ def test_a_pipelined_training_step_on_four_logical_gpus_equals_the_reference(fol
         _relative(cg.offload("loss"), want["loss"], 1e-5, f"loss at step {step}")
         for s in g.assignments:
             ref[g.nodes[s].name] = want[f"{g.nodes[s].name}.next"]
+    # float32 kernels reduce in other orders than NumPy (blocked GEMMs, attention tiles), and each weight's
+    # gradient is a sum of four micro-batches' partials: after two steps the states agree to about 1e-4 of
+    # their largest value (one SGD momentum buffer measured 1.09e-4 on an H100)
     for s in g.assignments:
-        _relative(cg.offload(g.nodes[s].name), ref[g.nodes[s].name], 1e-4, g.nodes[s].name)
+        _relative(cg.offload(g.nodes[s].name), ref[g.nodes[s].name], 3e-4, g.nodes[s].name)
 
 
 def test_parallelized_module_backward_and_train_step_on_gpu() -> None:
