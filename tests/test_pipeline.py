@@ -29,6 +29,17 @@ def _pipelined(cg: rt.CompiledGraph) -> PipelinedPlan:
     return plan
 
 
+def _one_step_equals_the_reference(cg: rt.CompiledGraph, g: rt.Graph, feeds: dict[str, np.ndarray]) -> None:
+    """One execution from ``feeds``: the loss and every state's next value equal the reference's."""
+    cg.load(feeds)
+    cg.execute()
+    want = rt.reference(g, feeds)
+    assert _rel(cg.offload("loss"), want["loss"]) <= 1e-5
+    for s in g.assignments:
+        name = g.nodes[s].name
+        assert _rel(cg.offload(name), want[f"{name}.next"]) <= 1e-4, name
+
+
 def _graph(layers: int = 4, batch: int = 8) -> rt.Graph:
     return llama_training_graph(batch, 12, 32, 4, 2, 48, 40, layers=layers, optimizer="adamw")
 
@@ -64,13 +75,7 @@ def test_a_clipped_step_in_two_stages_equals_the_reference() -> None:
     g = llama_training_graph(4, 6, 16, 2, 1, 24, 20, layers=2, optimizer="adamw", max_grad_norm=0.05)
     feeds = llama_training_feeds(g, lr=1e-2)
     cg = rt.compileGraph(g, device="cpu:4", pipeline=rt.Pipeline(2, 2, "1f1b"))
-    cg.load(feeds)
-    cg.execute()
-    want = rt.reference(g, feeds)
-    assert _rel(cg.offload("loss"), want["loss"]) <= 1e-5
-    for s in g.assignments:
-        name = g.nodes[s].name
-        assert _rel(cg.offload(name), want[f"{name}.next"]) <= 1e-4, name
+    _one_step_equals_the_reference(cg, g, feeds)
     plan = _pipelined(cg)
     grads = [n for n in g.operators if n.id not in plan.forward and n.name.startswith("grad.l0.")]
     assert grads and {plan.stage_of[n.id] for n in grads} == {0}  # layer 0's backward is not in the last stage
@@ -136,13 +141,7 @@ def test_stage_and_micro_batch_counts_that_do_not_divide_the_batch(stages: int, 
     g = llama_training_graph(5, 6, 16, 2, 1, 24, 20, layers=4, optimizer="adamw")
     feeds = llama_training_feeds(g, lr=1e-2)
     cg = rt.compileGraph(g, device="cpu:8", pipeline=rt.Pipeline(stages, micro))
-    cg.load(feeds)
-    cg.execute()
-    want = rt.reference(g, feeds)
-    assert _rel(cg.offload("loss"), want["loss"]) <= 1e-5
-    for s in g.assignments:
-        name = g.nodes[s].name
-        assert _rel(cg.offload(name), want[f"{name}.next"]) <= 1e-4, name
+    _one_step_equals_the_reference(cg, g, feeds)
 
 
 @pytest.mark.parametrize("clip", [None, 1.0])

@@ -23,6 +23,18 @@ from relational_tensors.physical.tasks import Buffer, Task, TaskDAG
 __all__ = ["LoweringState", "ProgramReplay", "Replay"]
 
 
+def _made(dag: TaskDAG, task: Task, tensor_ref: dict[int, int], shift: int = 0) -> list[tuple[Any, ...]] | None:
+    """The buffers ``task`` makes as (device less ``shift``, box, dtype, tensor ref, partial), or None when
+    one is a view or a block of a tensor the recording does not name."""
+    outs = []
+    for b in task.outputs:
+        buf = dag.buffers[b]
+        if buf.tensor not in tensor_ref or buf.parent is not None:
+            return None
+        outs.append((buf.device - shift, buf.box, buf.dtype, tensor_ref[buf.tensor], buf.partial))
+    return outs
+
+
 class LoweringState(Protocol):
     """What a replay reads and writes of a lowering in progress (``physical.lower``)."""
 
@@ -73,12 +85,9 @@ class ProgramReplay:
             ins = [ref(b) for b in task.inputs]
             if any(r is None for r in ins):
                 return None
-            outs = []
-            for b in task.outputs:
-                buf = dag.buffers[b]
-                if buf.tensor not in tensor_ref or buf.parent is not None:
-                    return None
-                outs.append((buf.device, buf.box, buf.dtype, tensor_ref[buf.tensor], buf.partial))
+            outs = _made(dag, task, tensor_ref)
+            if outs is None:
+                return None
             named = task.label.startswith(name + ":")
             steps.append((task.kind, task.device, tuple(ins), tuple(outs), task.src_device, task.payload,
                           (named, task.label[len(name):] if named else task.label)))
@@ -174,12 +183,9 @@ class Replay:
             ins = [ref(b) for b in task.inputs]
             if task.op != op_id or any(r is None for r in ins):
                 return None
-            outs = []
-            for b in task.outputs:
-                buf = dag.buffers[b]
-                if buf.tensor not in tensor_ref or buf.parent is not None:
-                    return None
-                outs.append((buf.device - shift, buf.box, buf.dtype, tensor_ref[buf.tensor], buf.partial))
+            outs = _made(dag, task, tensor_ref, shift)
+            if outs is None:
+                return None
             label: tuple[bool, str] = (False, task.label)
             if task.kind in ("kernel", "copy"):  # labels that start with the operator's (or program's) name
                 if not task.label.startswith(name):
