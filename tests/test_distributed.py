@@ -76,6 +76,19 @@ def test_every_rank_computes_what_the_reference_computes(tmp_path: Path, world: 
 
 
 @pytest.mark.slow
+def test_a_pipelined_step_over_four_ranks_equals_one_process(tmp_path: Path) -> None:
+    """device="dist" with pipeline stages: four gloo ranks, two stages of two, two micro-batches under
+    1F1B; every rank's states after two steps equal those of the same plan on cpu:4 in one process."""
+    out = tmp_path / "res.json"
+    r = torchrun(4, out, "--only", "pipeline")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for rank in range(4):
+        res = json.loads(Path(f"{out}.{rank}").read_text())
+        assert res["p"] == 4 and res["stages"] == 2, res
+        assert res["err"] <= 1e-6, (rank, res)
+
+
+@pytest.mark.slow
 def test_the_run_command_under_torchrun(tmp_path: Path) -> None:
     model = tmp_path / "mlp.py"
     model.write_text("import relational_tensors as rt\n\n\ndef build():\n    g = rt.Graph()\n"

@@ -78,6 +78,24 @@ def step() -> dict:
     return {"err": max(errs), "loss": float(np.asarray(cg.offload("loss")).reshape(-1)[0])}
 
 
+def pipeline() -> dict:
+    """A pipelined step (2 stages of 2 ranks, 2 micro-batches, 1F1B): each rank runs its stage's tasks; two
+    steps equal one process's on cpu:4."""
+    g = llama_training_graph(4, 8, 32, 4, 2, 48, 64, layers=2, optimizer="adamw")
+    feeds = llama_training_feeds(g)
+    pipe = rt.Pipeline(2, 2, "1f1b")
+    cg = rt.compileGraph(g, device="dist", pipeline=pipe)
+    local = rt.compileGraph(g, device="cpu:4", pipeline=pipe)
+    for c in (cg, local):
+        c.load(feeds)
+        for _ in range(2):
+            c.execute()
+    states = [n.name for n in g.inputs if n.role == "state"]
+    errs = [float(np.abs(cg.offload(s) - local.offload(s)).max() / (np.abs(local.offload(s)).max() + 1e-30))
+            for s in states]
+    return {"err": max(errs), "p": cg.p, "stages": cg.plan.pipeline.stages}  # type: ignore[attr-defined]
+
+
 def mismatch() -> dict:
     """A rank holding another graph: every rank refuses before anything runs."""
     import torch.distributed as dist
@@ -229,7 +247,7 @@ def early() -> dict:
     return {"error": None}
 
 
-SOLO = {"killed": killed, "stalled": stalled, "checkpoint": checkpoint, "early": early}
+SOLO = {"killed": killed, "stalled": stalled, "checkpoint": checkpoint, "early": early, "pipeline": pipeline}
 
 
 def _gpu_ranks(transport: str) -> dict:
