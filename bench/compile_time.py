@@ -49,7 +49,7 @@ from common import WORKLOADS, header, header_markdown  # the paper's five token 
 
 import relational_tensors as rt
 from relational_tensors.dp_optimizer.candidates import specs_for
-from relational_tensors.graph.models import LLAMA3_8B, llama_block, llama_training_graph
+from relational_tensors.graph.models import LLAMA3_8B, LLAMA3_70B, llama_block, llama_training_graph
 from relational_tensors.machine.machines import TOPOLOGIES
 
 VOCAB = 128256  # LLaMA 3's
@@ -103,13 +103,13 @@ def scale_case(case: dict) -> dict:
     # a pipeline's micro-batches are slices of the batch: the same tokens as 2 sequences per stage
     batch = 2 * stages if stages > 1 else 1
     seq = case["tokens"] // batch
+    shape = LLAMA3_70B if case.get("shape") == "70b" else LLAMA3_8B
     if case["graph"] == "train":
-        g = llama_training_graph(batch, seq, dtype="bfloat16", vocab=VOCAB, layers=layers, **LLAMA3_8B)
+        g = llama_training_graph(batch, seq, dtype="bfloat16", vocab=VOCAB, layers=layers, **shape)
     elif case["graph"] == "step":
-        g = llama_training_graph(batch, seq, dtype="bfloat16", vocab=VOCAB, layers=layers, optimizer="adamw",
-                                 **LLAMA3_8B)
+        g = llama_training_graph(batch, seq, dtype="bfloat16", vocab=VOCAB, layers=layers, optimizer="adamw", **shape)
     else:
-        g = llama_block(batch, seq, dtype="float16", layers=layers, **LLAMA3_8B)
+        g = llama_block(batch, seq, dtype="float16", layers=layers, **shape)
     options = dict(device=f"cpu:{p}", memory_per_device=H200_MEMORY, schedule_mode=case["schedule"],
                    topology=machine_for(case["topology"], p))
     if case["schedule"] == "search":
@@ -161,7 +161,7 @@ def _growth(rows: list[dict[str, Any]], along: str, fixed: tuple[str, ...]) -> d
 
 def scale(args: argparse.Namespace) -> None:
     cases = [dict(p=p, layers=d, schedule=sch, graph=gr, tokens=args.tokens, warm=args.warm, simulate=args.simulate,
-                  topology=args.topology, search_steps=args.search_steps, pipeline=args.pipeline)
+                  topology=args.topology, search_steps=args.search_steps, pipeline=args.pipeline, shape=args.shape)
              for gr, sch, d, p in itertools.product(args.graphs.split(","), args.schedules.split(","),
                                                     map(int, args.depths.split(",")), map(int, args.p.split(",")))]
     rows = []
@@ -174,14 +174,14 @@ def scale(args: argparse.Namespace) -> None:
         print(json.dumps(r), flush=True)
     growth = {f"in p ({k})": e for k, e in _growth(rows, "p", ("graph", "schedule", "layers")).items()}
     growth.update({f"in layers ({k})": e for k, e in _growth(rows, "layers", ("graph", "schedule", "p")).items()})
-    lines = ["| graph | layers | schedule | p | machine | stages x micro-batches | ops | tasks | cold (CPU s) "
+    lines = ["| graph | shape | layers | schedule | p | machine | stages x micro-batches | ops | tasks | cold (CPU s) "
              "| warm (CPU s) | lower | liveness | verify | record | select | simulate (CPU s) | peak RSS (MiB) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ps = r["passes"]
         sim = f"{r['simulate_cpu_s']:.2f}" if "simulate_cpu_s" in r else "-"
         warm = f"{r['warm_cpu_s']:.2f}" if r["warm_cpu_s"] is not None else "-"
-        lines.append(f"| {r['graph']} | {r['layers']} | {r['schedule']} | {r['p']} | "
+        lines.append(f"| {r['graph']} | {r.get('shape', '8b')} | {r['layers']} | {r['schedule']} | {r['p']} | "
                      f"{machine_for(r['topology'], r['p'])} | {r.get('stages', '-')} | {r['ops']} | {r['tasks']} | "
                      f"{r['cold_cpu_s']:.2f} | {warm} | {ps.get('lower', 0):.2f} | {ps.get('liveness', 0):.2f} | "
                      f"{ps.get('verify', 0):.2f} | {ps.get('record', 0):.2f} | "
@@ -213,6 +213,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--warm", type=int, default=2, help="warm compiles after the cold one")
     ap.add_argument("--simulate", action="store_true")
+    ap.add_argument("--shape", default="8b", choices=("8b", "70b"), help="with --scale: LLaMA-3-8B- or 70B-shaped "
+                    "layers (d_model 8192, 64/8 heads, FFN 28672)")
     ap.add_argument("--pipeline", action="store_true", help="with --scale: a pipeline stage per node of 8 devices, "
                     "2 micro-batches per stage (the tokens as 2 sequences per stage), 1F1B: what pipeline='auto' "
                     "chooses for the step across nodes")

@@ -23,11 +23,12 @@ from relational_tensors.graph.optim import adamw, clip_grad_norm, sgd
 
 __all__ = ["CausalLM", "lm_prefill_graph", "lm_decode_graph", "cache_name",
            "llama_block", "add_llama_block", "llama_feeds", "llama_training_graph", "llama_training_feeds",
-           "optimizer_feeds", "standard_normal", "LLAMA3_8B", "matrix_chain",
+           "optimizer_feeds", "standard_normal", "LLAMA3_8B", "LLAMA3_70B", "matrix_chain",
            "chain_dims", "chain_feeds", "CHAINS"]
 
 # the paper's LLaMA-3-8B-shaped block
 LLAMA3_8B: dict[str, Any] = dict(d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336)
+LLAMA3_70B: dict[str, Any] = dict(d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672)  # and 80 layers
 
 
 def add_llama_block(g: Graph, x: Tensor, *, n_heads: int, n_kv_heads: int, d_ff: int, prefix: str = "",
