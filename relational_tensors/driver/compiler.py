@@ -256,6 +256,14 @@ def _lower(s: CompileState, plan: LogicalPlan, synthesize: Any = None, kept: dic
                  fold=s.fold)
 
 
+def _relowered(s: CompileState, plan: LogicalPlan) -> tuple[Lowered, Liveness]:
+    """``plan`` lowered again (and searched, as the passes before did), with its liveness."""
+    lowered = _lower(s, plan)
+    if s.options.searched:
+        lowered = _searched(s, plan, lowered)
+    return lowered, _liveness(s, lowered.dag)
+
+
 def _pass_lower(s: CompileState) -> None:
     assert s.plan is not None
     if s.options.keep_states != "auto":
@@ -369,10 +377,7 @@ def _pass_fit_memory(s: CompileState) -> None:
     best, best_dag = s.live, s.lowered.dag
     if isinstance(s.plan, PipelinedPlan) and s.plan.pipeline.micro_batches > 2:
         s.fold = True  # every lowering from here on folds the micro-batches' partials as they are made
-        lowered = _lower(s, s.plan)
-        if s.options.searched:
-            lowered = _searched(s, s.plan, lowered)
-        live = _liveness(s, lowered.dag)
+        lowered, live = _relowered(s, s.plan)
         s.lowered, s.live = lowered, live
         if _fits(live, limits):
             return
@@ -387,10 +392,7 @@ def _pass_fit_memory(s: CompileState) -> None:
         price = max(s.plan.cost, 1.0) / resident
         for _ in range(8):
             choice, plan = _choose(s, memory_price=price)
-            lowered = _lower(s, plan)
-            if s.options.searched:
-                lowered = _searched(s, plan, lowered)
-            live = _liveness(s, lowered.dag)
+            lowered, live = _relowered(s, plan)
             if _fits(live, limits):
                 s.choice, s.plan, s.lowered, s.live = choice, plan, lowered, live
                 return
@@ -459,14 +461,11 @@ def _pass_verify(s: CompileState) -> None:
     # a next value assembled in its kept block in place: the blocks the run writes of it, by kept block
     kept_blocks = low.dag.kept_state_blocks()
     root = low.dag.view_roots()
-    kept_of = {b: r for b, r in root.items() if r in kept_blocks} | {b: b for b in kept_blocks}
     in_place: dict[int, list[Any]] = {}
     for t in low.dag.tasks:
-        if t.kind != "assign" and t.kind != "load":  # (DAG.overwrites, with the roots found once)
-            for b in t.outputs:
-                r = kept_of.get(b)
-                if r is not None:
-                    in_place.setdefault(r, []).append(buffers[b].box)
+        if t.kind != "assign":
+            for r, b in low.dag.kept_writes(t, kept_blocks, root):
+                in_place.setdefault(r, []).append(buffers[b].box)
     for name in low.dag.assigned:
         kept = low.dag.inputs[name]
         if not covers([box for box, _ in kept], s.graph.node(name).type.box) or any(

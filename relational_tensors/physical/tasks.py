@@ -200,9 +200,14 @@ class TaskDAG:
 
     def overwrites(self, t: Task, kept: set[int], root: Mapping[int, int] | None = None) -> list[int]:
         """The kept state blocks (``kept_state_blocks``) that task ``t`` writes, itself or through views."""
+        return [r for r, _ in self.kept_writes(t, kept, root)]
+
+    def kept_writes(self, t: Task, kept: set[int], root: Mapping[int, int] | None = None) -> list[tuple[int, int]]:
+        """(kept block, output) for each output of task ``t`` that is a kept state block or a view of one
+        (``root``: ``view_roots()``, found once by a caller that asks of every task)."""
         if t.kind == "load":
             return []
-        return [r for b in t.outputs if (r := root.get(b, b) if root is not None else self.root(b)) in kept]
+        return [(r, b) for b in t.outputs if (r := root.get(b, b) if root is not None else self.root(b)) in kept]
 
     def add(self, kind: str, device: int, inputs: tuple[int, ...], outputs: tuple[int, ...], **kw: Any) -> Task:
         task = Task(len(self.tasks), kind, device, inputs, outputs, **kw)
@@ -389,14 +394,7 @@ def liveness(dag: TaskDAG, category: Callable[[int], str] | None = None,
     end = len(tasks)
     # a view of a reshape output is read through that output (an executor holds its value), so the
     # reshape output lives as long as its views too
-    through: dict[int, int] = {}
-    for b in root:
-        p = buffers[b].parent
-        if p is not None:
-            while (up := buffers[p].parent) is not None:
-                p = up
-            if p in root:
-                through[b] = p
+    through = {b: p for b in root if buffers[b].parent is not None and (p := dag.root(b)) in root}
     # task ids increase, so a buffer's last use is the last task naming it (or a view of it)
     last_use: dict[int, int] = {}
     born: dict[int, int] = {}

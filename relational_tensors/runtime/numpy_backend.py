@@ -62,7 +62,8 @@ class NumpyExecutor:
         kept = dag.kept_state_blocks()
         # the views of kept state blocks that a run writes (a state's next value), and during a run the
         # next value of each such block, put in place when the run finishes
-        self.next_views = {b for t in dag.tasks for r, b in zip(dag.overwrites(t, kept), t.outputs) if b != r}
+        root = dag.view_roots()
+        self.next_views = {b for t in dag.tasks for r, b in dag.kept_writes(t, kept, root) if b != r}
         self.next_values: dict[int, np.ndarray] = {}
 
     def _put(self, buf: int, value: Any) -> int:
