@@ -5,7 +5,8 @@ side by side in one run:
 
 * ``eager`` and ``compile``: the block itself and ``torch.compile`` of it (transformers' experts loop);
 * ``grouped_mm``: the routed tokens sorted by expert and the experts' products as ``torch._grouped_mm``
-  (forward only, where the installed torch has it): the dispatching baseline;
+  (where the installed torch has it; its training step runs through torch's own gradient of
+  ``_grouped_mm``, and the table says so where that torch has none): the dispatching baseline;
 * ``parallelize`` / ``train_step``: ours through ``rt.parallelize`` and ``rt.train_step`` on ``cuda:0`` and
   on 8 logical devices of it (``cuda:0,0,0,0,0,0,0,0``), CUDA tensors in and out; ``graph``: the compiled
   program's ``execute`` alone.
@@ -149,11 +150,16 @@ def rows_for(mode: str, make: Callable[[], Any], x: torch.Tensor, train: bool, c
     try:
         if mode in ("eager", "compile", "grouped_mm"):
             model = make()
+            if mode == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+                out[mode] = "torch._grouped_mm is not in this torch"
+                return out
             if train:
-                if mode == "grouped_mm":
-                    return out
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-                fn = torch.compile(loss_fn) if mode == "compile" else loss_fn
+                if mode == "grouped_mm":
+                    grouped = grouped_mm_forward(model)
+                    fn: Callable[..., torch.Tensor] = lambda m, x: grouped(x).float().square().mean()  # noqa: E731
+                else:
+                    fn = torch.compile(loss_fn) if mode == "compile" else loss_fn
 
                 def step() -> None:
                     opt.zero_grad(set_to_none=True)
@@ -161,9 +167,6 @@ def rows_for(mode: str, make: Callable[[], Any], x: torch.Tensor, train: bool, c
                     opt.step()
                 out[mode] = time_ms(step, cuda)
             else:
-                if mode == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
-                    out[mode] = "torch._grouped_mm is not in this torch"
-                    return out
                 call = grouped_mm_forward(model) if mode == "grouped_mm" else \
                     (torch.compile(model) if mode == "compile" else model)
                 with torch.no_grad():
@@ -179,7 +182,7 @@ def rows_for(mode: str, make: Callable[[], Any], x: torch.Tensor, train: bool, c
                     st(x)
                     target = st.compiled
                     key = f"train_step {device}"
-                    fn: Callable[[], Any] = lambda s=st: s(x)  # noqa: E731
+                    user_call: Callable[[], Any] = lambda s=st: s(x)  # noqa: E731
                 else:  # under no_grad, as eager's forward: with grad a call runs the training program
                     pm = rt.parallelize(model.eval(), (x,), device=device)
                     with torch.no_grad():
@@ -187,11 +190,11 @@ def rows_for(mode: str, make: Callable[[], Any], x: torch.Tensor, train: bool, c
                     target = pm.compiled
                     key = f"parallelize {device}"
 
-                    def fn(p: Any = pm) -> Any:
+                    def user_call(p: Any = pm) -> Any:
                         with torch.no_grad():
                             return p(x)
                 if mode == "user":
-                    out[key] = time_ms(fn, cuda)
+                    out[key] = time_ms(user_call, cuda)
                 else:
                     out[f"graph {device}"] = engine_ms(target) if cuda else time_ms(target.execute, False)
     except Exception as e:  # recorded, not hidden: the table shows what failed
@@ -219,19 +222,19 @@ def main() -> None:
     make, x, shape = block(tokens, a.smoke, "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
     SHAPE.update(shape)
     routed = 2.0 * shape["tokens"] * shape["top_k"] * 3 * shape["hidden"] * shape["ff"]
-    results: dict[str, dict[str, Any]] = {}
-    for train in (False, True):
-        row: dict[str, Any] = {}
-        for mode in a.modes.split(","):
-            row.update(rows_for(mode, make, x, train, cuda, devices))
-        results["training step" if train else "forward"] = row
-        print("training" if train else "forward", row, flush=True)
     rate = None
     if cuda:
         a_ = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
         ms = time_ms(lambda: a_ @ a_, True)
         rate = 2 * 8192**3 / (ms * 1e-3) / 1e12
-    write(a, results, routed, rate, shape)
+        del a_
+    results: dict[str, dict[str, Any]] = {}
+    for train in (False, True):
+        row = results.setdefault("training step" if train else "forward", {})
+        for mode in a.modes.split(","):
+            row.update(rows_for(mode, make, x, train, cuda, devices))
+            print("training" if train else "forward", row, flush=True)
+            write(a, results, routed, rate, shape)  # after every mode: a run cut short keeps what it timed
 
 
 def write(a: argparse.Namespace, results: dict, routed: float, rate: float | None, shape: dict) -> None:
