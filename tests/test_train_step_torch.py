@@ -124,6 +124,28 @@ def test_a_torch_optimizer_instance_steps_as_torch_does(name: str) -> None:
     assert_like_torch(step, twin, opt, 1e-9)
 
 
+def test_reductions_of_a_scalar_loss_are_the_loss() -> None:
+    """A loss that reduces what is already a scalar (``F.cross_entropy(...).square().mean()``, ``.sum()``,
+    ``.amax()``): a reduction over no axes of a 0-d tensor is that tensor, as in torch."""
+    def loss(m: nn.Module, x: Any, t: Any) -> Any:
+        e = F.cross_entropy(m(x), t)
+        return e.square().mean() + e.sum() + e.amax() + e.mean(dim=())
+    model, twin, batches = _model(), _model(), _batches(3)
+    step = rt.train_step(model, loss, batches[0], optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                         device="cpu:2")
+    ours = [float(step(*b)) for b in batches]
+    opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    theirs = []
+    for b in batches:
+        value = loss(twin, *b)
+        value.backward()
+        theirs.append(value.item())
+        opt.step()
+        opt.zero_grad()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-9)
+    assert_like_torch(step, twin, opt, 1e-9)
+
+
 @pytest.mark.parametrize("name", ["AdamW", pytest.param("SGD", marks=pytest.mark.slow)])
 def test_a_0d_parameter_trains_as_torch_does(name: str) -> None:
     """A scalar parameter (a learnable temperature or logit scale, ``nn.Parameter(torch.tensor(0.7))``):

@@ -29,6 +29,8 @@ def _dims(dim: Any, rank: int) -> tuple[int, ...]:
 def _reduce(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     x = tr.sym(a["self"], _out_dtype(node))
     axes = _dims(a.get("dim"), x.rank)
+    if not axes:  # a 0-d tensor (a loss that is already a scalar): each of these reductions is the tensor
+        return tr.reshape(x, _out_shape(node))
     op = {"sum": "sum", "mean": "mean", "amax": "max", "amin": "min"}[_packet(node)]  # type: ignore[index]
     y = getattr(tr.g, op)(x, axes, bool(a.get("keepdim", False)), name=tr.name(op))
     return tr.reshape(y, _out_shape(node))
