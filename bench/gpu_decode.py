@@ -152,6 +152,7 @@ def main() -> None:
     def record(**row: Any) -> None:
         rows.append(row)
         print(row, flush=True)
+        write(a, rows, bandwidth)  # after every row: a run cut short keeps what it measured
 
     def attempt(what: str, fn: Callable[[], Any]) -> Any:
         try:
@@ -192,7 +193,7 @@ def main() -> None:
         if got:
             record(part="decode", batch=1, context=context, device=logical, ours_ms=got[0], greedy_equal=got[1],
                    ours_tokens_s=1e3 / got[0])
-    write(a, rows, bandwidth)
+    print((Path(a.out) / ("gpu_decode_smoke.md" if a.smoke else "gpu_decode.md")).read_text())
 
 
 def write(a: argparse.Namespace, rows: list[dict[str, Any]], bandwidth: float | None) -> None:
@@ -226,7 +227,6 @@ def write(a: argparse.Namespace, rows: list[dict[str, Any]], bandwidth: float | 
                          f"{f(r.get('hf_tokens_s'), '.0f')} | {f(r.get('ceiling_ms'))} | {f(r.get('of_ceiling'))} | "
                          f"{r.get('greedy_equal')} |")
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":
