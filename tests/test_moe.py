@@ -173,10 +173,16 @@ def test_three_adamw_steps_of_a_moe_model_equal_torchs_loop(name: str) -> None:
         assert moved.max().item() > 1e-3, k  # every parameter trained: routers, experts, shared experts
 
 
-def test_moe_gradients_through_parallelize_equal_torch() -> None:
+@pytest.mark.parametrize("name", _lean(["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3"],
+                                       ("qwen2_moe", "deepseek_v3")))
+def test_moe_gradients_through_parallelize_equal_torch(name: str) -> None:
     """loss.backward() through rt.parallelize on 3 devices gives every parameter torch's gradient: the router
-    through the routing weights it picked, each expert through the tokens routed to it."""
-    model = _model("qwen2_moe")
+    through the routing weights it picked, each expert through the tokens routed to it.  DeepSeek-V3's
+    router with a nonzero correction bias (which picks experts but does not weight them)."""
+    model = _model(name)
+    if name == "deepseek_v3":
+        with torch.no_grad():
+            model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(std=0.1)
     twin = copy.deepcopy(model)
     ids, mask, labels = _batch()
 

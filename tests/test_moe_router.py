@@ -35,17 +35,23 @@ def _feeds(g: rt.Graph, seed: int = 0) -> dict[str, np.ndarray]:
     return feeds
 
 
-def _reference(f: dict[str, np.ndarray], gate: str = "softmax", selection_bias: bool = False, scaling: float = 1.0,
-               norm_topk: bool = True, shared_d_ff: int = 0, capacity_factor: float | None = None) -> dict:
+def _reference(f: dict[str, np.ndarray], **router: object) -> dict:
+    out = _forward({k: torch.tensor(v, dtype=torch.float64) for k, v in f.items()}, **router)  # type: ignore[arg-type]
+    return dict(y=out["y"].numpy(), balance=out["balance"].item(), z=out["z"].item())
+
+
+def _forward(f: dict[str, torch.Tensor], gate: str = "softmax", selection_bias: bool = False, scaling: float = 1.0,
+             norm_topk: bool = True, shared_d_ff: int = 0, capacity_factor: float | None = None) -> dict:
+    """The layer per token in torch (float64 tensors in, autograd through them): y, balance and z."""
     T, E = f["x"].shape[0], f["router"].shape[1]  # noqa: N806 - the layer's sizes, from its feeds
-    x = torch.tensor(f["x"], dtype=torch.float64)
-    logits = x @ torch.tensor(f["router"], dtype=torch.float64)
+    x = f["x"]
+    logits = x @ f["router"]
     probs = torch.softmax(logits, -1) if gate != "sigmoid" else torch.sigmoid(logits)
     if gate == "softmax_topk":
         top_logits, ids = torch.topk(logits, K)
         top = torch.softmax(top_logits, -1)
     else:
-        chooser = probs + torch.tensor(f["router_bias"], dtype=torch.float64) if selection_bias else probs
+        chooser = probs + f["router_bias"] if selection_bias else probs
         ids = torch.topk(chooser, K).indices
         top = probs.gather(1, ids)
     if norm_topk:
@@ -57,21 +63,21 @@ def _reference(f: dict[str, np.ndarray], gate: str = "softmax", selection_bias: 
             for j in range(K):
                 e = int(ids[t, j])
                 if taken[e] >= capacity:
-                    top[t, j] = 0.0
+                    top = top.index_put((torch.tensor(t), torch.tensor(j)), torch.zeros((), dtype=top.dtype))
                 taken[e] += 1
-    w1, w3, w2 = (torch.tensor(f[k], dtype=torch.float64) for k in ("w1", "w3", "w2"))
+    w1, w3, w2 = (f[k] for k in ("w1", "w3", "w2"))
     y = torch.zeros(T, D, dtype=torch.float64)
     for t in range(T):
         for j in range(K):
             e = int(ids[t, j])
             y[t] += top[t, j] * ((F.silu(x[t] @ w1[e]) * (x[t] @ w3[e])) @ w2[e])
     if shared_d_ff:
-        s1, s3, s2 = (torch.tensor(f[k], dtype=torch.float64) for k in ("shared_w1", "shared_w3", "shared_w2"))
+        s1, s3, s2 = (f[k] for k in ("shared_w1", "shared_w3", "shared_w2"))
         y = y + (F.silu(x @ s1) * (x @ s3)) @ s2
     counts = F.one_hot(ids, E).to(torch.float64).sum((0, 1))
     balance = E * torch.sum(counts / T * probs.mean(0))
     z = torch.logsumexp(logits, -1).square().mean()
-    return dict(y=y.numpy(), balance=balance.item(), z=z.item())
+    return dict(y=y, balance=balance, z=z)
 
 
 @pytest.mark.parametrize("router", [dict(), dict(gate="softmax_topk"), dict(gate="sigmoid", selection_bias=True,
@@ -87,6 +93,31 @@ def test_the_router_forms_equal_a_per_token_loop(router: dict) -> None:
         np.testing.assert_allclose(got["y"], want["y"], rtol=1e-4, atol=1e-5, err_msg=device)
         assert float(np.sum(got["balance"])) == pytest.approx(want["balance"], rel=1e-5)
         assert float(np.sum(got["z"])) == pytest.approx(want["z"], rel=1e-5)
+
+
+@pytest.mark.parametrize("router", [dict(), dict(gate="softmax_topk"), dict(gate="sigmoid", selection_bias=True,
+                                    scaling=2.5), dict(norm_topk=False, shared_d_ff=7)],
+                         ids=["softmax", "softmax_topk", "sigmoid_bias", "shared"])
+def test_every_gate_s_gradients_equal_torch_autograd(router: dict) -> None:
+    """The gradient of a loss of the output and both auxiliary losses with respect to every weight and the
+    tokens, for each gate (the selection bias picks experts, so it has no gradient), on 1 and 3 devices."""
+    g, _ = _layer(**router)
+    y, balance, z = (g.tensor(g.outputs[n]) for n in ("y", "balance", "z"))
+    loss = g.add(g.add(g.mean(g.mul(y, y), [0, 1], keepdims=True), g.unary(balance, "scale", 0.01)),
+                 g.unary(z, "scale", 0.001))
+    wrt = [n.name for n in g.inputs if n.name != "router_bias"]
+    for name, grad in zip(wrt, g.grad(g.reshape(loss, []), [g.tensor(g.node(n).id) for n in wrt])):
+        g.save(grad, name="d_" + name)
+    f = _feeds(g, seed=3)
+    ts = {k: torch.tensor(v, dtype=torch.float64, requires_grad=k in wrt) for k, v in f.items()}
+    out = _forward(ts, **router)
+    (out["y"].square().mean() + 0.01 * out["balance"] + 0.001 * out["z"]).backward()
+    for device in ("cpu:1", "cpu:3"):
+        got = rt.compileGraph(g, device=device).run(f)
+        for name in wrt:
+            want = ts[name].grad.numpy()
+            np.testing.assert_allclose(got["d_" + name], want, rtol=1e-4, atol=1e-6 * np.abs(want).max(),
+                                       err_msg=f"{device}: d{name}")
 
 
 def test_a_capacity_drops_pairs() -> None:
