@@ -145,7 +145,7 @@ def _loss(m: Any, ids: Any, mask: Any, labels: Any) -> Any:
     return nn.functional.cross_entropy(logits.flatten(0, 1), labels.masked_fill(mask == 0, -100).flatten())
 
 
-@pytest.mark.parametrize("name", _lean(["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"],
+@pytest.mark.parametrize("name", _lean(["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3"],
                                        ("mixtral", "qwen2_moe", "qwen3_moe")))
 def test_three_adamw_steps_of_a_moe_model_equal_torchs_loop(name: str) -> None:
     model = _model(name)
@@ -171,6 +171,22 @@ def test_three_adamw_steps_of_a_moe_model_equal_torchs_loop(name: str) -> None:
         if k.endswith("embed_tokens.weight"):  # the rows of tokens in the batch (not the padding row)
             moved = moved[[i for i in batch[0].unique().tolist() if i != pad]]
         assert moved.max().item() > 1e-3, k  # every parameter trained: routers, experts, shared experts
+
+
+def test_phimoe_trains_with_its_random_routing_repeatably() -> None:
+    """PhiMoE's sparsemixer routing draws random numbers in training (``rand_like(...).uniform_()``), so its
+    steps cannot equal torch's; they lower the loss and repeat after ``torch.manual_seed``."""
+    def run() -> list[float]:
+        model = _model("phimoe")
+        batch = _batch()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            step = rt.train_step(model, _loss, batch, optimizer=rt.optim.AdamW(lr=1e-2), device="cpu:2")
+        torch.manual_seed(7)
+        return [float(step(*batch)) for _ in range(3)]
+    first = run()
+    assert first == run()
+    assert first[2] < first[0]
 
 
 @pytest.mark.parametrize("name", _lean(["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3"],

@@ -259,6 +259,24 @@ def test_strided_slices_equal_torch() -> None:
         assert torch.equal(fast(x), Strided()(x))
 
 
+def test_uniform_draws_lie_in_their_interval_on_every_device_count() -> None:
+    """``x.uniform_(a, b)`` (PhiMoE's router jitter): values in [a, b) with the interval's mean, the same
+    draws on one device and on three."""
+    class Jitter(nn.Module):
+        def forward(self, x: Any) -> Any:
+            return x * torch.empty_like(x).uniform_(0.9, 1.1) + torch.rand_like(x).uniform_() * 0
+
+    x = torch.ones(64, 48)
+    draws = []
+    for device in ("cpu:1", "cpu:3"):
+        fast = rt.parallelize(Jitter(), (x,), device=device)
+        torch.manual_seed(3)
+        draws.append(fast(x).detach().numpy())
+    assert np.array_equal(draws[0], draws[1])
+    assert draws[0].min() >= 0.9 and draws[0].max() < 1.1
+    assert abs(draws[0].mean() - 1.0) < 0.005 and draws[0].std() > 0.05
+
+
 class EveryNewRule(nn.Module):
     """The rules a trained module may now reach, in one module: a tied embedding and head, (1 + w),
     softplus (decomposed to log1p), erf, sin/cos, expm1, cumsum, a gather, a strided slice, group norm,

@@ -25,10 +25,10 @@ _DATA_DEPENDENT = "it selects by values computed from the inputs, which gives da
 REFUSED: dict[str, str] = {
     "sort": _DATA_DEPENDENT, "argsort": _DATA_DEPENDENT,
     "nonzero": _DATA_DEPENDENT, "masked_select": _DATA_DEPENDENT, "unique": _DATA_DEPENDENT,
-    "randn": "normal draws are not supported; rand, rand_like, bernoulli and dropout are",
-    "randn_like": "normal draws are not supported; rand, rand_like, bernoulli and dropout are",
-    "normal": "normal draws are not supported; rand, rand_like, bernoulli and dropout are",
-    "multinomial": "sampling from a distribution over categories is not supported; rand, rand_like, bernoulli "
+    "randn": "normal draws are not supported; rand, rand_like, uniform, bernoulli and dropout are",
+    "randn_like": "normal draws are not supported; rand, rand_like, uniform, bernoulli and dropout are",
+    "normal": "normal draws are not supported; rand, rand_like, uniform, bernoulli and dropout are",
+    "multinomial": "sampling from a distribution over categories is not supported; rand, rand_like, uniform, bernoulli "
                    "and dropout are",
     "_native_batch_norm_legit": "batch norm in training mode updates running statistics; call module.eval()",
     "max_pool2d_with_indices": "max pooling that returns its indices (return_indices=True) is not supported",

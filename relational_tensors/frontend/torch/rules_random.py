@@ -1,5 +1,6 @@
 """Translation rules for random draws in training: ``dropout`` and ``native_dropout`` (in eval mode the value
-itself), ``rand``/``rand_like`` (stochastic depth draws these), ``bernoulli`` with a probability, and
+itself), ``rand``/``rand_like`` (stochastic depth draws these), ``uniform`` over ``[from, to)`` (``x.uniform_(a, b)``:
+PhiMoE's router jitter in training), ``bernoulli`` with a probability, and
 ``floor`` (stochastic depth's ``floor(keep + rand)``).
 
 Every draw is an operator of the graph reading the translator's random-state input (``tr.rng()``, int64
@@ -52,6 +53,18 @@ def _dropout(tr: _Translator, node: Any, a: dict[str, Any]) -> Any:
 def _rand(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     return tr.g.random(tr.rng(), _out_shape(node), _out_dtype(node) or "float32", tr.stream(), "uniform",
                        name=tr.name("rand"))
+
+
+@register_torch_op("uniform")
+def _uniform(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
+    low, high = a.get("from", 0.0), a.get("to", 1.0)
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high)) or not low <= high:
+        raise _fail(f"uniform over [{low}, {high}); supported: numbers from <= to")
+    u = tr.g.random(tr.rng(), _out_shape(node), _out_dtype(node) or "float32", tr.stream(), "uniform",
+                    name=tr.name("uniform"))
+    if (low, high) == (0.0, 1.0):
+        return u
+    return tr.unary(tr.unary(u, "scale", float(high) - float(low)), "add_scalar", float(low))
 
 
 @register_torch_op("bernoulli")
