@@ -84,9 +84,8 @@ def main() -> None:
                "8 and 64 simulated H200s", notes=[f"{tokens} tokens, bfloat16; " + (
                    forms[args.experts]),
                                                   "expert_gate split: the split of the first expert product "
-                                                  "(dense: e experts, t tokens, f intermediate, h hidden; "
-                                                  "grouped: experts, rows, ff, hidden; capacity: g groups, e experts, "
-                                                  "c capacity, h hidden, f intermediate)"])
+                                                  "(its indices: experts, tokens or rows, groups, capacity, hidden "
+                                                  "and ff, the intermediate features)"])
     h["dtype"] = "bfloat16"
     lines = header_markdown(h) + markdown_table(
         ["workload", "p", "plan", "expert_gate split", "cost model ms", "simulated ms", "peak GiB / device",

@@ -200,7 +200,7 @@ def test_a_training_step_under_each_plan_equals_the_reference(plan: str) -> None
     experts, the dispatch and combine stay split over the groups, and the values are the reference's."""
     g = moe_layer_graph(T, D, experts=E, top_k=K, d_ff=FF, dtype="float32", training=True, master_dtype=None,
                         experts_compute="grouped", capacity_factor=1.0, capacity_groups=4)
-    step_under_plan(g, plan, "e")  # the einsums' expert index
+    step_under_plan(g, plan, "experts")
 
 
 def test_bfloat16_buffers_equal_the_loop_within_rounding() -> None:

@@ -358,9 +358,9 @@ def test_moe_plans_give_the_reference_step(plan: str, p: int) -> None:
     experts = [n for n in ("expert_gate", "expert_up", "expert_down", "combine")]
     splits = {n: dict(cg.plan.spec(n).split) for n in experts}
     if plan == "expert_parallel":
-        assert all(s.get("e", 1) > 1 for s in splits.values()), splits
+        assert all(s.get("experts", 1) > 1 for s in splits.values()), splits
     if plan == "expert_tensor_parallel":
-        assert all(s.get("e", 1) == 1 for s in splits.values()) and splits["expert_gate"].get("f", 1) > 1, splits
+        assert all(s.get("experts", 1) == 1 for s in splits.values()) and splits["expert_gate"].get("ff", 1) > 1, splits
 
 
 def test_the_optimizer_finds_expert_parallelism_for_a_moe_training_step() -> None:
@@ -374,7 +374,7 @@ def test_the_optimizer_finds_expert_parallelism_for_a_moe_training_step() -> Non
     plans = {sel: rt.compileGraph(g, device=8, topology="hgx-h200", cost_model="calibrated", selector=sel)
              for sel in ("dp", "exact")}
     dp, exact = plans["dp"].plan, plans["exact"].plan
-    assert dict(dp.spec("expert_gate").split).get("e") == 8
+    assert dict(dp.spec("expert_gate").split).get("experts") == 8
     assert dp.cost <= 1.01 * exact.cost
     hand = rt.compileGraph(g, device=8, topology="hgx-h200", cost_model="calibrated",
                            constraints=rt.plans.expert_parallel(g, 8))

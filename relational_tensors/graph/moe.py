@@ -149,13 +149,17 @@ def add_moe_ffn(g: Graph, x: Tensor, *, experts: int, top_k: int, d_ff: int, pre
     elif experts_compute == "grouped":
         y = _grouped_experts(g, x, ids, top, (w1, w3, w2), experts, prefix, hint)
     else:
-        weights = g.einsum("tk,tke->te", top, hot, name=prefix + "combine_weights")
+        weights = g.einsum("tokens k, tokens k experts -> tokens experts", top, hot,
+                           name=prefix + "combine_weights")
         weights = g.cast(weights, dtype) if dtype != "float32" else weights
-        gate_h = g.einsum("th,ehf->tef", x, w1, name=prefix + "expert_gate")
-        up = g.einsum("th,ehf->tef", x, w3, name=prefix + "expert_up")
+        into = "tokens hidden, experts hidden ff -> tokens experts ff"
+        gate_h = g.einsum(into, x, w1, name=prefix + "expert_gate")
+        up = g.einsum(into, x, w3, name=prefix + "expert_up")
         act = g.swiglu(gate_h, up, name=prefix + "expert_swiglu")
-        down = g.einsum("tef,efh->teh", act, w2, name=prefix + "expert_down")
-        y = g.einsum("teh,te->th", down, weights, name=prefix + "combine")
+        down = g.einsum("tokens experts ff, experts ff hidden -> tokens experts hidden", act, w2,
+                        name=prefix + "expert_down")
+        y = g.einsum("tokens experts hidden, tokens experts -> tokens hidden", down, weights,
+                     name=prefix + "combine")
     if shared_d_ff:
         sg = g.matmul(x, param("shared_w1", [d, shared_d_ff], ("hidden", "ff")), name=prefix + "shared_gate")
         su = g.matmul(x, param("shared_w3", [d, shared_d_ff], ("hidden", "ff")), name=prefix + "shared_up")
@@ -194,7 +198,7 @@ def _grouped_experts(g: Graph, x: Tensor, ids: Tensor, top: Tensor, weights: tup
     down = product(act, w2, "expert_down")
     back = g.embedding(down, dest, name=prefix + "gather_back")  # [tokens, k, d]
     top = g.cast(top, x.dtype) if x.dtype != "float32" else top
-    return g.einsum("tkh,tk->th", back, top, name=prefix + "combine")
+    return g.einsum("tokens k hidden, tokens k -> tokens hidden", back, top, name=prefix + "combine")
 
 
 def default_capacity_groups(tokens: int, most: int = 64) -> int:
@@ -217,6 +221,11 @@ def check_groups(groups: Any, tokens: int) -> None:
                          f"got {groups!r}.")
 
 
+# the experts' products over the buffers laid out experts first
+_CAPACITY_IN = "experts groups capacity hidden, experts hidden ff -> experts groups capacity ff"
+_CAPACITY_OUT = "experts groups capacity ff, experts ff hidden -> experts groups capacity hidden"
+
+
 def _capacity_experts(g: Graph, x: Tensor, slot: Tensor, pair: Tensor, top: Tensor,
                       weights: tuple[Tensor, Tensor, Tensor], experts: int, prefix: str) -> Tensor:
     """The routed experts over per-group buffers of a fixed capacity: each group's tokens gathered into
@@ -235,16 +244,16 @@ def _capacity_experts(g: Graph, x: Tensor, slot: Tensor, pair: Tensor, top: Tens
     # experts first: each expert's rows of every group are one [groups · capacity, d] matrix, so each product
     # is one batched GEMM over the experts (with the groups between them no GEMM reads the rows at one stride)
     buf = g.permute(buf, (1, 0, 2, 3), name=prefix + "by_expert")
-    gate = g.einsum("egch,ehf->egcf", buf, w1, name=prefix + "expert_gate")
-    up = g.einsum("egch,ehf->egcf", buf, w3, name=prefix + "expert_up")
+    gate = g.einsum(_CAPACITY_IN, buf, w1, name=prefix + "expert_gate")
+    up = g.einsum(_CAPACITY_IN, buf, w3, name=prefix + "expert_up")
     act = g.swiglu(gate, up, name=prefix + "expert_swiglu")
-    down = g.einsum("egcf,efh->egch", act, w2, name=prefix + "expert_down")
+    down = g.einsum(_CAPACITY_OUT, act, w2, name=prefix + "expert_down")
     down = g.permute(down, (1, 0, 2, 3), name=prefix + "by_group")
     down = g.reshape(down, [groups, slots, d], name=prefix + "expert_rows", dims=("groups", "slots", "hidden"))
     back = g.apply(RoutedGatherOp((down.type, slot.type, pair.type)), down, slot, pair, name=prefix + "gather_back")
     back = g.reshape(back, [tokens, k, d], name=prefix + "pair_rows")
     top = g.cast(top, x.dtype) if x.dtype != "float32" else top
-    return g.einsum("tkh,tk->th", back, top, name=prefix + "combine")
+    return g.einsum("tokens k hidden, tokens k -> tokens hidden", back, top, name=prefix + "combine")
 
 
 def moe_layer_graph(tokens: int, d_model: int, experts: int, top_k: int, d_ff: int, dtype: str = "bfloat16",

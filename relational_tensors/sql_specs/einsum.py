@@ -22,34 +22,72 @@ from relational_tensors.sql_specs.base import Builder, Grads, IndexedOp, registe
 from relational_tensors.sql_specs.common import names_or_default, same_dtype
 from relational_tensors.sql_specs.grad import einsum_grads
 
-__all__ = ["EinsumOp", "MatmulOp", "parse_einsum"]
+__all__ = ["EinsumOp", "MatmulOp", "parse_einsum", "einsum_letters"]
 
 
 def parse_einsum(subscripts: str, ranks: Sequence[int]) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
-    """Split ``"ij,jk->ik"`` into per-operand letters; the output defaults to the letters used once, sorted.
+    """Split ``"ij,jk->ik"`` into per-operand indices; the output defaults to the indices used once, sorted.
+    Indices are letters, or names separated by spaces (``"experts tokens hidden, experts hidden ff -> experts
+    tokens ff"``), the names the plan and ``explain()`` show: a spec is read as names when an operand lists
+    several, or an operand of rank 1 is one word of several letters.
 
     >>> parse_einsum("ij,jk->ik", [2, 2])
     ((('i', 'j'), ('j', 'k')), ('i', 'k'))
+    >>> parse_einsum("experts t h, experts h f -> experts t f", [3, 3])[1]
+    ('experts', 't', 'f')
     """
     return _parse_einsum(subscripts, tuple(ranks))
 
 
+def einsum_letters(ins: Sequence[Sequence[str]], out: Sequence[str]) -> str:
+    """The one-letter spec of parsed indices, for ``numpy.einsum`` and its kin: letters as they are, names
+    given letters in order of appearance."""
+    names = list(dict.fromkeys(n for part in (*ins, out) for n in part))
+    if all(len(n) == 1 for n in names):
+        letter = {n: n for n in names}
+    else:
+        if len(names) > len(_ALPHABET):
+            raise GraphError(f"an einsum takes at most {len(_ALPHABET)} indices; got {len(names)}.")
+        letter = dict(zip(names, _ALPHABET))
+    return ",".join("".join(letter[n] for n in part) for part in ins) + "->" + "".join(letter[n] for n in out)
+
+
+_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _indices(part: str, named: bool, subscripts: str) -> tuple[str, ...]:
+    if not named:
+        return tuple(part.replace(" ", ""))
+    names = tuple(part.split())
+    bad = [n for n in names if not _NAME.fullmatch(n)]
+    if bad:
+        raise GraphError(f"einsum index names are identifiers; got {bad} in {subscripts!r}.")
+    return names
+
+
 @functools.lru_cache(maxsize=1024)  # the planner asks for an operator's letters once per function spec
 def _parse_einsum(subscripts: str, ranks: tuple[int, ...]) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
-    spec = subscripts.replace(" ", "")
-    if "." in spec:
+    if "." in subscripts:
         raise GraphError(f"einsum ellipses are not supported; got {subscripts!r}. Write every index out.")
-    if not re.fullmatch(r"[A-Za-z]*(,[A-Za-z]*)*(->[A-Za-z]*)?", spec):
+    spec = subscripts.strip()
+    lhs, arrow, rhs = spec.partition("->")
+    parts = lhs.split(",")
+    # names: an operand lists several (a named operand of rank r has r), or a rank-1 operand is one word
+    named = any(len(part.split()) > 1 for part in (*parts, rhs)) or any(
+        rank == 1 and len(part.strip()) > 1 for part, rank in zip(parts, ranks))
+    if not named and not re.fullmatch(r"[A-Za-z]*(,[A-Za-z]*)*(->[A-Za-z]*)?", spec.replace(" ", "")):
         raise GraphError(f"an einsum spec is letters, commas and one '->'; got {subscripts!r}.")
-    lhs, _, rhs = spec.partition("->")
-    ins = tuple(tuple(part) for part in lhs.split(","))
+    if "->" in rhs:
+        raise GraphError(f"an einsum spec has one '->'; got {subscripts!r}.")
+    ins = tuple(_indices(part, named, subscripts) for part in parts)
     if len(ins) != len(ranks):
         raise GraphError(f"einsum {subscripts!r} names {len(ins)} operands; got {len(ranks)} tensors.")
     for k, (letters, rank) in enumerate(zip(ins, ranks)):
         if len(letters) != rank:
             raise GraphError(f"einsum {subscripts!r}: operand {k} has {len(letters)} indices but rank {rank}.")
-    if "->" in spec:
-        out = tuple(rhs)
+    if arrow:
+        out = _indices(rhs, named, subscripts)
     else:
         counts: dict[str, int] = {}
         for letters in ins:
@@ -57,7 +95,8 @@ def _parse_einsum(subscripts: str, ranks: tuple[int, ...]) -> tuple[tuple[tuple[
                 counts[c] = counts.get(c, 0) + 1
         out = tuple(sorted(c for c, n in counts.items() if n == 1))
     if len(set(out)) != len(out):
-        raise GraphError(f"einsum output indices must be distinct; got {''.join(out)!r} in {subscripts!r}.")
+        shown = " ".join(out) if named else "".join(out)
+        raise GraphError(f"einsum output indices must be distinct; got {shown!r} in {subscripts!r}.")
     used = {c for letters in ins for c in letters}
     missing = [c for c in out if c not in used]
     if missing:
@@ -116,15 +155,16 @@ class EinsumOp(IndexedOp):
 
     def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
         ins, out = self._parsed()
-        sub = ",".join("".join(i) for i in ins) + "->" + "".join(out)
-        return self._result(np.einsum(sub, *(self._compute(b) for b in blocks), optimize=len(blocks) > 2))
+        operands = (self._compute(b) for b in blocks)
+        return self._result(np.einsum(einsum_letters(ins, out), *operands, optimize=len(blocks) > 2))
 
     def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any,
             wanted: tuple[bool, ...]) -> Grads:
         """Operand k's gradient is the einsum of the output's gradient with the other operands onto k's
         indices: for ``C = A @ B``, ``dA = dC @ Bᵀ`` and ``dB = Aᵀ @ dC`` (summed over the batch)."""
         ins, out = self._parsed()
-        return einsum_grads(self.kind, b, ins, out, inputs, cotangent, wanted)
+        named = any(len(n) > 1 for part in (*ins, out) for n in part)  # its gradients name their indices too
+        return einsum_grads(self.kind, b, ins, out, inputs, cotangent, wanted, named=named)
 
 
 @functools.lru_cache(maxsize=256)

@@ -82,25 +82,40 @@ def _letters(dims: Sequence[Sequence[str | None]]) -> dict[str, str]:
     return dict(zip(names, alphabet))
 
 
+def _spec(ins: Sequence[Sequence[str]], out: Sequence[str], named: bool) -> str:
+    """An einsum spec: letters joined, or names separated by spaces."""
+    if named:
+        return ", ".join(" ".join(part) for part in ins) + " -> " + " ".join(out)
+    return ",".join("".join(part) for part in ins) + "->" + "".join(out)
+
+
 def einsum_grads(kind: str, b: Builder, dims_in: Sequence[Sequence[str]], dims_out: Sequence[str],
-                 inputs: Sequence[Handle], cotangent: Handle, wanted: Sequence[bool]) -> Grads:
+                 inputs: Sequence[Handle], cotangent: Handle, wanted: Sequence[bool], named: bool = False) -> Grads:
     """The gradients of a sum of products ``out[O] = Σ Π_k x_k[L_k]``: for operand k, the einsum of the
-    cotangent with the other operands onto ``L_k``, repeated along the indices only ``x_k`` has."""
-    letters = _letters([*dims_in, dims_out])
-    subs = ["".join(letters[n] for n in d) for d in dims_in]
-    out_sub = "".join(letters[n] for n in dims_out)
+    cotangent with the other operands onto ``L_k``, repeated along the indices only ``x_k`` has.  ``named``:
+    the gradients' einsums keep the index names (an einsum written with names), else they take letters."""
+    if named:
+        for d in [*dims_in, dims_out]:
+            if any(n is None for n in d):
+                raise GraphError("an einsum gradient needs every dimension named; got a broadcast dimension.")
+        letters = {n: n for d in [*dims_in, dims_out] for n in d}
+    else:
+        letters = _letters([*dims_in, dims_out])
+    subs = [tuple(letters[n] for n in d) for d in dims_in]
+    out_sub = tuple(letters[n] for n in dims_out)
     grads: list[Any] = []
     for k, (sub, x) in enumerate(zip(subs, inputs)):
         if not wanted[k]:
             grads.append(None)
             continue
         if len(set(sub)) != len(sub):
-            raise not_differentiable(kind, f"operand {k} repeats an index ({sub!r}, a diagonal); its gradient "
+            shown = " ".join(sub) if named else "".join(sub)
+            raise not_differentiable(kind, f"operand {k} repeats an index ({shown!r}, a diagonal); its gradient "
                                      "would write a diagonal. Write the repeated index as two indices")
         others = [(s, t) for j, (s, t) in enumerate(zip(subs, inputs)) if j != k]
         present = set(out_sub).union(*(set(s) for s, _ in others))
-        kept = "".join(c for c in sub if c in present)
-        spec = ",".join([out_sub, *(s for s, _ in others)]) + "->" + kept
+        kept = tuple(c for c in sub if c in present)
+        spec = _spec([out_sub, *(s for s, _ in others)], kept, named)
         g = build(b, "einsum", (cotangent, *(t for _, t in others)), subscripts=spec)
         if kept != sub:  # indices only this operand has: the gradient is the same along them
             shape = tuple(n if c in present else 1 for c, n in zip(sub, x.type.shape))

@@ -53,6 +53,7 @@ def _einsum(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream:
     import cupy
 
     from relational_tensors.kernels.blas import einsum_gemm
+    from relational_tensors.sql_specs.einsum import einsum_letters
 
     letters, res = op._parsed()
     if len(ins) == 2 and out.dtype in FLOATS and (out.size == 0 or ins[0].size == 0 or ins[1].size == 0):
@@ -67,7 +68,7 @@ def _einsum(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream:
     arrays = [b.cupy() for b in ins]
     dst = out.cupy()
     with cupy.cuda.ExternalStream(stream):
-        sub = ",".join("".join(x) for x in letters) + "->" + "".join(res)
+        sub = einsum_letters(letters, res)
         work = compute_dtype(out.dtype)  # 16-bit floats in float32, float64 stays float64
         operands = [bf16_bits_to_float32(a, cupy) if b.dtype == "bfloat16" else a.astype(work)
                     for a, b in zip(arrays, ins)]
