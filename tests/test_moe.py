@@ -173,6 +173,19 @@ def test_three_adamw_steps_of_a_moe_model_equal_torchs_loop(name: str) -> None:
         assert moved.max().item() > 1e-3, k  # every parameter trained: routers, experts, shared experts
 
 
+def test_stacked_expert_weights_name_their_first_dimension_experts() -> None:
+    from relational_tensors.frontend.torch import from_torch
+
+    model = _model("qwen2_moe").eval()
+    ids, mask, _ = _batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = from_torch(Logits(model), (ids, mask))
+    stacked = [n for n in g.inputs if ".experts." in n.name]
+    assert len(stacked) == 4 and all(n.type.names[0] == "experts" and n.type.shape[0] == 4 for n in stacked)
+    assert all(n.type.names[0] != "experts" for n in g.inputs if ".experts." not in n.name)
+
+
 def test_phimoe_trains_with_its_random_routing_repeatably() -> None:
     """PhiMoE's sparsemixer routing draws random numbers in training (``rand_like(...).uniform_()``), so its
     steps cannot equal torch's; they lower the loss and repeat after ``torch.manual_seed``."""

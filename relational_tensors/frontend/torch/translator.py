@@ -43,7 +43,7 @@ from relational_tensors.frontend.torch.convert import (
     host,
     torch_to_numpy,
 )
-from relational_tensors.frontend.torch.moe import traceable_experts
+from relational_tensors.frontend.torch.moe import experts_modules, traceable_experts
 from relational_tensors.frontend.torch.patterns import (
     _PATTERNS,
     _match_eager_attention,
@@ -67,7 +67,7 @@ _RULE_MODULES = (rules_conv, rules_elementwise, rules_linalg, rules_nn, rules_ra
 
 class _Translator:
     def __init__(self, ep: Any, casts_in_graph: bool = False, names: dict[str, str] | None = None,
-                 live: frozenset[str] = frozenset()) -> None:
+                 live: frozenset[str] = frozenset(), stacked: frozenset[str] = frozenset()) -> None:
         self.ep = ep
         self.fx = ep.graph
         self.g = TorchGraph()
@@ -78,6 +78,8 @@ class _Translator:
         self.names = dict(names or {})
         # parameters that are differentiated: symbolic, so no value computed from them is folded
         self.live = live
+        # the stacked weights of mixture-of-experts layers: their first dimension is named ``experts``
+        self.stacked = stacked
         self.env: dict[Any, Any] = {}
         self.values: dict[str, np.ndarray] = {}
         self.folded: list[str] = []
@@ -152,7 +154,9 @@ class _Translator:
         if base in self.used:  # the same constant in another layout or dtype
             base = f"{base}.T" if transpose else f"{base}.{want}"
         name = self.unique(base)
-        t = self.g.parameter(name, tuple(v.shape), want)
+        dims = ("experts", *(f"d{i}" for i in range(1, v.dim()))) if c.name in self.stacked and not transpose \
+            and v.dim() >= 2 else None
+        t = self.g.parameter(name, tuple(v.shape), want, dims)
         self.values[name] = torch_to_numpy(v)
         if c.name is None:
             self.folded.append(name)
@@ -698,8 +702,10 @@ def from_torch(module: Any, example_inputs: Any, casts_in_graph: bool = False,
     names = _module_names(module, ep)
     live = frozenset(names.get(k, k) for k, t in module.named_parameters() if t.requires_grad) \
         if differentiate else frozenset()
-    ep = _decompose(ep, lambda e: _Translator(e, casts_in_graph, names, live).unruled())
-    tr = _Translator(ep, casts_in_graph, names, live)
+    stacked = frozenset(f"{path}.{k}" if path else k for path, sub in experts_modules(module)
+                        for k, t in sub.named_parameters(recurse=False) if t.dim() >= 2)
+    ep = _decompose(ep, lambda e: _Translator(e, casts_in_graph, names, live, stacked).unruled())
+    tr = _Translator(ep, casts_in_graph, names, live, stacked)
     g = tr.run()
     if not g.outputs:
         raise GraphError(f"{type(module).__name__} returns nothing that depends on its inputs; there is no graph "
