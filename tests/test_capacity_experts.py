@@ -210,3 +210,25 @@ def test_bfloat16_buffers_equal_the_loop_within_rounding() -> None:
     exact = {k: torch.tensor(np.asarray(v, np.float32), dtype=torch.float64) for k, v in f.items()}
     want = _torch_layer(f, 2, 0.75, exact).numpy()
     assert np.abs(bf["y"] - want).max() <= 4 * 2**-8 * max(1.0, np.abs(want).max())
+
+
+def test_the_optimizer_finds_all_to_all_expert_parallelism_and_keeps_it_under_a_memory_limit() -> None:
+    """A capacity layer's training step planned for 8 simulated H200s: the optimizer splits the experts'
+    products over the experts (each device updates its experts' weights) and the router, dispatch and
+    combine over the groups, so the buffers move between them (the all-to-alls); it costs no more than the
+    hand EP plan.  Under a memory limit that replicated experts would exceed, the plan still fits."""
+    g = moe_layer_graph(2048, 512, experts=8, top_k=2, d_ff=1024, dtype="bfloat16", training=True,
+                        experts_compute="grouped", capacity_factor=1.25)
+    cg = rt.compileGraph(g, device=8, topology="hgx-h200", cost_model="calibrated")
+    splits = {n: dict(cg.plan.spec(n).split) for n in ("expert_gate", "expert_down", "dispatch", "gather_back")}
+    assert splits["expert_gate"]["experts"] == 8 and splits["expert_down"]["experts"] == 8, splits
+    assert splits["dispatch"].get("groups", 1) > 1 and splits["gather_back"].get("groups", 1) > 1, splits
+    hand = rt.compileGraph(g, device=8, topology="hgx-h200", cost_model="calibrated",
+                           constraints=rt.plans.expert_parallel(g, 8))
+    assert cg.plan.cost <= hand.plan.cost * (1 + 1e-9)
+    weights = sum(n.type.nbytes for n in g.inputs if n.type.rank == 3)  # the experts' weights and moments
+    limit = int(max(cg.live.peak.values()) * 1.05)
+    assert limit < weights  # replicating the experts alone would not fit
+    tight = rt.compileGraph(g, device=8, topology="hgx-h200", cost_model="calibrated", memory_per_device=limit)
+    assert max(tight.live.peak.values()) <= limit
+    assert dict(tight.plan.spec("expert_gate").split).get("experts", 1) > 1
