@@ -111,3 +111,18 @@ def test_contiguous_products_and_the_matmul_gradients_are_gemms() -> None:
                             ("i", "i"), ("i",), ("i",)) is None
     assert einsum_gemm_plan(buf, DevBuf(64, (3, 2), "float64", 0), DevBuf(128, (2,), "float64", 0),
                             ("i", "j"), ("i", "k"), ("k",)) is None  # j summed within one operand
+
+
+def test_named_indices_plan_the_gemm_letters_do() -> None:
+    """An einsum written with index names (the MoE layer's experts-first products) is the same GEMM as its
+    lettered twin: the plan reads the names only to match them up."""
+    names = (("experts", "groups", "capacity", "hidden"), ("experts", "hidden", "ff"),
+             ("experts", "groups", "capacity", "ff"))
+    letters = (("e", "g", "c", "h"), ("e", "h", "f"), ("e", "g", "c", "f"))
+    sizes = {"e": 3, "g": 2, "c": 4, "h": 5, "f": 6}
+    rng = np.random.default_rng(1)
+    mem: list = []
+    bufs = [_place(mem, tuple(sizes[c] for c in x), tuple(range(len(x))), 0, rng) for x in letters]
+    named = einsum_gemm_plan(*bufs, *names)
+    assert named is not None and named == einsum_gemm_plan(*bufs, *letters)
+    assert named.batch == 3  # one batched GEMM over the experts
