@@ -73,3 +73,13 @@ def test_a_moe_plan_reads_experts() -> None:
         lettered = [n.name for n in g.operators if n.op is not None and n.op.kind == "einsum"
                     and "e" in n.op.dims_out()]
         assert not lettered, lettered
+
+
+def test_matmul_gradients_keep_letters() -> None:
+    """A matrix product's indices are named ``b0 i j k``; its gradients stay lettered einsums."""
+    g = rt.Graph()
+    x, w = g.input("x", [2, 3, 4]), g.input("w", [4, 5])
+    loss = g.sum(g.matmul(x, w), [0, 1, 2])
+    g.grad(g.reshape(loss, []), [x, w])
+    specs = [n.op.params()["subscripts"] for n in g.operators if n.op is not None and n.op.kind == "einsum"]
+    assert specs and all(" " not in s for s in specs), specs

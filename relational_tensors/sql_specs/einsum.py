@@ -163,7 +163,8 @@ class EinsumOp(IndexedOp):
         """Operand k's gradient is the einsum of the output's gradient with the other operands onto k's
         indices: for ``C = A @ B``, ``dA = dC @ Bᵀ`` and ``dB = Aᵀ @ dC`` (summed over the batch)."""
         ins, out = self._parsed()
-        named = any(len(n) > 1 for part in (*ins, out) for n in part)  # its gradients name their indices too
+        # an einsum written with names: its gradients name their indices too (a matmul's b0 i j k take letters)
+        named = self.kind == "einsum" and any(len(n) > 1 for part in (*ins, out) for n in part)
         return einsum_grads(self.kind, b, ins, out, inputs, cotangent, wanted, named=named)
 
 
