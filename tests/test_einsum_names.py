@@ -19,6 +19,8 @@ def test_names_and_letters_parse() -> None:
     assert parse_einsum("ij, jk -> ik", [2, 2]) == ((("i", "j"), ("j", "k")), ("i", "k"))  # letters, spaced
     assert parse_einsum("tokens, tokens -> ", [1, 1]) == ((("tokens",), ("tokens",)), ())  # one name per operand
     assert parse_einsum("ab, b", [2, 1]) == ((("a", "b"), ("b",)), ("a",))  # no arrow: the indices used once
+    assert parse_einsum("ij, j k -> ik", [2, 2]) == parse_einsum("ij,jk->ik", [2, 2])  # torch ignores spaces
+    assert parse_einsum("bij,bjk->b ik", [3, 3]) == parse_einsum("bij,bjk->bik", [3, 3])
     assert einsum_letters((("experts", "t"), ("t",)), ("experts",)) == "ab,b->a"
     assert einsum_letters((("i", "j"), ("j", "k")), ("i", "k")) == "ij,jk->ik"
 
@@ -29,6 +31,9 @@ def test_names_and_letters_parse() -> None:
     ("rows cols -> depth", [2], "einsum output index ['depth'] appears in no input"),
     ("rows cols, cols -> rows", [2, 2], "operand 1 has 1 indices but rank 2"),
     ("rows cols -> rows -> cols", [2], "an einsum spec has one '->'"),
+    ("ij,ij->ij", [1, 1], "einsum 'ij,ij->ij': operand 0 has 2 indices but rank 1"),  # letters, not names
+    ("ijk, jk -> ik", [2, 2], "operand 0 has 3 indices but rank 2"),
+    ("ij, jk -> iz", [2, 2], "einsum output index ['z'] appears in no input"),
 ])
 def test_bad_named_specs_are_refused(spec: str, ranks: list[int], message: str) -> None:
     with pytest.raises(rt.GraphError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -83,3 +88,15 @@ def test_matmul_gradients_keep_letters() -> None:
     g.grad(g.reshape(loss, []), [x, w])
     specs = [n.op.params()["subscripts"] for n in g.operators if n.op is not None and n.op.kind == "einsum"]
     assert specs and all(" " not in s for s in specs), specs
+
+
+def test_a_torch_einsum_spaced_as_torch_allows_traces() -> None:
+    torch = pytest.importorskip("torch")
+
+    class Spaced(torch.nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return torch.einsum("ij, j k -> ik", a, b)
+
+    a, b = torch.randn(5, 4), torch.randn(4, 3)
+    got = rt.parallelize(Spaced(), (a, b), device="cpu:2")(a, b)
+    torch.testing.assert_close(got, a @ b)

@@ -126,10 +126,10 @@ def test_a_torch_optimizer_instance_steps_as_torch_does(name: str) -> None:
 
 def test_reductions_of_a_scalar_loss_are_the_loss() -> None:
     """A loss that reduces what is already a scalar (``F.cross_entropy(...).square().mean()``, ``.sum()``,
-    ``.amax()``): a reduction over no axes of a 0-d tensor is that tensor, as in torch."""
+    ``.amax()``, or over dim 0 or -1, which torch allows): each reduction of a 0-d tensor is that tensor."""
     def loss(m: nn.Module, x: Any, t: Any) -> Any:
         e = F.cross_entropy(m(x), t)
-        return e.square().mean() + e.sum() + e.amax() + e.mean(dim=())
+        return e.square().mean() + e.sum() + e.amax() + e.mean(dim=()) + e.sum(0) + e.amin(-1, keepdim=True)
     model, twin, batches = _model(), _model(), _batches(3)
     step = rt.train_step(model, loss, batches[0], optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
                          device="cpu:2")

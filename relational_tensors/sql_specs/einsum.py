@@ -28,8 +28,8 @@ __all__ = ["EinsumOp", "MatmulOp", "parse_einsum", "einsum_letters"]
 def parse_einsum(subscripts: str, ranks: Sequence[int]) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
     """Split ``"ij,jk->ik"`` into per-operand indices; the output defaults to the indices used once, sorted.
     Indices are letters, or names separated by spaces (``"experts tokens hidden, experts hidden ff -> experts
-    tokens ff"``), the names the plan and ``explain()`` show: a spec is read as names when an operand lists
-    several, or an operand of rank 1 is one word of several letters.
+    tokens ff"``), the names the plan and ``explain()`` show.  A spec is read as letters (spaces ignored, as
+    torch reads it) where that gives every operand its rank, else as names where it has spaces.
 
     >>> parse_einsum("ij,jk->ik", [2, 2])
     ((('i', 'j'), ('j', 'k')), ('i', 'k'))
@@ -71,16 +71,26 @@ def _parse_einsum(subscripts: str, ranks: tuple[int, ...]) -> tuple[tuple[tuple[
     if "." in subscripts:
         raise GraphError(f"einsum ellipses are not supported; got {subscripts!r}. Write every index out.")
     spec = subscripts.strip()
-    lhs, arrow, rhs = spec.partition("->")
+    lhs, _, rhs = spec.partition("->")
     parts = lhs.split(",")
-    # names: an operand lists several (a named operand of rank r has r), or a rank-1 operand is one word
-    named = any(len(part.split()) > 1 for part in (*parts, rhs)) or any(
-        rank == 1 and len(part.strip()) > 1 for part, rank in zip(parts, ranks))
+    # letters, spaces ignored (torch's reading), where they give every operand its rank; else names, where
+    # the spec has spaces and some operand lists several words or every operand one word per dimension
+    fits = len(parts) == len(ranks) and all(len(part.replace(" ", "")) == rank for part, rank in zip(parts, ranks))
+    named = not fits and " " in spec and (
+        any(len(part.split()) > 1 for part in (*parts, rhs)) or all(len(part.split()) == rank
+                                                                    for part, rank in zip(parts, ranks)))
+    return _read_einsum(subscripts, spec, ranks, named)
+
+
+def _read_einsum(subscripts: str, spec: str, ranks: tuple[int, ...],
+                 named: bool) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
+    """``spec`` read as letters or, ``named``, as names separated by spaces."""
     if not named and not re.fullmatch(r"[A-Za-z]*(,[A-Za-z]*)*(->[A-Za-z]*)?", spec.replace(" ", "")):
         raise GraphError(f"an einsum spec is letters, commas and one '->'; got {subscripts!r}.")
+    lhs, arrow, rhs = spec.partition("->")
     if "->" in rhs:
         raise GraphError(f"an einsum spec has one '->'; got {subscripts!r}.")
-    ins = tuple(_indices(part, named, subscripts) for part in parts)
+    ins = tuple(_indices(part, named, subscripts) for part in lhs.split(","))
     if len(ins) != len(ranks):
         raise GraphError(f"einsum {subscripts!r} names {len(ins)} operands; got {len(ranks)} tensors.")
     for k, (letters, rank) in enumerate(zip(ins, ranks)):

@@ -28,9 +28,9 @@ def _dims(dim: Any, rank: int) -> tuple[int, ...]:
 @register_torch_op("sum", "mean", "amax", "amin")
 def _reduce(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     x = tr.sym(a["self"], _out_dtype(node))
+    if x.rank == 0:  # a 0-d tensor (a loss that is already a scalar; torch takes dim 0 or -1 of it too):
+        return tr.reshape(x, _out_shape(node))  # each of these reductions is the tensor
     axes = _dims(a.get("dim"), x.rank)
-    if not axes:  # a 0-d tensor (a loss that is already a scalar): each of these reductions is the tensor
-        return tr.reshape(x, _out_shape(node))
     op = {"sum": "sum", "mean": "mean", "amax": "max", "amin": "min"}[_packet(node)]  # type: ignore[index]
     y = getattr(tr.g, op)(x, axes, bool(a.get("keepdim", False)), name=tr.name(op))
     return tr.reshape(y, _out_shape(node))
