@@ -19,9 +19,13 @@ Each row: eager, ``torch.compile`` and ours (``rt.parallelize`` forward under ``
 milliseconds (2 warm-ups and 10 timed rounds, CUDA events, medians), ours over torch.compile, and whether
 our program ran as one CUDA graph (``captured``: its executor holds a graph and no task left it).  A
 row that fails records its error.  The result file records the command, commit, date and machine.
+``--profile-slow R`` profiles ours (``gpu_user_profile.profile``: host time per call, GPU busy and idle
+time, the kernel families that took it) wherever ours is over ``R`` times torch.compile, forward or
+training, and keeps the profile in the JSON file (``profile`` / ``train profile``), so one run says
+where a slow row's time goes.
 
     python bench/gpu_coverage.py [--rows operators,models,convs] [--only "PART;..."] [--no-train]
-                                 [--out bench/results]
+                                 [--profile-slow 1.5] [--out bench/results]
     python bench/gpu_coverage.py --smoke    # tiny shapes on cpu:2, wall clock: the script's check
 """
 
@@ -277,6 +281,22 @@ def captured(program: Any) -> bool | None:
     return bool(ex.graph_exec is not None)
 
 
+PROFILE_SLOW: float | None = None  # --profile-slow
+
+
+def _profile_if_slow(out: dict[str, Any], ours: str, theirs: str, fn: Callable[[], Any], key: str) -> None:
+    """Where ours is over PROFILE_SLOW times torch.compile (or cuDNN), where its time goes (``key``)."""
+    a, b = out.get(ours), out.get(theirs)
+    if PROFILE_SLOW is None or not isinstance(a, float) or not isinstance(b, float) or a <= PROFILE_SLOW * b:
+        return
+    from gpu_user_profile import profile
+
+    try:
+        out[key] = profile(fn)
+    except Exception as e:  # recorded, not hidden
+        out[key] = f"{type(e).__name__}: {str(e)[:200]}"
+
+
 def row(make: Factory, smoke: bool, train: bool, cudnn_only: bool = False) -> dict[str, Any]:
     cuda = not smoke
     device, dtype = ("cpu:2", torch.float32) if smoke else ("cuda:0", torch.bfloat16)
@@ -292,12 +312,16 @@ def row(make: Factory, smoke: bool, train: bool, cudnn_only: bool = False) -> di
             pm = rt.parallelize(module, inputs, device=device)
             out["ours"] = time_ms(lambda: pm(*inputs), cuda)
             out["captured"] = captured(pm.compiled)
+            if cuda:
+                _profile_if_slow(out, "ours", "eager", lambda: pm(*inputs), "profile")
             return out
         compiled = torch.compile(module)
         out["compile"] = time_ms(lambda: compiled(*inputs), cuda)
         pm = rt.parallelize(module, inputs, device=device)
         out["ours"] = time_ms(lambda: pm(*inputs), cuda)
         out["captured"] = captured(pm.compiled)
+        if cuda:
+            _profile_if_slow(out, "ours", "compile", lambda: pm(*inputs), "profile")
     if train:
         module.train()
         floats = [p for p in module.parameters() if p.requires_grad]
@@ -318,6 +342,8 @@ def row(make: Factory, smoke: bool, train: bool, cudnn_only: bool = False) -> di
         st = rt.train_step(module, loss_fn, inputs, optimizer=torch.optim.AdamW(floats, lr=1e-5), device=device)
         out["train ours"] = time_ms(lambda: st(*inputs), cuda)
         out["train captured"] = captured(st.compiled)
+        if cuda:
+            _profile_if_slow(out, "train ours", "train compile", lambda: st(*inputs), "train profile")
     return out
 
 
@@ -326,9 +352,13 @@ def main() -> None:
     ap.add_argument("--rows", default="operators,models,convs")
     ap.add_argument("--only", default="", help="';'-separated parts of row names to run (default: all)")
     ap.add_argument("--no-train", action="store_true")
+    ap.add_argument("--profile-slow", type=float, default=None,
+                    help="profile ours where it is over this many times torch.compile (or cuDNN)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
+    global PROFILE_SLOW
+    PROFILE_SLOW = a.profile_slow
     only = [n.strip() for n in a.only.split(";") if n.strip()]
     makers = {"operators": operators, "models": models, "convs": lambda: resnet_convs(a.smoke)}
     results: dict[str, dict[str, Any]] = {}
