@@ -262,8 +262,8 @@ def resnet_convs(smoke: bool) -> dict[str, Factory]:
         name = f"{m.in_channels}->{m.out_channels} k{m.kernel_size[0]} s{m.stride[0]} @{i[0].shape[-1]}"
         shapes.setdefault(name, (m, tuple(i[0].shape)))
     hooks = [m.register_forward_hook(seen) for m in net.modules() if isinstance(m, nn.Conv2d)]
-    with torch.no_grad():
-        net(torch.randn(1, 3, 32 if smoke else 224, 32 if smoke else 224))
+    with torch.no_grad():  # in eval mode: batch norm of one image at 1x1 has no batch statistics
+        net.eval()(torch.randn(1, 3, 32 if smoke else 224, 32 if smoke else 224))
     for h in hooks:
         h.remove()
     batch = 2 if smoke else 64
