@@ -259,6 +259,33 @@ def test_strided_slices_equal_torch() -> None:
         assert torch.equal(fast(x), Strided()(x))
 
 
+def test_counts_of_masks_and_integer_reductions_equal_torch() -> None:
+    """``mask.sum()`` (the token count a loss is normalized by), integer sums along an axis, ``amax`` of a
+    bool, and a 0-d count combined with a number: exact, on one device and on three; the gradient through
+    the normalized loss is torch's."""
+    class Counted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.linspace(-1.0, 1.0, 6))
+
+        def forward(self, x: Any) -> Any:
+            mask = x > 0
+            n = mask.sum()
+            per_row = mask.to(torch.int32).sum(-1, keepdim=True)
+            loss = ((x * self.w).square() * mask).sum() / n
+            return loss + (n + 1) * 1e-3 + per_row.amax() * 1e-2 + mask.amax() * 1e-1
+
+    x = torch.randn(5, 6)
+    want = Counted()
+    want(x).backward()
+    for device in ("cpu:1", "cpu:3"):
+        m = Counted()
+        got = rt.parallelize(m, (x,), device=device)(x)
+        torch.testing.assert_close(got, Counted()(x).detach(), rtol=1e-6, atol=1e-7)
+        got.backward()
+        torch.testing.assert_close(m.w.grad, want.w.grad, rtol=1e-5, atol=1e-7)
+
+
 def test_uniform_draws_lie_in_their_interval_on_every_device_count() -> None:
     """``x.uniform_(a, b)`` (PhiMoE's router jitter): values in [a, b) with the interval's mean, the same
     draws on one device and on three."""

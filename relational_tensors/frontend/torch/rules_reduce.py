@@ -32,6 +32,9 @@ def _reduce(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
         return tr.reshape(x, _out_shape(node))  # each of these reductions is the tensor
     axes = _dims(a.get("dim"), x.rank)
     op = {"sum": "sum", "mean": "mean", "amax": "max", "amin": "min"}[_packet(node)]  # type: ignore[index]
+    if x.dtype not in FLOAT_DTYPES:  # counts of a mask, sums of integers: in float64, exact below 2**53
+        y = getattr(tr.g, op)(tr.cast(x, "float64"), axes, bool(a.get("keepdim", False)), name=tr.name(op))
+        return tr.reshape(tr.cast(y, x.dtype), _out_shape(node))
     y = getattr(tr.g, op)(x, axes, bool(a.get("keepdim", False)), name=tr.name(op))
     return tr.reshape(y, _out_shape(node))
 
