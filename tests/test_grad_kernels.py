@@ -417,6 +417,35 @@ def test_embedding_grad_merges_sorted_runs_and_is_the_same_bits_every_run(mem: A
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+@pytest.mark.parametrize("chunk", [4, 8, 16])
+def test_embedding_grad_sums_long_runs_in_pieces_and_is_the_same_bits_every_run(
+        mem: Any, monkeypatch: pytest.MonkeyPatch, dtype: str, chunk: int) -> None:
+    """A small vocabulary over many tokens (T5's relative-position buckets): each id's run of keys summed in
+    pieces of ``RUN_CHUNK`` keys, the pieces of runs that cross a chunk's end added by a second pass; runs
+    that start on a chunk's first key, inside it, span several chunks or end on a chunk's last key; a block
+    of the vocabulary; the same bits twice."""
+    from relational_tensors.kernels import scratch
+    from relational_tensors.kernels import triton_embedding_grad as teg
+
+    monkeypatch.setattr(scratch, "RUN_CHUNK", chunk)
+    monkeypatch.setattr(teg, "SORT_BLOCK", 16)
+    rng = np.random.default_rng(21 + chunk)
+    ids = np.sort(rng.integers(0, 5, 83))[::-1].copy()  # long runs, unsorted order
+    rng.shuffle(ids[:40])
+    ids[::11] = 6
+    op = make("embedding_grad", [T((83,), "int64"), T((83, 9), dtype)], vocab=7)
+    blocks = [ids, randn(rng, (83, 9), dtype)]
+    whole = op.spec({}).functions[0]
+    first = launch(mem, op, whole, blocks, dtype)
+    check_block(first, op.kernel(blocks, whole), dtype, "embedding_grad")
+    again = launch(mem, op, whole, blocks, dtype)
+    assert np.array_equal(np.ascontiguousarray(first).view(np.uint8), np.ascontiguousarray(again).view(np.uint8))
+    vocab = next(s for s in op.requestable() if s.name == "vocab")
+    for f in op.spec({"vocab": vocab.near_equal(2)}).functions:  # rows 0..3 and 4..6
+        check_block(launch(mem, op, f, blocks, dtype), op.kernel(blocks, f), dtype, "embedding_grad")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
 @pytest.mark.parametrize("ignore_index", [None, 4, -100])
 def test_cross_entropy_loss_partials_of_vocabulary_blocks(mem: Any, ignore_index: int | None, dtype: str) -> None:
     rng = np.random.default_rng(13)

@@ -15,8 +15,8 @@ and the compiler counts it in a GPU plan's memory on any machine.
 from __future__ import annotations
 
 __all__ = ["reduce_chunks", "partial_dtype", "weight_grad_chunks", "weight_grad_scratch", "padded_tokens",
-           "embedding_grad_scratch", "grouped_weight_grad_scratch", "reduces_in_place", "MIDDLE_BLOCK", "dkv_splits",
-           "dkv_scratch"]
+           "embedding_grad_scratch", "RUN_CHUNK", "grouped_weight_grad_scratch", "reduces_in_place", "MIDDLE_BLOCK",
+           "dkv_splits", "dkv_scratch"]
 
 SPLIT_ROWS = 264  # fewer output rows than this (two per SM of an H100/H200) leave the GPU mostly idle
 SPLIT_LENGTH = 1 << 16  # rows at least this long are then reduced in chunks, partials combined after
@@ -90,9 +90,14 @@ def padded_tokens(tokens: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def embedding_grad_scratch(tokens: int) -> int:
-    """int64 elements of scratch ``embedding_grad`` needs for a block of ``tokens`` ids: the padded keys."""
-    return padded_tokens(tokens)
+RUN_CHUNK = 1024  # the embedding gradient sums a run of one id in pieces of at most this many sorted keys
+
+
+def embedding_grad_scratch(tokens: int, width: int = 1) -> int:
+    """8-byte elements of scratch ``embedding_grad`` needs for a block of ``tokens`` ids and ``width``
+    columns: the padded keys, then two partial rows per ``RUN_CHUNK`` keys (a run's piece that starts at
+    the chunk's first key, and one that starts inside the chunk and goes on past it)."""
+    return padded_tokens(tokens) + 2 * -(-tokens // RUN_CHUNK) * width
 
 
 def grouped_weight_grad_scratch(experts: int) -> int:

@@ -5,16 +5,21 @@ atomics).
 The tokens are grouped by id with a sort of the keys ``(id - v0) · T + t`` (T tokens; ids outside the block
 sort last): each block of keys is sorted in registers, then sorted runs are merged pairwise by a bitonic
 network (a mirrored compare-exchange, half-cleaners while their distance spans blocks, and a sort of each
-block).  Then one program per sorted position that starts a run of one id adds that run's rows of dy,
-a fixed number of keys at a time in token order (the keys keep it within an id), and writes the row
-once, so a 16-bit table is rounded once, from a float32 sum, as the NumPy kernel rounds it.  Rows no
-token names are zero."""
+block).  Then the rows of dy of each id's run of keys are added in token order, a fixed number of keys
+at a time, in pieces of at most ``RUN_CHUNK`` keys that start at a run's first key or at a multiple of
+``RUN_CHUNK`` (so a run of many tokens, as a small vocabulary's, such as T5's 32 relative-position
+buckets over a million positions, is summed by many programs, not by one walking it all).  A run within
+one piece writes its row at once; a longer one's pieces write float32 partial rows to scratch, and a
+second pass adds them, in order, into the row.  The order of additions depends only on the ids: the same
+bits every run, no atomics; each row is written once, so a 16-bit table is rounded once, from a float32
+sum, as the NumPy kernel rounds it.  Rows no token names are zero."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from relational_tensors.kernels import scratch as scratch_sizes
 from relational_tensors.kernels.common import DevBuf, Ptr, acc_type
 from relational_tensors.kernels.scratch import padded_tokens
 
@@ -71,10 +76,56 @@ def _block_sort_kernel(keys_ptr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _run_sum_kernel(keys_ptr, dy_ptr, out_ptr, n_tok, n_e, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                    ACC: tl.constexpr):
-    # a program per sorted position; the one that starts the run of an id sums that id's rows of dy, BLOCK_K
-    # keys at a time from the run's start (the grouping, so the order of additions, depends only on the ids)
+def _row_of(keys_ptr, at, n_tok):
+    """The id row of the sorted key at ``at`` (< n_tok), -1 for the sentinel."""
+    key = tl.load(keys_ptr + at)
+    return tl.where(key == 9223372036854775807, -1, key // n_tok)
+
+
+@triton.jit
+def _run_sum_kernel(keys_ptr, dy_ptr, out_ptr, part_ptr, n_tok, n_e, CHUNK, BLOCK_K: tl.constexpr,
+                    BLOCK_E: tl.constexpr, ACC: tl.constexpr):
+    # a program per sorted position; one that starts a run, or sits at a multiple of CHUNK inside one, sums
+    # that id's rows of dy from there up to the run's end or the next multiple of CHUNK, BLOCK_K keys at a
+    # time (the grouping, so the order of additions, depends only on the ids)
+    i = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
+    cmask = cols < n_e
+    key = tl.load(keys_ptr + i)
+    row = key // n_tok
+    prev = tl.load(keys_ptr + i - 1, mask=i > 0, other=-1)
+    valid = key != 9223372036854775807
+    starts = valid & ((i == 0) | (prev // n_tok != row))
+    chunk = i // CHUNK
+    aligned = valid & (i % CHUNK == 0)
+    if starts | aligned:
+        limit = tl.minimum((chunk + 1) * CHUNK, n_tok)
+        acc = tl.zeros([BLOCK_E], dtype=ACC)
+        j = i
+        more = True
+        while more:
+            at = j + tl.arange(0, BLOCK_K)
+            k = tl.load(keys_ptr + at, mask=at < limit, other=9223372036854775807)
+            same = (at < limit) & (k // n_tok == row)  # a prefix of these keys: they are sorted
+            rows = tl.load(dy_ptr + (k % n_tok)[:, None] * n_e + cols[None, :], mask=same[:, None] & cmask[None, :],
+                           other=0.0).to(ACC)
+            acc += tl.sum(rows, axis=0)
+            j += BLOCK_K
+            more = tl.min(same.to(tl.int32), axis=0) == 1  # every key was this id's: the piece may go on
+        boundary = (chunk + 1) * CHUNK
+        on = boundary < n_tok
+        goes_on = on & (_row_of(keys_ptr, tl.where(on, boundary, 0), n_tok) == row)
+        if starts & (goes_on == 0):  # the whole run: its row
+            tl.store(out_ptr + row * n_e + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+        else:  # a piece: the chunk's first (aligned) or the one that starts inside it and goes on
+            which = tl.where(aligned, 0, 1)
+            tl.store(part_ptr + (chunk * 2 + which) * n_e + cols, acc, mask=cmask)
+
+
+@triton.jit
+def _run_join_kernel(keys_ptr, out_ptr, part_ptr, n_tok, n_e, CHUNK, BLOCK_E: tl.constexpr, ACC: tl.constexpr):
+    # a program per sorted position; one that starts a run that goes past its chunk adds the run's pieces in
+    # order: its own (aligned or not), then the first piece of every later chunk the run reaches
     i = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
     cmask = cols < n_e
@@ -82,19 +133,21 @@ def _run_sum_kernel(keys_ptr, dy_ptr, out_ptr, n_tok, n_e, BLOCK_K: tl.constexpr
     row = key // n_tok
     prev = tl.load(keys_ptr + i - 1, mask=i > 0, other=-1)
     starts = (key != 9223372036854775807) & ((i == 0) | (prev // n_tok != row))
-    if starts:
-        acc = tl.zeros([BLOCK_E], dtype=ACC)
-        j = i
+    chunk = i // CHUNK
+    boundary = (chunk + 1) * CHUNK
+    on = boundary < n_tok
+    goes_on = on & (_row_of(keys_ptr, tl.where(on, boundary, 0), n_tok) == row)
+    if starts & goes_on:
+        which = tl.where(i % CHUNK == 0, 0, 1)
+        acc = tl.load(part_ptr + (chunk * 2 + which) * n_e + cols, mask=cmask, other=0.0).to(ACC)
+        c = chunk + 1
         more = True
         while more:
-            at = j + tl.arange(0, BLOCK_K)
-            k = tl.load(keys_ptr + at, mask=at < n_tok, other=9223372036854775807)
-            same = (at < n_tok) & (k // n_tok == row)  # a prefix of these keys: they are sorted
-            rows = tl.load(dy_ptr + (k % n_tok)[:, None] * n_e + cols[None, :], mask=same[:, None] & cmask[None, :],
-                           other=0.0).to(ACC)
-            acc += tl.sum(rows, axis=0)
-            j += BLOCK_K
-            more = tl.min(same.to(tl.int32), axis=0) == 1  # every key was this id's: the run may go on
+            acc += tl.load(part_ptr + (c * 2) * n_e + cols, mask=cmask, other=0.0).to(ACC)
+            nxt = (c + 1) * CHUNK
+            inside = nxt < n_tok
+            more = inside & (_row_of(keys_ptr, tl.where(inside, nxt, 0), n_tok) == row)
+            c += 1
         tl.store(out_ptr + row * n_e + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
@@ -110,9 +163,10 @@ def embedding_grad(ids: DevBuf, dy: DevBuf, out: DevBuf, scratch: DevBuf, v0: in
         raise ValueError(f"embedding_grad needs dy of shape ids.shape + ({n_e},) = {(*ids.shape, n_e)}; got "
                          f"{dy.shape}")
     n_pad = padded_tokens(n_tok)
-    if scratch.nbytes < n_pad * 8:
-        raise ValueError(f"embedding_grad needs {n_pad} int64 elements of scratch for {n_tok} ids; got "
-                         f"{scratch.size} {scratch.dtype}")
+    need = scratch_sizes.embedding_grad_scratch(n_tok, n_e)
+    if scratch.nbytes < need * 8:
+        raise ValueError(f"embedding_grad needs {need} 8-byte elements of scratch for {n_tok} ids of {n_e} columns; "
+                         f"got {scratch.size} {scratch.dtype}")
     fill(out, 0.0)
     if not (n_tok and n_v and n_e):
         return
@@ -130,5 +184,11 @@ def embedding_grad(ids: DevBuf, dy: DevBuf, out: DevBuf, scratch: DevBuf, v0: in
             dist //= 2
         _block_sort_kernel[(n_pad // block,)](keys, BLOCK=block)
         run *= 2
-    _run_sum_kernel[(n_tok, triton.cdiv(n_e, BLOCK_E))](keys, Ptr(dy), Ptr(out), n_tok, n_e, BLOCK_K=BLOCK_K,
-                                                        BLOCK_E=BLOCK_E, ACC=acc_type(dy.dtype))
+    acc = acc_type(dy.dtype)
+    parts = Ptr(scratch.ptr + n_pad * 8, "float64" if acc == tl.float64 else "float32")  # after the keys
+    grid = (n_tok, triton.cdiv(n_e, BLOCK_E))
+    chunk = scratch_sizes.RUN_CHUNK
+    _run_sum_kernel[grid](keys, Ptr(dy), Ptr(out), parts, n_tok, n_e, chunk, BLOCK_K=BLOCK_K, BLOCK_E=BLOCK_E,
+                          ACC=acc)
+    if n_tok > chunk:  # runs that cross a chunk's end: their pieces added
+        _run_join_kernel[grid](keys, Ptr(out), parts, n_tok, n_e, chunk, BLOCK_E=BLOCK_E, ACC=acc)

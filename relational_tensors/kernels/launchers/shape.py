@@ -89,10 +89,10 @@ def _embedding(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stre
 
 
 def _embedding_grad_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str]:
-    """The sort keys of the block's token ids."""
+    """The sort keys of the block's token ids, and the partial rows of long runs."""
     from relational_tensors.kernels.scratch import embedding_grad_scratch
 
-    return (embedding_grad_scratch(f.inputs[0].volume),), "int64"
+    return (embedding_grad_scratch(f.inputs[0].volume, f.inputs[1].shape[-1]),), "int64"
 
 
 @launcher("embedding_grad", scratch=_embedding_grad_scratch)
