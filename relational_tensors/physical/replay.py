@@ -137,6 +137,8 @@ class Replay:
     recorded_at: int = 0  # the shift the program (which names devices) was recorded at
     # shift -> the program and membership there (one object per stage: checked and laid out once)
     shifted: dict[int, tuple[ExProg, Membership]] = field(default_factory=dict, compare=False)
+    # shift -> the steps with their devices moved and copies' labels written (made once per stage)
+    prepared: dict[int, tuple[tuple[Any, ...], ...]] = field(default_factory=dict, compare=False)
 
     @staticmethod
     def record(low: LoweringState, op_id: int, first_task: int, first_buffer: int,
@@ -209,6 +211,24 @@ class Replay:
                       tuple(d - shift for d in low.placement[op_id]),
                       tuple(b - first_buffer for b in low.kernel_out[op_id]), program, shift)
 
+    def _prepare(self, shift: int) -> tuple[tuple[Any, ...], ...]:
+        """The steps on the devices ``shift`` on: (kind, device, input refs, outputs, source device, payload,
+        whether the label follows the operator's name, label), a load as (None, distinct input, box, device)."""
+        out: list[tuple[Any, ...]] = []
+        for step in self.steps:
+            if step[0] == "load":
+                out.append((None, step[1], step[2], step[3] + shift, None, None, False, ""))
+                continue
+            _, kind, device, ins, outs, src_device, payload, (named, label) = step
+            device += shift
+            if src_device is not None:
+                src_device += shift
+            if kind == "copy":
+                label = f"{label} {src_device}->{device}"
+            moved = tuple((d + shift, box, dtype, tensor, partial) for d, box, dtype, tensor, partial in outs)
+            out.append((kind, device, ins, moved, src_device, payload, named, label))
+        return tuple(out)
+
     def apply(self, low: LoweringState, op_id: int, readable: dict[int, dict[tuple[Box, int], int]],
               shift: int = 0) -> None:
         """The recorded lowering, for ``op_id``: its tasks appended with fresh buffer ids, on the recorded
@@ -221,22 +241,23 @@ class Replay:
                    low.loaded[(tensors[r[1]], r[2], r[3] + shift)] if r[0] == "load" else
                    readable[tensors[r[1]]][(r[2], r[3] + shift)] for r in self.outside]
         base = len(buffers)
-        for step in self.steps:
-            if step[0] == "load":
-                low.load(tensors[step[1]], step[2], step[3] + shift)
+        steps = self.prepared.get(shift)
+        if steps is None:
+            steps = self.prepared[shift] = self._prepare(shift)
+        nb, nt = base, len(tasks)
+        for kind, device, ins, outs, src_device, payload, named, label in steps:
+            if kind is None:  # a load: (None, distinct input, box, device, ...)
+                low.load(tensors[device], ins, outs)
+                nb, nt = len(buffers), len(tasks)
                 continue
-            _, kind, device, ins, outs, src_device, payload, (named, label) = step
             made = []
             for b_device, box, dtype, tensor, partial in outs:
-                b = len(buffers)
-                buffers[b] = Buffer(b, b_device + shift, box, dtype, tensors[tensor], partial)
-                made.append(b)
-            if src_device is not None:
-                src_device += shift
-            if kind == "copy":
-                label = f"{label} {src_device}->{device + shift}"
-            tasks.append(Task(len(tasks), kind, device + shift, tuple(base + r if r >= 0 else outside[~r] for r in ins),
+                buffers[nb] = Buffer(nb, b_device, box, dtype, tensors[tensor], partial)
+                made.append(nb)
+                nb += 1
+            tasks.append(Task(nt, kind, device, tuple([base + r if r >= 0 else outside[~r] for r in ins]),
                               tuple(made), op_id, src_device, payload, name + label if named else label))
+            nt += 1
         if len(buffers) != base + self.made:
             raise ExchangeError(f"replaying the lowering of {name!r} made {len(buffers) - base} buffers where its "
                                 f"recording made {self.made}: a geometry key misses something the lowering reads.")

@@ -56,15 +56,17 @@ def fuse_views(dag: TaskDAG) -> TaskDAG:
             if b in asked and b not in producer:
                 producer[b] = t
     outputs = {b for blocks in dag.outputs.values() for _, b in blocks}
-    buffers = dict(dag.buffers)
+    buffers = dag.buffers  # rewritten in place (a view differs from its buffer in ``parent`` alone)
     drop: set[int] = set()
     replaced: dict[int, Task] = {}
 
+    # one pass in task order: each rewrite reads what earlier tasks' rewrites left (a piece's first reader
+    # is the first to ask for it), as three passes one after the other would
     for t in tasks:
         kind = t.kind
         if kind == "decompose":  # atoms as views of the block they are cut from
             src = t.inputs[0]
-            if dag.buffers[src].partial == "lse":
+            if buffers[src].partial == "lse":
                 continue
             cut = t.payload
             assert isinstance(cut, DecomposePayload)
@@ -79,44 +81,39 @@ def fuse_views(dag: TaskDAG) -> TaskDAG:
             elif len(keep) < len(t.outputs):
                 replaced[t.id] = dataclasses.replace(t, outputs=tuple(b for _, b in keep),
                                                      payload=DecomposePayload(tuple(c for c, _ in keep)))
-
-    for t in tasks:
-        if t.kind != "recompose":  # delivered pieces as views of the block their reader assembles
-            continue
-        out = dag.buffers[t.outputs[0]]
-        if out.partial is not None:
-            continue
-        left = []
-        pieces = t.payload
-        assert isinstance(pieces, RecomposePayload)
-        for cell, b, final in zip(pieces.cells, t.inputs, pieces.finalize):
-            made_by = producer.get(b)
-            piece = buffers[b]
-            if (made_by is not None and made_by.kind in ("copy", "aggregate") and not final
-                    and piece.partial != "lse" and piece.parent is None and _hosts(t, readers[b], piece)
-                    and b not in outputs and piece.device == out.device and piece.dtype == out.dtype):
-                buffers[b] = _view(piece, out.id)
-            else:
-                left.append((cell, b, final))
-        if not left and t.inputs:  # (a recompose of no pieces makes an empty block: it stays)
-            drop.add(t.id)
-        elif len(left) < len(t.inputs):
-            replaced[t.id] = dataclasses.replace(t, inputs=tuple(b for _, b, _ in left),
-                                                 payload=dataclasses.replace(
-                                                     pieces, cells=tuple(c for c, _, _ in left),
-                                                     finalize=tuple(f for _, _, f in left)))
-
-    for t in tasks:
-        if t.kind != "assign":  # a state's next value assembled in the block it is kept in
-            continue
-        src, dst = t.inputs[0], t.outputs[0]
-        made_by = producer.get(src)
-        value, kept = buffers[src], buffers[dst]
-        if (made_by is not None and made_by.kind in ("copy", "recompose") and len(readers[src]) == 1
-                and src not in outputs and value.parent is None and value.partial is None and kept.parent is None
-                and (value.device, value.box, value.dtype) == (kept.device, kept.box, kept.dtype)):
-            buffers[src] = _view(value, dst)
-            drop.add(t.id)
+        elif kind == "recompose":  # delivered pieces as views of the block their reader assembles
+            out = buffers[t.outputs[0]]
+            if out.partial is not None:
+                continue
+            left = []
+            pieces = t.payload
+            assert isinstance(pieces, RecomposePayload)
+            for cell, b, final in zip(pieces.cells, t.inputs, pieces.finalize):
+                made_by = producer.get(b)
+                piece = buffers[b]
+                if (made_by is not None and made_by.kind in ("copy", "aggregate") and not final
+                        and piece.partial != "lse" and piece.parent is None and _hosts(t, readers[b], piece)
+                        and b not in outputs and piece.device == out.device and piece.dtype == out.dtype):
+                    buffers[b] = _view(piece, out.id)
+                else:
+                    left.append((cell, b, final))
+            if not left and t.inputs:  # (a recompose of no pieces makes an empty block: it stays)
+                drop.add(t.id)
+            elif len(left) < len(t.inputs):
+                replaced[t.id] = dataclasses.replace(t, inputs=tuple(b for _, b, _ in left),
+                                                     payload=dataclasses.replace(
+                                                         pieces, cells=tuple(c for c, _, _ in left),
+                                                         finalize=tuple(f for _, _, f in left)))
+        elif kind == "assign":  # a state's next value assembled in the block it is kept in
+            src, dst = t.inputs[0], t.outputs[0]
+            made_by = producer.get(src)
+            value, kept = buffers[src], buffers[dst]
+            if (made_by is not None and made_by.kind in ("copy", "recompose") and len(readers[src]) == 1
+                    and src not in outputs and value.parent is None and value.partial is None
+                    and kept.parent is None
+                    and (value.device, value.box, value.dtype) == (kept.device, kept.box, kept.dtype)):
+                buffers[src] = _view(value, dst)
+                drop.add(t.id)
 
     kept_tasks: list[Task] = []
     for t in tasks:
