@@ -83,6 +83,22 @@ def _row_of(keys_ptr, at, n_tok):
 
 
 @triton.jit
+def _position(keys_ptr, i, n_tok, CHUNK):
+    """Sorted position ``i``: its id row, whether its key is an id's, whether it starts the id's run, its
+    chunk, and whether the run goes on past the chunk's end."""
+    key = tl.load(keys_ptr + i)
+    row = key // n_tok
+    prev = tl.load(keys_ptr + i - 1, mask=i > 0, other=-1)
+    valid = key != 9223372036854775807
+    starts = valid & ((i == 0) | (prev // n_tok != row))
+    chunk = i // CHUNK
+    boundary = (chunk + 1) * CHUNK
+    on = boundary < n_tok
+    goes_on = on & (_row_of(keys_ptr, tl.where(on, boundary, 0), n_tok) == row)
+    return row, valid, starts, chunk, goes_on
+
+
+@triton.jit
 def _run_sum_kernel(keys_ptr, dy_ptr, out_ptr, part_ptr, n_tok, n_e, CHUNK, BLOCK_K: tl.constexpr,
                     BLOCK_E: tl.constexpr, ACC: tl.constexpr):
     # a program per sorted position; one that starts a run, or sits at a multiple of CHUNK inside one, sums
@@ -91,12 +107,7 @@ def _run_sum_kernel(keys_ptr, dy_ptr, out_ptr, part_ptr, n_tok, n_e, CHUNK, BLOC
     i = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
     cmask = cols < n_e
-    key = tl.load(keys_ptr + i)
-    row = key // n_tok
-    prev = tl.load(keys_ptr + i - 1, mask=i > 0, other=-1)
-    valid = key != 9223372036854775807
-    starts = valid & ((i == 0) | (prev // n_tok != row))
-    chunk = i // CHUNK
+    row, valid, starts, chunk, goes_on = _position(keys_ptr, i, n_tok, CHUNK)
     aligned = valid & (i % CHUNK == 0)
     if starts | aligned:
         limit = tl.minimum((chunk + 1) * CHUNK, n_tok)
@@ -112,9 +123,6 @@ def _run_sum_kernel(keys_ptr, dy_ptr, out_ptr, part_ptr, n_tok, n_e, CHUNK, BLOC
             acc += tl.sum(rows, axis=0)
             j += BLOCK_K
             more = tl.min(same.to(tl.int32), axis=0) == 1  # every key was this id's: the piece may go on
-        boundary = (chunk + 1) * CHUNK
-        on = boundary < n_tok
-        goes_on = on & (_row_of(keys_ptr, tl.where(on, boundary, 0), n_tok) == row)
         if starts & (goes_on == 0):  # the whole run: its row
             tl.store(out_ptr + row * n_e + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
         else:  # a piece: the chunk's first (aligned) or the one that starts inside it and goes on
@@ -129,14 +137,7 @@ def _run_join_kernel(keys_ptr, out_ptr, part_ptr, n_tok, n_e, CHUNK, BLOCK_E: tl
     i = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
     cmask = cols < n_e
-    key = tl.load(keys_ptr + i)
-    row = key // n_tok
-    prev = tl.load(keys_ptr + i - 1, mask=i > 0, other=-1)
-    starts = (key != 9223372036854775807) & ((i == 0) | (prev // n_tok != row))
-    chunk = i // CHUNK
-    boundary = (chunk + 1) * CHUNK
-    on = boundary < n_tok
-    goes_on = on & (_row_of(keys_ptr, tl.where(on, boundary, 0), n_tok) == row)
+    row, _, starts, chunk, goes_on = _position(keys_ptr, i, n_tok, CHUNK)
     if starts & goes_on:
         which = tl.where(i % CHUNK == 0, 0, 1)
         acc = tl.load(part_ptr + (chunk * 2 + which) * n_e + cols, mask=cmask, other=0.0).to(ACC)
