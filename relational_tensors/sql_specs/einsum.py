@@ -20,7 +20,7 @@ from relational_tensors.core.types import Box, TensorType
 from relational_tensors.errors import GraphError
 from relational_tensors.sql_specs.base import Builder, Grads, IndexedOp, register
 from relational_tensors.sql_specs.common import names_or_default, same_dtype
-from relational_tensors.sql_specs.grad import einsum_grads
+from relational_tensors.sql_specs.grad import einsum_grads, index_letters
 
 __all__ = ["EinsumOp", "MatmulOp", "parse_einsum", "einsum_letters"]
 
@@ -41,18 +41,13 @@ def parse_einsum(subscripts: str, ranks: Sequence[int]) -> tuple[tuple[tuple[str
 
 def einsum_letters(ins: Sequence[Sequence[str]], out: Sequence[str]) -> str:
     """The one-letter spec of parsed indices, for ``numpy.einsum`` and its kin: letters as they are, names
-    given letters in order of appearance."""
-    names = list(dict.fromkeys(n for part in (*ins, out) for n in part))
-    if all(len(n) == 1 for n in names):
-        letter = {n: n for n in names}
-    else:
-        if len(names) > len(_ALPHABET):
-            raise GraphError(f"an einsum takes at most {len(_ALPHABET)} indices; got {len(names)}.")
-        letter = dict(zip(names, _ALPHABET))
+    given letters in order of appearance (``grad.index_letters``)."""
+    parts = [*ins, out]
+    letter = index_letters(parts) if any(len(n) > 1 for part in parts for n in part) else {
+        n: n for part in parts for n in part}
     return ",".join("".join(letter[n] for n in part) for part in ins) + "->" + "".join(letter[n] for n in out)
 
 
-_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 

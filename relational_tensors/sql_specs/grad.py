@@ -17,7 +17,7 @@ from relational_tensors.errors import GraphError
 from relational_tensors.sql_specs.base import OPERATORS, Builder, Grads, Handle
 
 __all__ = ["build", "reduce_to", "expand_to", "reshape_to", "add_all", "not_differentiable", "einsum_grads",
-           "SECOND_ORDER"]
+           "index_letters", "SECOND_ORDER"]
 
 # the ``gradient`` of a gradient operator: why it has none
 SECOND_ORDER = "a gradient operator (second derivatives are not built)"
@@ -68,8 +68,9 @@ def add_all(b: Builder, parts: Sequence[Handle]) -> Any:
     return parts[0]
 
 
-def _letters(dims: Sequence[Sequence[str | None]]) -> dict[str, str]:
-    """A distinct einsum letter per index name (index names such as ``b0`` are not letters)."""
+def index_letters(dims: Sequence[Sequence[str | None]]) -> dict[str, str]:
+    """A distinct einsum letter per index name, in order of appearance (index names such as ``b0`` or
+    ``experts`` are not letters): what ``numpy.einsum`` and its kin read."""
     names: dict[str, None] = {}
     for d in dims:
         for n in d:
@@ -78,7 +79,7 @@ def _letters(dims: Sequence[Sequence[str | None]]) -> dict[str, str]:
             names.setdefault(n)
     alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
     if len(names) > len(alphabet):
-        raise GraphError(f"an einsum gradient takes at most {len(alphabet)} indices; got {len(names)}.")
+        raise GraphError(f"an einsum takes at most {len(alphabet)} indices; got {len(names)}.")
     return dict(zip(names, alphabet))
 
 
@@ -100,7 +101,7 @@ def einsum_grads(kind: str, b: Builder, dims_in: Sequence[Sequence[str]], dims_o
                 raise GraphError("an einsum gradient needs every dimension named; got a broadcast dimension.")
         letters = {n: n for d in [*dims_in, dims_out] for n in d}
     else:
-        letters = _letters([*dims_in, dims_out])
+        letters = index_letters([*dims_in, dims_out])
     subs = [tuple(letters[n] for n in d) for d in dims_in]
     out_sub = tuple(letters[n] for n in dims_out)
     grads: list[Any] = []
