@@ -135,10 +135,8 @@ class Replay:
     kernel_out: tuple[int, ...]  # the new buffers the kernels wrote
     program: tuple[ExProg, Membership, bool] | None  # the operator's exchange program, membership, searched
     recorded_at: int = 0  # the shift the program (which names devices) was recorded at
-    # shift -> the program and membership there (one object per stage: checked and laid out once)
-    shifted: dict[int, tuple[ExProg, Membership]] = field(default_factory=dict, compare=False)
-    # shift -> the steps with their devices moved and copies' labels written (made once per stage)
-    prepared: dict[int, tuple[tuple[Any, ...], ...]] = field(default_factory=dict, compare=False)
+    # shift -> what ``_moved`` makes for it, once per pipeline stage (the program: checked and laid out once)
+    moved: dict[int, tuple[Any, ...]] = field(default_factory=dict, compare=False)
 
     @staticmethod
     def record(low: LoweringState, op_id: int, first_task: int, first_buffer: int,
@@ -211,13 +209,15 @@ class Replay:
                       tuple(d - shift for d in low.placement[op_id]),
                       tuple(b - first_buffer for b in low.kernel_out[op_id]), program, shift)
 
-    def _prepare(self, shift: int) -> tuple[tuple[Any, ...], ...]:
-        """The steps on the devices ``shift`` on: (kind, device, input refs, outputs, source device, payload,
-        whether the label follows the operator's name, label), a load as (None, distinct input, box, device)."""
-        out: list[tuple[Any, ...]] = []
+    def _moved(self, shift: int) -> tuple[Any, ...]:
+        """What a replay ``shift`` devices on uses: the steps with their devices moved and copies' labels
+        written ((kind, device, input refs, outputs, source device, payload, whether the label follows the
+        operator's name, label), a load as (None, distinct input, box, device)); the placement; the program
+        and its membership there (None without a program)."""
+        steps: list[tuple[Any, ...]] = []
         for step in self.steps:
             if step[0] == "load":
-                out.append((None, step[1], step[2], step[3] + shift, None, None, False, ""))
+                steps.append((None, step[1], step[2], step[3] + shift))
                 continue
             _, kind, device, ins, outs, src_device, payload, (named, label) = step
             device += shift
@@ -226,8 +226,14 @@ class Replay:
             if kind == "copy":
                 label = f"{label} {src_device}->{device}"
             moved = tuple((d + shift, box, dtype, tensor, partial) for d, box, dtype, tensor, partial in outs)
-            out.append((kind, device, ins, moved, src_device, payload, named, label))
-        return tuple(out)
+            steps.append((kind, device, ins, moved, src_device, payload, named, label))
+        program = None
+        if self.program is not None:
+            prog, membership, _ = self.program
+            move = shift - self.recorded_at
+            program = (prog.moved(move), {k: tuple(d + move for d in v) for k, v in membership.items()}) \
+                if move else (prog, membership)
+        return tuple(steps), tuple(d + shift for d in self.placement), program
 
     def apply(self, low: LoweringState, op_id: int, readable: dict[int, dict[tuple[Box, int], int]],
               shift: int = 0) -> None:
@@ -241,15 +247,18 @@ class Replay:
                    low.loaded[(tensors[r[1]], r[2], r[3] + shift)] if r[0] == "load" else
                    readable[tensors[r[1]]][(r[2], r[3] + shift)] for r in self.outside]
         base = len(buffers)
-        steps = self.prepared.get(shift)
-        if steps is None:
-            steps = self.prepared[shift] = self._prepare(shift)
+        moved = self.moved.get(shift)
+        if moved is None:
+            moved = self.moved[shift] = self._moved(shift)
+        steps, placement, program = moved
         nb, nt = base, len(tasks)
-        for kind, device, ins, outs, src_device, payload, named, label in steps:
-            if kind is None:  # a load: (None, distinct input, box, device, ...)
-                low.load(tensors[device], ins, outs)
+        for step in steps:
+            if step[0] is None:  # a load
+                _, t, box, device = step
+                low.load(tensors[t], box, device)
                 nb, nt = len(buffers), len(tasks)
                 continue
+            kind, device, ins, outs, src_device, payload, named, label = step
             made = []
             for b_device, box, dtype, tensor, partial in outs:
                 buffers[nb] = Buffer(nb, b_device, box, dtype, tensors[tensor], partial)
@@ -261,17 +270,9 @@ class Replay:
         if len(buffers) != base + self.made:
             raise ExchangeError(f"replaying the lowering of {name!r} made {len(buffers) - base} buffers where its "
                                 f"recording made {self.made}: a geometry key misses something the lowering reads.")
-        low.placement[op_id] = tuple(d + shift for d in self.placement) if shift else self.placement
+        low.placement[op_id] = placement
         low.kernel_out[op_id] = [base + n for n in self.kernel_out]
-        if self.program is not None:
-            prog, membership, searched = self.program
-            move = shift - self.recorded_at
-            if move:
-                if shift not in self.shifted:
-                    self.shifted[shift] = (prog.moved(move),
-                                           {k: tuple(d + move for d in v) for k, v in membership.items()})
-                prog, membership = self.shifted[shift]
-            low.programs[name] = prog
-            low.memberships[name] = membership
-            if searched:
+        if program is not None and self.program is not None:
+            low.programs[name], low.memberships[name] = program
+            if self.program[2]:  # searched
                 low.searched.add(name)
