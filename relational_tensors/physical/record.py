@@ -64,6 +64,7 @@ def physical_tables(plan: LogicalPlan, lowered: Lowered, live: Liveness) -> dict
     place_flops: list[float] = []
     place_stage: list[int | None] = []
     place_micro: list[int | None] = []
+    staged = plan if isinstance(plan, PipelinedPlan) else None
     for op_id, where in sorted(lowered.placement.items()):
         spec = plan.spec(op_id)
         if id(spec) not in blocks:
@@ -75,8 +76,8 @@ def physical_tables(plan: LogicalPlan, lowered: Lowered, live: Liveness) -> dict
         place_device += where
         place_block += block_texts
         place_flops += flops
-        micro = plan.micro_of.get(op_id) if isinstance(plan, PipelinedPlan) else None
-        place_stage += [plan.stage_of[op_id] if isinstance(plan, PipelinedPlan) else None] * len(where)
+        micro = staged.micro_of.get(op_id) if staged is not None else None
+        place_stage += [staged.stage_of[op_id] if staged is not None else None] * len(where)
         place_micro += list(micro) if micro is not None else [None] * len(where)
     out["placements"] = _table({"op_id": (pa.int32(), place_ops), "function_index": (pa.int32(), place_index),
                                 "device": (pa.int32(), place_device), "output_block": (pa.string(), place_block),
