@@ -100,9 +100,7 @@ def _broadcast_binary(tr: _Translator, node: Any, x: Any, y: Any, op: str) -> Te
             return tr.unary(y, "scale", sx)
         if op == "div":
             return tr.unary(tr.unary(y, "pow", -1.0), "scale", sx)
-    out = tr.binary(tr.sym(x, dtype), tr.sym(y, dtype), op)
-    # a number is a one-element tensor [1]: with a 0-d tensor the result is torch's 0-d one
-    return tr.reshape(out, shape) if out.shape != shape and math.prod(out.shape) == math.prod(shape) else out
+    return tr.binary(tr.sym(x, dtype), tr.sym(y, dtype), op)
 
 
 def _alpha(tr: _Translator, node: Any, y: Any, alpha: Any) -> Any:

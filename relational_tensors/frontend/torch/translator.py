@@ -7,6 +7,7 @@ parameters.  ``SUPPORTED_OPS`` lists the operations with a rule.
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 import string
 import warnings
@@ -509,6 +510,7 @@ class _Translator:
         if isinstance(result, Tensor):
             if not _is_torch_tensor(val):
                 return result
+            result = self._one_element(result, tuple(val.shape))
             if tuple(result.shape) != tuple(val.shape):
                 raise GraphError(f"the rule for {_op_name(node)} produced shape {result.shape}, but torch records "
                                  f"{tuple(val.shape)}; this is a bug in from_torch, please report it.")
@@ -540,7 +542,16 @@ class _Translator:
                              "running statistics) and counters' increments. Move the update out of forward.")
         self.g.buffer_increments[name] = (host(new) - host(old)).clone()
 
+    def _one_element(self, result: Tensor, shape: tuple[int, ...]) -> Tensor:
+        """A one-element result in torch's one-element shape: a Python number is a one-element tensor [1]
+        here, so with a 0-d tensor a rule makes [1] where torch makes ()."""
+        if tuple(result.shape) != shape and math.prod(result.shape) == 1 == math.prod(shape):
+            return self.reshape(result, shape)
+        return result
+
     def _check_item(self, node: Any, r: Any, v: Any) -> Any:
+        if isinstance(r, Tensor) and _is_torch_tensor(v):
+            r = self._one_element(r, tuple(v.shape))
         if isinstance(r, Tensor) and tuple(r.shape) != tuple(v.shape):
             raise GraphError(f"the rule for {_op_name(node)} produced shape {r.shape}, but torch records "
                              f"{tuple(v.shape)}; this is a bug in from_torch, please report it.")
