@@ -1,10 +1,11 @@
 """A training step on 2, 4 and 8 HGX H200 nodes (InfiniBand rails), simulated: the optimizer's plan
 against the hand plans of ``rt.plans`` that a multi-node run uses.
 
-The workload is the LLaMA-3-8B-shaped training step (embedding, ``--layers`` blocks, LM head over 128,256
-entries, cross-entropy, AdamW with float32 master weights and moments, bfloat16) on one sequence of
-``--seq`` tokens per GPU (a global batch that grows with the machine, as data parallelism scales).  Each
-plan is compiled with the calibrated cost model for all the machine's GPUs and simulated on the machine:
+The workload is the LLaMA-3-8B-shaped (``--shape 70b``: 70B-shaped) training step (embedding, ``--layers``
+blocks, LM head over 128,256 entries, cross-entropy, AdamW with float32 master weights and moments,
+bfloat16) on one sequence of ``--seq`` tokens per GPU (a global batch that grows with the machine, as data
+parallelism scales).  Each plan is compiled with the calibrated cost model for all the machine's GPUs and
+simulated on the machine:
 
 * ``optimizer``: no constraint;
 * ``fsdp``: data parallelism, every state sharded over all GPUs (ZeRO-3);
@@ -21,11 +22,13 @@ plan is compiled with the calibrated cost model for all the machine's GPUs and s
 
 Reported per plan: the simulated step, the peak memory of the fullest GPU, the bytes that cross between
 nodes per step (copies whose source and destination GPUs are in different nodes), the share of the GPUs'
-time they compute nothing in the simulation (for a pipeline, its bubble and the transfers it waits for)
-and the planning time.
+time they compute nothing in the simulation (for a pipeline, its bubble and the transfers it waits for),
+beside a pipeline's ideal bubble ((stages - 1) / (micro-batches + stages - 1), the share of a step a stage
+waits when every stage takes the same time and transfers are free), and the planning time.  The result
+file is written after every plan.
 
     python bench/multinode_plans.py [--machines 2x-hgx-h200-ib,4x-hgx-h200-ib,8x-hgx-h200-ib] [--layers 4]
-        [--seq 1024] [--out bench/results/multinode_plans.md]
+        [--seq 1024] [--shape 8b|70b] [--out bench/results/multinode_plans.md]
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from common import header, header_markdown, write_table  # bench/common.py
 
 import relational_tensors as rt
 from relational_tensors.errors import PlanError
-from relational_tensors.graph.models import LLAMA3_8B, llama_training_graph
+from relational_tensors.graph.models import LLAMA3_8B, LLAMA3_70B, llama_training_graph
 from relational_tensors.machine.machines import get_topology
 
 PLANS = ("optimizer", "fsdp", "megatron_dp", "fsdp_tp", "ddp", "pipeline", "megatron_pp", "auto")
@@ -52,10 +55,13 @@ def cross_node_bytes(cg: rt.CompiledGraph) -> int:
                if t.kind == "copy" and t.src_device is not None and t.src_device // NODE != t.device // NODE)
 
 
-def run(machine: str, plan: str, layers: int, seq: int) -> dict[str, Any]:
+SHAPES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
+
+
+def run(machine: str, plan: str, layers: int, seq: int, shape: str = "8b") -> dict[str, Any]:
     p = len(get_topology(machine).sites)
     g = llama_training_graph(p, seq, dtype="bfloat16", vocab=128256, layers=layers, optimizer="adamw",
-                             master_dtype="float32", **LLAMA3_8B)
+                             master_dtype="float32", **SHAPES[shape])
     nodes = p // NODE
     pipeline = rt.Pipeline(nodes, 2 * nodes, "1f1b") if plan in ("pipeline", "megatron_pp") else None
     constraints = (None if plan in ("optimizer", "pipeline", "auto") else rt.plans.megatron_tp(g, NODE)
@@ -73,6 +79,7 @@ def run(machine: str, plan: str, layers: int, seq: int) -> dict[str, Any]:
     chosen = cg.options.pipeline
     assert chosen is None or isinstance(chosen, rt.Pipeline)
     row["stages"], row["micro_batches"] = (chosen.stages, chosen.micro_batches) if chosen else (1, 1)
+    row["ideal_bubble"] = (row["stages"] - 1) / (row["micro_batches"] + row["stages"] - 1)
     sim = cg.simulation()
     row["step_ms"] = 1e3 * sim.time
     busy = sum(t.end - t.start for t in sim.tasks if t.kind in COMPUTE)
@@ -89,33 +96,39 @@ def main() -> None:
     ap.add_argument("--plans", default=",".join(PLANS))
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--shape", default="8b", choices=tuple(SHAPES))
     ap.add_argument("--out", default="bench/results/multinode_plans.md")
     args = ap.parse_args()
     machines = args.machines.split(",")
-    rows = []
+    rows: list[dict[str, Any]] = []
     for machine in machines:
         for plan in args.plans.split(","):
-            rows.append(run(machine, plan, args.layers, args.seq))
+            rows.append(run(machine, plan, args.layers, args.seq, args.shape))
             print(rows[-1], flush=True)
-    head = header(f"The {args.layers}-layer 8B-shaped training step on several nodes", machines,
+            write(args, machines, rows)  # after every plan: a long run cut off keeps what it measured
+
+
+def write(args: argparse.Namespace, machines: list[str], rows: list[dict[str, Any]]) -> None:
+    head = header(f"The {args.layers}-layer {args.shape.upper()}-shaped training step on several nodes", machines,
                   "cpu:<p> logical devices, priced and simulated on each machine",
                   notes=[f"one sequence of {args.seq} tokens per GPU; bfloat16, AdamW with float32 masters",
                          "cross-node GB: bytes per step copied between GPUs of different nodes",
-                         "idle: the share of the GPUs' simulated time without a kernel, ⊕ or assembly"])
+                         "idle: the share of the GPUs' simulated time without a kernel, ⊕ or assembly",
+                         "ideal bubble: (stages - 1) / (micro-batches + stages - 1)"])
     head["dtype"] = "bfloat16"
     lines = [*header_markdown(head), "| machine | p | plan | stages x micro-batches | step ms | peak GiB / GPU "
-             "| cross-node GB / step | idle | tasks | planned (CPU s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| cross-node GB / step | idle | ideal bubble | tasks | planned (CPU s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         shape = f"{r['stages']} x {r['micro_batches']}" if "stages" in r else ""
         if "refused" in r:
             lines.append(f"| {r['machine']} | {r['p']} | {r['plan']} | {shape} | refused: {r['refused']} "
-                         "| | | | | |")
+                         "| | | | | | |")
             continue
         lines.append(f"| {r['machine']} | {r['p']} | {r['plan']} | {shape} | {r['step_ms']:.1f} | "
-                     f"{r['peak_gib']:.2f} | {r['cross_node_gb']:.2f} | {r['idle']:.0%} | {r['tasks']} | "
-                     f"{r['planned_cpu_s']:.1f} |")
+                     f"{r['peak_gib']:.2f} | {r['cross_node_gb']:.2f} | {r['idle']:.0%} | {r['ideal_bubble']:.0%} "
+                     f"| {r['tasks']} | {r['planned_cpu_s']:.1f} |")
     write_table(args.out, lines, {**head, "rows": rows})
-
 
 if __name__ == "__main__":
     main()

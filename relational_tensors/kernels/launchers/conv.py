@@ -1,6 +1,7 @@
-"""Convolutions: im2col into scratch and one cuBLAS GEMM per group (grouped convolutions contract CuPy
-arrays, which allocates); their gradients as one GEMM per kernel position (grouped ones on host copies);
-pooling and its gradient in Triton kernels."""
+"""Convolutions: cuDNN where its frontend is installed and has an engine for the block (16-bit, ungrouped:
+``kernels.cudnn_conv``), else im2col into scratch and one cuBLAS GEMM per group (grouped convolutions
+contract CuPy arrays, which allocates); their gradients likewise by cuDNN, else as one GEMM per kernel
+position (grouped ones on host copies); pooling and its gradient in Triton kernels."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from relational_tensors.core.dtypes import float32_to_bf16_bits
 from relational_tensors.core.spec import FunctionSpec
+from relational_tensors.kernels import cudnn_conv
 from relational_tensors.kernels.launchers.base import _computable, host_kernel, launcher
 
 
@@ -39,6 +41,8 @@ def _conv(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: i
         return
     if x.shape[1] == 0 or out.size == 0:
         tc.fill(out, 0.0)
+        return
+    if cudnn_conv.fprop(op, x, w, out, f.inputs[0], f.output, consts.get("scratch"), stream):
         return
     rank = op.rank
     cols = consts["scratch"]
@@ -157,6 +161,8 @@ def _conv_dw(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream
     if 0 in (*x.shape[:2], *dy.shape):
         tc.fill(out, 0.0)
         return
+    if cudnn_conv.wgrad(op, x, dy, out, f.inputs[0], f.inputs[1], consts.get("scratch"), stream):
+        return
     n, c, fo, n_out = x.shape[0], x.shape[1], dy.shape[1], dy.shape[2:]
     room = _Room(consts["scratch"])
     dyt, cols, dwk = (room.take(shape, dtype) for shape, dtype in _conv_grad_views(op, f))
@@ -181,6 +187,8 @@ def _conv_dx(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream
     from relational_tensors.kernels import triton_elementwise as te
 
     dy, w = ins
+    if cudnn_conv.dgrad(op, dy, w, out, op.span(f), f.output, consts.get("scratch"), stream):
+        return
     tc.fill(out, 0.0)
     if 0 in (*dy.shape, w.shape[1]):
         return
