@@ -312,6 +312,8 @@ def row(make: Factory, smoke: bool, train: bool, cudnn_only: bool = False) -> di
             pm = rt.parallelize(module, inputs, device=device)
             out["ours"] = time_ms(lambda: pm(*inputs), cuda)
             out["captured"] = captured(pm.compiled)
+            # the planned program alone, inputs in place: the kernels' time without the call's own cost
+            out["program"] = time_ms(pm.compiled.execute, cuda)
             if cuda:
                 _profile_if_slow(out, "ours", "eager", lambda: pm(*inputs), "profile")
             return out
@@ -400,18 +402,22 @@ def write(a: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None:
     def ratio(r: dict[str, Any], a_: str, b: str) -> str:
         x, y = r.get(a_), r.get(b)
         return f"{x / y:.2f}" if isinstance(x, float) and isinstance(y, float) and y > 0 else ""
-    cols = ["eager", "compile", "ours", "captured", "train eager", "train compile", "train ours", "train captured"]
+    cols = ["eager", "compile", "ours", "captured", "train eager", "train compile", "train ours", "train captured",
+            "program"]
     lines = [f"# {record['command']}", "", f"{record['machine']}, commit {record['commit']}, {record['date']}", "",
-             "ms per call (medians of 10 after 2 warm-ups); convs: eager is cuDNN's `F.conv2d`", "",
-             "| row | " + " | ".join(cols) + " | ours / compile | train ours / compile | ours / cuDNN |",
-             "|---" * (len(cols) + 4) + "|"]
+             "ms per call (medians of 10 after 2 warm-ups); convs: eager is cuDNN's `F.conv2d`, program the "
+             "planned program alone (its CUDA graph, inputs in place)", "",
+             "| row | " + " | ".join(cols) + " | ours / compile | train ours / compile | ours / cuDNN "
+             "| program / cuDNN |",
+             "|---" * (len(cols) + 5) + "|"]
     for key, r in results.items():
         if "failed" in r:
-            lines.append(f"| {key} | failed: {r['failed'][:120]} |" + " |" * (len(cols) + 2))
+            lines.append(f"| {key} | failed: {r['failed'][:120]} |" + " |" * (len(cols) + 3))
             continue
         conv = key.startswith("convs")
         lines.append(f"| {key} | " + " | ".join(cell(r, c) for c in cols) + f" | {ratio(r, 'ours', 'compile')} | "
-                     f"{ratio(r, 'train ours', 'train compile')} | {ratio(r, 'ours', 'eager') if conv else ''} |")
+                     f"{ratio(r, 'train ours', 'train compile')} | {ratio(r, 'ours', 'eager') if conv else ''} | "
+                     f"{ratio(r, 'program', 'eager') if conv else ''} |")
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 
