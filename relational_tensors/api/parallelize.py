@@ -94,9 +94,10 @@ def _static(value: Any) -> Any:
 
 def _signature(flat: Sequence[Any], spec: Any) -> tuple[Any, ...]:
     """What a trace depends on in a call's inputs: their structure, each tensor's shape and dtype, each
-    other value."""
+    other value.  The structure is the tree spec itself (hashed and compared by value, a third of what
+    its text costs a call)."""
     torch = _torch()
-    return (str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", _static(x))
+    return (spec, tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", _static(x))
                              for x in flat))
 
 

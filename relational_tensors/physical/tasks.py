@@ -166,11 +166,15 @@ class TaskDAG:
     saved: dict[str, int] = field(default_factory=dict)
 
     def node(self, name: str) -> Node:
-        """The node named ``name`` (an input, or any tensor of the graph)."""
-        for n in self.nodes:
-            if n.name == name:
-                return n
-        raise ExecError(f"no tensor named {name!r} in this program.")
+        """The node named ``name`` (an input, or any tensor of the graph), through an index of the names made
+        at the first lookup (the executors ask it of every input of every call)."""
+        index = self.__dict__.get("_by_name")
+        if index is None or index[0] is not self.nodes:
+            index = self.__dict__["_by_name"] = (self.nodes, {n.name: n for n in reversed(self.nodes)})
+        n = index[1].get(name)
+        if n is None:
+            raise ExecError(f"no tensor named {name!r} in this program.")
+        return n
 
     @property
     def input_nodes(self) -> list[Node]:
