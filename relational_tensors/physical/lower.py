@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,7 +209,12 @@ class _Lowering:
                     self.load(s, box, device)
         # each state takes its value once the value is made and the state's last reader has run
         readers = graph.consumers() if graph.assignments else {}
-        last_reader = {s: max([v, *readers[s]]) for s, v in graph.assignments.items()}
+        partial = {n.id for n in graph.operators if graph.assignments
+                   and max(plan.spec(n.id).output_multiplicity().values(), default=1) > 1}
+        self.order = emission_order(graph, partial)  # an update reading a partial gradient right after it
+        position = {op: k for k, op in enumerate(self.order)}
+        last_reader = {s: max([v, *readers[s]], key=lambda r: position.get(r, -1))
+                       for s, v in graph.assignments.items()}
         self.assign_after: dict[int, list[int]] = {}
         self.write_bytes: dict[int, int] = {}  # state -> bytes its assignment moves between devices
         self.searched: set[str] = set()  # programs a synthesizer other than the naive one wrote
@@ -669,6 +674,55 @@ class _Lowering:
             self.dag.outputs[name] = blocks
 
 
+def emission_order(graph: Graph, partial: Collection[int] = ()) -> list[int]:
+    """The operators in the order they are lowered (and each device runs them): the graph's order, except
+    that an operator no saved output depends on (it only feeds the states' next values: an optimizer's
+    update) and that reads a partial sum (an operator of ``partial``: a weight gradient under a split
+    batch, reduced by the reader's exchange) runs as soon as its inputs are made, after the latest of
+    their producers.  The partial gradients (each as large as the weight, on every device) are then
+    reduced and freed layer by layer during the backward instead of all being held until it ends; the
+    rest of the update keeps its place, and so does an update that reads no partial, so their float32
+    temporaries and new values do not join the backward's peak (hoisting the whole update measured
+    higher peaks: a full-size new master and moments per layer wait there for the assignments).
+
+    >>> from relational_tensors.graph.graph import Graph
+    >>> g = Graph()
+    >>> x, w = g.input("x", (4,)), g.state("w", (4,))
+    >>> y = g.save(g.mul(x, w, name="y"))
+    >>> grad = g.mul(y, x, name="grad")
+    >>> z = g.save(g.mul(y, y, name="z"))
+    >>> g.assign(w, g.sub(w, grad, name="w_next")) and None
+    >>> [g.nodes[op].name for op in emission_order(g)]
+    ['y', 'grad', 'z', 'w_next']
+    >>> [g.nodes[op].name for op in emission_order(g, partial={grad.id})]  # grad a partial sum per device
+    ['y', 'grad', 'w_next', 'z']
+    """
+    ops = [n.id for n in graph.operators]
+    if not graph.assignments or not partial:
+        return ops
+    nexts = {f"{graph.nodes[s].name}.next" for s in graph.assignments}  # what g.assign saves of its own
+
+    def ancestors(roots: list[int]) -> set[int]:
+        seen, stack = set(), list(roots)
+        while stack:
+            t = stack.pop()
+            if t not in seen:
+                seen.add(t)
+                stack.extend(graph.nodes[t].inputs)
+        return seen
+
+    saved = ancestors([t for name, t in graph.outputs.items() if name not in nexts])
+    updates = ancestors(list(graph.assignments.values())) - saved
+    keys: dict[int, tuple[int, ...]] = {}
+    for op in ops:
+        inputs = graph.nodes[op].inputs
+        if op in updates and any(i in partial for i in inputs):  # just after its inputs' latest producer
+            keys[op] = max((keys[i] for i in inputs if i in keys), default=(-1,)) + (op,)
+        else:
+            keys[op] = (op,)
+    return sorted(ops, key=keys.__getitem__)
+
+
 def lower(plan: LogicalPlan, schedule: str = "naive", synthesize: Synthesizer | None = None,
           kept: Mapping[int, str] | None = None, later: frozenset[str] = frozenset(),
           layouts: Mapping[int, tuple[tuple[Box, int], ...]] | None = None, share: bool = True,
@@ -685,8 +739,8 @@ def lower(plan: LogicalPlan, schedule: str = "naive", synthesize: Synthesizer | 
     if schedule not in SCHEDULES and synthesize is None:
         raise ExchangeError(f"unknown schedule mode {schedule!r}; choose one of {SCHEDULES}.")
     low = _Lowering(plan, synthesize or naive, kept or {}, layouts, share)
-    for node in plan.graph.operators:
-        low.lower_op(node.id)
+    for op in low.order:
+        low.lower_op(op)
     low.lower_outputs()
     dag = fuse_views(low.dag)
     if isinstance(plan, PipelinedPlan) and plan.pipeline.micro_batches * plan.pipeline.stages > 1:
