@@ -131,12 +131,21 @@ def _build(key: tuple[Any, ...], make: Any, workspace: int) -> Any:
     return built
 
 
-def _run(built: Any, pointers: Sequence[DevBuf], scratch: DevBuf, device: int, stream: int) -> None:
+def _run(key: tuple[Any, ...], built: Any, pointers: Sequence[DevBuf], scratch: DevBuf, device: int,
+         stream: int) -> bool:
+    """Execute a built geometry on ``stream``; False (and the geometry is left to the GEMM form from now on)
+    where cuDNN refuses to launch it.  The first run of a program is eager, so a refusal comes before any
+    capture."""
     cudnn = _module()
     graph, tensors = built
     handle = _handle(device)
-    cudnn.set_stream(handle=handle, stream=stream)
-    graph.execute({t: b.ptr for t, b in zip(tensors, pointers)}, scratch.ptr, handle=handle)
+    try:
+        cudnn.set_stream(handle=handle, stream=stream)
+        graph.execute({t: b.ptr for t, b in zip(tensors, pointers)}, scratch.ptr, handle=handle)
+    except Exception:  # noqa: BLE001 - an engine that built but does not launch here
+        _builds[key] = None
+        return False
+    return True
 
 
 def _common(op: Any, *bufs: DevBuf) -> bool:
@@ -174,8 +183,7 @@ def fprop(op: Any, x: DevBuf, w: DevBuf, out: DevBuf, x_box: Any, out_box: Any, 
     built = _build(key, make, scratch.nbytes)
     if built is None:
         return False
-    _run(built, (xv, w, out), scratch, out.device, stream)
-    return True
+    return _run(key, built, (xv, w, out), scratch, out.device, stream)
 
 
 def wgrad(op: Any, x: DevBuf, dy: DevBuf, out: DevBuf, x_box: Any, dy_box: Any, scratch: DevBuf | None,
@@ -207,8 +215,7 @@ def wgrad(op: Any, x: DevBuf, dy: DevBuf, out: DevBuf, x_box: Any, dy_box: Any, 
     built = _build(key, make, scratch.nbytes)
     if built is None:
         return False
-    _run(built, (xv, dy, out), scratch, out.device, stream)
-    return True
+    return _run(key, built, (xv, dy, out), scratch, out.device, stream)
 
 
 def dgrad(op: Any, dy: DevBuf, w: DevBuf, out: DevBuf, span: Sequence[tuple[int, int]], out_box: Any,
@@ -244,8 +251,7 @@ def dgrad(op: Any, dy: DevBuf, w: DevBuf, out: DevBuf, span: Sequence[tuple[int,
         from relational_tensors.kernels import triton_copy as tc
 
         tc.fill(out, 0.0)
-    _run(built, (dy, w, dx), scratch, out.device, stream)
-    return True
+    return _run(key, built, (dy, w, dx), scratch, out.device, stream)
 
 
 def dgrad_view(out: DevBuf, span: Sequence[tuple[int, int]], out_box: Any
