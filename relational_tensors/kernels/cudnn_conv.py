@@ -20,6 +20,7 @@ block, the caller's GEMM form runs instead: every function returns whether it co
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from functools import cache, lru_cache
@@ -29,6 +30,7 @@ from relational_tensors.kernels.common import DevBuf
 
 __all__ = ["CUDNN_ENV", "available", "fprop", "wgrad", "dgrad", "geometry"]
 
+log = logging.getLogger(__name__)
 CUDNN_ENV = "RELATIONAL_TENSORS_CUDNN"  # "0", "false", "off" or "no": convolutions keep the GEMM form
 _ALIGN = 16  # bytes: cuDNN's tensor-core engines read and write 16-byte aligned addresses
 _builds: dict[tuple[Any, ...], Any] = {}  # geometry -> (graph, its x/w/dy tensors, output) or None (no engine)
@@ -103,7 +105,24 @@ def _aligned(*bufs: DevBuf) -> bool:
 
 
 def _tensor(graph: Any, name: str, buf: DevBuf) -> Any:
-    return graph.tensor(name=name, dim=list(buf.shape), stride=list(buf.strides), data_type=_dtype(buf.dtype))
+    return graph.tensor(name=name, dim=_dims(buf.shape), stride=_dims(buf.strides, buf.shape),
+                        data_type=_dtype(buf.dtype))
+
+
+def _dims(values: Sequence[int], shape: Sequence[int] | None = None) -> list[int]:
+    """A block's dims (or, given its ``shape``, its strides) as cuDNN takes them: a 1-D convolution's
+    tensors [n, c, l] as [n, c, 1, l] (cuDNN convolves 2-D and 3-D only); the unit row's stride is the
+    whole row's."""
+    out = list(values)
+    if len(out) == 3:
+        out.insert(2, 1 if shape is None else out[2] * max(shape[2], 1))
+    return out
+
+
+def _spatial(values: Sequence[int], unit: int, rank: int) -> list[int]:
+    """Per-dimension padding, stride or dilation as cuDNN takes them (``unit`` for the row a 1-D convolution
+    gains)."""
+    return [unit, *values] if rank == 1 else list(values)
 
 
 def _build(key: tuple[Any, ...], make: Any, workspace: int) -> Any:
@@ -120,12 +139,17 @@ def _build(key: tuple[Any, ...], make: Any, workspace: int) -> Any:
         graph.validate()
         graph.build_operation_graph()
         graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        # engines whose sums depend on the run (atomics) are left out: the same inputs give the same bits
+        graph.deselect_numeric_notes([cudnn.numerical_note.NONDETERMINISTIC])
+        graph.deselect_workspace_greater_than(workspace)  # before check_support, which may pick an engine
         graph.check_support()
-        graph.deselect_workspace_greater_than(workspace)
         graph.build_plans()
         if graph.get_workspace_size() <= workspace:
             built = (graph, tensors)
-    except Exception:  # noqa: BLE001 - no engine for this geometry: the GEMM form computes it
+        else:
+            log.debug("cuDNN %s: no engine within %d bytes of workspace; the GEMM form runs it", key[0], workspace)
+    except Exception as e:  # noqa: BLE001 - no engine for this geometry: the GEMM form computes it
+        log.debug("cuDNN has no engine for %s (%s); the GEMM form runs it", key, e)
         built = None
     _builds[key] = built
     return built
@@ -140,17 +164,19 @@ def _run(key: tuple[Any, ...], built: Any, pointers: Sequence[DevBuf], scratch: 
     graph, tensors = built
     handle = _handle(device)
     try:
-        cudnn.set_stream(handle=handle, stream=stream)
-        graph.execute({t: b.ptr for t, b in zip(tensors, pointers)}, scratch.ptr, handle=handle)
-    except Exception:  # noqa: BLE001 - an engine that built but does not launch here
+        cudnn.set_stream(handle=handle, stream=int(stream))
+        graph.execute({t: int(b.ptr) for t, b in zip(tensors, pointers)}, int(scratch.ptr), handle=handle)
+    except Exception as e:  # noqa: BLE001 - an engine that built but does not launch here
+        log.debug("cuDNN did not launch %s (%s); the GEMM form runs it", key, e)
         _builds[key] = None
         return False
     return True
 
 
-def _common(op: Any, *bufs: DevBuf) -> bool:
-    """Whether a block may go to cuDNN at all: ungrouped, 16-bit inputs, aligned, nothing empty."""
-    return (op.groups == 1 and bufs[0].dtype in ("bfloat16", "float16") and _aligned(*bufs)
+def _common(op: Any, scratch: DevBuf, *bufs: DevBuf) -> bool:
+    """Whether a block may go to cuDNN at all: ungrouped, 16-bit inputs, aligned (the workspace too),
+    nothing empty."""
+    return (op.groups == 1 and bufs[0].dtype in ("bfloat16", "float16") and _aligned(scratch, *bufs)
             and all(b.size for b in bufs) and available())
 
 
@@ -158,7 +184,7 @@ def fprop(op: Any, x: DevBuf, w: DevBuf, out: DevBuf, x_box: Any, out_box: Any, 
           stream: int) -> bool:
     """``out`` = the convolution of input block ``x`` (at ``x_box``) with weights ``w`` at the output positions
     of ``out_box``; False, having done nothing, where the GEMM form must."""
-    if scratch is None or not _common(op, x, w, out):
+    if scratch is None or not _common(op, scratch, x, w, out):
         return False
     skip, rows, pre, post = geometry(x_box.lower[2:], x_box.upper[2:], out_box.lower[2:], out.shape[2:],
                                      op.kernel_size, op.stride, op.padding, op.dilation)
@@ -172,12 +198,14 @@ def fprop(op: Any, x: DevBuf, w: DevBuf, out: DevBuf, x_box: Any, out_box: Any, 
 
     def make(graph: Any) -> tuple[Any, ...]:
         X, W = _tensor(graph, "x", xv), _tensor(graph, "w", w)
-        Y = graph.conv_fprop(image=X, weight=W, pre_padding=pre, post_padding=post, stride=list(op.stride),
-                             dilation=list(op.dilation), compute_data_type=_module().data_type.FLOAT, name="conv")
+        Y = graph.conv_fprop(image=X, weight=W, pre_padding=_spatial(pre, 0, op.rank),
+                             post_padding=_spatial(post, 0, op.rank), stride=_spatial(op.stride, 1, op.rank),
+                             dilation=_spatial(op.dilation, 1, op.rank), compute_data_type=_module().data_type.FLOAT,
+                             name="conv")
         Y.set_output(True)
         Y.set_data_type(_dtype(out.dtype))
-        Y.set_dim(list(out.shape))
-        Y.set_stride(list(out.strides))
+        Y.set_dim(_dims(out.shape))
+        Y.set_stride(_dims(out.strides, out.shape))
         return X, W, Y
 
     built = _build(key, make, scratch.nbytes)
@@ -190,7 +218,7 @@ def wgrad(op: Any, x: DevBuf, dy: DevBuf, out: DevBuf, x_box: Any, dy_box: Any, 
           stream: int) -> bool:
     """``out`` = the weight gradient of input block ``x`` (at ``x_box``) against the dy block at ``dy_box``
     (every kernel position of the block's filters and channels); False where the GEMM form must."""
-    if scratch is None or tuple(out.shape[2:]) != tuple(op.kernel_size) or not _common(op, x, dy, out):
+    if scratch is None or tuple(out.shape[2:]) != tuple(op.kernel_size) or not _common(op, scratch, x, dy, out):
         return False
     skip, rows, pre, post = geometry(x_box.lower[2:], x_box.upper[2:], dy_box.lower[2:], dy.shape[2:],
                                      op.kernel_size, op.stride, op.padding, op.dilation)
@@ -204,12 +232,14 @@ def wgrad(op: Any, x: DevBuf, dy: DevBuf, out: DevBuf, x_box: Any, dy_box: Any, 
 
     def make(graph: Any) -> tuple[Any, ...]:
         X, DY = _tensor(graph, "x", xv), _tensor(graph, "dy", dy)
-        DW = graph.conv_wgrad(image=X, loss=DY, pre_padding=pre, post_padding=post, stride=list(op.stride),
-                              dilation=list(op.dilation), compute_data_type=_module().data_type.FLOAT, name="wgrad")
+        DW = graph.conv_wgrad(image=X, loss=DY, pre_padding=_spatial(pre, 0, op.rank),
+                              post_padding=_spatial(post, 0, op.rank), stride=_spatial(op.stride, 1, op.rank),
+                              dilation=_spatial(op.dilation, 1, op.rank),
+                              compute_data_type=_module().data_type.FLOAT, name="wgrad")
         DW.set_output(True)
         DW.set_data_type(_dtype(out.dtype))
-        DW.set_dim(list(out.shape))
-        DW.set_stride(list(out.strides))
+        DW.set_dim(_dims(out.shape))
+        DW.set_stride(_dims(out.strides, out.shape))
         return X, DY, DW
 
     built = _build(key, make, scratch.nbytes)
@@ -223,7 +253,7 @@ def dgrad(op: Any, dy: DevBuf, w: DevBuf, out: DevBuf, span: Sequence[tuple[int,
     """The data gradient of the dy block into the dx block ``out`` (at ``out_box``): the rows of ``out`` that
     the block's windows reach (``span``, from ``ConvGradOp.span``) written by cuDNN, the others zeroed;
     False, having done nothing, where the GEMM form must."""
-    if scratch is None or not _common(op, dy, w, out):
+    if scratch is None or not _common(op, scratch, dy, w, out):
         return False
     view = dgrad_view(out, span, out_box)
     if view is None:
@@ -236,12 +266,14 @@ def dgrad(op: Any, dy: DevBuf, w: DevBuf, out: DevBuf, span: Sequence[tuple[int,
 
     def make(graph: Any) -> tuple[Any, ...]:
         DY, W = _tensor(graph, "dy", dy), _tensor(graph, "w", w)
-        DX = graph.conv_dgrad(loss=DY, filter=W, pre_padding=pre, post_padding=post, stride=list(op.stride),
-                              dilation=list(op.dilation), compute_data_type=_module().data_type.FLOAT, name="dgrad")
+        DX = graph.conv_dgrad(loss=DY, filter=W, pre_padding=_spatial(pre, 0, op.rank),
+                              post_padding=_spatial(post, 0, op.rank), stride=_spatial(op.stride, 1, op.rank),
+                              dilation=_spatial(op.dilation, 1, op.rank),
+                              compute_data_type=_module().data_type.FLOAT, name="dgrad")
         DX.set_output(True)
         DX.set_data_type(_dtype(out.dtype))
-        DX.set_dim(list(dx.shape))
-        DX.set_stride(list(dx.strides))
+        DX.set_dim(_dims(dx.shape))
+        DX.set_stride(_dims(dx.strides, dx.shape))
         return DY, W, DX
 
     built = _build(key, make, scratch.nbytes)

@@ -20,6 +20,7 @@ import numpy as np
 from relational_tensors.core.dtypes import bf16_bits_to_float32, compute_dtype, itemsize, numpy_dtype, partial_dtype
 from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.errors import ExecError
+from relational_tensors.kernels.common import align
 from relational_tensors.sql_specs.base import Operator
 
 __all__ = ["Launcher", "LAUNCHERS", "launcher", "launcher_for", "op_constants", "scratch_shape", "task_scratch",
@@ -95,7 +96,9 @@ def widens(op: Any, out_dtype: str) -> bool:
 
 
 def _aligned(nbytes: int) -> int:
-    return -(-nbytes // 8) * 8
+    """Where the widened block starts after a kernel's own scratch: at the arena's alignment, so the kernel
+    (cuBLAS, cuDNN, Triton with vector loads) may write it as it writes any block."""
+    return align(nbytes)
 
 
 def _first_replaced(out: Any, by: Any) -> Any:
