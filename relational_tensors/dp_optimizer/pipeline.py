@@ -29,7 +29,7 @@ Pipeline(stages=2, micro_batches=4, schedule='gpipe')
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from relational_tensors.core.spec import ANY, JoinAggSpec, ShardableIndex
@@ -90,17 +90,6 @@ def parse_pipeline(value: object) -> Pipeline | str | None:
                     f"got {value!r}.")
 
 
-def _ancestors_of(graph: Graph, targets: Sequence[int]) -> set[int]:
-    seen: set[int] = set()
-    todo = list(targets)
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo.extend(graph.nodes[n].inputs)
-    return seen
-
-
 def _saved(graph: Graph) -> list[int]:
     """The saved outputs that are no state's next value (in a training step: the loss)."""
     values = set(graph.assignments.values())
@@ -109,7 +98,7 @@ def _saved(graph: Graph) -> list[int]:
 
 def forward_ops(graph: Graph) -> set[int]:
     """The operators the saved outputs depend on (in a training step: the forward pass and the loss)."""
-    return {n for n in _ancestors_of(graph, _saved(graph)) if graph.nodes[n].op is not None}
+    return {n for n in graph.ancestors(_saved(graph)) if graph.nodes[n].op is not None}
 
 
 def positions(graph: Graph) -> dict[int, int]:
@@ -118,7 +107,7 @@ def positions(graph: Graph) -> dict[int, int]:
     gradient) takes that weight's, so the weight is read in one stage only; an update's step that reads no
     weight (a moment's decay) takes the weight it updates; -1 for a forward operator that depends on no
     weight."""
-    forward = _ancestors_of(graph, _saved(graph))  # weights included
+    forward = graph.ancestors(_saved(graph))  # weights included
     readers = graph.consumers()
     weight_pos: dict[int, int] = {}
     for n in graph.inputs:

@@ -42,7 +42,7 @@ import numpy as np
 
 from relational_tensors.core.dtypes import partial_dtype
 from relational_tensors.core.types import Box
-from relational_tensors.dp_optimizer.pipeline import PipelinedPlan
+from relational_tensors.dp_optimizer.pipeline import PipelinedPlan, forward_ops
 from relational_tensors.dp_optimizer.plan import LogicalPlan
 from relational_tensors.errors import ExchangeError
 from relational_tensors.exchange.ast import ExProg, InAtom, Partition, Requirement, aggregate_text, exact_cover
@@ -700,19 +700,7 @@ def emission_order(graph: Graph, partial: Collection[int] = ()) -> list[int]:
     ops = [n.id for n in graph.operators]
     if not graph.assignments or not partial:
         return ops
-    nexts = {f"{graph.nodes[s].name}.next" for s in graph.assignments}  # what g.assign saves of its own
-
-    def ancestors(roots: list[int]) -> set[int]:
-        seen, stack = set(), list(roots)
-        while stack:
-            t = stack.pop()
-            if t not in seen:
-                seen.add(t)
-                stack.extend(graph.nodes[t].inputs)
-        return seen
-
-    saved = ancestors([t for name, t in graph.outputs.items() if name not in nexts])
-    updates = ancestors(list(graph.assignments.values())) - saved
+    updates = graph.ancestors(graph.assignments.values()) - forward_ops(graph)  # what feeds only the states
     keys: dict[int, tuple[int, ...]] = {}
     for op in ops:
         inputs = graph.nodes[op].inputs
