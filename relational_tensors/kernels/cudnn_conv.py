@@ -180,38 +180,62 @@ def _common(op: Any, scratch: DevBuf, *bufs: DevBuf) -> bool:
             and all(b.size for b in bufs) and available())
 
 
+# per operation: the graph method, its two operands' keyword names, and the output's name
+_OPERATIONS = {"fprop": ("conv_fprop", "image", "weight"), "wgrad": ("conv_wgrad", "image", "loss"),
+               "dgrad": ("conv_dgrad", "loss", "filter")}
+
+
+def _convolve(kind: str, op: Any, a: DevBuf, b: DevBuf, out: DevBuf, pre: list[int], post: list[int],
+              scratch: DevBuf, stream: int, before: Any = None) -> bool:
+    """Operation ``kind`` of ``_OPERATIONS`` on operands ``a`` and ``b`` into ``out`` with that padding, built
+    once per geometry (``before()``, when given, runs just before the launch); False where cuDNN has no
+    engine for it."""
+    if not _aligned(a, b, out):
+        return False
+    key = (kind, out.device, a.dtype, out.dtype, a.shape, a.strides, b.shape, b.strides, out.shape, out.strides,
+           tuple(pre), tuple(post), tuple(op.stride), tuple(op.dilation), scratch.nbytes)
+    method, first, second = _OPERATIONS[kind]
+
+    def make(graph: Any) -> tuple[Any, ...]:
+        A, B = _tensor(graph, "a", a), _tensor(graph, "b", b)
+        rank = op.rank
+        Y = getattr(graph, method)(**{first: A, second: B}, pre_padding=_spatial(pre, 0, rank),
+                                   post_padding=_spatial(post, 0, rank), stride=_spatial(op.stride, 1, rank),
+                                   dilation=_spatial(op.dilation, 1, rank),
+                                   compute_data_type=_module().data_type.FLOAT, name=kind)
+        Y.set_output(True)
+        Y.set_data_type(_dtype(out.dtype))
+        Y.set_dim(_dims(out.shape))
+        Y.set_stride(_dims(out.strides, out.shape))
+        return A, B, Y
+
+    built = _build(key, make, scratch.nbytes)
+    if built is None:
+        return False
+    if before is not None:
+        before()
+    return _run(key, built, (a, b, out), scratch, out.device, stream)
+
+
+def _input_view(op: Any, x: DevBuf, x_box: Any, out_box: Any, n: Sequence[int]
+                ) -> tuple[DevBuf, list[int], list[int]] | None:
+    """The rows of input block ``x`` (at ``x_box``) that output positions [out_box's start, + n) read, with the
+    pre and post padding that make exactly those positions (``geometry``); None where they read none."""
+    skip, rows, pre, post = geometry(x_box.lower[2:], x_box.upper[2:], out_box.lower[2:], n, op.kernel_size,
+                                     op.stride, op.padding, op.dilation)
+    if 0 in rows:
+        return None
+    return x.sub((0, 0, *skip), (*x.shape[:2], *rows)), pre, post
+
+
 def fprop(op: Any, x: DevBuf, w: DevBuf, out: DevBuf, x_box: Any, out_box: Any, scratch: DevBuf | None,
           stream: int) -> bool:
     """``out`` = the convolution of input block ``x`` (at ``x_box``) with weights ``w`` at the output positions
     of ``out_box``; False, having done nothing, where the GEMM form must."""
     if scratch is None or not _common(op, scratch, x, w, out):
         return False
-    skip, rows, pre, post = geometry(x_box.lower[2:], x_box.upper[2:], out_box.lower[2:], out.shape[2:],
-                                     op.kernel_size, op.stride, op.padding, op.dilation)
-    if 0 in rows:
-        return False
-    xv = x.sub((0, 0, *skip), (*x.shape[:2], *rows))
-    if not _aligned(xv):
-        return False
-    key = ("fprop", out.device, x.dtype, out.dtype, xv.shape, xv.strides, w.shape, w.strides, out.shape,
-           out.strides, tuple(pre), tuple(post), tuple(op.stride), tuple(op.dilation), scratch.nbytes)
-
-    def make(graph: Any) -> tuple[Any, ...]:
-        X, W = _tensor(graph, "x", xv), _tensor(graph, "w", w)
-        Y = graph.conv_fprop(image=X, weight=W, pre_padding=_spatial(pre, 0, op.rank),
-                             post_padding=_spatial(post, 0, op.rank), stride=_spatial(op.stride, 1, op.rank),
-                             dilation=_spatial(op.dilation, 1, op.rank), compute_data_type=_module().data_type.FLOAT,
-                             name="conv")
-        Y.set_output(True)
-        Y.set_data_type(_dtype(out.dtype))
-        Y.set_dim(_dims(out.shape))
-        Y.set_stride(_dims(out.strides, out.shape))
-        return X, W, Y
-
-    built = _build(key, make, scratch.nbytes)
-    if built is None:
-        return False
-    return _run(key, built, (xv, w, out), scratch, out.device, stream)
+    view = _input_view(op, x, x_box, out_box, out.shape[2:])
+    return view is not None and _convolve("fprop", op, view[0], w, out, view[1], view[2], scratch, stream)
 
 
 def wgrad(op: Any, x: DevBuf, dy: DevBuf, out: DevBuf, x_box: Any, dy_box: Any, scratch: DevBuf | None,
@@ -220,32 +244,8 @@ def wgrad(op: Any, x: DevBuf, dy: DevBuf, out: DevBuf, x_box: Any, dy_box: Any, 
     (every kernel position of the block's filters and channels); False where the GEMM form must."""
     if scratch is None or tuple(out.shape[2:]) != tuple(op.kernel_size) or not _common(op, scratch, x, dy, out):
         return False
-    skip, rows, pre, post = geometry(x_box.lower[2:], x_box.upper[2:], dy_box.lower[2:], dy.shape[2:],
-                                     op.kernel_size, op.stride, op.padding, op.dilation)
-    if 0 in rows:
-        return False
-    xv = x.sub((0, 0, *skip), (*x.shape[:2], *rows))
-    if not _aligned(xv):
-        return False
-    key = ("wgrad", out.device, x.dtype, out.dtype, xv.shape, xv.strides, dy.shape, dy.strides, out.shape,
-           out.strides, tuple(pre), tuple(post), tuple(op.stride), tuple(op.dilation), scratch.nbytes)
-
-    def make(graph: Any) -> tuple[Any, ...]:
-        X, DY = _tensor(graph, "x", xv), _tensor(graph, "dy", dy)
-        DW = graph.conv_wgrad(image=X, loss=DY, pre_padding=_spatial(pre, 0, op.rank),
-                              post_padding=_spatial(post, 0, op.rank), stride=_spatial(op.stride, 1, op.rank),
-                              dilation=_spatial(op.dilation, 1, op.rank),
-                              compute_data_type=_module().data_type.FLOAT, name="wgrad")
-        DW.set_output(True)
-        DW.set_data_type(_dtype(out.dtype))
-        DW.set_dim(_dims(out.shape))
-        DW.set_stride(_dims(out.strides, out.shape))
-        return X, DY, DW
-
-    built = _build(key, make, scratch.nbytes)
-    if built is None:
-        return False
-    return _run(key, built, (xv, dy, out), scratch, out.device, stream)
+    view = _input_view(op, x, x_box, dy_box, dy.shape[2:])
+    return view is not None and _convolve("wgrad", op, view[0], dy, out, view[1], view[2], scratch, stream)
 
 
 def dgrad(op: Any, dy: DevBuf, w: DevBuf, out: DevBuf, span: Sequence[tuple[int, int]], out_box: Any,
@@ -259,31 +259,13 @@ def dgrad(op: Any, dy: DevBuf, w: DevBuf, out: DevBuf, span: Sequence[tuple[int,
     if view is None:
         return False
     dx, pre, post = view
-    if not _aligned(dx):
-        return False
-    key = ("dgrad", out.device, dy.dtype, out.dtype, dy.shape, dy.strides, w.shape, w.strides, dx.shape,
-           dx.strides, tuple(pre), tuple(post), tuple(op.stride), tuple(op.dilation), scratch.nbytes)
 
-    def make(graph: Any) -> tuple[Any, ...]:
-        DY, W = _tensor(graph, "dy", dy), _tensor(graph, "w", w)
-        DX = graph.conv_dgrad(loss=DY, filter=W, pre_padding=_spatial(pre, 0, op.rank),
-                              post_padding=_spatial(post, 0, op.rank), stride=_spatial(op.stride, 1, op.rank),
-                              dilation=_spatial(op.dilation, 1, op.rank),
-                              compute_data_type=_module().data_type.FLOAT, name="dgrad")
-        DX.set_output(True)
-        DX.set_data_type(_dtype(out.dtype))
-        DX.set_dim(_dims(dx.shape))
-        DX.set_stride(_dims(dx.strides, dx.shape))
-        return DY, W, DX
+    def zero_the_rest() -> None:  # rows no window of this block reaches get nothing
+        if dx.shape != out.shape:
+            from relational_tensors.kernels import triton_copy as tc
 
-    built = _build(key, make, scratch.nbytes)
-    if built is None:
-        return False
-    if dx.shape != out.shape:  # rows no window of this block reaches get nothing
-        from relational_tensors.kernels import triton_copy as tc
-
-        tc.fill(out, 0.0)
-    return _run(key, built, (dy, w, dx), scratch, out.device, stream)
+            tc.fill(out, 0.0)
+    return _convolve("dgrad", op, dy, w, dx, pre, post, scratch, stream, before=zero_the_rest)
 
 
 def dgrad_view(out: DevBuf, span: Sequence[tuple[int, int]], out_box: Any
