@@ -29,7 +29,7 @@ Pipeline(stages=2, micro_batches=4, schedule='gpipe')
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from relational_tensors.core.spec import ANY, JoinAggSpec, ShardableIndex
@@ -40,7 +40,7 @@ from relational_tensors.errors import PlanError
 from relational_tensors.graph.graph import Graph
 
 __all__ = ["Pipeline", "PIPELINE_SCHEDULES", "PipelinedPlan", "positions", "assign_stages", "pipelined",
-           "forward_ops", "parse_pipeline"]
+           "forward_ops", "ancestors", "parse_pipeline"]
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
@@ -90,6 +90,18 @@ def parse_pipeline(value: object) -> Pipeline | str | None:
                     f"got {value!r}.")
 
 
+def ancestors(graph: Graph, tensors: Iterable[int]) -> set[int]:
+    """Every tensor (node id) that ``tensors`` depend on, themselves included."""
+    seen: set[int] = set()
+    todo = list(tensors)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(graph.nodes[n].inputs)
+    return seen
+
+
 def _saved(graph: Graph) -> list[int]:
     """The saved outputs that are no state's next value (in a training step: the loss)."""
     values = set(graph.assignments.values())
@@ -98,7 +110,7 @@ def _saved(graph: Graph) -> list[int]:
 
 def forward_ops(graph: Graph) -> set[int]:
     """The operators the saved outputs depend on (in a training step: the forward pass and the loss)."""
-    return {n for n in graph.ancestors(_saved(graph)) if graph.nodes[n].op is not None}
+    return {n for n in ancestors(graph, _saved(graph)) if graph.nodes[n].op is not None}
 
 
 def positions(graph: Graph) -> dict[int, int]:
@@ -107,7 +119,7 @@ def positions(graph: Graph) -> dict[int, int]:
     gradient) takes that weight's, so the weight is read in one stage only; an update's step that reads no
     weight (a moment's decay) takes the weight it updates; -1 for a forward operator that depends on no
     weight."""
-    forward = graph.ancestors(_saved(graph))  # weights included
+    forward = ancestors(graph, _saved(graph))  # weights included
     readers = graph.consumers()
     weight_pos: dict[int, int] = {}
     for n in graph.inputs:

@@ -684,17 +684,6 @@ class Graph:
     def operators(self) -> list[Node]:
         return [n for n in self.nodes if n.op is not None]
 
-    def ancestors(self, tensors: Iterable[int]) -> set[int]:
-        """Every tensor (node id) that ``tensors`` depend on, themselves included."""
-        seen: set[int] = set()
-        todo = list(tensors)
-        while todo:
-            n = todo.pop()
-            if n not in seen:
-                seen.add(n)
-                todo.extend(self.nodes[n].inputs)
-        return seen
-
     def consumers(self) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {n.id: [] for n in self.nodes}
         for n in self.nodes:

@@ -42,7 +42,7 @@ import numpy as np
 
 from relational_tensors.core.dtypes import partial_dtype
 from relational_tensors.core.types import Box
-from relational_tensors.dp_optimizer.pipeline import PipelinedPlan, forward_ops
+from relational_tensors.dp_optimizer.pipeline import PipelinedPlan, ancestors, forward_ops
 from relational_tensors.dp_optimizer.plan import LogicalPlan
 from relational_tensors.errors import ExchangeError
 from relational_tensors.exchange.ast import ExProg, InAtom, Partition, Requirement, aggregate_text, exact_cover
@@ -700,7 +700,7 @@ def emission_order(graph: Graph, partial: Collection[int] = ()) -> list[int]:
     ops = [n.id for n in graph.operators]
     if not graph.assignments or not partial:
         return ops
-    updates = graph.ancestors(graph.assignments.values()) - forward_ops(graph)  # what feeds only the states
+    updates = ancestors(graph, graph.assignments.values()) - forward_ops(graph)  # what feeds only the states
     keys: dict[int, tuple[int, ...]] = {}
     for op in ops:
         inputs = graph.nodes[op].inputs
