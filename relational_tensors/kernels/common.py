@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -11,13 +12,23 @@ from typing import Any
 from relational_tensors.core.dtypes import itemsize
 
 __all__ = ["DevBuf", "Ptr", "acc_type", "fastest_config", "contiguous_strides", "pad4", "merge_dims", "outer_split",
-           "ALIGN", "align"]
+           "ALIGN", "align", "env_switch"]
 
 ALIGN = 256  # bytes: where every block of an arena (and every piece of a kernel's scratch) starts
 
 
 def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def env_switch(name: str, given: bool | None = None) -> bool:
+    """``given`` when given, else whether the environment variable ``name`` leaves a switch on (unset: on;
+    "0", "false", "off" or "no": off; anything else: on): how the executors' and kernels' optional paths
+    are turned off."""
+    if given is not None:
+        return bool(given)
+    value = os.environ.get(name)
+    return value is None or value.strip().lower() not in ("0", "false", "off", "no")
 
 
 def acc_type(dtype: str, exact_ints: bool = False):

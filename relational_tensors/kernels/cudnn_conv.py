@@ -21,12 +21,11 @@ block, the caller's GEMM form runs instead: every function returns whether it co
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from functools import cache, lru_cache
 from typing import Any
 
-from relational_tensors.kernels.common import DevBuf
+from relational_tensors.kernels.common import DevBuf, env_switch
 
 __all__ = ["CUDNN_ENV", "available", "fprop", "wgrad", "dgrad", "geometry"]
 
@@ -34,11 +33,6 @@ log = logging.getLogger(__name__)
 CUDNN_ENV = "RELATIONAL_TENSORS_CUDNN"  # "0", "false", "off" or "no": convolutions keep the GEMM form
 _ALIGN = 16  # bytes: cuDNN's tensor-core engines read and write 16-byte aligned addresses
 _builds: dict[tuple[Any, ...], Any] = {}  # geometry -> (graph, its x/w/dy tensors, output) or None (no engine)
-
-
-def _switched_on() -> bool:
-    value = os.environ.get(CUDNN_ENV)
-    return value is None or value.strip().lower() not in ("0", "false", "off", "no")
 
 
 @lru_cache(maxsize=1)
@@ -55,7 +49,7 @@ def _module() -> Any:
 
 def available() -> bool:
     """Whether convolution blocks go to cuDNN (the package and its library load, and the switch is on)."""
-    return _switched_on() and _module() is not None
+    return env_switch(CUDNN_ENV) and _module() is not None
 
 
 @cache

@@ -209,8 +209,8 @@ class _Lowering:
                     self.load(s, box, device)
         # each state takes its value once the value is made and the state's last reader has run
         readers = graph.consumers() if graph.assignments else {}
-        partial = {n.id for n in graph.operators if graph.assignments
-                   and max(plan.spec(n.id).output_multiplicity().values(), default=1) > 1}
+        partial = set() if not graph.assignments else {  # operators whose outputs are partial sums
+            n.id for n in graph.operators if max(plan.spec(n.id).output_multiplicity().values(), default=1) > 1}
         self.order = emission_order(graph, partial)  # an update reading a partial gradient right after it
         position = {op: k for k, op in enumerate(self.order)}
         last_reader = {s: max([v, *readers[s]], key=lambda r: position.get(r, -1))

@@ -36,7 +36,7 @@ from relational_tensors.core.feeds import STALE_OUTPUTS, check_loaded, refuse_ou
 from relational_tensors.errors import ExecError
 from relational_tensors.kernels import triton_copy as tc
 from relational_tensors.kernels import triton_elementwise as te
-from relational_tensors.kernels.common import DevBuf, bind_triton_to_cupy
+from relational_tensors.kernels.common import DevBuf, bind_triton_to_cupy, env_switch
 from relational_tensors.kernels.launchers import allocates
 from relational_tensors.machine.devices import DeviceSet
 from relational_tensors.physical.tasks import (
@@ -50,7 +50,7 @@ from relational_tensors.physical.tasks import (
     phase_ready,
 )
 from relational_tensors.runtime.cupy_staging import Staging, _as_device_array
-from relational_tensors.runtime.fusion import env_switch, fusion_enabled
+from relational_tensors.runtime.fusion import fusion_enabled
 from relational_tensors.runtime.memory_plan import (
     ALIGN,
     SIBLINGS,

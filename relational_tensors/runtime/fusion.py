@@ -43,21 +43,20 @@ they are alive at its peak.
 
 from __future__ import annotations
 
-import os
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from relational_tensors.errors import ExecError
-from relational_tensors.kernels.common import contiguous_strides
+from relational_tensors.kernels.common import contiguous_strides, env_switch
 from relational_tensors.kernels.fused_expr import SCALAR_OPS, FusedExpr, access, broadcast_strides, geometry
 from relational_tensors.physical.simulate import Issue
 from relational_tensors.physical.tasks import Liveness, Task, TaskDAG
 from relational_tensors.runtime.memory_plan import MemoryPlan, plan_memory, sibling_tasks, view_geometry
 
 __all__ = ["FUSE_ENV", "UNARY_OPS", "BINARY_OPS", "FusedExpr", "FusionGroup", "FusedIssue", "FusedSchedule",
-           "env_switch", "fusion_enabled", "fusion_groups", "fusion_plan", "access", "geometry"]
+           "fusion_enabled", "fusion_groups", "fusion_plan", "access", "geometry"]
 
 FUSE_ENV = "RELATIONAL_TENSORS_FUSE"  # "0": the executor issues every task on its own
 # unary and binary ops whose kernels hold no multiply-add the compiler could contract (see the docstring)
@@ -66,15 +65,6 @@ UNARY_OPS = frozenset({"relu", "neg", "abs", "sqrt", "rsqrt", "square", "scale",
 BINARY_OPS = frozenset({"add", "sub", "mul", "div", "maximum", "minimum", "eq"})
 DTYPES = frozenset({"float16", "bfloat16", "float32"})
 MAX_SPAN = 512  # the most tasks a group spans, first member to last (bounds the checks' cost)
-
-
-def env_switch(name: str, given: bool | None = None) -> bool:
-    """``given`` when given, else whether the environment variable ``name`` leaves a switch on (unset: on;
-    "0", "false", "off" or "no": off; anything else: on)."""
-    if given is not None:
-        return bool(given)
-    value = os.environ.get(name)
-    return value is None or value.strip().lower() not in ("0", "false", "off", "no")
 
 
 def fusion_enabled(fuse: bool | None = None) -> bool:
