@@ -277,3 +277,40 @@ def test_the_catalog_records_stages_micro_batches_and_the_schedule() -> None:
     assert row == {"stages": 1, "micro_batches": 1, "pipeline_schedule": None}
     assert plain.sql(f"SELECT count(*) AS n FROM placements WHERE compilation_id = {plain.compilation_id} "
                      "AND (stage IS NOT NULL OR micro_batch IS NOT NULL)").to_pylist() == [{"n": 0}]
+
+
+def test_sharded_states_are_kept_on_their_update_s_stage() -> None:
+    """A state kept sharded (one copy of its value's blocks) is held on the devices of the stage that
+    updates it, not on the first stage's: reading and writing it never crosses stages.  The step still
+    equals the reference's."""
+    g = _graph(layers=2)
+    feeds = llama_training_feeds(g, lr=1e-2)
+    cg = rt.compileGraph(g, device="cpu:8", pipeline=rt.Pipeline(2, 2, "1f1b"), keep_states="sharded")
+    plan = _pipelined(cg)
+    stages = set()
+    for state, value in g.assignments.items():
+        group = set(plan.group(value))
+        held = {cg.dag.buffers[b].device for _, b in cg.dag.inputs[g.nodes[state].name]}
+        assert held <= group, g.nodes[state].name
+        stages.add(plan.stage_of[value])
+    assert stages == {0, 1}
+    _one_step_equals_the_reference(cg, g, feeds)
+
+
+def test_a_pipeline_prices_the_gradients_it_accumulates_as_resident() -> None:
+    """Under micro-batches a weight's gradient is held from the first micro-batch to the update, so the
+    memory-priced selection counts its output block with the loaded inputs (``Candidate.resident_bytes``);
+    without micro-batches it does not."""
+    from relational_tensors.dp_optimizer.plans import batch_sums
+
+    g = _graph(layers=1)
+    sums = batch_sums(g)
+    grads = [n for n in g.operators if n.id in sums and n.type.rank == 2 and n.name.startswith("grad.")]
+    assert grads
+    piped = rt.compileGraph(g, device="cpu:4", pipeline=rt.Pipeline(2, 4, "1f1b"))
+    plain = rt.compileGraph(g, device="cpu:2")  # the same specs: a stage of the pipeline has two devices
+    for n in grads:
+        for c, d in zip(piped.plan.candidates.by_op[n.id], plain.plan.candidates.by_op[n.id], strict=True):
+            assert c.spec.split_text == d.spec.split_text
+            out = max(f.output.volume for f in c.spec.functions) * 4  # float32 partial sums
+            assert c.resident_bytes - d.resident_bytes == out, n.name

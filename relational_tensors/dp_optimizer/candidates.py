@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -213,7 +213,7 @@ class Candidates:
 def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: int | None = None,
                      limit_name: str = "memory_per_device",
                      constraints: Mapping[int, Mapping[str, int]] | None = None,
-                     layouts: Mapping[int, Held] | None = None) -> Candidates:
+                     layouts: Mapping[int, Held] | None = None, held: Collection[int] = ()) -> Candidates:
     """Enumerate, cost and filter the specs of every operator of ``graph`` for ``p`` devices; specs whose
     working set exceeds ``memory_per_device`` bytes (the limit ``limit_name`` names) are not offered.
 
@@ -224,9 +224,14 @@ def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: 
     ``layouts`` (graph input or state id -> the blocks it is held in) pins tensors' layouts: each
     reader's specs pay for moving the held blocks to the blocks they read, and the operator making a
     pinned state's value pays for writing it into them (``Candidate.layout_cost``); an edge reading a
-    pinned state is not carried (it reads the pinned blocks, not its value's tiling)."""
+    pinned state is not carried (it reads the pinned blocks, not its value's tiling).
+
+    ``held`` names the operators whose output blocks stay on their devices for the whole run (a pipeline's
+    gradients, accumulated over its micro-batches): their bytes count as resident (``spec_resident``), which
+    a memory-priced selection pays for."""
     out = Candidates(p)
     saved_ids = set(graph.outputs.values())
+    held = frozenset(held)
     layouts = layouts or {}
     carried = []
     for node in graph.operators:
@@ -247,11 +252,12 @@ def build_candidates(graph: Graph, p: int, model: CostModel, memory_per_device: 
         assert op is not None
         graph_inputs = tuple(graph.nodes[i].op is None for i in node.inputs)
         want = (constraints or {}).get(node.id)
-        key = (op, graph_inputs, node.id in saved_ids, None if want is None else tuple(sorted(want.items())))
+        key = (op, graph_inputs, node.id in saved_ids, None if want is None else tuple(sorted(want.items())),
+               node.id in held)
         tmpl = classes.get(key) if share else None
         if tmpl is None:
             tmpl = _template(node.name, op, p, model, graph_inputs, node.id in saved_ids, memory_per_device,
-                             limit_name, want, made)
+                             limit_name, want, made, node.id in held)
             classes[key] = tmpl
             made += 1
         out.templates[node.id] = tmpl
@@ -298,8 +304,9 @@ class _Template:
 
 def _template(name: str, op: Operator, p: int, model: CostModel, graph_inputs: tuple[bool, ...], saved: bool,
               memory_per_device: int | None, limit_name: str, want: Mapping[str, int] | None,
-              index: int) -> _Template:
-    """The candidates of operator ``op`` (named ``name`` in errors): specs, costs, eligibility, block sets."""
+              index: int, held: bool = False) -> _Template:
+    """The candidates of operator ``op`` (named ``name`` in errors): specs, costs, eligibility, block sets;
+    ``held``: its output blocks count as resident (``spec_resident``)."""
     pairs = specs_for(op, p)
     if not pairs:
         extents = ", ".join(f"{s.name}={s.extent}" for s in op.requestable()) or "none"
@@ -325,7 +332,7 @@ def _template(name: str, op: Operator, p: int, model: CostModel, graph_inputs: t
             at.append(n)
         slots.append(tuple(at))
         costs.append((model.join(spec, graph_inputs), model.aggregation(spec, saved), spec_memory(spec),
-                      spec_resident(spec, graph_inputs), model.compute(spec, op)))
+                      spec_resident(spec, graph_inputs, held), model.compute(spec, op)))
     fits = [memory_per_device is None or c[2] <= memory_per_device for c in costs]
     if not any(fits):
         lean = min(range(len(pairs)), key=lambda s: costs[s][2])

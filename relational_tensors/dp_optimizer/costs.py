@@ -189,10 +189,14 @@ def spec_memory(spec: JoinAggSpec) -> int:
     return best
 
 
-def spec_resident(spec: JoinAggSpec, graph_inputs: tuple[bool, ...]) -> int:
-    """The largest per-device bytes of graph-input blocks ``spec`` reads: they stay loaded for every run."""
+def spec_resident(spec: JoinAggSpec, graph_inputs: tuple[bool, ...], held: bool = False) -> int:
+    """The largest per-device bytes ``spec`` keeps for the whole run: the graph-input blocks it reads (they
+    stay loaded), and, if ``held``, its output block as a partial sum (a weight's gradient accumulated over
+    a pipeline's micro-batches: its device holds it from the first micro-batch's backward to the update)."""
     widths = [itemsize(t.dtype) for t in spec.input_types]
-    return max(sum(b.volume * w for b, w, g in zip(f.inputs, widths, graph_inputs) if g) for f in spec.functions)
+    out = itemsize(partial_dtype(spec.output_type.dtype)) if held else 0
+    return max(sum(b.volume * w for b, w, g in zip(f.inputs, widths, graph_inputs) if g) + f.output.volume * out
+               for f in spec.functions)
 
 
 def block_set_key(boxes: tuple[Box, ...] | Tiling, space: Box) -> Tiling | frozenset[Box]:

@@ -43,7 +43,7 @@ from relational_tensors.dp_optimizer.candidates import specs_for
 from relational_tensors.errors import GraphError
 from relational_tensors.graph.graph import Graph, Node
 
-__all__ = ["batch_indices", "data_parallel", "megatron_tp", "sequence_parallel", "ddp", "fsdp", "zero3",
+__all__ = ["batch_indices", "batch_sums", "data_parallel", "megatron_tp", "sequence_parallel", "ddp", "fsdp", "zero3",
            "megatron_dp", "fsdp_tp", "expert_parallel", "expert_tensor_parallel", "PLANS"]
 
 _MATMULS = ("matmul", "einsum", "grouped_matmul")
@@ -145,6 +145,23 @@ def batch_indices(graph: Graph) -> dict[int, str]:
                 out[n.id] = x
                 break
     return out
+
+
+def batch_sums(graph: Graph) -> set[int]:
+    """The operators that sum over the batch: their batch index (``batch_indices``) splits inputs but not
+    the output (a weight's gradient, a loss summed over tokens).  Under micro-batches each makes one partial
+    sum per micro-batch, which its device holds until the last one is added.
+
+    >>> from relational_tensors.graph.graph import Graph
+    >>> g = Graph()
+    >>> x, w = g.input("x", (8, 4)), g.parameter("w", (4, 3))
+    >>> y = g.save(g.matmul(x, w, name="y"))
+    >>> dw = g.save(g.einsum("bi,bj->ij", x, y, name="dw"))
+    >>> sorted(g.nodes[n].name for n in batch_sums(g))
+    ['dw']
+    """
+    g = _Graph(graph, 1)
+    return {op for op, x in batch_indices(graph).items() if not g.dims[op][x][1]}
 
 
 def data_parallel(graph: Graph, p: int) -> dict[str, str]:

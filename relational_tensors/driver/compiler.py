@@ -29,6 +29,7 @@ from relational_tensors.dp_optimizer.constraints import parse_constraints
 from relational_tensors.dp_optimizer.costs import cost_model as get_cost_model
 from relational_tensors.dp_optimizer.pipeline import Pipeline, PipelinedPlan, pipelined
 from relational_tensors.dp_optimizer.plan import LogicalPlan
+from relational_tensors.dp_optimizer.plans import batch_sums
 from relational_tensors.dp_optimizer.select import select_dp, select_exact, select_greedy, select_random
 from relational_tensors.dp_optimizer.trees import cut_pieces
 from relational_tensors.driver.compiled import CompiledGraph
@@ -88,10 +89,13 @@ def _pass_candidates(s: CompileState) -> None:
     model = get_cost_model(s.options.cost_model, s.target)
     p = _stage_p(s)
     s.constraints = parse_constraints(s.graph.nodes, s.options.constraints, p)
+    pipe = s.options.pipeline
+    # under micro-batches a sum over the batch (a weight's gradient) is held from the first to the last
+    held = batch_sums(s.graph) if isinstance(pipe, Pipeline) and pipe.micro_batches > 1 else ()
     s.candidates = build_candidates(s.graph, p, model, s.limit,
                                     "memory_per_device" if s.options.memory_per_device is not None
                                     else s.target.memory_source(), constraints=s.constraints.splits,
-                                    layouts=s.constraints.layouts)
+                                    layouts=s.constraints.layouts, held=held)
 
 
 def _pass_pieces(s: CompileState) -> None:
@@ -324,7 +328,7 @@ def _keep_sharded(s: CompileState, limits: dict[int, int]) -> bool:
         now: dict[int, int] = {}
         for _, b in dag.inputs.get(node.name, []):
             now[dag.buffers[b].device] = now.get(dag.buffers[b].device, 0) + dag.buffers[b].nbytes
-        for box, device in value_blocks(s.plan.spec(value)):
+        for box, device in value_blocks(s.plan, value):
             now[device] = now.get(device, 0) - box.volume * itemsize(node.type.dtype)
         if any(v > 0 for v in now.values()):
             saves[state] = now

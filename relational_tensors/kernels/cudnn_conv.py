@@ -239,7 +239,11 @@ def wgrad(op: Any, x: DevBuf, dy: DevBuf, out: DevBuf, x_box: Any, dy_box: Any, 
     if scratch is None or tuple(out.shape[2:]) != tuple(op.kernel_size) or not _common(op, scratch, x, dy, out):
         return False
     view = _input_view(op, x, x_box, dy_box, dy.shape[2:])
-    return view is not None and _convolve("wgrad", op, view[0], dy, out, view[1], view[2], scratch, stream)
+    if view is None or (op.rank == 3 and view[1] != view[2]):
+        # cuDNN's 3-D weight gradient reads dy as if padded alike on both sides (measured on an H100 with
+        # cuDNN 9.19: wrong values and reads past dy), so such blocks keep the GEMM form
+        return False
+    return _convolve("wgrad", op, view[0], dy, out, view[1], view[2], scratch, stream)
 
 
 def dgrad(op: Any, dy: DevBuf, w: DevBuf, out: DevBuf, span: Sequence[tuple[int, int]], out_box: Any,

@@ -93,12 +93,18 @@ class Lowered:
     replayed: int = 0  # operators lowered by replaying the tasks of one of the same geometry
 
 
-def value_blocks(spec: Any) -> tuple[tuple[Box, int], ...]:
-    """The blocks a state keeps when kept sharded: each distinct output block of its value's spec, on
-    the device of the first function spec making it (where the update's kernels run, identity placed)."""
+def value_blocks(plan: LogicalPlan, value: int) -> tuple[tuple[Box, int], ...]:
+    """The blocks a state keeps when kept sharded: each distinct output block of the spec of its value
+    (operator ``value``), on the device of the first function spec making it (where the update's kernels
+    run, identity placed; in a pipelined plan, on the devices of the update's stage)."""
+    if isinstance(plan, PipelinedPlan):
+        spec, devices = plan.coarse(value), plan.group(value)
+    else:
+        spec = plan.spec(value)
+        devices = tuple(range(len(spec.functions)))
     first: dict[Box, int] = {}
     for g, f in enumerate(spec.functions):
-        first.setdefault(f.output, g)
+        first.setdefault(f.output, devices[g])
     return tuple(first.items())
 
 
@@ -204,7 +210,7 @@ class _Lowering:
                 self.load(t, box, device)
         for s, mode in self.kept.items():
             if mode == "sharded":
-                self.held[s] = value_blocks(plan.spec(graph.assignments[s]))
+                self.held[s] = value_blocks(plan, graph.assignments[s])
                 for box, device in self.held[s]:
                     self.load(s, box, device)
         # each state takes its value once the value is made and the state's last reader has run
@@ -623,7 +629,7 @@ class _Lowering:
         if not covers([box for box, _ in self.dag.inputs.get(name, [])], node.type.box):
             # its readers read part of it (or none do): it also keeps its value's blocks, so that the
             # whole state persists and can be read back
-            for box, device in value_blocks(self.plan.spec(value)):
+            for box, device in value_blocks(self.plan, value):
                 self.load(state, box, device)
         kept = self.dag.inputs[name]
         if state in self.saved_states:  # the value the execution read, before the assignment overwrites it
