@@ -58,7 +58,7 @@ def cross_node_bytes(cg: rt.CompiledGraph) -> int:
 SHAPES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
 
 
-def run(machine: str, plan: str, layers: int, seq: int, shape: str = "8b") -> dict[str, Any]:
+def run(machine: str, plan: str, layers: int, seq: int, shape: str = "8b", memory_gib: float = 141) -> dict[str, Any]:
     p = len(get_topology(machine).sites)
     g = llama_training_graph(p, seq, dtype="bfloat16", vocab=128256, layers=layers, optimizer="adamw",
                              master_dtype="float32", **SHAPES[shape])
@@ -70,7 +70,7 @@ def run(machine: str, plan: str, layers: int, seq: int, shape: str = "8b") -> di
     t0 = time.process_time()
     try:
         cg = rt.compileGraph(g, device=f"cpu:{p}", topology=machine, cost_model="calibrated",
-                             memory_per_device=141 << 30, constraints=constraints,
+                             memory_per_device=int(memory_gib * 2**30), constraints=constraints,
                              pipeline="auto" if plan == "auto" else pipeline)
     except PlanError as e:  # a plan that does not fit is refused before it runs
         row.update(refused=str(e).split("\n")[0][:160])
@@ -87,7 +87,23 @@ def run(machine: str, plan: str, layers: int, seq: int, shape: str = "8b") -> di
     row["peak_gib"] = max(cg.live.peak.values()) / 2**30
     row["cross_node_gb"] = cross_node_bytes(cg) / 1e9
     row["tasks"] = len(cg.lowered.dag.tasks)
+    row["splits"] = chosen_splits(g, cg)
     return row
+
+
+# what the plan chose inside a stage, for the first layer's operators whose names end so
+SHOWN = ("q_proj", "attention", "o_proj", "gate_proj", "down_proj", "embedding_grad")
+
+
+def chosen_splits(g: rt.Graph, cg: rt.CompiledGraph) -> str:
+    """The split of a few operators of the first layer in one stage's plan (``split_text``, per stage)."""
+    picks = []
+    for suffix in SHOWN:
+        node = next((n for n in g.operators if n.name.split(".")[-1].rsplit("_", 1)[0] == suffix
+                     or n.name.endswith(suffix)), None)
+        if node is not None:
+            picks.append(f"{suffix} {cg.plan.candidate(node.id).spec.split_text or 'whole'}")
+    return "; ".join(picks)
 
 
 def main() -> None:
@@ -97,13 +113,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--shape", default="8b", choices=tuple(SHAPES))
+    ap.add_argument("--memory-gib", type=float, default=141, help="memory per GPU the plans must fit (H200: 141)")
     ap.add_argument("--out", default="bench/results/multinode_plans.md")
     args = ap.parse_args()
     machines = args.machines.split(",")
     rows: list[dict[str, Any]] = []
     for machine in machines:
         for plan in args.plans.split(","):
-            rows.append(run(machine, plan, args.layers, args.seq, args.shape))
+            rows.append(run(machine, plan, args.layers, args.seq, args.shape, args.memory_gib))
             print(rows[-1], flush=True)
             write(args, machines, rows)  # after every plan: a long run cut off keeps what it measured
 
@@ -112,6 +129,7 @@ def write(args: argparse.Namespace, machines: list[str], rows: list[dict[str, An
     head = header(f"The {args.layers}-layer {args.shape.upper()}-shaped training step on several nodes", machines,
                   "cpu:<p> logical devices, priced and simulated on each machine",
                   notes=[f"one sequence of {args.seq} tokens per GPU; bfloat16, AdamW with float32 masters",
+                         f"plans must fit {args.memory_gib:g} GiB per GPU",
                          "cross-node GB: bytes per step copied between GPUs of different nodes",
                          "idle: the share of the GPUs' simulated time without a kernel, ⊕ or assembly",
                          "ideal bubble: (stages - 1) / (micro-batches + stages - 1)"])
@@ -128,6 +146,8 @@ def write(args: argparse.Namespace, machines: list[str], rows: list[dict[str, An
         lines.append(f"| {r['machine']} | {r['p']} | {r['plan']} | {shape} | {r['step_ms']:.1f} | "
                      f"{r['peak_gib']:.2f} | {r['cross_node_gb']:.2f} | {r['idle']:.0%} | {r['ideal_bubble']:.0%} "
                      f"| {r['tasks']} | {r['planned_cpu_s']:.1f} |")
+    lines += ["", "Splits inside a stage (the first layer's operators; `whole`: not split):", ""]
+    lines += [f"- {r['machine']}, {r['plan']}: {r['splits']}" for r in rows if r.get("splits")]
     write_table(args.out, lines, {**head, "rows": rows})
 
 if __name__ == "__main__":
