@@ -240,8 +240,8 @@ def wgrad(op: Any, x: DevBuf, dy: DevBuf, out: DevBuf, x_box: Any, dy_box: Any, 
         return False
     view = _input_view(op, x, x_box, dy_box, dy.shape[2:])
     if view is None or (op.rank == 3 and view[1] != view[2]):
-        # cuDNN's 3-D weight gradient reads dy as if padded alike on both sides (measured on an H100 with
-        # cuDNN 9.19: wrong values and reads past dy), so such blocks keep the GEMM form
+        # a 3-D weight gradient with different padding each side came back wrong from cuDNN 9.19 on an H100
+        # (one element 8e35, as if read past dy; docs/limits.md), so such blocks keep the GEMM form
         return False
     return _convolve("wgrad", op, view[0], dy, out, view[1], view[2], scratch, stream)
 
