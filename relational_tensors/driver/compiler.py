@@ -365,10 +365,10 @@ def _pass_fit_memory(s: CompileState) -> None:
     """A plan whose peak exceeds a device's memory folds its micro-batches' partial gradients as they are
     made, if it is pipelined with three or more (``schedule.pipeline_order``); then keeps its assigned
     states sharded (``_keep_sharded``);
-    if that is not enough, a DP plan is re-chosen with a growing price on the graph-input bytes each
-    spec keeps resident (a Lagrangian relaxation of the memory constraint), up to eight times, each
-    re-chosen plan lowered (and searched) as the passes before did; if none fits, the plan is refused
-    with the peak of the best one found."""
+    if that is not enough, a DP plan is re-chosen with a growing price on the bytes each spec keeps
+    resident (``spec_resident``; a Lagrangian relaxation of the memory constraint), up to eight times, each
+    re-chosen plan lowered (and searched) as the passes before did unless its specs were lowered before;
+    if none fits, the plan is refused with the peak of the best one found."""
     assert s.lowered is not None and s.plan is not None and s.live is not None
     limits = s.limits
     if _fits(s.live, limits):
@@ -394,8 +394,14 @@ def _pass_fit_memory(s: CompileState) -> None:
     if s.options.selector in ("dp", "exact"):
         resident = sum(s.plan.candidate(o).resident_bytes for o in s.choice) or 1
         price = max(s.plan.cost, 1.0) / resident
+        tried = {tuple(sorted(s.choice.items()))}
         for _ in range(8):
             choice, plan = _choose(s, memory_price=price)
+            key = tuple(sorted(choice.items()))
+            if key in tried:  # the same specs lower to the same plan: only a higher price can change them
+                price *= 4
+                continue
+            tried.add(key)
             lowered, live = _relowered(s, plan)
             if _fits(live, limits):
                 s.choice, s.plan, s.lowered, s.live = choice, plan, lowered, live
