@@ -91,7 +91,7 @@ def run(machine: str, plan: str, layers: int, seq: int, shape: str = "8b", memor
     return row
 
 
-# what the plan chose inside a stage, for the first layer's operators whose names end so
+# what the plan chose inside a stage: the first operator whose name ends so, or of that kind
 SHOWN = ("q_proj", "attention", "o_proj", "gate_proj", "down_proj", "embedding_grad")
 
 
@@ -99,8 +99,7 @@ def chosen_splits(g: rt.Graph, cg: rt.CompiledGraph) -> str:
     """The split of a few operators of the first layer in one stage's plan (``split_text``, per stage)."""
     picks = []
     for suffix in SHOWN:
-        node = next((n for n in g.operators if n.name.split(".")[-1].rsplit("_", 1)[0] == suffix
-                     or n.name.endswith(suffix)), None)
+        node = next((n for n in g.operators if n.name.endswith(suffix) or n.kind == suffix), None)
         if node is not None:
             picks.append(f"{suffix} {cg.plan.candidate(node.id).spec.split_text or 'whole'}")
     return "; ".join(picks)

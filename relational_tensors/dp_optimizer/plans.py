@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from relational_tensors.dp_optimizer.candidates import specs_for
 from relational_tensors.errors import GraphError
 from relational_tensors.graph.graph import Graph, Node
+from relational_tensors.sql_specs.base import Operator
 
 __all__ = ["batch_indices", "batch_sums", "data_parallel", "megatron_tp", "sequence_parallel", "ddp", "fsdp", "zero3",
            "megatron_dp", "fsdp_tp", "expert_parallel", "expert_tensor_parallel", "PLANS"]
@@ -49,11 +50,9 @@ __all__ = ["batch_indices", "batch_sums", "data_parallel", "megatron_tp", "seque
 _MATMULS = ("matmul", "einsum", "grouped_matmul")
 
 
-def _index_dims(node: Node) -> dict[str, tuple[list[tuple[int, ...]], tuple[int, ...]]]:
+def _index_dims(op: Operator) -> dict[str, tuple[list[tuple[int, ...]], tuple[int, ...]]]:
     """Per requestable index of an operator: the dimensions of each input, and of the output, it splits
     (found by splitting it in two: the structure of the operator's own join-agg spec)."""
-    op = node.op
-    assert op is not None
     out: dict[str, tuple[list[tuple[int, ...]], tuple[int, ...]]] = {}
     whole = op.spec({}).functions[0]  # the blocks read unsplit (a slice reads part of its input even so)
     for index in op.requestable():
@@ -78,7 +77,14 @@ class _Graph:
         if not isinstance(p, int) or isinstance(p, bool) or p < 1:
             raise GraphError(f"a hand plan is built for p >= 1 devices; got p={p!r}.")
         self.graph, self.p = graph, p
-        self.dims = {n.id: _index_dims(n) for n in graph.operators}
+        self.dims: dict[int, dict[str, tuple[list[tuple[int, ...]], tuple[int, ...]]]] = {}
+        found: dict[Operator, dict[str, tuple[list[tuple[int, ...]], tuple[int, ...]]]] = {}  # equal layers' ops
+        for n in graph.operators:
+            assert n.op is not None
+            dims = found.get(n.op)
+            if dims is None:
+                dims = found[n.op] = _index_dims(n.op)
+            self.dims[n.id] = dims
         weight = {n.id for n in graph.inputs if n.role in ("parameter", "state")}
         for n in graph.operators:  # a weight, or computed from weights only (a cast of one)
             if n.inputs and all(i in weight for i in n.inputs):
@@ -135,7 +141,11 @@ def batch_indices(graph: Graph) -> dict[int, str]:
     """Per operator that carries the batch (the first dimension of the data inputs, through every tensor
     computed from them), the index that cuts it: one that splits exactly the batch dimension of every input
     that carries it.  An operator that mixes the batch has none."""
-    g = _Graph(graph, 1)
+    return _batch_indices(_Graph(graph, 1))
+
+
+def _batch_indices(g: _Graph) -> dict[int, str]:
+    graph = g.graph
     marked = g.carried(0)
     out: dict[int, str] = {}
     for n in graph.operators:
@@ -161,7 +171,7 @@ def batch_sums(graph: Graph) -> set[int]:
     ['dw']
     """
     g = _Graph(graph, 1)
-    return {op for op, x in batch_indices(graph).items() if not g.dims[op][x][1]}
+    return {op for op, x in _batch_indices(g).items() if not g.dims[op][x][1]}
 
 
 def data_parallel(graph: Graph, p: int) -> dict[str, str]:
