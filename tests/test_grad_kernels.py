@@ -207,6 +207,9 @@ def check_op(mem: Any, op: Any, values: list[np.ndarray], request: dict[str, int
     """Every function spec of ``op``'s spec for ``request`` (index -> interval count, near-equal, so uneven
     where the extents do not divide): the launcher's block against the NumPy kernel's.  A 16-bit operator
     whose blocks are ⊕-summed partials is also checked with a float32 output block, as plans keep them."""
+    # the values as the operator's input dtypes hold them (NumPy's promotion of a 16-bit array with a Python
+    # float differs between versions), so the reference reads what the device reads
+    values = [np.asarray(v).astype(numpy_dtype(t.dtype)) for v, t in zip(values, op.input_types)]
     by_name = {s.name: s for s in op.requestable()}
     lists = {name: by_name[name].near_equal(n) for name, n in (request or {}).items()}
     spec = op.spec(lists)
