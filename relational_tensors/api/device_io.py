@@ -21,7 +21,7 @@ from relational_tensors.frontend.torch.convert import _dtype_name, _torch, _torc
 from relational_tensors.runtime.cupy_staging import RawDevice
 
 
-def _external(compiled: Any) -> Any:
+def launch_stream(compiled: Any) -> Any:
     """The executor's launch stream as torch sees it (made once per stream, not per call)."""
     return _stream(compiled.executor.launch_stream.ptr, compiled.devices.physical[0])
 
@@ -60,5 +60,5 @@ def output(compiled: Any, name: str) -> Any:
     dest = torch.empty(t.shape, dtype=_torch_dtype(t.dtype), device=f"cuda:{gpu}")
     current = torch.cuda.current_stream(dest.device)
     compiled.executor.offload_into(name, _raw(dest, current) or dest)
-    current.wait_stream(_external(compiled))
+    current.wait_stream(launch_stream(compiled))
     return dest
