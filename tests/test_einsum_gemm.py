@@ -63,12 +63,21 @@ def einsums(draw: st.DrawFn) -> tuple:
     lb = groups["batch"] + groups["inner"] + groups["cols"]
     lo = groups["batch"] + groups["rows"] + groups["cols"]
     la, lb, lo = (tuple(draw(st.permutations(x))) for x in (la, lb, lo))
+    # a leading output index of one operand only: a batch the other operand is shared by
+    lead = [next(names) for _ in range(draw(st.integers(0, 1)))]
+    for c in lead:
+        sizes[c] = draw(st.integers(1, 4))
+        if draw(st.booleans()):
+            la = tuple(draw(st.permutations((*la, c))))
+        else:
+            lb = tuple(draw(st.permutations((*lb, c))))
+        lo = (c, *lo)
     perms = [tuple(draw(st.permutations(range(len(x))))) for x in (la, lb, lo)]
     pads = [draw(st.sampled_from([0, 0, 3])) for _ in range(3)]
     return la, lb, lo, sizes, perms, pads
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(einsums(), st.integers(0, 2**31))
 def test_a_planned_gemm_computes_the_einsum(case: tuple, seed: int) -> None:
     la, lb, lo, sizes, perms, pads = case
@@ -126,3 +135,21 @@ def test_named_indices_plan_the_gemm_letters_do() -> None:
     named = einsum_gemm_plan(*bufs, *names)
     assert named is not None and named == einsum_gemm_plan(*bufs, *letters)
     assert named.batch == 3  # one batched GEMM over the experts
+
+
+def test_a_one_by_one_convolution_is_one_gemm_per_image_with_the_weights_shared() -> None:
+    """``fc,ncp->nfp`` (a 1×1 convolution over NCHW blocks, positions flattened) and its operands swapped:
+    the images are the batch, the weights read again for each (batch stride 0), nothing transposed."""
+    rng = np.random.default_rng(2)
+    sizes = {"f": 5, "c": 3, "n": 4, "p": 6}
+    for la, lb, lo in ((("f", "c"), ("n", "c", "p"), ("n", "f", "p")), (("n", "c", "p"), ("f", "c"), ("n", "f", "p"))):
+        mem: list = []
+        bufs = [_place(mem, tuple(sizes[c] for c in x), tuple(range(len(x))), 0, rng) for x in (la, lb, lo)]
+        flat = np.concatenate(mem)
+        g = einsum_gemm_plan(*bufs, la, lb, lo)
+        assert g is not None and g.batch == 4, (la, lb, lo)
+        assert 0 in (g.stride_a, g.stride_b)
+        a, b = _view(flat, bufs[0].ptr, bufs[0]).copy(), _view(flat, bufs[1].ptr, bufs[1]).copy()
+        _cublas(g, flat, bufs[2].ptr)
+        want = np.einsum(f"{''.join(la)},{''.join(lb)}->{''.join(lo)}", a, b)
+        np.testing.assert_allclose(_view(flat, bufs[2].ptr, bufs[2]), want, rtol=1e-10)

@@ -420,7 +420,10 @@ class Graph:
         elif isinstance(padding, str):
             raise GraphError(f"conv padding must be an integer, one per dimension, 'valid' or 'same'; got {padding!r}.")
         padding_t = _per_dim("padding", padding, rank, 0)
+        # non-overlapping windows as a matmul; a 1×1 convolution stays one (its kernel reads NCHW blocks as
+        # they lie, where the matmul form permutes them twice)
         if (groups == 1 and stride_t == tuple(wt.shape[2:]) and not any(padding_t) and set(dilation_t) == {1}
+                and any(k > 1 for k in wt.shape[2:])
                 and xt.rank == rank + 2 and wt.rank == rank + 2 and wt.shape[1] == xt.shape[1]
                 and all(s >= k for s, k in zip(xt.shape[2:], wt.shape[2:]))):
             y = self._patchify(x, w, name if bias is None else None)

@@ -167,29 +167,46 @@ def einsum_gemm_plan(a: DevBuf, b: DevBuf, out: DevBuf, la: tuple[str, ...], lb:
     product whose index groups lie in memory as fusible runs: batch indices in all three, rows in ``a``
     and ``out``, columns in ``b`` and ``out``, contracted ones in ``a`` and ``b``, each operand with a unit
     stride in its matrix part.  A gradient's ``dA = dC @ Bᵀ`` and ``dB = Aᵀ @ dC`` (the batch summed as
-    part of the contraction) are such products.  None for any other einsum, or an empty one."""
+    part of the contraction) are such products.  Leading output indices of one operand only may be a
+    batch the other operand is shared by (batch stride 0): a 1×1 convolution ``fc,ncp->nfp`` is one GEMM
+    per image with the weights shared.  None for any other einsum, or an empty one."""
     if len(set(la)) != len(la) or len(set(lb)) != len(lb) or len(set(lo)) != len(lo) or a.dtype != b.dtype:
         return None
     if a.dtype not in _CUDA_TYPE or out.dtype not in _CUDA_TYPE or out.size == 0:
         return None
-    batch = tuple(c for c in lo if c in la and c in lb)
-    rows = tuple(c for c in lo if c in la and c not in lb)
-    cols = tuple(c for c in lo if c in lb and c not in la)
+    shared = tuple(c for c in lo if c in la and c in lb)
+    plan = _gemm_plan(a, b, out, la, lb, lo, shared)
+    for lead in range(1, len(lo) - 1):  # a leading output index of one operand as a broadcast batch
+        if plan is not None or lo[lead - 1] in shared or (lo[lead - 1] in la) == (lo[lead - 1] in lb):
+            break
+        plan = _gemm_plan(a, b, out, la, lb, lo, (*lo[:lead], *(c for c in shared if c not in lo[:lead])))
+    return plan
+
+
+def _gemm_plan(a: DevBuf, b: DevBuf, out: DevBuf, la: tuple[str, ...], lb: tuple[str, ...], lo: tuple[str, ...],
+               batch: tuple[str, ...]) -> Gemm | None:
+    """:func:`einsum_gemm_plan` with the given ``batch`` indices (an operand without one of them is read
+    again for every batch entry)."""
+    rows = tuple(c for c in lo if c in la and c not in lb and c not in batch)
+    cols = tuple(c for c in lo if c in lb and c not in la and c not in batch)
     inner = tuple(c for c in la if c in lb and c not in lo)
     if set(la) - set(batch + rows + inner) or set(lb) - set(batch + cols + inner) or set(lo) - set(la + lb):
         return None  # an index summed within one operand, or an output index of neither
     fused: list[list[tuple[int, int]]] = []
     for buf, letters, groups in ((a, la, (batch, rows, inner)), (b, lb, (batch, inner, cols)),
                                  (out, lo, (batch, rows, cols))):
-        dims = [_fuse(buf, letters, g) for g in groups]
+        dims = [_fuse(buf, letters, tuple(c for c in g if c in letters)) for g in groups]
         if any(d is None for d in dims):
             return None
         fused.append([d for d in dims if d is not None])
-    (nb, sba), (m, sam), (k, sak) = fused[0]
-    (_, sbb), (_, sbk), (n, sbn) = fused[1]
-    (_, sbo), (_, som), (_, son) = fused[2]
+    (nba, sba), (m, sam), (k, sak) = fused[0]
+    (nbb, sbb), (_, sbk), (n, sbn) = fused[1]
+    (nb, sbo), (_, som), (_, son) = fused[2]
     if k == 0:
         return None
+    if nba not in (1, nb) or nbb not in (1, nb):
+        return None  # an operand with part of the batch: its entries are not one stride apart
+    sba, sbb = (sba if nba > 1 else 0), (sbb if nbb > 1 else 0)  # an operand without the batch is shared
     c_layout = _operand((n, son), (m, som))  # C = outᵀ (n x m) = bᵀ aᵀ, or out as stored
     if c_layout is None:
         return None

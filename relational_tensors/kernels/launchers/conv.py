@@ -33,7 +33,7 @@ def _conv(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: i
     allocated, so it is captured with the rest.  Grouped convolutions run the contractions over CuPy arrays instead."""
     from relational_tensors.kernels import triton_copy as tc
     from relational_tensors.kernels.blas import matmul
-    from relational_tensors.kernels.common import DevBuf
+    from relational_tensors.kernels.common import DevBuf, contiguous_strides
 
     x, w = ins
     if op.groups != 1:
@@ -42,13 +42,24 @@ def _conv(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: i
     if x.shape[1] == 0 or out.size == 0:
         tc.fill(out, 0.0)
         return
-    if cudnn_conv.fprop(op, x, w, out, f.inputs[0], f.output, consts.get("scratch"), stream):
+    pointwise = set(op.kernel_size) == {1} and not any(op.padding)
+    positions = math.prod(out.shape[2:])
+    if pointwise and set(op.stride) == {1} and x.strides == contiguous_strides(x.shape):
+        # a 1×1 convolution reads its input as the GEMM's columns: w [f, c] @ x[n] [c, positions]
+        matmul(DevBuf(w.ptr, w.shape[:2], w.dtype, w.device), DevBuf(x.ptr, (x.shape[0], x.shape[1], positions),
+               x.dtype, x.device), DevBuf(out.ptr, (out.shape[0], out.shape[1], positions), out.dtype, out.device),
+               stream)
+        return
+    # a strided 1×1 convolution is one strided copy and a GEMM (cuDNN chose a legacy engine 2-4x slower
+    # than that for ResNet-50's on an H100: bench/results/gpu_coverage)
+    if not pointwise and cudnn_conv.fprop(op, x, w, out, f.inputs[0], f.output, consts.get("scratch"), stream):
         return
     rank = op.rank
     cols = consts["scratch"]
     n, c = x.shape[:2]
     kernel, n_out = op.kernel_size, out.shape[2:]
-    tc.fill(cols, 0.0)  # the padding
+    if not pointwise:
+        tc.fill(cols, 0.0)  # the padding (a 1×1 convolution without padding writes every column)
     box, obox = f.inputs[0], f.output
     ck = c * math.prod(kernel)
     for kk in itertools.product(*(range(k) for k in kernel)):
@@ -58,7 +69,6 @@ def _conv(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: i
         dst = cols.sub((0, 0, *kk, *dst_lo), (n, c, *((1,) * rank), *size))
         dst = DevBuf(dst.ptr, (n, c, *size), dst.dtype, dst.device, (*dst.strides[:2], *dst.strides[2 + rank:]))
         tc.copy_box(src, dst)
-    positions = math.prod(n_out)
     # one strided-batched GEMM: the weights shared by every batch row's columns
     matmul(DevBuf(w.ptr, (w.shape[0], ck), w.dtype, w.device),
            DevBuf(cols.ptr, (n, ck, positions), cols.dtype, cols.device),
