@@ -44,7 +44,8 @@ def _conv(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: i
         return
     pointwise = set(op.kernel_size) == {1} and not any(op.padding)
     positions = math.prod(out.shape[2:])
-    if pointwise and set(op.stride) == {1} and x.strides == contiguous_strides(x.shape):
+    if (pointwise and set(op.stride) == {1} and x.strides == contiguous_strides(x.shape)
+            and tuple(x.shape[2:]) == tuple(out.shape[2:])):
         # a 1×1 convolution reads its input as the GEMM's columns: w [f, c] @ x[n] [c, positions]
         matmul(DevBuf(w.ptr, w.shape[:2], w.dtype, w.device), DevBuf(x.ptr, (x.shape[0], x.shape[1], positions),
                x.dtype, x.device), DevBuf(out.ptr, (out.shape[0], out.shape[1], positions), out.dtype, out.device),
@@ -58,7 +59,7 @@ def _conv(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: i
     cols = consts["scratch"]
     n, c = x.shape[:2]
     kernel, n_out = op.kernel_size, out.shape[2:]
-    if not pointwise:
+    if not pointwise or _tap(op, (0,) * rank, x, f.inputs[0], f.output.lower[2:], n_out)[1] != list(n_out):
         tc.fill(cols, 0.0)  # the padding (a 1×1 convolution without padding writes every column)
     box, obox = f.inputs[0], f.output
     ck = c * math.prod(kernel)
