@@ -14,11 +14,12 @@ Rows (bfloat16 on the GPU; float32 in ``--smoke``):
 * **ResNet-50's convolutions**: each distinct conv layer shape of the network, forward, ours against
   ``F.conv2d`` (cuDNN) on the same input.
 
-Each row: eager, ``torch.compile`` and ours (``rt.parallelize`` forward under ``no_grad``;
-``rt.train_step`` with the user's own ``torch.optim.AdamW`` for training, the loss ``mean(out²)``), in
-milliseconds (2 warm-ups and 10 timed rounds, CUDA events, medians), ours over torch.compile, and whether
-our program ran as one CUDA graph (``captured``: its executor holds a graph and no task left it).  A
-row that fails records its error.  The result file records the command, commit, date and machine.
+Each row: eager, ``torch.compile`` (static shapes, ``dynamic=False``) and ours (``rt.parallelize`` forward
+under ``no_grad``; ``rt.train_step`` with the user's own ``torch.optim.AdamW`` for training, the loss
+``mean(out²)``), in milliseconds (2 warm-ups and 10 timed rounds, CUDA events, medians), ours over
+torch.compile, and whether our program ran as one CUDA graph (``captured``: its executor holds a graph and
+no task left it). A row that fails records its error. The result file records the command, commit, date and
+machine.
 ``--profile-slow R`` profiles ours (``gpu_user_profile.profile``: host time per call, GPU busy and idle
 time, the kernel families that took it) wherever ours is over ``R`` times torch.compile, forward or
 training, and keeps the profile in the JSON file (``profile`` / ``train profile``), so one run says
@@ -328,7 +329,9 @@ def row(make: Factory, smoke: bool, train: bool, cudnn_only: bool = False) -> di
             if cuda:
                 _profile_if_slow(out, "ours", "eager", lambda: pm(*inputs), "profile")
             return out
-        compiled = torch.compile(module)
+        # static shapes: a network whose blocks see several sizes (ResNet-50) otherwise recompiles them with
+        # symbolic shapes, still compiling after 4 minutes on an H100 host
+        compiled = torch.compile(module, dynamic=False)
         out["compile"] = time_ms(lambda: compiled(*inputs), cuda)
         pm = rt.parallelize(module, inputs, device=device)
         out["ours"] = time_ms(lambda: pm(*inputs), cuda)
@@ -342,7 +345,7 @@ def row(make: Factory, smoke: bool, train: bool, cudnn_only: bool = False) -> di
         def loss_fn(m: nn.Module, *xs: torch.Tensor) -> torch.Tensor:
             return m(*xs).float().square().mean()
         opt = torch.optim.AdamW(floats, lr=1e-5)
-        compiled_loss = torch.compile(loss_fn)
+        compiled_loss = torch.compile(loss_fn, dynamic=False)
 
         def torch_step(fn: Callable[..., torch.Tensor]) -> Callable[[], None]:
             def step() -> None:
