@@ -30,7 +30,8 @@ def _conv_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str] | Non
 def _conv(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     """im2col into scratch (one strided copy per kernel position), then one strided-batched cuBLAS GEMM:
     out[n] [f, o] = w [f, c·k] @ cols[n] [c·k, o] for every batch row n, float32 accumulation; nothing
-    allocated, so it is captured with the rest.  Grouped convolutions run the contractions over CuPy arrays instead."""
+    allocated, so it is captured with the rest.  A 1×1 convolution of stride 1 reads its contiguous input
+    block as the columns, with no copy.  Grouped convolutions run the contractions over CuPy arrays instead."""
     from relational_tensors.kernels import triton_copy as tc
     from relational_tensors.kernels.blas import matmul
     from relational_tensors.kernels.common import DevBuf, contiguous_strides
@@ -42,27 +43,32 @@ def _conv(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: i
     if x.shape[1] == 0 or out.size == 0:
         tc.fill(out, 0.0)
         return
+    # a 1×1 convolution without padding is always the GEMM (cuDNN chose a legacy engine 2-4x slower than it
+    # for ResNet-50's strided ones on an H100: bench/results/h100_2026-12-07d)
     pointwise = set(op.kernel_size) == {1} and not any(op.padding)
-    positions = math.prod(out.shape[2:])
-    if (pointwise and set(op.stride) == {1} and x.strides == contiguous_strides(x.shape)
-            and tuple(x.shape[2:]) == tuple(out.shape[2:])):
-        # a 1×1 convolution reads its input as the GEMM's columns: w [f, c] @ x[n] [c, positions]
-        matmul(DevBuf(w.ptr, w.shape[:2], w.dtype, w.device), DevBuf(x.ptr, (x.shape[0], x.shape[1], positions),
-               x.dtype, x.device), DevBuf(out.ptr, (out.shape[0], out.shape[1], positions), out.dtype, out.device),
-               stream)
-        return
-    # a strided 1×1 convolution is one strided copy and a GEMM (cuDNN chose a legacy engine 2-4x slower
-    # than that for ResNet-50's on an H100: bench/results/gpu_coverage)
     if not pointwise and cudnn_conv.fprop(op, x, w, out, f.inputs[0], f.output, consts.get("scratch"), stream):
         return
     rank = op.rank
-    cols = consts["scratch"]
     n, c = x.shape[:2]
     kernel, n_out = op.kernel_size, out.shape[2:]
-    if not pointwise or _tap(op, (0,) * rank, x, f.inputs[0], f.output.lower[2:], n_out)[1] != list(n_out):
-        tc.fill(cols, 0.0)  # the padding (a 1×1 convolution without padding writes every column)
+    ck, positions = c * math.prod(kernel), math.prod(n_out)
+
+    def gemm(cols: Any) -> None:  # one strided-batched GEMM: the weights shared by every batch row's columns
+        matmul(DevBuf(w.ptr, (w.shape[0], ck), w.dtype, w.device),
+               DevBuf(cols.ptr, (n, ck, positions), cols.dtype, cols.device),
+               DevBuf(out.ptr, (n, out.shape[1], positions), out.dtype, out.device), stream)
+
     box, obox = f.inputs[0], f.output
-    ck = c * math.prod(kernel)
+    whole = False  # whether the one tap of a 1×1 convolution reaches every output position
+    if pointwise:
+        _, size, src = _tap(op, (0,) * rank, x, box, obox.lower[2:], n_out)
+        whole = size == list(n_out)
+        if whole and src.strides == contiguous_strides(src.shape):  # stride 1: the block is the columns
+            gemm(src)
+            return
+    cols = consts["scratch"]
+    if not whole:
+        tc.fill(cols, 0.0)  # the padding
     for kk in itertools.product(*(range(k) for k in kernel)):
         dst_lo, size, src = _tap(op, kk, x, box, obox.lower[2:], n_out)
         if src is None:
@@ -70,10 +76,7 @@ def _conv(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: i
         dst = cols.sub((0, 0, *kk, *dst_lo), (n, c, *((1,) * rank), *size))
         dst = DevBuf(dst.ptr, (n, c, *size), dst.dtype, dst.device, (*dst.strides[:2], *dst.strides[2 + rank:]))
         tc.copy_box(src, dst)
-    # one strided-batched GEMM: the weights shared by every batch row's columns
-    matmul(DevBuf(w.ptr, (w.shape[0], ck), w.dtype, w.device),
-           DevBuf(cols.ptr, (n, ck, positions), cols.dtype, cols.device),
-           DevBuf(out.ptr, (n, out.shape[1], positions), out.dtype, out.device), stream)
+    gemm(cols)
 
 
 def _tap(op: Any, kk: tuple[int, ...], x: Any, box: Any, o0: Sequence[int], n_out: Sequence[int]) -> tuple:
