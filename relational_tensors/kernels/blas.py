@@ -176,10 +176,10 @@ def einsum_gemm_plan(a: DevBuf, b: DevBuf, out: DevBuf, la: tuple[str, ...], lb:
         return None
     shared = tuple(c for c in lo if c in la and c in lb)
     plan = _gemm_plan(a, b, out, la, lb, lo, shared)
-    lead = 0  # leading output indices of one operand, taken as a batch the other operand is shared by
-    while plan is None and lead < len(lo) - 2 and lo[lead] not in shared:
-        lead += 1
-        plan = _gemm_plan(a, b, out, la, lb, lo, (*lo[:lead], *shared))
+    for lead in range(1, len(lo) - 1):  # a leading output index of one operand as a broadcast batch
+        if plan is not None or lo[lead - 1] in shared or (lo[lead - 1] in la) == (lo[lead - 1] in lb):
+            break
+        plan = _gemm_plan(a, b, out, la, lb, lo, (*lo[:lead], *(c for c in shared if c not in lo[:lead])))
     return plan
 
 
