@@ -4,8 +4,9 @@ bfloat16, side by side in one run:
 
 * **prefill** of one prompt of 2,048 and of 8,192 tokens: ``Decoder.prefill`` (ours, the next token's
   logits on the GPU) against the model's own forward with ``logits_to_keep=1`` (eager);
-* **decode** tokens/s at batch 1, 8 and 64 after a prompt of ``--context`` tokens: one ``Decoder.decode``
-  step (ours) against transformers' ``generate`` with its static cache, which compiles the step with
+* **decode** tokens/s at batch 1, 8 and 64 after a prompt of ``--context`` tokens (the prompts joining
+  8 at a time, as a server's chunked prefill does): one ``Decoder.decode`` step (ours) against
+  transformers' ``generate`` with its static cache, which compiles the step with
   ``torch.compile(mode="reduce-overhead")`` (per token: the time of ``--steps`` more tokens over their
   number), and against the HBM-bandwidth ceiling: the bytes a step must read (every weight but the
   embedding table, plus each sequence's cache) over this GPU's measured copy bandwidth;
@@ -101,10 +102,13 @@ def torch_prefill(model: Any, length: int, cuda: bool) -> float:
 
 
 def ours_decode(model: Any, batch: int, context: int, device: str, cuda: bool,
-                block_size: int | None = None) -> tuple[float, bool]:
+                block_size: int | None = None, join: int = 8) -> tuple[float, bool]:
+    """One decode step's time over ``batch`` running sequences, and whether its first greedy tokens are
+    transformers'.  The prompts join ``join`` at a time (a server's chunked prefill: the prefill program of
+    64 prompts of 1K tokens at once would hold 64K tokens' activations beside the weights)."""
     dec = rt.decoder(model, max_batch=batch, max_len=context + 32, device=device, block_size=block_size)
     ids = prompt(batch, context, model.config.vocab_size, "cuda" if cuda else "cpu")
-    token = dec.prefill(ids).argmax(-1)
+    token = torch.cat([dec.join(ids[i:i + join])[1] for i in range(0, batch, join)]).argmax(-1)
     # the first steps' greedy tokens against transformers' own (a wrong cache would show here)
     with torch.no_grad():
         want = model.generate(ids, max_new_tokens=3, do_sample=False)[:, context:]
