@@ -251,11 +251,14 @@ class TaskDAG:
         reshape outputs in ``shares`` (output -> input, ``reshape_shares``), through their input's own root.
         Each comes after the buffer it is taken from, where that has a root too."""
         out: dict[int, int] = {}
-        shares = shares or {}
-        source = {b: buf.parent for b, buf in self.buffers.items() if buf.parent is not None}
-        for b, s in shares.items():
+        source = {b: q for b, buf in self.buffers.items() if (q := buf.parent) is not None}
+        for b, s in (shares or {}).items():
             source.setdefault(b, s)
-        for b in sorted(source):
+        for b in sorted(source):  # (linear where, as made, they come in id order already)
+            up = source[b]
+            if up not in source:  # taken from a buffer with memory: most are
+                out[b] = up
+                continue
             if b in out:
                 continue
             chain = [b]  # b, what it is taken from, ..., up to a buffer with memory or one already resolved
