@@ -425,13 +425,9 @@ def liveness(dag: TaskDAG, category: Callable[[int], str] | None = None,
     # a view of a reshape output is read through that output (an executor holds its value), so the
     # reshape output lives as long as its views too
     through = np.full(size, -1, dtype=np.int64)
-    if shares:
-        parents = {b: q for b in root if (q := buffers[b].parent) is not None}
-        for b, top in parents.items():
-            while top in parents:
-                top = parents[top]
-            if top in shares:
-                through[b] = top
+    for b in root:
+        if buffers[b].parent is not None and (p := dag.root(b)) in root:
+            through[b] = p
     never = np.int64(end + 1)
     last = np.full(size, -1, dtype=np.int64)
     np.maximum.at(last, ins, in_task)                  # a read uses the buffer, its root ...
@@ -510,8 +506,8 @@ def liveness(dag: TaskDAG, category: Callable[[int], str] | None = None,
     by_loaded: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     at_peak: dict[int, dict[str, int]] = {}
     if category is not None:
-        for b, c in zip(loaded, categories(np.array(loaded, dtype=np.int64))):
-            by_loaded[int(device[b])][c] += int(nbytes[b])
+        for b in loaded:
+            by_loaded[int(device[b])][categories(np.array([b]))[0]] += int(nbytes[b])
         at_peak = {d: dict(c) for d, c in by_loaded.items()}
     peak: dict[int, int] = {}
     devices = set(range(dag.p)) | set(resident) | set(np.unique(ev_dev).tolist()) | set(np.unique(sc_dev).tolist())
