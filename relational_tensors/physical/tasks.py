@@ -24,13 +24,10 @@ counts it as a view of the input.
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from relational_tensors.core.aggregation import Aggregation
 from relational_tensors.core.dtypes import itemsize
@@ -47,7 +44,6 @@ __all__ = ["Buffer", "Task", "TaskDAG", "Liveness", "liveness", "graph_liveness"
            "DecomposePayload", "AggregatePayload", "RecomposePayload", "KernelPayload"]
 
 TASK_KINDS = ("load", "decompose", "aggregate", "copy", "recompose", "kernel", "assign")
-_KIND_CODE = {k: n for n, k in enumerate(TASK_KINDS)}
 
 
 def block_bytes(box: Box, dtype: str, lse: bool = False) -> tuple[int, int]:
@@ -395,10 +391,6 @@ def liveness(dag: TaskDAG, category: Callable[[int], str] | None = None,
     ``shares`` (:func:`reshape_shares`) are counted as views of the buffers they reshape; ``scratch``
     (task -> bytes) is memory a kernel task holds while it runs, besides its outputs (in the category
     ``"other"``).
-
-    Computed on arrays (a whole model's DAG has millions of tasks): every buffer reference as (buffer, task),
-    last uses and births as scatter-max/min over them, and each device's live bytes as the running sum of
-    its births and deaths in task order (a task's births, then its scratch, then the deaths after it).
     """
     buffers, tasks = dag.buffers, dag.tasks
     root = dag.view_roots(shares)
@@ -407,142 +399,86 @@ def liveness(dag: TaskDAG, category: Callable[[int], str] | None = None,
     persistent |= {b for blocks in dag.outputs.values() for _, b in blocks}
     persistent |= {root[b] for b in persistent if b in root}
     end = len(tasks)
-    size = max(buffers, default=-1) + 1
-    # every reference: (buffer, task) for reads and for writes
-    n_in = np.fromiter((len(t.inputs) for t in tasks), np.int64, end)
-    n_out = np.fromiter((len(t.outputs) for t in tasks), np.int64, end)
-    ins = np.fromiter(itertools.chain.from_iterable(t.inputs for t in tasks), np.int64, int(n_in.sum()))
-    outs = np.fromiter(itertools.chain.from_iterable(t.outputs for t in tasks), np.int64, int(n_out.sum()))
-    in_task = np.repeat(np.arange(end, dtype=np.int64), n_in)
-    out_task = np.repeat(np.arange(end, dtype=np.int64), n_out)
-    kinds = np.fromiter((_KIND_CODE[t.kind] for t in tasks), np.int8, end)
-    to_root = np.arange(size, dtype=np.int64)
-    is_view = np.zeros(size, dtype=bool)
-    if root:
-        keys = np.fromiter(root, np.int64, len(root))
-        to_root[keys] = np.fromiter(root.values(), np.int64, len(root))
-        is_view[keys] = True
     # a view of a reshape output is read through that output (an executor holds its value), so the
     # reshape output lives as long as its views too
-    through = np.full(size, -1, dtype=np.int64)
-    for b in root:
-        if buffers[b].parent is not None and (p := dag.root(b)) in root:
-            through[b] = p
-    never = np.int64(end + 1)
-    last = np.full(size, -1, dtype=np.int64)
-    np.maximum.at(last, ins, in_task)                  # a read uses the buffer, its root ...
-    np.maximum.at(last, to_root[ins], in_task)
-    thru = through[ins]
-    np.maximum.at(last, thru[thru >= 0], in_task[thru >= 0])  # ... and the reshape output it is read through
-    out_root = to_root[outs]
-    np.maximum.at(last, out_root, out_task)            # a write uses its root
-    # a view written but never read dies at its first write; one read before it was written, at its reads
-    first_write = np.full(size, never, dtype=np.int64)
-    first_read = np.full(size, never, dtype=np.int64)
-    np.minimum.at(first_write, outs, out_task)
-    np.minimum.at(first_read, ins, in_task)
-    written_view = is_view & (first_write < never) & (first_read >= first_write)
-    last[written_view] = np.maximum(last[written_view], first_write[written_view])
-    born = np.full(size, never, dtype=np.int64)
-    np.minimum.at(born, out_root, out_task)
-    persist = np.fromiter(persistent, np.int64, len(persistent))
-    persist = persist[persist < size]
-    used = np.flatnonzero(last >= 0)
-    last_use = dict(zip(used.tolist(), last[used].tolist()))
+    through = {b: p for b in root if buffers[b].parent is not None and (p := dag.root(b)) in root}
+    # task ids increase, so a buffer's last use is the last task naming it (or a view of it)
+    last_use: dict[int, int] = {}
+    born: dict[int, int] = {}
+    for t in tasks:
+        tid = t.id
+        for b in t.inputs:
+            last_use[b] = tid
+            r = root.get(b)
+            if r is not None:
+                last_use[r] = tid
+                if b in through:
+                    last_use[through[b]] = tid
+        for b in t.outputs:
+            r = root.get(b)
+            if r is None:
+                born.setdefault(b, tid)
+                last_use[b] = tid
+            else:
+                born.setdefault(r, tid)
+                last_use.setdefault(b, tid)  # written but never read: dies right away
+                last_use[r] = tid
     for b in persistent:
         last_use[b] = end
-    is_persistent = np.zeros(size, dtype=bool)
-    is_persistent[persist] = True
-    loaded_mask = np.zeros(size, dtype=bool)
-    cand = persist[~is_view[persist] & (born[persist] < never)]
-    cand = cand[kinds[born[cand]] == _KIND_CODE["load"]]
-    loaded_mask[cand] = True
-    loaded = cand.tolist()
-    nbytes = np.zeros(size, dtype=np.int64)
-    device = np.zeros(size, dtype=np.int64)
-    # a root comes alive at the first task other than a load or an assign (which writes a loaded, resident
-    # block) writing it or a view of it; it dies after its last use, unless that is a load's
-    counts = (kinds[out_task] != _KIND_CODE["load"]) & (kinds[out_task] != _KIND_CODE["assign"])
-    alive_at = np.full(size, never, dtype=np.int64)
-    np.minimum.at(alive_at, out_root[counts], out_task[counts])
-    alive_at[loaded_mask] = never
-    birth = np.flatnonzero(alive_at < never)
-    dying = np.flatnonzero((last >= 0) & ~is_persistent & ~is_view)
-    dying = dying[kinds[last[dying]] != _KIND_CODE["load"]]
-    for b in itertools.chain(loaded, birth.tolist(), dying.tolist()):
-        buf = buffers[b]
-        nbytes[b] = buf.nbytes
-        device[b] = buf.device
     resident: dict[int, int] = defaultdict(int)
+    loaded = [b for b in persistent if b in buffers and b not in views and born.get(b) is not None
+              and tasks[born[b]].kind == "load"]
     for b in loaded:
-        resident[int(device[b])] += int(nbytes[b])
-    # events in time order: a task's births (key 3t), its scratch (3t + 1), the deaths after it (3t + 2)
-    ev_buf = np.concatenate([birth, dying])
-    ev_key = np.concatenate([3 * alive_at[birth], 3 * last[dying] + 2])
-    ev_bytes = np.concatenate([nbytes[birth], -nbytes[dying]])
-    ev_dev = device[ev_buf]
-    extra_tasks = np.array([t for t, v in (scratch or {}).items() if v and kinds[t] != _KIND_CODE["load"]],
-                           dtype=np.int64)
-    extra = np.array([scratch[t] for t in extra_tasks.tolist()], dtype=np.int64) if scratch else \
-        np.zeros(0, dtype=np.int64)
-    sc_dev = np.fromiter((tasks[t].device for t in extra_tasks.tolist()), np.int64, len(extra_tasks))
-    order = np.lexsort((ev_key, ev_dev))
-    ev_buf, ev_key, ev_bytes, ev_dev = ev_buf[order], ev_key[order], ev_bytes[order], ev_dev[order]
-    sc_order = np.lexsort((extra_tasks, sc_dev))
-    extra_tasks, extra, sc_dev = extra_tasks[sc_order], extra[sc_order], sc_dev[sc_order]
-    cat_of: dict[int, str] = {}
-
-    def categories(bufs: Any) -> list[str]:
-        out = []
-        for b in bufs.tolist():
-            t = buffers[b].tensor
-            c = cat_of.get(t)
-            if c is None:
-                assert category is not None
-                c = cat_of[t] = category(t)
-            out.append(c)
-        return out
-
-    by_loaded: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        resident[buffers[b].device] += buffers[b].nbytes
+    live: dict[int, int] = defaultdict(int, resident)
+    peak: dict[int, int] = defaultdict(int, resident)
+    by: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))  # device -> category -> live bytes
     at_peak: dict[int, dict[str, int]] = {}
     if category is not None:
         for b in loaded:
-            by_loaded[int(device[b])][categories(np.array([b]))[0]] += int(nbytes[b])
-        at_peak = {d: dict(c) for d, c in by_loaded.items()}
-    peak: dict[int, int] = {}
-    devices = set(range(dag.p)) | set(resident) | set(np.unique(ev_dev).tolist()) | set(np.unique(sc_dev).tolist())
-    for d in sorted(devices):
-        lo, hi = np.searchsorted(ev_dev, [d, d + 1])
-        keys, running = ev_key[lo:hi], resident.get(d, 0) + np.cumsum(ev_bytes[lo:hi])
-        base = np.concatenate([[resident.get(d, 0)], running])  # live after the first n events
-        slo, shi = np.searchsorted(sc_dev, [d, d + 1])
-        # candidates for the peak, in time order: after each birth; at each scratch, what is live plus it
-        cand_keys = [keys[keys % 3 == 0]]
-        cand_vals = [running[keys % 3 == 0]]
-        if shi > slo:
-            at = np.searchsorted(keys, 3 * extra_tasks[slo:shi] + 1)  # the events before its task's deaths
-            cand_keys.append(3 * extra_tasks[slo:shi] + 1)
-            cand_vals.append(base[at] + extra[slo:shi])
-        ck, cv = np.concatenate(cand_keys), np.concatenate(cand_vals)
-        best = resident.get(d, 0)
-        if len(cv) and int(cv.max()) > best:
-            sort = np.argsort(ck, kind="stable")
-            ck, cv = ck[sort], cv[sort]
-            first = int(np.argmax(cv))  # the first time the peak is reached (a later equal one is no higher)
-            best = int(cv[first])
+            by[buffers[b].device][category(buffers[b].tensor)] += buffers[b].nbytes
+        at_peak = {d: dict(c) for d, c in by.items()}
+    dies: dict[int, list[int]] = defaultdict(list)
+    for b, last in last_use.items():
+        if b not in persistent and b not in views:
+            dies[last].append(b)
+    counted: set[int] = set(loaded)  # resident already (a reshape of a loaded block takes no more)
+    for t in tasks:
+        if t.kind == "load":
+            continue
+        if t.kind != "assign":  # an assign writes a loaded (resident) block
+            for b in t.outputs:
+                r = root.get(b, b)
+                if r in counted:
+                    continue
+                counted.add(r)
+                buf = buffers[r]
+                d = buf.device
+                live[d] += buf.nbytes
+                if category is not None:
+                    by[d][category(buf.tensor)] += buf.nbytes
+                    if live[d] > peak[d]:
+                        at_peak[d] = dict(by[d])
+                if live[d] > peak[d]:
+                    peak[d] = live[d]
+        extra = scratch.get(t.id, 0) if scratch else 0
+        if extra and live[t.device] + extra > peak[t.device]:
+            peak[t.device] = live[t.device] + extra
             if category is not None:
-                key = int(ck[first])
-                upto = int(np.searchsorted(keys, key, side="right"))
-                held: dict[str, int] = defaultdict(int, by_loaded.get(d, {}))
-                for c, v in zip(categories(ev_buf[lo:lo + upto]), ev_bytes[lo:lo + upto].tolist()):
-                    held[c] += v
-                if key % 3 == 1:
-                    held["other"] += best - int(base[upto])
-                at_peak[d] = dict(held)
-        peak[d] = best
+                held = dict(by[t.device])
+                held["other"] = held.get("other", 0) + extra
+                at_peak[t.device] = held
+        gone = dies.get(t.id)
+        if gone:
+            for b in gone:
+                buf = buffers[b]
+                live[buf.device] -= buf.nbytes
+                if category is not None:
+                    by[buf.device][category(buf.tensor)] -= buf.nbytes
     for d in range(dag.p):
+        peak.setdefault(d, 0)
         resident.setdefault(d, 0)
-    return Liveness(last_use, frozenset(persistent), peak, dict(resident), views, at_peak, dict(shares or {}))
+    return Liveness(last_use, frozenset(persistent), dict(peak), dict(resident), views, at_peak, dict(shares or {}))
 
 
 def graph_liveness(graph: Graph, dag: TaskDAG, categories: bool = False,
