@@ -108,6 +108,21 @@ def test_each_step_logits_equal_the_models_forward() -> None:
     assert "prefill" in text and "decode step" in text
 
 
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_a_prefill_attends_causally_with_key_padding_not_through_a_dense_mask(kind: str) -> None:
+    """The prompt's mask (its real tokens, the causal triangle, a window) reaches attention as the operator's
+    own structure: the kernels skip the blocked tiles, and no [prompt, prompt] mask is made or read."""
+    dec = rt.decoder(_model(kind), max_batch=3, max_len=32, device="cpu:2")
+    ids, mask = _batch()
+    dec.prefill(ids, mask)
+    graph = dec.prefill_program(3, 16).graph
+    attention = [n for n in graph.operators if n.kind == "attention"]
+    assert attention and all(n.op.causal and n.op.extras == ("key_padding",) for n in attention)
+    if kind == "mistral":
+        assert all(n.op.window == 4 for n in attention)
+    assert not [n for n in graph.inputs if n.type.shape[-2:] == (16, 16)]  # no constant triangle either
+
+
 def test_one_catalog_holds_the_prefill_and_the_decode_plans(tmp_path: object) -> None:
     model = _model("llama")
     dec = rt.decoder(model, max_batch=2, max_len=48, device="cpu:2", catalog=str(tmp_path) + "/gen.duckdb")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import operator
 import warnings
 from typing import Any
 
@@ -137,17 +138,21 @@ def _cache_class() -> type:
     return StepCache
 
 
-def _masks(shape: CacheShape, allowed: Any, distance: Any, dtype: Any, eager: bool) -> Any:
-    """The 4-D mask(s) the model's layers read: ``allowed`` [batch, queries, keys] and, per window, keys
-    within it (``distance``, query index minus key index broadcast to ``allowed``, below the window)."""
+def _masks(shape: CacheShape, allowed: tuple[Any, ...], distance: Any, dtype: Any, eager: bool) -> Any:
+    """The 4-D mask(s) the model's layers read: the ``&`` of the factors ``allowed`` (each [batch or 1,
+    queries or 1, keys]) and, per window, keys within it (``distance``, query index minus key index, below
+    the window).  Each factor gets its heads axis before they are joined, so that the traced mask is an
+    ``&`` of its parts: the frontend reads a constant one (the causal triangle, a window) as the attention's
+    structure and one that varies along batch and keys as key padding (``masks.attention_form``), where a
+    mask joined first and then expanded is one dense boolean mask."""
     torch = _torch()
 
-    def finish(ok: Any) -> Any:
-        ok = ok[:, None]
+    def finish(parts: tuple[Any, ...]) -> Any:
+        ok = functools.reduce(operator.and_, [part[:, None] for part in parts])
         return torch.where(ok, 0.0, torch.finfo(dtype).min).to(dtype) if eager else ok
 
-    def windowed(window: int | None) -> Any:
-        return allowed if window is None else allowed & (distance < window)
+    def windowed(window: int | None) -> tuple[Any, ...]:
+        return allowed if window is None else (*allowed, distance < window)
 
     if shape.layer_types is None:
         return finish(windowed(shape.windows[0]))
@@ -186,7 +191,7 @@ def _step_modules(model: Any, shape: CacheShape) -> tuple[type, type]:
         def forward(self, ids: Any, keys_ok: Any, positions: Any) -> Any:
             s = ids.shape[1]
             index = torch.arange(s, device=ids.device)
-            allowed = keys_ok[:, None, :] & (index[None, :] <= index[:, None])[None]
+            allowed = (keys_ok[:, None, :], (index[None, :] <= index[:, None])[None])
             cache = _cache_class()(None, None, shape.layers)
             distance = (index[:, None] - index[None, :])[None]
             logits = _call_model(self.model, ids, _masks(shape, allowed, distance, shape.dtype, eager), positions,
@@ -211,7 +216,7 @@ def _step_modules(model: Any, shape: CacheShape) -> tuple[type, type]:
             distance = (at[:, None] - index[None, :])[:, None, :]
             pairs = [(past[2 * i], past[2 * i + 1]) for i in range(shape.layers)]
             cache = _cache_class()(pairs, write, shape.layers, tables)
-            logits = _call_model(self.model, ids, _masks(shape, keys_ok[:, None, :], distance, shape.dtype, eager),
+            logits = _call_model(self.model, ids, _masks(shape, (keys_ok[:, None, :],), distance, shape.dtype, eager),
                                  positions, cache)
             return (logits, *[t for kv in cache.new for t in kv])
 
