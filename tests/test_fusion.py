@@ -365,7 +365,7 @@ class HostArenas:
                  "bfloat16": torch.bfloat16, "int32": torch.int32, "int64": torch.int64, "bool": torch.int8,
                  "int8": torch.int8}
         t, off = self._find(addr)
-        size = itemsize("int8" if name == "bool" else name)
+        size = 1 if name in ("bool", "int8") else itemsize(name)
         return t[off:off + (t.numel() - off) // size * size].view(kinds[name])
 
     def write(self, addr: int, data: np.ndarray) -> None:
@@ -630,6 +630,50 @@ def test_fused_adamw_steps_match_bit_for_bit(host: Any, dtype: str, device: str)
     _, fused = run_both(host, cg, feeds, steps=3)
     # each parameter's update reads its gradient, master weights and moments once and writes them in place
     assert any(k.count("assign") for k in (gr.kind for gr in fused.groups))
+
+
+def cache_write(dtype: str) -> rt.Graph:
+    """A decode step's cache write: each sequence's new keys at the position it writes, the cache elsewhere,
+    assigned back to the cache; the written cache read on (as attention reads it)."""
+    g = rt.Graph()
+    cache = g.state("cache", [3, 16, 2, 8], dtype)
+    new = g.input("new", [3, 1, 2, 8], dtype)
+    write = g.input("write", [3, 16, 1, 1], "bool")
+    written = g.where(write, new, cache)
+    g.assign(cache, written)
+    g.save(g.sum(g.cast(written, "float32"), axis=3), name="read")
+    return g
+
+
+def _cache_feeds(g: rt.Graph, step: int = 0) -> dict[str, np.ndarray]:
+    feeds = _values(g, seed=5 + step)
+    write = np.zeros((3, 16, 1, 1), bool)
+    write[np.arange(3), [4 + step, 9 + step, 15 - step]] = True
+    feeds["write"] = write
+    return feeds
+
+
+@pytest.mark.parametrize("device", ["cpu:1", "cpu:2", "cpu:4"])
+def test_a_cache_write_is_one_kernel_with_its_assign(device: str) -> None:
+    g = cache_write("bfloat16")
+    cg = rt.compileGraph(g, device=device)
+    plan, groups = planned(cg)
+    check_groups(cg, plan, groups)
+    assigns = [t.id for t in cg.dag.tasks if t.kind == "assign"]
+    fused = {m for gr in groups for m in gr.tasks}
+    assert assigns and all(a in fused for a in assigns)
+    assert all("where×1" in gr.kind and "assign" in gr.kind for gr in groups)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("device", ["cpu:1", "cpu:2"])
+def test_fused_cache_writes_match_bit_for_bit(host: Any, dtype: str, device: str) -> None:
+    g = cache_write(dtype)
+    cg = rt.compileGraph(g, device=device)
+    plain, fused = run_both(host, cg, _cache_feeds(g), steps=3)
+    assert all("where" in gr.kind for gr in fused.groups)
+    assert any(how == "strided" for gr in fused.groups for _, how in gr.expr.loads)  # the broadcast operands
+    assert plain.saved("read").tobytes() == fused.saved("read").tobytes()
 
 
 @pytest.mark.slow

@@ -21,7 +21,8 @@ class FusedExpr:
 
     Values are numbered loads first, then steps.  ``loads``: per operand (dtype, access), access one of
     ``"full"`` (the group's shape, contiguous), ``"scalar"`` (one element, broadcast) and ``"strided"``;
-    ``steps``: (kind, op, value numbers, dtype of its block), kind ``"unary"``, ``"binary"`` or ``"cast"``;
+    ``steps``: (kind, op, value numbers, dtype of its block), kind ``"unary"``, ``"binary"``, ``"cast"`` or
+    ``"where"`` (condition, value if true, value if false; the condition a boolean load);
     ``stores``: (value number, dtype of the block written).  Each unary op in ``SCALAR_OPS`` takes the
     next scalar argument."""
 

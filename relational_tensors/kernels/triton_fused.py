@@ -84,6 +84,8 @@ def source(expr: FusedExpr) -> str:
             if op in SCALAR_OPS:
                 scalar, arg = f"a{arg}", arg + 1
             body.append(f"v{v} = unary_math(v{ins[0]}.to(ACC), {scalar}, {UNARY_CODES[op]}).to({_TL[dtype]})")
+        elif kind == "where":  # a selection: the chosen value as it is (its block's dtype)
+            body.append(f"v{v} = tl.where(v{ins[0]} != 0, v{ins[1]}, v{ins[2]}).to({_TL[dtype]})")
         else:
             body.append(f"v{v} = binary_math(v{ins[0]}.to(ACC), v{ins[1]}.to(ACC), {BINARY_CODES[op]}, ACC)"
                         f".to({_TL[dtype]})")

@@ -8,9 +8,10 @@ binary operators per parameter block) reads its inputs and writes its results on
 A *group* (``fusion_groups``, a pure function of the DAG and its memory plan):
 
 * kernel tasks of ``unary`` and ``binary`` operators whose op has a fusable device kernel
-  (``UNARY_OPS``, ``BINARY_OPS``), on one device, in one phase, whose output blocks have one shape; every
-  block they touch is float16, bfloat16 or float32; operands are that shape or broadcast to it (a [1]
-  learning rate, a step count);
+  (``UNARY_OPS``, ``BINARY_OPS``) and of ``where``, on one device, in one phase, whose output blocks have one
+  shape; every block they touch is float16, bfloat16 or float32 (a ``where``'s condition boolean); operands
+  are that shape or broadcast to it (a [1] learning rate, a step count, a decode step's new keys and the
+  positions it writes);
 * ``assign`` tasks of a member's output: the fused kernel writes the state's block itself;
 * a member's output that only members read is never written (it stays in registers); one any other task
   reads, or that is saved, is written as an extra output of the fused kernel.
@@ -166,9 +167,13 @@ class _Facts:
             arg = float(op.arg) if name in SCALAR_OPS else None  # type: ignore[union-attr, arg-type]
         elif node.kind == "binary" and name in BINARY_OPS and len(t.inputs) == 2:
             kind, arg = "binary", None
+        elif node.kind == "where" and len(t.inputs) == 3 and self.dag.buffers[t.inputs[0]].dtype == "bool":
+            kind, name, arg = "where", "where", None  # (a selection: nothing to round or contract)
         else:
             return None
         buffers = [self.dag.buffers[b] for b in (*t.inputs, *t.outputs)]
+        if kind == "where":
+            buffers = buffers[1:]  # the condition is boolean
         if any(b.dtype not in DTYPES or b.partial is not None for b in buffers):
             return None
         out = t.outputs[0]
@@ -183,7 +188,7 @@ def _overlap(a: tuple[int, int, int], b: tuple[int, int, int]) -> bool:
 
 
 def _kind_name(counts: Counter[str]) -> str:
-    parts = [f"{k}×{counts[k]}" for k in ("unary", "binary", "assign") if counts[k]]
+    parts = [f"{k}×{counts[k]}" for k in ("unary", "binary", "where", "assign") if counts[k]]
     return f"kernel:fused({','.join(parts)})"
 
 
@@ -233,7 +238,7 @@ def _build(facts: _Facts, members: Sequence[int]) -> FusionGroup | None:
             if made.get(b, m) < m:
                 continue  # a member's output, in registers
             how = access(shape, dag.buffers[b].box.shape, facts.strides(b))
-            if how != "full" and info[0] != "binary":
+            if how != "full" and info[0] not in ("binary", "where"):
                 return None  # the unary kernels read their input in order
             reads.append((m, b, how))
     for o, m in made.items():
@@ -320,7 +325,7 @@ def _group(facts: _Facts, members: Sequence[int], device: int, shape: tuple[int,
             counts["assign"] += 1
             continue
         kind, op, arg = facts.info(t)  # type: ignore[misc]
-        counts["binary" if kind == "binary" else "unary"] += 1
+        counts[kind if kind in ("binary", "where") else "unary"] += 1
         ins = tuple(len(loads) + of_member[made[b]] if made.get(b, m) < m else value[b] for b in t.inputs)
         of_member[m] = len(steps)
         steps.append((kind, op, ins, dag.buffers[t.outputs[0]].dtype))
