@@ -17,8 +17,11 @@ make most of that one pass, without changing what any task computes:
 * a state's next value that copies deliver, or a ``recompose`` assembles, for its ``assign`` alone is
   a view of the kept block the ``assign`` writes: the copies and the assembly write the state in place
   and the ``assign`` goes away.  (Every task writing a kept block waits for every earlier task that
-  touched it, as an ``assign`` does: the memory plan's and the stream schedules' rule.)  A value a
-  kernel makes stays: it is fused with its ``assign`` where the executor can (``runtime.fusion``).
+  touched it, as an ``assign`` does: the memory plan's and the stream schedules' rule.)  So does a value a
+  ``where`` selects, when every other reader of the state's old value runs before it and it reads the old
+  value, if at all, as the whole block (a cache written at a few positions): the ``where`` writes the
+  kept block in place, each element where it reads it.  Any other value a kernel makes stays: it is
+  fused with its ``assign`` where the executor can (``runtime.fusion``).
 
 Task ids are renumbered; emission order is kept.
 """
@@ -43,8 +46,11 @@ def fuse_views(dag: TaskDAG) -> TaskDAG:
         kind = t.kind
         if kind == "decompose":
             asked.update(t.outputs)
-        elif kind == "recompose" or kind == "assign":
+        elif kind == "recompose":
             asked.update(t.inputs)
+        elif kind == "assign":
+            asked.update(t.inputs)
+            asked.update(t.outputs)  # (the kept block: whether anything reads the old value after the kernel)
     readers: dict[int, list[Task]] = {b: [] for b in asked}
     producer: dict[int, Task] = {}
     for t in tasks:
@@ -108,10 +114,11 @@ def fuse_views(dag: TaskDAG) -> TaskDAG:
             src, dst = t.inputs[0], t.outputs[0]
             made_by = producer.get(src)
             value, kept = buffers[src], buffers[dst]
-            if (made_by is not None and made_by.kind in ("copy", "recompose") and len(readers[src]) == 1
-                    and src not in outputs and value.parent is None and value.partial is None
-                    and kept.parent is None
-                    and (value.device, value.box, value.dtype) == (kept.device, kept.box, kept.dtype)):
+            same = (src not in outputs and value.parent is None and value.partial is None and kept.parent is None
+                    and (value.device, value.box, value.dtype) == (kept.device, kept.box, kept.dtype))
+            if same and made_by is not None and (
+                    made_by.kind in ("copy", "recompose") and len(readers[src]) == 1
+                    or _selects_in_place(dag, made_by, dst, readers[dst])):
                 buffers[src] = _view(value, dst)
                 drop.add(t.id)
 
@@ -124,6 +131,23 @@ def fuse_views(dag: TaskDAG) -> TaskDAG:
         t.id = len(kept_tasks)
         kept_tasks.append(t)
     return dataclasses.replace(dag, tasks=kept_tasks, buffers=buffers, phase_split=None, later=frozenset())
+
+
+def _selects_in_place(dag: TaskDAG, kernel: Task, kept: int, old_readers: list[Task]) -> bool:
+    """Whether ``kernel``, a ``where`` making a state's next value, may write it into the state's kept block
+    ``kept`` itself: every other task reading the state's old value runs before it, and it reads the old
+    value (if at all) as the whole block, each element where it writes it (a cache written at a few
+    positions and kept elsewhere: the block is read and written once, not copied twice)."""
+    if kernel.kind != "kernel" or kernel.op is None or dag.nodes[kernel.op].kind != "where" or \
+            len(kernel.outputs) != 1:
+        return False
+    for b in kernel.inputs:  # an atom of the old value (a view of it) would be read where others are written
+        up = dag.buffers[b].parent
+        while up is not None and up != kept:
+            up = dag.buffers[up].parent
+        if up == kept:
+            return False
+    return all(r.id < kernel.id or r is kernel for r in old_readers)
 
 
 def _hosts(t: Task, readers: list[Task], piece: Buffer) -> bool:
