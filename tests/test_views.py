@@ -265,3 +265,34 @@ def test_a_selected_next_value_is_written_into_the_kept_block(p: int, old_read_a
             np.testing.assert_allclose(cg.offload(name), want[name], rtol=1e-6, atol=1e-6)
         state = np.where(write, feeds["new"], state)
         np.testing.assert_array_equal(cg.offload("cache"), state)  # selected, not computed: the same bits
+
+
+@pytest.mark.parametrize("p", [1, 2])
+def test_a_selected_next_value_keeps_its_own_block_when_phases_reorder_the_tasks(p: int) -> None:
+    """A reader of the old cache that needs a second-phase input runs after the first phase's ``where``: the
+    ``where`` must not have overwritten the cache by then, so it writes its own block and the assign copies
+    it.  (The NumPy executor keeps a next value aside until the run ends, so only the plan shows this.)"""
+    g = rt.Graph()
+    cache = g.state("cache", [3, 16, 2, 8], "float32")
+    new = g.input("new", [3, 1, 2, 8], "float32")
+    write = g.input("write", [3, 16, 1, 1], "bool")
+    dy = g.input("dy", [3, 16, 2, 8], "float32")
+    g.save(g.sum(g.mul(cache, dy), axis=1), name="old")  # read before the write, but in the second phase
+    written = g.where(write, new, cache)
+    g.save(g.sum(written, axis=3), name="read")
+    g.assign(cache, written)
+    cg = rt.compileGraph(g, device=f"cpu:{p}", second_phase_inputs=["dy"])
+    kept = {b for _, b in cg.dag.inputs["cache"]}
+    assert [t for t in cg.dag.tasks if t.kind == "assign"]
+    assert not [t for t in cg.dag.tasks if t.kind == "kernel" and cg.dag.root(t.outputs[0]) in kept]
+    rng = np.random.default_rng(p)
+    feeds = {"cache": rng.standard_normal((3, 16, 2, 8)).astype(np.float32),
+             "new": rng.standard_normal((3, 1, 2, 8)).astype(np.float32),
+             "write": np.eye(16, dtype=bool)[[2, 7, 11]][:, :, None, None],
+             "dy": rng.standard_normal((3, 16, 2, 8)).astype(np.float32)}
+    want = rt.reference(g, feeds)
+    cg.load(feeds)
+    cg.execute()
+    for name in ("old", "read"):
+        np.testing.assert_allclose(cg.offload(name), want[name], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(cg.offload("cache"), np.where(feeds["write"], feeds["new"], feeds["cache"]))

@@ -736,8 +736,11 @@ def lower(plan: LogicalPlan, schedule: str = "naive", synthesize: Synthesizer | 
     for op in low.order:
         low.lower_op(op)
     low.lower_outputs()
-    dag = fuse_views(low.dag)
-    if isinstance(plan, PipelinedPlan) and plan.pipeline.micro_batches * plan.pipeline.stages > 1:
+    pipelined = isinstance(plan, PipelinedPlan) and plan.pipeline.micro_batches * plan.pipeline.stages > 1
+    # (reordered afterwards, a reader of a state's old value could run after a where that overwrote it)
+    dag = fuse_views(low.dag, select_in_place=not pipelined and not later)
+    if pipelined:
+        assert isinstance(plan, PipelinedPlan)
         dag = pipeline_order(dag, plan, fold)
     if later:
         dag = split_phases(dag, later)

@@ -35,9 +35,11 @@ from relational_tensors.physical.tasks import Buffer, DecomposePayload, Recompos
 __all__ = ["fuse_views"]
 
 
-def fuse_views(dag: TaskDAG) -> TaskDAG:
+def fuse_views(dag: TaskDAG, select_in_place: bool = True) -> TaskDAG:
     """The same computation with decompose atoms and delivered pieces turned into views where allowed.
-    ``dag`` is consumed: its tasks are renumbered in place."""
+    ``dag`` is consumed: its tasks are renumbered in place.  ``select_in_place`` lets a ``where`` write a
+    state's kept block (the module's docstring); off where the tasks are reordered afterwards (phases,
+    pipeline schedules), which could move a reader of the old value after it."""
     tasks = dag.tasks
     # the buffers the rewrites ask about: a decompose's atoms (their readers), a recompose's pieces and an
     # assign's value (their readers and producers); only those are indexed (most buffers are neither)
@@ -118,7 +120,7 @@ def fuse_views(dag: TaskDAG) -> TaskDAG:
                     and (value.device, value.box, value.dtype) == (kept.device, kept.box, kept.dtype))
             if same and made_by is not None and (
                     made_by.kind in ("copy", "recompose") and len(readers[src]) == 1
-                    or _selects_in_place(dag, made_by, dst, readers[dst])):
+                    or select_in_place and _selects_in_place(dag, made_by, dst, readers[dst])):
                 buffers[src] = _view(value, dst)
                 drop.add(t.id)
 
