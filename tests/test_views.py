@@ -296,3 +296,25 @@ def test_a_selected_next_value_keeps_its_own_block_when_phases_reorder_the_tasks
     for name in ("old", "read"):
         np.testing.assert_allclose(cg.offload(name), want[name], rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(cg.offload("cache"), np.where(feeds["write"], feeds["new"], feeds["cache"]))
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_atoms_cut_from_a_value_written_in_place_read_the_new_value(p: int) -> None:
+    """The where's output, written into the kept block, redistributed for a reader that splits it another
+    way: the atoms cut from it (views of a view of the kept block) hold the new value on every executor."""
+    g = rt.Graph()
+    cache = g.state("cache", [8, 16], "float32")
+    new = g.input("new", [8, 16], "float32")
+    write = g.input("write", [8, 16], "bool")
+    written = g.where(write, new, cache)
+    g.assign(cache, written)
+    g.save(g.sum(written, axis=0), name="columns")
+    cg = rt.compileGraph(g, device=f"cpu:{p}")
+    rng = np.random.default_rng(0)
+    feeds = {"cache": rng.standard_normal((8, 16)).astype(np.float32),
+             "new": rng.standard_normal((8, 16)).astype(np.float32), "write": rng.random((8, 16)) < 0.5}
+    want = rt.reference(g, feeds)
+    cg.load(feeds)
+    cg.execute()
+    np.testing.assert_allclose(cg.offload("columns"), want["columns"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(cg.offload("cache"), want["cache.next"])

@@ -63,7 +63,10 @@ class NumpyExecutor:
         # the views of kept state blocks that a run writes (a state's next value), and during a run the
         # next value of each such block, put in place when the run finishes
         root = dag.view_roots()
-        self.next_views = {b for t in dag.tasks for r, b in dag.kept_writes(t, kept, root) if b != r}
+        written = {b for t in dag.tasks for r, b in dag.kept_writes(t, kept, root) if b != r}
+        # ... and the views cut out of those (atoms of a next value a kernel wrote in place, read by copies):
+        # they hold the next value too
+        self.next_views = {b for b in root if _through(dag, b, written)}
         self.next_values: dict[int, np.ndarray] = {}
 
     def _put(self, buf: int, value: Any) -> int:
@@ -345,3 +348,12 @@ def _slice(value: Any, index: tuple[slice, ...]) -> Any:
         out, lse = value
         return np.ascontiguousarray(out[index]), np.ascontiguousarray(lse[index[:-1]])
     return np.ascontiguousarray(value[index])
+
+
+def _through(dag: TaskDAG, b: int, written: set[int]) -> bool:
+    """Whether view ``b`` is one of ``written`` or lies inside one (a view of a view of it)."""
+    while b is not None:
+        if b in written:
+            return True
+        b = dag.buffers[b].parent  # type: ignore[assignment]
+    return False
