@@ -676,6 +676,29 @@ def test_fused_cache_writes_match_bit_for_bit(host: Any, dtype: str, device: str
     assert plain.saved("read").tobytes() == fused.saved("read").tobytes()
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("p", [1, 2])
+def test_a_reshape_of_a_state_read_after_its_assignment_reads_the_old_value(host: Any, p: int, fused: bool) -> None:
+    """A reshape of a state keeps the state's bytes (``reshape_shares``): its readers run before the state is
+    assigned, on arenas as the GPU executor lays them out (the NumPy executor keeps next values aside)."""
+    g = rt.Graph()
+    cache = g.state("cache", [4, 8], "float32")
+    new = g.input("new", [4, 8], "float32")
+    write = g.input("write", [4, 8], "bool")
+    flat = g.reshape(cache, [32])
+    g.assign(cache, g.where(write, new, cache))
+    g.save(g.mul(flat, flat), name="old")
+    cg = rt.compileGraph(g, device=f"cpu:{p}")
+    rng = np.random.default_rng(p)
+    feeds = {"cache": rng.standard_normal((4, 8)).astype(np.float32),
+             "new": rng.standard_normal((4, 8)).astype(np.float32), "write": rng.random((4, 8)) < 0.5}
+    want = rt.reference(g, feeds)
+    prog = host(cg, fused)
+    prog.load(feeds)
+    prog.execute()
+    np.testing.assert_array_equal(prog.saved("old"), want["old"])
+
+
 @pytest.mark.slow
 @settings(max_examples=8, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -219,7 +219,7 @@ class _Lowering:
             n.id for n in graph.operators if max(plan.spec(n.id).output_multiplicity().values(), default=1) > 1}
         self.order = emission_order(graph, partial)  # an update reading a partial gradient right after it
         position = {op: k for k, op in enumerate(self.order)}
-        last_reader = {s: max([v, *readers[s]], key=lambda r: position.get(r, -1))
+        last_reader = {s: max([v, *_readers_through_reshapes(graph, readers, s)], key=lambda r: position.get(r, -1))
                        for s, v in graph.assignments.items()}
         self.assign_after: dict[int, list[int]] = {}
         self.write_bytes: dict[int, int] = {}  # state -> bytes its assignment moves between devices
@@ -678,6 +678,19 @@ class _Lowering:
                 pieces = delivered[((n, 0), tensor)]
                 blocks.append((box, self.recompose(box, pieces, placed[n], tensor, None)))
             self.dag.outputs[name] = blocks
+
+
+def _readers_through_reshapes(graph: Graph, readers: Mapping[int, Sequence[int]], state: int) -> list[int]:
+    """The operators reading ``state``, and those reading a reshape of it (one may keep the state's own
+    bytes, ``physical.tasks.reshape_shares``): the state is assigned after all of them."""
+    out: list[int] = []
+    stack = [state]
+    while stack:
+        for r in readers.get(stack.pop(), ()):
+            out.append(r)
+            if graph.nodes[r].kind == "reshape":
+                stack.append(r)
+    return out
 
 
 def emission_order(graph: Graph, partial: Collection[int] = ()) -> list[int]:

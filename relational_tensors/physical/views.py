@@ -44,8 +44,17 @@ def fuse_views(dag: TaskDAG, select_in_place: bool = True) -> TaskDAG:
     # the buffers the rewrites ask about: a decompose's atoms (their readers), a recompose's pieces and an
     # assign's value (their readers and producers); only those are indexed (most buffers are neither)
     asked: set[int] = set()
+    kept_blocks = dag.kept_state_blocks()
+    shares: dict[int, list[int]] = {}  # kept block -> reshapes of it (which may keep its bytes: read them too)
+    share_of: dict[int, int] = {}
     for t in tasks:
         kind = t.kind
+        if kind == "kernel" and select_in_place and t.op is not None and dag.nodes[t.op].kind == "reshape":
+            k = t.inputs[0] if t.inputs[0] in kept_blocks else share_of.get(t.inputs[0])
+            if k is not None:
+                share_of[t.outputs[0]] = k
+                shares.setdefault(k, []).append(t.outputs[0])
+                asked.add(t.outputs[0])
         if kind == "decompose":
             asked.update(t.outputs)
         elif kind == "recompose":
@@ -120,7 +129,8 @@ def fuse_views(dag: TaskDAG, select_in_place: bool = True) -> TaskDAG:
                     and (value.device, value.box, value.dtype) == (kept.device, kept.box, kept.dtype))
             if same and made_by is not None and (
                     made_by.kind in ("copy", "recompose") and len(readers[src]) == 1
-                    or select_in_place and _selects_in_place(dag, made_by, dst, readers[dst])):
+                    or select_in_place and _selects_in_place(
+                        dag, made_by, dst, [*readers[dst], *(r for b in shares.get(dst, ()) for r in readers[b])])):
                 buffers[src] = _view(value, dst)
                 drop.add(t.id)
 
