@@ -472,12 +472,10 @@ def _pass_verify(s: CompileState) -> None:
     kept_blocks = low.dag.kept_state_blocks()
     root = low.dag.view_roots()
     in_place: dict[int, list[Any]] = {}
-    for t in low.dag.tasks:  # (``TaskDAG.kept_writes`` of each task, inlined: a whole model has millions)
-        if t.kind != "assign" and t.kind != "load":
-            for b in t.outputs:
-                r = root.get(b, b)
-                if r in kept_blocks:
-                    in_place.setdefault(r, []).append(buffers[b].box)
+    for t in low.dag.tasks:
+        if t.kind != "assign":
+            for r, b in low.dag.kept_writes(t, kept_blocks, root):
+                in_place.setdefault(r, []).append(buffers[b].box)
     for name in low.dag.assigned:
         kept = low.dag.inputs[name]
         if not covers([box for box, _ in kept], s.graph.node(name).type.box) or any(

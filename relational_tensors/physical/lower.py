@@ -749,12 +749,12 @@ def lower(plan: LogicalPlan, schedule: str = "naive", synthesize: Synthesizer | 
     for op in low.order:
         low.lower_op(op)
     low.lower_outputs()
-    pipelined = isinstance(plan, PipelinedPlan) and plan.pipeline.micro_batches * plan.pipeline.stages > 1
+    pipelined = plan if isinstance(plan, PipelinedPlan) and plan.pipeline.micro_batches * plan.pipeline.stages > 1 \
+        else None
     # (reordered afterwards, a reader of a state's old value could run after a where that overwrote it)
-    dag = fuse_views(low.dag, select_in_place=not pipelined and not later)
-    if pipelined:
-        assert isinstance(plan, PipelinedPlan)
-        dag = pipeline_order(dag, plan, fold)
+    dag = fuse_views(low.dag, select_in_place=pipelined is None and not later)
+    if pipelined is not None:
+        dag = pipeline_order(dag, pipelined, fold)
     if later:
         dag = split_phases(dag, later)
     return Lowered(dag, low.placement, low.programs, low.memberships, dict(low.kept),

@@ -49,13 +49,13 @@ def fuse_views(dag: TaskDAG, select_in_place: bool = True) -> TaskDAG:
     share_of: dict[int, int] = {}
     for t in tasks:
         kind = t.kind
-        if kind == "kernel" and select_in_place and t.op is not None and dag.nodes[t.op].kind == "reshape":
+        if kind == "kernel" and select_in_place and t.inputs:
             k = t.inputs[0] if t.inputs[0] in kept_blocks else share_of.get(t.inputs[0])
-            if k is not None:
+            if k is not None and t.op is not None and dag.nodes[t.op].kind == "reshape":
                 share_of[t.outputs[0]] = k
                 shares.setdefault(k, []).append(t.outputs[0])
                 asked.add(t.outputs[0])
-        if kind == "decompose":
+        elif kind == "decompose":
             asked.update(t.outputs)
         elif kind == "recompose":
             asked.update(t.inputs)
@@ -153,12 +153,9 @@ def _selects_in_place(dag: TaskDAG, kernel: Task, kept: int, old_readers: list[T
     if kernel.kind != "kernel" or kernel.op is None or dag.nodes[kernel.op].kind != "where" or \
             len(kernel.outputs) != 1:
         return False
-    for b in kernel.inputs:  # an atom of the old value (a view of it) would be read where others are written
-        up = dag.buffers[b].parent
-        while up is not None and up != kept:
-            up = dag.buffers[up].parent
-        if up == kept:
-            return False
+    # an atom of the old value (a view of it) would be read where other elements are written
+    if any(b != kept and dag.root(b) == kept for b in kernel.inputs):
+        return False
     return all(r.id < kernel.id or r is kernel for r in old_readers)
 
 

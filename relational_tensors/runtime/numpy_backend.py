@@ -352,8 +352,9 @@ def _slice(value: Any, index: tuple[slice, ...]) -> Any:
 
 def _through(dag: TaskDAG, b: int, written: set[int]) -> bool:
     """Whether view ``b`` is one of ``written`` or lies inside one (a view of a view of it)."""
-    while b is not None:
-        if b in written:
+    at: int | None = b
+    while at is not None:
+        if at in written:
             return True
-        b = dag.buffers[b].parent  # type: ignore[assignment]
+        at = dag.buffers[at].parent
     return False
