@@ -123,6 +123,20 @@ def test_a_prefill_attends_causally_with_key_padding_not_through_a_dense_mask(ki
     assert not [n for n in graph.inputs if n.type.shape[-2:] == (16, 16)]  # no constant triangle either
 
 
+@pytest.mark.parametrize("kind", ["llama", "phi3"])
+def test_prefill_and_decode_rotate_by_the_position_tables_in_one_operator_each(kind: str) -> None:
+    """The rotary tables of a step's position ids are computed once; each layer rotates q and k with one
+    ``rope_table`` each (not the dozen slices, negations, concatenations and products of rotate-half)."""
+    dec = rt.decoder(_model(kind), max_batch=3, max_len=32, device="cpu:2")
+    ids, mask = _batch()
+    dec.decode(dec.prefill(ids, mask).argmax(-1))
+    layers = _config(kind).num_hidden_layers
+    for graph in (dec.prefill_program(3, 16).graph, dec.decode_program().graph):
+        kinds = [n.kind for n in graph.operators]
+        assert kinds.count("rope_table") == 2 * layers and "rope" not in kinds
+        assert kinds.count("concat") <= 1 + (layers if kind == "phi3" else 0)  # the tables' [freqs, freqs]
+
+
 def test_one_catalog_holds_the_prefill_and_the_decode_plans(tmp_path: object) -> None:
     model = _model("llama")
     dec = rt.decoder(model, max_batch=2, max_len=48, device="cpu:2", catalog=str(tmp_path) + "/gen.duckdb")

@@ -44,7 +44,7 @@ from relational_tensors.kernels.launchers import allocates, launcher_for, op_con
 from relational_tensors.sql_specs import OPERATORS  # noqa: E402
 
 KINDS = ("norm_grad", "norm_weight_grad", "swiglu_grad", "softmax_grad", "unary_grad", "binary_grad",
-         "embedding_grad", "cross_entropy", "cross_entropy_grad", "token_count", "rope")
+         "embedding_grad", "cross_entropy", "cross_entropy_grad", "token_count", "rope", "rope_table")
 KERNEL_MODULES = ("triton_norms_grad", "triton_elementwise_grad", "triton_elementwise", "triton_cross_entropy",
                   "triton_embedding_grad",
                   "triton_rope", "triton_copy", "triton_norms")
@@ -555,12 +555,24 @@ def test_rope_and_its_inverse(mem: Any, inverse: bool, seq_ends: tuple[int, ...]
     check_op(mem, op, [randn(rng, shape, dtype)], {"d1": 3, "d2": 2}, tol=1e-6 if dtype == "float64" else None)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("shared", [True, False])  # tables [1, s, d] shared by the batch, or one per row
+@pytest.mark.parametrize("inverse", [True, False])
+def test_rope_by_tables_and_its_transpose(mem: Any, inverse: bool, shared: bool, dtype: str) -> None:
+    rng = np.random.default_rng(17)
+    shape, table = (3, 11, 5, 8), (1 if shared else 3, 11, 8)
+    op = make("rope_table", [T(shape, dtype), T(table, dtype), T(table, dtype)], inverse=inverse)
+    # tables that are not a rotation's (cos² + sin² ≠ 1, halves unequal): each of the four halves is read
+    check_op(mem, op, [randn(rng, shape, dtype), randn(rng, table, dtype), randn(rng, table, dtype)],
+             {"d0": 2, "d1": 3, "d2": 2})
+
+
 # ------------------------------------------------------------------ function specs of compiled training graphs
 
 
 def training_graph(dtype: str = "float32") -> rt.Graph:
-    """Token ids through an embedding, RMSNorm, RoPE over packed sequences, SwiGLU, GELU, a broadcast divide
-    and maximum, LayerNorm, a softmax and a matmul to cross-entropy logits, and the gradient of every
+    """Token ids through an embedding, RMSNorm, RoPE over packed sequences and by learned tables, SwiGLU, GELU,
+    a broadcast divide and maximum, LayerNorm, a softmax and a matmul to cross-entropy logits, and the gradient of every
     parameter: each kind these kernels serve appears in the gradient."""
     g = rt.Graph()
     ids = g.input("ids", [2, 9], "int64")
@@ -568,7 +580,9 @@ def training_graph(dtype: str = "float32") -> rt.Graph:
     table = g.parameter("table", [23, 16], dtype)
     x = g.embedding(table, ids)
     h = g.rmsnorm(x, g.parameter("w_rms", [16], dtype))
-    h = g.reshape(g.rope(g.reshape(h, [2, 9, 2, 8]), base=50.0, seq_ends=(4, 9)), [2, 9, 16])
+    h = g.rope(g.reshape(h, [2, 9, 2, 8]), base=50.0, seq_ends=(4, 9))
+    cos, sin = g.parameter("cos", [1, 9, 8], dtype), g.parameter("sin", [1, 9, 8], dtype)
+    h = g.reshape(g.rope_table(h, cos, sin), [2, 9, 16])
     s = g.swiglu(g.matmul(h, g.parameter("wa", [16, 12], dtype)), g.matmul(h, g.parameter("wb", [16, 12], dtype)))
     s = g.unary(s, "gelu")
     s = g.div(s, g.parameter("scale", [12], dtype))
@@ -592,7 +606,8 @@ def vjp_graph(dtype: str = "float32") -> rt.Graph:
     targets = g.input("targets", [2, 9], "int64")
     x = g.embedding(g.parameter("table", [23, 16], dtype), ids)
     h = g.rmsnorm(x, g.parameter("w_rms", [16], dtype))
-    h = g.reshape(g.rope(g.reshape(h, [2, 9, 2, 8]), base=50.0, seq_ends=(4, 9)), [2, 9, 16])
+    h = g.rope(g.reshape(h, [2, 9, 2, 8]), base=50.0, seq_ends=(4, 9))
+    h = g.reshape(g.rope_table(h, g.input("cos", [2, 9, 8], dtype), g.input("sin", [2, 9, 8], dtype)), [2, 9, 16])
     s = g.swiglu(g.mul(h, g.parameter("wa", [16], dtype)), g.mul(h, g.parameter("wb", [16], dtype)))
     s = g.unary(s, "gelu")
     s = g.div(s, g.parameter("scale", [16], dtype))

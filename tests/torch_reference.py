@@ -119,6 +119,12 @@ def _node(op, xs: Sequence[torch.Tensor]) -> torch.Tensor:
         return F.layer_norm(xs[0], (xs[0].shape[-1],), xs[1], xs[2], op.eps)
     if kind == "rope":
         return _rope(xs[0], op)
+    if kind == "rope_table":  # x·cos + rotate_half(x)·sin, or its transpose
+        x, cos, sin = xs[0], xs[1][:, :, None, :], xs[2][:, :, None, :]
+        h = x.shape[-1] // 2
+        rot = torch.cat((x[..., h:], -x[..., :h]), -1) * torch.cat((sin[..., h:], sin[..., :h]), -1) \
+            if op.inverse else torch.cat((-x[..., h:], x[..., :h]), -1) * sin
+        return x * cos + rot
     if kind == "reshape":
         return xs[0].reshape(op.output_type.shape)
     if kind == "permute":

@@ -48,6 +48,7 @@ from relational_tensors.sql_specs import (
     ReshapeOp,
     RmsnormOp,
     RopeOp,
+    RopeTableOp,
     SliceOp,
     SoftmaxOp,
     SqlJoinOp,
@@ -299,6 +300,12 @@ class Graph:
         rounds the frequencies to that dtype (as a module whose frequency buffer is 16-bit computes them)."""
         ends = _ends(seq_ends)
         return self._op(RopeOp((self._t(x),), base, ends, freq_dtype=freq_dtype), (x,), name)
+
+    def rope_table(self, x: Tensor, cos: Tensor, sin: Tensor, name: str | None = None) -> Tensor:
+        """Rotary embedding of x[batch, seq, heads, d_head] by tables the graph computes,
+        ``x·cos + rotate_half(x)·sin``: cos and sin [batch or 1, seq, d_head] in x's dtype (as a model's
+        rotary module makes them from position ids at run time)."""
+        return self._op(RopeTableOp((self._t(x), self._t(cos), self._t(sin))), (x, cos, sin), name)
 
     # --- layout ---------------------------------------------------------------
     def reshape(self, x: Tensor, shape: Sequence[int], name: str | None = None,

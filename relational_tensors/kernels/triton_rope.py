@@ -1,5 +1,6 @@
-"""Rotary embedding on x[batch, seq, heads, d_head] with positions from the block's offset; the inverse
-rotation (the angles negated) is the gradient of a rotation."""
+"""Rotary embedding on x[batch, seq, heads, d_head]: with positions from the block's offset (``rope``; the
+inverse rotation, the angles negated, is the gradient of a rotation), or by cos and sin tables the graph
+computed (``rope_table``; its transpose is its gradient)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import triton.language as tl
 
 from relational_tensors.kernels.common import DevBuf, Ptr, acc_type
 
-__all__ = ["rope"]
+__all__ = ["rope", "rope_table"]
 
 BLOCK_S = 32  # (batch, position) rows per program; the angles of a row serve all its heads
 
@@ -74,3 +75,51 @@ def rope(x: DevBuf, out: DevBuf, seq_start: DevBuf, s_offset: int, base: float, 
                            n_pos, s, h, half, s_offset, math.log2(base), heads_per,
                            BLOCK_S=BLOCK_S, BLOCK_H=triton.next_power_of_2(max(half, 1)), INVERSE=bool(inverse),
                            ACC=acc_type(x.dtype), ROUNDED=inv_freq is not None)
+
+
+@triton.jit
+def _rope_table_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_pos, seq, heads, half, table_rows, heads_per,
+                       BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, INVERSE: tl.constexpr, ACC: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    groups = tl.cdiv(heads, heads_per)
+    p = (pid // groups) * BLOCK_S + tl.arange(0, BLOCK_S)  # flattened (batch, position)
+    h0 = (pid % groups) * heads_per
+    pmask = p < n_pos
+    t = tl.where(table_rows == n_pos, p, p % seq)  # the table's row: per (batch, position), or per position
+    i = tl.arange(0, BLOCK_H)
+    mask = pmask[:, None] & (i < half)[None, :]
+    trow = t[:, None] * (2 * half) + i[None, :]
+    c1 = tl.load(cos_ptr + trow, mask=mask, other=0.0).to(ACC)
+    c2 = tl.load(cos_ptr + trow + half, mask=mask, other=0.0).to(ACC)
+    s1 = tl.load(sin_ptr + trow, mask=mask, other=0.0).to(ACC)
+    s2 = tl.load(sin_ptr + trow + half, mask=mask, other=0.0).to(ACC)
+    row = p[:, None] * (heads * 2 * half) + i[None, :]
+    for j in range(0, heads_per):
+        h = h0 + j
+        hmask = mask & (i * 0 + h < heads)[None, :]  # compared as a vector (Triton's interpreter needs it)
+        base = row + h * (2 * half)
+        x1 = tl.load(x_ptr + base, mask=hmask, other=0.0).to(ACC)
+        x2 = tl.load(x_ptr + base + half, mask=hmask, other=0.0).to(ACC)
+        if INVERSE:
+            y1 = x1 * c1 + x2 * s2
+            y2 = x2 * c2 - x1 * s1
+        else:
+            y1 = x1 * c1 - x2 * s1
+            y2 = x2 * c2 + x1 * s2
+        tl.store(out_ptr + base, y1.to(out_ptr.dtype.element_ty), mask=hmask)
+        tl.store(out_ptr + base + half, y2.to(out_ptr.dtype.element_ty), mask=hmask)
+
+
+def rope_table(x: DevBuf, cos: DevBuf, sin: DevBuf, out: DevBuf, inverse: bool = False) -> None:
+    """``x·cos + rotate_half(x)·sin`` of contiguous x[b, s, h, d] by contiguous tables cos and sin
+    [b or 1, s, d] (``inverse``: the transposed rotation), computed in float32 and rounded once."""
+    b, s, h, d = x.shape
+    n_pos = b * s
+    if n_pos and h:
+        half = d // 2
+        blocks = triton.cdiv(n_pos, BLOCK_S)
+        heads_per = max(1, min(h, blocks * h // 1024))
+        grid = (blocks * triton.cdiv(h, heads_per),)
+        _rope_table_kernel[grid](Ptr(x), Ptr(cos), Ptr(sin), Ptr(out), n_pos, s, h, half, cos.shape[0] * s, heads_per,
+                                 BLOCK_S=BLOCK_S, BLOCK_H=triton.next_power_of_2(max(half, 1)),
+                                 INVERSE=bool(inverse), ACC=acc_type(x.dtype))

@@ -33,7 +33,7 @@ from relational_tensors.sql_specs.norms import (
 from relational_tensors.sql_specs.pool import PoolGradOp, PoolOp
 from relational_tensors.sql_specs.random import DropoutOp, RandomOp
 from relational_tensors.sql_specs.reduce import ReduceOp
-from relational_tensors.sql_specs.rope import RopeOp
+from relational_tensors.sql_specs.rope import RopeOp, RopeTableOp
 from relational_tensors.sql_specs.routing import OneHotOp, TakeAlongOp, TopkOp
 from relational_tensors.sql_specs.shape import ConcatOp, ExpandOp, PadOp, PermuteOp, ReshapeOp, SliceOp
 from relational_tensors.sql_specs.sql_join import SqlJoinOp
@@ -41,7 +41,7 @@ from relational_tensors.sql_specs.sql_join import SqlJoinOp
 __all__ = [
     "OPERATORS", "Operator", "IndexedOp", "register",
     "EinsumOp", "MatmulOp", "SqlJoinOp", "UnaryOp", "BinaryOp", "SwigluOp", "ReduceOp",
-    "SoftmaxOp", "RmsnormOp", "LayernormOp", "RopeOp", "ReshapeOp", "PermuteOp", "SliceOp",
+    "SoftmaxOp", "RmsnormOp", "LayernormOp", "RopeOp", "RopeTableOp", "ReshapeOp", "PermuteOp", "SliceOp",
     "ConcatOp", "EmbeddingOp", "AttentionOp", "PadOp", "ExpandOp", "CrossEntropyOp", "TokenCountOp",
     "WhereOp", "ConvOp", "PoolOp", "DropoutOp", "RandomOp", "TopkOp", "OneHotOp", "TakeAlongOp",
     "RouteIndexOp", "GroupedMatmulOp",

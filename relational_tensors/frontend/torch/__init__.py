@@ -18,7 +18,8 @@ carries the values of its parameters.
   ``silu(a) * b`` -> ``swiglu``; GPT-2's tanh GELU written out -> ``gelu_tanh``;
   rotary embedding ``x * cos + rotate_half(x) * sin`` -> ``rope`` when the
   tables are the standard ones for positions 0..s-1 (the base is read from
-  them), else slices, ``neg``, ``concat`` and products with the tables; k/v
+  them), else ``rope_table`` reading the tables as the module made them
+  (computed from position ids at run time, or scaled constants); k/v
   heads repeated by ``repeat_interleave`` or ``unsqueeze/expand/reshape`` before
   attention -> grouped-query ``attention``; SDPA's attention mask -> ``causal``
   (either alignment), ``seq_ends``, ``window`` and ``key_padding`` where it has that

@@ -4,7 +4,8 @@ by one operator (or declined, so translated op by op, when a check fails).
 The matchers are keyed by the ATen operation of the node that ends the idiom (the translator's
 ``_find_patterns`` picks them by that operation): ``aten.mul``/``aten.div`` -> hand-written RMSNorm
 (``rmsnorm``); ``aten.mul`` -> ``silu(a) * b`` (``swiglu``) or GPT-2's written-out tanh GELU
-(``gelu_tanh``); ``aten.add`` -> rotary embedding ``x * cos + rotate_half(x) * sin`` (``rope``, when
+(``gelu_tanh``); ``aten.add`` -> rotary embedding ``x * cos + rotate_half(x) * sin`` (``rope_table`` when
+the tables are computed at run time; ``rope``, when
 the tables are the standard ones); ``aten.scaled_dot_product_attention`` with k/v heads repeated
 before it (``gqa``: grouped-query attention); ``aten.matmul`` -> attention written out as transformers'
 eager attention writes it, ``softmax(q·kᵀ · scale [soft-capped] [+ mask]) · v`` (``eager_attention``: one
@@ -305,17 +306,18 @@ def _emit_eager_attention(tr: _Translator, node: Any, m: dict[str, Any]) -> Tens
 
 
 def _match_rope(node: Any, symbolic: set[Any]) -> dict[str, Any] | None:
-    """``x * cos + rotate_half(x) * sin`` with rotate_half(x) = cat(-x[..., h:], x[..., :h]) and constant tables."""
+    """``x * cos + rotate_half(x) * sin`` with rotate_half(x) = cat(-x[..., h:], x[..., :h]): constant tables
+    (``rope`` when they are the standard ones) or tables computed at run time (``rope_table``)."""
     if len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
         return None
     for m1, m2 in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
         if not (_is(m1, "aten.mul.Tensor") and _is(m2, "aten.mul.Tensor")):
             continue
         for x, cos in ((m1.args[0], m1.args[1]), (m1.args[1], m1.args[0])):
-            if x not in symbolic or not hasattr(cos, "op") or cos in symbolic:
+            if x not in symbolic or not hasattr(cos, "op"):
                 continue
             for rot, sin in ((m2.args[0], m2.args[1]), (m2.args[1], m2.args[0])):
-                if hasattr(sin, "op") and sin not in symbolic and _is_rotate_half(rot, x):
+                if hasattr(sin, "op") and (sin in symbolic) == (cos in symbolic) and _is_rotate_half(rot, x):
                     return {"x": x, "cos": cos, "sin": sin}
     return None
 
@@ -386,11 +388,14 @@ def _rope_tables(cos: np.ndarray, sin: np.ndarray, d: int, table_dtype: str
 
 
 def _emit_rope(tr: _Translator, node: Any, m: dict[str, Any]) -> Tensor | None:
-    """Use the rope operator when the tables are the standard ones for positions 0..s-1; else decline."""
+    """The rope operator when the tables are the standard ones for positions 0..s-1; ``rope_table`` for other
+    tables, constant or computed in the graph; else decline."""
     x, cos, sin = tr.env[m["x"]], tr.env[m["cos"]], tr.env[m["sin"]]
-    if not isinstance(x, Tensor) or not isinstance(cos, _Const) or not isinstance(sin, _Const) or x.rank != 4:
+    if not isinstance(x, Tensor) or x.rank != 4 or _out_shape(node) != x.shape:
         return None
-    if _out_shape(node) != x.shape:
+    if isinstance(cos, Tensor) and isinstance(sin, Tensor):
+        return _emit_rope_table(tr, node, x, cos, sin)
+    if not isinstance(cos, _Const) or not isinstance(sin, _Const):
         return None
     for seq_axis, head_axis in ((2, 1), (1, 2)):
         perm = (0, seq_axis, head_axis, 3)
@@ -398,7 +403,7 @@ def _emit_rope(tr: _Translator, node: Any, m: dict[str, Any]) -> Tensor | None:
             c = cos.value.broadcast_to(x.shape).permute(perm)
             s = sin.value.broadcast_to(x.shape).permute(perm)
         except RuntimeError:
-            return None
+            break
         tc, ts = c[0, :, 0, :], s[0, :, 0, :]
         if not (bool((c == tc[None, :, None, :]).all()) and bool((s == ts[None, :, None, :]).all())):
             continue
@@ -410,6 +415,31 @@ def _emit_rope(tr: _Translator, node: Any, m: dict[str, Any]) -> Tensor | None:
         xs = tr.cast(tr.permute(x, perm), _out_dtype(node))  # tables of a wider dtype promote x, as in torch
         y = tr.g.rope(xs, found[0], seq_ends=found[1], name=tr.name("rope"), freq_dtype=found[2])
         return tr.permute(y, perm)
+    # other constant tables (scaled frequencies, as Llama 3's rope scaling makes them): read as parameters
+    return _emit_rope_table(tr, node, x, tr.sym(cos), tr.sym(sin))
+
+
+def _emit_rope_table(tr: _Translator, node: Any, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
+    """``rope_table`` for x [b, h, s, d] or [b, s, h, d] and tables that broadcast to it over heads (and over the
+    batch, or not): transformers' ``cos[:, None]`` of position ids; else decline."""
+    dtype = _out_dtype(node)
+    b = x.shape[0]
+    for seq_axis, head_axis in ((2, 1), (1, 2)):
+        s, d = x.shape[seq_axis], x.shape[3]
+        tables = []
+        for t in (cos, sin):
+            shape = (1,) * (4 - t.rank) + t.shape
+            if t.rank > 4 or shape[head_axis] != 1 or shape[seq_axis] != s or shape[3] != d or shape[0] not in (1, b):
+                break
+            # the heads axis has size 1: dropping it is a reshape; q's and k's rotations share the result
+            key = (t.node.id, dtype)
+            if key not in tr.rope_tables:
+                tr.rope_tables[key] = tr.cast(tr.reshape(t, (shape[0], s, d)), dtype)
+            tables.append(tr.rope_tables[key])
+        else:
+            perm = (0, seq_axis, head_axis, 3)
+            y = tr.g.rope_table(tr.cast(tr.permute(x, perm), dtype), tables[0], tables[1], name=tr.name("rope"))
+            return tr.permute(y, perm)
     return None
 
 

@@ -98,6 +98,8 @@ class _Translator:
         self._keep: list[_Const] = []
         self.rewrites: dict[Any, tuple[str, dict[str, Any]]] = {}
         self.symbolic: set[Any] = set()
+        # (table node, dtype) -> the table as rope_table reads it
+        self.rope_tables: dict[tuple[int, str | None], Tensor] = {}
 
     # --- names ------------------------------------------------------------------
     def unique(self, base: str) -> str:

@@ -101,6 +101,13 @@ def _rope(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: i
     rope(ins[0], out, consts["seq_start"], f.inputs[0].lower[1], op.base, op.inverse, consts.get("inv_freq"))
 
 
+@launcher("rope_table")
+def _rope_table(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels.triton_rope import rope_table
+
+    rope_table(ins[0], ins[1], ins[2], out, op.inverse)
+
+
 @launcher("dropout")
 def _dropout(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
     from relational_tensors.kernels import triton_random as tr
