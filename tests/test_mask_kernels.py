@@ -76,6 +76,25 @@ def test_where_matches_numpy(dtype: str) -> None:
     np.testing.assert_array_equal(out.float().cpu().numpy() if dtype == "bfloat16" else out.cpu().numpy(), want)
 
 
+@pytest.mark.parametrize("into", ["y", "x"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_where_writes_in_place_into_the_block_it_keeps(dtype: str, into: str) -> None:
+    """A key/value cache taking a step's rows: out is the kept operand itself, and only the elements the
+    other operand replaces are read and written (the kernel's in-place form), with the same result."""
+    g = np.random.default_rng(3)
+    cache = _values(g, (2, 9, 3, 4), dtype)
+    write = np.zeros((1, 9, 1, 1), dtype=bool)
+    write[0, 5] = True
+    new = _values(g, (2, 1, 3, 4), dtype)
+    cond = write if into == "y" else ~write
+    want = np.where(cond, new, cache) if into == "y" else np.where(cond, cache, new)
+    cb, _ = _buf(cond, "bool")
+    kept, held = _buf(cache, dtype)
+    nb, _ = _buf(new, dtype)
+    K.where(cb, nb, kept, kept) if into == "y" else K.where(cb, kept, nb, kept)
+    np.testing.assert_array_equal(held.float().cpu().numpy() if dtype == "bfloat16" else held.cpu().numpy(), want)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int64"])
 def test_casts_to_and_from_bool_and_logical_not(dtype: str) -> None:
     g = np.random.default_rng(2)

@@ -206,15 +206,22 @@ def _mask_kernel(x_ptr, y_ptr, out_ptr, n, size_1, size_2, size_3,
 @triton.jit
 def _where_kernel(c_ptr, x_ptr, y_ptr, out_ptr, n, size_1, size_2, size_3,
                   sc0, sc1, sc2, sc3, sx0, sx1, sx2, sx3, sy0, sy1, sy2, sy3, so0, so1, so2, so3,
-                  BLOCK_SIZE: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, KEEP: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n
     i0, i1, i2, i3 = index4(offs, size_1, size_2, size_3)
-    c = tl.load(c_ptr + i0 * sc0 + i1 * sc1 + i2 * sc2 + i3 * sc3, mask=mask, other=0)
-    x = tl.load(x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2 + i3 * sx3, mask=mask)
-    y = tl.load(y_ptr + i0 * sy0 + i1 * sy1 + i2 * sy2 + i3 * sy3, mask=mask)
-    tl.store(out_ptr + i0 * so0 + i1 * so1 + i2 * so2 + i3 * so3, tl.where(c != 0, x, y), mask=mask)
+    c = tl.load(c_ptr + i0 * sc0 + i1 * sc1 + i2 * sc2 + i3 * sc3, mask=mask, other=0) != 0
+    o = out_ptr + i0 * so0 + i1 * so1 + i2 * so2 + i3 * so3
+    if KEEP == 1:  # out is y: only the elements x replaces are read and written
+        tl.store(o, tl.load(x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2 + i3 * sx3, mask=mask & c), mask=mask & c)
+    elif KEEP == 2:  # out is x
+        keep = mask & (c == 0)
+        tl.store(o, tl.load(y_ptr + i0 * sy0 + i1 * sy1 + i2 * sy2 + i3 * sy3, mask=keep), mask=keep)
+    else:
+        x = tl.load(x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2 + i3 * sx3, mask=mask)
+        y = tl.load(y_ptr + i0 * sy0 + i1 * sy1 + i2 * sy2 + i3 * sy3, mask=mask)
+        tl.store(o, tl.where(c, x, y), mask=mask)
 
 
 @triton.jit
@@ -258,8 +265,12 @@ def compare(x: DevBuf, y: DevBuf, out: DevBuf, op: str) -> None:
 
 
 def where(cond: DevBuf, x: DevBuf, y: DevBuf, out: DevBuf) -> None:
-    """out = x where cond, else y (x, y and out of one dtype), broadcast."""
-    _broadcast_launch(_where_kernel, out, (cond, x, y))
+    """out = x where cond, else y (x, y and out of one dtype), broadcast.  Where out is y itself (a state's
+    block written in place: a key/value cache taking a step's new rows), only the elements x replaces are
+    read and written; likewise where out is x."""
+    keep = next((k for k, v in ((1, y), (2, x))
+                 if v.ptr == out.ptr and v.shape == out.shape and v.strides == out.strides), 0)
+    _broadcast_launch(_where_kernel, out, (cond, x, y), KEEP=keep)
 
 
 def to_bool(x: DevBuf, out: DevBuf) -> None:
