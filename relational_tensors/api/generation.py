@@ -139,6 +139,10 @@ class Decoder:
         self._free = list(range(1, self.num_blocks)) if self.num_blocks else []  # blocks no slot holds
         self._blocks: list[list[int]] = [[] for _ in range(max_batch)]  # per slot: its blocks, in order
         self._rows: Any = None  # [max_batch, max_len] int64: the pool row of each slot's positions (0: scratch)
+        # the running slots' step inputs on the step's device, advanced there each step without the host
+        # (None after a join or a leave): (slots, their rows, cache positions written next, token positions)
+        self._steps: tuple[tuple[int, ...], Any, Any, Any] | None = None
+        self._arange: Any = None  # 0..max_len-1 on the step's device
 
     # --- programs ---------------------------------------------------------------------------------------
     def prefill_program(self, batch: int, length: int) -> _Program:
@@ -219,19 +223,28 @@ class Decoder:
         slots = free[:n]
         if self.block_size:
             self._take_blocks(slots, length)
+        # (tensors a step has staged are replaced, never written: its copy may not have read them yet)
+        self._keys_ok = self._keys_ok.clone()
         for i, r in enumerate(slots):
             self._writes = [w for w in self._writes if w[0] != r]
             self._writes.append((r, length, {name: t[i] for name, t in zip(names, kv)}))
             self._keys_ok[r] = False
             self._keys_ok[r, :length] = mask[i].to(self._where)
             self._at[r], self._position[r] = length, int(positions[i, -1]) + 1
+        self._steps = None
         return slots, logits
 
     def leave(self, slots: int | Sequence[int]) -> None:
         """Free ``slots``: their sequences end, and a later ``join`` may take them."""
-        for r in [slots] if isinstance(slots, int) else list(slots):
+        leaving = [slots] if isinstance(slots, int) else list(slots)
+        for r in leaving:
             if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.max_batch or self._at[r] < 0:
                 raise ExecError(f"leave takes slots holding a sequence ({self.slots}); got {r!r}.")
+        self._steps = None
+        self._keys_ok = self._keys_ok.clone()
+        if self.block_size:
+            self._rows = self._rows.clone()
+        for r in leaving:
             self._at[r] = -1
             self._keys_ok[r] = False
             self._writes = [w for w in self._writes if w[0] != r]
@@ -275,6 +288,7 @@ class Decoder:
         start = len(self._blocks[r]) * bs
         stop = min(start + bs, self.max_len)
         self._blocks[r].append(block)
+        self._rows = self._rows.clone()  # (a staged step may not have read the old table yet)
         self._rows[r, start:stop] = torch.arange(block * bs, block * bs + stop - start, device=self._where)
 
     # --- the decode step ------------------------------------------------------------------------------------
@@ -324,15 +338,24 @@ class Decoder:
             for r in grow:
                 self._grow(r)
         step = self.decode_program()
-        rows = torch.tensor(slots, device=self._where)
-        at = torch.tensor([self._at[r] for r in slots], device=self._where)
-        ids = torch.zeros((self.max_batch, 1), dtype=torch.int64, device=self._where)
-        ids[rows, 0] = tokens
-        positions = torch.zeros((self.max_batch, 1), dtype=torch.int64, device=self._where)
-        positions[rows, 0] = torch.tensor([self._position[r] for r in slots], device=self._where)
-        write = torch.zeros((self.max_batch, self.max_len), dtype=torch.bool, device=self._where)
-        write[rows, at] = True
-        self._keys_ok[rows, at] = True
+        if self._steps is None or self._steps[0] != tuple(slots):
+            self._steps = (tuple(slots), torch.tensor(slots, device=self._where),
+                           torch.tensor([self._at[r] for r in slots], device=self._where),
+                           torch.tensor([self._position[r] for r in slots], device=self._where))
+        _, rows, at, pos = self._steps
+        # every input made on the step's device from tensors already there: the host never waits for the GPU,
+        # and tensors a step staged are replaced, not written (its copy may still be pending)
+        everyone = len(slots) == self.max_batch
+        if everyone:
+            ids, positions, at_row = tokens.reshape(-1, 1), pos.reshape(-1, 1), at
+        else:
+            ids = torch.zeros((self.max_batch, 1), dtype=torch.int64, device=self._where).index_put_(
+                (rows, torch.zeros_like(rows)), tokens)
+            positions = torch.zeros((self.max_batch, 1), dtype=torch.int64, device=self._where).index_put_(
+                (rows, torch.zeros_like(rows)), pos)
+            at_row = torch.full((self.max_batch,), -1, dtype=torch.int64, device=self._where).index_put_((rows,), at)
+        write = self._cache_positions(at_row.device)[None, :] == at_row[:, None]
+        self._keys_ok = self._keys_ok | write
         feeds = {"ids": ids, "keys_ok": self._keys_ok, "positions": positions, "write": write}
         if self.block_size:
             write_rows = torch.zeros(self.max_batch, dtype=torch.int64, device=self._where)  # idle: scratch row 0
@@ -341,10 +364,17 @@ class Decoder:
         feeds.update(self._write_caches(step))
         # (a step without sliding windows never reads ``write``)
         (logits,) = step.run({k: v for k, v in feeds.items() if k in step.reads}, ["logits"])
+        self._steps = (tuple(slots), rows, at + 1, pos + 1)
         for r in slots:
             self._at[r] += 1
             self._position[r] += 1
-        return logits[rows] if len(slots) < self.max_batch else logits
+        return logits if everyone else logits[rows]
+
+    def _cache_positions(self, device: Any) -> Any:
+        """0..max_len-1 on ``device`` (made once)."""
+        if self._arange is None or self._arange.device != device:
+            self._arange = _torch().arange(self.max_len, device=device)
+        return self._arange
 
     def __repr__(self) -> str:
         return (f"Decoder({type(self.model).__name__}, max_batch={self.max_batch}, max_len={self.max_len}, "
