@@ -323,3 +323,48 @@ def test_greedy_on_a_gpu(device: str) -> None:
     with torch.no_grad():
         ref = bf(input_ids=ids, attention_mask=mask).logits[:, -1]
     torch.testing.assert_close(logits.float(), ref.float(), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [None, 4])
+def test_steps_queued_without_the_host_waiting_join_and_leave_on_a_gpu(block_size: int | None) -> None:
+    """Continuous batching as a server on a GPU runs it: each step's tokens stay on the device (argmax of the
+    last logits, never read back until the end), so the host queues steps, joins and leaves ahead of the GPU;
+    every request still gets the greedy tokens it gets alone."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    pytest.importorskip("cupy")
+    model = _model("mistral").to("cuda:0")
+    gen = torch.Generator().manual_seed(5)
+    prompts = {name: torch.randint(1, 64, (1, s), generator=gen).cuda() for name, s in (("a", 5), ("b", 9), ("c", 3))}
+    wanted = {"a": 6, "b": 9, "c": 7}
+    alone = {name: model.generate(p, max_new_tokens=wanted[name], do_sample=False, pad_token_id=0)[0, p.shape[1]:]
+             for name, p in prompts.items()}
+    dec = rt.decoder(model, max_batch=2, max_len=40, device="cuda:0", block_size=block_size)
+    got: dict[str, list[torch.Tensor]] = {}
+    slot_of: dict[str, int] = {}
+
+    def join(name: str) -> None:
+        (slot,), logits = dec.join(prompts[name])
+        slot_of[name], got[name] = slot, [logits[0].argmax(-1)]
+
+    def step() -> None:
+        running = {slot: n for n, slot in slot_of.items()}
+        order = [running[r] for r in dec.slots]
+        logits = dec.decode(torch.stack([got[n][-1] for n in order]))
+        for n, row in zip(order, logits):
+            got[n].append(row.argmax(-1))
+        for n in order:
+            if len(got[n]) == wanted[n]:
+                dec.leave(slot_of.pop(n))
+
+    join("a")
+    step()
+    join("b")
+    while "a" in slot_of:
+        step()
+    join("c")
+    while slot_of:
+        step()
+    for name in prompts:
+        assert torch.stack(got[name]).tolist() == alone[name].tolist(), name
