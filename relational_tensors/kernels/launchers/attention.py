@@ -37,8 +37,26 @@ def _masks(op: Any, ins: list, main: int) -> dict[str, Any]:
     return out
 
 
+def _decode_form(op: Any, f: FunctionSpec) -> bool:
+    """Whether a forward block takes the decode kernel (``triton_attention_decode``: its keys split across
+    programs): at most ``ROWS`` query rows per kv head (a decode step's one row per sequence, a few with
+    speculative tokens), in 16- or 32-bit floats, without a mask, a bias, a softcap or key lengths."""
+    from relational_tensors.kernels.triton_attention_decode import ROWS
+
+    (_, sq, hq, _), hkv = f.inputs[0].shape, f.inputs[1].shape[2]
+    return (hkv > 0 and sq * (hq // hkv) <= ROWS and op.input_types[0].dtype in ("float16", "bfloat16", "float32")
+            and not {"mask", "bias"} & set(op.extras) and op.softcap is None and op.key_lengths is None)
+
+
 def _attention_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str] | None:
-    """int32 [batch rows, 2]: each row's first and one-past-last real key (``triton_attention.padding_limits``)."""
+    """The decode kernel's partial outputs and log-sum-exps of its key splits (float32), or int32 [batch
+    rows, 2]: each row's first and one-past-last real key (``triton_attention.padding_limits``)."""
+    if _decode_form(op, f):
+        from relational_tensors.kernels.triton_attention_decode import decode_scratch
+
+        (nb, sq, hq, _), (_, skv, hkv, _), dv = f.inputs[0].shape, f.inputs[1].shape, f.inputs[2].shape[3]
+        n = decode_scratch(nb, sq, hq, hkv, skv, dv)
+        return ((n,), "float32") if n else None
     return ((2 * f.inputs[0].shape[0],), "int32") if _padding(op) else None
 
 
@@ -65,6 +83,13 @@ def _attention(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stre
         return
     if "flash" in consts:  # a library FlashAttention kernel computes this block exactly (no extras: ``flash``)
         flash.attention(q, k, v, o, consts["flash"], op.is_causal, op.softmax_scale, stream)
+        return
+    if _decode_form(op, f):  # a few query rows over many keys: the keys split across programs
+        from relational_tensors.kernels.triton_attention_decode import decode_attention
+
+        kp = ins[3 + op.extras.index("key_padding")] if _padding(op) else None
+        decode_attention(q, k, v, o, lse, consts["row_lo"], consts["row_hi"], f.inputs[0].lower[1],
+                         f.inputs[1].lower[1], op.softmax_scale, kp, consts.get("scratch"))
         return
     attention(q, k, v, o, lse, consts["row_lo"], consts["row_hi"], f.inputs[0].lower[1], f.inputs[1].lower[1],
               op.softmax_scale, **_extras(op, f, ins, consts, 3))
