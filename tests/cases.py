@@ -79,6 +79,11 @@ CASES: dict[str, Case] = {
     "concat": _one(lambda g, d: g.concat([g.input("a", [5, 3], d), g.input("b", [5, 7], d),
                                           g.input("c", [5, 2], d)], 1)),
     "embedding": _one(lambda g, d: g.embedding(g.input("table", [23, 6], d), g.input("ids", [3, 7], "int64"))),
+    # x[ids] = v: rows of a cache replaced (distinct ids here; repeats in tests/test_put_rows.py)
+    "put_rows": _one(lambda g, d: g.put_rows(g.input("x", [13, 3, 4], d), g.input("ids", [5], "int64"),
+                                             g.input("values", [5, 3, 4], d))),
+    "put_rows_table": _one(lambda g, d: g.put_rows(g.input("x", [9, 6], d), g.input("ids", [4], "int32"),
+                                                   g.input("values", [4, 6], d))),
     # the rows' scatter (an embedding's gradient, and what x[ids] = v writes with): ids repeat in 21 over 13 rows
     "embedding_grad": _one(lambda g, d: g.embedding_grad(g.input("ids", [3, 7], "int64"), g.input("rows", [3, 7, 5], d),
                                                          13)),
@@ -325,7 +330,7 @@ def feeds_for(g: rt.Graph, seed: int = 0) -> dict[str, np.ndarray]:
         elif n.type.dtype.startswith("int"):  # ids of the table an embedding reads, or a cross-entropy's classes
             reader = next(c for c in g.operators if n.id in c.inputs and c.kind in (
                 "embedding", "embedding_grad", "cross_entropy", "dropout", "random", "take_along", "one_hot",
-                "route_index", "capacity_route"))
+                "route_index", "capacity_route", "put_rows"))
             if reader.kind in ("dropout", "random"):  # a generator state (seed, offset): every bit may be set
                 feeds[n.name] = rng.integers(-2**63, 2**63 - 1, size=2, dtype=np.int64, endpoint=True)
                 continue
@@ -336,6 +341,10 @@ def feeds_for(g: rt.Graph, seed: int = 0) -> dict[str, np.ndarray]:
             if reader.kind == "one_hot":  # ids of the classes, and one out of range (a row of zeros)
                 classes = reader.op.classes  # type: ignore[attr-defined]
                 feeds[n.name] = rng.integers(-1, classes + 1, size=n.type.shape)
+                continue
+            if reader.kind == "put_rows":  # distinct rows to replace (a repeated row's gradient is torch's choice)
+                rows = g.nodes[reader.inputs[0]].type.shape[0]
+                feeds[n.name] = rng.permutation(rows)[:n.type.shape[0]].astype(rt.core.dtypes.numpy_dtype(n.type.dtype))
                 continue
             if reader.kind == "embedding_grad":  # ids of the rows it scatters into
                 feeds[n.name] = rng.integers(0, reader.op.vocab, size=n.type.shape)  # type: ignore[attr-defined]

@@ -119,6 +119,10 @@ def _node(op, xs: Sequence[torch.Tensor]) -> torch.Tensor:
         return F.layer_norm(xs[0], (xs[0].shape[-1],), xs[1], xs[2], op.eps)
     if kind == "rope":
         return _rope(xs[0], op)
+    if kind == "put_rows":  # x[ids] = values (distinct ids: torch keeps an unspecified one of repeats)
+        out = xs[0].clone()
+        out[xs[1].long()] = xs[2]
+        return out
     if kind == "rope_table":  # x·cos + rotate_half(x)·sin, or its transpose
         x, cos, sin = xs[0], xs[1][:, :, None, :], xs[2][:, :, None, :]
         h = x.shape[-1] // 2

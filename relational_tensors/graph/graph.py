@@ -43,6 +43,7 @@ from relational_tensors.sql_specs import (
     PadOp,
     PermuteOp,
     PoolOp,
+    PutRowsOp,
     RandomOp,
     ReduceOp,
     ReshapeOp,
@@ -350,6 +351,11 @@ class Graph:
     def embedding_grad(self, ids: Tensor, rows: Tensor, vocab: int, name: str | None = None) -> Tensor:
         """``[vocab, embed]``: row v the sum of the ``rows [..., embed]`` whose id is v (zeros for none)."""
         return self._op(EmbeddingGradOp((self._t(ids), self._t(rows)), vocab), (ids, rows), name)
+
+    def put_rows(self, x: Tensor, ids: Tensor, values: Tensor, name: str | None = None) -> Tensor:
+        """x with the rows of its first axis at ``ids`` (an int vector) replaced by ``values`` [len(ids),
+        *x.shape[1:]] (torch's ``x[ids] = values``; the last of repeated ids wins)."""
+        return self._op(PutRowsOp((self._t(x), self._t(ids), self._t(values))), (x, ids, values), name)
 
     # --- routing ----------------------------------------------------------------
     def topk(self, x: Tensor, k: int, largest: bool = True, name: str | None = None) -> tuple[Tensor, Tensor]:

@@ -176,6 +176,43 @@ def embedding(table: DevBuf, ids: DevBuf, out: DevBuf, v0: int) -> None:
 
 
 @triton.jit
+def _put_rows_kernel(ids_ptr, values_ptr, out_ptr, n, d, r0, r1, stride_o, BLOCK_I: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    idx = tl.load(ids_ptr + i).to(tl.int64)
+    # a later occurrence of the same id writes the row instead: the last one wins, as in NumPy and torch
+    later = 0
+    for j0 in range(0, n, BLOCK_I):
+        j = j0 + tl.arange(0, BLOCK_I)
+        other = tl.load(ids_ptr + j, mask=(j < n) & (j > i), other=-1).to(tl.int64)
+        later += tl.sum((other == idx).to(tl.int32), axis=0)
+    mine = (idx >= r0) & (idx < r1) & (later == 0)
+    local = tl.where(mine, idx - r0, 0)
+    for c0 in range(0, d, BLOCK_D):
+        cols = c0 + tl.arange(0, BLOCK_D)
+        cmask = (cols < d) & ((cols * 0 + mine.to(tl.int32)) != 0)  # as a vector (Triton's interpreter needs it)
+        v = tl.load(values_ptr + i * d + cols, mask=cmask, other=0.0)
+        tl.store(out_ptr + local * stride_o + cols, v.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+def put_rows(x: DevBuf, ids: DevBuf, values: DevBuf, out: DevBuf, r0: int) -> None:
+    """out = x with row ``ids[i] - r0`` replaced by ``values[i]`` for the ids in [r0, r0 + rows(out)) (the
+    last of repeated ids); x, values and out contiguous within a row, as [rows, d] and [n, d].  Where out
+    is x itself (a state's block written in place) only the written rows move."""
+    if not out.size:
+        return
+    if x.ptr != out.ptr:
+        copy_box(x, out)
+    n = ids.size
+    rows = out.shape[0]
+    d = out.size // rows
+    if n and d:
+        _put_rows_kernel[(n,)](Ptr(ids), Ptr(values), Ptr(out), n, d, r0, r0 + rows, out.strides[0],
+                               BLOCK_I=min(1024, triton.next_power_of_2(n)),
+                               BLOCK_D=min(1024, triton.next_power_of_2(d)))
+
+
+@triton.jit
 def _fill_kernel(out_ptr, n, value, BLOCK_SIZE: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)

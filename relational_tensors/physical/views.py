@@ -18,10 +18,11 @@ make most of that one pass, without changing what any task computes:
   a view of the kept block the ``assign`` writes: the copies and the assembly write the state in place
   and the ``assign`` goes away.  (Every task writing a kept block waits for every earlier task that
   touched it, as an ``assign`` does: the memory plan's and the stream schedules' rule.)  So does a value a
-  ``where`` selects, when every other reader of the state's old value runs before it and it reads the old
-  value, if at all, as the whole block (a cache written at a few positions): the ``where`` writes the
-  kept block in place, each element where it reads it.  Any other value a kernel makes stays: it is
-  fused with its ``assign`` where the executor can (``runtime.fusion``).
+  ``where`` selects or a ``put_rows`` writes rows of, when every other reader of the state's old value
+  runs before it and it reads the old value, if at all, as the whole block (a cache written at a few
+  positions or rows): the kernel writes the kept block in place, each element where it reads it.  Any
+  other value a kernel makes stays: it is fused with its ``assign`` where the executor can
+  (``runtime.fusion``).
 
 Task ids are renumbered; emission order is kept.
 """
@@ -145,12 +146,17 @@ def fuse_views(dag: TaskDAG, select_in_place: bool = True) -> TaskDAG:
     return dataclasses.replace(dag, tasks=kept_tasks, buffers=buffers, phase_split=None, later=frozenset())
 
 
+# kernels whose output element i reads the first operand (if at all) at element i alone, so they may write
+# into that operand's block: ``where`` (a selection) and ``put_rows`` (rows replaced)
+IN_PLACE_KINDS = ("where", "put_rows")
+
+
 def _selects_in_place(dag: TaskDAG, kernel: Task, kept: int, old_readers: list[Task]) -> bool:
-    """Whether ``kernel``, a ``where`` making a state's next value, may write it into the state's kept block
-    ``kept`` itself: every other task reading the state's old value runs before it, and it reads the old
-    value (if at all) as the whole block, each element where it writes it (a cache written at a few
-    positions and kept elsewhere: the block is read and written once, not copied twice)."""
-    if kernel.kind != "kernel" or kernel.op is None or dag.nodes[kernel.op].kind != "where" or \
+    """Whether ``kernel``, a ``where`` or ``put_rows`` making a state's next value, may write it into the
+    state's kept block ``kept`` itself: every other task reading the state's old value runs before it, and
+    it reads the old value (if at all) as the whole block, each element where it writes it (a cache written
+    at a few positions or rows and kept elsewhere: the block is read and written once, not copied twice)."""
+    if kernel.kind != "kernel" or kernel.op is None or dag.nodes[kernel.op].kind not in IN_PLACE_KINDS or \
             len(kernel.outputs) != 1:
         return False
     # an atom of the old value (a view of it) would be read where other elements are written

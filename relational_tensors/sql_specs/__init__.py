@@ -19,7 +19,7 @@ from relational_tensors.sql_specs.elementwise import (
     UnaryOp,
     WhereOp,
 )
-from relational_tensors.sql_specs.embedding import EmbeddingGradOp, EmbeddingOp
+from relational_tensors.sql_specs.embedding import EmbeddingGradOp, EmbeddingOp, PutRowsOp
 from relational_tensors.sql_specs.experts import GroupedMatmulOp, GroupedWeightGradOp, RouteIndexOp
 from relational_tensors.sql_specs.losses import CrossEntropyGradOp, CrossEntropyOp, TokenCountOp
 from relational_tensors.sql_specs.norms import (
@@ -47,6 +47,6 @@ __all__ = [
     "RouteIndexOp", "GroupedMatmulOp",
     # gradient operators
     "UnaryGradOp", "BinaryGradOp", "SwigluGradOp", "SoftmaxGradOp", "NormGradOp", "NormWeightGradOp",
-    "EmbeddingGradOp", "AttentionLseOp", "AttentionDeltaOp", "AttentionGradOp", "CrossEntropyGradOp",
+    "EmbeddingGradOp", "PutRowsOp", "AttentionLseOp", "AttentionDeltaOp", "AttentionGradOp", "CrossEntropyGradOp",
     "ConvGradOp", "PoolGradOp", "GroupedWeightGradOp",
 ]

@@ -8,10 +8,18 @@ The table's gradient ``embedding_grad`` scatter-adds each token's output
 gradient into its row: the vocabulary splits (a block adds only the ids it
 holds) and the tokens split with ⊕ = sum (each block of tokens gives a partial
 table).
+
+``put_rows(x, ids, values)`` is ``x`` with the rows of its first axis at ``ids`` replaced by ``values``
+(torch's ``x[ids] = values``, ``index_copy``): where an id repeats, its last occurrence's values are
+written.  The rows and every other axis of x split (a block writes the ids it holds); the ids do not.  Its
+gradient is the output's gradient with the written rows zeroed (for x) and read at ids (for values), as
+torch's ``index_put`` computes it.  Producing a state's next value, it writes the state's block in place,
+so only the written rows move (``physical.views``: a key/value cache taking a step's rows).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +34,7 @@ from relational_tensors.sql_specs.base import Builder, Grads, IndexedOp, registe
 from relational_tensors.sql_specs.common import positive_count
 from relational_tensors.sql_specs.grad import build
 
-__all__ = ["EmbeddingOp", "EmbeddingGradOp", "check_ids"]
+__all__ = ["EmbeddingOp", "EmbeddingGradOp", "PutRowsOp", "check_ids"]
 
 
 def check_ids(ids: np.ndarray, vocab: int) -> None:
@@ -142,3 +150,67 @@ class EmbeddingGradOp(IndexedOp):
         scatter's transpose, a lookup); the rows ``x[ids] = v`` writes get theirs this way."""
         ids, _ = inputs
         return (None, build(b, "embedding", (cotangent, ids)) if wanted[1] else None)
+
+
+@register
+@dataclass(frozen=True, eq=True)
+class PutRowsOp(IndexedOp):
+    """``put_rows(x[rows, ...], ids[n], values[n, ...]) -> [rows, ...]``: x with row ``ids[i]`` replaced by
+    ``values[i]`` (the last i where ids repeat).
+
+    >>> from relational_tensors.core.types import TensorType as T
+    >>> PutRowsOp((T.zero((10, 2, 4)), T.zero((3,), "int64"), T.zero((3, 2, 4)))).signature()
+    'rows r1 r2, t, t r1 r2 -> rows r1 r2'
+    """
+
+    kind = "put_rows"
+
+    def infer(self) -> TensorType:
+        x, ids, values = self.input_types
+        if x.rank < 1:
+            raise GraphError(f"put_rows writes rows of a tensor of rank 1 or more; got a scalar {x}.")
+        if ids.dtype not in ("int32", "int64") or ids.rank != 1:
+            raise GraphError(f"put_rows takes ids as an int32 or int64 vector; got {ids}.  Flatten them first.")
+        if values.shape != (ids.shape[0], *x.shape[1:]) or values.dtype != x.dtype:
+            raise GraphError(f"put_rows needs values of shape [len(ids), *x.shape[1:]] = "
+                             f"{(ids.shape[0], *x.shape[1:])} in x's dtype {x.dtype}; got {values}.")
+        if x.dtype not in FLOAT_DTYPES:
+            raise GraphError(f"put_rows writes floating tensors; got dtype {x.dtype}.")
+        return TensorType.zero(x.shape, x.dtype, self.dims_out())  # type: ignore[arg-type]
+
+    def _rest(self) -> tuple[str, ...]:
+        return tuple(f"r{i}" for i in range(1, self.input_types[0].rank))
+
+    def dims_in(self) -> tuple[tuple[str | None, ...], ...]:
+        return (("rows", *self._rest()), ("t",), ("t", *self._rest()))
+
+    def dims_out(self) -> tuple[str | None, ...]:
+        return ("rows", *self._rest())
+
+    def unshardable(self) -> frozenset[str]:
+        return frozenset({"t"})  # a block of ids would write its rows and keep x's elsewhere: not a ⊕
+
+    def flops(self, inputs: tuple[Box, ...], output: Box) -> float:
+        return float(inputs[2].volume)
+
+    def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
+        x, ids, values = blocks
+        check_ids(ids, self.input_types[0].shape[0])
+        r0, r1 = f.output.lower[0], f.output.upper[0]
+        out = np.array(x, dtype=numpy_dtype(self.output_type.dtype), copy=True)
+        mine = (ids >= r0) & (ids < r1)
+        out[ids[mine] - r0] = values[mine]  # NumPy assigns in order: the last of equal ids stays
+        return out
+
+    def vjp(self, b: Builder, inputs: tuple[Any, ...], output: Any, cotangent: Any,
+            wanted: tuple[bool, ...]) -> Grads:
+        _, ids, values = inputs
+        dx = None
+        if wanted[0]:
+            dx = build(b, "put_rows", (cotangent, ids, build(b, "unary", (values,), op="fill", arg=0.0)))
+        dvalues = None
+        if wanted[2]:
+            rest = cotangent.type.shape[1:]
+            table = build(b, "reshape", (cotangent,), shape=(cotangent.type.shape[0], math.prod(rest)))
+            dvalues = build(b, "reshape", (build(b, "embedding", (table, ids)),), shape=(ids.type.shape[0], *rest))
+        return dx, None, dvalues

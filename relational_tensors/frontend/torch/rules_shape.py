@@ -298,16 +298,10 @@ def _write_rows(tr: _Translator, x: Tensor, ids: Any, values: Any, accumulate: b
     width, count = math.prod(rest), math.prod(ids.shape)
     values = _broadcast_to(tr, tr.sym(values, x.dtype), (*ids.shape, *rest))
     flat = tr.reshape(ids, (count,))
+    if not accumulate:  # the rows replaced (in place where x is a state's kept block: a cache)
+        return tr.g.put_rows(x, flat, tr.reshape(values, (count, *rest)), name=tr.name("index_put"))
     written = tr.g.embedding_grad(flat, tr.reshape(values, (count, width)), n, name=tr.name("index_put_rows"))
-    table = tr.reshape(x, (n, width))
-    if accumulate:
-        out = tr.binary(table, written, "add")
-    else:
-        ones = tr.unary(tr.reshape(tr.cast(flat, x.dtype), (count, 1)), "fill", 1.0)
-        hits = tr.g.embedding_grad(flat, ones, n, name=tr.name("index_put_hits"))
-        out = tr.g.where(tr.binary(hits, tr.sym(0.0, x.dtype), "greater"), written, table,
-                         name=tr.name("index_put"))
-    return tr.reshape(out, x.shape)
+    return tr.reshape(tr.binary(tr.reshape(x, (n, width)), written, "add"), x.shape)
 
 
 @register_torch_op("index_copy", "index_add")
@@ -327,10 +321,9 @@ def _index_copy(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
 @register_torch_op("index_put")
 def _index_put(tr: _Translator, node: Any, a: dict[str, Any]) -> Tensor:
     """``x.index_put((ids,), values, accumulate)`` (``x[ids] = values``, ``x.index_put_``): the rows of x's first
-    dimension at ids replaced by values (``accumulate=True``: added to), values broadcast to ``[*ids, *rest]``;
-    the rows are scattered with the embedding's gradient (each row the sum of the values written there) and
-    selected where written.  A row written twice without ``accumulate`` gets the sum of its values (torch
-    leaves which one it keeps unspecified)."""
+    dimension at ids replaced by values (``put_rows``; ``accumulate=True``: added to, scattered with the
+    embedding's gradient), values broadcast to ``[*ids, *rest]``.  A row written twice without
+    ``accumulate`` gets its last values (torch leaves which one it keeps unspecified)."""
     x = tr.sym(a["self"])
     indices = list(a["indices"])
     if len(indices) != 1 or indices[0] is None:

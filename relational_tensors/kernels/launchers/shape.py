@@ -102,6 +102,13 @@ def _embedding_grad(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict,
     embedding_grad(ins[0], ins[1], out, consts["scratch"], f.output.lower[0])
 
 
+@launcher("put_rows")
+def _put_rows(op: Any, f: FunctionSpec, ins: list, out: Any, consts: dict, stream: int) -> None:
+    from relational_tensors.kernels import triton_copy as tc
+
+    tc.put_rows(ins[0], ins[1], ins[2], out, f.output.lower[0])
+
+
 MAX_TOPK_ROW = 16384  # a row the top-k kernel holds whole in one program; longer ones run on the host
 MAX_TOPK_K = 64  # picks the kernel unrolls; more run on the host
 
