@@ -40,8 +40,11 @@ def _one_step_equals_the_reference(cg: rt.CompiledGraph, g: rt.Graph, feeds: dic
         assert _rel(cg.offload(name), want[f"{name}.next"]) <= 1e-4, name
 
 
-def _graph(layers: int = 4, batch: int = 8) -> rt.Graph:
-    return llama_training_graph(batch, 12, 32, 4, 2, 48, 40, layers=layers, optimizer="adamw")
+def _graph(layers: int = 4, batch: int = 8, dtype: str = "float64") -> rt.Graph:
+    # float64: in float32 the k projection's gradient of this small model cancels to within 4e-4 of its
+    # largest element on 8 devices (float64 agrees to 1e-12), and AdamW's first step turns such rounding in a
+    # near-zero gradient into a whole lr of difference, which says nothing about the schedule
+    return llama_training_graph(batch, 12, 32, 4, 2, 48, 40, layers=layers, optimizer="adamw", dtype=dtype)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -303,7 +306,7 @@ def test_a_pipeline_prices_the_gradients_it_accumulates_as_resident() -> None:
     without micro-batches it does not."""
     from relational_tensors.dp_optimizer.plans import batch_sums
 
-    g = _graph(layers=1)
+    g = _graph(layers=1, dtype="float32")
     sums = batch_sums(g)
     grads = [n for n in g.operators if n.id in sums and n.type.rank == 2 and n.name.startswith("grad.")]
     assert grads
