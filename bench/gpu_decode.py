@@ -15,7 +15,7 @@ bfloat16, side by side in one run:
 2 warm-ups and 10 timed rounds, CUDA events, medians.  Each program holds its own copy of the weights, so
 the decoders are made one at a time and freed.
 
-    python bench/gpu_decode.py [--layers 32] [--context 1024] [--out bench/results]
+    python bench/gpu_decode.py [--layers 32] [--context 1024] [--profile] [--out bench/results]
     python bench/gpu_decode.py --smoke        # a 2-layer model of 64 wide on cpu:2, wall-clock: the script's check
 """
 
@@ -27,6 +27,7 @@ import gc
 import json
 import platform
 import subprocess
+import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -119,6 +120,16 @@ def ours_decode(model: Any, batch: int, context: int, device: str, cuda: bool,
     return time_ms(lambda: dec.decode(token), cuda), same
 
 
+def profile_decode(model: Any, context: int, device: str) -> dict[str, Any]:
+    """Where a batch-1 decode step's time goes (``gpu_user_profile.profile``): host time per call, GPU busy
+    and idle time, kernels per step and the heaviest kernel families."""
+    from gpu_user_profile import profile
+
+    dec = rt.decoder(model, max_batch=1, max_len=context + 128, device=device)
+    token = dec.join(prompt(1, context, model.config.vocab_size, "cuda"))[1].argmax(-1)
+    return profile(lambda: dec.decode(token), calls=5)
+
+
 def hf_decode(model: Any, batch: int, context: int, steps: int, cuda: bool) -> float:
     """Per-token time of transformers' static-cache generate (compiled on GPUs): (steps + 8 tokens) minus
     8 tokens, over steps."""
@@ -143,6 +154,9 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out: prefill, hf, logical")
     ap.add_argument("--block-size", type=int, default=None,
                     help="also time the decode step over a paged cache of blocks of this many positions")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile the batch-1 step: GPU busy and idle time, host time, kernels per step "
+                         "(bench/gpu_user_profile.py), in the JSON file")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
@@ -191,6 +205,10 @@ def main() -> None:
                 record(part="decode", batch=b, context=context, device=f"{device}, paged {a.block_size}",
                        ours_ms=paged[0], greedy_equal=paged[1], ours_tokens_s=b * 1e3 / paged[0],
                        ceiling_ms=ceiling, of_ceiling=ceiling / paged[0] if ceiling else None)
+    if a.profile and cuda:
+        prof = attempt("profile", lambda: profile_decode(model, context, device))
+        if prof:
+            record(part="profile", batch=1, context=context, **prof)
     if "logical" not in skip:
         logical = "cuda:0,0,0,0,0,0,0,0" if cuda else "cpu:4"
         got = attempt("decode logical", lambda: ours_decode(model, 1, context, logical, cuda))
@@ -203,7 +221,7 @@ def main() -> None:
 def write(a: argparse.Namespace, rows: list[dict[str, Any]], bandwidth: float | None) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     machine = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not a.smoke else platform.processor()
-    command = "python bench/gpu_decode.py" + (" --smoke" if a.smoke else f" --layers {a.layers} --context {a.context}")
+    command = " ".join(["python", "bench/gpu_decode.py", *sys.argv[1:]])
     record = {"command": command, "commit": commit or "unknown",
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{machine}, {platform.node()}", "copy_bandwidth_bytes_s": bandwidth, "rows": rows}
@@ -219,6 +237,8 @@ def write(a: argparse.Namespace, rows: list[dict[str, Any]], bandwidth: float | 
              "", "| part | shape | ours ms | baseline ms | ours tokens/s | baseline tokens/s | ceiling ms | of ceiling "
              "| greedy = transformers |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if r["part"] == "profile":
+            continue  # below the table
         if "error" in r:
             lines.append(f"| {r['part']} | failed: {r['error']} | | | | | | | |")
         elif r["part"] == "prefill":
@@ -230,6 +250,13 @@ def write(a: argparse.Namespace, rows: list[dict[str, Any]], bandwidth: float | 
                          f"{f(r.get('hf_static_compiled_ms'))} | {f(r.get('ours_tokens_s'), '.0f')} | "
                          f"{f(r.get('hf_tokens_s'), '.0f')} | {f(r.get('ceiling_ms'))} | {f(r.get('of_ceiling'))} | "
                          f"{r.get('greedy_equal')} |")
+    for r in rows:
+        if r["part"] == "profile" and "error" not in r:
+            lines += ["", f"Profile of the batch-1 step (context {r['context']}): {r['wall_ms']:.2f} ms a step, "
+                      f"the GPU busy {r['busy_ms']:.2f} and idle {r['idle_ms']:.2f}; {r['host_ms']:.2f} ms of host "
+                      f"time a call; {r['kernels_per_call']:.0f} kernels a step.  Heaviest kernel families (ms a "
+                      "step):", ""]
+            lines += [f"- {fam['family'][:80]}: {fam['ms']:.3f} ({fam['count']:.0f})" for fam in r["families"][:10]]
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 

@@ -172,9 +172,9 @@ def test_the_launcher_takes_it_for_each_block_of_a_decode_step(small_splits, req
         run = dict(consts, **({"scratch": T.buf(torch.full(need[0], float("nan")))[0]} if need else {}))
         keys_split = "seq_kv" in request_
         launcher_for("attention").launch(op, f, ins, (od, ld) if keys_split else od, run, 0)
-        np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=2e-5 * max(1.0, float(np.abs(want).max())))
+        np.testing.assert_allclose(out.cpu().numpy(), want, rtol=0, atol=2e-5 * max(1.0, float(np.abs(want).max())))
         if keys_split:
             fin = np.isfinite(want_lse)
-            np.testing.assert_allclose(lse.numpy()[fin], want_lse[fin], rtol=0, atol=1e-3)
+            np.testing.assert_allclose(lse.cpu().numpy()[fin], want_lse[fin], rtol=0, atol=1e-3)
     prefill = AttentionOp((TensorType.zero((b, 40, hq, d), dtype), *types[1:]), extras=("key_padding",))
     assert not _decode_form(prefill, prefill.spec({}).functions[0])
