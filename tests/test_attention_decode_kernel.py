@@ -18,6 +18,7 @@ from triton_interpret import Tensors, kernel_module
 
 from relational_tensors.core.spec import FunctionSpec
 from relational_tensors.core.types import Box, TensorType
+from relational_tensors.kernels import scratch as S
 from relational_tensors.sql_specs.attention import AttentionOp
 
 torch = pytest.importorskip("torch")
@@ -82,7 +83,7 @@ def check(b: int, sq: int, hq: int, hkv: int, skv: int, dtype: str, padding: str
     od, out = T.buf(torch.empty(b, sq, hq, d, dtype=TORCH[dtype]))
     ld, lse = T.buf(torch.empty(b, sq, hq, dtype=torch.float32))
     kpd = T.buf(torch.from_numpy(kp[:, k0:k1].copy()))[0] if kp is not None else None
-    room = K.decode_scratch(b, sq, hq, hkv, k1 - k0, d)
+    room = S.decode_scratch(b, sq, hq, hkv, k1 - k0, d)
     scratch = T.buf(torch.full((max(room, 1),), float("nan")))[0] if room else None
     K.decode_attention(qd, kd, vd, od, ld if with_lse else None, consts["row_lo"], consts["row_hi"], q0, k0,
                        op.softmax_scale, kpd, scratch)
@@ -98,13 +99,13 @@ def check(b: int, sq: int, hq: int, hkv: int, skv: int, dtype: str, padding: str
 @pytest.fixture
 def small_splits(monkeypatch):
     """Splits of 64 keys (a tile each), so the interpreter's small caches still split several ways."""
-    monkeypatch.setattr(K, "MIN_KEYS", 64)
+    monkeypatch.setattr(S, "DECODE_MIN_KEYS", 64)
 
 
 @pytest.mark.parametrize("padding", ["none", "left", "holes", "a row with no key"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_one_row_per_sequence_over_a_split_cache(small_splits, dtype: str, padding: str) -> None:
-    assert K.decode_splits(2, 2, 300)[0] > 1
+    assert S.decode_splits(2, 2, 300)[0] > 1
     check(2, 1, 8, 2, 300, dtype, padding, False, None)
 
 
@@ -117,15 +118,15 @@ def test_a_few_rows_causal_and_windowed(small_splits, causal: bool | str, window
 def test_blocks_from_mid_sequence_and_one_split(small_splits) -> None:
     check(3, 2, 4, 1, 200, "float32", "holes", "bottom_right", None, q0=5, k0=37, k1=170)
     check(1, 1, 4, 4, 40, "bfloat16", "none", False, None, with_lse=False)  # one split: written directly
-    assert K.decode_splits(1, 4, 40)[0] == 1
+    assert S.decode_splits(1, 4, 40)[0] == 1
 
 
 def test_the_splits_fill_the_gpu_and_cover_the_keys() -> None:
     for nb, hkv, skv in [(1, 8, 1056), (64, 8, 1056), (1, 1, 131072), (3, 2, 5), (1, 8, 257)]:
-        splits, per = K.decode_splits(nb, hkv, skv)
-        assert per % K.BLOCK_N == 0 and (splits - 1) * per < skv <= splits * per
-        assert splits == 1 or per >= K.MIN_KEYS
-        assert splits == 1 or nb * hkv * (splits - 1) < K.PROGRAMS
+        splits, per = S.decode_splits(nb, hkv, skv)
+        assert per % S.DECODE_BLOCK_N == 0 and (splits - 1) * per < skv <= splits * per
+        assert splits == 1 or per >= S.DECODE_MIN_KEYS
+        assert splits == 1 or nb * hkv * (splits - 1) < S.DECODE_PROGRAMS
 
 
 @settings(max_examples=12, deadline=None)
@@ -133,17 +134,15 @@ def test_the_splits_fill_the_gpu_and_cover_the_keys() -> None:
        skv=st.integers(1, 200), causal=st.sampled_from([False, "bottom_right"]), seed=st.integers(0, 99))
 def test_shapes_that_do_not_divide(b: int, sq: int, heads: tuple[int, int], skv: int, causal: bool | str,
                                    seed: int) -> None:
-    import relational_tensors.kernels.triton_attention_decode as module
-
-    saved = module.MIN_KEYS
-    module.MIN_KEYS = 16  # many splits of one partial tile each
+    saved = S.DECODE_MIN_KEYS
+    S.DECODE_MIN_KEYS = 16  # many splits of one partial tile each
     try:
         T.held.clear()
         if causal and sq > skv:
             causal = False
         check(b, sq, heads[0], heads[1], skv, "float32", "holes", causal, None, seed=seed)
     finally:
-        module.MIN_KEYS = saved
+        S.DECODE_MIN_KEYS = saved
 
 
 @pytest.mark.parametrize("request_", [{}, {"batch": 2, "heads_kv": 2}, {"seq_kv": 2}])

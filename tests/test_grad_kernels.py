@@ -556,14 +556,15 @@ def test_rope_and_its_inverse(mem: Any, inverse: bool, seq_ends: tuple[int, ...]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("shared", [True, False])  # tables [1, s, d] shared by the batch, or one per row
+@pytest.mark.parametrize("shared", ["both", "cos", "sin", "neither"])  # which tables are [1, s, d], not [b, s, d]
 @pytest.mark.parametrize("inverse", [True, False])
-def test_rope_by_tables_and_its_transpose(mem: Any, inverse: bool, shared: bool, dtype: str) -> None:
+def test_rope_by_tables_and_its_transpose(mem: Any, inverse: bool, shared: str, dtype: str) -> None:
     rng = np.random.default_rng(17)
-    shape, table = (3, 11, 5, 8), (1 if shared else 3, 11, 8)
-    op = make("rope_table", [T(shape, dtype), T(table, dtype), T(table, dtype)], inverse=inverse)
+    shape = (3, 11, 5, 8)
+    cos, sin = ((1 if shared in ("both", which) else 3, 11, 8) for which in ("cos", "sin"))
+    op = make("rope_table", [T(shape, dtype), T(cos, dtype), T(sin, dtype)], inverse=inverse)
     # tables that are not a rotation's (cos² + sin² ≠ 1, halves unequal): each of the four halves is read
-    check_op(mem, op, [randn(rng, shape, dtype), randn(rng, table, dtype), randn(rng, table, dtype)],
+    check_op(mem, op, [randn(rng, shape, dtype), randn(rng, cos, dtype), randn(rng, sin, dtype)],
              {"d0": 2, "d1": 3, "d2": 2})
 
 

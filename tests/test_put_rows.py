@@ -48,7 +48,7 @@ def test_an_id_outside_the_rows_is_refused() -> None:
     g = _graph()
     feeds = {"x": np.zeros((11, 3, 4), np.float32), "ids": np.array([0, 1, 2, 3, 4, 11]),
              "values": np.zeros((6, 3, 4), np.float32)}
-    with pytest.raises(rt.ExecError, match=r"ids must lie in \[0, 11\)"):
+    with pytest.raises(rt.ExecError, match=r"put_rows ids \(rows of x\) must lie in \[0, 11\)"):
         rt.compileGraph(g, device="cpu:2").run(feeds)
 
 
@@ -126,3 +126,49 @@ def test_the_frontend_writes_rows_with_put_rows() -> None:
     torch.testing.assert_close(pm(x, ids, v), m(x, ids, v))
     kinds = [n.kind for n in pm.graph.operators]
     assert kinds.count("put_rows") == 2 and "embedding_grad" not in kinds and "where" not in kinds
+
+
+@pytest.mark.parametrize("form", ["values from the state", "x elsewhere, values from the state"])
+def test_a_state_its_values_are_read_from_is_not_written_in_place(form: str) -> None:
+    """put_rows reads value row i where it writes row ids[i] (and writes x over the block first): with the
+    state's old value among its values, writing the state's block in place would read rows already written,
+    so its next value takes a block of its own."""
+    g = rt.Graph()
+    pool = g.state("pool", [6, 4], "float32")
+    perm = g.input("perm", [6], "int64")
+    x = pool if form == "values from the state" else g.input("x", [6, 4], "float32")
+    g.assign(pool, g.put_rows(x, perm, pool))
+    for p in (1, 2):
+        cg = rt.compileGraph(g, device=f"cpu:{p}")
+        kept = {b for _, b in cg.dag.inputs["pool"]}
+        puts = [t for t in cg.dag.tasks if t.kind == "kernel" and cg.graph.nodes[t.op].kind == "put_rows"]
+        assert puts and not any(cg.dag.root(t.outputs[0]) in kept for t in puts)
+        state = np.arange(24, dtype=np.float32).reshape(6, 4)
+        feeds = {"pool": state, "perm": np.array([1, 2, 3, 0, 5, 4]), "x": np.zeros((6, 4), np.float32)}
+        cg.run({k: v for k, v in feeds.items() if k in cg.dag.inputs})
+        want = (state if form == "values from the state" else feeds["x"]).copy()
+        want[feeds["perm"]] = state
+        np.testing.assert_array_equal(cg.offload("pool"), want)
+
+
+def test_the_decode_attention_scratch_is_counted_without_triton() -> None:
+    """A GPU plan's memory counts kernels' scratch on any machine (``kernels.scratch``): the decode attention
+    kernel's share of it is worked out with Triton missing."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+sys.modules["triton"] = None
+from relational_tensors.core.types import TensorType as T
+from relational_tensors.kernels.launchers import scratch_shape
+from relational_tensors.kernels.scratch import decode_scratch
+from relational_tensors.sql_specs.attention import AttentionOp
+op = AttentionOp((T.zero((1, 1, 32, 128), "bfloat16"), T.zero((1, 4096, 8, 128), "bfloat16"),
+                  T.zero((1, 4096, 8, 128), "bfloat16"), T.zero((1, 4096), "bool")), extras=("key_padding",))
+f = op.spec({}).functions[0]
+assert scratch_shape(op, f) == ((decode_scratch(1, 1, 32, 8, 4096, 128),), "float32"), scratch_shape(op, f)
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]

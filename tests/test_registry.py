@@ -44,7 +44,8 @@ def test_a_missing_numpy_kernel_is_named(monkeypatch) -> None:
 
 
 def test_a_missing_test_case_is_named(monkeypatch) -> None:
-    cases = {name: make for name, make in ALL_CASES.items() if "embedding" not in name}
+    # (put_rows' gradient reads rows with an embedding lookup)
+    cases = {name: make for name, make in ALL_CASES.items() if "embedding" not in name and "put_rows" not in name}
     found = problems(case_kinds(cases))
     assert found == [f"operator {kind!r} has no entry in the operator test cases (tests/cases.py)."
                      for kind in ("embedding", "embedding_grad")]

@@ -9,14 +9,16 @@ and the compiler counts it in a GPU plan's memory on any machine.
 * the embedding gradient (``triton_embedding_grad``): the padded sort keys of the block's token ids;
 * the experts' weight gradient (``triton_experts.grouped_weight_grad``): each expert's first and last row;
 * attention's dk|dv pass on a small grid (``triton_attention_grad.attention_dkv``): float32 partials of
-  each share of a group's query heads.
+  each share of a group's query heads;
+* the decode attention kernel (``triton_attention_decode``): each split of the keys' partial output and
+  log-sum-exp.
 """
 
 from __future__ import annotations
 
 __all__ = ["reduce_chunks", "partial_dtype", "weight_grad_chunks", "weight_grad_scratch", "padded_tokens",
            "embedding_grad_scratch", "RUN_CHUNK", "grouped_weight_grad_scratch", "reduces_in_place", "MIDDLE_BLOCK",
-           "dkv_splits", "dkv_scratch"]
+           "dkv_splits", "dkv_scratch", "DECODE_ROWS", "DECODE_BLOCK_N", "decode_splits", "decode_scratch"]
 
 SPLIT_ROWS = 264  # fewer output rows than this (two per SM of an H100/H200) leave the GPU mostly idle
 SPLIT_LENGTH = 1 << 16  # rows at least this long are then reduced in chunks, partials combined after
@@ -123,3 +125,26 @@ def dkv_scratch(nb: int, skv: int, hkv: int, group: int, width: int) -> int:
     """float32 elements of scratch the dk|dv pass of such blocks uses (0: it writes its output directly)."""
     splits = dkv_splits(nb, skv, hkv, group)
     return 0 if splits == 1 else splits * nb * skv * hkv * width
+
+
+DECODE_ROWS = 64  # the most query rows (query heads of a kv group × query positions) one decode program holds
+DECODE_PROGRAMS = 256  # programs a decode launch aims at: about two per streaming multiprocessor
+DECODE_BLOCK_N = 64  # keys per split are a whole number of these
+DECODE_MIN_KEYS = 256  # the fewest keys a split walks (fewer would make the merge cost more than it saves)
+
+
+def decode_splits(nb: int, hkv: int, skv: int) -> tuple[int, int]:
+    """(splits, keys per split) of the keys of a [nb, skv, hkv, d] block in the decode attention kernel:
+    enough programs to fill the GPU, each split at least ``DECODE_MIN_KEYS`` keys, a whole number of tiles."""
+    want = max(1, -(-DECODE_PROGRAMS // max(nb * hkv, 1)))
+    splits = max(1, min(want, skv // DECODE_MIN_KEYS))
+    per = -(-skv // splits)
+    per = -(-per // DECODE_BLOCK_N) * DECODE_BLOCK_N
+    return max(1, -(-skv // per)), per
+
+
+def decode_scratch(nb: int, sq: int, hq: int, hkv: int, skv: int, dv: int) -> int:
+    """float32 elements of scratch a decode attention launch needs: each split's partial output and
+    log-sum-exp (none where one split writes the output itself)."""
+    splits, _ = decode_splits(nb, hkv, skv)
+    return 0 if splits == 1 else splits * nb * sq * hq * (dv + 1)

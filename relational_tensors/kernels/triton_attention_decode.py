@@ -21,34 +21,12 @@ import math
 import triton
 import triton.language as tl
 
+from relational_tensors.kernels import scratch as sizes
 from relational_tensors.kernels.common import DevBuf, Ptr
 
-__all__ = ["ROWS", "decode_splits", "decode_scratch", "decode_attention"]
+__all__ = ["decode_attention"]
 
 LOG2E = tl.constexpr(1.4426950408889634)
-ROWS = 64  # the most query rows (query heads of a kv group × query positions) one program holds
-PROGRAMS = 256  # programs a launch aims at: about two per streaming multiprocessor of an H100 or H200
-BLOCK_N = 64  # keys per tile
-MIN_KEYS = 256  # the fewest keys a split walks (fewer would make the merge cost more than it saves)
-
-
-def decode_splits(nb: int, hkv: int, skv: int) -> tuple[int, int]:
-    """(splits, keys per split) of the keys of a [nb, skv, hkv, d] block: enough programs to fill the GPU,
-    each split at least ``MIN_KEYS`` keys, a whole number of tiles."""
-    want = max(1, -(-PROGRAMS // max(nb * hkv, 1)))
-    splits = max(1, min(want, skv // MIN_KEYS))
-    per = -(-skv // splits)
-    per = -(-per // BLOCK_N) * BLOCK_N
-    return max(1, -(-skv // per)), per
-
-
-def decode_scratch(nb: int, sq: int, hq: int, hkv: int, skv: int, dv: int) -> int:
-    """float32 elements of scratch a launch needs: each split's partial output and log-sum-exp (none where
-    one split writes the output itself)."""
-    splits, _ = decode_splits(nb, hkv, skv)
-    return 0 if splits == 1 else splits * nb * sq * hq * (dv + 1)
-
-
 @triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, lo_ptr, hi_ptr, kp_ptr,
                   nb, sq, skv, hq, hkv, group, q_offset, k_offset, qk_scale, per_split,
@@ -151,17 +129,18 @@ def _merge_kernel(po_ptr, pl_ptr, o_ptr, lse_ptr, nb, sq, hq, splits, stride_ob,
 def decode_attention(q: DevBuf, k: DevBuf, v: DevBuf, out: DevBuf, lse: DevBuf | None, row_lo: DevBuf,
                      row_hi: DevBuf, q_offset: int, k_offset: int, scale: float, key_padding: DevBuf | None,
                      scratch: DevBuf | None) -> None:
-    """Attention of contiguous blocks q [b, sq, hq, d] (hq // hkv · sq at most ``ROWS``), k and v [b, skv,
-    hkv, d] into ``out`` (and ``lse`` [b, sq, hq] float32 if given), the keys split as
-    :func:`decode_splits` says; ``scratch`` holds :func:`decode_scratch` float32 elements."""
+    """Attention of contiguous blocks q [b, sq, hq, d] (hq // hkv · sq at most ``DECODE_ROWS``), k and v [b,
+    skv, hkv, d] into ``out`` (and ``lse`` [b, sq, hq] float32 if given), the keys split as
+    ``kernels.scratch.decode_splits`` says; ``scratch`` holds ``decode_scratch`` float32 elements."""
     nb, sq, hq, d = q.shape
     skv, hkv, dvn = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
     if out.size == 0:
         return
-    if group * sq > ROWS:
-        raise ValueError(f"decode attention holds at most {ROWS} query rows per kv head; got {group} × {sq}")
-    splits, per = decode_splits(nb, hkv, skv)
+    if group * sq > sizes.DECODE_ROWS:
+        raise ValueError(f"decode attention holds at most {sizes.DECODE_ROWS} query rows per kv head; got "
+                         f"{group} × {sq}")
+    splits, per = sizes.decode_splits(nb, hkv, skv)
     direct = splits == 1
     if not direct:
         need = splits * nb * sq * hq * (dvn + 1)
@@ -173,6 +152,12 @@ def decode_attention(q: DevBuf, k: DevBuf, v: DevBuf, out: DevBuf, lse: DevBuf |
     else:
         po = pl = out
     block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dvn))
+    width = 4 if q.dtype == "float32" else 2
+    # a stage's K and V tiles within 32 KB of shared memory (fewer keys for wide heads), three stages of them,
+    # two where even those are wider
+    full = sizes.DECODE_BLOCK_N
+    block_n = full if (block_d + block_dv) * full * width <= 32768 else full // 2
+    stages = 3 if (block_d + block_dv) * block_n * width <= 32768 else 2
     scale = float(scale)
     _split_kernel[(nb * hkv, splits)](
         Ptr(q), Ptr(k), Ptr(v), Ptr(out), Ptr(lse) if lse is not None else Ptr(out), Ptr(po), Ptr(pl),
@@ -182,8 +167,8 @@ def decode_attention(q: DevBuf, k: DevBuf, v: DevBuf, out: DevBuf, lse: DevBuf |
         out.strides[0], out.strides[1], key_padding.strides[0] if key_padding is not None else 0,
         key_padding.strides[1] if key_padding is not None else 0,
         D=d, DV=dvn, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=max(16, triton.next_power_of_2(group * sq)),
-        BLOCK_N=BLOCK_N, BITS=key_padding is not None, IEEE=q.dtype == "float32", DIRECT=direct,
-        WRITE_LSE=lse is not None, num_warps=4, num_stages=3)
+        BLOCK_N=block_n, BITS=key_padding is not None, IEEE=q.dtype == "float32", DIRECT=direct,
+        WRITE_LSE=lse is not None, num_warps=4, num_stages=stages)
     if not direct:
         _merge_kernel[(nb * sq * hq,)](Ptr(po), Ptr(pl), Ptr(out), Ptr(lse) if lse is not None else Ptr(out),
                                        nb, sq, hq, splits, out.strides[0], out.strides[1], DV=dvn,

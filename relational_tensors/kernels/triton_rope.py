@@ -78,21 +78,22 @@ def rope(x: DevBuf, out: DevBuf, seq_start: DevBuf, s_offset: int, base: float, 
 
 
 @triton.jit
-def _rope_table_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_pos, seq, heads, half, table_rows, heads_per,
+def _rope_table_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_pos, seq, heads, half, cos_rows, sin_rows, heads_per,
                        BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, INVERSE: tl.constexpr, ACC: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     groups = tl.cdiv(heads, heads_per)
     p = (pid // groups) * BLOCK_S + tl.arange(0, BLOCK_S)  # flattened (batch, position)
     h0 = (pid % groups) * heads_per
     pmask = p < n_pos
-    t = tl.where(table_rows == n_pos, p, p % seq)  # the table's row: per (batch, position), or per position
     i = tl.arange(0, BLOCK_H)
     mask = pmask[:, None] & (i < half)[None, :]
-    trow = t[:, None] * (2 * half) + i[None, :]
-    c1 = tl.load(cos_ptr + trow, mask=mask, other=0.0).to(ACC)
-    c2 = tl.load(cos_ptr + trow + half, mask=mask, other=0.0).to(ACC)
-    s1 = tl.load(sin_ptr + trow, mask=mask, other=0.0).to(ACC)
-    s2 = tl.load(sin_ptr + trow + half, mask=mask, other=0.0).to(ACC)
+    # each table's row: per (batch, position), or per position where the batch shares the table
+    crow = tl.where(cos_rows == n_pos, p, p % seq)[:, None] * (2 * half) + i[None, :]
+    srow = tl.where(sin_rows == n_pos, p, p % seq)[:, None] * (2 * half) + i[None, :]
+    c1 = tl.load(cos_ptr + crow, mask=mask, other=0.0).to(ACC)
+    c2 = tl.load(cos_ptr + crow + half, mask=mask, other=0.0).to(ACC)
+    s1 = tl.load(sin_ptr + srow, mask=mask, other=0.0).to(ACC)
+    s2 = tl.load(sin_ptr + srow + half, mask=mask, other=0.0).to(ACC)
     row = p[:, None] * (heads * 2 * half) + i[None, :]
     for j in range(0, heads_per):
         h = h0 + j
@@ -120,6 +121,7 @@ def rope_table(x: DevBuf, cos: DevBuf, sin: DevBuf, out: DevBuf, inverse: bool =
         blocks = triton.cdiv(n_pos, BLOCK_S)
         heads_per = max(1, min(h, blocks * h // 1024))
         grid = (blocks * triton.cdiv(h, heads_per),)
-        _rope_table_kernel[grid](Ptr(x), Ptr(cos), Ptr(sin), Ptr(out), n_pos, s, h, half, cos.shape[0] * s, heads_per,
+        _rope_table_kernel[grid](Ptr(x), Ptr(cos), Ptr(sin), Ptr(out), n_pos, s, h, half, cos.shape[0] * s,
+                                 sin.shape[0] * s, heads_per,
                                  BLOCK_S=BLOCK_S, BLOCK_H=triton.next_power_of_2(max(half, 1)),
                                  INVERSE=bool(inverse), ACC=acc_type(x.dtype))

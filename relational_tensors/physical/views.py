@@ -131,7 +131,8 @@ def fuse_views(dag: TaskDAG, select_in_place: bool = True) -> TaskDAG:
             if same and made_by is not None and (
                     made_by.kind in ("copy", "recompose") and len(readers[src]) == 1
                     or select_in_place and _selects_in_place(
-                        dag, made_by, dst, [*readers[dst], *(r for b in shares.get(dst, ()) for r in readers[b])])):
+                        dag, made_by, dst, [*readers[dst], *(r for b in shares.get(dst, ()) for r in readers[b])],
+                        {dst, *shares.get(dst, ())})):
                 buffers[src] = _view(value, dst)
                 drop.add(t.id)
 
@@ -151,16 +152,21 @@ def fuse_views(dag: TaskDAG, select_in_place: bool = True) -> TaskDAG:
 IN_PLACE_KINDS = ("where", "put_rows")
 
 
-def _selects_in_place(dag: TaskDAG, kernel: Task, kept: int, old_readers: list[Task]) -> bool:
+def _selects_in_place(dag: TaskDAG, kernel: Task, kept: int, old_readers: list[Task], old: set[int]) -> bool:
     """Whether ``kernel``, a ``where`` or ``put_rows`` making a state's next value, may write it into the
     state's kept block ``kept`` itself: every other task reading the state's old value runs before it, and
     it reads the old value (if at all) as the whole block, each element where it writes it (a cache written
-    at a few positions or rows and kept elsewhere: the block is read and written once, not copied twice)."""
+    at a few positions or rows and kept elsewhere: the block is read and written once, not copied twice).
+    ``old`` holds the buffers that hold the old value's bytes (the kept block, reshapes of it)."""
     if kernel.kind != "kernel" or kernel.op is None or dag.nodes[kernel.op].kind not in IN_PLACE_KINDS or \
             len(kernel.outputs) != 1:
         return False
     # an atom of the old value (a view of it) would be read where other elements are written
     if any(b != kept and dag.root(b) == kept for b in kernel.inputs):
+        return False
+    # put_rows reads its values' row i where it writes row ids[i], and writes x over the block first: the old
+    # value (``old``: the kept block and reshapes that keep its bytes) may only be its x
+    if dag.nodes[kernel.op].kind == "put_rows" and any(b in old or dag.root(b) in old for b in kernel.inputs[1:]):
         return False
     return all(r.id < kernel.id or r is kernel for r in old_readers)
 

@@ -386,20 +386,20 @@ class CupyExecutor(Staging):
         self.loaded = True
 
     def _check_ids(self, name: str, ids: Any) -> None:
-        """Embedding ids must index their table and cross-entropy targets their vocabulary (or equal
-        ``ignore_index``): the GPU kernels have no way to report a bad index, so a graph input read as
-        either is checked when it is loaded."""
+        """Embedding and put_rows ids must index their table's rows and cross-entropy targets their vocabulary
+        (or equal ``ignore_index``): the GPU kernels have no way to report a bad index, so a graph input read
+        as any of them is checked when it is loaded."""
         from relational_tensors.sql_specs.losses import check_targets
 
         if not ids.size:
             return
         for node in self.dag.operators:
             assert node.op is not None  # graph.operators are the nodes with an operator
-            if node.kind == "embedding" and self.dag.nodes[node.inputs[1]].name == name:
+            if node.kind in ("embedding", "put_rows") and self.dag.nodes[node.inputs[1]].name == name:
                 vocab = node.op.input_types[0].shape[0]
                 lo, hi = int(ids.min()), int(ids.max())
                 if lo < 0 or hi >= vocab:
-                    raise ExecError(f"embedding ids must lie in [0, {vocab}); got values from {lo} to {hi} "
+                    raise ExecError(f"{node.kind} ids must lie in [0, {vocab}); got values from {lo} to {hi} "
                                     f"in input {name!r}.")
             elif node.kind in ("cross_entropy", "cross_entropy_grad") and \
                     self.dag.nodes[node.inputs[2]].name == name:

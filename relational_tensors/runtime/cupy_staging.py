@@ -87,8 +87,9 @@ class Staging:
         (DLPack's stream handshake) and after the previous run.  An input held in one whole contiguous
         block is copied straight into it; any other is copied whole to each GPU holding blocks of it,
         and the program's first tasks (in its CUDA graph) copy the blocks out.  Ids that index an
-        embedding table or a vocabulary are checked on the device as they arrive, and an id out of range
-        is an ExecError at the next stage() or synchronization (as torch reports a device-side assert);
+        embedding table, the rows put_rows writes or a vocabulary are checked on the device as they arrive,
+        and an id out of range is an ExecError at the next stage() or synchronization (as torch reports a
+        device-side assert);
         the kernels read such an id as matching no row.  Returns False, changing nothing, where a feed
         needs the checks and conversions of load() (other dtypes, host arrays, a program not yet loaded)."""
         cp = self.cp
@@ -223,6 +224,8 @@ class Staging:
                 assert node.op is not None
                 if node.kind == "embedding" and self.dag.nodes[node.inputs[1]].name == name:
                     rules.append(("embedding ids", node.op.input_types[0].shape[0], None))
+                elif node.kind == "put_rows" and self.dag.nodes[node.inputs[1]].name == name:
+                    rules.append(("put_rows ids", node.op.input_types[0].shape[0], None))
                 elif node.kind in ("cross_entropy", "cross_entropy_grad") and \
                         self.dag.nodes[node.inputs[2]].name == name:
                     rules.append(("cross-entropy targets", node.op.input_types[0].shape[-1],

@@ -37,10 +37,10 @@ from relational_tensors.sql_specs.grad import build
 __all__ = ["EmbeddingOp", "EmbeddingGradOp", "PutRowsOp", "check_ids"]
 
 
-def check_ids(ids: np.ndarray, vocab: int) -> None:
+def check_ids(ids: np.ndarray, vocab: int, what: str = "embedding ids") -> None:
     if ids.size and (ids.min() < 0 or ids.max() >= vocab):
         raise ExecError(
-            f"embedding ids must lie in [0, {vocab}); got values from {int(ids.min())} to {int(ids.max())}."
+            f"{what} must lie in [0, {vocab}); got values from {int(ids.min())} to {int(ids.max())}."
         )
 
 
@@ -195,7 +195,7 @@ class PutRowsOp(IndexedOp):
 
     def kernel(self, blocks: Sequence[np.ndarray], f: FunctionSpec) -> np.ndarray:
         x, ids, values = blocks
-        check_ids(ids, self.input_types[0].shape[0])
+        check_ids(ids, self.input_types[0].shape[0], "put_rows ids (rows of x)")
         r0, r1 = f.output.lower[0], f.output.upper[0]
         out = np.array(x, dtype=numpy_dtype(self.output_type.dtype), copy=True)
         mine = (ids >= r0) & (ids < r1)

@@ -41,10 +41,10 @@ def _decode_form(op: Any, f: FunctionSpec) -> bool:
     """Whether a forward block takes the decode kernel (``triton_attention_decode``: its keys split across
     programs): at most ``ROWS`` query rows per kv head (a decode step's one row per sequence, a few with
     speculative tokens), in 16- or 32-bit floats, without a mask, a bias, a softcap or key lengths."""
-    from relational_tensors.kernels.triton_attention_decode import ROWS
+    from relational_tensors.kernels.scratch import DECODE_ROWS
 
     (_, sq, hq, _), hkv = f.inputs[0].shape, f.inputs[1].shape[2]
-    return (hkv > 0 and sq * (hq // hkv) <= ROWS and op.input_types[0].dtype in ("float16", "bfloat16", "float32")
+    return (hkv > 0 and sq * (hq // hkv) <= DECODE_ROWS and op.input_types[0].dtype in ("float16", "bfloat16", "float32")
             and not {"mask", "bias"} & set(op.extras) and op.softcap is None and op.key_lengths is None)
 
 
@@ -52,7 +52,7 @@ def _attention_scratch(op: Any, f: FunctionSpec) -> tuple[tuple[int, ...], str] 
     """The decode kernel's partial outputs and log-sum-exps of its key splits (float32), or int32 [batch
     rows, 2]: each row's first and one-past-last real key (``triton_attention.padding_limits``)."""
     if _decode_form(op, f):
-        from relational_tensors.kernels.triton_attention_decode import decode_scratch
+        from relational_tensors.kernels.scratch import decode_scratch
 
         (nb, sq, hq, _), (_, skv, hkv, _), dv = f.inputs[0].shape, f.inputs[1].shape, f.inputs[2].shape[3]
         n = decode_scratch(nb, sq, hq, hkv, skv, dv)
