@@ -44,7 +44,8 @@ def _decode_form(op: Any, f: FunctionSpec) -> bool:
     from relational_tensors.kernels.scratch import DECODE_ROWS
 
     (_, sq, hq, _), hkv = f.inputs[0].shape, f.inputs[1].shape[2]
-    return (hkv > 0 and sq * (hq // hkv) <= DECODE_ROWS and op.input_types[0].dtype in ("float16", "bfloat16", "float32")
+    return (hkv > 0 and sq * (hq // hkv) <= DECODE_ROWS
+            and op.input_types[0].dtype in ("float16", "bfloat16", "float32")
             and not {"mask", "bias"} & set(op.extras) and op.softcap is None and op.key_lengths is None)
 
 
