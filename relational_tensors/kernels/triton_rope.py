@@ -17,6 +17,28 @@ BLOCK_S = 32  # (batch, position) rows per program; the angles of a row serve al
 
 
 @triton.jit
+def _rotate_heads(x_ptr, out_ptr, p, mask, i, h0, heads, heads_per, half, c1, c2, s1, s2, TRANSPOSED: tl.constexpr,
+                  ACC: tl.constexpr):
+    """Rows ``p`` (flattened batch, position) of heads h0 .. h0 + heads_per - 1: (x₁·c₁ − x₂·s₁, x₂·c₂ + x₁·s₂),
+    or with ``TRANSPOSED`` (x₁·c₁ + x₂·s₂, x₂·c₂ − x₁·s₁), the halves' tables given per row and frequency."""
+    row = p[:, None] * (heads * 2 * half) + i[None, :]
+    for j in range(0, heads_per):
+        h = h0 + j
+        hmask = mask & (i * 0 + h < heads)[None, :]  # compared as a vector (Triton's interpreter needs it)
+        base = row + h * (2 * half)
+        x1 = tl.load(x_ptr + base, mask=hmask, other=0.0).to(ACC)
+        x2 = tl.load(x_ptr + base + half, mask=hmask, other=0.0).to(ACC)
+        if TRANSPOSED:
+            y1 = x1 * c1 + x2 * s2
+            y2 = x2 * c2 - x1 * s1
+        else:
+            y1 = x1 * c1 - x2 * s1
+            y2 = x2 * c2 + x1 * s2
+        tl.store(out_ptr + base, y1.to(out_ptr.dtype.element_ty), mask=hmask)
+        tl.store(out_ptr + base + half, y2.to(out_ptr.dtype.element_ty), mask=hmask)
+
+
+@triton.jit
 def _rope_kernel(x_ptr, out_ptr, start_ptr, inv_ptr, n_pos, seq, heads, half, s_offset, log2_base, heads_per,
                  BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, INVERSE: tl.constexpr, ACC: tl.constexpr,
                  ROUNDED: tl.constexpr):
@@ -45,16 +67,8 @@ def _rope_kernel(x_ptr, out_ptr, start_ptr, inv_ptr, n_pos, seq, heads, half, s_
     sn = tl.sin(ang).to(ACC)
     if INVERSE:
         sn = -sn
-    mask = pmask[:, None] & imask[None, :]
-    row = p[:, None] * (heads * 2 * half) + i[None, :]
-    for j in range(0, heads_per):
-        h = h0 + j
-        hmask = mask & (i * 0 + h < heads)[None, :]  # compared as a vector (Triton's interpreter needs it)
-        base = row + h * (2 * half)
-        x1 = tl.load(x_ptr + base, mask=hmask, other=0.0).to(ACC)
-        x2 = tl.load(x_ptr + base + half, mask=hmask, other=0.0).to(ACC)
-        tl.store(out_ptr + base, (x1 * c - x2 * sn).to(out_ptr.dtype.element_ty), mask=hmask)
-        tl.store(out_ptr + base + half, (x2 * c + x1 * sn).to(out_ptr.dtype.element_ty), mask=hmask)
+    _rotate_heads(x_ptr, out_ptr, p, pmask[:, None] & imask[None, :], i, h0, heads, heads_per, half, c, c, sn, sn,
+                  False, ACC)
 
 
 def rope(x: DevBuf, out: DevBuf, seq_start: DevBuf, s_offset: int, base: float, inverse: bool = False,
@@ -94,21 +108,7 @@ def _rope_table_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_pos, seq, heads, half
     c2 = tl.load(cos_ptr + crow + half, mask=mask, other=0.0).to(ACC)
     s1 = tl.load(sin_ptr + srow, mask=mask, other=0.0).to(ACC)
     s2 = tl.load(sin_ptr + srow + half, mask=mask, other=0.0).to(ACC)
-    row = p[:, None] * (heads * 2 * half) + i[None, :]
-    for j in range(0, heads_per):
-        h = h0 + j
-        hmask = mask & (i * 0 + h < heads)[None, :]  # compared as a vector (Triton's interpreter needs it)
-        base = row + h * (2 * half)
-        x1 = tl.load(x_ptr + base, mask=hmask, other=0.0).to(ACC)
-        x2 = tl.load(x_ptr + base + half, mask=hmask, other=0.0).to(ACC)
-        if INVERSE:
-            y1 = x1 * c1 + x2 * s2
-            y2 = x2 * c2 - x1 * s1
-        else:
-            y1 = x1 * c1 - x2 * s1
-            y2 = x2 * c2 + x1 * s2
-        tl.store(out_ptr + base, y1.to(out_ptr.dtype.element_ty), mask=hmask)
-        tl.store(out_ptr + base + half, y2.to(out_ptr.dtype.element_ty), mask=hmask)
+    _rotate_heads(x_ptr, out_ptr, p, mask, i, h0, heads, heads_per, half, c1, c2, s1, s2, INVERSE, ACC)
 
 
 def rope_table(x: DevBuf, cos: DevBuf, sin: DevBuf, out: DevBuf, inverse: bool = False) -> None:
