@@ -71,6 +71,14 @@ def _rope_kernel(x_ptr, out_ptr, start_ptr, inv_ptr, n_pos, seq, heads, half, s_
                   False, ACC)
 
 
+def _grid(n_pos: int, heads: int) -> tuple[int, tuple[int]]:
+    """(heads per program, grid) over ``n_pos`` rows of ``heads`` heads: enough programs to fill the GPU
+    (about 1024), as many heads per program as that allows."""
+    blocks = triton.cdiv(n_pos, BLOCK_S)
+    heads_per = max(1, min(heads, blocks * heads // 1024))
+    return heads_per, (blocks * triton.cdiv(heads, heads_per),)
+
+
 def rope(x: DevBuf, out: DevBuf, seq_start: DevBuf, s_offset: int, base: float, inverse: bool = False,
          inv_freq: DevBuf | None = None) -> None:
     """Rotate-half RoPE of contiguous x; ``seq_start[p]`` is the start of the packed sequence holding
@@ -81,10 +89,7 @@ def rope(x: DevBuf, out: DevBuf, seq_start: DevBuf, s_offset: int, base: float, 
     n_pos = b * s
     if n_pos and h:
         half = d // 2
-        blocks = triton.cdiv(n_pos, BLOCK_S)
-        # enough programs to fill the GPU (about 1024), as many heads per program as that allows
-        heads_per = max(1, min(h, blocks * h // 1024))
-        grid = (blocks * triton.cdiv(h, heads_per),)
+        heads_per, grid = _grid(n_pos, h)
         _rope_kernel[grid](Ptr(x), Ptr(out), Ptr(seq_start), Ptr(inv_freq if inv_freq is not None else seq_start),
                            n_pos, s, h, half, s_offset, math.log2(base), heads_per,
                            BLOCK_S=BLOCK_S, BLOCK_H=triton.next_power_of_2(max(half, 1)), INVERSE=bool(inverse),
@@ -118,9 +123,7 @@ def rope_table(x: DevBuf, cos: DevBuf, sin: DevBuf, out: DevBuf, inverse: bool =
     n_pos = b * s
     if n_pos and h:
         half = d // 2
-        blocks = triton.cdiv(n_pos, BLOCK_S)
-        heads_per = max(1, min(h, blocks * h // 1024))
-        grid = (blocks * triton.cdiv(h, heads_per),)
+        heads_per, grid = _grid(n_pos, h)
         _rope_table_kernel[grid](Ptr(x), Ptr(cos), Ptr(sin), Ptr(out), n_pos, s, h, half, cos.shape[0] * s,
                                  sin.shape[0] * s, heads_per,
                                  BLOCK_S=BLOCK_S, BLOCK_H=triton.next_power_of_2(max(half, 1)),
