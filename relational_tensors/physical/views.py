@@ -38,9 +38,9 @@ __all__ = ["fuse_views"]
 
 def fuse_views(dag: TaskDAG, select_in_place: bool = True) -> TaskDAG:
     """The same computation with decompose atoms and delivered pieces turned into views where allowed.
-    ``dag`` is consumed: its tasks are renumbered in place.  ``select_in_place`` lets a ``where`` write a
-    state's kept block (the module's docstring); off where the tasks are reordered afterwards (phases,
-    pipeline schedules), which could move a reader of the old value after it."""
+    ``dag`` is consumed: its tasks are renumbered in place.  ``select_in_place`` lets a ``where`` or a
+    ``put_rows`` write a state's kept block (the module's docstring); off where the tasks are reordered
+    afterwards (phases, pipeline schedules), which could move a reader of the old value after it."""
     tasks = dag.tasks
     # the buffers the rewrites ask about: a decompose's atoms (their readers), a recompose's pieces and an
     # assign's value (their readers and producers); only those are indexed (most buffers are neither)

@@ -393,21 +393,17 @@ class CupyExecutor(Staging):
 
         if not ids.size:
             return
-        for node in self.dag.operators:
-            assert node.op is not None  # graph.operators are the nodes with an operator
-            if node.kind in ("embedding", "put_rows") and self.dag.nodes[node.inputs[1]].name == name:
-                vocab = node.op.input_types[0].shape[0]
-                lo, hi = int(ids.min()), int(ids.max())
-                if lo < 0 or hi >= vocab:
-                    raise ExecError(f"{node.kind} ids must lie in [0, {vocab}); got values from {lo} to {hi} "
-                                    f"in input {name!r}.")
-            elif node.kind in ("cross_entropy", "cross_entropy_grad") and \
-                    self.dag.nodes[node.inputs[2]].name == name:
+        for what, bound, ignore in self._rules_for(name):  # (the staged path's rules: one list of id readers)
+            if what == "cross-entropy targets":
                 host = ids if isinstance(ids, np.ndarray) else self.cp.asnumpy(ids)
                 try:
-                    check_targets(host, node.op.input_types[0].shape[-1], getattr(node.op, "ignore_index", None))
+                    check_targets(host, bound, ignore)
                 except ExecError as e:
                     raise ExecError(f"{e} (input {name!r})") from None
+                continue
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= bound:
+                raise ExecError(f"{what} must lie in [0, {bound}); got values from {lo} to {hi} in input {name!r}.")
 
     def offload(self, name: str, like: str = "numpy") -> Any:
         """The saved tensor ``name``: a NumPy array (bfloat16 through ml_dtypes) or, with like="cupy",

@@ -39,7 +39,7 @@ def _masks(op: Any, ins: list, main: int) -> dict[str, Any]:
 
 def _decode_form(op: Any, f: FunctionSpec) -> bool:
     """Whether a forward block takes the decode kernel (``triton_attention_decode``: its keys split across
-    programs): at most ``ROWS`` query rows per kv head (a decode step's one row per sequence, a few with
+    programs): at most ``DECODE_ROWS`` query rows per kv head (a decode step's one row per sequence, a few with
     speculative tokens), in 16- or 32-bit floats, without a mask, a bias, a softcap or key lengths."""
     from relational_tensors.kernels.scratch import DECODE_ROWS
 
