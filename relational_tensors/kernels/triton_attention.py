@@ -25,7 +25,7 @@ import triton.language as tl
 from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.kernels.common import DevBuf, Ptr, chosen_config, is_interpreted
 
-__all__ = ["attention", "padding_limits", "extra_arguments"]
+__all__ = ["attention", "padding_limits", "extra_arguments", "online_softmax"]
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -60,6 +60,17 @@ def extra_scores(s, visible, rows, cols, inside, mask_base, smr, smc, bias_base,
     if BIAS:
         s = s + tl.load(bias_base + r * sbr + c * sbc, mask=inside, other=0.0).to(s.dtype) * LOG2E
     return tl.where(visible, s, float("-inf")), slope
+
+
+@triton.jit
+def online_softmax(s, m_i, l_i, acc):
+    """A tile of scores ``s`` (log2 units, -inf where hidden) into the running row maximum ``m_i``, sum ``l_i``
+    and output ``acc``, rescaled to the new maximum: (the tile's weights p, m_i, l_i, acc)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return p, m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None]
 
 
 @triton.jit
@@ -106,13 +117,7 @@ def _tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n0, end, lo, h
                                 smc, bias_base, sbr, sbc, cap2, MASK, BIAS, SOFTCAP, False)
         else:
             s = tl.where(visible, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        acc = acc * alpha[:, None]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        p, m_i, l_i, acc = online_softmax(s, m_i, l_i, acc)
     else:  # every row sees every key of the tile: the maximum is finite, scale and shift are one FMA
         if NEG_SCALE:
             m_new = tl.maximum(m_i, tl.min(s, axis=1) * qk_scale)

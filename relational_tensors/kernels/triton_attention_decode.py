@@ -23,6 +23,7 @@ import triton.language as tl
 
 from relational_tensors.kernels import scratch as sizes
 from relational_tensors.kernels.common import DevBuf, Ptr
+from relational_tensors.kernels.triton_attention import online_softmax
 
 __all__ = ["decode_attention"]
 
@@ -74,14 +75,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, lo_ptr, h
         if BITS:
             real = tl.load(kp_base + cols * stride_kpk, mask=cmask, other=0)
             visible = visible & (real != 0)[None, :]
-        s = tl.where(visible, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        acc = acc * alpha[:, None]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        p, m_i, l_i, acc = online_softmax(tl.where(visible, s * qk_scale, float("-inf")), m_i, l_i, acc)
         v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vs + dv[None, :],
                     mask=cmask[:, None] & (dv[None, :] < DV), other=0.0)
         if IEEE:
