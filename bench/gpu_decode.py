@@ -12,8 +12,8 @@ bfloat16, side by side in one run:
   embedding table, plus each sequence's cache) over this GPU's measured copy bandwidth;
 * the batch-1 step on 8 logical devices of the GPU (``cuda:0,0,0,0,0,0,0,0``).
 
-2 warm-ups and 10 timed rounds, CUDA events, medians.  Each program holds its own copy of the weights, so
-the decoders are made one at a time and freed.
+2 warm-ups and 10 timed rounds, CUDA events, medians.  A decoder's programs read one copy of the weights in
+place (the decoder's, beside the model's); the decoders are made one at a time and freed.
 
     python bench/gpu_decode.py [--layers 32] [--context 1024] [--profile] [--out bench/results]
     python bench/gpu_decode.py --smoke        # a 2-layer model of 64 wide on cpu:2, wall-clock: the script's check
@@ -113,6 +113,7 @@ def ours_decode(model: Any, batch: int, context: int, device: str, cuda: bool,
     # the first steps' greedy tokens against transformers' own (a wrong cache would show here)
     with torch.no_grad():
         want = model.generate(ids, max_new_tokens=3, do_sample=False)[:, context:]
+    free()  # (transformers' prefill logits of every prompt position stay in torch's cache otherwise)
     got = [token]
     for _ in range(2):
         got.append(dec.decode(got[-1]).argmax(-1))

@@ -6,6 +6,7 @@ seed; bad requests refused with the rule."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -143,6 +144,27 @@ def test_one_catalog_holds_the_prefill_and_the_decode_plans(tmp_path: object) ->
     dec.decode(dec.prefill(_batch(2)[0]).argmax(-1))
     labels = dec.decode_program().compiled.sql("SELECT label FROM compilations ORDER BY compilation_id")
     assert labels["label"].to_pylist() == ["prefill 2x16", "decode 2x48"]
+
+
+def test_the_prefill_and_decode_programs_read_one_copy_of_the_weights() -> None:
+    """Both programs read the decoder's one copy of each weight in place (``compileGraph``'s ``bind``), a copy
+    taken when the first program was made: a later change to the model does not reach them."""
+    model = _model("llama")
+    dec = rt.decoder(model, max_batch=2, max_len=48, device="cpu:2")
+    first = dec.prefill(_batch(2)[0])
+    dec.decode(first.argmax(-1))
+    pre, step = dec.prefill_program(2, 16).compiled, dec.decode_program().compiled
+    shared = set(pre._bind) & set(step._bind)
+    assert len(shared) >= 2 * 7  # every layer's projections at least
+    for name in shared:
+        assert pre._bind[name] is step._bind[name]
+        for ex in (pre.executor, step.executor):
+            for _, b in ex.dag.inputs[name]:
+                assert np.shares_memory(ex._get(b), pre._bind[name])
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    again = dec.prefill(_batch(2)[0])
+    assert torch.equal(again, first)
 
 
 def test_prompt_lengths_share_a_bucket_and_a_new_batch_restarts() -> None:
@@ -320,6 +342,8 @@ def test_greedy_on_a_gpu(device: str) -> None:
     dec = rt.decoder(bf, max_batch=3, max_len=48, device=device)
     logits = dec.prefill(ids, mask)
     assert logits.is_cuda and logits.dtype == torch.bfloat16
+    bound = dec.prefill_program(*next(iter(dec._prefills))).compiled.executor.bound
+    assert bound  # the weights' blocks read in place from the decoder's copy
     with torch.no_grad():
         ref = bf(input_ids=ids, attention_mask=mask).logits[:, -1]
     torch.testing.assert_close(logits.float(), ref.float(), rtol=0.05, atol=0.05)

@@ -25,6 +25,7 @@ from relational_tensors.driver.options import CompileOptions
 from relational_tensors.errors import GraphError, PlanError
 from relational_tensors.graph.graph import Graph
 from relational_tensors.machine.topology import Topology
+from relational_tensors.runtime.binding import check_bind
 
 __all__ = ["compileGraph", "compile", "save_plan", "load_plan"]
 
@@ -48,7 +49,8 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
                  calibration: str | None = None, attention: str = "triton", refine: bool = True,
                  keep_states: str = "auto", second_phase_inputs: Any = (),
                  constraints: Mapping[str, str] | None = None, pipeline: Any = None, process_group: Any = None,
-                 timeout: float | None = None, transport: str | None = None) -> CompiledGraph:
+                 timeout: float | None = None, transport: str | None = None,
+                 bind: Mapping[str, Any] | None = None) -> CompiledGraph:
     """Plan ``graph`` for the devices named by ``device`` (see ``relational_tensors.machine.devices``).
 
     The options are those of :class:`~relational_tensors.driver.options.CompileOptions`, validated once here;
@@ -57,8 +59,19 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
     rank of a torch.distributed launch (``process_group``: the group to run in, default the world;
     ``timeout``: seconds a rank waits for a transfer; ``transport``: ``nccl`` or ``gloo``, for GPU ranks), see
     ``relational_tensors.driver.distributed``.
+
+    ``bind`` maps graph inputs to arrays the program reads in place (CUDA arrays on GPUs, NumPy arrays on
+    virtual devices): the blocks that are contiguous runs of an array point into it and take no memory of
+    the program's; the rest are copied from it once.  Bound inputs are constants: the caller keeps the arrays
+    alive and unchanged, and a load of one is refused (``runtime/binding.py``).  Programs over the same
+    weights share them this way.
     """
     dist = isinstance(device, str) and device.startswith("dist")
+    if bind:
+        if dist or pipeline == "auto":
+            raise GraphError("bind= reads inputs in place from arrays of this process, for one compiled program; "
+                             f"got device={device!r}, pipeline={pipeline!r}. Load the inputs instead.")
+        check_bind(graph.inputs if isinstance(graph, Graph) else [], bind)
     if not dist and (process_group is not None or timeout is not None or transport is not None):
         raise GraphError("process_group=, timeout= and transport= are for device='dist' (one process per device "
                          f"under torchrun); got device={device!r}.")
@@ -80,13 +93,13 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
     if dist:
         return distributed.compile_distributed(graph, options, catalog, process_group, timeout, transport,
                                                topology_given=topology is not None)
-    return compiler.run(graph, options, catalog)
+    return compiler.run(graph, options, catalog, bind)
 
 
 def compile(graph: Graph, devices: object = None, **options: Any) -> CompiledGraph:
     """``compileGraph`` with the Pythonic keyword ``devices``."""
     known = ({f.name for f in fields(CompileOptions)} - {"device"}) | {"catalog", "process_group", "timeout",
-                                                                         "transport"}
+                                                                         "transport", "bind"}
     unknown = sorted(set(options) - known)
     if unknown:
         raise PlanError(f"unknown compile options {unknown}; the options are {sorted(known)}.")

@@ -32,9 +32,18 @@ from relational_tensors.api.compile import compileGraph
 from relational_tensors.api.device_io import output, stage
 from relational_tensors.errors import ExecError, GraphError
 from relational_tensors.frontend.torch.convert import _torch, _torch_dtype, numpy_to_torch, torch_to_numpy
-from relational_tensors.frontend.torch.decoding import CacheShape, cache_name, cache_shape, decode_graph, prefill_graph
+from relational_tensors.frontend.torch.decoding import (
+    CacheShape,
+    cache_name,
+    cache_shape,
+    decode_graph,
+    prefill_graph,
+    step_tensors,
+)
+from relational_tensors.frontend.torch.torch_graph import TorchGraph
 from relational_tensors.graph.graph import Graph
 from relational_tensors.graph.models import CausalLM, lm_decode_graph, lm_prefill_graph
+from relational_tensors.machine.devices import parse_devices
 
 __all__ = ["Decoder", "decoder", "generate", "PROMPT_BUCKET", "LENGTH_BUCKET"]
 
@@ -43,13 +52,14 @@ LENGTH_BUCKET = 256  # rt.generate's cache length: prompt + new tokens rounded u
 
 
 class _Program:
-    """One step compiled: its parameters loaded at the first run, then only what changes."""
+    """One step compiled: its parameters loaded at the first run, then only what changes; the weights in
+    ``bind`` are read in place from the decoder's one copy of them (``compileGraph``'s ``bind``)."""
 
-    def __init__(self, graph: Graph, parameters: Mapping[str, Any], device: Any, options: dict[str, Any],
-                 label: str) -> None:
+    def __init__(self, graph: Graph, parameters: Mapping[str, Any], bind: Mapping[str, Any], device: Any,
+                 options: dict[str, Any], label: str) -> None:
         self.graph = graph
         self.parameters = parameters
-        self.compiled = compileGraph(graph, device=device, **{"label": label, **options})
+        self.compiled = compileGraph(graph, device=device, bind=bind, **{"label": label, **options})
         self.reads = frozenset(n.name for n in graph.inputs)  # (a step may not read every input it is given)
         self.loaded = False
 
@@ -127,6 +137,10 @@ class Decoder:
         self.options = compile_options
         self._prefills: dict[tuple[int, int], _Program] = {}
         self._decode: _Program | None = None
+        # the weights every program reads in place: one copy, taken when the first program is made, in the
+        # layout and dtype the graphs hold them (a Linear's weight transposed), on the plan's first GPU or
+        # the host; keyed by (module tensor or graph input, transposed, dtype)
+        self._weights: dict[tuple[str, bool, str], Any] = {}
         self._where = "cpu"  # the torch device the step's inputs are made on (the plan's first GPU, or the host)
         # per slot: the cache position it writes next (-1: free) and its next token's position
         self._at = [-1] * max_batch
@@ -150,16 +164,49 @@ class Decoder:
         key = (batch, length)
         if key not in self._prefills:
             graph, params = _graph(self.model, batch, length, None)
-            self._prefills[key] = _Program(graph, params, self.device, self.options, f"prefill {batch}x{length}")
+            bind, rest = self._shared(graph, params)
+            self._prefills[key] = _Program(graph, rest, bind, self.device, self.options, f"prefill {batch}x{length}")
         return self._prefills[key]
 
     def decode_program(self) -> _Program:
         """The decode step over every slot and the ``max_len`` cache (planned at first use)."""
         if self._decode is None:
             graph, params = _graph(self.model, self.max_batch, 1, self.max_len, self.pool_rows)
-            self._decode = _Program(graph, params, self.device, self.options,
+            bind, rest = self._shared(graph, params)
+            self._decode = _Program(graph, rest, bind, self.device, self.options,
                                     f"decode {self.max_batch}x{self.max_len}")
         return self._decode
+
+    def _shared(self, graph: Graph, params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``graph``'s weights split into those its program reads in place from the decoder's one copy (made
+        here at first use: a module tensor's value as the graph holds it, transposed and cast) and the rest
+        (constants folded at trace time), which it loads."""
+        torch = _torch()
+        devices = parse_devices(self.device)
+        where = f"cuda:{devices.physical[0]}" if devices.kind == "cuda" else "cpu"
+        if isinstance(self.model, CausalLM):  # the graph-API model's weights, by name
+            sources = {name: (name, False, params[name]) for name in params}
+        else:
+            tensors = step_tensors(self.model)
+            sources = {name: (origin, transposed, tensors[origin])
+                       for name, (origin, transposed) in getattr(graph, "origins", {}).items()
+                       if origin in tensors and name in params}
+        bind, rest = {}, dict(params)
+        for name, (origin, transposed, value) in sources.items():
+            t = graph.node(name).type
+            key = (origin, transposed, t.dtype)
+            if key not in self._weights:
+                v = value.detach() if isinstance(value, torch.Tensor) else numpy_to_torch(value)
+                v = v.t() if transposed else v
+                if tuple(v.shape) != t.shape:
+                    continue  # (loaded as traced)
+                w = torch.empty(t.shape, dtype=_torch_dtype(t.dtype), device=where).copy_(v)
+                self._weights[key] = w if where != "cpu" else torch_to_numpy(w)
+            bind[name] = self._weights[key]
+            del rest[name]
+        if isinstance(graph, TorchGraph):
+            graph.parameters = rest  # (the trace's own copies of the bound weights go)
+        return bind, rest
 
     def explain(self, file: Any = None, width: int = 160) -> str:
         """The plans of the programs made so far: each prefill's and the decode step's."""

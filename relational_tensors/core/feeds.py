@@ -13,7 +13,7 @@ from relational_tensors.core.dtypes import itemsize, numpy_dtype
 from relational_tensors.core.types import TensorType
 from relational_tensors.errors import ExecError
 
-__all__ = ["coerce_feed", "check_feed_names", "refuse_out_of_range", "refuse_overflow", "STALE_OUTPUTS",
+__all__ = ["coerce_feed", "check_feed_names", "refuse_bound", "refuse_out_of_range", "refuse_overflow", "STALE_OUTPUTS",
            "check_loaded"]
 
 STALE_OUTPUTS = ("the saved outputs are stale: inputs were loaded after the last execute(), or it did not finish; "
@@ -97,3 +97,12 @@ def check_feed_names(inputs: Iterable[Any], feeds: Mapping[str, Any], needed: It
             node = names[name]
             raise ExecError(f"missing a value for input {name!r} of shape {node.type.shape} ({node.type.dtype}).")
     return names
+
+
+def refuse_bound(names: Any, bound: Any, what: str = "load") -> None:
+    """A load or a stage of a bound input is refused: the program reads it in place from its array."""
+    hit = sorted(set(names) & set(bound))
+    if hit:
+        raise ExecError(f"inputs {hit} were bound when the program was made (compileGraph's bind=): it reads "
+                        f"them in place as constants, so a {what} of them is refused. Compile without binding "
+                        "them to load new values.")

@@ -33,7 +33,7 @@ __all__ = ["CompiledGraph"]
 class CompiledGraph:
     """A graph with its plan, and the catalog that explains it."""
 
-    def __init__(self, state: CompileState) -> None:
+    def __init__(self, state: CompileState, bind: Mapping[str, Any] | None = None) -> None:
         assert state.plan is not None and state.target is not None
         assert state.lowered is not None and state.live is not None
         self.graph = state.graph
@@ -56,6 +56,7 @@ class CompiledGraph:
         self._simulations: dict[Any, PlanSimResult] = {}
         self._simulated_issue: Any = None  # how the GPU executor issues the tasks (simulation(), found once)
         self._states: dict[str, np.ndarray] = {}  # host copies of the states no operator assigns
+        self._bind = dict(bind or {})  # inputs read in place from these arrays (compileGraph's bind=)
         if self.devices.kind == "cuda" and visible_gpus() > max(self.devices.physical):
             _ = self.executor  # peer access, streams and arenas are set up (and checked) at compile time
 
@@ -107,7 +108,7 @@ class CompiledGraph:
         under ``device="dist"``), made on first use."""
         if self._executor is None:
             self._executor = executor_for(self.devices, self.dag, self.live, self.options.attention, self.ranks,
-                                          where=self.target.topology.name)
+                                          where=self.target.topology.name, bind=self._bind)
         return self._executor
 
     def run_on_ranks(self, ranks: Ranks) -> None:

@@ -14,7 +14,7 @@ import gc
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -535,11 +535,12 @@ PASSES: tuple[tuple[str, Callable[[CompileState], None], str], ...] = (
 )
 
 
-def run(graph: Graph, options: CompileOptions, catalog: str | Path | Catalog | None = None) -> CompiledGraph:
+def run(graph: Graph, options: CompileOptions, catalog: str | Path | Catalog | None = None,
+        bind: Mapping[str, Any] | None = None) -> CompiledGraph:
     """Plan ``graph`` with ``options`` (already validated) on ``options.device``: the passes of ``PASSES`` in
     order over one :class:`CompileState`; ``catalog`` is where the compilation's rows go (a path to persist
-    them, default: in memory).  Every compilation is a row of the catalog, with why it has no plan if a
-    pass raised."""
+    them, default: in memory); ``bind``: inputs its program reads in place (``runtime/binding.py``).  Every
+    compilation is a row of the catalog, with why it has no plan if a pass raised."""
     # planning allocates millions of small objects and few cycles, in numbers that grow with the plan: the
     # cyclic collector would only rescan them (a third of a 32-layer compile), so it is off while planning,
     # except while searching exchange programs (_collecting), whose cycles grow with the search's effort
@@ -571,7 +572,7 @@ def run(graph: Graph, options: CompileOptions, catalog: str | Path | Catalog | N
                 state.timings[name] = time.perf_counter() - t0
                 log.info("pass %-10s %8.3f s", name, state.timings[name])
             assert state.plan is not None
-            compiled = CompiledGraph(state)
+            compiled = CompiledGraph(state, bind)
         except BaseException as e:  # the compilation stays in the catalog, saying why it has no plan
             if state.cid >= 0:
                 status = "refused" if isinstance(e, OutOfMemoryPlanError) else "failed"

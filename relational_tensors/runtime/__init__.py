@@ -29,10 +29,14 @@ class Ranks:
 
 
 def executor_for(devices: DeviceSet, dag: TaskDAG, live: Liveness, attention: str = "triton",
-                 ranks: Ranks | None = None, where: str = "") -> Any:
+                 ranks: Ranks | None = None, where: str = "", bind: Any = None) -> Any:
     """The executor that runs ``dag`` here: on ``devices`` (virtual CPU devices or GPUs), or as this rank's
-    share of it when ``ranks`` is given.  ``where`` names the plan's machine in the refusal."""
+    share of it when ``ranks`` is given.  ``where`` names the plan's machine in the refusal; ``bind``: the
+    inputs read in place from the given arrays (``runtime/binding.py``; one process's devices)."""
     if ranks is not None:
+        if bind:
+            raise ExecError("bind= reads inputs in place from arrays of this process; a program run over a process "
+                            "group (device='dist') loads them on each rank instead: leave bind out.")
         if ranks.gpu is None:
             from relational_tensors.runtime.dist_backend import DistExecutor
 
@@ -45,11 +49,11 @@ def executor_for(devices: DeviceSet, dag: TaskDAG, live: Liveness, attention: st
         ex.owns_group = ranks.owned
         return ex
     if devices.kind == "cpu":
-        return NumpyExecutor(dag, live)
+        return NumpyExecutor(dag, live, bind=bind)
     if visible_gpus() > max(devices.physical):
         from relational_tensors.runtime.cupy_backend import CupyExecutor
 
-        return CupyExecutor(dag, live, devices, attention=attention)
+        return CupyExecutor(dag, live, devices, attention=attention, bind=bind)
     raise ExecError(f"this program was compiled for {devices}{f' ({where})' if where else ''}, and no GPU backend "
                     "can run it here. Compile with device='cpu:N' to run on N virtual CPU devices; simulate() and "
                     "trace() work for any device.")

@@ -32,7 +32,13 @@ from typing import Any, cast
 import numpy as np
 
 from relational_tensors.core.dtypes import bf16_bits_to_float32, float32_to_bf16_bits, itemsize, numpy_dtype
-from relational_tensors.core.feeds import STALE_OUTPUTS, check_loaded, refuse_out_of_range, refuse_overflow
+from relational_tensors.core.feeds import (
+    STALE_OUTPUTS,
+    check_loaded,
+    refuse_bound,
+    refuse_out_of_range,
+    refuse_overflow,
+)
 from relational_tensors.errors import ExecError
 from relational_tensors.kernels import triton_copy as tc
 from relational_tensors.kernels import triton_elementwise as te
@@ -49,6 +55,7 @@ from relational_tensors.physical.tasks import (
     phase_range,
     phase_ready,
 )
+from relational_tensors.runtime.binding import gpu_bindings, place_copied
 from relational_tensors.runtime.cupy_staging import Staging, _as_device_array
 from relational_tensors.runtime.fusion import fusion_enabled
 from relational_tensors.runtime.memory_plan import (
@@ -73,7 +80,8 @@ class CupyExecutor(Staging):
     """Runs one TaskDAG on GPUs; ``load`` once, ``execute`` many times (a CUDA graph after the first)."""
 
     def __init__(self, dag: TaskDAG, live: Liveness, devices: DeviceSet,
-                 attention: str = "triton", fuse: bool | None = None, siblings: bool | None = None) -> None:
+                 attention: str = "triton", fuse: bool | None = None, siblings: bool | None = None,
+                 bind: Mapping[str, Any] | None = None) -> None:
         try:
             import cupy
         except ImportError as e:
@@ -111,12 +119,18 @@ class CupyExecutor(Staging):
         # subclass that issues them its own way, on two streams, runs every task alone with scratch apart)
         self.own_issue = type(self)._issue_all is CupyExecutor._issue_all
         self.fusing = fusion_enabled(fuse) and self.own_issue
+        # inputs read in place from the caller's arrays (runtime/binding.py): their blocks' views point there
+        self.bound_arrays: dict[str, Any] = {}
+        self.bound: dict[int, DevBuf] = {}
+        if bind:
+            self.bound_arrays, self.bound = gpu_bindings(cupy, dag, bind, self.phys, self._keeps)
         self._layout()
         self._constants()
         self._dependencies()
         self._fuse()
         self.loaded = False
-        self.resident: set[str] = set()
+        self.resident: set[str] = set(self.bound_arrays)
+        place_copied(cupy, dag, self.bound_arrays, self.bound, self.views, self._keeps)
         self.runs = 0
         self.done = 0  # tasks issued, in order, since the inputs they read were loaded (phases: see execute)
         self.split = dag.phase_split if dag.phase_split is not None else len(dag.tasks)
@@ -179,9 +193,9 @@ class CupyExecutor(Staging):
         if self.fusing:  # the plan keeps what the fused kernels read until they run (fusion.fusion_plan)
             from relational_tensors.runtime.fusion import fusion_plan
 
-            plan, self.fused_groups = fusion_plan(dag, self.live, done_by, scratch)
+            plan, self.fused_groups = fusion_plan(dag, self.live, done_by, scratch, frozenset(self.bound))
         else:
-            plan = plan_memory(dag, self.live, done_by, scratch=scratch)
+            plan = plan_memory(dag, self.live, done_by, scratch=scratch, external=frozenset(self.bound))
         self.plan = plan
         self.arena_bytes = dict(plan.arena_bytes)
         self.arenas: list[Any] = []  # None for a device another process holds
@@ -198,8 +212,9 @@ class CupyExecutor(Staging):
                     raise ExecError(f"allocating the {total:,}-byte arena of logical device {d} on GPU "
                                     f"{self.phys[d]} failed: {e}") from None
             self.arenas.append(arena)
+        self.views.update(self.bound)
         for b, buf in dag.buffers.items():
-            if b in plan.alias or not self._keeps(buf.device):
+            if b in plan.alias or b in self.bound or not self._keeps(buf.device):
                 continue
             ptr = self.arenas[buf.device].data.ptr + plan.slots[b].offset
             main, _ = buffer_bytes(dag, b)
@@ -314,6 +329,7 @@ class CupyExecutor(Staging):
         from relational_tensors.runtime.numpy_backend import _cover, block_pieces
 
         cp = self.cp
+        refuse_bound(feeds, self.bound_arrays)
         # inputs loaded before (weights) stay loaded: a later load may name only the ones that change
         names = check_feed_names(self.dag.input_nodes, feeds,
                                  [] if partial else [n for n in self.dag.inputs

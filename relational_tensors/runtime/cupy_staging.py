@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from relational_tensors.core.dtypes import numpy_dtype
+from relational_tensors.core.feeds import refuse_bound
 from relational_tensors.errors import ExecError
 
 __all__ = ["Staging", "RawDevice", "_as_device_array"]
@@ -60,6 +61,7 @@ class Staging:
     split: int
     held: bool
     resident: set[str]
+    bound_arrays: dict[str, Any]
     graph_exec: Any
     staged: dict[str, dict[int, Any]]
     _eager_once: bool
@@ -93,6 +95,7 @@ class Staging:
         the kernels read such an id as matching no row.  Returns False, changing nothing, where a feed
         needs the checks and conversions of load() (other dtypes, host arrays, a program not yet loaded)."""
         cp = self.cp
+        refuse_bound(feeds, self.bound_arrays, "stage")
         self._check_pending(wait=False)
         self._inflight = [(ev, held) for ev, held in self._inflight if not ev.done]
         if not self.loaded or not feeds or not self.own_issue:  # an executor issuing its own way loads

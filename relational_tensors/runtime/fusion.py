@@ -391,14 +391,15 @@ def fusion_groups(dag: TaskDAG, plan: MemoryPlan, live: Liveness) -> list[Fusion
 
 
 def fusion_plan(dag: TaskDAG, live: Liveness, siblings: Mapping[int, int] | None = None,
-                scratch: Mapping[int, int] | None = None) -> tuple[MemoryPlan, list[FusionGroup]]:
+                scratch: Mapping[int, int] | None = None,
+                external: frozenset[int] = frozenset()) -> tuple[MemoryPlan, list[FusionGroup]]:
     """The memory plan of the fused program and its groups (the module's docstring): every block a group
     found on a plan without reuse reads is kept until that group's last task, except for the groups whose
     keeping would raise a device's peak of live bytes, and the groups are found again on the plan made so.
-    ``siblings`` as for ``plan_memory`` (found once here when None)."""
+    ``siblings``, ``scratch`` and ``external`` as for ``plan_memory`` (``siblings`` found once here when None)."""
     if siblings is None:
         siblings = sibling_tasks(dag)
-    spacious = plan_memory(dag, live, siblings, reuse=False, scratch=scratch)
+    spacious = plan_memory(dag, live, siblings, reuse=False, scratch=scratch, external=external)
     wanted = fusion_groups(dag, spacious, live)
     while True:
         keep: dict[int, int] = {}
@@ -413,7 +414,7 @@ def fusion_plan(dag: TaskDAG, live: Liveness, siblings: Mapping[int, int] | None
         wanted = [g for g in wanted if not any(
             (r := spacious.root(b)) in raised and spacious.lifetimes[r][1] < raised[r] <= g.last
             for b in g.operands)]
-    plan = plan_memory(dag, live, siblings, keep_until=keep, scratch=scratch)
+    plan = plan_memory(dag, live, siblings, keep_until=keep, scratch=scratch, external=external)
     return plan, fusion_groups(dag, plan, live)
 
 

@@ -115,6 +115,7 @@ class MemoryPlan:
     done_by: dict[int, int] = field(default_factory=dict)      # sibling task -> the task that writes its output
     lifetimes: dict[int, tuple[int, int]] = field(default_factory=dict)  # root -> (first task, last task)
     scratch: dict[int, Slot] = field(default_factory=dict)  # kernel task -> its scratch in its device's arena
+    external: frozenset[int] = frozenset()  # roots outside the arenas (inputs read in place from a bound array)
 
     def writes(self, t: Task) -> tuple[int, ...]:
         """The buffers task ``t`` writes: its outputs, and a sibling's (``also_writes``)."""
@@ -128,6 +129,8 @@ class MemoryPlan:
         """(device, first byte, end byte) of buffer ``b`` in its arena (a view: its root's whole range,
         which holds its strided elements)."""
         r = self.root(b)
+        if r in self.external:  # memory of its own outside the arena, never written: a range no other touches
+            return dag.buffers[r].device, -1 - r, -r
         slot = self.slots[r]
         main, extra = buffer_bytes(dag, r if dag.buffers[b].parent is not None else b)
         return dag.buffers[r].device, slot.offset, slot.offset + (align(main) + extra if extra else main)
@@ -215,14 +218,15 @@ def _swiglu_pairs(dag: TaskDAG) -> dict[int, int]:
 
 def plan_memory(dag: TaskDAG, live: Liveness, siblings: Mapping[int, int] | None = None,
                 keep_until: dict[int, int] | None = None, reuse: bool = True,
-                scratch: Mapping[int, int] | None = None) -> MemoryPlan:
+                scratch: Mapping[int, int] | None = None, external: frozenset[int] = frozenset()) -> MemoryPlan:
     """Slots, arena sizes and cross-stream waits (the module's rules); ``siblings``: the tasks whose output
     another kernel writes as it goes -> that kernel's task (``sibling_tasks``; None: of every kind in
     ``SIBLINGS``, ``{}``: none); ``keep_until``
     (root buffer -> task) keeps a buffer's memory until that task at least (a fused kernel reads it there);
     ``reuse=False`` gives every buffer bytes of its own (a plan to find what could be fused, never
     allocated); ``scratch`` (kernel task -> bytes) places each task's kernel scratch in its device's arena,
-    alive during that task only (``MemoryPlan.scratch``)."""
+    alive during that task only (``MemoryPlan.scratch``); ``external`` names root buffers that get no slot
+    (input blocks read in place from arrays the program was given: ``CupyExecutor``'s ``bind``)."""
     end = len(dag.tasks)
     alias, reshaped, order = _aliases(dag)
     done_by = dict(sibling_tasks(dag) if siblings is None else siblings)
@@ -243,7 +247,7 @@ def plan_memory(dag: TaskDAG, live: Liveness, siblings: Mapping[int, int] | None
     arena_bytes: dict[int, int] = {}
     scratch_slots: dict[int, Slot] = {}
     for d in range(dag.p):
-        mine = [b for b, buf in dag.buffers.items() if buf.device == d and b not in alias]
+        mine = [b for b, buf in dag.buffers.items() if buf.device == d and b not in alias and b not in external]
         sizes = {}
         for b in mine:
             main, extra = buffer_bytes(dag, b)
@@ -296,7 +300,7 @@ def plan_memory(dag: TaskDAG, live: Liveness, siblings: Mapping[int, int] | None
                     deps.update(x for x in remote[old] if x < t.id)
         waits[t.id] = sorted(x for x in deps if dag.tasks[x].device != t.device)
     return MemoryPlan(alias, slots, arena_bytes, reuses, waits, frozenset(reshaped), tuple(order), also, done_by,
-                      all_lifetimes, scratch_slots)
+                      all_lifetimes, scratch_slots, frozenset(external))
 
 
 def _scratch_id(task: int) -> int:

@@ -20,7 +20,7 @@ import numpy as np
 
 from relational_tensors.core.aggregation import Aggregation
 from relational_tensors.core.dtypes import numpy_dtype
-from relational_tensors.core.feeds import STALE_OUTPUTS, check_feed_names, check_loaded, coerce_feed
+from relational_tensors.core.feeds import STALE_OUTPUTS, check_feed_names, check_loaded, coerce_feed, refuse_bound
 from relational_tensors.core.types import Box, TensorType
 from relational_tensors.errors import ExecError
 from relational_tensors.physical.tasks import (
@@ -32,6 +32,7 @@ from relational_tensors.physical.tasks import (
     phase_range,
     phase_ready,
 )
+from relational_tensors.runtime.binding import check_bind
 
 __all__ = ["NumpyExecutor", "block_pieces"]
 
@@ -45,7 +46,7 @@ def _nbytes(x: Any) -> int:
 class NumpyExecutor:
     """Runs one TaskDAG; ``load`` once, ``execute`` as often as wanted, ``offload`` results."""
 
-    def __init__(self, dag: TaskDAG, live: Liveness) -> None:
+    def __init__(self, dag: TaskDAG, live: Liveness, bind: Mapping[str, Any] | None = None) -> None:
         self.dag = dag
         self.live = live
         self.pools: list[dict[int, Any]] = [dict() for _ in range(dag.p)]
@@ -68,6 +69,26 @@ class NumpyExecutor:
         # they hold the next value too
         self.next_views = {b for b in root if _through(dag, b, written)}
         self.next_values: dict[int, np.ndarray] = {}
+        self.bound_arrays: dict[str, np.ndarray] = {}
+        if bind:
+            self._bind(bind)
+
+    def _bind(self, bind: Mapping[str, Any]) -> None:
+        """Inputs read in place (``runtime/binding.py``): every block of each is a view of its array."""
+        check_bind(self.dag.input_nodes, bind)
+        for name, value in bind.items():
+            try:
+                a = np.asarray(value)
+            except (TypeError, ValueError, RuntimeError):
+                a = None
+            if a is None or a.dtype == object or str(a.dtype) != self.dag.node(name).type.dtype:
+                raise ExecError(f"bound input {name!r} is read in place on the host: give a NumPy array of its "
+                                f"dtype; got {type(value).__name__}.")
+            self.bound_arrays[name] = a
+            for box, buf in self.dag.inputs[name]:
+                if self._holds(buf):
+                    self._put(buf, a[box.slices()])
+        self.resident.update(self.bound_arrays)
 
     def _put(self, buf: int, value: Any) -> int:
         """Store ``value`` as buffer ``buf``; returns the bytes newly allocated."""
@@ -123,6 +144,7 @@ class NumpyExecutor:
         :func:`block_pieces`) that together cover every block this executor keeps of it; ``owned``
         pieces (read for this load alone) are kept as they are where one is a whole block."""
         dag = self.dag
+        refuse_bound(feeds, self.bound_arrays)
         held = {name for name, blocks in dag.inputs.items() if any(self._holds(b) for _, b in blocks)}
         # inputs loaded before (weights) stay loaded: a later load may name only the ones that change
         names = check_feed_names(self.dag.input_nodes, feeds, [] if partial else [
