@@ -167,6 +167,22 @@ def test_the_prefill_and_decode_programs_read_one_copy_of_the_weights() -> None:
     assert torch.equal(again, first)
 
 
+@pytest.mark.parametrize("device", ["cpu:1", "cpu:3"])
+def test_a_decode_step_writes_one_row_of_each_cache_in_place(device: str) -> None:
+    """Each layer's cache is a pool of rows that the step's ``put_rows`` writes in the state's own block (one
+    row per sequence, no pass over the whole cache, no copy of it after the step)."""
+    model = _model("llama")
+    dec = rt.decoder(model, max_batch=2, max_len=48, device=device)
+    dec.decode(dec.prefill(_batch(2)[0]).argmax(-1))
+    cg = dec.decode_program().compiled
+    assert "where" not in {n.kind for n in cg.graph.operators}
+    kept = {b for name in cg.dag.inputs if name.startswith("cache.") for _, b in cg.dag.inputs[name]}
+    puts = [t for t in cg.dag.tasks if t.kind == "kernel" and cg.graph.nodes[t.op].kind == "put_rows"]
+    assert len({t.op for t in puts}) == 2 * 2  # keys and values of each layer
+    assert all(cg.dag.root(t.outputs[0]) in kept for t in puts)
+    assert not [t for t in cg.dag.tasks if t.kind == "assign"]
+
+
 def test_prompt_lengths_share_a_bucket_and_a_new_batch_restarts() -> None:
     """Two prompt lengths in one bucket reuse one prefill program; a second prefill starts afresh (the cache
     of the first batch is not read)."""

@@ -349,16 +349,16 @@ class Decoder:
         for i in range(self.shape.layers):
             for w in "kv":
                 name = cache_name(i, w)
-                dim = self.shape.key_dim if w == "k" else self.shape.value_dim
-                lead = (self.pool_rows,) if self.pool_rows else (self.max_batch, self.max_len)
                 cache = step.state(name) if step.loaded else torch.zeros(
-                    (*lead, self.shape.kv_heads, dim), dtype=self.shape.dtype, device=self._where)
+                    step.graph.node(name).type.shape, dtype=self.shape.dtype, device=self._where)
+                # (unpaged: slot r's positions in order, as rows of a pool or along a [slots, positions] state)
+                slots = None if self.block_size else cache.view(self.max_batch, self.max_len, *cache.shape[-2:])
                 for r, length, kv in self._writes:
-                    if self.block_size:  # the prompt's positions into the slot's pool rows
+                    if slots is None:  # the prompt's positions into the slot's pool rows
                         cache[self._rows[r, :length]] = kv[name].to(cache.device)
                         continue
-                    cache[r] = 0
-                    cache[r, :length] = kv[name]
+                    slots[r] = 0
+                    slots[r, :length] = kv[name]
                 out[name] = cache
         self._writes = []
         return out

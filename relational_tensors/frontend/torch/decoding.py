@@ -103,12 +103,13 @@ def _cache_class() -> type:
 
         def __init__(self, past: list[tuple[Any, Any]] | None, write: Any, layers: int,
                      paged: tuple[Any, Any] | None = None) -> None:
+            # decode: ``write`` is [batch], the pool row each sequence writes; ``paged`` the pool row of each
+            # of its positions [batch, length] (None: unpaged, a sequence's positions in order)
             self.past, self.write, self.paged = past, write, paged
             self.new: list[tuple[Any, Any] | None] = [None] * layers
             self.layers: list[Any] = []
 
         def update(self, key: Any, value: Any, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-            torch = _torch()
             if self.past is None:
                 self.new[layer_idx] = (key.transpose(1, 2), value.transpose(1, 2))
                 return key, value
@@ -116,17 +117,17 @@ def _cache_class() -> type:
             if key.shape[2] != 1:
                 raise GraphError(f"a decode step writes one token per sequence; layer {layer_idx} got keys of "
                                  f"{key.shape[2]} positions.")
-            if self.paged is not None:  # pools of rows: write each sequence's row, read its rows in order
-                rows, write_rows = self.paged
-                pool_k = past_k.index_put((write_rows,), key[:, :, 0])
-                pool_v = past_v.index_put((write_rows,), value[:, :, 0])
-                self.new[layer_idx] = (pool_k, pool_v)
-                return pool_k[rows].transpose(1, 2), pool_v[rows].transpose(1, 2)
-            at = self.write[:, :, None, None]
-            keys = torch.where(at, key.transpose(1, 2), past_k)  # [batch, length, heads, dim]
-            values = torch.where(at, value.transpose(1, 2), past_v)
-            self.new[layer_idx] = (keys, values)
-            return keys.transpose(1, 2), values.transpose(1, 2)
+            # each layer's cache is a pool of rows [rows, heads, dim]: write each sequence's row (put_rows, in
+            # the state's own block), then read its positions: a paged pool through the table of rows, an
+            # unpaged one ([batch * length] rows, a sequence's positions in order) as it lies
+            pool_k = past_k.index_put((self.write,), key[:, :, 0])
+            pool_v = past_v.index_put((self.write,), value[:, :, 0])
+            self.new[layer_idx] = (pool_k, pool_v)
+            if self.paged is not None:
+                return pool_k[self.paged].transpose(1, 2), pool_v[self.paged].transpose(1, 2)
+            b = key.shape[0]
+            return (pool_k.reshape(b, -1, *pool_k.shape[1:]).transpose(1, 2),
+                    pool_v.reshape(b, -1, *pool_v.shape[1:]).transpose(1, 2))
 
         def get_seq_length(self, layer_idx: int = 0) -> int:
             return 0
@@ -200,9 +201,11 @@ def _step_modules(model: Any, shape: CacheShape) -> tuple[type, type]:
 
     class Decode(base):  # type: ignore[misc, valid-type]
         """(ids [b, 1], keys_ok [b, L], positions [b, 1], write [b, L], k0, v0, ...) -> (logits, k0', v0', ...).
-        Paged: (..., write [b, L], rows [b, L], write_rows [b], k0, v0, ...), each layer's cache a pool
-        ``[pool rows, kv_heads, dim]``: position j of sequence b is pool row ``rows[b, j]``, and this step's
-        keys and values go to row ``write_rows[b]``."""
+        Each layer's cache is a pool ``[rows, kv_heads, dim]``, and this step's keys and values go to one row
+        per sequence: unpaged, ``b * L`` rows, position j of sequence b at row ``b * L + j``, the written one
+        at the position ``write`` marks (position 0 where a row marks none: an idle slot, whose cache a join
+        replaces); paged, (..., write [b, L], rows [b, L], write_rows [b], k0, v0, ...), position j of
+        sequence b at pool row ``rows[b, j]``, the written one ``write_rows[b]``."""
 
         def __init__(self, paged: bool) -> None:
             super().__init__()
@@ -215,7 +218,11 @@ def _step_modules(model: Any, shape: CacheShape) -> tuple[type, type]:
             at = (write.to(torch.float32) * index).sum(1)  # each sequence's write position: its query's index
             distance = (at[:, None] - index[None, :])[:, None, :]
             pairs = [(past[2 * i], past[2 * i + 1]) for i in range(shape.layers)]
-            cache = _cache_class()(pairs, write, shape.layers, tables)
+            if tables is None:
+                rows = torch.arange(ids.shape[0], device=ids.device) * length + at.to(torch.int64)
+                cache = _cache_class()(pairs, rows, shape.layers)
+            else:
+                cache = _cache_class()(pairs, tables[1], shape.layers, tables[0])
             logits = _call_model(self.model, ids, _masks(shape, (keys_ok[:, None, :],), distance, shape.dtype, eager),
                                  positions, cache)
             return (logits, *[t for kv in cache.new for t in kv])
@@ -269,8 +276,9 @@ def decode_graph(model: Any, batch: int, max_len: int, pool_rows: int | None = N
     """One decode step of ``batch`` sequences over a cache of ``max_len`` positions: inputs ``ids`` [b, 1],
     ``keys_ok`` [b, max_len] (the cache positions each sequence sees, the written one included),
     ``positions`` [b, 1] and ``write`` [b, max_len] (True at the position each sequence writes this step; a
-    row without one writes nothing); states
-    ``cache.<i>.k`` / ``cache.<i>.v``, assigned this step's cache; output ``logits``.
+    row without one, an idle slot, writes its position 0); states ``cache.<i>.k`` / ``cache.<i>.v``, each
+    ``[b * max_len, kv_heads, dim]`` (sequence b's positions in order from row ``b * max_len``), assigned
+    this step's cache; output ``logits``.
 
     With ``pool_rows`` the cache is paged: each state a pool ``[pool_rows, kv_heads, dim]`` that all sequences
     share, and two more inputs, ``rows`` [b, max_len] (the pool row of each of a sequence's positions) and
@@ -283,7 +291,7 @@ def decode_graph(model: Any, batch: int, max_len: int, pool_rows: int | None = N
     ok = torch.ones((batch, max_len), dtype=torch.bool, device=device)
     write = torch.zeros((batch, max_len), dtype=torch.bool, device=device)
     write[:, 0] = True
-    lead: tuple[int, ...] = (batch, max_len) if pool_rows is None else (pool_rows,)
+    lead = (batch * max_len if pool_rows is None else pool_rows,)
     given: tuple[Any, ...] = (ids, ok, positions, write)
     if pool_rows is not None:
         rows = torch.zeros((batch, max_len), dtype=torch.int64, device=device)
