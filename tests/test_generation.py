@@ -153,6 +153,8 @@ def test_the_prefill_and_decode_programs_read_one_copy_of_the_weights() -> None:
     dec = rt.decoder(model, max_batch=2, max_len=48, device="cpu:2")
     first = dec.prefill(_batch(2)[0])
     dec.decode(first.argmax(-1))
+    for program in (dec.prefill_program(2, 16), dec.decode_program()):  # traced without host copies of them
+        assert set(program.parameters) <= set(program.graph.folded)
     pre, step = dec.prefill_program(2, 16).compiled, dec.decode_program().compiled
     shared = set(pre._bind) & set(step._bind)
     assert len(shared) >= 2 * 7  # every layer's projections at least

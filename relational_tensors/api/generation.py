@@ -179,8 +179,9 @@ class Decoder:
 
     def _shared(self, graph: Graph, params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """``graph``'s weights split into those its program reads in place from the decoder's one copy (made
-        here at first use: a module tensor's value as the graph holds it, transposed and cast) and the rest
-        (constants folded at trace time), which it loads."""
+        here at first use from the module tensor, transposed and cast as the graph holds it; the step graphs
+        are traced without host copies of them) and the rest (constants folded at trace time), which it
+        loads."""
         torch = _torch()
         devices = parse_devices(self.device)
         where = f"cuda:{devices.physical[0]}" if devices.kind == "cuda" else "cpu"
@@ -189,8 +190,7 @@ class Decoder:
         else:
             tensors = step_tensors(self.model)
             sources = {name: (origin, transposed, tensors[origin])
-                       for name, (origin, transposed) in getattr(graph, "origins", {}).items()
-                       if origin in tensors and name in params}
+                       for name, (origin, transposed) in getattr(graph, "origins", {}).items()}
         bind, rest = {}, dict(params)
         for name, (origin, transposed, value) in sources.items():
             t = graph.node(name).type
@@ -199,11 +199,12 @@ class Decoder:
                 v = value.detach() if isinstance(value, torch.Tensor) else numpy_to_torch(value)
                 v = v.t() if transposed else v
                 if tuple(v.shape) != t.shape:
-                    continue  # (loaded as traced)
+                    raise GraphError(f"graph input {name!r} holds the model's {origin!r} of shape {tuple(v.shape)}, "
+                                     f"not {t.shape}; this is a bug in generation, please report it.")
                 w = torch.empty(t.shape, dtype=_torch_dtype(t.dtype), device=where).copy_(v)
                 self._weights[key] = w if where != "cpu" else torch_to_numpy(w)
             bind[name] = self._weights[key]
-            del rest[name]
+            rest.pop(name, None)
         if isinstance(graph, TorchGraph):
             graph.parameters = rest  # (the trace's own copies of the bound weights go)
         return bind, rest

@@ -247,7 +247,7 @@ def _examples(model: Any, batch: int, length: int) -> tuple[Any, Any, Any]:
 def _trace(module: Any, example: tuple[Any, ...]) -> TorchGraph:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return from_torch(module, example)
+        return from_torch(module, example, module_values=False)  # the decoder reads the model's tensors itself
 
 
 def _rename_outputs(g: TorchGraph, shape: CacheShape) -> None:

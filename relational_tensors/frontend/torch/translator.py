@@ -68,8 +68,12 @@ _RULE_MODULES = (rules_conv, rules_elementwise, rules_linalg, rules_nn, rules_ra
 
 class _Translator:
     def __init__(self, ep: Any, casts_in_graph: bool = False, names: dict[str, str] | None = None,
-                 live: frozenset[str] = frozenset(), stacked: frozenset[str] = frozenset()) -> None:
+                 live: frozenset[str] = frozenset(), stacked: frozenset[str] = frozenset(),
+                 module_values: bool = True) -> None:
         self.ep = ep
+        # whether a module tensor's graph input gets its value in ``values`` (a host copy); without, only its
+        # origin is recorded, and whoever loads the graph reads the tensor itself
+        self.module_values = module_values
         self.fx = ep.graph
         self.g = TorchGraph()
         # a module tensor needed in another dtype becomes a cast in the graph, not a converted copy (a
@@ -151,7 +155,7 @@ class _Translator:
         v = c.value.detach()
         if transpose:
             v = v.t()
-        if _dtype_name(v.dtype) != want:
+        if _dtype_name(v.dtype) != want and (c.name is None or self.module_values):
             v = v.to(_torch_dtype(want))
         base = c.name if c.name is not None else c.origin
         if base in self.used:  # the same constant in another layout or dtype
@@ -160,7 +164,8 @@ class _Translator:
         dims = ("experts", *(f"d{i}" for i in range(1, v.dim()))) if c.name in self.stacked and not transpose \
             and v.dim() >= 2 else None
         t = self.g.parameter(name, tuple(v.shape), want, dims)
-        self.values[name] = torch_to_numpy(v)
+        if c.name is None or self.module_values:
+            self.values[name] = torch_to_numpy(v)
         if c.name is None:
             self.folded.append(name)
             if c.deps:
@@ -662,7 +667,7 @@ def _module_names(module: Any, ep: Any) -> dict[str, str]:
 
 
 def from_torch(module: Any, example_inputs: Any, casts_in_graph: bool = False,
-               differentiate: bool = False) -> TorchGraph:
+               differentiate: bool = False, module_values: bool = True) -> TorchGraph:
     """Trace ``module`` on ``example_inputs`` (a tensor or a tuple of tensors) into an ``rt.Graph``.
 
     The result is a :class:`TorchGraph`: parameters, buffers and trace-time constants
@@ -673,7 +678,10 @@ def from_torch(module: Any, example_inputs: Any, casts_in_graph: bool = False,
     module tensor read in another dtype is a graph input in its own dtype and a cast (for training).
     With ``differentiate`` every parameter that requires grad is one graph input (under the name
     ``named_parameters()`` gives it), and everything computed from it is computed in the graph, never
-    folded at trace time, so its gradient can be taken (``.differentiated`` lists them).
+    folded at trace time, so its gradient can be taken (``.differentiated`` lists them).  With
+    ``module_values=False`` the module's own parameters and buffers are left out of ``.parameters`` (no host
+    copy of the model is made; ``.origins`` says which module tensor each graph input holds, for the caller
+    to load from the tensor itself); constants folded at trace time keep their values.
     """
     torch = _torch()
     if not isinstance(module, torch.nn.Module):
@@ -717,8 +725,8 @@ def from_torch(module: Any, example_inputs: Any, casts_in_graph: bool = False,
         if differentiate else frozenset()
     stacked = frozenset(f"{path}.{k}" if path else k for path, sub in experts_modules(module)
                         for k, t in sub.named_parameters(recurse=False) if t.dim() >= 2)
-    ep = _decompose(ep, lambda e: _Translator(e, casts_in_graph, names, live, stacked).unruled())
-    tr = _Translator(ep, casts_in_graph, names, live, stacked)
+    ep = _decompose(ep, lambda e: _Translator(e, casts_in_graph, names, live, stacked, module_values).unruled())
+    tr = _Translator(ep, casts_in_graph, names, live, stacked, module_values)
     g = tr.run()
     if not g.outputs:
         raise GraphError(f"{type(module).__name__} returns nothing that depends on its inputs; there is no graph "
