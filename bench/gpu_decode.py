@@ -152,7 +152,10 @@ def main() -> None:
     ap.add_argument("--prefills", default="2048,8192")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--skip", default="", help="comma-separated parts to leave out: prefill, hf, logical")
+    ap.add_argument("--skip", default="", help="comma-separated parts to leave out: prefill, ours, hf, logical")
+    ap.add_argument("--append", action="store_true",
+                    help="add this run's rows to the result file already in --out (another command of the same "
+                         "lease: transformers' compiled baseline takes most of a command's time limit alone)")
     ap.add_argument("--block-size", type=int, default=None,
                     help="also time the decode step over a paged cache of blocks of this many positions")
     ap.add_argument("--profile", action="store_true",
@@ -167,6 +170,9 @@ def main() -> None:
     model = make_model(SMOKE if a.smoke else LLAMA3_8B, 2 if a.smoke else a.layers, "cuda" if cuda else "cpu")
     bandwidth = copy_bandwidth() if cuda else None
     rows: list[dict[str, Any]] = []
+    earlier = Path(a.out) / ("gpu_decode_smoke.json" if a.smoke else "gpu_decode.json")
+    if a.append and earlier.exists():
+        rows = json.loads(earlier.read_text())["rows"]
 
     def record(**row: Any) -> None:
         rows.append(row)
@@ -191,7 +197,8 @@ def main() -> None:
             record(part="prefill", tokens=n, ours_ms=ours, torch_eager_ms=ref)
     context = 40 if a.smoke else a.context
     for b in [int(x) for x in a.batches.split(",")]:
-        got = attempt(f"decode b={b}", lambda b=b: ours_decode(model, b, context, device, cuda))
+        got = None if "ours" in skip else attempt(f"decode b={b}", lambda b=b: ours_decode(model, b, context,
+                                                                                           device, cuda))
         hf = None if "hf" in skip else attempt(f"decode b={b} hf",
                                                lambda b=b: hf_decode(model, b, context, a.steps, cuda))
         ceiling = ceiling_ms(model, b, context, bandwidth) if bandwidth else None
@@ -199,7 +206,7 @@ def main() -> None:
         record(part="decode", batch=b, context=context, ours_ms=ms, greedy_equal=same, hf_static_compiled_ms=hf,
                ceiling_ms=ceiling, ours_tokens_s=b * 1e3 / ms if ms else None,
                hf_tokens_s=b * 1e3 / hf if hf else None, of_ceiling=ceiling / ms if ceiling and ms else None)
-        if a.block_size:
+        if a.block_size and "ours" not in skip:
             paged = attempt(f"decode b={b} paged", lambda b=b: ours_decode(model, b, context, device, cuda,
                                                                            a.block_size))
             if paged:
@@ -210,7 +217,7 @@ def main() -> None:
         prof = attempt("profile", lambda: profile_decode(model, context, device))
         if prof:
             record(part="profile", batch=1, context=context, **prof)
-    if "logical" not in skip:
+    if "logical" not in skip and "ours" not in skip:
         logical = "cuda:0,0,0,0,0,0,0,0" if cuda else "cpu:4"
         got = attempt("decode logical", lambda: ours_decode(model, 1, context, logical, cuda))
         if got:
@@ -223,6 +230,8 @@ def write(a: argparse.Namespace, rows: list[dict[str, Any]], bandwidth: float | 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     machine = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not a.smoke else platform.processor()
     command = " ".join(["python", "bench/gpu_decode.py", *sys.argv[1:]])
+    for r in rows:
+        r.setdefault("command", command)  # (rows appended from another command keep theirs)
     record = {"command": command, "commit": commit or "unknown",
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{machine}, {platform.node()}", "copy_bandwidth_bytes_s": bandwidth, "rows": rows}
@@ -233,7 +242,9 @@ def write(a: argparse.Namespace, rows: list[dict[str, Any]], bandwidth: float | 
 
     def f(x: Any, spec: str = ".2f") -> str:
         return format(x, spec) if isinstance(x, float) else "-" if x is None else str(x)
-    lines = [f"`{command}` at {record['commit']}, {record['date']}, {record['machine']}", "",
+    commands = list(dict.fromkeys(r["command"] for r in rows)) or [command]
+    lines = [" and ".join(f"`{c}`" for c in commands) + f" at {record['commit']}, {record['date']}, "
+             f"{record['machine']}", "",
              f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s" if bandwidth else "copy bandwidth: not measured (smoke)",
              "", "| part | shape | ours ms | baseline ms | ours tokens/s | baseline tokens/s | ceiling ms | of ceiling "
              "| greedy = transformers |", "|---|---|---|---|---|---|---|---|---|"]

@@ -47,6 +47,7 @@ from relational_tensors.runtime.memory_plan import (  # noqa: E402
     SIBLINGS,
     MemoryPlan,
     align,
+    buffer_bytes,
     plan_memory,
     sibling_tasks,
     view_geometry,
@@ -86,7 +87,14 @@ class Arenas:
     def __init__(self, dag: TaskDAG, plan: MemoryPlan) -> None:
         self.dag, self.plan = dag, plan
         self.geo = view_geometry(dag, plan)
-        self.mem = {d: np.zeros(max(n, 1), np.int64) for d, n in plan.arena_bytes.items()}
+        # roots outside the arena (bound inputs) get bytes of their own past the arena's end
+        ends = dict(plan.arena_bytes)
+        self.outside: dict[int, int] = {}
+        for r in sorted(plan.external):
+            d = dag.buffers[r].device
+            self.outside[r] = ends[d]
+            ends[d] += align(buffer_bytes(dag, r)[0])
+        self.mem = {d: np.zeros(max(n, 1), np.int64) for d, n in ends.items()}
         self._cells: dict[int, np.ndarray] = {}
 
     def cells(self, b: int) -> np.ndarray:
@@ -95,7 +103,7 @@ class Arenas:
             return found
         buf = self.dag.buffers[b]
         root = self.plan.root(b)
-        base = self.plan.slots[root].offset
+        base = self.outside[root] if root in self.outside else self.plan.slots[root].offset
         size = itemsize(buf.dtype)
         offset, strides = self.geo.get(b, (0, contiguous_strides(buf.box.shape)))
         elements = np.full((), offset, np.int64)
@@ -186,6 +194,21 @@ def check_groups(cg: rt.CompiledGraph, plan: MemoryPlan, groups: list[FusionGrou
 def test_groups_of_a_training_step_keep_the_program(device: str) -> None:
     cg = training_step(device)
     plan, groups = planned(cg)
+    assert groups
+    check_groups(cg, plan, groups)
+
+
+@pytest.mark.parametrize("device", ["cpu:1", "cpu:2", "cpu:4"])
+def test_groups_keep_the_program_with_weights_outside_the_arena(device: str) -> None:
+    """Weights bound to the caller's arrays (``compileGraph``'s ``bind``) have no slot: the fused program
+    still computes what the unfused one does, reading them where they lie."""
+    g = llama_training_graph(2, 16, 32, 4, 2, 64, 64, dtype="bfloat16")
+    cg = rt.compileGraph(g, device=device)
+    dag = cg.dag
+    external = frozenset(b for n in dag.input_nodes if n.role == "parameter" for _, b in dag.inputs[n.name])
+    plan, groups = fusion_plan(dag, cg.live, external=external)
+    assert external and not external & set(plan.slots)
+    assert sum(plan.arena_bytes.values()) < sum(planned(cg)[0].arena_bytes.values())
     assert groups
     check_groups(cg, plan, groups)
 
