@@ -365,6 +365,26 @@ def test_frontend_constants_are_read_through_the_host_helper() -> None:
     assert host(OnGpu()) is cpu
 
 
+def test_the_trace_copies_no_module_tensor_and_the_weights_are_read_from_the_module() -> None:
+    """Tracing reads the module's tensors for their shapes only (``module_values=False``): the graph's values
+    are then read from the tensors themselves, equal to what a trace with copies holds."""
+    model = _tiny_llama()
+    ids, _ = _batch(9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bare = rt.from_torch(model, (ids,), module_values=False)
+        full = rt.from_torch(model, (ids,))
+    assert set(bare.parameters) == set(full.folded) and set(bare.origins) == set(full.origins)
+    pm = rt.parallelize(model, (ids,), device="cpu:2")
+    with torch.no_grad():
+        got, want = pm(ids).logits, model(ids).logits
+    assert _rel(got, want) <= 1e-4
+    (program,) = pm.programs.values()
+    assert set(program.graph.parameters) == set(full.parameters)
+    for k, v in full.parameters.items():
+        assert (program.graph.parameters[k] == v).all(), k
+
+
 @pytest.mark.gpu
 def test_a_module_on_the_gpu_traces_with_its_constants_read_on_the_host() -> None:
     if not torch.cuda.is_available():
@@ -380,6 +400,10 @@ def test_a_module_on_the_gpu_traces_with_its_constants_read_on_the_host() -> Non
     for k, v in on_cpu.parameters.items():
         assert abs(on_gpu.parameters[k].astype("float64") - v.astype("float64")).max() <= 1e-6, k
     pm = rt.parallelize(model, {"input_ids": ids.cuda(), "attention_mask": mask.cuda()}, device="cuda:0,0")
+    with warnings.catch_warnings():  # weights read from the module on its GPU, not through the host
+        warnings.simplefilter("ignore")
+        bare = rt.from_torch(model, (ids.cuda(),), module_values=False)
+    assert set(bare.parameters) == set(bare.folded)
     with torch.no_grad():
         got = pm(input_ids=ids.cuda(), attention_mask=mask.cuda()).logits
         want = model(input_ids=ids.cuda(), attention_mask=mask.cuda()).logits

@@ -279,9 +279,17 @@ class ParallelModule(_TorchModule):
             traced = self.module  # tensors by position: the module itself
         else:
             traced = _bound(self.module, spec, flat, _input_names(self.module, args, kwargs))
-        graph: TorchGraph = from_torch(traced, tensors)
+        # traced without copies of the module's tensors (planning reads shapes only); their values are read
+        # from the tensors themselves, on the device where the plan is on GPUs (no host copy of the model)
+        graph: TorchGraph = from_torch(traced, tensors, module_values=False)
         # the forward is planned when first run: a call with grad enabled runs the training program instead
-        return Program(graph, None, traced, tensors, self.device, self.compile_options, modes)
+        program = Program(graph, None, traced, tensors, self.device, self.compile_options, modes)
+        values = program._read_origins(graph, set())
+        if values is None:  # a module tensor the trace saw is not among its parameters and buffers: as traced
+            program.graph = graph = from_torch(traced, tensors)
+        else:
+            graph.parameters = values
+        return program
 
     def _refusal(self, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any], spec: Any) -> ExecError:
         """Why a call's inputs are not the example's, when shapes are static."""
