@@ -201,6 +201,23 @@ def test_prompt_lengths_share_a_bucket_and_a_new_batch_restarts() -> None:
     assert list(dec._prefills) == [(2, 16)]
 
 
+def test_prefill_programs_past_max_prefills_are_dropped_least_recent_first() -> None:
+    """Each prompt bucket has a prefill program holding its activations' memory; past ``max_prefills`` the
+    least recently used goes, and one needed again is planned again, with the same tokens."""
+    model = _model("llama")
+    dec = rt.decoder(model, max_batch=2, max_len=96, max_prefills=2)
+    got = {}
+    for s in (5, 20, 40, 6):  # buckets 16, 32, 48, then 16 again
+        ids, mask = _batch(2, s, seed=s)
+        got[s] = dec.prefill(ids, mask)
+        assert len(dec._prefills) <= 2
+    assert list(dec._prefills) == [(2, 48), (2, 16)]
+    ids, mask = _batch(2, 5, seed=5)
+    assert torch.equal(dec.prefill(ids, mask), got[5])
+    with pytest.raises(rt.GraphError, match="max_prefills"):
+        rt.decoder(model, max_prefills=0)
+
+
 def test_sequences_joining_and_leaving_get_the_tokens_they_get_alone() -> None:
     """Continuous batching: three requests through two slots, joining and leaving between steps, each gets
     the greedy tokens it gets alone (and transformers gives it alone)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import io
 import weakref
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -111,11 +112,16 @@ class Decoder:
     nothing reads it), a sequence takes a block when it reaches one more ``block_size`` positions and gives
     its blocks back when it leaves, and the decode step reads each sequence's positions through a table of
     pool rows (an input, like the tokens).  ``num_blocks`` defaults to enough for every slot's whole
-    ``max_len``; fewer makes sequences share the memory, and a step that finds no free block is refused."""
+    ``max_len``; fewer makes sequences share the memory, and a step that finds no free block is refused.
+
+    ``max_prefills`` bounds the prefill programs kept (one per batch size and prompt bucket, each holding its
+    activations' memory on the devices): past it, the least recently used is dropped, and planned again if a
+    join needs it."""
 
     def __init__(self, model: Any, max_batch: int, max_len: int, device: Any = None, block_size: int | None = None,
-                 num_blocks: int | None = None, **compile_options: Any) -> None:
-        sizes = (("max_batch", max_batch), ("max_len", max_len), ("block_size", block_size), ("num_blocks", num_blocks))
+                 num_blocks: int | None = None, max_prefills: int = 4, **compile_options: Any) -> None:
+        sizes = (("max_batch", max_batch), ("max_len", max_len), ("block_size", block_size), ("num_blocks", num_blocks),
+                 ("max_prefills", max_prefills))
         for what, value in sizes:
             if value is None and what in ("block_size", "num_blocks"):
                 continue
@@ -135,7 +141,8 @@ class Decoder:
         self.max_batch, self.max_len = max_batch, max_len
         self.device = device
         self.options = compile_options
-        self._prefills: dict[tuple[int, int], _Program] = {}
+        self._prefills: OrderedDict[tuple[int, int], _Program] = OrderedDict()  # least recently used first
+        self.max_prefills = max_prefills
         self._decode: _Program | None = None
         # the weights every program reads in place: one copy, taken when the first program is made, in the
         # layout and dtype the graphs hold them (a Linear's weight transposed), on the plan's first GPU or
@@ -166,6 +173,9 @@ class Decoder:
             graph, params = _graph(self.model, batch, length, None)
             bind, rest = self._shared(graph, params)
             self._prefills[key] = _Program(graph, rest, bind, self.device, self.options, f"prefill {batch}x{length}")
+            while len(self._prefills) > self.max_prefills:
+                self._prefills.popitem(last=False)  # (its memory goes with it; the prompts it made are copies)
+        self._prefills.move_to_end(key)
         return self._prefills[key]
 
     def decode_program(self) -> _Program:
@@ -485,11 +495,11 @@ _DECODERS: weakref.WeakKeyDictionary[Any, dict[Any, Decoder]] = weakref.WeakKeyD
 
 
 def decoder(model: Any, max_batch: int = 1, max_len: int = 2048, device: Any = None, block_size: int | None = None,
-            num_blocks: int | None = None, **compile_options: Any) -> Decoder:
+            num_blocks: int | None = None, max_prefills: int = 4, **compile_options: Any) -> Decoder:
     """A :class:`Decoder` for ``model`` (a transformers causal LM): prefill and decode programs planned for
     ``device`` (as ``rt.compileGraph``'s), the cache ``max_len`` positions long (``block_size``: paged, in
-    ``num_blocks`` blocks that the slots share)."""
-    return Decoder(model, max_batch, max_len, device, block_size, num_blocks, **compile_options)
+    ``num_blocks`` blocks that the slots share), at most ``max_prefills`` prefill programs kept."""
+    return Decoder(model, max_batch, max_len, device, block_size, num_blocks, max_prefills, **compile_options)
 
 
 def _select(logits: Any, do_sample: bool, temperature: float, top_k: int | None, top_p: float | None,
