@@ -163,10 +163,18 @@ def test_the_prefill_and_decode_programs_read_one_copy_of_the_weights() -> None:
         for ex in (pre.executor, step.executor):
             for _, b in ex.dag.inputs[name]:
                 assert np.shares_memory(ex._get(b), pre._bind[name])
+    # another decoder of the unchanged model reads the same copy; once the model changes, a new one copies it
+    other = rt.decoder(model, max_batch=2, max_len=64, device="cpu:3")
+    other.prefill(_batch(2)[0])
+    assert all(other._weights[k] is w for k, w in dec._weights.items() if k in other._weights)
     with torch.no_grad():
         model.lm_head.weight.mul_(2)
     again = dec.prefill(_batch(2)[0])
     assert torch.equal(again, first)
+    fresh = rt.decoder(model, max_batch=2, max_len=48, device="cpu:2")
+    changed = fresh.prefill(_batch(2)[0])
+    assert not torch.equal(changed, first)
+    torch.testing.assert_close(changed, model(_batch(2)[0]).logits[:, -1], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("device", ["cpu:1", "cpu:3"])
@@ -241,6 +249,16 @@ def test_sequences_joining_and_leaving_get_the_tokens_they_get_alone() -> None:
     for name in prompts:
         assert requests.got[name] == alone[name].tolist(), name
     assert list(dec._prefills) == [(1, 16)]  # one prompt bucket: one prefill program for all three
+
+
+def test_generate_keeps_its_most_recent_decoders_per_model() -> None:
+    from relational_tensors.api import generation
+
+    model = _model("llama")
+    for b in (1, 2, 3):
+        rt.generate(model, _batch(b)[0], max_new_tokens=2, device="cpu:2")
+    held = generation._DECODERS[model]
+    assert len(held) == generation.KEPT_DECODERS and [k[2] for k in held] == [2, 3]
 
 
 def test_eos_pads_finished_sequences_and_stops() -> None:

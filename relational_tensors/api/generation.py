@@ -202,17 +202,28 @@ class Decoder:
             sources = {name: (origin, transposed, tensors[origin])
                        for name, (origin, transposed) in getattr(graph, "origins", {}).items()}
         bind, rest = {}, dict(params)
+        shared = _WEIGHTS.setdefault(self.model, {})
         for name, (origin, transposed, value) in sources.items():
             t = graph.node(name).type
             key = (origin, transposed, t.dtype)
             if key not in self._weights:
-                v = value.detach() if isinstance(value, torch.Tensor) else numpy_to_torch(value)
-                v = v.t() if transposed else v
-                if tuple(v.shape) != t.shape:
-                    raise GraphError(f"graph input {name!r} holds the model's {origin!r} of shape {tuple(v.shape)}, "
-                                     f"not {t.shape}; this is a bug in generation, please report it.")
-                w = torch.empty(t.shape, dtype=_torch_dtype(t.dtype), device=where).copy_(v)
-                self._weights[key] = w if where != "cpu" else torch_to_numpy(w)
+                # another decoder's copy of an unchanged module tensor (its storage and version counter the
+                # same: an optimizer step or a load_state_dict changes the counter) is this one's too
+                stamp = (value.data_ptr(), value._version) if isinstance(value, torch.Tensor) else None
+                held = shared.get((where, origin, transposed, t.dtype))
+                w = held[1]() if held is not None and stamp is not None and held[0] == stamp else None
+                if w is None:
+                    v = value.detach() if isinstance(value, torch.Tensor) else numpy_to_torch(value)
+                    v = v.t() if transposed else v
+                    if tuple(v.shape) != t.shape:
+                        raise GraphError(f"graph input {name!r} holds the model's {origin!r} of shape "
+                                         f"{tuple(v.shape)}, not {t.shape}; this is a bug in generation, please "
+                                         "report it.")
+                    w = torch.empty(t.shape, dtype=_torch_dtype(t.dtype), device=where).copy_(v)
+                    w = w if where != "cpu" else torch_to_numpy(w)
+                    if stamp is not None:
+                        shared[(where, origin, transposed, t.dtype)] = (stamp, weakref.ref(w))
+                self._weights[key] = w
             bind[name] = self._weights[key]
             rest.pop(name, None)
         if isinstance(graph, TorchGraph):
@@ -491,7 +502,13 @@ def _describe(x: Any) -> str:
 
 # --- generate ---------------------------------------------------------------------------------------------------
 
-_DECODERS: weakref.WeakKeyDictionary[Any, dict[Any, Decoder]] = weakref.WeakKeyDictionary()
+_DECODERS: weakref.WeakKeyDictionary[Any, OrderedDict[Any, Decoder]] = weakref.WeakKeyDictionary()
+KEPT_DECODERS = 2  # rt.generate's decoders kept per model (batch size, cache length, device), least recent dropped
+
+# per model, the weight copies its decoders read in place, by (device, module tensor, transposed, dtype):
+# (the tensor's storage and version counter when copied, the copy, weakly: it lives while a decoder binds it)
+_WEIGHTS: weakref.WeakKeyDictionary[Any, dict[tuple[str, str, bool, str], tuple[Any, Any]]] = \
+    weakref.WeakKeyDictionary()
 
 
 def decoder(model: Any, max_batch: int = 1, max_len: int = 2048, device: Any = None, block_size: int | None = None,
@@ -570,11 +587,14 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, max_new_tok
     b, s = ids.shape
     need = -(-s // PROMPT_BUCKET) * PROMPT_BUCKET + max_new_tokens
     max_len = -(-need // LENGTH_BUCKET) * LENGTH_BUCKET
-    held = _DECODERS.setdefault(model, {})
+    held = _DECODERS.setdefault(model, OrderedDict())
     key = (repr(device), max_len, b, tuple(sorted((k, repr(v)) for k, v in compile_options.items())))
     dec = held.get(key)
     if dec is None:
         dec = held[key] = Decoder(model, b, max_len, device, **compile_options)
+        while len(held) > KEPT_DECODERS:  # each holds its programs and its cache on the devices
+            held.popitem(last=False)
+    held.move_to_end(key)
     generator = None
     logits = dec.prefill(ids, mask)
     if do_sample and seed is not None:  # else torch's default generator of the logits' device draws
