@@ -75,6 +75,13 @@ def test_a_bound_input_is_a_constant_and_bad_binds_are_refused() -> None:
     cg = rt.compileGraph(g, device="cpu:2", bind={"w1": feeds["w1"]})
     with pytest.raises(ExecError, match="bound when the program was made"):
         cg.load({"w1": feeds["w1"]})
+    unread = rt.Graph()  # an input no operator reads has no blocks to bind
+    a = unread.input("a", [4], "float32")
+    unread.input("u", [3], "float32")
+    unread.save(unread.unary(a, "relu"), name="out")
+    ones = np.ones(4, np.float32)
+    got = rt.compileGraph(unread, device="cpu:2", bind={"a": ones, "u": np.zeros(3, np.float32)}).run({})
+    np.testing.assert_array_equal(got["out"], ones)
     with pytest.raises(ExecError, match="not among its inputs"):
         rt.compileGraph(g, device="cpu:2", bind={"w9": feeds["w1"]})
     with pytest.raises(ExecError, match="must have shape"):

@@ -251,6 +251,34 @@ def test_sequences_joining_and_leaving_get_the_tokens_they_get_alone() -> None:
     assert list(dec._prefills) == [(1, 16)]  # one prompt bucket: one prefill program for all three
 
 
+def test_a_plain_tensor_attribute_the_model_reads_is_a_weight_too() -> None:
+    """A submodule's tensor that is neither a parameter nor a buffer is traced as a constant; the decoder reads
+    it from the module by its attribute path, as it reads the parameters."""
+    model = _model("llama")
+
+    class Scaled(torch.nn.Module):
+        def __init__(self, inner: object) -> None:
+            super().__init__()
+            self.inner, self.scale = inner, torch.linspace(0.5, 1.5, 32)  # a plain attribute
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x) * self.scale
+
+    model.model.norm = Scaled(model.model.norm)
+    ids, mask = _batch()
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(rt.generate(model, ids, mask, max_new_tokens=4, device="cpu:2"), want)
+
+
+def test_a_decoder_for_gpus_plans_where_there_are_none() -> None:
+    """Planning (and simulating) a decoder for GPUs needs no GPU: its weights are read only to run."""
+    if torch.cuda.is_available():
+        pytest.skip("a machine without GPUs")
+    dec = rt.decoder(_model("llama"), max_batch=2, max_len=48, device="cuda:0,1")
+    step = dec.decode_program()
+    assert step.compiled.simulate() > 0 and not step.compiled._bind
+
+
 def test_generate_keeps_its_most_recent_decoders_per_model() -> None:
     from relational_tensors.api import generation
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from relational_tensors.api.compile import compileGraph
 from relational_tensors.api.device_io import output, stage
-from relational_tensors.errors import ExecError, GraphError
+from relational_tensors.errors import ExecError, GraphError, PlanError
 from relational_tensors.frontend.torch.convert import _torch, _torch_dtype, numpy_to_torch, torch_to_numpy
 from relational_tensors.frontend.torch.decoding import (
     CacheShape,
@@ -44,7 +44,7 @@ from relational_tensors.frontend.torch.decoding import (
 from relational_tensors.frontend.torch.torch_graph import TorchGraph
 from relational_tensors.graph.graph import Graph
 from relational_tensors.graph.models import CausalLM, lm_decode_graph, lm_prefill_graph
-from relational_tensors.machine.devices import parse_devices
+from relational_tensors.machine.devices import parse_devices, visible_gpus
 
 __all__ = ["Decoder", "decoder", "generate", "PROMPT_BUCKET", "LENGTH_BUCKET"]
 
@@ -75,7 +75,7 @@ class _Program:
         values = {name: self.feed(x) for name, x in feeds.items()}
         if not self.loaded:
             self.compiled.load({**self.parameters, **values})
-            self.loaded = True
+            self.loaded, self.parameters = True, {}  # (loaded: the program holds them now)
         elif not stage(self.compiled, values):
             self.compiled.load(values)
 
@@ -86,8 +86,10 @@ class _Program:
 
     def state(self, name: str) -> Any:
         """State ``name``'s current value as a torch tensor (a copy, on the plan's first GPU or the host)."""
-        if self.cuda:
-            return _torch().from_dlpack(self.compiled.offload(name, like="cupy"))
+        if self.cuda:  # (bfloat16 comes back as its bit pattern)
+            t = _torch().from_dlpack(self.compiled.offload(name, like="cupy"))
+            dtype = self.graph.node(name).type.dtype
+            return t.view(_torch_dtype(dtype)) if dtype == "bfloat16" else t
         return numpy_to_torch(self.compiled.offload(name))
 
     def run(self, feeds: dict[str, Any], outputs: Sequence[str]) -> list[Any]:
@@ -174,7 +176,9 @@ class Decoder:
             bind, rest = self._shared(graph, params)
             self._prefills[key] = _Program(graph, rest, bind, self.device, self.options, f"prefill {batch}x{length}")
             while len(self._prefills) > self.max_prefills:
-                self._prefills.popitem(last=False)  # (its memory goes with it; the prompts it made are copies)
+                _, dropped = self._prefills.popitem(last=False)  # its memory goes; the prompts it made are copies
+                if dropped.loaded:  # (after its last kernels: the memory may be reused at once)
+                    dropped.compiled.synchronize()
         self._prefills.move_to_end(key)
         return self._prefills[key]
 
@@ -190,39 +194,52 @@ class Decoder:
     def _shared(self, graph: Graph, params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """``graph``'s weights split into those its program reads in place from the decoder's one copy (made
         here at first use from the module tensor, transposed and cast as the graph holds it; the step graphs
-        are traced without host copies of them) and the rest (constants folded at trace time), which it
-        loads."""
+        are traced without host copies of them) and the rest, which it loads: constants folded at trace time,
+        and every weight where the plan spans several GPUs (each GPU is then loaded its blocks alone, not
+        given a whole copy) or runs elsewhere (``device="dist"``, a pipeline chosen among several, a plan
+        for GPUs this machine does not have)."""
         torch = _torch()
-        devices = parse_devices(self.device)
-        where = f"cuda:{devices.physical[0]}" if devices.kind == "cuda" else "cpu"
+        try:
+            devices = parse_devices(self.device)
+        except PlanError:  # "dist": each rank loads its blocks
+            devices = None
+        gpus = sorted(set(devices.physical)) if devices is not None and devices.kind == "cuda" else []
+        binds = devices is not None and self.options.get("pipeline") != "auto" and (
+            devices.kind == "cpu" or (len(gpus) == 1 and visible_gpus() > gpus[0]))
+        where = f"cuda:{gpus[0]}" if binds and gpus else "cpu"
         if isinstance(self.model, CausalLM):  # the graph-API model's weights, by name
             sources = {name: (name, False, params[name]) for name in params}
         else:
-            tensors = step_tensors(self.model)
-            sources = {name: (origin, transposed, tensors[origin])
+            sources = {name: (origin, transposed, _module_tensor(self.model, origin))
                        for name, (origin, transposed) in getattr(graph, "origins", {}).items()}
         bind, rest = {}, dict(params)
         shared = _WEIGHTS.setdefault(self.model, {})
         for name, (origin, transposed, value) in sources.items():
             t = graph.node(name).type
+            v = value.detach() if isinstance(value, torch.Tensor) else numpy_to_torch(value)
+            v = v.t() if transposed else v
+            if tuple(v.shape) != t.shape:
+                raise GraphError(f"graph input {name!r} holds the model's {origin!r} of shape {tuple(v.shape)}, not "
+                                 f"{t.shape}; this is a bug in generation, please report it.")
+            if not binds:  # loaded as it is, from the tensor's own device (device to device on GPUs)
+                v = v.to(_torch_dtype(t.dtype)).contiguous()
+                rest[name] = v if v.is_cuda and gpus else torch_to_numpy(v.cpu())
+                continue
             key = (origin, transposed, t.dtype)
+            at = (where, origin, transposed, t.dtype)
             if key not in self._weights:
-                # another decoder's copy of an unchanged module tensor (its storage and version counter the
-                # same: an optimizer step or a load_state_dict changes the counter) is this one's too
-                stamp = (value.data_ptr(), value._version) if isinstance(value, torch.Tensor) else None
-                held = shared.get((where, origin, transposed, t.dtype))
-                w = held[1]() if held is not None and stamp is not None and held[0] == stamp else None
+                # another decoder's copy of the same module tensor, unchanged since (torch's version counter,
+                # which an optimizer step or a load_state_dict advances), is this one's too
+                held = shared.get(at)
+                w = None
+                if held is not None and isinstance(value, torch.Tensor) and held[0]() is value and \
+                        held[1] == value._version:
+                    w = held[2]()
                 if w is None:
-                    v = value.detach() if isinstance(value, torch.Tensor) else numpy_to_torch(value)
-                    v = v.t() if transposed else v
-                    if tuple(v.shape) != t.shape:
-                        raise GraphError(f"graph input {name!r} holds the model's {origin!r} of shape "
-                                         f"{tuple(v.shape)}, not {t.shape}; this is a bug in generation, please "
-                                         "report it.")
                     w = torch.empty(t.shape, dtype=_torch_dtype(t.dtype), device=where).copy_(v)
                     w = w if where != "cpu" else torch_to_numpy(w)
-                    if stamp is not None:
-                        shared[(where, origin, transposed, t.dtype)] = (stamp, weakref.ref(w))
+                    if isinstance(value, torch.Tensor):
+                        shared[at] = (weakref.ref(value), value._version, weakref.ref(w))
                 self._weights[key] = w
             bind[name] = self._weights[key]
             rest.pop(name, None)
@@ -450,6 +467,22 @@ class Decoder:
                 f"slots={self.slots}, prefills={sorted(self._prefills)})")
 
 
+def _module_tensor(model: Any, origin: str) -> Any:
+    """The tensor of ``model`` that a step graph's input holds, by the name its ``origins`` give it: a parameter
+    or buffer (``step_tensors``), or a plain tensor attribute of a submodule (which tracing lifts as a
+    constant), by its attribute path."""
+    tensors = step_tensors(model)
+    if origin in tensors:
+        return tensors[origin]
+    found: Any = model
+    for part in origin.split(".")[1:]:  # (the step modules hold the model as ``model``)
+        found = getattr(found, part, None)
+    if not isinstance(found, _torch().Tensor):
+        raise GraphError(f"a step graph reads the model's tensor {origin!r}, which is neither a parameter, a buffer "
+                         "nor a tensor attribute of it; this is a bug in generation, please report it.")
+    return found
+
+
 def _cache_shape(model: Any) -> CacheShape:
     """The cache of a transformers model or of a graph-API :class:`CausalLM`."""
     if isinstance(model, CausalLM):
@@ -506,8 +539,8 @@ _DECODERS: weakref.WeakKeyDictionary[Any, OrderedDict[Any, Decoder]] = weakref.W
 KEPT_DECODERS = 2  # rt.generate's decoders kept per model (batch size, cache length, device), least recent dropped
 
 # per model, the weight copies its decoders read in place, by (device, module tensor, transposed, dtype):
-# (the tensor's storage and version counter when copied, the copy, weakly: it lives while a decoder binds it)
-_WEIGHTS: weakref.WeakKeyDictionary[Any, dict[tuple[str, str, bool, str], tuple[Any, Any]]] = \
+# (the tensor and its version counter when copied, the copy), both weakly: a copy lives while a decoder binds it
+_WEIGHTS: weakref.WeakKeyDictionary[Any, dict[tuple[str, str, bool, str], tuple[Any, int, Any]]] = \
     weakref.WeakKeyDictionary()
 
 

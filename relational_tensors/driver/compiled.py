@@ -149,12 +149,15 @@ class CompiledGraph:
     def load_checkpoint(self, path: str | Path) -> list[str]:
         """Load every graph input that the safetensors checkpoint at ``path`` holds, each process reading
         only the slices of the blocks it keeps (``relational_tensors.driver.checkpoint``); returns the names
-        loaded (the others are left for ``load``).  Under ``device="dist"`` every rank calls it."""
+        loaded (the others are left for ``load``; bound inputs are not read).  Under ``device="dist"`` every
+        rank calls it."""
         from relational_tensors.driver.checkpoint import read_pieces
 
         ex = self.executor
         wanted = {}
         for name, blocks in self.dag.inputs.items():
+            if name in self._bind:  # read in place from the array it was bound to
+                continue
             t = self.graph.node(name).type
             boxes = list(dict.fromkeys(box for box, b in blocks if ex._holds(b)))
             if boxes:

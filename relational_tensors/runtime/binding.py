@@ -82,6 +82,7 @@ def gpu_bindings(cp: Any, dag: Any, bind: Mapping[str, Any], phys: Any, keeps: A
     arrays: dict[str, Any] = {}
     bound: dict[int, Any] = {}
     for name, value in bind.items():
+        value = value.detach() if hasattr(value, "detach") else value  # (a torch tensor that requires grad)
         arr = _as_device_array(cp, value)
         if arr is None:
             raise ExecError(f"bound input {name!r} is read in place on the GPUs: give a CUDA array (a torch CUDA "
@@ -90,7 +91,7 @@ def gpu_bindings(cp: Any, dag: Any, bind: Mapping[str, Any], phys: Any, keeps: A
         t = dag.node(name).type
         if not arr.flags.c_contiguous:
             continue  # every block copied
-        for box, b in dag.inputs[name]:
+        for box, b in dag.inputs.get(name, ()):
             buf = dag.buffers[b]
             if not keeps(buf.device) or buf.parent is not None or phys[buf.device] != arr.device.id:
                 continue
@@ -109,7 +110,7 @@ def place_copied(cp: Any, dag: Any, arrays: Mapping[str, Any], bound: Mapping[in
     gpus = set()
     for name, (_, arr) in arrays.items():
         src = arr.view(cp.uint16) if dag.node(name).type.dtype == "bfloat16" else arr
-        for box, b in dag.inputs[name]:
+        for box, b in dag.inputs.get(name, ()):
             if b in bound or not keeps(dag.buffers[b].device):
                 continue
             view = views[b]

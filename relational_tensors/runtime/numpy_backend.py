@@ -85,7 +85,7 @@ class NumpyExecutor:
                 raise ExecError(f"bound input {name!r} is read in place on the host: give a NumPy array of its "
                                 f"dtype; got {type(value).__name__}.")
             self.bound_arrays[name] = a
-            for box, buf in self.dag.inputs[name]:
+            for box, buf in self.dag.inputs.get(name, ()):  # (an input no operator reads has no blocks)
                 if self._holds(buf):
                     self._put(buf, a[box.slices()])
         self.resident.update(self.bound_arrays)
