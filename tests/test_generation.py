@@ -425,6 +425,12 @@ def test_greedy_on_a_gpu(device: str) -> None:
     assert logits.is_cuda and logits.dtype == torch.bfloat16
     bound = dec.prefill_program(*next(iter(dec._prefills))).compiled.executor.bound
     assert bound  # the weights' blocks read in place from the decoder's copy
+    dec.decode(logits.argmax(-1))  # a join after a step reads the bf16 cache states back to write its prompt
+    assert dec.decode_program().state("cache.0.k").dtype == torch.bfloat16
+    dec.leave(0)
+    (slot,), again = dec.join(ids[:1], mask[:1])
+    assert slot == 0
+    torch.testing.assert_close(again.float(), logits[:1].float(), rtol=0.02, atol=0.02)
     with torch.no_grad():
         ref = bf(input_ids=ids, attention_mask=mask).logits[:, -1]
     torch.testing.assert_close(logits.float(), ref.float(), rtol=0.05, atol=0.05)
