@@ -12,7 +12,7 @@ import operator
 import re
 from typing import Any
 
-from relational_tensors.frontend.torch.convert import _dtype_name, _torch
+from relational_tensors.frontend.torch.convert import _dtype_name, _torch, host
 
 # operations whose result depends only on the (static) shape and dtype of their tensor argument
 _SHAPE_ONLY = frozenset({"zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full"})
@@ -34,11 +34,22 @@ class _Const:
     computed from it is translated into the graph, never folded); ``deps``: the module tensors a
     folded value was computed from (a fold must be redone when they change)."""
 
-    __slots__ = ("value", "name", "origin", "live", "deps")
+    __slots__ = ("_value", "tensor", "name", "origin", "live", "deps")
 
     def __init__(self, value: Any, name: str | None, origin: str, live: bool = False,
-                 deps: frozenset[str] = frozenset()) -> None:
-        self.value, self.name, self.origin, self.live, self.deps = value, name, origin, live, deps
+                 deps: frozenset[str] = frozenset(), tensor: Any = None) -> None:
+        # ``tensor``: a module tensor as the module holds it (on its device); its host copy, ``value``, is
+        # made when a rule first reads it (a GPU model's weights are read for their shapes only)
+        self._value = value
+        self.tensor = tensor if tensor is not None else value
+        self.name, self.origin, self.live, self.deps = name, origin, live, deps
+
+    @property
+    def value(self) -> Any:
+        """The constant's value on the host (a GPU module's tensor copied there at first read)."""
+        if self._value is None:
+            self._value = host(self.tensor)
+        return self._value
 
 
 class _Unsupported(Exception):

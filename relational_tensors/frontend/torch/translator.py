@@ -124,7 +124,7 @@ class _Translator:
     # --- constants as graph inputs ---------------------------------------------------
     def materialize(self, c: _Const, dtype: str | None = None, transpose: bool = False) -> Tensor:
         """The graph input holding constant ``c`` (cast to ``dtype``, transposed for a Linear weight)."""
-        value = c.value
+        value = c.tensor  # (its shape and dtype: no host copy)
         want = dtype or _dtype_name(value.dtype)
         if want is None:
             raise _fail(f"a constant of dtype {value.dtype} ({c.name or c.origin}, shape {tuple(value.shape)}) "
@@ -152,7 +152,7 @@ class _Translator:
     def _leaf(self, c: _Const, want: str, transpose: bool) -> Tensor:
         """A new graph input holding ``c`` in dtype ``want`` (transposed: a Linear weight as ``[in, out]``)."""
         self._keep.append(c)
-        v = c.value.detach()
+        v = c.tensor.detach()  # (on the module's device: torch_to_numpy below copies it to the host if wanted)
         if transpose:
             v = v.t()
         if _dtype_name(v.dtype) != want and (c.name is None or self.module_values):
@@ -395,10 +395,10 @@ class _Translator:
             value = self.ep.state_dict.get(spec.target)
             if value is None:
                 value = self.ep.constants[spec.target]
-            value = host(value)  # a GPU module's tensor: its values are read on the host
             name = self.names.get(spec.target, spec.target)
             live = spec.kind == InputKind.PARAMETER and name in self.live
-            self.env[node] = _Const(value, name, spec.target, live=live, deps=frozenset({name}))
+            # a GPU module's tensor: read on the host only where a rule needs its values (``_Const.value``)
+            self.env[node] = _Const(None, name, spec.target, live=live, deps=frozenset({name}), tensor=value)
             return
         raise GraphError(f"from_torch cannot take the export input {node.name!r} of kind {spec.kind.name}; "
                          "only tensors, parameters, buffers and tensor constants are supported.")
