@@ -73,7 +73,10 @@ class Buffer:
     def nbytes(self) -> int:
         n = self._nbytes
         if n < 0:
-            n = sum(block_bytes(self.box, self.dtype, self.partial == "lse"))
+            if self.partial == "lse":
+                n = sum(block_bytes(self.box, self.dtype, True))
+            else:  # (block_bytes' elements alone, without making its pair: most buffers are no lse partial)
+                n = self.box.volume * itemsize(self.dtype)
             self._nbytes = n
         return n
 
@@ -211,7 +214,15 @@ class TaskDAG:
         (``root``: ``view_roots()``, found once by a caller that asks of every task)."""
         if t.kind == "load":
             return []
-        return [(r, b) for b in t.outputs if (r := root.get(b, b) if root is not None else self.root(b)) in kept]
+        if root is None:
+            return [(r, b) for b in t.outputs if (r := self.root(b)) in kept]
+        # (a loop, not a comprehension: most tasks write no kept block, and this is asked of every task)
+        out = []
+        for b in t.outputs:
+            r = root.get(b, b)
+            if r in kept:
+                out.append((r, b))
+        return out
 
     def add(self, kind: str, device: int, inputs: tuple[int, ...], outputs: tuple[int, ...], **kw: Any) -> Task:
         task = Task(len(self.tasks), kind, device, inputs, outputs, **kw)
@@ -400,9 +411,20 @@ def liveness(dag: TaskDAG, category: Callable[[int], str] | None = None,
     persistent |= {root[b] for b in persistent if b in root}
     end = len(tasks)
     # a view of a reshape output is read through that output (an executor holds its value), so the
-    # reshape output lives as long as its views too
-    through = {b: p for b in root if buffers[b].parent is not None and (p := dag.root(b)) in root}
-    # task ids increase, so a buffer's last use is the last task naming it (or a view of it)
+    # reshape output lives as long as its views too.  (The end of a view's chain of parents has no parent
+    # itself, so only ``shares`` can put it in ``root``: without them there is none.)
+    through: dict[int, int] = {}
+    if shares:
+        for b in root:
+            p = buffers[b].parent
+            if p is None:  # (a reshape output, no view)
+                continue
+            while (up := buffers[p].parent) is not None:  # to the end of b's chain of parents (``dag.root(b)``)
+                p = up
+            if p in root:
+                through[b] = p
+    # task ids increase, so a buffer's last use is the last task naming it (or a view of it).  ``born``: the
+    # first task writing each persistent root or a view of it (whether it is loaded); no other is asked for
     last_use: dict[int, int] = {}
     born: dict[int, int] = {}
     for t in tasks:
@@ -417,11 +439,14 @@ def liveness(dag: TaskDAG, category: Callable[[int], str] | None = None,
         for b in t.outputs:
             r = root.get(b)
             if r is None:
-                born.setdefault(b, tid)
+                if b in persistent and b not in born:
+                    born[b] = tid
                 last_use[b] = tid
             else:
-                born.setdefault(r, tid)
-                last_use.setdefault(b, tid)  # written but never read: dies right away
+                if r in persistent and r not in born:
+                    born[r] = tid
+                if b not in last_use:  # written but never read: dies right away
+                    last_use[b] = tid
                 last_use[r] = tid
     for b in persistent:
         last_use[b] = end
@@ -444,9 +469,10 @@ def liveness(dag: TaskDAG, category: Callable[[int], str] | None = None,
             dies[last].append(b)
     counted: set[int] = set(loaded)  # resident already (a reshape of a loaded block takes no more)
     for t in tasks:
-        if t.kind == "load":
+        kind = t.kind
+        if kind == "load":
             continue
-        if t.kind != "assign":  # an assign writes a loaded (resident) block
+        if kind != "assign":  # an assign writes a loaded (resident) block
             for b in t.outputs:
                 r = root.get(b, b)
                 if r in counted:
@@ -454,27 +480,31 @@ def liveness(dag: TaskDAG, category: Callable[[int], str] | None = None,
                 counted.add(r)
                 buf = buffers[r]
                 d = buf.device
-                live[d] += buf.nbytes
+                n = buf.nbytes
+                now = live[d] + n
+                live[d] = now
                 if category is not None:
-                    by[d][category(buf.tensor)] += buf.nbytes
-                    if live[d] > peak[d]:
+                    by[d][category(buf.tensor)] += n
+                    if now > peak[d]:
                         at_peak[d] = dict(by[d])
-                if live[d] > peak[d]:
-                    peak[d] = live[d]
-        extra = scratch.get(t.id, 0) if scratch else 0
-        if extra and live[t.device] + extra > peak[t.device]:
-            peak[t.device] = live[t.device] + extra
-            if category is not None:
-                held = dict(by[t.device])
-                held["other"] = held.get("other", 0) + extra
-                at_peak[t.device] = held
+                if now > peak[d]:
+                    peak[d] = now
+        if scratch:
+            extra = scratch.get(t.id, 0)
+            if extra and live[t.device] + extra > peak[t.device]:
+                peak[t.device] = live[t.device] + extra
+                if category is not None:
+                    held = dict(by[t.device])
+                    held["other"] = held.get("other", 0) + extra
+                    at_peak[t.device] = held
         gone = dies.get(t.id)
         if gone:
             for b in gone:
                 buf = buffers[b]
-                live[buf.device] -= buf.nbytes
+                n = buf.nbytes
+                live[buf.device] -= n
                 if category is not None:
-                    by[buf.device][category(buf.tensor)] -= buf.nbytes
+                    by[buf.device][category(buf.tensor)] -= n
     for d in range(dag.p):
         peak.setdefault(d, 0)
         resident.setdefault(d, 0)

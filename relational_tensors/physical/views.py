@@ -42,22 +42,26 @@ def fuse_views(dag: TaskDAG, select_in_place: bool = True) -> TaskDAG:
     ``put_rows`` write a state's kept block (the module's docstring); off where the tasks are reordered
     afterwards (phases, pipeline schedules), which could move a reader of the old value after it."""
     tasks = dag.tasks
-    # the buffers the rewrites ask about: a decompose's atoms (their readers), a recompose's pieces and an
-    # assign's value (their readers and producers); only those are indexed (most buffers are neither)
+    nodes = dag.nodes
+    # the buffers the rewrites ask about: a recompose's pieces and an assign's value (their readers and
+    # producers); only those are indexed (most buffers are neither).  A decompose's atoms ask only whether a
+    # kernel reads them (``kernel_read``)
     asked: set[int] = set()
     kept_blocks = dag.kept_state_blocks()
     shares: dict[int, list[int]] = {}  # kept block -> reshapes of it (which may keep its bytes: read them too)
     share_of: dict[int, int] = {}
+    kernel_read: set[int] = set()  # buffers a kernel reads (kernels read contiguous blocks, never a view)
     for t in tasks:
         kind = t.kind
-        if kind == "kernel" and select_in_place and t.inputs:
-            k = t.inputs[0] if t.inputs[0] in kept_blocks else share_of.get(t.inputs[0])
-            if k is not None and t.op is not None and dag.nodes[t.op].kind == "reshape":
-                share_of[t.outputs[0]] = k
-                shares.setdefault(k, []).append(t.outputs[0])
-                asked.add(t.outputs[0])
-        elif kind == "decompose":
-            asked.update(t.outputs)
+        if kind == "kernel":
+            kernel_read.update(t.inputs)
+            if select_in_place and t.inputs:
+                first = t.inputs[0]
+                k = first if first in kept_blocks else share_of.get(first)
+                if k is not None and t.op is not None and nodes[t.op].kind == "reshape":
+                    share_of[t.outputs[0]] = k
+                    shares.setdefault(k, []).append(t.outputs[0])
+                    asked.add(t.outputs[0])
         elif kind == "recompose":
             asked.update(t.inputs)
         elif kind == "assign":
@@ -75,8 +79,9 @@ def fuse_views(dag: TaskDAG, select_in_place: bool = True) -> TaskDAG:
                 producer[b] = t
     outputs = {b for blocks in dag.outputs.values() for _, b in blocks}
     buffers = dag.buffers  # rewritten in place (a view differs from its buffer in ``parent`` alone)
-    drop: set[int] = set()
-    replaced: dict[int, Task] = {}
+    # the tasks that stay, in emission order, each as rewritten; ids are renumbered once the pass is done
+    # (until then ``_hosts`` and ``_selects_in_place`` compare the readers' ids as emitted)
+    kept_tasks: list[Task] = []
 
     # one pass in task order: each rewrite reads what earlier tasks' rewrites left (a piece's first reader
     # is the first to ask for it), as three passes one after the other would
@@ -85,43 +90,47 @@ def fuse_views(dag: TaskDAG, select_in_place: bool = True) -> TaskDAG:
         if kind == "decompose":  # atoms as views of the block they are cut from
             src = t.inputs[0]
             if buffers[src].partial == "lse":
+                kept_tasks.append(t)
                 continue
-            cut = t.payload
-            assert isinstance(cut, DecomposePayload)
-            keep = []
-            for cell, b in zip(cut.cells, t.outputs):
-                if b in outputs or any(r.kind == "kernel" for r in readers[b]):
-                    keep.append((cell, b))
+            keep = []  # the positions of the atoms that stay (no tuples made for the many that go)
+            for i, b in enumerate(t.outputs):
+                if b in outputs or b in kernel_read:
+                    keep.append(i)
                 else:
                     buffers[b] = _view(buffers[b], src)
             if not keep:
-                drop.add(t.id)
-            elif len(keep) < len(t.outputs):
-                replaced[t.id] = dataclasses.replace(t, outputs=tuple(b for _, b in keep),
-                                                     payload=DecomposePayload(tuple(c for c, _ in keep)))
+                continue  # dropped
+            if len(keep) < len(t.outputs):
+                cut = t.payload
+                assert isinstance(cut, DecomposePayload)
+                t = dataclasses.replace(t, outputs=tuple(t.outputs[i] for i in keep),
+                                        payload=DecomposePayload(tuple(cut.cells[i] for i in keep)))
         elif kind == "recompose":  # delivered pieces as views of the block their reader assembles
             out = buffers[t.outputs[0]]
-            if out.partial is not None:
-                continue
-            left = []
-            pieces = t.payload
-            assert isinstance(pieces, RecomposePayload)
-            for cell, b, final in zip(pieces.cells, t.inputs, pieces.finalize):
-                made_by = producer.get(b)
-                piece = buffers[b]
-                if (made_by is not None and made_by.kind in ("copy", "aggregate") and not final
-                        and piece.partial != "lse" and piece.parent is None and _hosts(t, readers[b], piece)
-                        and b not in outputs and piece.device == out.device and piece.dtype == out.dtype):
-                    buffers[b] = _view(piece, out.id)
-                else:
-                    left.append((cell, b, final))
-            if not left and t.inputs:  # (a recompose of no pieces makes an empty block: it stays)
-                drop.add(t.id)
-            elif len(left) < len(t.inputs):
-                replaced[t.id] = dataclasses.replace(t, inputs=tuple(b for _, b, _ in left),
-                                                     payload=dataclasses.replace(
-                                                         pieces, cells=tuple(c for c, _, _ in left),
-                                                         finalize=tuple(f for _, _, f in left)))
+            if out.partial is None:
+                pieces = t.payload
+                assert isinstance(pieces, RecomposePayload)
+                finalize = pieces.finalize
+                out_id, out_device, out_dtype = out.id, out.device, out.dtype
+                left = []  # the positions of the pieces that stay
+                for i, b in enumerate(t.inputs):
+                    made_by = producer.get(b)
+                    piece = buffers[b]
+                    piece_readers = readers[b]  # (most are read by this recompose alone: no call to _hosts)
+                    if (made_by is not None and made_by.kind in ("copy", "aggregate") and not finalize[i]
+                            and piece.partial != "lse" and piece.parent is None
+                            and (len(piece_readers) == 1 or _hosts(t, piece_readers, piece))
+                            and b not in outputs and piece.device == out_device and piece.dtype == out_dtype):
+                        buffers[b] = _view(piece, out_id)
+                    else:
+                        left.append(i)
+                if not left and t.inputs:  # (a recompose of no pieces makes an empty block: it stays)
+                    continue  # dropped
+                if len(left) < len(t.inputs):
+                    t = dataclasses.replace(t, inputs=tuple(t.inputs[i] for i in left),
+                                            payload=RecomposePayload(cells=tuple(pieces.cells[i] for i in left),
+                                                                     aggregation=pieces.aggregation,
+                                                                     finalize=tuple(finalize[i] for i in left)))
         elif kind == "assign":  # a state's next value assembled in the block it is kept in
             src, dst = t.inputs[0], t.outputs[0]
             made_by = producer.get(src)
@@ -134,16 +143,11 @@ def fuse_views(dag: TaskDAG, select_in_place: bool = True) -> TaskDAG:
                         dag, made_by, dst, [*readers[dst], *(r for b in shares.get(dst, ()) for r in readers[b])],
                         {dst, *shares.get(dst, ())})):
                 buffers[src] = _view(value, dst)
-                drop.add(t.id)
-
-    kept_tasks: list[Task] = []
-    for t in tasks:
-        if t.id in drop:
-            continue
-        if t.id in replaced:
-            t = replaced[t.id]
-        t.id = len(kept_tasks)
+                continue  # dropped
         kept_tasks.append(t)
+
+    for i, t in enumerate(kept_tasks):
+        t.id = i
     return dataclasses.replace(dag, tasks=kept_tasks, buffers=buffers, phase_split=None, later=frozenset())
 
 
