@@ -289,6 +289,22 @@ def test_generate_keeps_its_most_recent_decoders_per_model() -> None:
     assert len(held) == generation.KEPT_DECODERS and [k[2] for k in held] == [2, 3]
 
 
+def test_generate_lets_a_deleted_model_go() -> None:
+    """rt.generate's cached decoders hold their model weakly: deleting the model frees it, its programs and its
+    weight copies (a decoder the user makes holds its model)."""
+    import gc
+    import weakref
+
+    model = _model("llama")
+    gone = weakref.ref(model)
+    rt.generate(model, _batch(1)[0], max_new_tokens=2, device="cpu:2")
+    kept = rt.decoder(_model("llama"), max_batch=1, max_len=32)
+    del model
+    gc.collect()
+    assert gone() is None
+    assert kept.prefill(_batch(1)[0]).shape == (1, 64)  # (its model is alive: it holds it)
+
+
 def test_eos_pads_finished_sequences_and_stops() -> None:
     model = _model("llama")
     ids, mask = _batch()

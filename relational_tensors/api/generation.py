@@ -138,7 +138,7 @@ class Decoder:
         if num_blocks is not None and num_blocks < 2:
             raise GraphError(f"a paged cache needs the scratch block and at least one more; got num_blocks="
                              f"{num_blocks}.")
-        self.model = model
+        self._model: Any = lambda: model  # (rt.generate's own decoders hold it weakly: see _held_weakly)
         self.shape: CacheShape = _cache_shape(model)
         self.max_batch, self.max_len = max_batch, max_len
         self.device = device
@@ -260,6 +260,20 @@ class Decoder:
         if file is not None:
             print(text, file=file, end="")
         return text
+
+    @property
+    def model(self) -> Any:
+        """The model whose programs these are."""
+        model = self._model()
+        if model is None:
+            raise ExecError("this decoder's model was deleted; make a decoder of a model you hold.")
+        return model
+
+    def _held_weakly(self) -> Decoder:
+        """Hold the model by a weak reference (``rt.generate``'s cache of decoders, keyed weakly by the model:
+        a decoder holding its key would keep the model, its programs and its weight copies alive forever)."""
+        self._model = weakref.ref(self.model)
+        return self
 
     @property
     def pool_rows(self) -> int | None:
@@ -624,7 +638,7 @@ def generate(model: Any, input_ids: Any, attention_mask: Any = None, max_new_tok
     key = (repr(device), max_len, b, tuple(sorted((k, repr(v)) for k, v in compile_options.items())))
     dec = held.get(key)
     if dec is None:
-        dec = held[key] = Decoder(model, b, max_len, device, **compile_options)
+        dec = held[key] = Decoder(model, b, max_len, device, **compile_options)._held_weakly()
         while len(held) > KEPT_DECODERS:  # each holds its programs and its cache on the devices
             held.popitem(last=False)
     held.move_to_end(key)
