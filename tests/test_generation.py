@@ -280,6 +280,26 @@ def test_a_decoder_for_gpus_plans_where_there_are_none() -> None:
     assert step.compiled.simulate() > 0 and not step.compiled._bind
 
 
+def test_a_decoder_over_several_gpus_loads_each_program_its_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a plan spans several GPUs nothing is bound (each GPU loads its blocks from the module's tensors);
+    run here on virtual devices with the decoder told it plans for two GPUs."""
+    from relational_tensors.api import generation
+    from relational_tensors.machine.devices import DeviceSet
+
+    monkeypatch.setattr(generation, "parse_devices", lambda device: DeviceSet("cuda", (0, 1)))
+    model = _model("llama")
+    ids, mask = _batch()
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    dec = rt.decoder(model, max_batch=3, max_len=48, device="cpu:2")
+    steps = [dec.prefill(ids, mask).argmax(-1)]
+    for _ in range(3):
+        steps.append(dec.decode(steps[-1]).argmax(-1))
+    assert torch.equal(torch.stack(steps, 1), want[:, ids.shape[1]:])
+    for program in (dec.prefill_program(3, 16), dec.decode_program()):
+        assert not program.compiled._bind and not program.parameters  # loaded, and let go
+        assert not set(program.graph.parameters) & set(program.graph.origins)
+
+
 def test_generate_keeps_its_most_recent_decoders_per_model() -> None:
     from relational_tensors.api import generation
 

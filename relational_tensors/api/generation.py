@@ -243,8 +243,8 @@ class Decoder:
                 self._weights[key] = w
             bind[name] = self._weights[key]
             rest.pop(name, None)
-        if isinstance(graph, TorchGraph):
-            graph.parameters = rest  # (the trace's own copies of the bound weights go)
+        if isinstance(graph, TorchGraph):  # the folded constants alone: the program loads the rest once
+            graph.parameters = {n: v for n, v in rest.items() if n not in sources}
         return bind, rest
 
     def explain(self, file: Any = None, width: int = 160) -> str:
