@@ -71,7 +71,8 @@ def compileGraph(graph: Graph, device: object = None, selector: str = "dp", seed
         if dist or pipeline == "auto":
             raise GraphError("bind= reads inputs in place from arrays of this process, for one compiled program; "
                              f"got device={device!r}, pipeline={pipeline!r}. Load the inputs instead.")
-        check_bind(graph.inputs if isinstance(graph, Graph) else [], bind)
+        if isinstance(graph, Graph):  # (before planning; anything else is refused by the compiler)
+            check_bind(graph.inputs, bind)
     if not dist and (process_group is not None or timeout is not None or transport is not None):
         raise GraphError("process_group=, timeout= and transport= are for device='dist' (one process per device "
                          f"under torchrun); got device={device!r}.")

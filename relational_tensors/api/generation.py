@@ -32,15 +32,15 @@ from typing import Any
 from relational_tensors.api.compile import compileGraph
 from relational_tensors.api.device_io import output, stage
 from relational_tensors.errors import ExecError, GraphError, PlanError
-from relational_tensors.frontend.torch.convert import _torch, _torch_dtype, numpy_to_torch, torch_to_numpy
-from relational_tensors.frontend.torch.decoding import (
-    CacheShape,
-    cache_name,
-    cache_shape,
-    decode_graph,
-    prefill_graph,
-    step_tensors,
+from relational_tensors.frontend.torch.convert import (
+    _torch,
+    _torch_dtype,
+    graph_value,
+    module_tensor,
+    numpy_to_torch,
+    torch_to_numpy,
 )
+from relational_tensors.frontend.torch.decoding import CacheShape, cache_name, cache_shape, decode_graph, prefill_graph
 from relational_tensors.frontend.torch.torch_graph import TorchGraph
 from relational_tensors.graph.graph import Graph
 from relational_tensors.graph.models import CausalLM, lm_decode_graph, lm_prefill_graph
@@ -222,8 +222,7 @@ class Decoder:
                 raise GraphError(f"graph input {name!r} holds the model's {origin!r} of shape {tuple(v.shape)}, not "
                                  f"{t.shape}; this is a bug in generation, please report it.")
             if not binds:  # loaded as it is, from the tensor's own device (device to device on GPUs)
-                v = v.to(_torch_dtype(t.dtype)).contiguous()
-                rest[name] = v if v.is_cuda and gpus else torch_to_numpy(v.cpu())
+                rest[name] = graph_value(v, t.dtype, bool(gpus))
                 continue
             key = (origin, transposed, t.dtype)
             at = (where, origin, transposed, t.dtype)
@@ -482,16 +481,10 @@ class Decoder:
 
 
 def _module_tensor(model: Any, origin: str) -> Any:
-    """The tensor of ``model`` that a step graph's input holds, by the name its ``origins`` give it: a parameter
-    or buffer (``step_tensors``), or a plain tensor attribute of a submodule (which tracing lifts as a
-    constant), by its attribute path."""
-    tensors = step_tensors(model)
-    if origin in tensors:
-        return tensors[origin]
-    found: Any = model
-    for part in origin.split(".")[1:]:  # (the step modules hold the model as ``model``)
-        found = getattr(found, part, None)
-    if not isinstance(found, _torch().Tensor):
+    """The tensor of ``model`` that a step graph's input holds, by the name its ``origins`` give it (the step
+    modules hold the model as ``model``)."""
+    found = module_tensor(model, origin.removeprefix("model."))
+    if found is None:
         raise GraphError(f"a step graph reads the model's tensor {origin!r}, which is neither a parameter, a buffer "
                          "nor a tensor attribute of it; this is a bug in generation, please report it.")
     return found

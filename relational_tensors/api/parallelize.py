@@ -285,7 +285,7 @@ class ParallelModule(_TorchModule):
         # the forward is planned when first run: a call with grad enabled runs the training program instead
         program = Program(graph, None, traced, tensors, self.device, self.compile_options, modes)
         values = program._read_origins(graph, set())
-        if values is None:  # a module tensor the trace saw is not among its parameters and buffers: as traced
+        if values is None:  # a module tensor the trace saw is no attribute of the module: as traced
             program.graph = graph = from_torch(traced, tensors)
         else:
             graph.parameters = values

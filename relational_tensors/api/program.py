@@ -23,7 +23,7 @@ from typing import Any
 from relational_tensors.api.device_io import output, stage
 from relational_tensors.core.dtypes import FLOAT_DTYPES
 from relational_tensors.errors import ExecError, PlanError
-from relational_tensors.frontend.torch.convert import _torch, _torch_dtype, numpy_to_torch, torch_to_numpy
+from relational_tensors.frontend.torch.convert import _torch, graph_value, module_tensor, numpy_to_torch, torch_to_numpy
 from relational_tensors.frontend.torch.torch_graph import TorchGraph, _prune, draw_rng
 from relational_tensors.frontend.torch.translator import from_torch
 from relational_tensors.graph.autodiff import flows
@@ -214,21 +214,18 @@ class Program:
         device: no host copy of the model per optimizer step)."""
         if any(changed.intersection(deps) for deps in graph.derived.values()):
             return None
-        tensors = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
         values = dict(graph.parameters)
         for name, (origin, transposed) in graph.origins.items():
-            t = tensors.get(origin)
-            node = graph.node(name)
+            t = module_tensor(self.module, origin)
             if t is None:
                 return None
             if origin not in changed and name in values:
                 continue
-            v = t.detach().t() if transposed else t.detach()
+            v = t.t() if transposed else t
+            node = graph.node(name)
             if tuple(v.shape) != node.type.shape:
                 return None
-            v = v.to(_torch_dtype(node.type.dtype))
-            values[name] = v.contiguous() if self._device_weights and v.is_cuda else \
-                torch_to_numpy(v.cpu().contiguous())
+            values[name] = graph_value(v, node.type.dtype, self._device_weights)
         return values
 
     def explain(self, file: Any = None, width: int = 160) -> str:

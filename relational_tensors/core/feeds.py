@@ -101,6 +101,8 @@ def check_feed_names(inputs: Iterable[Any], feeds: Mapping[str, Any], needed: It
 
 def refuse_bound(names: Any, bound: Any, what: str = "load") -> None:
     """A load or a stage of a bound input is refused: the program reads it in place from its array."""
+    if not bound:  # (most programs bind nothing; a stage runs every step)
+        return
     hit = sorted(set(names) & set(bound))
     if hit:
         raise ExecError(f"inputs {hit} were bound when the program was made (compileGraph's bind=): it reads "

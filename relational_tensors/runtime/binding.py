@@ -70,15 +70,14 @@ def check_bind(input_nodes: Any, bind: Mapping[str, Any]) -> None:
 
 def gpu_bindings(cp: Any, dag: Any, bind: Mapping[str, Any], phys: Any, keeps: Any) -> tuple[dict[str, Any],
                                                                                          dict[int, Any]]:
-    """The GPU executor's bound inputs: (name -> (the given array, its CuPy view)), and (block buffer -> the
-    ``DevBuf`` in the array it is read from) for the blocks read in place (the module's rule; a block start
-    also aligned as the arena's are).  ``phys``: logical device -> GPU; ``keeps(device)``: whether this
-    executor holds that logical device's memory."""
+    """The GPU executor's bound inputs (``check_bind`` passed when the program was compiled): (name -> (the
+    given array, its CuPy view)), and (block buffer -> the ``DevBuf`` in the array it is read from) for the
+    blocks read in place (the module's rule; a block start also aligned as the arena's are).  ``phys``:
+    logical device -> GPU; ``keeps(device)``: whether this executor holds that logical device's memory."""
     from relational_tensors.core.dtypes import itemsize
     from relational_tensors.kernels.common import ALIGN, DevBuf
     from relational_tensors.runtime.cupy_staging import _as_device_array
 
-    check_bind(dag.input_nodes, bind)
     arrays: dict[str, Any] = {}
     bound: dict[int, Any] = {}
     for name, value in bind.items():

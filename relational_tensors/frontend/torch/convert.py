@@ -14,7 +14,7 @@ import numpy as np
 from relational_tensors.core.dtypes import numpy_dtype
 from relational_tensors.errors import GraphError
 
-__all__ = ["torch_to_numpy", "numpy_to_torch", "host"]
+__all__ = ["torch_to_numpy", "numpy_to_torch", "host", "module_tensor", "graph_value"]
 
 
 def _torch() -> Any:
@@ -77,3 +77,20 @@ def host(value: Any) -> Any:
     if device is None or device.type == "cpu" or not hasattr(value, "detach"):
         return value
     return value.detach().cpu()
+
+
+def module_tensor(module: Any, path: str) -> Any:
+    """The tensor at attribute ``path`` of ``module`` (a parameter, a buffer, or a plain tensor attribute of a
+    submodule, which tracing lifts as a constant: what ``TorchGraph.origins`` names), or None."""
+    found = module
+    for part in path.split("."):
+        found = getattr(found, part, None)
+    return found if isinstance(found, _torch().Tensor) else None
+
+
+def graph_value(v: Any, dtype: str, on_gpus: bool) -> Any:
+    """A module tensor already in its graph input's layout (transposed as traced) as the value loaded into
+    it: cast to ``dtype``; a torch tensor on its GPU where the plan runs on GPUs (loaded device to device,
+    no host copy), else a NumPy array."""
+    v = v.detach().to(_torch_dtype(dtype))
+    return v.contiguous() if on_gpus and v.is_cuda else torch_to_numpy(v)

@@ -33,7 +33,7 @@ from relational_tensors.frontend.torch.torch_graph import TorchGraph
 from relational_tensors.frontend.torch.translator import from_torch
 from relational_tensors.graph.models import cache_name
 
-__all__ = ["CacheShape", "cache_shape", "prefill_graph", "decode_graph", "cache_name", "step_tensors"]
+__all__ = ["CacheShape", "cache_shape", "prefill_graph", "decode_graph", "cache_name"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,12 +228,6 @@ def _step_modules(model: Any, shape: CacheShape) -> tuple[type, type]:
             return (logits, *[t for kv in cache.new for t in kv])
 
     return Prefill, Decode
-
-
-def step_tensors(model: Any) -> dict[str, Any]:
-    """The model's parameters and buffers by the names the step graphs' ``origins`` give them (the step
-    modules hold the model as ``model``)."""
-    return {f"model.{k}": v for k, v in (*model.named_parameters(), *model.named_buffers())}
 
 
 def _examples(model: Any, batch: int, length: int) -> tuple[Any, Any, Any]:
